@@ -1,0 +1,62 @@
+/* Small helpers every component uses: monotonic time, bounded string formatting into a
+ * caller's error buffer (first error wins), and the check macros of STYLE.md. */
+#ifndef PSHARD_UTIL_H
+#define PSHARD_UTIL_H
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pshard/status.h"
+
+/* Monotonic clock in nanoseconds (CLOCK_MONOTONIC). Thread-safe. */
+int64_t ps_now_ns(void);
+
+/* Wall clock in milliseconds since the epoch. Thread-safe. */
+int64_t ps_wall_ms(void);
+
+/* Formats into err (capacity errlen) only if err is non-NULL, errlen > 0 and err is still
+ * empty, so the first error recorded is the one kept. Always NUL-terminates. Returns status
+ * unchanged so call sites can write `return ps_errf(err, n, PSHARD_ERR_..., "...")`. */
+pshard_status_t ps_errf(char *err, size_t errlen, pshard_status_t status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* snprintf that reports truncation: returns 0 on success, -1 if the output did not fit. */
+int ps_snprintf(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Copies src into dst (capacity len) and always NUL-terminates; returns -1 on truncation. */
+int ps_strlcpy(char *dst, const char *src, size_t len);
+
+/* Parses a whole string as a base-10 integer within [min, max]; returns 0 or -1. */
+int ps_parse_i64(const char *text, int64_t min, int64_t max, int64_t *out);
+
+/* Natural-order comparison ("node-2" < "node-10"), used for stable rank assignment. */
+int ps_natural_cmp(const char *a, const char *b);
+
+/* Compares two byte strings in time independent of where they differ (for tokens). */
+int ps_const_time_eq(const void *a, size_t alen, const void *b, size_t blen);
+
+#define PS_CHECK(expr)                                                                             \
+    do {                                                                                           \
+        pshard_status_t ps_check_rc_ = (expr);                                                     \
+        if (ps_check_rc_ != PSHARD_OK)                                                             \
+            return ps_check_rc_;                                                                   \
+    } while (0)
+
+#define PS_CHECK_GOTO(expr, rc_var, label)                                                         \
+    do {                                                                                           \
+        (rc_var) = (expr);                                                                         \
+        if ((rc_var) != PSHARD_OK)                                                                 \
+            goto label;                                                                            \
+    } while (0)
+
+/* Retries a system call on EINTR; leaves the result in rc_var (-1 and errno on failure). */
+#define SYS_CHECK(call, rc_var)                                                                    \
+    do {                                                                                           \
+        (rc_var) = (call);                                                                         \
+    } while ((rc_var) == -1 && errno == EINTR)
+
+#define PS_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+#endif

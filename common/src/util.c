@@ -1,0 +1,114 @@
+/* Small shared helpers: clocks, bounded formatting, integer parsing, natural ordering and a
+ * constant-time comparison. */
+#include "pshard/util.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+int64_t ps_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+int64_t ps_wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+pshard_status_t ps_errf(char *err, size_t errlen, pshard_status_t status, const char *fmt, ...)
+{
+    if (err && errlen > 0 && err[0] == '\0') {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return status;
+}
+
+int ps_snprintf(char *buf, size_t len, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, len, fmt, ap);
+    va_end(ap);
+    return (n < 0 || (size_t)n >= len) ? -1 : 0;
+}
+
+int ps_strlcpy(char *dst, const char *src, size_t len)
+{
+    if (len == 0)
+        return -1;
+    size_t n = strlen(src);
+    if (n >= len) {
+        memcpy(dst, src, len - 1);
+        dst[len - 1] = '\0';
+        return -1;
+    }
+    memcpy(dst, src, n + 1);
+    return 0;
+}
+
+int ps_parse_i64(const char *text, int64_t min, int64_t max, int64_t *out)
+{
+    if (!text || !*text || isspace((unsigned char)*text))
+        return -1;
+    errno = 0;
+    char *end = NULL;
+    long long v = strtoll(text, &end, 10);
+    if (errno != 0 || !end || *end != '\0' || v < min || v > max)
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+int ps_natural_cmp(const char *a, const char *b)
+{
+    while (*a && *b) {
+        if (isdigit((unsigned char)*a) && isdigit((unsigned char)*b)) {
+            /* Compare digit runs by value: skip leading zeros, then longer run wins, then
+             * lexicographic order of equal-length runs. */
+            while (*a == '0')
+                a++;
+            while (*b == '0')
+                b++;
+            size_t la = 0, lb = 0;
+            while (isdigit((unsigned char)a[la]))
+                la++;
+            while (isdigit((unsigned char)b[lb]))
+                lb++;
+            if (la != lb)
+                return la < lb ? -1 : 1;
+            int c = memcmp(a, b, la);
+            if (c != 0)
+                return c < 0 ? -1 : 1;
+            a += la;
+            b += lb;
+            continue;
+        }
+        if (*a != *b)
+            return (unsigned char)*a < (unsigned char)*b ? -1 : 1;
+        a++;
+        b++;
+    }
+    if (*a == *b)
+        return 0;
+    return *a ? 1 : -1;
+}
+
+int ps_const_time_eq(const void *a, size_t alen, const void *b, size_t blen)
+{
+    const unsigned char *pa = a, *pb = b;
+    unsigned char diff = (unsigned char)(alen != blen);
+    size_t n = alen < blen ? alen : blen;
+    for (size_t i = 0; i < n; i++)
+        diff |= pa[i] ^ pb[i];
+    return diff == 0;
+}

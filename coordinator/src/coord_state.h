@@ -1,0 +1,136 @@
+/* Coordinator membership state machine: members, leases, rendezvous and the cluster
+ * generation. Pure logic with an injected clock (every call takes now_ns), no I/O and no locks:
+ * the service serialises calls with its own mutex. Not thread-safe. */
+#ifndef PSHARD_COORD_STATE_H
+#define PSHARD_COORD_STATE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pshard/status.h"
+
+#define COORD_NAME_MAX 253  /* like a DNS name; longer names are refused */
+#define COORD_FIELD_MAX 255 /* address, node, device */
+#define COORD_ID_LEN 32     /* member ids are 32 lowercase hex chars */
+#define COORD_MAX_MEMBERS 65536
+
+typedef enum {
+    COORD_ROLE_UNSPECIFIED = 0,
+    COORD_ROLE_SHARD_SERVER = 1,
+    COORD_ROLE_TRAINER = 2,
+} coord_role_t;
+
+typedef enum {
+    COORD_CLUSTER_FORMING = 1, /* rendezvous not complete yet */
+    COORD_CLUSTER_FORMED = 2,  /* ranks 0..world_size-1 assigned and all held by live members */
+    COORD_CLUSTER_DEGRADED = 3, /* formed once, but a ranked shard server is gone */
+} coord_cluster_state_t;
+
+typedef struct {
+    int64_t lease_ms;     /* a member not heard from for this long is evicted */
+    int64_t heartbeat_ms; /* interval members are told to heartbeat at */
+    int min_nodes;        /* rendezvous: shard servers needed before last call starts */
+    int max_nodes;        /* rendezvous: forms at once when this many have registered */
+    int64_t last_call_ms; /* after min_nodes registered, wait this long for more (up to max) */
+} coord_state_config_t;
+
+typedef struct {
+    char member_id[COORD_ID_LEN + 1];
+    coord_role_t role;
+    char name[COORD_NAME_MAX + 1];
+    char address[COORD_FIELD_MAX + 1];
+    char node[COORD_FIELD_MAX + 1];
+    char device[COORD_FIELD_MAX + 1];
+    int rank;                     /* shard servers: 0..N-1 once formed, else -1; trainers: -1 */
+    int64_t registered_ns;        /* when this incarnation registered */
+    int64_t last_heartbeat_ns;    /* last register or heartbeat */
+    int64_t lease_deadline_ns;    /* evicted when now_ns passes this */
+    uint64_t registered_generation;
+} coord_member_t;
+
+/* What a member learns from Register and Heartbeat. */
+typedef struct {
+    char member_id[COORD_ID_LEN + 1];
+    uint64_t generation;
+    int rank;       /* -1 until the cluster formed (or for standby/trainer members) */
+    int world_size; /* 0 until formed */
+    coord_cluster_state_t state;
+    int64_t lease_ms;
+    int64_t heartbeat_ms;
+} coord_member_view_t;
+
+/* A consistent copy of the whole state for Status and Watch. */
+typedef struct {
+    uint64_t generation;
+    coord_cluster_state_t state;
+    int world_size;           /* ranks assigned when formed, else 0 */
+    int min_nodes, max_nodes; /* from the config */
+    int shard_servers;        /* registered shard servers right now */
+    int64_t last_call_remaining_ms; /* -1 when no last call is running */
+    char awaiting[256];       /* human-readable: who the rendezvous still waits for, or "" */
+    size_t nmembers;
+    coord_member_t *members;  /* sorted: shard servers by rank (unranked last, by name), then
+                                 trainers by name */
+} coord_snapshot_t;
+
+/* Called on every generation bump, synchronously inside the call that caused it (so under the
+ * caller's lock). reason is a short static-or-temporary string such as "member joined". */
+typedef void (*coord_change_fn)(void *arg, uint64_t generation, const char *reason);
+
+typedef struct coord_state coord_state_t;
+
+/* Creates the state. Requires lease_ms > 0, heartbeat_ms > 0, 1 <= min_nodes <= max_nodes,
+ * last_call_ms >= 0; returns NULL on a bad config or out of memory. Free with
+ * coord_state_destroy. The generation starts at 1. */
+coord_state_t *coord_state_create(const coord_state_config_t *cfg, int64_t now_ns,
+                                  coord_change_fn on_change, void *on_change_arg);
+
+/* Frees the state; NULL is a no-op. */
+void coord_state_destroy(coord_state_t *st);
+
+/* Registers a member. name must be 1..COORD_NAME_MAX printable ASCII bytes without spaces;
+ * address/node/device at most COORD_FIELD_MAX printable bytes (may be empty); role must be
+ * shard server or trainer. If a live member already has this name (a restarted pod), that
+ * old incarnation is replaced: the new one gets a new member id and the old rank back.
+ * A shard server whose name held rank r in a formed cluster that lost it also gets rank r
+ * back (state returns to FORMED when every rank is held again). A shard server with a new
+ * name takes the lowest vacant rank in a degraded cluster, or waits as a standby (rank -1)
+ * in a full one. Bumps the generation. Errors: PSHARD_ERR_INVALID_ARGUMENT (message names
+ * the field), PSHARD_ERR_RESOURCE_EXHAUSTED past COORD_MAX_MEMBERS. */
+pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const char *name,
+                                     const char *address, const char *node, const char *device,
+                                     int64_t now_ns, coord_member_view_t *out, char *err,
+                                     size_t errlen);
+
+/* Renews a member's lease. Errors: PSHARD_ERR_NOT_FOUND for an unknown or evicted id (the
+ * message tells the member to register again), PSHARD_ERR_INVALID_ARGUMENT for a malformed
+ * id. Does not bump the generation. */
+pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id, int64_t now_ns,
+                                      coord_member_view_t *out, char *err, size_t errlen);
+
+/* Removes a member at its own request; bumps the generation. A ranked shard server leaving a
+ * formed cluster makes it DEGRADED. Errors: PSHARD_ERR_NOT_FOUND. */
+pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id, int64_t now_ns,
+                                  char *err, size_t errlen);
+
+/* Advances time: evicts members whose lease lapsed (one bump per eviction, reason names the
+ * member), forms the cluster when the last call expires. Returns how many changes happened. */
+int coord_state_tick(coord_state_t *st, int64_t now_ns);
+
+/* The earliest time at which coord_state_tick could change something (next lease deadline or
+ * last-call expiry), or INT64_MAX when nothing is pending. */
+int64_t coord_state_next_deadline_ns(const coord_state_t *st);
+
+uint64_t coord_state_generation(const coord_state_t *st);
+coord_cluster_state_t coord_state_cluster_state(const coord_state_t *st);
+
+/* Returns a malloc'd snapshot (free with coord_snapshot_free), or NULL when out of memory. */
+coord_snapshot_t *coord_state_snapshot(const coord_state_t *st, int64_t now_ns);
+void coord_snapshot_free(coord_snapshot_t *snap);
+
+/* Names for status output: "shard_server", "trainer"; "forming", "formed", "degraded". */
+const char *coord_role_name(coord_role_t role);
+const char *coord_cluster_state_name(coord_cluster_state_t state);
+
+#endif
