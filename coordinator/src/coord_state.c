@@ -1,0 +1,815 @@
+/* Coordinator membership state machine: a dynamic array of live members with an open-addressing
+ * index by member id, leases, the min:max rendezvous with a last call, and rank slots that
+ * remember which name held them so a restarted shard server gets its rank back. */
+#include "coord_state.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "pshard/log.h"
+#include "pshard/util.h"
+
+#define NS_PER_MS INT64_C(1000000)
+#define REASON_MAX 384
+
+/* One rank of a formed cluster. The slot remembers the name of the shard server that held it
+ * last, so that the same name gets the same rank back after a restart or an eviction. */
+typedef struct {
+    char name[COORD_NAME_MAX + 1];
+    bool held; /* a live shard server has this rank */
+} rank_slot_t;
+
+struct coord_state {
+    coord_state_config_t cfg;
+    coord_change_fn on_change;
+    void *on_change_arg;
+    uint64_t generation;
+    coord_cluster_state_t state;
+
+    coord_member_t *members; /* live members, unordered (removal swaps the last one in) */
+    size_t nmembers, members_cap;
+
+    /* Index by member id: linear probing, slot value is member index + 1, 0 = empty. The
+     * capacity is a power of two kept at least twice nmembers so probes stay short. */
+    uint32_t *id_index;
+    size_t id_index_cap;
+
+    int64_t last_call_deadline_ns; /* forms at this time while FORMING; -1 when not running */
+
+    int world_size;     /* 0 until formed, then fixed */
+    rank_slot_t *slots; /* world_size entries once formed */
+    int held_slots;     /* slots with held == true */
+
+    /* Member ids are 8 fresh random bytes followed by (counter XOR id_secret): unpredictable,
+     * and never repeated within one coordinator's life because the second half is a
+     * bijection of a counter. */
+    uint64_t id_counter;
+    uint64_t id_secret;
+};
+
+/* ---- small helpers ---------------------------------------------------------------------- */
+
+const char *coord_role_name(coord_role_t role)
+{
+    switch (role) {
+    case COORD_ROLE_SHARD_SERVER:
+        return "shard_server";
+    case COORD_ROLE_TRAINER:
+        return "trainer";
+    case COORD_ROLE_UNSPECIFIED:
+        break;
+    }
+    return "unspecified";
+}
+
+const char *coord_cluster_state_name(coord_cluster_state_t state)
+{
+    switch (state) {
+    case COORD_CLUSTER_FORMING:
+        return "forming";
+    case COORD_CLUSTER_FORMED:
+        return "formed";
+    case COORD_CLUSTER_DEGRADED:
+        return "degraded";
+    }
+    return "unknown";
+}
+
+/* now + ms, saturating at INT64_MAX instead of overflowing. */
+static int64_t add_ms_saturating(int64_t now_ns, int64_t ms)
+{
+    if (ms > (INT64_MAX - (now_ns > 0 ? now_ns : 0)) / NS_PER_MS)
+        return INT64_MAX;
+    return now_ns + ms * NS_PER_MS;
+}
+
+/* Fills buf with n bytes from the kernel's CSPRNG: getrandom(2), else /dev/urandom. */
+static int random_bytes(void *buf, size_t n)
+{
+    unsigned char *p = buf;
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = getrandom(p + got, n - got, 0);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        got += (size_t)r;
+    }
+    if (got == n)
+        return 0;
+    int fd;
+    SYS_CHECK(open("/dev/urandom", O_RDONLY | O_CLOEXEC), fd);
+    if (fd < 0)
+        return -1;
+    while (got < n) {
+        ssize_t r;
+        SYS_CHECK(read(fd, p + got, n - got), r);
+        if (r <= 0) {
+            close(fd);
+            return -1;
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    return 0;
+}
+
+static void hex_encode(const unsigned char *bytes, size_t n, char *out)
+{
+    static const char digits[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = digits[bytes[i] >> 4];
+        out[2 * i + 1] = digits[bytes[i] & 0xf];
+    }
+    out[2 * n] = '\0';
+}
+
+/* True when id is exactly COORD_ID_LEN lowercase hex characters. */
+static bool id_is_well_formed(const char *id)
+{
+    for (size_t i = 0; i < COORD_ID_LEN; i++) {
+        char c = id[i];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
+            return false;
+    }
+    return id[COORD_ID_LEN] == '\0';
+}
+
+/* Hash of a well-formed id: its first 16 hex digits are random, so they are the hash. */
+static uint64_t id_hash(const char *id)
+{
+    uint64_t h = 0;
+    for (int i = 0; i < 16; i++) {
+        char c = id[i];
+        h = (h << 4) | (uint64_t)(c <= '9' ? c - '0' : c - 'a' + 10);
+    }
+    return h;
+}
+
+/* Checks a member id supplied by a caller. */
+static pshard_status_t check_member_id(const char *member_id, char *err, size_t errlen)
+{
+    if (!member_id || !member_id[0])
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "member id is empty");
+    size_t len = strnlen(member_id, COORD_ID_LEN + 1);
+    if (len != COORD_ID_LEN || !id_is_well_formed(member_id))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "member id must be %d lowercase hex characters (got %zu bytes%s)",
+                       COORD_ID_LEN, strlen(member_id),
+                       len == COORD_ID_LEN ? " that are not all lowercase hex" : "");
+    return PSHARD_OK;
+}
+
+/* ---- id index --------------------------------------------------------------------------- */
+
+/* Returns the index-table slot holding id, or the empty slot where it would go. */
+static size_t index_probe(const coord_state_t *st, const char *id)
+{
+    size_t mask = st->id_index_cap - 1;
+    size_t pos = (size_t)id_hash(id) & mask;
+    for (;;) {
+        uint32_t v = st->id_index[pos];
+        if (v == 0 || memcmp(st->members[v - 1].member_id, id, COORD_ID_LEN) == 0)
+            return pos;
+        pos = (pos + 1) & mask;
+    }
+}
+
+/* Returns the member index for id, or -1. */
+static long find_by_id(const coord_state_t *st, const char *id)
+{
+    if (st->id_index_cap == 0)
+        return -1;
+    uint32_t v = st->id_index[index_probe(st, id)];
+    return v ? (long)v - 1 : -1;
+}
+
+static pshard_status_t index_rebuild(coord_state_t *st, size_t cap)
+{
+    uint32_t *table = calloc(cap, sizeof(*table));
+    if (!table)
+        return PSHARD_ERR_NO_MEMORY;
+    free(st->id_index);
+    st->id_index = table;
+    st->id_index_cap = cap;
+    for (size_t i = 0; i < st->nmembers; i++)
+        st->id_index[index_probe(st, st->members[i].member_id)] = (uint32_t)(i + 1);
+    return PSHARD_OK;
+}
+
+/* Removes the entry for id (backward-shift deletion keeps probe chains intact). */
+static void index_remove(coord_state_t *st, const char *id)
+{
+    size_t mask = st->id_index_cap - 1;
+    size_t hole = index_probe(st, id);
+    if (st->id_index[hole] == 0)
+        return;
+    st->id_index[hole] = 0;
+    size_t pos = (hole + 1) & mask;
+    while (st->id_index[pos] != 0) {
+        size_t home = (size_t)id_hash(st->members[st->id_index[pos] - 1].member_id) & mask;
+        /* Move the entry into the hole unless its home lies cyclically in (hole, pos]. */
+        bool stays = hole <= pos ? (home > hole && home <= pos) : (home > hole || home <= pos);
+        if (!stays) {
+            st->id_index[hole] = st->id_index[pos];
+            st->id_index[pos] = 0;
+            hole = pos;
+        }
+        pos = (pos + 1) & mask;
+    }
+}
+
+/* Makes room for one more member in the array and the index. */
+static pshard_status_t reserve_member(coord_state_t *st)
+{
+    if (st->nmembers == st->members_cap) {
+        size_t cap = st->members_cap ? st->members_cap * 2 : 16;
+        coord_member_t *m = realloc(st->members, cap * sizeof(*m));
+        if (!m)
+            return PSHARD_ERR_NO_MEMORY;
+        st->members = m;
+        st->members_cap = cap;
+    }
+    if ((st->nmembers + 1) * 2 > st->id_index_cap) {
+        size_t cap = st->id_index_cap ? st->id_index_cap * 2 : 64;
+        PS_CHECK(index_rebuild(st, cap));
+    }
+    return PSHARD_OK;
+}
+
+/* Removes member i from the array and the index; the last member moves into its place. */
+static void remove_member_at(coord_state_t *st, size_t i)
+{
+    index_remove(st, st->members[i].member_id);
+    size_t last = st->nmembers - 1;
+    if (i != last) {
+        index_remove(st, st->members[last].member_id);
+        st->members[i] = st->members[last];
+        st->id_index[index_probe(st, st->members[i].member_id)] = (uint32_t)(i + 1);
+    }
+    st->nmembers--;
+}
+
+static long find_by_name(const coord_state_t *st, coord_role_t role, const char *name)
+{
+    for (size_t i = 0; i < st->nmembers; i++)
+        if (st->members[i].role == role && strcmp(st->members[i].name, name) == 0)
+            return (long)i;
+    return -1;
+}
+
+static int count_shard_servers(const coord_state_t *st)
+{
+    int n = 0;
+    for (size_t i = 0; i < st->nmembers; i++)
+        if (st->members[i].role == COORD_ROLE_SHARD_SERVER)
+            n++;
+    return n;
+}
+
+/* ---- generation and rendezvous ---------------------------------------------------------- */
+
+static void bump(coord_state_t *st, const char *reason)
+{
+    st->generation++;
+    PS_INFO(PS_SUB_COORD, "generation %llu: %s", (unsigned long long)st->generation, reason);
+    if (st->on_change)
+        st->on_change(st->on_change_arg, st->generation, reason);
+}
+
+static void bumpf(coord_state_t *st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void bumpf(coord_state_t *st, const char *fmt, ...)
+{
+    char reason[REASON_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(reason, sizeof(reason), fmt, ap);
+    va_end(ap);
+    bump(st, reason);
+}
+
+/* Orders members for display and rank assignment: natural order of names. */
+static int cmp_member_name(const void *a, const void *b)
+{
+    const coord_member_t *ma = *(const coord_member_t *const *)a;
+    const coord_member_t *mb = *(const coord_member_t *const *)b;
+    return ps_natural_cmp(ma->name, mb->name);
+}
+
+/* Forms the cluster: ranks 0..k-1 go to the first k = min(count, max_nodes) live shard servers
+ * in natural name order, the rest stay standby. Returns PSHARD_ERR_NO_MEMORY and changes
+ * nothing when the slot table cannot be allocated (tick retries later). */
+static pshard_status_t form_cluster(coord_state_t *st)
+{
+    int n = count_shard_servers(st);
+    coord_member_t **order = malloc((size_t)(n ? n : 1) * sizeof(*order));
+    int k = n < st->cfg.max_nodes ? n : st->cfg.max_nodes;
+    rank_slot_t *slots = calloc((size_t)(k ? k : 1), sizeof(*slots));
+    if (!order || !slots) {
+        free(order);
+        free(slots);
+        PS_ERROR(PS_SUB_COORD, "out of memory forming the cluster; will retry");
+        return PSHARD_ERR_NO_MEMORY;
+    }
+    int j = 0;
+    for (size_t i = 0; i < st->nmembers; i++)
+        if (st->members[i].role == COORD_ROLE_SHARD_SERVER)
+            order[j++] = &st->members[i];
+    qsort(order, (size_t)n, sizeof(*order), cmp_member_name);
+    for (int r = 0; r < n; r++) {
+        if (r < k) {
+            order[r]->rank = r;
+            ps_strlcpy(slots[r].name, order[r]->name, sizeof(slots[r].name));
+            slots[r].held = true;
+        } else {
+            order[r]->rank = -1;
+        }
+    }
+    free(order);
+    st->slots = slots;
+    st->world_size = k;
+    st->held_slots = k;
+    st->state = COORD_CLUSTER_FORMED;
+    st->last_call_deadline_ns = -1;
+    bumpf(st, "cluster formed with %d shard server%s", k, k == 1 ? "" : "s");
+    return PSHARD_OK;
+}
+
+/* Re-evaluates the rendezvous after a membership change while FORMING. Returns the number
+ * of generation bumps it caused. */
+static int rendezvous_update(coord_state_t *st, int64_t now_ns)
+{
+    if (st->state != COORD_CLUSTER_FORMING)
+        return 0;
+    int n = count_shard_servers(st);
+    if (n >= st->cfg.max_nodes)
+        return form_cluster(st) == PSHARD_OK;
+    if (n >= st->cfg.min_nodes) {
+        if (st->cfg.last_call_ms == 0)
+            return form_cluster(st) == PSHARD_OK;
+        if (st->last_call_deadline_ns < 0) {
+            st->last_call_deadline_ns = add_ms_saturating(now_ns, st->cfg.last_call_ms);
+            PS_INFO(PS_SUB_COORD, "%d of min %d shard servers registered; last call for %lld ms", n,
+                    st->cfg.min_nodes, (long long)st->cfg.last_call_ms);
+        }
+        return 0;
+    }
+    if (st->last_call_deadline_ns >= 0) {
+        PS_INFO(PS_SUB_COORD, "shard servers dropped to %d below min %d; last call cancelled", n,
+                st->cfg.min_nodes);
+        st->last_call_deadline_ns = -1;
+    }
+    return 0;
+}
+
+/* Handles a ranked shard server going away from a formed cluster: its slot becomes vacant
+ * (the name is kept) and the cluster is DEGRADED. Returns the number of bumps. */
+static int vacate_rank(coord_state_t *st, int rank, const char *name)
+{
+    if (rank < 0 || rank >= st->world_size || !st->slots[rank].held)
+        return 0;
+    st->slots[rank].held = false;
+    st->held_slots--;
+    if (st->state == COORD_CLUSTER_FORMED) {
+        st->state = COORD_CLUSTER_DEGRADED;
+        bumpf(st, "cluster degraded: rank %d (was %s) is vacant", rank, name);
+        return 1;
+    }
+    return 0;
+}
+
+/* Removes member i (already known to exist) with the given bump reason; handles rank vacancy
+ * and the rendezvous. Returns the number of bumps. */
+static int drop_member(coord_state_t *st, size_t i, const char *why, int64_t now_ns)
+{
+    coord_member_t gone = st->members[i];
+    remove_member_at(st, i);
+    bumpf(st, "member %s %s", gone.name, why);
+    int changes = 1;
+    if (gone.role == COORD_ROLE_SHARD_SERVER) {
+        changes += vacate_rank(st, gone.rank, gone.name);
+        changes += rendezvous_update(st, now_ns);
+    }
+    return changes;
+}
+
+/* The rank a shard server named name gets when it registers after the cluster formed: the
+ * slot that remembers its name, else the lowest vacant slot, else -1 (standby). */
+static int pick_rank(const coord_state_t *st, const char *name)
+{
+    for (int r = 0; r < st->world_size; r++)
+        if (strcmp(st->slots[r].name, name) == 0)
+            return r;
+    for (int r = 0; r < st->world_size; r++)
+        if (!st->slots[r].held)
+            return r;
+    return -1;
+}
+
+static void fill_view(const coord_state_t *st, const coord_member_t *m, coord_member_view_t *out)
+{
+    if (!out)
+        return;
+    memset(out, 0, sizeof(*out));
+    memcpy(out->member_id, m->member_id, sizeof(out->member_id));
+    out->generation = st->generation;
+    out->rank = m->rank;
+    out->world_size = st->world_size;
+    out->state = st->state;
+    out->lease_ms = st->cfg.lease_ms;
+    out->heartbeat_ms = st->cfg.heartbeat_ms;
+}
+
+/* ---- validation ------------------------------------------------------------------------- */
+
+static pshard_status_t check_name(const char *name, char *err, size_t errlen)
+{
+    if (!name || !name[0])
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "name is empty");
+    size_t len = strlen(name);
+    if (len > COORD_NAME_MAX)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "name is %zu bytes; the limit is %d", len, COORD_NAME_MAX);
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)name[i];
+        if (c <= 0x20 || c >= 0x7f)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "name contains a non-printable or space byte at offset %zu", i);
+    }
+    return PSHARD_OK;
+}
+
+/* address, node and device: optional (NULL means empty), printable ASCII including space. */
+static pshard_status_t check_field(const char *field, const char *value, char *err, size_t errlen)
+{
+    if (!value)
+        return PSHARD_OK;
+    size_t len = strlen(value);
+    if (len > COORD_FIELD_MAX)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s is %zu bytes; the limit is %d",
+                       field, len, COORD_FIELD_MAX);
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)value[i];
+        if (c < 0x20 || c >= 0x7f)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "%s contains a non-printable byte at offset %zu", field, i);
+    }
+    return PSHARD_OK;
+}
+
+static pshard_status_t unknown_id(const char *member_id, char *err, size_t errlen)
+{
+    return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND,
+                   "unknown member id %s: it was evicted or never registered; register again",
+                   member_id);
+}
+
+/* ---- public API ------------------------------------------------------------------------- */
+
+coord_state_t *coord_state_create(const coord_state_config_t *cfg, int64_t now_ns,
+                                  coord_change_fn on_change, void *on_change_arg)
+{
+    (void)now_ns; /* nothing is time-dependent until the first member registers */
+    if (!cfg || cfg->lease_ms <= 0 || cfg->heartbeat_ms <= 0 || cfg->min_nodes < 1 ||
+        cfg->min_nodes > cfg->max_nodes || cfg->last_call_ms < 0)
+        return NULL;
+    coord_state_t *st = calloc(1, sizeof(*st));
+    if (!st)
+        return NULL;
+    st->cfg = *cfg;
+    st->on_change = on_change;
+    st->on_change_arg = on_change_arg;
+    st->generation = 1;
+    st->state = COORD_CLUSTER_FORMING;
+    st->last_call_deadline_ns = -1;
+    if (random_bytes(&st->id_secret, sizeof(st->id_secret)) != 0) {
+        PS_ERROR(PS_SUB_COORD, "cannot read random bytes for member ids");
+        free(st);
+        return NULL;
+    }
+    return st;
+}
+
+void coord_state_destroy(coord_state_t *st)
+{
+    if (!st)
+        return;
+    free(st->members);
+    free(st->id_index);
+    free(st->slots);
+    free(st);
+}
+
+pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const char *name,
+                                     const char *address, const char *node, const char *device,
+                                     int64_t now_ns, coord_member_view_t *out, char *err,
+                                     size_t errlen)
+{
+    if (role != COORD_ROLE_SHARD_SERVER && role != COORD_ROLE_TRAINER)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "role must be shard_server or trainer (got %d)", (int)role);
+    PS_CHECK(check_name(name, err, errlen));
+    PS_CHECK(check_field("address", address, err, errlen));
+    PS_CHECK(check_field("node", node, err, errlen));
+    PS_CHECK(check_field("device", device, err, errlen));
+
+    long old = find_by_name(st, role, name);
+    if (old < 0 && st->nmembers >= COORD_MAX_MEMBERS)
+        return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                       "the coordinator already has %d members; the limit is %d", (int)st->nmembers,
+                       COORD_MAX_MEMBERS);
+    if (reserve_member(st) != PSHARD_OK)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory registering %s", name);
+
+    unsigned char id_bytes[16];
+    if (random_bytes(id_bytes, 8) != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot read random bytes for a member id");
+    uint64_t tail = (st->id_counter++) ^ st->id_secret;
+    for (int i = 0; i < 8; i++)
+        id_bytes[8 + i] = (unsigned char)(tail >> (56 - 8 * i));
+
+    coord_member_t m;
+    memset(&m, 0, sizeof(m));
+    hex_encode(id_bytes, sizeof(id_bytes), m.member_id);
+    m.role = role;
+    ps_strlcpy(m.name, name, sizeof(m.name));
+    ps_strlcpy(m.address, address ? address : "", sizeof(m.address));
+    ps_strlcpy(m.node, node ? node : "", sizeof(m.node));
+    ps_strlcpy(m.device, device ? device : "", sizeof(m.device));
+    m.rank = -1;
+    m.registered_ns = now_ns;
+    m.last_heartbeat_ns = now_ns;
+    m.lease_deadline_ns = add_ms_saturating(now_ns, st->cfg.lease_ms);
+
+    bool formed_once = st->state != COORD_CLUSTER_FORMING;
+    bool replaced = old >= 0;
+    if (replaced) {
+        /* A restarted member: its old incarnation goes away without leaving a vacancy. */
+        m.rank = st->members[old].rank;
+        remove_member_at(st, (size_t)old);
+    }
+    bool filled_vacancy = false;
+    if (role == COORD_ROLE_SHARD_SERVER && formed_once && m.rank < 0) {
+        int r = pick_rank(st, name);
+        if (r >= 0 && !st->slots[r].held) {
+            m.rank = r;
+            ps_strlcpy(st->slots[r].name, name, sizeof(st->slots[r].name));
+            st->slots[r].held = true;
+            st->held_slots++;
+            filled_vacancy = true;
+        }
+    }
+    m.registered_generation = st->generation + 1;
+    st->members[st->nmembers] = m;
+    st->id_index[index_probe(st, m.member_id)] = (uint32_t)(st->nmembers + 1);
+    st->nmembers++;
+    coord_member_t *mine = &st->members[st->nmembers - 1];
+
+    if (role == COORD_ROLE_TRAINER)
+        bumpf(st, "member %s registered as trainer%s", name, replaced ? " (replaced)" : "");
+    else if (mine->rank >= 0)
+        bumpf(st, "member %s registered%s with rank %d", name, replaced ? " (replaced)" : "",
+              mine->rank);
+    else if (formed_once)
+        bumpf(st, "member %s registered%s as standby", name, replaced ? " (replaced)" : "");
+    else
+        bumpf(st, "member %s registered%s", name, replaced ? " (replaced)" : "");
+
+    if (filled_vacancy && st->state == COORD_CLUSTER_DEGRADED && st->held_slots == st->world_size) {
+        st->state = COORD_CLUSTER_FORMED;
+        bumpf(st, "cluster formed again: all %d ranks held (rank %d now %s)", st->world_size,
+              mine->rank, name);
+    }
+    if (role == COORD_ROLE_SHARD_SERVER)
+        rendezvous_update(st, now_ns);
+
+    /* Forming may have assigned ranks; look the member up again by id. */
+    long idx = find_by_id(st, m.member_id);
+    fill_view(st, &st->members[idx], out);
+    return PSHARD_OK;
+}
+
+pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id, int64_t now_ns,
+                                      coord_member_view_t *out, char *err, size_t errlen)
+{
+    PS_CHECK(check_member_id(member_id, err, errlen));
+    long i = find_by_id(st, member_id);
+    if (i < 0)
+        return unknown_id(member_id, err, errlen);
+    coord_member_t *m = &st->members[i];
+    m->last_heartbeat_ns = now_ns;
+    m->lease_deadline_ns = add_ms_saturating(now_ns, st->cfg.lease_ms);
+    fill_view(st, m, out);
+    return PSHARD_OK;
+}
+
+pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id, int64_t now_ns,
+                                  char *err, size_t errlen)
+{
+    PS_CHECK(check_member_id(member_id, err, errlen));
+    long i = find_by_id(st, member_id);
+    if (i < 0)
+        return unknown_id(member_id, err, errlen);
+    drop_member(st, (size_t)i, "left", now_ns);
+    return PSHARD_OK;
+}
+
+/* One member due for eviction: what the sort needs, and its id to find it again afterwards. */
+typedef struct {
+    int64_t deadline_ns;
+    const coord_member_t *member; /* valid only while sorting */
+    char member_id[COORD_ID_LEN + 1];
+} expiry_t;
+
+/* Evictions happen in deadline order, ties by name, so that reasons come out in a stable
+ * order whatever the array order is. */
+static int cmp_expiry(const void *a, const void *b)
+{
+    const expiry_t *ea = a, *eb = b;
+    if (ea->deadline_ns != eb->deadline_ns)
+        return ea->deadline_ns < eb->deadline_ns ? -1 : 1;
+    int c = ps_natural_cmp(ea->member->name, eb->member->name);
+    if (c != 0)
+        return c;
+    return (int)ea->member->role - (int)eb->member->role;
+}
+
+/* Evicts every member whose lease lapsed; returns the number of bumps. */
+static int evict_expired(coord_state_t *st, int64_t now_ns)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < st->nmembers; i++)
+        if (now_ns > st->members[i].lease_deadline_ns)
+            n++;
+    if (n == 0)
+        return 0;
+    expiry_t *list = malloc(n * sizeof(*list));
+    if (!list) {
+        /* Evict one at a time in array order; still correct, only the order differs. */
+        int changes = 0;
+        for (size_t i = st->nmembers; i-- > 0;)
+            if (i < st->nmembers && now_ns > st->members[i].lease_deadline_ns)
+                changes += drop_member(st, i, "lease expired", now_ns);
+        return changes;
+    }
+    size_t j = 0;
+    for (size_t i = 0; i < st->nmembers; i++) {
+        if (now_ns <= st->members[i].lease_deadline_ns)
+            continue;
+        list[j].deadline_ns = st->members[i].lease_deadline_ns;
+        list[j].member = &st->members[i];
+        memcpy(list[j].member_id, st->members[i].member_id, sizeof(list[j].member_id));
+        j++;
+    }
+    qsort(list, n, sizeof(*list), cmp_expiry);
+    int changes = 0;
+    for (size_t k = 0; k < n; k++) {
+        /* Removal moves members around, so find each one again by id. */
+        long i = find_by_id(st, list[k].member_id);
+        if (i >= 0)
+            changes += drop_member(st, (size_t)i, "lease expired", now_ns);
+    }
+    free(list);
+    return changes;
+}
+
+int coord_state_tick(coord_state_t *st, int64_t now_ns)
+{
+    int changes = evict_expired(st, now_ns);
+    if (st->state == COORD_CLUSTER_FORMING && st->last_call_deadline_ns >= 0 &&
+        now_ns >= st->last_call_deadline_ns) {
+        if (count_shard_servers(st) >= st->cfg.min_nodes) {
+            if (form_cluster(st) == PSHARD_OK)
+                changes++;
+        } else {
+            st->last_call_deadline_ns = -1;
+        }
+    }
+    return changes;
+}
+
+int64_t coord_state_next_deadline_ns(const coord_state_t *st)
+{
+    int64_t next = INT64_MAX;
+    if (st->state == COORD_CLUSTER_FORMING && st->last_call_deadline_ns >= 0)
+        next = st->last_call_deadline_ns;
+    for (size_t i = 0; i < st->nmembers; i++) {
+        /* A lease lapses once now passes its deadline, so the first instant that evicts is
+         * one nanosecond later. */
+        int64_t d = st->members[i].lease_deadline_ns;
+        int64_t evict_at = d == INT64_MAX ? INT64_MAX : d + 1;
+        if (evict_at < next)
+            next = evict_at;
+    }
+    return next;
+}
+
+uint64_t coord_state_generation(const coord_state_t *st)
+{
+    return st->generation;
+}
+
+coord_cluster_state_t coord_state_cluster_state(const coord_state_t *st)
+{
+    return st->state;
+}
+
+/* Snapshot order: shard servers by rank, unranked shard servers by name, trainers by name. */
+static int cmp_snapshot(const void *a, const void *b)
+{
+    const coord_member_t *ma = a, *mb = b;
+    if (ma->role != mb->role)
+        return ma->role == COORD_ROLE_SHARD_SERVER ? -1 : 1;
+    if (ma->role == COORD_ROLE_SHARD_SERVER) {
+        if ((ma->rank >= 0) != (mb->rank >= 0))
+            return ma->rank >= 0 ? -1 : 1;
+        if (ma->rank >= 0)
+            return ma->rank < mb->rank ? -1 : (ma->rank > mb->rank);
+    }
+    return ps_natural_cmp(ma->name, mb->name);
+}
+
+static void describe_awaiting(const coord_state_t *st, int shard_servers, int64_t remaining_ms,
+                              char *buf, size_t len)
+{
+    buf[0] = '\0';
+    if (st->state == COORD_CLUSTER_FORMING) {
+        if (remaining_ms >= 0) {
+            int more = st->cfg.max_nodes - shard_servers;
+            ps_snprintf(buf, len, "last call: waiting up to %lld ms for up to %d more shard %s",
+                        (long long)remaining_ms, more, more == 1 ? "server" : "servers");
+        } else {
+            int more = st->cfg.min_nodes - shard_servers;
+            if (more < 1)
+                more = 1; /* only while a form attempt failed for memory */
+            ps_snprintf(buf, len, "%d more shard %s (%d of min %d registered)", more,
+                        more == 1 ? "server" : "servers", shard_servers, st->cfg.min_nodes);
+        }
+        return;
+    }
+    if (st->state != COORD_CLUSTER_DEGRADED)
+        return;
+    /* "rank 2 (was pshard-server-2), rank 5 (was ...)"; ends in ", ..." when out of room. */
+    size_t used = 0;
+    for (int r = 0; r < st->world_size; r++) {
+        if (st->slots[r].held)
+            continue;
+        char item[COORD_NAME_MAX + 40];
+        ps_snprintf(item, sizeof(item), "%srank %d (was %s)", used ? ", " : "", r,
+                    st->slots[r].name);
+        size_t n = strlen(item);
+        if (used + n + 5 >= len) {
+            ps_strlcpy(buf + used, used ? ", ..." : "...", len - used);
+            return;
+        }
+        memcpy(buf + used, item, n + 1);
+        used += n;
+    }
+}
+
+coord_snapshot_t *coord_state_snapshot(const coord_state_t *st, int64_t now_ns)
+{
+    coord_snapshot_t *snap = calloc(1, sizeof(*snap));
+    if (!snap)
+        return NULL;
+    snap->members = malloc((st->nmembers ? st->nmembers : 1) * sizeof(*snap->members));
+    if (!snap->members) {
+        free(snap);
+        return NULL;
+    }
+    if (st->nmembers)
+        memcpy(snap->members, st->members, st->nmembers * sizeof(*snap->members));
+    snap->nmembers = st->nmembers;
+    qsort(snap->members, snap->nmembers, sizeof(*snap->members), cmp_snapshot);
+    snap->generation = st->generation;
+    snap->state = st->state;
+    snap->world_size = st->world_size;
+    snap->min_nodes = st->cfg.min_nodes;
+    snap->max_nodes = st->cfg.max_nodes;
+    snap->shard_servers = count_shard_servers(st);
+    snap->last_call_remaining_ms = -1;
+    if (st->state == COORD_CLUSTER_FORMING && st->last_call_deadline_ns >= 0) {
+        int64_t left = st->last_call_deadline_ns - now_ns;
+        /* Round up so "0 ms" only shows once the timer really expired. */
+        snap->last_call_remaining_ms = left <= 0 ? 0 : (left + NS_PER_MS - 1) / NS_PER_MS;
+    }
+    describe_awaiting(st, snap->shard_servers, snap->last_call_remaining_ms, snap->awaiting,
+                      sizeof(snap->awaiting));
+    return snap;
+}
+
+void coord_snapshot_free(coord_snapshot_t *snap)
+{
+    if (!snap)
+        return;
+    free(snap->members);
+    free(snap);
+}

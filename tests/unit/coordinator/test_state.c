@@ -1,0 +1,802 @@
+/* Unit tests for the coordinator membership state machine (coord_state): leases, rendezvous,
+ * ranks, generations and validation, all driven by an injected clock. */
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord_state.h"
+#include "ps_test.h"
+
+#define MS(x) ((int64_t)(x)*INT64_C(1000000))
+#define SRV COORD_ROLE_SHARD_SERVER
+#define TRN COORD_ROLE_TRAINER
+
+/* Records every on_change call. */
+#define MAX_CHANGES 64
+typedef struct {
+    int n;
+    uint64_t generation[MAX_CHANGES];
+    char reason[MAX_CHANGES][256];
+} changes_t;
+
+static void record_change(void *arg, uint64_t generation, const char *reason)
+{
+    changes_t *c = arg;
+    if (c->n < MAX_CHANGES) {
+        c->generation[c->n] = generation;
+        snprintf(c->reason[c->n], sizeof(c->reason[c->n]), "%s", reason);
+    }
+    c->n++;
+}
+
+static changes_t changes;
+
+static coord_state_t *make_state(int min_nodes, int max_nodes, int64_t last_call_ms)
+{
+    coord_state_config_t cfg = {.lease_ms = 5000,
+                                .heartbeat_ms = 1000,
+                                .min_nodes = min_nodes,
+                                .max_nodes = max_nodes,
+                                .last_call_ms = last_call_ms};
+    memset(&changes, 0, sizeof(changes));
+    coord_state_t *st = coord_state_create(&cfg, 0, record_change, &changes);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(st);
+    return st;
+}
+
+/* Registers a member that must succeed; returns its view. */
+static coord_member_view_t reg(coord_state_t *st, coord_role_t role, const char *name,
+                               int64_t now_ns)
+{
+    coord_member_view_t v;
+    char err[256] = "";
+    pshard_status_t rc = coord_state_register(st, role, name, "10.0.0.1:7000", "node-a", "cuda:0",
+                                              now_ns, &v, err, sizeof(err));
+    CU_ASSERT_EQUAL(rc, PSHARD_OK);
+    if (rc != PSHARD_OK)
+        fprintf(stderr, "register %s: %s\n", name, err);
+    return v;
+}
+
+static int rank_of(coord_state_t *st, const char *id, int64_t now_ns)
+{
+    coord_member_view_t v;
+    char err[256] = "";
+    pshard_status_t rc = coord_state_heartbeat(st, id, now_ns, &v, err, sizeof(err));
+    CU_ASSERT_EQUAL(rc, PSHARD_OK);
+    return rc == PSHARD_OK ? v.rank : -2;
+}
+
+static bool last_reason_is(const char *want)
+{
+    if (changes.n == 0 || changes.n > MAX_CHANGES)
+        return false;
+    return strcmp(changes.reason[changes.n - 1], want) == 0;
+}
+
+static bool id_well_formed(const char *id)
+{
+    if (strlen(id) != COORD_ID_LEN)
+        return false;
+    for (const char *p = id; *p; p++)
+        if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f')))
+            return false;
+    return true;
+}
+
+static void test_create_rejects_bad_config(void)
+{
+    coord_state_config_t good = {5000, 1000, 1, 1, 0};
+    coord_state_config_t bad = good;
+    bad.lease_ms = 0;
+    CU_ASSERT_PTR_NULL(coord_state_create(&bad, 0, NULL, NULL));
+    bad = good;
+    bad.heartbeat_ms = 0;
+    CU_ASSERT_PTR_NULL(coord_state_create(&bad, 0, NULL, NULL));
+    bad = good;
+    bad.min_nodes = 0;
+    CU_ASSERT_PTR_NULL(coord_state_create(&bad, 0, NULL, NULL));
+    bad = good;
+    bad.min_nodes = 3;
+    bad.max_nodes = 2;
+    CU_ASSERT_PTR_NULL(coord_state_create(&bad, 0, NULL, NULL));
+    bad = good;
+    bad.last_call_ms = -1;
+    CU_ASSERT_PTR_NULL(coord_state_create(&bad, 0, NULL, NULL));
+    CU_ASSERT_PTR_NULL(coord_state_create(NULL, 0, NULL, NULL));
+    coord_state_t *st = coord_state_create(&good, 0, NULL, NULL);
+    CU_ASSERT_PTR_NOT_NULL(st);
+    CU_ASSERT_EQUAL(coord_state_generation(st), 1);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
+    coord_state_destroy(st);
+    coord_state_destroy(NULL);
+}
+
+static void test_register_heartbeat_lease_expiry(void)
+{
+    coord_state_t *st = make_state(2, 2, 0);
+    coord_member_view_t v = reg(st, SRV, "s1", MS(0));
+    CU_ASSERT_TRUE(id_well_formed(v.member_id));
+    CU_ASSERT_EQUAL(v.generation, 2);
+    CU_ASSERT_EQUAL(v.rank, -1);
+    CU_ASSERT_EQUAL(v.world_size, 0);
+    CU_ASSERT_EQUAL(v.state, COORD_CLUSTER_FORMING);
+    CU_ASSERT_EQUAL(v.lease_ms, 5000);
+    CU_ASSERT_EQUAL(v.heartbeat_ms, 1000);
+    CU_ASSERT_EQUAL(changes.n, 1);
+    CU_ASSERT_EQUAL(changes.generation[0], 2);
+    CU_ASSERT_TRUE(last_reason_is("member s1 registered"));
+
+    /* A heartbeat renews the lease and never bumps the generation. */
+    coord_member_view_t hb;
+    char err[256] = "";
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, MS(3000), &hb, err, sizeof(err)),
+                    PSHARD_OK);
+    CU_ASSERT_EQUAL(hb.generation, 2);
+    CU_ASSERT_STRING_EQUAL(hb.member_id, v.member_id);
+    CU_ASSERT_EQUAL(changes.n, 1);
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(8000) + 1);
+
+    /* The old deadline (5 s) passing changes nothing; the renewed one (8 s) evicts. */
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(6000)), 0);
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(8000)), 0);
+    CU_ASSERT_EQUAL(coord_state_generation(st), 2);
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(8000) + 1), 1);
+    CU_ASSERT_EQUAL(coord_state_generation(st), 3);
+    CU_ASSERT_TRUE(last_reason_is("member s1 lease expired"));
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), INT64_MAX);
+
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(8001));
+    CU_ASSERT_PTR_NOT_NULL_FATAL(snap);
+    CU_ASSERT_EQUAL(snap->nmembers, 0);
+    coord_snapshot_free(snap);
+
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, MS(8002), &hb, err, sizeof(err)),
+                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, v.member_id));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "register again"));
+    CU_ASSERT_EQUAL(coord_state_generation(st), 3);
+    coord_state_destroy(st);
+}
+
+static void test_ids_unique_and_never_reused(void)
+{
+    coord_state_t *st = make_state(100, 100, 0);
+    enum { N = 50 };
+    char ids[N * 2][COORD_ID_LEN + 1];
+    for (int i = 0; i < N; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "m%d", i);
+        coord_member_view_t v = reg(st, SRV, name, MS(i));
+        memcpy(ids[i], v.member_id, sizeof(ids[i]));
+        /* Re-registering the same name replaces it with a fresh id. */
+        v = reg(st, SRV, name, MS(i));
+        memcpy(ids[N + i], v.member_id, sizeof(ids[i]));
+    }
+    for (int i = 0; i < 2 * N; i++) {
+        CU_ASSERT_TRUE(id_well_formed(ids[i]));
+        for (int j = 0; j < i; j++)
+            CU_ASSERT_STRING_NOT_EQUAL(ids[i], ids[j]);
+    }
+    coord_state_destroy(st);
+}
+
+/* Checks that the snapshot lists names in this order with these ranks. */
+static void expect_snapshot(coord_state_t *st, int64_t now_ns, const char *const *names,
+                            const int *ranks, size_t n)
+{
+    coord_snapshot_t *snap = coord_state_snapshot(st, now_ns);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(snap);
+    CU_ASSERT_EQUAL_FATAL(snap->nmembers, n);
+    for (size_t i = 0; i < n; i++) {
+        CU_ASSERT_STRING_EQUAL(snap->members[i].name, names[i]);
+        CU_ASSERT_EQUAL(snap->members[i].rank, ranks[i]);
+    }
+    coord_snapshot_free(snap);
+}
+
+static void test_fixed_size_natural_order(void)
+{
+    static const char *const arrival[2][3] = {{"s10", "s2", "s1"}, {"s1", "s2", "s10"}};
+    for (int round = 0; round < 2; round++) {
+        coord_state_t *st = make_state(3, 3, 1000);
+        coord_member_view_t v[3];
+        v[0] = reg(st, SRV, arrival[round][0], MS(0));
+        v[1] = reg(st, SRV, arrival[round][1], MS(1));
+        CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
+        CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5000) + 1); /* no last call */
+        v[2] = reg(st, SRV, arrival[round][2], MS(2));
+        /* max reached: formed at once, no last call even though last_call_ms > 0. */
+        CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+        CU_ASSERT_EQUAL(v[2].state, COORD_CLUSTER_FORMED);
+        CU_ASSERT_EQUAL(v[2].world_size, 3);
+        CU_ASSERT_EQUAL(v[2].generation, 5); /* 1 + three registers + formed */
+        CU_ASSERT_EQUAL(changes.n, 4);
+        CU_ASSERT_TRUE(last_reason_is("cluster formed with 3 shard servers"));
+        for (int i = 0; i < 3; i++) {
+            int want = strcmp(arrival[round][i], "s1") == 0   ? 0
+                       : strcmp(arrival[round][i], "s2") == 0 ? 1
+                                                              : 2;
+            CU_ASSERT_EQUAL(rank_of(st, v[i].member_id, MS(3)), want);
+        }
+        CU_ASSERT_EQUAL(v[2].rank, round == 0 ? 0 : 2);
+        static const char *const names[] = {"s1", "s2", "s10"};
+        static const int ranks[] = {0, 1, 2};
+        expect_snapshot(st, MS(3), names, ranks, 3);
+        coord_state_destroy(st);
+    }
+}
+
+static void test_last_call_forms_at_expiry(void)
+{
+    coord_state_t *st = make_state(2, 4, 1000);
+    reg(st, SRV, "a", MS(0));
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(0));
+    CU_ASSERT_STRING_EQUAL(snap->awaiting, "1 more shard server (1 of min 2 registered)");
+    CU_ASSERT_EQUAL(snap->last_call_remaining_ms, -1);
+    coord_snapshot_free(snap);
+
+    reg(st, SRV, "b", MS(100)); /* min reached: last call until 1100 ms */
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(1100));
+    reg(st, SRV, "c", MS(500)); /* does not restart the timer */
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(1100));
+
+    snap = coord_state_snapshot(st, MS(900));
+    CU_ASSERT_EQUAL(snap->last_call_remaining_ms, 200);
+    CU_ASSERT_EQUAL(snap->shard_servers, 3);
+    CU_ASSERT_STRING_EQUAL(snap->awaiting,
+                           "last call: waiting up to 200 ms for up to 1 more shard server");
+    coord_snapshot_free(snap);
+
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(1100) - 1), 0);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
+    uint64_t gen = coord_state_generation(st);
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(1100)), 1);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen + 1);
+    CU_ASSERT_TRUE(last_reason_is("cluster formed with 3 shard servers"));
+
+    snap = coord_state_snapshot(st, MS(1100));
+    CU_ASSERT_EQUAL(snap->world_size, 3);
+    CU_ASSERT_EQUAL(snap->last_call_remaining_ms, -1);
+    CU_ASSERT_STRING_EQUAL(snap->awaiting, "");
+    coord_snapshot_free(snap);
+    /* Only leases remain. */
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5000) + 1);
+
+    /* world_size is fixed now: a fourth server (max is 4) is a standby. */
+    coord_member_view_t d = reg(st, SRV, "d", MS(1200));
+    CU_ASSERT_EQUAL(d.rank, -1);
+    CU_ASSERT_EQUAL(d.world_size, 3);
+    CU_ASSERT_TRUE(last_reason_is("member d registered as standby"));
+    coord_state_destroy(st);
+}
+
+static void test_last_call_reaching_max_forms_at_once(void)
+{
+    coord_state_t *st = make_state(2, 3, 1000);
+    reg(st, SRV, "a", MS(0));
+    reg(st, SRV, "b", MS(10));
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(1010));
+    coord_member_view_t v = reg(st, SRV, "c", MS(20));
+    CU_ASSERT_EQUAL(v.state, COORD_CLUSTER_FORMED);
+    CU_ASSERT_EQUAL(v.world_size, 3);
+    CU_ASSERT_EQUAL(v.rank, 2);
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5000) + 1);
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(1010)), 0);
+    coord_state_destroy(st);
+}
+
+static void test_last_call_zero_forms_at_min(void)
+{
+    coord_state_t *st = make_state(2, 4, 0);
+    reg(st, SRV, "a", MS(0));
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
+    coord_member_view_t v = reg(st, SRV, "b", MS(1));
+    CU_ASSERT_EQUAL(v.state, COORD_CLUSTER_FORMED);
+    CU_ASSERT_EQUAL(v.world_size, 2);
+    coord_state_destroy(st);
+}
+
+static void test_last_call_cancelled_below_min(void)
+{
+    coord_state_t *st = make_state(2, 4, 1000);
+    reg(st, SRV, "a", MS(0));
+    coord_member_view_t b = reg(st, SRV, "b", MS(0));
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(1000));
+    char err[256] = "";
+    CU_ASSERT_EQUAL(coord_state_leave(st, b.member_id, MS(500), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_TRUE(last_reason_is("member b left"));
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5000) + 1);
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(600));
+    CU_ASSERT_EQUAL(snap->last_call_remaining_ms, -1);
+    coord_snapshot_free(snap);
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(1000)), 0);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
+
+    /* Back at min: a fresh timer from that moment. */
+    reg(st, SRV, "b", MS(2000));
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(3000));
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(2999)), 0);
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(3000)), 1);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    coord_state_destroy(st);
+}
+
+static void test_last_call_eviction_below_min_cancels(void)
+{
+    coord_state_t *st = make_state(2, 4, 10000); /* last call longer than the lease */
+    coord_member_view_t a = reg(st, SRV, "a", MS(0));
+    reg(st, SRV, "b", MS(0));
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5000) + 1);
+    char err[64] = "";
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, MS(4000), NULL, err, sizeof(err)),
+                    PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(5000) + 1), 1); /* b lapses */
+    CU_ASSERT_TRUE(last_reason_is("member b lease expired"));
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(9000) + 1); /* timer gone */
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, MS(8000), NULL, err, sizeof(err)),
+                    PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(10000)), 0);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
+    coord_state_destroy(st);
+}
+
+static void test_standby_beyond_max(void)
+{
+    coord_state_t *st = make_state(2, 2, 0);
+    reg(st, SRV, "b", MS(0));
+    reg(st, SRV, "a", MS(0));
+    coord_member_view_t c = reg(st, SRV, "c", MS(1));
+    coord_member_view_t aa = reg(st, SRV, "aa", MS(1));
+    CU_ASSERT_EQUAL(c.rank, -1);
+    CU_ASSERT_EQUAL(aa.rank, -1);
+    CU_ASSERT_EQUAL(c.state, COORD_CLUSTER_FORMED);
+    CU_ASSERT_EQUAL(c.world_size, 2);
+    static const char *const names[] = {"a", "b", "aa", "c"};
+    static const int ranks[] = {0, 1, -1, -1};
+    expect_snapshot(st, MS(2), names, ranks, 4);
+    coord_state_destroy(st);
+}
+
+/* Forms a cluster of s1, s2, s10 at time 0 and returns their views in that order. */
+static coord_state_t *formed_three(coord_member_view_t v[3])
+{
+    coord_state_t *st = make_state(3, 3, 0);
+    v[2] = reg(st, SRV, "s10", MS(0));
+    v[0] = reg(st, SRV, "s1", MS(0));
+    v[1] = reg(st, SRV, "s2", MS(0));
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    return st;
+}
+
+static void test_reregister_live_keeps_rank(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    uint64_t gen = coord_state_generation(st);
+    coord_member_view_t again = reg(st, SRV, "s2", MS(100));
+    CU_ASSERT_STRING_NOT_EQUAL(again.member_id, v[1].member_id);
+    CU_ASSERT_EQUAL(again.rank, 1);
+    CU_ASSERT_EQUAL(again.state, COORD_CLUSTER_FORMED);
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen + 1);
+    CU_ASSERT_TRUE(last_reason_is("member s2 registered (replaced) with rank 1"));
+
+    coord_member_view_t hb;
+    char err[256] = "";
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, MS(200), &hb, err, sizeof(err)),
+                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_EQUAL(rank_of(st, again.member_id, MS(200)), 1);
+    static const char *const names[] = {"s1", "s2", "s10"};
+    static const int ranks[] = {0, 1, 2};
+    expect_snapshot(st, MS(200), names, ranks, 3);
+    coord_state_destroy(st);
+}
+
+static void test_evicted_rank_returns_and_reforms(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    uint64_t gen = coord_state_generation(st);
+    /* s1 and s10 keep heartbeating; s2 goes silent. */
+    CU_ASSERT_EQUAL(rank_of(st, v[0].member_id, MS(4000)), 0);
+    CU_ASSERT_EQUAL(rank_of(st, v[2].member_id, MS(4000)), 2);
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(5000) + 1), 2);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen + 2);
+    CU_ASSERT_STRING_EQUAL(changes.reason[changes.n - 2], "member s2 lease expired");
+    CU_ASSERT_TRUE(last_reason_is("cluster degraded: rank 1 (was s2) is vacant"));
+
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(5001));
+    CU_ASSERT_EQUAL(snap->state, COORD_CLUSTER_DEGRADED);
+    CU_ASSERT_EQUAL(snap->world_size, 3);
+    CU_ASSERT_EQUAL(snap->shard_servers, 2);
+    CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 1 (was s2)");
+    coord_snapshot_free(snap);
+
+    coord_member_view_t back = reg(st, SRV, "s2", MS(6000));
+    CU_ASSERT_EQUAL(back.rank, 1);
+    CU_ASSERT_EQUAL(back.world_size, 3);
+    CU_ASSERT_EQUAL(back.state, COORD_CLUSTER_FORMED);
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen + 4);
+    CU_ASSERT_STRING_EQUAL(changes.reason[changes.n - 2], "member s2 registered with rank 1");
+    CU_ASSERT_PTR_NOT_NULL(strstr(changes.reason[changes.n - 1], "cluster formed again"));
+    coord_state_destroy(st);
+}
+
+static void test_degraded_new_name_takes_lowest_vacant(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    char err[256] = "";
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[2].member_id, MS(10), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
+    CU_ASSERT_STRING_EQUAL(changes.reason[changes.n - 2], "member s10 left");
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, MS(20), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_TRUE(last_reason_is("member s2 left")); /* already degraded: one bump */
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(20));
+    CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 1 (was s2), rank 2 (was s10)");
+    coord_snapshot_free(snap);
+
+    coord_member_view_t x = reg(st, SRV, "x", MS(30));
+    CU_ASSERT_EQUAL(x.rank, 1);
+    CU_ASSERT_EQUAL(x.state, COORD_CLUSTER_DEGRADED);
+    snap = coord_state_snapshot(st, MS(30));
+    CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 2 (was s10)");
+    coord_snapshot_free(snap);
+
+    /* Slot 1 now remembers x, so s2 is a new name and takes the last vacant slot. */
+    coord_member_view_t s2 = reg(st, SRV, "s2", MS(40));
+    CU_ASSERT_EQUAL(s2.rank, 2);
+    CU_ASSERT_EQUAL(s2.state, COORD_CLUSTER_FORMED);
+    /* And a full cluster turns the next new name into a standby. */
+    coord_member_view_t s10 = reg(st, SRV, "s10", MS(50));
+    CU_ASSERT_EQUAL(s10.rank, -1);
+    /* The snapshot lists ranked servers by rank, not by name. */
+    static const char *const names[] = {"s1", "x", "s2", "s10"};
+    static const int ranks[] = {0, 1, 2, -1};
+    expect_snapshot(st, MS(50), names, ranks, 4);
+
+    CU_ASSERT_EQUAL(coord_state_leave(st, x.member_id, MS(60), err, sizeof(err)), PSHARD_OK);
+    snap = coord_state_snapshot(st, MS(60));
+    CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 1 (was x)");
+    coord_snapshot_free(snap);
+    coord_member_view_t xb = reg(st, SRV, "x", MS(70));
+    CU_ASSERT_EQUAL(xb.rank, 1);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    coord_state_destroy(st);
+}
+
+static void test_degraded_returning_names_get_their_own_ranks(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    char err[256] = "";
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, MS(10), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[2].member_id, MS(10), err, sizeof(err)), PSHARD_OK);
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(10));
+    CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 0 (was s1), rank 2 (was s10)");
+    coord_snapshot_free(snap);
+    /* s10 comes back first, but gets its own rank 2, not the lowest vacant 0. */
+    coord_member_view_t s10 = reg(st, SRV, "s10", MS(20));
+    CU_ASSERT_EQUAL(s10.rank, 2);
+    CU_ASSERT_EQUAL(s10.state, COORD_CLUSTER_DEGRADED);
+    coord_member_view_t s1 = reg(st, SRV, "s1", MS(30));
+    CU_ASSERT_EQUAL(s1.rank, 0);
+    CU_ASSERT_EQUAL(s1.state, COORD_CLUSTER_FORMED);
+    CU_ASSERT_EQUAL(s1.world_size, 3);
+    coord_state_destroy(st);
+}
+
+static void test_leave(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    coord_member_view_t t = reg(st, TRN, "t0", MS(0));
+    CU_ASSERT_EQUAL(t.rank, -1);
+    uint64_t gen = coord_state_generation(st);
+    char err[256] = "";
+    CU_ASSERT_EQUAL(coord_state_leave(st, t.member_id, MS(1), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen + 1);
+    CU_ASSERT_TRUE(last_reason_is("member t0 left"));
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, MS(2), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen + 3);
+
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, MS(3), err, sizeof(err)),
+                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "unknown member id"));
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_leave(st, "xyz", MS(3), err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen + 3);
+    coord_state_destroy(st);
+}
+
+static void test_trainers_and_names_per_role(void)
+{
+    coord_state_t *st = make_state(2, 2, 0);
+    coord_member_view_t tb = reg(st, TRN, "t10", MS(0));
+    reg(st, TRN, "t2", MS(0));
+    CU_ASSERT_TRUE(last_reason_is("member t2 registered as trainer"));
+    /* Trainers do not count toward the rendezvous. */
+    reg(st, SRV, "t10", MS(0)); /* same name, other role: both exist */
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
+    reg(st, SRV, "s1", MS(0));
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    CU_ASSERT_EQUAL(rank_of(st, tb.member_id, MS(1)), -1);
+    static const char *const names[] = {"s1", "t10", "t2", "t10"};
+    static const int ranks[] = {0, 1, -1, -1};
+    expect_snapshot(st, MS(1), names, ranks, 4);
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(1));
+    CU_ASSERT_EQUAL(snap->members[0].role, SRV);
+    CU_ASSERT_EQUAL(snap->members[1].role, SRV);
+    CU_ASSERT_EQUAL(snap->members[2].role, TRN);
+    CU_ASSERT_EQUAL(snap->members[3].role, TRN);
+    CU_ASSERT_EQUAL(snap->shard_servers, 2);
+    coord_snapshot_free(snap);
+
+    /* Re-registering trainer t10 replaces only the trainer. */
+    coord_member_view_t tb2 = reg(st, TRN, "t10", MS(2));
+    char err[256] = "";
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, tb.member_id, MS(3), NULL, err, sizeof(err)),
+                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_EQUAL(rank_of(st, tb2.member_id, MS(3)), -1);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    snap = coord_state_snapshot(st, MS(3));
+    CU_ASSERT_EQUAL(snap->nmembers, 4);
+    coord_snapshot_free(snap);
+    coord_state_destroy(st);
+}
+
+/* Expects a register to fail with INVALID_ARGUMENT and a message containing want. */
+static void expect_register_error(coord_state_t *st, coord_role_t role, const char *name,
+                                  const char *address, const char *want)
+{
+    char err[512] = "";
+    coord_member_view_t v;
+    pshard_status_t rc =
+        coord_state_register(st, role, name, address, "node", "dev", MS(0), &v, err, sizeof(err));
+    CU_ASSERT_EQUAL(rc, PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, want));
+    if (!strstr(err, want))
+        fprintf(stderr, "got \"%s\", want \"%s\"\n", err, want);
+}
+
+static void test_validation(void)
+{
+    coord_state_t *st = make_state(2, 2, 0);
+    char long_name[COORD_NAME_MAX + 2];
+    memset(long_name, 'n', sizeof(long_name));
+    long_name[COORD_NAME_MAX + 1] = '\0'; /* 254 bytes */
+    char long_addr[COORD_FIELD_MAX + 2];
+    memset(long_addr, 'a', sizeof(long_addr));
+    long_addr[COORD_FIELD_MAX + 1] = '\0';
+
+    expect_register_error(st, SRV, "", "", "name is empty");
+    expect_register_error(st, SRV, NULL, "", "name is empty");
+    expect_register_error(st, SRV, long_name, "", "name is 254 bytes; the limit is 253");
+    expect_register_error(st, SRV, "abc\x01x", "",
+                          "name contains a non-printable or space byte at offset 3");
+    expect_register_error(st, SRV, "a b", "", "non-printable or space byte at offset 1");
+    expect_register_error(st, SRV, "caf\xc3\xa9", "", "at offset 3");
+    expect_register_error(st, COORD_ROLE_UNSPECIFIED, "ok", "",
+                          "role must be shard_server or trainer");
+    expect_register_error(st, (coord_role_t)7, "ok", "", "role must be shard_server or trainer");
+    expect_register_error(st, SRV, "ok", long_addr, "address is 256 bytes; the limit is 255");
+    expect_register_error(st, SRV, "ok", "10.0.0.1\n", "address contains a non-printable byte");
+    CU_ASSERT_EQUAL(coord_state_generation(st), 1);
+    CU_ASSERT_EQUAL(changes.n, 0);
+
+    /* The limits themselves are fine; fields may be empty or NULL. */
+    long_name[COORD_NAME_MAX] = '\0';
+    long_addr[COORD_FIELD_MAX] = '\0';
+    coord_member_view_t v;
+    char err[256] = "";
+    CU_ASSERT_EQUAL(
+        coord_state_register(st, SRV, long_name, long_addr, NULL, "", MS(0), &v, err, sizeof(err)),
+        PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_register(st, TRN, "t", "host with spaces:1", "", NULL, MS(0), &v,
+                                         err, sizeof(err)),
+                    PSHARD_OK);
+
+    static const char *const bad_ids[] = {
+        "",
+        "abc",
+        "0123456789ABCDEF0123456789abcdef",  /* uppercase */
+        "0123456789abcdef0123456789abcdeg",  /* not hex */
+        "0123456789abcdef0123456789abcdef0", /* 33 chars */
+        "0123456789abcdef0123456789abcde",   /* 31 chars */
+    };
+    for (size_t i = 0; i < sizeof(bad_ids) / sizeof(bad_ids[0]); i++) {
+        err[0] = '\0';
+        CU_ASSERT_EQUAL(coord_state_heartbeat(st, bad_ids[i], MS(1), NULL, err, sizeof(err)),
+                        PSHARD_ERR_INVALID_ARGUMENT);
+        CU_ASSERT_PTR_NOT_NULL(strstr(err, "member id"));
+    }
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, NULL, MS(1), NULL, err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, "0123456789abcdef0123456789abcdef", MS(1), NULL, err,
+                                          sizeof(err)),
+                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "unknown member id 0123456789abcdef0123456789abcdef"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "evicted or never registered; register again"));
+    coord_state_destroy(st);
+}
+
+static void test_next_deadline(void)
+{
+    coord_state_t *st = make_state(2, 4, 3000);
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), INT64_MAX);
+    coord_member_view_t a = reg(st, SRV, "a", MS(1000));
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(6000) + 1);
+    reg(st, TRN, "t", MS(500));
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5500) + 1);
+    reg(st, SRV, "b", MS(2000)); /* last call until 5000 ms, earlier than any lease */
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5000));
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(5000)), 1); /* formed */
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5500) + 1);
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(5500) + 1), 1); /* trainer t lapses */
+    CU_ASSERT_TRUE(last_reason_is("member t lease expired"));
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(6000) + 1);
+    char err[64] = "";
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, MS(6000), NULL, err, sizeof(err)),
+                    PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(7000) + 1); /* b's lease */
+    coord_state_destroy(st);
+}
+
+static void test_snapshot_content(void)
+{
+    coord_state_t *st = make_state(3, 3, 0);
+    coord_member_view_t v;
+    char err[256] = "";
+    CU_ASSERT_EQUAL(coord_state_register(st, SRV, "srv-b", "10.0.0.2:7000", "node-2", "cuda:1",
+                                         MS(100), &v, err, sizeof(err)),
+                    PSHARD_OK);
+    reg(st, TRN, "trainer-0", MS(150));
+
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(200));
+    CU_ASSERT_PTR_NOT_NULL_FATAL(snap);
+    CU_ASSERT_EQUAL(snap->generation, 3);
+    CU_ASSERT_EQUAL(snap->state, COORD_CLUSTER_FORMING);
+    CU_ASSERT_EQUAL(snap->world_size, 0);
+    CU_ASSERT_EQUAL(snap->min_nodes, 3);
+    CU_ASSERT_EQUAL(snap->max_nodes, 3);
+    CU_ASSERT_EQUAL(snap->shard_servers, 1);
+    CU_ASSERT_EQUAL(snap->last_call_remaining_ms, -1);
+    CU_ASSERT_STRING_EQUAL(snap->awaiting, "2 more shard servers (1 of min 3 registered)");
+    CU_ASSERT_EQUAL_FATAL(snap->nmembers, 2);
+    const coord_member_t *m = &snap->members[0];
+    CU_ASSERT_STRING_EQUAL(m->member_id, v.member_id);
+    CU_ASSERT_EQUAL(m->role, SRV);
+    CU_ASSERT_STRING_EQUAL(m->name, "srv-b");
+    CU_ASSERT_STRING_EQUAL(m->address, "10.0.0.2:7000");
+    CU_ASSERT_STRING_EQUAL(m->node, "node-2");
+    CU_ASSERT_STRING_EQUAL(m->device, "cuda:1");
+    CU_ASSERT_EQUAL(m->rank, -1);
+    CU_ASSERT_EQUAL(m->registered_ns, MS(100));
+    CU_ASSERT_EQUAL(m->last_heartbeat_ns, MS(100));
+    CU_ASSERT_EQUAL(m->lease_deadline_ns, MS(5100));
+    CU_ASSERT_EQUAL(m->registered_generation, 2);
+    CU_ASSERT_STRING_EQUAL(snap->members[1].name, "trainer-0");
+    CU_ASSERT_EQUAL(snap->members[1].registered_generation, 3);
+    coord_snapshot_free(snap);
+    coord_snapshot_free(NULL);
+
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, MS(900), NULL, err, sizeof(err)),
+                    PSHARD_OK);
+    snap = coord_state_snapshot(st, MS(900));
+    CU_ASSERT_EQUAL(snap->members[0].last_heartbeat_ns, MS(900));
+    CU_ASSERT_EQUAL(snap->members[0].lease_deadline_ns, MS(5900));
+    CU_ASSERT_EQUAL(snap->members[0].registered_ns, MS(100));
+    coord_snapshot_free(snap);
+
+    reg(st, SRV, "srv-a", MS(1000));
+    reg(st, SRV, "srv-10", MS(1000));
+    snap = coord_state_snapshot(st, MS(1000));
+    CU_ASSERT_EQUAL(snap->state, COORD_CLUSTER_FORMED);
+    CU_ASSERT_EQUAL(snap->world_size, 3);
+    CU_ASSERT_STRING_EQUAL(snap->awaiting, "");
+    CU_ASSERT_STRING_EQUAL(snap->members[0].name, "srv-10"); /* natural order: '1' < 'a' */
+    CU_ASSERT_STRING_EQUAL(snap->members[1].name, "srv-a");
+    CU_ASSERT_STRING_EQUAL(snap->members[2].name, "srv-b");
+    CU_ASSERT_STRING_EQUAL(snap->members[3].name, "trainer-0");
+    coord_snapshot_free(snap);
+    coord_state_destroy(st);
+}
+
+static void test_names(void)
+{
+    CU_ASSERT_STRING_EQUAL(coord_role_name(SRV), "shard_server");
+    CU_ASSERT_STRING_EQUAL(coord_role_name(TRN), "trainer");
+    CU_ASSERT_STRING_EQUAL(coord_cluster_state_name(COORD_CLUSTER_FORMING), "forming");
+    CU_ASSERT_STRING_EQUAL(coord_cluster_state_name(COORD_CLUSTER_FORMED), "formed");
+    CU_ASSERT_STRING_EQUAL(coord_cluster_state_name(COORD_CLUSTER_DEGRADED), "degraded");
+}
+
+/* Many members with interleaved removals keep the id index consistent: every live id is
+ * found, every removed one is not. */
+static void test_many_members_index(void)
+{
+    enum { N = 3000 };
+    coord_state_t *st = make_state(N + 1, N + 1, 0);
+    static char ids[N][COORD_ID_LEN + 1];
+    for (int i = 0; i < N; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "m%d", i);
+        coord_member_view_t v = reg(st, i % 2 ? TRN : SRV, name, MS(0));
+        memcpy(ids[i], v.member_id, sizeof(ids[i]));
+    }
+    char err[256];
+    for (int i = 0; i < N; i += 3) {
+        err[0] = '\0';
+        CU_ASSERT_EQUAL(coord_state_leave(st, ids[i], MS(1), err, sizeof(err)), PSHARD_OK);
+    }
+    /* Members 1, 4, 7, ... heartbeat; the rest lapse at once. */
+    int ok = 0, missing = 0;
+    for (int round = 0; round < 5; round++) {
+        for (int i = 0; i < N; i++) {
+            if (i % 3 == 2)
+                continue;
+            err[0] = '\0';
+            pshard_status_t rc =
+                coord_state_heartbeat(st, ids[i], MS(1000), NULL, err, sizeof(err));
+            if (i % 3 == 0)
+                missing += rc == PSHARD_ERR_NOT_FOUND;
+            else
+                ok += rc == PSHARD_OK;
+        }
+    }
+    CU_ASSERT_EQUAL(ok, 5 * (N / 3));
+    CU_ASSERT_EQUAL(missing, 5 * (N / 3));
+    CU_ASSERT_EQUAL(coord_state_tick(st, MS(5000) + 1), N / 3);
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(5001));
+    CU_ASSERT_EQUAL(snap->nmembers, (size_t)(N / 3));
+    coord_snapshot_free(snap);
+    for (int i = 0; i < N; i++) {
+        err[0] = '\0';
+        pshard_status_t rc = coord_state_heartbeat(st, ids[i], MS(5002), NULL, err, sizeof(err));
+        CU_ASSERT_EQUAL(rc, i % 3 == 1 ? PSHARD_OK : PSHARD_ERR_NOT_FOUND);
+    }
+    coord_state_destroy(st);
+}
+
+int main(void)
+{
+    static const ps_test_case_t cases[] = {
+        {"create rejects a bad config", test_create_rejects_bad_config},
+        {"register, heartbeat, lease expiry", test_register_heartbeat_lease_expiry},
+        {"member ids unique and never reused", test_ids_unique_and_never_reused},
+        {"fixed size forms at N in natural order", test_fixed_size_natural_order},
+        {"last call forms at expiry", test_last_call_forms_at_expiry},
+        {"last call: reaching max forms at once", test_last_call_reaching_max_forms_at_once},
+        {"last_call_ms 0 forms at min", test_last_call_zero_forms_at_min},
+        {"last call cancelled below min (leave)", test_last_call_cancelled_below_min},
+        {"last call cancelled below min (eviction)", test_last_call_eviction_below_min_cancels},
+        {"standby beyond max", test_standby_beyond_max},
+        {"re-register live member keeps rank", test_reregister_live_keeps_rank},
+        {"evicted rank returns and cluster re-forms", test_evicted_rank_returns_and_reforms},
+        {"degraded: new name takes lowest vacant rank", test_degraded_new_name_takes_lowest_vacant},
+        {"degraded: returning names get their own ranks",
+         test_degraded_returning_names_get_their_own_ranks},
+        {"leave", test_leave},
+        {"trainers; names unique per role", test_trainers_and_names_per_role},
+        {"validation errors", test_validation},
+        {"next deadline", test_next_deadline},
+        {"snapshot content and order", test_snapshot_content},
+        {"role and state names", test_names},
+        {"id index with many members", test_many_members_index},
+        {NULL, NULL},
+    };
+    return ps_test_main("coord_state", cases);
+}
