@@ -1,0 +1,612 @@
+/* pshardctl: the operator's command line for a pshard cluster. It asks a coordinator for
+ * status, members, health, store entries and the Watch stream, and can register a member by
+ * hand. Tables for people, --json for scripts; exit 0 ok, 1 not serving, 2 error. */
+#include <inttypes.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "grpc/health/v1/health.pb-c.h"
+#include "pshard/config.h"
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/log.h"
+#include "pshard/rpc.h"
+#include "pshard/util.h"
+
+#define EXIT_OK 0
+#define EXIT_NOT_SERVING 1
+#define EXIT_ERROR 2
+
+typedef struct {
+    char *coordinator;
+    char *token_file;
+    char *tls_ca;
+    char *tls_cert;
+    char *tls_key;
+    char *tls_server_name;
+    int64_t timeout_ms;
+    bool json;
+} ctl_opts_t;
+
+#define GOPT(flag, env, type, def, help, field, lo, hi)                                            \
+    {flag, env, type, def, help, offsetof(ctl_opts_t, field), lo, hi}
+
+static const ps_option_t global_options[] = {
+    GOPT("coordinator", "PSHARD_COORDINATOR", PS_OPT_STRING, NULL,
+         "coordinator HOST:PORT (default MASTER_ADDR:MASTER_PORT, else 127.0.0.1:29500)",
+         coordinator, 0, 0),
+    GOPT("token-file", "PSHARD_TOKEN_FILE", PS_OPT_STRING, NULL, "file holding the cluster token",
+         token_file, 0, 0),
+    GOPT("tls-ca", "PSHARD_TLS_CA", PS_OPT_STRING, NULL, "PEM CA that signed the server's cert",
+         tls_ca, 0, 0),
+    GOPT("tls-cert", "PSHARD_TLS_CERT", PS_OPT_STRING, NULL, "PEM client certificate (mTLS)",
+         tls_cert, 0, 0),
+    GOPT("tls-key", "PSHARD_TLS_KEY", PS_OPT_STRING, NULL, "PEM key of --tls-cert", tls_key, 0,
+         0),
+    GOPT("tls-server-name", "PSHARD_TLS_SERVER_NAME", PS_OPT_STRING, NULL,
+         "name the server certificate must carry, if not the address's host", tls_server_name, 0,
+         0),
+    GOPT("timeout-ms", "PSHARD_TIMEOUT_MS", PS_OPT_INT, "5000", "deadline of each call",
+         timeout_ms, 1, 86400000),
+    GOPT("json", NULL, PS_OPT_BOOL, "false", "print JSON instead of tables", json, 0, 0),
+};
+
+static const char usage_text[] =
+    "commands:\n"
+    "  status                      cluster state, members and request counters\n"
+    "  members                     the member table only\n"
+    "  health [SERVICE]            health of the coordinator or of SERVICE (e.g. pshard.Cluster)\n"
+    "  store get KEY               print a store value\n"
+    "  store set KEY VALUE         set a store value\n"
+    "  store add KEY DELTA         add to an integer value and print the result\n"
+    "  store wait KEY...           wait until every KEY exists (--timeout-ms bounds it)\n"
+    "  watch [--count N]           print cluster changes as they happen\n"
+    "  register --role ROLE --name NAME [--address A] [--node N] [--device D] [--hold]\n"
+    "                              register a member; --hold heartbeats until interrupted\n";
+
+static ctl_opts_t opts;
+static ps_rpc_channel_t *channel;
+
+static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int fail(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("pshardctl: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return EXIT_ERROR;
+}
+
+/* Writes s as a JSON string literal. */
+static void json_str(FILE *out, const char *s, size_t len)
+{
+    fputc('"', out);
+    for (size_t i = 0; i < len; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        if (ch == '"' || ch == '\\')
+            fprintf(out, "\\%c", ch);
+        else if (ch == '\n')
+            fputs("\\n", out);
+        else if (ch < 0x20 || ch == 0x7f)
+            fprintf(out, "\\u%04x", ch);
+        else
+            fputc(ch, out);
+    }
+    fputc('"', out);
+}
+
+static void json_cstr(FILE *out, const char *s)
+{
+    json_str(out, s ? s : "", s ? strlen(s) : 0);
+}
+
+static const char *state_name(Pshard__ClusterState s)
+{
+    switch (s) {
+    case PSHARD__CLUSTER_STATE__FORMING:
+        return "forming";
+    case PSHARD__CLUSTER_STATE__FORMED:
+        return "formed";
+    case PSHARD__CLUSTER_STATE__DEGRADED:
+        return "degraded";
+    default:
+        return "unknown";
+    }
+}
+
+static const char *role_name(Pshard__Role r)
+{
+    return r == PSHARD__ROLE__SHARD_SERVER ? "shard_server"
+           : r == PSHARD__ROLE__TRAINER    ? "trainer"
+                                           : "unknown";
+}
+
+static void json_member(FILE *out, const Pshard__Member *m)
+{
+    fputs("{\"member_id\":", out);
+    json_cstr(out, m->member_id);
+    fprintf(out, ",\"role\":\"%s\",\"name\":", role_name(m->role));
+    json_cstr(out, m->name);
+    fprintf(out, ",\"rank\":%d,\"address\":", m->rank);
+    json_cstr(out, m->address);
+    fputs(",\"node\":", out);
+    json_cstr(out, m->node);
+    fputs(",\"device\":", out);
+    json_cstr(out, m->device);
+    fprintf(out,
+            ",\"lease_remaining_ms\":%" PRId64 ",\"last_heartbeat_ms_ago\":%" PRId64
+            ",\"registered_generation\":%" PRIu64 "}",
+            m->lease_remaining_ms, m->last_heartbeat_ms_ago, m->registered_generation);
+}
+
+static void print_members_table(FILE *out, Pshard__Member **members, size_t n)
+{
+    fprintf(out, "%-5s %-13s %-24s %-22s %-12s %-8s %9s %8s\n", "RANK", "ROLE", "NAME", "ADDRESS",
+            "NODE", "DEVICE", "LEASE_MS", "LAST_HB");
+    for (size_t i = 0; i < n; i++) {
+        const Pshard__Member *m = members[i];
+        char rank[16];
+        if (m->rank >= 0)
+            snprintf(rank, sizeof(rank), "%d", m->rank);
+        else
+            snprintf(rank, sizeof(rank), "-");
+        fprintf(out, "%-5s %-13s %-24s %-22s %-12s %-8s %9" PRId64 " %6" PRId64 "ms\n", rank,
+                role_name(m->role), m->name, *m->address ? m->address : "-",
+                *m->node ? m->node : "-", *m->device ? m->device : "-", m->lease_remaining_ms,
+                m->last_heartbeat_ms_ago);
+    }
+    if (n == 0)
+        fprintf(out, "(no members)\n");
+}
+
+static int call(const char *method, const ProtobufCMessage *req,
+                const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp, unsigned flags,
+                int64_t timeout_ms)
+{
+    char err[1024] = "";
+    char path[128];
+    snprintf(path, sizeof(path), "/pshard.Coordinator/%s", method);
+    pshard_status_t rc =
+        ps_rpc_unary(channel, path, req, desc, resp, timeout_ms, flags, NULL, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        return fail("%s: %s (%s)", method, err, pshard_status_name(rc));
+    return EXIT_OK;
+}
+
+static int cmd_status(bool members_only)
+{
+    Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
+    ProtobufCMessage *msg = NULL;
+    int rc = call("Status", &req.base, &pshard__status_response__descriptor, &msg,
+                  PS_RPC_IDEMPOTENT, opts.timeout_ms);
+    if (rc != EXIT_OK)
+        return rc;
+    Pshard__StatusResponse *st = (Pshard__StatusResponse *)msg;
+    if (opts.json) {
+        if (members_only) {
+            fputc('[', stdout);
+            for (size_t i = 0; i < st->n_members; i++) {
+                if (i)
+                    fputc(',', stdout);
+                json_member(stdout, st->members[i]);
+            }
+            fputs("]\n", stdout);
+        } else {
+            printf("{\"version\":");
+            json_cstr(stdout, st->version);
+            printf(",\"generation\":%" PRIu64 ",\"state\":\"%s\",\"world_size\":%d,"
+                   "\"min_nodes\":%d,\"max_nodes\":%d,\"awaiting\":",
+                   st->generation, state_name(st->state), st->world_size, st->min_nodes,
+                   st->max_nodes);
+            json_cstr(stdout, st->awaiting);
+            printf(",\"last_call_remaining_ms\":%" PRId64 ",\"uptime_ms\":%" PRId64
+                   ",\"store_keys\":%" PRIu64 ",\"store_waiters\":%" PRIu64
+                   ",\"lease_ms\":%" PRId64 ",\"heartbeat_ms\":%" PRId64 ",\"members\":[",
+                   st->last_call_remaining_ms, st->uptime_ms, st->store_keys, st->store_waiters,
+                   st->lease_ms, st->heartbeat_ms);
+            for (size_t i = 0; i < st->n_members; i++) {
+                if (i)
+                    fputc(',', stdout);
+                json_member(stdout, st->members[i]);
+            }
+            fputs("],\"counters\":[", stdout);
+            for (size_t i = 0; i < st->n_counters; i++) {
+                if (i)
+                    fputc(',', stdout);
+                fputs("{\"method\":", stdout);
+                json_cstr(stdout, st->counters[i]->method);
+                printf(",\"calls\":%" PRIu64 ",\"errors\":%" PRIu64 "}", st->counters[i]->calls,
+                       st->counters[i]->errors);
+            }
+            fputs("]}\n", stdout);
+        }
+    } else {
+        if (!members_only) {
+            printf("coordinator  %s (pshard %s, up %" PRId64 " s)\n", opts.coordinator,
+                   st->version, st->uptime_ms / 1000);
+            printf("cluster      %s, generation %" PRIu64 "\n", state_name(st->state),
+                   st->generation);
+            if (st->min_nodes == st->max_nodes)
+                printf("world size   %d (expected %d)\n", st->world_size, st->max_nodes);
+            else
+                printf("world size   %d (expected %d:%d)\n", st->world_size, st->min_nodes,
+                       st->max_nodes);
+            if (*st->awaiting)
+                printf("awaiting     %s\n", st->awaiting);
+            printf("leases       %" PRId64 " ms, heartbeat every %" PRId64 " ms\n", st->lease_ms,
+                   st->heartbeat_ms);
+            printf("store        %" PRIu64 " keys, %" PRIu64 " waiting\n\n", st->store_keys,
+                   st->store_waiters);
+        }
+        print_members_table(stdout, st->members, st->n_members);
+        if (!members_only) {
+            printf("\n%-40s %10s %8s\n", "METHOD", "CALLS", "ERRORS");
+            for (size_t i = 0; i < st->n_counters; i++) {
+                if (st->counters[i]->calls == 0)
+                    continue;
+                printf("%-40s %10" PRIu64 " %8" PRIu64 "\n", st->counters[i]->method,
+                       st->counters[i]->calls, st->counters[i]->errors);
+            }
+        }
+    }
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return EXIT_OK;
+}
+
+static int cmd_health(int argc, char **argv)
+{
+    if (argc > 1)
+        return fail("health takes at most one SERVICE");
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    req.service = argc == 1 ? argv[0] : "";
+    ProtobufCMessage *msg = NULL;
+    char err[1024] = "";
+    int code = 0;
+    pshard_status_t rc = ps_rpc_unary(channel, "/grpc.health.v1.Health/Check", &req.base,
+                                      &grpc__health__v1__health_check_response__descriptor, &msg,
+                                      opts.timeout_ms, 0, &code, err, sizeof(err));
+    const char *service = *req.service ? req.service : "(server)";
+    if (rc == PSHARD_ERR_NOT_FOUND) {
+        if (opts.json)
+            printf("{\"service\":\"%s\",\"status\":\"SERVICE_UNKNOWN\"}\n", service);
+        else
+            printf("%s: SERVICE_UNKNOWN\n", service);
+        return EXIT_NOT_SERVING;
+    }
+    if (rc != PSHARD_OK)
+        return fail("health: %s (%s)", err, pshard_status_name(rc));
+    Grpc__Health__V1__HealthCheckResponse *resp = (Grpc__Health__V1__HealthCheckResponse *)msg;
+    const char *name = resp->status == 1 ? "SERVING" : resp->status == 2 ? "NOT_SERVING" : "UNKNOWN";
+    if (opts.json) {
+        fputs("{\"service\":", stdout);
+        json_cstr(stdout, service);
+        printf(",\"status\":\"%s\"}\n", name);
+    } else {
+        printf("%s: %s\n", service, name);
+    }
+    int exit_code = resp->status == 1 ? EXIT_OK : EXIT_NOT_SERVING;
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return exit_code;
+}
+
+static int cmd_store(int argc, char **argv)
+{
+    if (argc < 2)
+        return fail("store needs get|set|add|wait and a KEY (see --help)");
+    const char *sub = argv[0];
+    ProtobufCMessage *msg = NULL;
+    int rc;
+    if (strcmp(sub, "get") == 0 && argc == 2) {
+        Pshard__StoreGetRequest req = PSHARD__STORE_GET_REQUEST__INIT;
+        req.key = argv[1];
+        rc = call("StoreGet", &req.base, &pshard__store_get_response__descriptor, &msg,
+                  PS_RPC_IDEMPOTENT, opts.timeout_ms);
+        if (rc != EXIT_OK)
+            return rc;
+        Pshard__StoreGetResponse *r = (Pshard__StoreGetResponse *)msg;
+        if (opts.json) {
+            fputs("{\"key\":", stdout);
+            json_cstr(stdout, argv[1]);
+            fputs(",\"value\":", stdout);
+            json_str(stdout, (const char *)r->value.data, r->value.len);
+            fputs("}\n", stdout);
+        } else {
+            fwrite(r->value.data, 1, r->value.len, stdout);
+            fputc('\n', stdout);
+        }
+    } else if (strcmp(sub, "set") == 0 && argc == 3) {
+        Pshard__StoreSetRequest req = PSHARD__STORE_SET_REQUEST__INIT;
+        req.key = argv[1];
+        req.value.data = (uint8_t *)argv[2];
+        req.value.len = strlen(argv[2]);
+        rc = call("StoreSet", &req.base, &pshard__store_set_response__descriptor, &msg,
+                  PS_RPC_IDEMPOTENT, opts.timeout_ms);
+        if (rc != EXIT_OK)
+            return rc;
+    } else if (strcmp(sub, "add") == 0 && argc == 3) {
+        Pshard__StoreAddRequest req = PSHARD__STORE_ADD_REQUEST__INIT;
+        req.key = argv[1];
+        if (ps_parse_i64(argv[2], INT64_MIN, INT64_MAX, &req.delta) != 0)
+            return fail("store add: '%s' is not an integer", argv[2]);
+        rc = call("StoreAdd", &req.base, &pshard__store_add_response__descriptor, &msg, 0,
+                  opts.timeout_ms);
+        if (rc != EXIT_OK)
+            return rc;
+        printf("%" PRId64 "\n", ((Pshard__StoreAddResponse *)msg)->value);
+    } else if (strcmp(sub, "wait") == 0) {
+        Pshard__StoreWaitRequest req = PSHARD__STORE_WAIT_REQUEST__INIT;
+        req.n_keys = (size_t)argc - 1;
+        req.keys = argv + 1;
+        req.timeout_ms = opts.timeout_ms;
+        rc = call("StoreWait", &req.base, &pshard__store_wait_response__descriptor, &msg, 0,
+                  opts.timeout_ms + 2000);
+        if (rc != EXIT_OK)
+            return rc;
+        Pshard__StoreWaitResponse *r = (Pshard__StoreWaitResponse *)msg;
+        for (size_t i = 0; i < r->n_values; i++) {
+            printf("%s=", argv[1 + i]);
+            fwrite(r->values[i].data, 1, r->values[i].len, stdout);
+            fputc('\n', stdout);
+        }
+    } else {
+        return fail("store: unknown form '%s' with %d arguments (see --help)", sub, argc - 1);
+    }
+    if (msg)
+        protobuf_c_message_free_unpacked(msg, NULL);
+    return EXIT_OK;
+}
+
+static volatile sig_atomic_t interrupted;
+static void on_signal(int sig)
+{
+    (void)sig;
+    interrupted = 1;
+}
+
+static void print_event(const Pshard__ClusterEvent *ev)
+{
+    if (opts.json) {
+        printf("{\"generation\":%" PRIu64 ",\"state\":\"%s\",\"world_size\":%d,\"reason\":",
+               ev->generation, state_name(ev->state), ev->world_size);
+        json_cstr(stdout, ev->reason);
+        fputs(",\"members\":[", stdout);
+        for (size_t i = 0; i < ev->n_members; i++) {
+            if (i)
+                fputc(',', stdout);
+            json_member(stdout, ev->members[i]);
+        }
+        fputs("]}\n", stdout);
+    } else {
+        printf("generation %" PRIu64 "  %-8s  %zu members  %s\n", ev->generation,
+               state_name(ev->state), ev->n_members, ev->reason);
+    }
+    fflush(stdout);
+}
+
+static int cmd_watch(int argc, char **argv)
+{
+    int64_t count = 0;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--count") == 0 && i + 1 < argc) {
+            if (ps_parse_i64(argv[++i], 1, INT64_MAX, &count) != 0)
+                return fail("watch: --count needs a positive integer");
+        } else {
+            return fail("watch: unexpected argument '%s'", argv[i]);
+        }
+    }
+    signal(SIGINT, on_signal);
+    signal(SIGTERM, on_signal);
+    Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
+    char err[1024] = "";
+    ps_rpc_stream_t *st = ps_rpc_stream_open(channel, "/pshard.Coordinator/Watch", &req.base, 0,
+                                             err, sizeof(err));
+    if (!st)
+        return fail("watch: %s", err);
+    int rc = EXIT_OK;
+    int64_t seen = 0;
+    while (!interrupted && (count == 0 || seen < count)) {
+        ProtobufCMessage *msg = NULL;
+        pshard_status_t s = ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 200,
+                                               NULL, err, sizeof(err));
+        if (s == PSHARD_ERR_TIMEOUT)
+            continue;
+        if (s != PSHARD_OK) {
+            rc = fail("watch: %s (%s)", err, pshard_status_name(s));
+            break;
+        }
+        if (!msg) {
+            fprintf(stderr, "pshardctl: watch: the coordinator ended the stream\n");
+            break;
+        }
+        print_event((Pshard__ClusterEvent *)msg);
+        protobuf_c_message_free_unpacked(msg, NULL);
+        seen++;
+    }
+    ps_rpc_stream_close(st);
+    return rc;
+}
+
+typedef struct {
+    char *role;
+    char *name;
+    char *address;
+    char *node;
+    char *device;
+    bool hold;
+} reg_opts_t;
+
+#define ROPT(flag, type, def, help, field)                                                          \
+    {flag, NULL, type, def, help, offsetof(reg_opts_t, field), 0, 0}
+
+static const ps_option_t reg_options[] = {
+    ROPT("role", PS_OPT_STRING, NULL, "shard_server or trainer", role),
+    ROPT("name", PS_OPT_STRING, NULL, "member name", name),
+    ROPT("address", PS_OPT_STRING, "", "address the member serves on", address),
+    ROPT("node", PS_OPT_STRING, "", "node name", node),
+    ROPT("device", PS_OPT_STRING, "", "device, e.g. cpu or cuda:0", device),
+    ROPT("hold", PS_OPT_BOOL, "false", "heartbeat until interrupted, then leave", hold),
+};
+
+static void sleep_ms(int64_t ms)
+{
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
+    nanosleep(&ts, NULL);
+}
+
+static int cmd_register(int argc, char **argv)
+{
+    reg_opts_t r;
+    ps_config_result_t res;
+    char err[1024] = "";
+    int rc = EXIT_ERROR;
+    /* ps_config_parse expects argv[0] to be the program name. */
+    if (ps_config_parse(reg_options, PS_ARRAY_LEN(reg_options), argc + 1, argv - 1, &r, &res, err,
+                        sizeof(err)) != PSHARD_OK) {
+        fail("register: %s", err);
+        goto out;
+    }
+    if (!r.role || !r.name) {
+        fail("register needs --role and --name");
+        goto out;
+    }
+    Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
+    if (strcmp(r.role, "shard_server") == 0) {
+        req.role = PSHARD__ROLE__SHARD_SERVER;
+    } else if (strcmp(r.role, "trainer") == 0) {
+        req.role = PSHARD__ROLE__TRAINER;
+    } else {
+        fail("register: --role must be shard_server or trainer, not '%s'", r.role);
+        goto out;
+    }
+    req.name = r.name;
+    req.address = r.address;
+    req.node = r.node;
+    req.device = r.device;
+    ProtobufCMessage *msg = NULL;
+    if (call("Register", &req.base, &pshard__member_view__descriptor, &msg, 0, opts.timeout_ms) !=
+        EXIT_OK)
+        goto out;
+    Pshard__MemberView *v = (Pshard__MemberView *)msg;
+    char member_id[64];
+    ps_strlcpy(member_id, v->member_id, sizeof(member_id));
+    int64_t heartbeat_ms = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
+    printf("registered %s as %s (rank %d, generation %" PRIu64 ", %s)\n", r.name, member_id,
+           v->rank, v->generation, state_name(v->state));
+    fflush(stdout);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    rc = EXIT_OK;
+    if (!r.hold)
+        goto out;
+    signal(SIGINT, on_signal);
+    signal(SIGTERM, on_signal);
+    while (!interrupted) {
+        sleep_ms(heartbeat_ms);
+        if (interrupted)
+            break;
+        Pshard__HeartbeatRequest hb = PSHARD__HEARTBEAT_REQUEST__INIT;
+        hb.member_id = member_id;
+        if (call("Heartbeat", &hb.base, &pshard__member_view__descriptor, &msg, PS_RPC_IDEMPOTENT,
+                 opts.timeout_ms) != EXIT_OK) {
+            rc = EXIT_ERROR;
+            goto out;
+        }
+        protobuf_c_message_free_unpacked(msg, NULL);
+    }
+    Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
+    lv.member_id = member_id;
+    if (call("Leave", &lv.base, &pshard__leave_response__descriptor, &msg, PS_RPC_IDEMPOTENT,
+             opts.timeout_ms) == EXIT_OK)
+        protobuf_c_message_free_unpacked(msg, NULL);
+out:
+    ps_config_free(reg_options, PS_ARRAY_LEN(reg_options), &r);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    ps_log_init("pshardctl");
+    ps_config_result_t res;
+    char err[1024] = "";
+    int rc = EXIT_ERROR;
+    char *token = NULL;
+    char default_target[300];
+    if (ps_config_parse(global_options, PS_ARRAY_LEN(global_options), argc, argv, &opts, &res,
+                        err, sizeof(err)) != PSHARD_OK) {
+        fail("%s (see --help)", err);
+        goto out;
+    }
+    if (res.help) {
+        ps_config_usage(stdout, "pshardctl", "[OPTIONS] COMMAND [ARGS]",
+                        "Queries and drives a pshard coordinator.", global_options,
+                        PS_ARRAY_LEN(global_options));
+        fputs(usage_text, stdout);
+        rc = EXIT_OK;
+        goto out;
+    }
+    if (res.version) {
+        printf("pshardctl %s\n", PSHARD_VERSION_STRING);
+        rc = EXIT_OK;
+        goto out;
+    }
+    if (res.first_positional >= argc) {
+        fail("no command given (see --help)");
+        goto out;
+    }
+    if (!opts.coordinator) {
+        const char *addr = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT");
+        snprintf(default_target, sizeof(default_target), "%s:%s", addr && *addr ? addr : "127.0.0.1",
+                 port && *port ? port : "29500");
+        opts.coordinator = strdup(default_target);
+    }
+    if (opts.token_file) {
+        token = ps_read_file(opts.token_file, true, 4096, NULL, err, sizeof(err));
+        if (!token) {
+            fail("--token-file: %s", err);
+            goto out;
+        }
+    }
+    ps_rpc_channel_config_t ccfg = {
+        .target = opts.coordinator,
+        .tls_ca_file = opts.tls_ca,
+        .tls_cert_file = opts.tls_cert,
+        .tls_key_file = opts.tls_key,
+        .tls_server_name = opts.tls_server_name,
+        .token = token,
+        .max_message_bytes = 64 << 20,
+    };
+    channel = ps_rpc_channel_create(&ccfg, err, sizeof(err));
+    if (!channel) {
+        fail("%s", err);
+        goto out;
+    }
+    const char *cmd = argv[res.first_positional];
+    int cargc = argc - res.first_positional - 1;
+    char **cargv = argv + res.first_positional + 1;
+    if (strcmp(cmd, "status") == 0 && cargc == 0)
+        rc = cmd_status(false);
+    else if (strcmp(cmd, "members") == 0 && cargc == 0)
+        rc = cmd_status(true);
+    else if (strcmp(cmd, "health") == 0)
+        rc = cmd_health(cargc, cargv);
+    else if (strcmp(cmd, "store") == 0)
+        rc = cmd_store(cargc, cargv);
+    else if (strcmp(cmd, "watch") == 0)
+        rc = cmd_watch(cargc, cargv);
+    else if (strcmp(cmd, "register") == 0)
+        rc = cmd_register(cargc, cargv);
+    else
+        rc = fail("unknown command or arguments: '%s' (see --help)", cmd);
+out:
+    ps_rpc_channel_destroy(channel);
+    free(token);
+    ps_config_free(global_options, PS_ARRAY_LEN(global_options), &opts);
+    return rc;
+}
