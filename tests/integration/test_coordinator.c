@@ -1,0 +1,420 @@
+/* Integration tests against the real pshard-coordinator binary on an ephemeral loopback port:
+ * membership with lease expiry, Watch, store waits released by another client, rendezvous,
+ * rank recovery by name, and graceful shutdown with open streams. argv[1] is the binary. */
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ps_proc.h"
+#include "ps_test.h"
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/rpc.h"
+#include "pshard/util.h"
+
+static const char *coordinator_bin;
+
+typedef struct {
+    pid_t pid;
+    char target[64];
+    ps_rpc_channel_t *ch;
+} fixture_t;
+
+static int start(fixture_t *f, const char *const *args)
+{
+    memset(f, 0, sizeof(*f));
+    f->pid = ps_proc_start_coordinator(coordinator_bin, args, f->target, sizeof(f->target));
+    if (f->pid < 0)
+        return -1;
+    char err[256] = "";
+    ps_rpc_channel_config_t cfg = {.target = f->target, .own_connection = true};
+    f->ch = ps_rpc_channel_create(&cfg, err, sizeof(err));
+    return f->ch ? 0 : -1;
+}
+
+static int stop(fixture_t *f)
+{
+    ps_rpc_channel_destroy(f->ch);
+    f->ch = NULL;
+    return ps_proc_stop(f->pid, 10000);
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+    nanosleep(&ts, NULL);
+}
+
+static pshard_status_t do_register(ps_rpc_channel_t *ch, Pshard__Role role, const char *name,
+                                   Pshard__MemberView **view)
+{
+    Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
+    req.role = role;
+    req.name = (char *)name;
+    req.address = "127.0.0.1:1";
+    char err[256] = "";
+    return ps_rpc_unary(ch, "/pshard.Coordinator/Register", &req.base,
+                        &pshard__member_view__descriptor, (ProtobufCMessage **)view, 5000, 0,
+                        NULL, err, sizeof(err));
+}
+
+static pshard_status_t do_heartbeat(ps_rpc_channel_t *ch, const char *id, char *err,
+                                    size_t errlen)
+{
+    Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
+    req.member_id = (char *)id;
+    ProtobufCMessage *resp = NULL;
+    pshard_status_t rc = ps_rpc_unary(ch, "/pshard.Coordinator/Heartbeat", &req.base,
+                                      &pshard__member_view__descriptor, &resp, 5000, 0, NULL, err,
+                                      errlen);
+    if (resp)
+        protobuf_c_message_free_unpacked(resp, NULL);
+    return rc;
+}
+
+static Pshard__StatusResponse *get_status(ps_rpc_channel_t *ch)
+{
+    Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    char err[256] = "";
+    if (ps_rpc_unary(ch, "/pshard.Coordinator/Status", &req.base,
+                     &pshard__status_response__descriptor, &resp, 5000, 0, NULL, err,
+                     sizeof(err)) != PSHARD_OK)
+        return NULL;
+    return (Pshard__StatusResponse *)resp;
+}
+
+static const Pshard__Member *find_member(const Pshard__StatusResponse *st, const char *name)
+{
+    for (size_t i = 0; i < st->n_members; i++) {
+        if (strcmp(st->members[i]->name, name) == 0)
+            return st->members[i];
+    }
+    return NULL;
+}
+
+/* A member that stops heartbeating is evicted after its lease; the generation moves on, and
+ * its heartbeat is refused with NOT_FOUND. One that keeps heartbeating stays. */
+static void test_lease_expiry(void)
+{
+    fixture_t f;
+    const char *args[] = {"--lease-ms", "400", "--heartbeat-ms", "100", "--world-size", "2", NULL};
+    CU_ASSERT_FATAL(start(&f, args) == 0);
+    Pshard__MemberView *a = NULL, *b = NULL;
+    CU_ASSERT_FATAL(do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "alive", &a) == PSHARD_OK);
+    CU_ASSERT_FATAL(do_register(f.ch, PSHARD__ROLE__TRAINER, "silent", &b) == PSHARD_OK);
+    uint64_t gen_before = b->generation;
+    char err[256] = "";
+    /* Heartbeat "alive" every 100 ms until "silent" is gone (or 5 s pass). */
+    bool evicted = false;
+    uint64_t gen_after = 0;
+    for (int i = 0; i < 50 && !evicted; i++) {
+        CU_ASSERT(do_heartbeat(f.ch, a->member_id, err, sizeof(err)) == PSHARD_OK);
+        Pshard__StatusResponse *st = get_status(f.ch);
+        CU_ASSERT_FATAL(st != NULL);
+        evicted = find_member(st, "silent") == NULL;
+        CU_ASSERT(find_member(st, "alive") != NULL);
+        gen_after = st->generation;
+        protobuf_c_message_free_unpacked(&st->base, NULL);
+        sleep_ms(100);
+    }
+    CU_ASSERT(evicted);
+    CU_ASSERT(gen_after > gen_before);
+    err[0] = '\0';
+    CU_ASSERT(do_heartbeat(f.ch, b->member_id, err, sizeof(err)) == PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT(strstr(err, "register again") != NULL);
+    protobuf_c_message_free_unpacked(&a->base, NULL);
+    protobuf_c_message_free_unpacked(&b->base, NULL);
+    CU_ASSERT(stop(&f) == 0);
+}
+
+/* Watch delivers the current state first, then an event with a higher generation that lists a
+ * member registered from another connection. */
+static void test_watch_sees_generation(void)
+{
+    fixture_t f;
+    const char *args[] = {"--world-size", "3", NULL};
+    CU_ASSERT_FATAL(start(&f, args) == 0);
+    Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
+    char err[256] = "";
+    ps_rpc_stream_t *st = ps_rpc_stream_open(f.ch, "/pshard.Coordinator/Watch", &req.base, 10000,
+                                             err, sizeof(err));
+    CU_ASSERT_FATAL(st != NULL);
+    ProtobufCMessage *msg = NULL;
+    CU_ASSERT_FATAL(ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 5000, NULL,
+                                       err, sizeof(err)) == PSHARD_OK);
+    CU_ASSERT_FATAL(msg != NULL);
+    Pshard__ClusterEvent *first = (Pshard__ClusterEvent *)msg;
+    uint64_t gen0 = first->generation;
+    CU_ASSERT(first->n_members == 0);
+    CU_ASSERT(first->state == PSHARD__CLUSTER_STATE__FORMING);
+    protobuf_c_message_free_unpacked(msg, NULL);
+
+    ps_rpc_channel_config_t cfg = {.target = f.target, .own_connection = true};
+    ps_rpc_channel_t *other = ps_rpc_channel_create(&cfg, err, sizeof(err));
+    Pshard__MemberView *v = NULL;
+    CU_ASSERT_FATAL(do_register(other, PSHARD__ROLE__SHARD_SERVER, "watched-1", &v) == PSHARD_OK);
+    CU_ASSERT_FATAL(ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 5000, NULL,
+                                       err, sizeof(err)) == PSHARD_OK);
+    CU_ASSERT_FATAL(msg != NULL);
+    Pshard__ClusterEvent *ev = (Pshard__ClusterEvent *)msg;
+    CU_ASSERT(ev->generation > gen0);
+    CU_ASSERT(ev->generation == v->generation);
+    CU_ASSERT(ev->n_members == 1 && strcmp(ev->members[0]->name, "watched-1") == 0);
+    CU_ASSERT(strstr(ev->reason, "watched-1") != NULL);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    protobuf_c_message_free_unpacked(&v->base, NULL);
+    ps_rpc_stream_close(st);
+    ps_rpc_channel_destroy(other);
+    CU_ASSERT(stop(&f) == 0);
+}
+
+typedef struct {
+    const char *target;
+    pshard_status_t rc;
+    char value[64];
+    char err[256];
+} waiter_t;
+
+static void *wait_thread(void *arg)
+{
+    waiter_t *w = arg;
+    ps_rpc_channel_config_t cfg = {.target = w->target, .own_connection = true};
+    ps_rpc_channel_t *ch = ps_rpc_channel_create(&cfg, w->err, sizeof(w->err));
+    if (!ch) {
+        w->rc = PSHARD_ERR_INTERNAL;
+        return NULL;
+    }
+    Pshard__StoreWaitRequest req = PSHARD__STORE_WAIT_REQUEST__INIT;
+    char *keys[] = {"peer/0", "peer/1"};
+    req.n_keys = 2;
+    req.keys = keys;
+    req.timeout_ms = 20000;
+    ProtobufCMessage *resp = NULL;
+    w->rc = ps_rpc_unary(ch, "/pshard.Coordinator/StoreWait", &req.base,
+                         &pshard__store_wait_response__descriptor, &resp, 25000, 0, NULL, w->err,
+                         sizeof(w->err));
+    if (w->rc == PSHARD_OK) {
+        Pshard__StoreWaitResponse *r = (Pshard__StoreWaitResponse *)resp;
+        if (r->n_values == 2)
+            snprintf(w->value, sizeof(w->value), "%.*s|%.*s", (int)r->values[0].len,
+                     (const char *)r->values[0].data, (int)r->values[1].len,
+                     (const char *)r->values[1].data);
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    ps_rpc_channel_destroy(ch);
+    return NULL;
+}
+
+static pshard_status_t store_set(ps_rpc_channel_t *ch, const char *key, const char *value)
+{
+    Pshard__StoreSetRequest req = PSHARD__STORE_SET_REQUEST__INIT;
+    req.key = (char *)key;
+    req.value.data = (uint8_t *)value;
+    req.value.len = strlen(value);
+    ProtobufCMessage *resp = NULL;
+    char err[256] = "";
+    pshard_status_t rc = ps_rpc_unary(ch, "/pshard.Coordinator/StoreSet", &req.base,
+                                      &pshard__store_set_response__descriptor, &resp, 5000, 0,
+                                      NULL, err, sizeof(err));
+    if (resp)
+        protobuf_c_message_free_unpacked(resp, NULL);
+    return rc;
+}
+
+/* Waits until Status reports `n` pending store waits. */
+static bool wait_for_waiters(ps_rpc_channel_t *ch, uint64_t n)
+{
+    for (int i = 0; i < 500; i++) {
+        Pshard__StatusResponse *st = get_status(ch);
+        bool ok = st && st->store_waiters == n;
+        if (st)
+            protobuf_c_message_free_unpacked(&st->base, NULL);
+        if (ok)
+            return true;
+        sleep_ms(10);
+    }
+    return false;
+}
+
+/* A StoreWait blocked in one client is released by StoreSets from another, with the values in
+ * the order of the keys. */
+static void test_store_wait_released(void)
+{
+    fixture_t f;
+    CU_ASSERT_FATAL(start(&f, NULL) == 0);
+    waiter_t w = {.target = f.target, .rc = PSHARD_ERR_INTERNAL};
+    pthread_t t;
+    pthread_create(&t, NULL, wait_thread, &w);
+    CU_ASSERT_FATAL(wait_for_waiters(f.ch, 1));
+    CU_ASSERT(store_set(f.ch, "peer/1", "10.0.0.2:7000") == PSHARD_OK);
+    /* One key is not enough: the wait is still pending. */
+    CU_ASSERT(wait_for_waiters(f.ch, 1));
+    CU_ASSERT(store_set(f.ch, "peer/0", "10.0.0.1:7000") == PSHARD_OK);
+    pthread_join(t, NULL);
+    CU_ASSERT_EQUAL(w.rc, PSHARD_OK);
+    CU_ASSERT_STRING_EQUAL(w.value, "10.0.0.1:7000|10.0.0.2:7000");
+    CU_ASSERT(wait_for_waiters(f.ch, 0));
+    CU_ASSERT(stop(&f) == 0);
+}
+
+static int member_rank(const Pshard__StatusResponse *st, const char *name)
+{
+    const Pshard__Member *m = find_member(st, name);
+    return m ? m->rank : -100;
+}
+
+/* --nnodes 2:3 with a last call: two servers start the last call, the cluster forms when it
+ * expires; ranks follow the natural order of names; a later server is a standby. */
+static void test_rendezvous_min_max(void)
+{
+    fixture_t f;
+    const char *args[] = {"--nnodes", "2:3", "--last-call-ms", "300", NULL};
+    CU_ASSERT_FATAL(start(&f, args) == 0);
+    Pshard__MemberView *v = NULL;
+    CU_ASSERT(do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "node-10", &v) == PSHARD_OK);
+    protobuf_c_message_free_unpacked(&v->base, NULL);
+    CU_ASSERT(do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "node-2", &v) == PSHARD_OK);
+    CU_ASSERT(v->state == PSHARD__CLUSTER_STATE__FORMING);
+    CU_ASSERT(v->rank == -1);
+    protobuf_c_message_free_unpacked(&v->base, NULL);
+    Pshard__StatusResponse *st = get_status(f.ch);
+    CU_ASSERT_FATAL(st != NULL);
+    CU_ASSERT(st->state == PSHARD__CLUSTER_STATE__FORMING);
+    CU_ASSERT(st->last_call_remaining_ms >= 0);
+    CU_ASSERT(strlen(st->awaiting) > 0);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    /* Heartbeats keep them alive while we poll for the cluster to form. */
+    bool formed = false;
+    for (int i = 0; i < 300 && !formed; i++) {
+        st = get_status(f.ch);
+        CU_ASSERT_FATAL(st != NULL);
+        formed = st->state == PSHARD__CLUSTER_STATE__FORMED;
+        if (formed) {
+            CU_ASSERT_EQUAL(st->world_size, 2);
+            CU_ASSERT_EQUAL(member_rank(st, "node-2"), 0);
+            CU_ASSERT_EQUAL(member_rank(st, "node-10"), 1);
+        }
+        protobuf_c_message_free_unpacked(&st->base, NULL);
+        sleep_ms(10);
+    }
+    CU_ASSERT(formed);
+    CU_ASSERT(do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "node-3", &v) == PSHARD_OK);
+    CU_ASSERT_EQUAL(v->rank, -1);
+    CU_ASSERT_EQUAL(v->world_size, 2);
+    protobuf_c_message_free_unpacked(&v->base, NULL);
+    CU_ASSERT(stop(&f) == 0);
+}
+
+/* A restarted member (same name, new incarnation) gets its old rank back, and the old
+ * incarnation's id is no longer accepted. */
+static void test_reregister_keeps_rank(void)
+{
+    fixture_t f;
+    const char *args[] = {"--world-size", "3", NULL};
+    CU_ASSERT_FATAL(start(&f, args) == 0);
+    const char *names[] = {"pshard-server-10", "pshard-server-2", "pshard-server-1"};
+    Pshard__MemberView *v[3];
+    for (int i = 0; i < 3; i++)
+        CU_ASSERT_FATAL(do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, names[i], &v[i]) ==
+                        PSHARD_OK);
+    CU_ASSERT_EQUAL(v[2]->state, PSHARD__CLUSTER_STATE__FORMED);
+    Pshard__StatusResponse *st = get_status(f.ch);
+    CU_ASSERT_FATAL(st != NULL);
+    CU_ASSERT_EQUAL(member_rank(st, "pshard-server-1"), 0);
+    CU_ASSERT_EQUAL(member_rank(st, "pshard-server-2"), 1);
+    CU_ASSERT_EQUAL(member_rank(st, "pshard-server-10"), 2);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    Pshard__MemberView *again = NULL;
+    CU_ASSERT_FATAL(do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "pshard-server-2", &again) ==
+                    PSHARD_OK);
+    CU_ASSERT_EQUAL(again->rank, 1);
+    CU_ASSERT(strcmp(again->member_id, v[1]->member_id) != 0);
+    CU_ASSERT(again->generation > v[2]->generation);
+    char err[256] = "";
+    CU_ASSERT_EQUAL(do_heartbeat(f.ch, v[1]->member_id, err, sizeof(err)), PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_EQUAL(do_heartbeat(f.ch, again->member_id, err, sizeof(err)), PSHARD_OK);
+    protobuf_c_message_free_unpacked(&again->base, NULL);
+    for (int i = 0; i < 3; i++)
+        protobuf_c_message_free_unpacked(&v[i]->base, NULL);
+    CU_ASSERT(stop(&f) == 0);
+}
+
+/* SIGTERM with an open Watch stream and a pending StoreWait: both clients get an error
+ * promptly, and the process exits 0. */
+static void test_graceful_shutdown(void)
+{
+    fixture_t f;
+    CU_ASSERT_FATAL(start(&f, NULL) == 0);
+    Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
+    char err[256] = "";
+    ps_rpc_stream_t *st = ps_rpc_stream_open(f.ch, "/pshard.Coordinator/Watch", &req.base, 0,
+                                             err, sizeof(err));
+    CU_ASSERT_FATAL(st != NULL);
+    ProtobufCMessage *msg = NULL;
+    CU_ASSERT(ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 5000, NULL, err,
+                                 sizeof(err)) == PSHARD_OK);
+    if (msg)
+        protobuf_c_message_free_unpacked(msg, NULL);
+    waiter_t w = {.target = f.target, .rc = PSHARD_ERR_INTERNAL};
+    pthread_t t;
+    pthread_create(&t, NULL, wait_thread, &w);
+    CU_ASSERT_FATAL(wait_for_waiters(f.ch, 1));
+    int64_t t0 = ps_now_ns();
+    int code = ps_proc_stop(f.pid, 10000);
+    CU_ASSERT_EQUAL(code, 0);
+    CU_ASSERT((ps_now_ns() - t0) < 5000000000LL);
+    pthread_join(t, NULL);
+    CU_ASSERT(w.rc != PSHARD_OK);
+    /* The watch stream ends (with OK or an error), it does not hang. */
+    pshard_status_t rc = ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 5000,
+                                            NULL, err, sizeof(err));
+    CU_ASSERT(rc != PSHARD_ERR_TIMEOUT);
+    if (rc == PSHARD_OK && msg)
+        protobuf_c_message_free_unpacked(msg, NULL);
+    ps_rpc_stream_close(st);
+    ps_rpc_channel_destroy(f.ch);
+}
+
+/* Bad flags exit 2 with a message; --version exits 0. */
+static void test_bad_flags(void)
+{
+    char *bad[] = {(char *)coordinator_bin, "--lease-ms", "abc", NULL};
+    pid_t pid = ps_proc_spawn(bad, "/dev/null");
+    int status = 0;
+    waitpid(pid, &status, 0);
+    CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 2);
+    char *bad2[] = {(char *)coordinator_bin, "--nnodes", "3:2", NULL};
+    pid = ps_proc_spawn(bad2, "/dev/null");
+    waitpid(pid, &status, 0);
+    CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 2);
+    char *ver[] = {(char *)coordinator_bin, "--version", NULL};
+    pid = ps_proc_spawn(ver, "/dev/null");
+    waitpid(pid, &status, 0);
+    CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s PATH-TO-pshard-coordinator\n", argv[0]);
+        return 2;
+    }
+    coordinator_bin = argv[1];
+    signal(SIGPIPE, SIG_IGN);
+    static const ps_test_case_t cases[] = {
+        {"lease expiry evicts a silent member", test_lease_expiry},
+        {"watch sees a new generation", test_watch_sees_generation},
+        {"store wait released by another client", test_store_wait_released},
+        {"rendezvous min:max with last call", test_rendezvous_min_max},
+        {"re-register keeps the rank", test_reregister_keeps_rank},
+        {"graceful shutdown with open streams", test_graceful_shutdown},
+        {"bad flags exit 2", test_bad_flags},
+        {NULL, NULL},
+    };
+    return ps_test_main("coordinator_integration", cases);
+}
