@@ -7,6 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -380,6 +383,79 @@ static void test_graceful_shutdown(void)
     ps_rpc_channel_destroy(f.ch);
 }
 
+typedef struct {
+    char target[64];
+    pshard_status_t rc;
+    int64_t elapsed_ms;
+} retry_t;
+
+static void *retry_thread(void *arg)
+{
+    retry_t *r = arg;
+    char err[256] = "";
+    ps_rpc_channel_config_t cfg = {.target = r->target, .own_connection = true};
+    ps_rpc_channel_t *ch = ps_rpc_channel_create(&cfg, err, sizeof(err));
+    Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    int64_t t0 = ps_now_ns();
+    r->rc = ps_rpc_unary(ch, "/pshard.Coordinator/Status", &req.base,
+                         &pshard__status_response__descriptor, &resp, 10000, PS_RPC_IDEMPOTENT,
+                         NULL, err, sizeof(err));
+    r->elapsed_ms = (ps_now_ns() - t0) / 1000000;
+    if (resp)
+        protobuf_c_message_free_unpacked(resp, NULL);
+    ps_rpc_channel_destroy(ch);
+    return NULL;
+}
+
+/* An idempotent call made while the coordinator is down retries with backoff and succeeds once
+ * it comes up; a non-idempotent call fails at once with UNAVAILABLE. */
+static void test_idempotent_retry(void)
+{
+    /* Pick a free port, release it, and start the coordinator on it a little later. */
+    int port = -1;
+    {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        socklen_t len = sizeof(a);
+        if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+            getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+            port = ntohs(a.sin_port);
+        close(fd);
+    }
+    CU_ASSERT_FATAL(port > 0);
+    retry_t r = {.rc = PSHARD_ERR_INTERNAL};
+    snprintf(r.target, sizeof(r.target), "127.0.0.1:%d", port);
+
+    char err[256] = "";
+    ps_rpc_channel_config_t cfg = {.target = r.target, .own_connection = true};
+    ps_rpc_channel_t *ch = ps_rpc_channel_create(&cfg, err, sizeof(err));
+    Pshard__StoreAddRequest add = PSHARD__STORE_ADD_REQUEST__INIT;
+    add.key = "k";
+    ProtobufCMessage *resp = NULL;
+    CU_ASSERT_EQUAL(ps_rpc_unary(ch, "/pshard.Coordinator/StoreAdd", &add.base,
+                                 &pshard__store_add_response__descriptor, &resp, 2000, 0, NULL,
+                                 err, sizeof(err)),
+                    PSHARD_ERR_UNAVAILABLE);
+    ps_rpc_channel_destroy(ch);
+
+    pthread_t t;
+    pthread_create(&t, NULL, retry_thread, &r);
+    sleep_ms(300); /* let the first attempts fail; this is the scenario, not a wait for readiness */
+    char listen[64], port_file[] = "/tmp/pshard-retry-XXXXXX";
+    int pfd = mkstemp(port_file);
+    close(pfd);
+    unlink(port_file);
+    snprintf(listen, sizeof(listen), "127.0.0.1:%d", port);
+    char *argv[] = {(char *)coordinator_bin, "--listen", listen, "--port-file", port_file, NULL};
+    pid_t pid = ps_proc_spawn(argv, "/dev/null");
+    pthread_join(t, NULL);
+    CU_ASSERT_EQUAL(r.rc, PSHARD_OK);
+    CU_ASSERT(r.elapsed_ms >= 250);
+    CU_ASSERT_EQUAL(ps_proc_stop(pid, 10000), 0);
+    unlink(port_file);
+}
+
 /* Bad flags exit 2 with a message; --version exits 0. */
 static void test_bad_flags(void)
 {
@@ -413,6 +489,7 @@ int main(int argc, char **argv)
         {"rendezvous min:max with last call", test_rendezvous_min_max},
         {"re-register keeps the rank", test_reregister_keeps_rank},
         {"graceful shutdown with open streams", test_graceful_shutdown},
+        {"idempotent calls retry while unavailable", test_idempotent_retry},
         {"bad flags exit 2", test_bad_flags},
         {NULL, NULL},
     };
