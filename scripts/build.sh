@@ -4,7 +4,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build_dir=${PSHARD_BUILD_DIR:-$root/build}
+mkdir -p "$build_dir"
 cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=${PSHARD_BUILD_TYPE:-RelWithDebInfo} \
-  -DPSHARD_WERROR=ON "$@" > "$build_dir.configure.log" 2>&1 || {
-  cat "$build_dir.configure.log"; exit 1; }
+  -DPSHARD_WERROR=ON "$@" > "$build_dir/configure.log" 2>&1 || {
+  cat "$build_dir/configure.log"; exit 1; }
 cmake --build "$build_dir" -j "$(nproc)"
