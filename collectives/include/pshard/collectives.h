@@ -1,0 +1,171 @@
+/* pshard collectives: one API for all-gather, reduce-scatter, all-reduce, broadcast and
+ * barrier over a communicator of N ranks, with a CPU backend over TCP ("tcp": pipelined ring
+ * algorithms on libevent) and a GPU backend ("nccl", built when CUDA and NCCL are found).
+ *
+ * Every operation carries a descriptor (op, sequence number, dtype, reduction, counts, root,
+ * caller tag). Ranks compare descriptors before moving data: a mismatch fails the operation on
+ * every rank with PSHARD_ERR_DESYNC and a message naming both ranks and both descriptors.
+ * Operations time out (per communicator, default 10 minutes, per-op override) with
+ * PSHARD_ERR_TIMEOUT naming the peer that did not answer; pshard_comm_abort() from any thread
+ * releases every waiter with PSHARD_ERR_ABORTED. After a desync, timeout, lost peer or abort
+ * the communicator is unusable (every later call fails with the first error); make a new one
+ * for the next generation. */
+#ifndef PSHARD_COLLECTIVES_H
+#define PSHARD_COLLECTIVES_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pshard/dtype.h"
+#include "pshard/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct pshard_comm pshard_comm_t;
+typedef struct pshard_coll_req pshard_coll_req_t;
+
+typedef enum {
+    PSHARD_COLL_ALL_GATHER = 1,
+    PSHARD_COLL_REDUCE_SCATTER = 2,
+    PSHARD_COLL_ALL_REDUCE = 3,
+    PSHARD_COLL_BROADCAST = 4,
+    PSHARD_COLL_BARRIER = 5,
+} pshard_coll_op_t;
+
+typedef enum {
+    PSHARD_REDUCE_SUM = 0,
+    PSHARD_REDUCE_AVG = 1, /* sum divided by the world size */
+} pshard_reduce_t;
+
+/* One collective. Buffers are host memory for "tcp" and device memory for "nccl".
+ *  all_gather:     send holds counts[rank] elements; recv receives sum(counts), rank-major.
+ *                  In place when send == recv + offset of this rank's block.
+ *  reduce_scatter: send holds sum(counts) elements, rank-major; recv receives this rank's
+ *                  counts[rank] reduced elements.
+ *  all_reduce:     send and recv hold `count` elements (may be the same buffer).
+ *  broadcast:      root's send goes to every rank's recv (`count` elements; root may pass
+ *                  send == recv).
+ *  barrier:        no buffers.
+ * counts == NULL means every rank has `count` elements (all_gather, reduce_scatter); otherwise
+ * counts[0..world_size) gives each rank's count (zeros allowed) and `count` is ignored.
+ * Sums of bf16/fp16 accumulate in fp32 and round once at the end (round to nearest even). */
+typedef struct {
+    pshard_coll_op_t op;
+    pshard_dtype_t dtype;
+    pshard_reduce_t reduce; /* reduce_scatter, all_reduce */
+    int root;               /* broadcast */
+    const void *send;
+    void *recv;
+    size_t count;
+    const size_t *counts;   /* borrowed until the operation completes */
+    uint64_t tag;           /* caller's tag, e.g. (step << 32 | parameter id); compared */
+    int64_t timeout_ms;     /* 0: the communicator's default */
+    const char *label;      /* optional text for the flight recorder ("step 12 fc3.weight");
+                               copied; not compared */
+} pshard_coll_args_t;
+
+typedef struct {
+    int rank;                 /* 0..world_size-1 */
+    int world_size;           /* >= 1 */
+    const char *backend;      /* "tcp" (default) or "nccl" */
+    const char *name;         /* communicator name, part of store keys (default "default") */
+    /* Bootstrap, one of: */
+    const char *const *peers; /* explicit data-plane addresses "host:port", one per rank; this
+                                 rank listens on peers[rank] */
+    const char *coordinator;  /* else: coordinator "host:port"; each rank publishes its
+                                 address under a generation-scoped store key and waits for the
+                                 others */
+    const char *listen_host;  /* with coordinator: interface to listen on (default 127.0.0.1);
+                                 port chosen by the kernel */
+    const char *advertise_host; /* host peers dial (default listen_host) */
+    const char *token;        /* cluster token: authenticates the handshake (HMAC challenge,
+                                 never sent in clear) and the store calls; NULL = empty key */
+    uint64_t generation;      /* cluster generation, stamped into handshakes and store keys */
+    int64_t timeout_ms;       /* default per-operation timeout; 0 = 600000 (10 min) */
+    int64_t connect_timeout_ms; /* bootstrap and handshakes; 0 = 60000 */
+    int device;               /* nccl: CUDA device ordinal */
+    size_t flight_recorder_size; /* descriptors kept for status output; 0 = 64 */
+} pshard_comm_config_t;
+
+/* Creates a communicator and connects it (blocks until every rank has joined or the connect
+ * timeout passes). Errors: INVALID_ARGUMENT (bad config), TIMEOUT (a peer never came; the
+ * message names it), PERMISSION (a handshake was refused), UNIMPLEMENTED (nccl not built),
+ * SYSTEM. On error *out is NULL and err holds the reason. Free with pshard_comm_destroy.
+ * Thread-safe with respect to other communicators. */
+pshard_status_t pshard_comm_create(const pshard_comm_config_t *cfg, pshard_comm_t **out,
+                                   char *err, size_t errlen);
+
+/* Aborts (if anything is in flight) and frees. NULL is a no-op. Not concurrently with other
+ * calls on the same communicator except pshard_comm_abort. */
+void pshard_comm_destroy(pshard_comm_t *comm);
+
+int pshard_comm_rank(const pshard_comm_t *comm);
+int pshard_comm_world_size(const pshard_comm_t *comm);
+
+/* Starts an operation; operations run in issue order, several may be queued. On success *req
+ * is a handle to wait on and free with pshard_coll_req_free. Errors: INVALID_ARGUMENT (bad
+ * arguments, checked locally before anything moves; message in err) with *req NULL. A
+ * communicator that already failed still returns a request, which completes at once with the
+ * first error. Thread-safe. */
+pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t *args,
+                                  pshard_coll_req_t **req, char *err, size_t errlen);
+
+/* Waits for an operation. Returns its status; on failure err (may be NULL) receives the
+ * message (naming peers and descriptors where it applies). Thread-safe per request. */
+pshard_status_t pshard_coll_wait(pshard_coll_req_t *req, char *err, size_t errlen);
+
+/* Non-blocking check: *done is set when the operation finished; returns its status if done. */
+pshard_status_t pshard_coll_test(pshard_coll_req_t *req, bool *done, char *err, size_t errlen);
+
+/* Frees a finished request (waits for it first if it is still running). NULL is a no-op. */
+void pshard_coll_req_free(pshard_coll_req_t *req);
+
+/* Blocking convenience: start + wait + free. */
+pshard_status_t pshard_coll_run(pshard_comm_t *comm, const pshard_coll_args_t *args, char *err,
+                                size_t errlen);
+
+/* Aborts from any thread: every in-flight and queued operation fails with PSHARD_ERR_ABORTED
+ * (message includes reason) within 100 ms, and the communicator stays unusable. */
+void pshard_comm_abort(pshard_comm_t *comm, const char *reason);
+
+/* The communicator's first (sticky) error, or PSHARD_OK. */
+pshard_status_t pshard_comm_error(const pshard_comm_t *comm, char *err, size_t errlen);
+
+/* Flight recorder: the last descriptors, oldest first. */
+typedef enum {
+    PSHARD_COLL_QUEUED = 0,
+    PSHARD_COLL_RUNNING = 1,
+    PSHARD_COLL_DONE = 2,
+    PSHARD_COLL_FAILED = 3,
+} pshard_coll_state_t;
+
+typedef struct {
+    uint64_t seq;
+    pshard_coll_op_t op;
+    pshard_dtype_t dtype;
+    uint64_t tag;
+    uint64_t total_count;  /* elements across ranks */
+    pshard_coll_state_t state;
+    int64_t start_ns, end_ns; /* ps_now_ns clock; end 0 while running */
+    int waiting_on;        /* rank this one is blocked on while running, else -1 */
+    char label[64];
+    char error[160];       /* first error, for FAILED */
+} pshard_coll_record_t;
+
+/* Copies up to max records into out (oldest first); returns how many. Thread-safe. */
+size_t pshard_comm_flight_records(pshard_comm_t *comm, pshard_coll_record_t *out, size_t max);
+
+/* Formats one record as a line such as
+ * "rank 2 is stuck in all_gather seq 418 (step 12 fc3.weight), waiting on rank 3 for 5.2 s". */
+void pshard_coll_record_format(const pshard_comm_t *comm, const pshard_coll_record_t *rec,
+                               char *buf, size_t len);
+
+const char *pshard_coll_op_name(pshard_coll_op_t op);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

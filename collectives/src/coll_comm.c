@@ -1,0 +1,478 @@
+/* The backend-independent half of the collectives: configuration and argument checks,
+ * descriptors, requests and their completion, the sticky first error, and the flight recorder
+ * that status output reads ("rank 2 is stuck in all_gather seq 418, waiting on rank 3"). */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coll_internal.h"
+#include "pshard/log.h"
+#include "pshard/util.h"
+
+#define DEFAULT_TIMEOUT_MS 600000
+#define DEFAULT_RECORDS 64
+
+const char *pshard_coll_op_name(pshard_coll_op_t op)
+{
+    switch (op) {
+    case PSHARD_COLL_ALL_GATHER:
+        return "all_gather";
+    case PSHARD_COLL_REDUCE_SCATTER:
+        return "reduce_scatter";
+    case PSHARD_COLL_ALL_REDUCE:
+        return "all_reduce";
+    case PSHARD_COLL_BROADCAST:
+        return "broadcast";
+    case PSHARD_COLL_BARRIER:
+        return "barrier";
+    }
+    return "unknown";
+}
+
+static bool printable_name(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > COLL_NAME_MAX)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] <= ' ' || s[i] > '~')
+            return false;
+    }
+    return true;
+}
+
+pshard_status_t pshard_comm_create(const pshard_comm_config_t *cfg, pshard_comm_t **out,
+                                   char *err, size_t errlen)
+{
+    *out = NULL;
+    if (cfg->world_size < 1 || cfg->world_size > 65536)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "world_size is %d; it must be 1..65536", cfg->world_size);
+    if (cfg->rank < 0 || cfg->rank >= cfg->world_size)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "rank is %d; it must be 0..%d", cfg->rank, cfg->world_size - 1);
+    const char *name = cfg->name ? cfg->name : "default";
+    if (!printable_name(name))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "communicator name must be 1..%d printable characters without spaces",
+                       COLL_NAME_MAX);
+    if (cfg->world_size > 1 && !cfg->peers && !cfg->coordinator)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "a communicator of %d ranks needs peers or a coordinator to bootstrap",
+                       cfg->world_size);
+    if (cfg->timeout_ms < 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "timeout_ms is negative");
+    const coll_backend_t *backend = NULL;
+    const char *bname = cfg->backend ? cfg->backend : "tcp";
+    if (strcmp(bname, "tcp") == 0) {
+        backend = &coll_tcp_backend;
+    } else if (strcmp(bname, "nccl") == 0) {
+#ifdef PSHARD_HAVE_NCCL
+        backend = &coll_nccl_backend;
+#else
+        return ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
+                       "backend nccl: this pshard was built without CUDA/NCCL");
+#endif
+    } else {
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "unknown backend '%s' (tcp or nccl)", bname);
+    }
+
+    pshard_comm_t *c = calloc(1, sizeof(*c));
+    if (!c)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    c->rank = cfg->rank;
+    c->world_size = cfg->world_size;
+    ps_strlcpy(c->name, name, sizeof(c->name));
+    c->generation = cfg->generation;
+    c->timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : DEFAULT_TIMEOUT_MS;
+    c->backend = backend;
+    pthread_mutex_init(&c->mu, NULL);
+    atomic_init(&c->aborted, false);
+    c->record_cap = cfg->flight_recorder_size ? cfg->flight_recorder_size : DEFAULT_RECORDS;
+    c->records = calloc(c->record_cap, sizeof(*c->records));
+    if (!c->records) {
+        pthread_mutex_destroy(&c->mu);
+        free(c);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    pshard_status_t rc = backend->connect(c, cfg, err, errlen);
+    if (rc != PSHARD_OK) {
+        free(c->records);
+        pthread_mutex_destroy(&c->mu);
+        free(c);
+        return rc;
+    }
+    *out = c;
+    return PSHARD_OK;
+}
+
+void pshard_comm_destroy(pshard_comm_t *comm)
+{
+    if (!comm)
+        return;
+    comm->backend->destroy(comm);
+    free(comm->records);
+    pthread_mutex_destroy(&comm->mu);
+    free(comm);
+}
+
+int pshard_comm_rank(const pshard_comm_t *comm)
+{
+    return comm->rank;
+}
+
+int pshard_comm_world_size(const pshard_comm_t *comm)
+{
+    return comm->world_size;
+}
+
+void coll_set_sticky(pshard_comm_t *comm, pshard_status_t status, const char *msg)
+{
+    pthread_mutex_lock(&comm->mu);
+    if (comm->sticky == PSHARD_OK) {
+        comm->sticky = status;
+        ps_strlcpy(comm->sticky_msg, msg ? msg : pshard_status_str(status),
+                   sizeof(comm->sticky_msg));
+    }
+    pthread_mutex_unlock(&comm->mu);
+}
+
+pshard_status_t pshard_comm_error(const pshard_comm_t *comm, char *err, size_t errlen)
+{
+    pshard_comm_t *c = (pshard_comm_t *)comm;
+    pthread_mutex_lock(&c->mu);
+    pshard_status_t st = c->sticky;
+    if (st != PSHARD_OK)
+        ps_errf(err, errlen, st, "%s", c->sticky_msg);
+    pthread_mutex_unlock(&c->mu);
+    return st;
+}
+
+void pshard_comm_abort(pshard_comm_t *comm, const char *reason)
+{
+    char msg[512];
+    snprintf(msg, sizeof(msg), "communicator aborted on rank %d: %s", comm->rank,
+             reason ? reason : "no reason given");
+    coll_set_sticky(comm, PSHARD_ERR_ABORTED, msg);
+    atomic_store(&comm->aborted, true);
+    comm->backend->abort(comm);
+}
+
+/* Checks the arguments against the communicator and fills op (counts, displacements,
+ * descriptor). Allocates op->counts/displs. */
+static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a, coll_op_t *op,
+                                  char *err, size_t errlen)
+{
+    int n = c->world_size;
+    if (a->op < PSHARD_COLL_ALL_GATHER || a->op > PSHARD_COLL_BARRIER)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown collective op %d",
+                       (int)a->op);
+    size_t esize = pshard_dtype_size(a->dtype);
+    if (esize == 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown dtype %d",
+                       (int)a->dtype);
+    bool reduces = a->op == PSHARD_COLL_REDUCE_SCATTER || a->op == PSHARD_COLL_ALL_REDUCE;
+    if (reduces && a->reduce != PSHARD_REDUCE_SUM && a->reduce != PSHARD_REDUCE_AVG)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown reduction %d",
+                       (int)a->reduce);
+    if (reduces && a->reduce == PSHARD_REDUCE_AVG && a->dtype == PSHARD_INT64)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "average is not defined for int64; use sum");
+    if (a->op == PSHARD_COLL_BROADCAST && (a->root < 0 || a->root >= n))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "broadcast root %d is not a rank of this %d-rank communicator", a->root,
+                       n);
+    if (a->timeout_ms < 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "timeout_ms is negative");
+    bool per_rank = a->op == PSHARD_COLL_ALL_GATHER || a->op == PSHARD_COLL_REDUCE_SCATTER;
+    if (a->counts && !per_rank)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%s takes one count, not per-rank counts", pshard_coll_op_name(a->op));
+
+    op->args = *a;
+    op->args.label = NULL;
+    op->counts = calloc((size_t)n, sizeof(size_t));
+    op->displs = calloc((size_t)n + 1, sizeof(size_t));
+    if (!op->counts || !op->displs)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    size_t total = 0;
+    const size_t limit = (SIZE_MAX / 16) / esize;
+    for (int i = 0; i < n; i++) {
+        size_t ci = 0;
+        if (a->op == PSHARD_COLL_BARRIER)
+            ci = 0;
+        else if (per_rank)
+            ci = a->counts ? a->counts[i] : a->count;
+        else /* all_reduce/broadcast: the count split in near-equal chunks (all-reduce ring) */
+            ci = a->count / (size_t)n + ((size_t)i < a->count % (size_t)n ? 1 : 0);
+        if (ci > limit || total > limit - ci)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "element counts overflow (%zu elements of %zu bytes)", ci, esize);
+        op->counts[i] = ci;
+        op->displs[i] = total;
+        total += ci;
+    }
+    op->displs[n] = total;
+    op->args.counts = op->counts;
+    size_t mine = per_rank ? op->counts[c->rank] : total;
+    bool needs_send = a->op != PSHARD_COLL_BARRIER &&
+                      (a->op != PSHARD_COLL_BROADCAST || a->root == c->rank);
+    if (needs_send && !a->send && (per_rank ? (a->op == PSHARD_COLL_ALL_GATHER ? mine : total)
+                                            : total) > 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: send buffer is NULL",
+                       pshard_coll_op_name(a->op));
+    size_t recv_elems = a->op == PSHARD_COLL_ALL_GATHER       ? total
+                        : a->op == PSHARD_COLL_REDUCE_SCATTER ? mine
+                        : a->op == PSHARD_COLL_BARRIER        ? 0
+                                                              : total;
+    if (!a->recv && recv_elems > 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: recv buffer is NULL",
+                       pshard_coll_op_name(a->op));
+
+    coll_desc_t *d = &op->desc;
+    memset(d, 0, sizeof(*d));
+    d->op = (uint8_t)a->op;
+    d->dtype = (uint8_t)a->dtype;
+    d->reduce = reduces ? (uint8_t)a->reduce : 0;
+    d->root = a->op == PSHARD_COLL_BROADCAST ? a->root : 0;
+    d->tag = a->tag;
+    d->total_count = total;
+    d->counts_hash = coll_counts_hash(op->counts, (size_t)n);
+    d->rank_count = mine;
+    return PSHARD_OK;
+}
+
+static void record_fill(pshard_comm_t *c, coll_op_t *op, const char *label)
+{
+    /* Called with c->mu held. */
+    size_t slot = (c->record_head + c->nrecords) % c->record_cap;
+    if (c->nrecords == c->record_cap)
+        c->record_head = (c->record_head + 1) % c->record_cap;
+    else
+        c->nrecords++;
+    pshard_coll_record_t *r = &c->records[slot];
+    memset(r, 0, sizeof(*r));
+    r->seq = op->desc.seq;
+    r->op = op->args.op;
+    r->dtype = op->args.dtype;
+    r->tag = op->args.tag;
+    r->total_count = op->desc.total_count;
+    r->state = PSHARD_COLL_QUEUED;
+    r->start_ns = ps_now_ns();
+    r->waiting_on = -1;
+    if (label)
+        ps_strlcpy(r->label, label, sizeof(r->label));
+    op->record_slot = slot;
+}
+
+/* The record of op, or NULL when it has been overwritten by newer ones. c->mu held. */
+static pshard_coll_record_t *record_of(pshard_comm_t *c, const coll_op_t *op)
+{
+    pshard_coll_record_t *r = &c->records[op->record_slot];
+    return r->seq == op->desc.seq ? r : NULL;
+}
+
+void coll_record_waiting(pshard_comm_t *comm, const coll_op_t *op, int rank)
+{
+    pthread_mutex_lock(&comm->mu);
+    pshard_coll_record_t *r = record_of(comm, op);
+    if (r) {
+        if (r->state == PSHARD_COLL_QUEUED) {
+            r->state = PSHARD_COLL_RUNNING;
+            r->start_ns = ps_now_ns();
+        }
+        r->waiting_on = rank;
+    }
+    pthread_mutex_unlock(&comm->mu);
+}
+
+pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t *args,
+                                  pshard_coll_req_t **req, char *err, size_t errlen)
+{
+    *req = NULL;
+    pshard_coll_req_t *r = calloc(1, sizeof(*r));
+    if (!r)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    pshard_status_t rc = prepare_op(comm, args, &r->op, err, errlen);
+    if (rc != PSHARD_OK) {
+        free(r->op.counts);
+        free(r->op.displs);
+        free(r);
+        return rc;
+    }
+    r->comm = comm;
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    int64_t timeout_ms = args->timeout_ms ? args->timeout_ms : comm->timeout_ms;
+    r->op.deadline_ns = ps_now_ns() + timeout_ms * 1000000;
+
+    pthread_mutex_lock(&comm->mu);
+    r->op.desc.seq = comm->next_seq++;
+    record_fill(comm, &r->op, args->label);
+    pshard_status_t sticky = comm->sticky;
+    char sticky_msg[sizeof(comm->sticky_msg)];
+    ps_strlcpy(sticky_msg, comm->sticky_msg, sizeof(sticky_msg));
+    pthread_mutex_unlock(&comm->mu);
+
+    *req = r;
+    if (sticky != PSHARD_OK)
+        coll_complete(r, sticky, sticky_msg);
+    else
+        comm->backend->submit(comm, r);
+    return PSHARD_OK;
+}
+
+pshard_status_t coll_start_check(pshard_comm_t *comm, const coll_desc_t *desc, const char *label,
+                                 int64_t timeout_ms, pshard_coll_req_t **req, char *err,
+                                 size_t errlen)
+{
+    /* A barrier-shaped request whose descriptor is the caller's. */
+    pshard_coll_args_t a = {.op = PSHARD_COLL_BARRIER, .timeout_ms = timeout_ms, .label = label};
+    *req = NULL;
+    pshard_coll_req_t *r = calloc(1, sizeof(*r));
+    if (!r)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    pshard_status_t rc = prepare_op(comm, &a, &r->op, err, errlen);
+    if (rc != PSHARD_OK) {
+        free(r->op.counts);
+        free(r->op.displs);
+        free(r);
+        return rc;
+    }
+    r->op.desc = *desc;
+    r->op.check_only = true;
+    r->comm = comm;
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    r->op.deadline_ns = ps_now_ns() + (timeout_ms ? timeout_ms : comm->timeout_ms) * 1000000;
+    pthread_mutex_lock(&comm->mu);
+    r->op.desc.seq = comm->next_seq++;
+    record_fill(comm, &r->op, label);
+    pshard_status_t sticky = comm->sticky;
+    char sticky_msg[sizeof(comm->sticky_msg)];
+    ps_strlcpy(sticky_msg, comm->sticky_msg, sizeof(sticky_msg));
+    pthread_mutex_unlock(&comm->mu);
+    *req = r;
+    if (sticky != PSHARD_OK)
+        coll_complete(r, sticky, sticky_msg);
+    else
+        comm->backend->submit(comm, r);
+    return PSHARD_OK;
+}
+
+void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *msg)
+{
+    pshard_comm_t *c = req->comm;
+    if (status != PSHARD_OK)
+        coll_set_sticky(c, status, msg);
+    pthread_mutex_lock(&c->mu);
+    pshard_coll_record_t *r = record_of(c, &req->op);
+    if (r) {
+        r->state = status == PSHARD_OK ? PSHARD_COLL_DONE : PSHARD_COLL_FAILED;
+        r->end_ns = ps_now_ns();
+        r->waiting_on = -1;
+        if (status != PSHARD_OK)
+            ps_strlcpy(r->error, msg ? msg : pshard_status_str(status), sizeof(r->error));
+    }
+    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_lock(&req->mu);
+    req->status = status;
+    if (status != PSHARD_OK)
+        ps_strlcpy(req->error, msg ? msg : pshard_status_str(status), sizeof(req->error));
+    req->done = true;
+    pthread_cond_broadcast(&req->cv);
+    pthread_mutex_unlock(&req->mu);
+}
+
+pshard_status_t pshard_coll_wait(pshard_coll_req_t *req, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&req->mu);
+    while (!req->done)
+        pthread_cond_wait(&req->cv, &req->mu);
+    pshard_status_t st = req->status;
+    if (st != PSHARD_OK)
+        ps_errf(err, errlen, st, "%s", req->error);
+    pthread_mutex_unlock(&req->mu);
+    return st;
+}
+
+pshard_status_t pshard_coll_test(pshard_coll_req_t *req, bool *done, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&req->mu);
+    *done = req->done;
+    pshard_status_t st = req->done ? req->status : PSHARD_OK;
+    if (req->done && st != PSHARD_OK)
+        ps_errf(err, errlen, st, "%s", req->error);
+    pthread_mutex_unlock(&req->mu);
+    return st;
+}
+
+void pshard_coll_req_free(pshard_coll_req_t *req)
+{
+    if (!req)
+        return;
+    pshard_coll_wait(req, NULL, 0);
+    pthread_mutex_destroy(&req->mu);
+    pthread_cond_destroy(&req->cv);
+    free(req->op.counts);
+    free(req->op.displs);
+    free(req);
+}
+
+pshard_status_t pshard_coll_run(pshard_comm_t *comm, const pshard_coll_args_t *args, char *err,
+                                size_t errlen)
+{
+    pshard_coll_req_t *req = NULL;
+    pshard_status_t rc = pshard_coll_start(comm, args, &req, err, errlen);
+    if (rc != PSHARD_OK)
+        return rc;
+    rc = pshard_coll_wait(req, err, errlen);
+    pshard_coll_req_free(req);
+    return rc;
+}
+
+size_t pshard_comm_flight_records(pshard_comm_t *comm, pshard_coll_record_t *out, size_t max)
+{
+    pthread_mutex_lock(&comm->mu);
+    size_t n = comm->nrecords < max ? comm->nrecords : max;
+    size_t skip = comm->nrecords - n;
+    for (size_t i = 0; i < n; i++)
+        out[i] = comm->records[(comm->record_head + skip + i) % comm->record_cap];
+    pthread_mutex_unlock(&comm->mu);
+    return n;
+}
+
+void pshard_coll_record_format(const pshard_comm_t *comm, const pshard_coll_record_t *rec,
+                               char *buf, size_t len)
+{
+    char label[96] = "";
+    if (rec->label[0])
+        snprintf(label, sizeof(label), " (%s)", rec->label);
+    int64_t now = ps_now_ns();
+    const char *op = pshard_coll_op_name(rec->op);
+    switch (rec->state) {
+    case PSHARD_COLL_QUEUED:
+        snprintf(buf, len, "rank %d has %s seq %" PRIu64 "%s queued", comm->rank, op, rec->seq,
+                 label);
+        break;
+    case PSHARD_COLL_RUNNING:
+        if (rec->waiting_on >= 0)
+            snprintf(buf, len, "rank %d is stuck in %s seq %" PRIu64 "%s, waiting on rank %d for %.1f s",
+                     comm->rank, op, rec->seq, label, rec->waiting_on,
+                     (double)(now - rec->start_ns) / 1e9);
+        else
+            snprintf(buf, len, "rank %d is running %s seq %" PRIu64 "%s for %.1f s", comm->rank,
+                     op, rec->seq, label, (double)(now - rec->start_ns) / 1e9);
+        break;
+    case PSHARD_COLL_DONE:
+        snprintf(buf, len, "rank %d finished %s seq %" PRIu64 "%s in %.3f ms", comm->rank, op,
+                 rec->seq, label, (double)(rec->end_ns - rec->start_ns) / 1e6);
+        break;
+    case PSHARD_COLL_FAILED:
+        snprintf(buf, len, "rank %d failed %s seq %" PRIu64 "%s: %s", comm->rank, op, rec->seq,
+                 label, rec->error);
+        break;
+    }
+}

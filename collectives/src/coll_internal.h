@@ -1,0 +1,91 @@
+/* Internals shared by the backend-independent layer (coll_comm.c: arguments, requests, queue,
+ * flight recorder, bootstrap) and the backends (coll_tcp.c, coll_nccl.c). */
+#ifndef PSHARD_COLL_INTERNAL_H
+#define PSHARD_COLL_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "coll_wire.h"
+#include "pshard/collectives.h"
+
+/* One operation, validated and with its descriptor computed. Owned by its request. */
+typedef struct coll_op {
+    pshard_coll_args_t args;  /* counts points at `counts` below */
+    size_t *counts;           /* world_size entries, always filled (equal counts expanded) */
+    size_t *displs;           /* prefix sums of counts, world_size + 1 entries */
+    coll_desc_t desc;
+    int64_t deadline_ns;      /* ps_now_ns clock */
+    size_t record_slot;       /* index into the flight recorder ring */
+    bool check_only;          /* exchange and compare the descriptor; move no data */
+} coll_op_t;
+
+struct pshard_coll_req {
+    pshard_comm_t *comm;
+    coll_op_t op;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+    pshard_status_t status;
+    char error[1024];
+    struct pshard_coll_req *next; /* queue link */
+};
+
+/* A backend runs operations one at a time, in order, on its own thread, and reports each
+ * completion with coll_complete(). */
+typedef struct {
+    const char *name;
+    /* Connects the backend (cfg already validated). Returns PSHARD_OK or an error with err. */
+    pshard_status_t (*connect)(pshard_comm_t *comm, const pshard_comm_config_t *cfg, char *err,
+                               size_t errlen);
+    /* Hands a queued request to the backend (called with comm->mu NOT held). The backend
+     * completes it later with coll_complete. */
+    void (*submit)(pshard_comm_t *comm, pshard_coll_req_t *req);
+    /* Makes every in-flight and queued request fail promptly (any thread). */
+    void (*abort)(pshard_comm_t *comm);
+    /* Stops threads and frees backend state; everything submitted has completed. */
+    void (*destroy)(pshard_comm_t *comm);
+} coll_backend_t;
+
+struct pshard_comm {
+    int rank, world_size;
+    char name[COLL_NAME_MAX + 1];
+    uint64_t generation;
+    int64_t timeout_ms;
+    const coll_backend_t *backend;
+    void *impl; /* backend state */
+
+    pthread_mutex_t mu;
+    uint64_t next_seq;
+    pshard_status_t sticky;  /* first fatal error */
+    char sticky_msg[1024];
+    atomic_bool aborted;
+
+    pshard_coll_record_t *records; /* flight recorder ring */
+    size_t nrecords, record_cap, record_head;
+};
+
+/* Starts a descriptor-only operation on a tcp communicator: the ranks exchange and compare
+ * `desc` (its seq is replaced by this communicator's next sequence number) exactly as a real
+ * operation would, so a mismatch fails with PSHARD_ERR_DESYNC everywhere, but no data moves.
+ * The nccl backend runs one before each NCCL call. label as in pshard_coll_args_t. */
+pshard_status_t coll_start_check(pshard_comm_t *comm, const coll_desc_t *desc, const char *label,
+                                 int64_t timeout_ms, pshard_coll_req_t **req, char *err,
+                                 size_t errlen);
+
+/* Completes a request (from the backend's thread): records the outcome in the flight recorder,
+ * makes fatal errors sticky, and wakes waiters. status PSHARD_OK or an error with message. */
+void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *msg);
+
+/* Marks the communicator failed (first error wins) without completing anything. */
+void coll_set_sticky(pshard_comm_t *comm, pshard_status_t status, const char *msg);
+
+/* Records that the running op is blocked on `rank` (-1 when not blocked). Thread-safe. */
+void coll_record_waiting(pshard_comm_t *comm, const coll_op_t *op, int rank);
+
+extern const coll_backend_t coll_tcp_backend;
+#ifdef PSHARD_HAVE_NCCL
+extern const coll_backend_t coll_nccl_backend;
+#endif
+
+#endif

@@ -1,0 +1,198 @@
+/* Reduction kernels: load a contribution into the accumulation type, add further contributions,
+ * and store the (optionally scaled) result rounded once to the element type. Half types are
+ * widened in blocks through a stack buffer so that every inner loop is a plain array loop, and
+ * loops run VEC elements at a time plus a scalar tail, the shape gcc -O2's "very cheap"
+ * vectoriser cost model accepts (see dtype.c). */
+#include "coll_reduce.h"
+
+#include <string.h>
+
+#define COLL_REDUCE_BLOCK 1024
+#define VEC 16
+
+pshard_dtype_t coll_acc_dtype(pshard_dtype_t dtype)
+{
+    return dtype == PSHARD_INT64 ? PSHARD_INT64 : PSHARD_FP32;
+}
+
+static void widen_half(const uint16_t *in, pshard_dtype_t dtype, float *out, size_t n)
+{
+    if (dtype == PSHARD_BF16)
+        ps_convert_bf16_to_f32(in, out, n);
+    else
+        ps_convert_f16_to_f32(in, out, n);
+}
+
+void coll_reduce_load(void *acc, const void *in, pshard_dtype_t dtype, size_t n)
+{
+    switch (dtype) {
+    case PSHARD_FP32:
+        memcpy(acc, in, n * sizeof(float));
+        return;
+    case PSHARD_INT64:
+        memcpy(acc, in, n * sizeof(int64_t));
+        return;
+    case PSHARD_BF16:
+    case PSHARD_FP16:
+        widen_half(in, dtype, acc, n);
+        return;
+    }
+}
+
+static void add_f32(float *restrict acc, const float *restrict in, size_t n)
+{
+    size_t i = 0;
+    for (; i + VEC <= n; i += VEC)
+        for (size_t j = 0; j < VEC; j++)
+            acc[i + j] += in[i + j];
+    for (; i < n; i++)
+        acc[i] += in[i];
+}
+
+/* int64 sums wrap modulo 2^64 (two's complement) instead of overflowing, which would be
+ * undefined behaviour on signed integers. */
+static void add_i64(int64_t *restrict acc, const int64_t *restrict in, size_t n)
+{
+    size_t i = 0;
+    for (; i + VEC <= n; i += VEC)
+        for (size_t j = 0; j < VEC; j++)
+            acc[i + j] = (int64_t)((uint64_t)acc[i + j] + (uint64_t)in[i + j]);
+    for (; i < n; i++)
+        acc[i] = (int64_t)((uint64_t)acc[i] + (uint64_t)in[i]);
+}
+
+void coll_reduce_accumulate(void *acc, const void *in, pshard_dtype_t dtype, size_t n)
+{
+    switch (dtype) {
+    case PSHARD_FP32:
+        add_f32(acc, in, n);
+        return;
+    case PSHARD_INT64:
+        add_i64(acc, in, n);
+        return;
+    case PSHARD_BF16:
+    case PSHARD_FP16: {
+        float block[COLL_REDUCE_BLOCK];
+        float *acc_f = acc;
+        const uint16_t *in_h = in;
+        while (n > 0) {
+            size_t chunk = n < COLL_REDUCE_BLOCK ? n : COLL_REDUCE_BLOCK;
+            widen_half(in_h, dtype, block, chunk);
+            add_f32(acc_f, block, chunk);
+            acc_f += chunk;
+            in_h += chunk;
+            n -= chunk;
+        }
+        return;
+    }
+    }
+}
+
+/* acc * scale as an fp32 rounded to odd: the product of two floats is exact in double, and
+ * rounding it to odd at fp32 precision (truncate, then set the last bit if anything was lost)
+ * keeps enough information that the later RNE rounding to bf16/fp16 (at least 13 fewer bits)
+ * gives the same result as rounding the exact product once. Plain RNE to fp32 first would be a
+ * double rounding that can land on a false tie.
+ *
+ * From the RNE result: when it is inexact and even, step one ulp to its odd neighbour on the
+ * other side of the exact value (towards zero if RNE rounded away from zero, else away). Only
+ * the sign of the residual matters; scaling it by 2^200 keeps even the smallest possible
+ * residual (2^-298) from underflowing when it is narrowed to fp32. A NaN residual (NaN or Inf
+ * input) compares false both ways and changes nothing; an overflow to Inf has residual -Inf
+ * and steps back to FLT_MAX, which still rounds to Inf in both half types. The decisions are
+ * all-ones/zero masks in 32-bit lanes so that the loop vectorises. */
+static inline uint32_t round_to_odd_bits(float acc, float scale)
+{
+    double exact = (double)acc * (double)scale;
+    float nearest = (float)exact;
+    float residual = (float)((exact - (double)nearest) * 0x1p200);
+    uint32_t bits;
+    memcpy(&bits, &nearest, sizeof bits);
+    uint32_t below = residual < 0.0f ? ~0u : 0u;
+    uint32_t above = residual > 0.0f ? ~0u : 0u;
+    uint32_t positive = nearest > 0.0f ? ~0u : 0u;
+    uint32_t negative = nearest < 0.0f ? ~0u : 0u;
+    uint32_t even = (bits & 1u) - 1u;
+    uint32_t adjust = (below | above) & even;
+    uint32_t away = (positive & below) | (negative & above);
+    uint32_t step = away | (~away & 1u); /* -1 (all ones) or +1 ulp of the magnitude */
+    return bits + (adjust & step);
+}
+
+static void scale_round_to_odd(const float *restrict acc, float *restrict out, size_t n,
+                               float scale)
+{
+    size_t i = 0;
+    for (; i + VEC <= n; i += VEC) {
+        for (size_t j = 0; j < VEC; j++) {
+            uint32_t bits = round_to_odd_bits(acc[i + j], scale);
+            memcpy(&out[i + j], &bits, sizeof bits);
+        }
+    }
+    for (; i < n; i++) {
+        uint32_t bits = round_to_odd_bits(acc[i], scale);
+        memcpy(&out[i], &bits, sizeof bits);
+    }
+}
+
+static void scale_f32(float *restrict out, const float *restrict acc, size_t n, float scale)
+{
+    size_t i = 0;
+    for (; i + VEC <= n; i += VEC)
+        for (size_t j = 0; j < VEC; j++)
+            out[i + j] = acc[i + j] * scale;
+    for (; i < n; i++)
+        out[i] = acc[i] * scale;
+}
+
+static void scale_f32_in_place(float *buf, size_t n, float scale)
+{
+    size_t i = 0;
+    for (; i + VEC <= n; i += VEC)
+        for (size_t j = 0; j < VEC; j++)
+            buf[i + j] *= scale;
+    for (; i < n; i++)
+        buf[i] *= scale;
+}
+
+void coll_reduce_store(void *out, pshard_dtype_t dtype, const void *acc, size_t n, float scale)
+{
+    switch (dtype) {
+    case PSHARD_FP32:
+        if (scale == 1.0f) {
+            if (out != acc)
+                memmove(out, acc, n * sizeof(float));
+        } else if (out == acc) {
+            scale_f32_in_place(out, n, scale);
+        } else {
+            scale_f32(out, acc, n, scale);
+        }
+        return;
+    case PSHARD_INT64:
+        if (out != acc)
+            memmove(out, acc, n * sizeof(int64_t));
+        return;
+    case PSHARD_BF16:
+    case PSHARD_FP16: {
+        const float *acc_f = acc;
+        uint16_t *out_h = out;
+        float block[COLL_REDUCE_BLOCK];
+        while (n > 0) {
+            size_t chunk = n < COLL_REDUCE_BLOCK ? n : COLL_REDUCE_BLOCK;
+            const float *src = acc_f;
+            if (scale != 1.0f) {
+                scale_round_to_odd(acc_f, block, chunk, scale);
+                src = block;
+            }
+            if (dtype == PSHARD_BF16)
+                ps_convert_f32_to_bf16(src, out_h, chunk);
+            else
+                ps_convert_f32_to_f16(src, out_h, chunk);
+            acc_f += chunk;
+            out_h += chunk;
+            n -= chunk;
+        }
+        return;
+    }
+    }
+}

@@ -1,0 +1,25 @@
+/* Reduction kernels for the collectives: partial sums travel as fp32 for fp32/bf16/fp16 (so
+ * half types accumulate in fp32 and round once) and as int64 for int64. Pure, thread-safe. */
+#ifndef PSHARD_COLL_REDUCE_H
+#define PSHARD_COLL_REDUCE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pshard/dtype.h"
+
+/* The element type partial sums travel in: PSHARD_FP32 for the float types, PSHARD_INT64 for
+ * int64. */
+pshard_dtype_t coll_acc_dtype(pshard_dtype_t dtype);
+
+/* acc[0..n) = in[0..n) converted to the accumulation type (a copy for fp32/int64). */
+void coll_reduce_load(void *acc, const void *in, pshard_dtype_t dtype, size_t n);
+
+/* acc[i] += in[i], in being of `dtype` and acc of coll_acc_dtype(dtype). */
+void coll_reduce_accumulate(void *acc, const void *in, pshard_dtype_t dtype, size_t n);
+
+/* out[i] = acc[i] * scale rounded to `dtype` (round to nearest even; scale 1 means a plain
+ * conversion; int64 ignores scale). out may alias acc only when dtype is fp32 or int64. */
+void coll_reduce_store(void *out, pshard_dtype_t dtype, const void *acc, size_t n, float scale);
+
+#endif

@@ -1,0 +1,1230 @@
+/* The tcp backend's engine: one thread per communicator runs operations in issue order over
+ * two non-blocking sockets (to the next rank, from the previous one). Each operation is a pair
+ * of byte streams framed in DATA frames: all-gather and broadcast forward what they receive
+ * straight from the caller's output buffer, reduce-scatter accumulates each received piece with
+ * the local input in a bounded window and forwards it, so sending, receiving and reducing
+ * overlap. Descriptors travel the whole ring first-come: every rank sees every other rank's
+ * descriptor before it completes, so a mismatch fails everywhere and never yields wrong data.
+ *
+ * Why poll(2) and not libevent: a communicator has exactly two sockets and one eventfd, and one
+ * operation runs at a time; a poll loop costs the same system calls as libevent's epoll backend
+ * and keeps the whole state machine in one function instead of three callbacks. */
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "coll_reduce.h"
+#include "coll_tcp.h"
+#include "pshard/log.h"
+#include "pshard/util.h"
+
+#define RING_CAP (8u << 20)   /* reduce-scatter window */
+#define CONV_CAP (4u << 20)   /* fp32 staging for half-type inputs */
+#define DATA_FRAME (1u << 20) /* payload of one DATA frame we send */
+#define DRAIN_NS (2000000000LL)
+#define LINGER_MS 2000          /* destroy: wait this long for the previous rank to close */
+#define NEXT_LOST_GRACE_NS (300000000LL) /* a send failed: wait for an abort notice first */
+#define MAX_PHASES 2
+
+typedef enum { PH_AG, PH_RS, PH_BCAST } phase_kind_t;
+
+typedef struct ctrl_frame {
+    struct ctrl_frame *next;
+    size_t len;
+    uint8_t buf[COLL_FRAME_HEADER_SIZE + COLL_FRAME_MAX_CONTROL];
+} ctrl_frame_t;
+
+/* A position in a reduce-scatter stream: item (round j, block k) starting at `start`. */
+typedef struct {
+    size_t j, k, start, len;
+} rs_cur_t;
+
+/* One phase of an operation: the byte stream sent to next and the one received from prev. */
+typedef struct {
+    phase_kind_t kind;
+    uint8_t *buf;      /* AG/BCAST: the output buffer; RS: unused */
+    const uint8_t *src; /* RS: the local input (dtype) */
+    uint8_t *dst;      /* RS: where this rank's reduced chunk goes (dtype) */
+    size_t *in_chunk, *out_chunk; /* chunk id of each block */
+    size_t *in_off, *out_off;     /* block start offsets in the stream, nblocks + 1 entries */
+    size_t nblocks;
+    size_t in_total, out_total;
+    size_t in_recv, in_done, out_sent;
+    size_t in_k, out_k; /* block cursors */
+    /* RS streams are ordered in rounds: round j carries slice j of every block, so a rank
+     * never needs more than about two rounds of window to keep the ring moving (a plain
+     * block order deadlocks once a block outgrows the window plus the socket buffers). */
+    size_t slice, rounds;
+    rs_cur_t o, fw, pr; /* out cursor, its forwarded in-item, processing cursor */
+    size_t conv_round;  /* round whose input slice sits converted in conv (SIZE_MAX: none) */
+} phase_t;
+
+typedef struct engine {
+    tcp_t t; /* first: coll_tcp_conn.c sees only this part */
+
+    /* Link state that outlives single operations. */
+    ctrl_frame_t *ctrl_head, *ctrl_tail;
+    bool of_active, of_is_data, of_zero_pad;
+    uint8_t of_hdr[COLL_FRAME_HEADER_SIZE];
+    size_t of_hdr_off;
+    const uint8_t *of_payload;
+    size_t of_len, of_off;
+    ctrl_frame_t *of_ctrl;
+    phase_t *of_phase; /* the phase whose out stream a DATA frame belongs to */
+
+    uint8_t if_hdr[COLL_FRAME_HEADER_SIZE];
+    size_t if_hdr_off;
+    bool if_have_hdr;
+    coll_frame_header_t if_h;
+    size_t if_off;
+    uint8_t if_ctrl[COLL_FRAME_MAX_CONTROL];
+
+    bool failed;
+    int64_t drain_until_ns;
+    int next_lost_errno;     /* a send to next failed with this errno (0: none) */
+    int64_t next_lost_ns;    /* when */
+
+    /* The running operation. */
+    pshard_coll_req_t *req;
+    phase_t phases[MAX_PHASES];
+    size_t nphases, cur;
+    size_t esize, asize;
+    size_t *bytes;   /* per-chunk byte sizes for the current phase kind */
+    size_t *displ;   /* per-chunk byte offsets */
+    int descs_received;
+    bool op_failed;
+    bool read_blocked, write_blocked;
+    int waiting_on;
+    float scale;
+} engine_t;
+
+static engine_t *engine_of(pshard_comm_t *comm)
+{
+    return comm->impl;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Control frames                                                                            */
+
+static void queue_ctrl(engine_t *e, uint8_t type, uint64_t seq, const uint8_t *payload,
+                       size_t len)
+{
+    ctrl_frame_t *f = malloc(sizeof(*f));
+    if (!f)
+        return; /* out of memory: peers will time out and name us */
+    coll_frame_header_t h = {type, 0, (uint32_t)len, seq};
+    coll_frame_header_encode(&h, f->buf);
+    memcpy(f->buf + COLL_FRAME_HEADER_SIZE, payload, len);
+    f->len = COLL_FRAME_HEADER_SIZE + len;
+    f->next = NULL;
+    if (e->ctrl_tail)
+        e->ctrl_tail->next = f;
+    else
+        e->ctrl_head = f;
+    e->ctrl_tail = f;
+}
+
+static void queue_abort(engine_t *e, uint32_t origin, pshard_status_t status, const char *msg,
+                        uint64_t seq)
+{
+    coll_abort_t a;
+    memset(&a, 0, sizeof(a));
+    a.origin_rank = origin;
+    a.status = (int32_t)status;
+    ps_strlcpy(a.message, msg, sizeof(a.message));
+    uint8_t buf[COLL_FRAME_MAX_CONTROL];
+    size_t n = coll_abort_encode(&a, buf, sizeof(buf));
+    if (n)
+        queue_ctrl(e, COLL_FRAME_ABORT, seq, buf, n);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Failure                                                                                   */
+
+static void fail_op(engine_t *e, pshard_status_t st, const char *msg, bool originate)
+{
+    if (e->op_failed || !e->req)
+        return;
+    e->op_failed = true;
+    PS_WARN(PS_SUB_COLL, "%s", msg);
+    /* A half-written DATA frame is finished with zeros: the caller's buffer may be freed once
+     * the request completes. */
+    if (e->of_active && e->of_is_data)
+        e->of_zero_pad = true;
+    if (originate && e->t.n > 1)
+        queue_abort(e, (uint32_t)e->t.rank, st, msg, e->req->op.desc.seq);
+    e->failed = true;
+    e->drain_until_ns = ps_now_ns() + DRAIN_NS;
+    coll_complete(e->req, st, msg);
+}
+
+static void fail_errno(engine_t *e, bool sending, int err_no)
+{
+    char msg[512];
+    const coll_op_t *op = &e->req->op;
+    int peer = sending ? e->t.next : e->t.prev;
+    snprintf(msg, sizeof(msg),
+             "%s seq %" PRIu64 " on rank %d: lost rank %d (%s while %s it); the process died, "
+             "closed the communicator, or the network failed",
+             pshard_coll_op_name(op->args.op), op->desc.seq, e->t.rank, peer,
+             err_no ? strerror(err_no) : "connection closed", sending ? "sending to" : "receiving from");
+    fail_op(e, PSHARD_ERR_PEER_LOST, msg, true);
+}
+
+static void fail_protocol(engine_t *e, const char *what)
+{
+    char msg[768];
+    snprintf(msg, sizeof(msg), "%s seq %" PRIu64 " on rank %d: rank %d broke the protocol: %s",
+             pshard_coll_op_name(e->req->op.args.op), e->req->op.desc.seq, e->t.rank, e->t.prev,
+             what);
+    fail_op(e, PSHARD_ERR_DESYNC, msg, true);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Stream geometry                                                                           */
+
+static size_t mod(long long a, int n)
+{
+    long long r = a % n;
+    return (size_t)(r < 0 ? r + n : r);
+}
+
+/* Advances *k so that off lies in block *k (offsets are monotonic within a phase). */
+static size_t locate(const size_t *offs, size_t nblocks, size_t *k, size_t off)
+{
+    while (*k + 1 < nblocks && off >= offs[*k + 1])
+        (*k)++;
+    return off - offs[*k];
+}
+
+/* How many bytes of the out stream may be sent now (absolute stream offset). */
+static size_t out_ready(const engine_t *e, const phase_t *ph)
+{
+    switch (ph->kind) {
+    case PH_AG: {
+        size_t r = ph->out_off[1] + ph->in_done;
+        return r < ph->out_total ? r : ph->out_total;
+    }
+    case PH_RS:
+        return ph->out_total; /* readiness is item by item: rs_out() */
+    case PH_BCAST:
+        return e->req->op.args.root == e->t.rank ? ph->out_total
+                                                 : (ph->in_done < ph->out_total ? ph->in_done
+                                                                                : ph->out_total);
+    }
+    return 0;
+}
+
+static size_t rs_item_len(const engine_t *e, const phase_t *ph, size_t j, size_t k, bool out)
+{
+    size_t chunk = out ? ph->out_chunk[k] : ph->in_chunk[k];
+    size_t len = e->bytes[chunk], lo = j * ph->slice;
+    if (len <= lo)
+        return 0;
+    return len - lo < ph->slice ? len - lo : ph->slice;
+}
+
+static void rs_cur_init(const engine_t *e, const phase_t *ph, rs_cur_t *c, bool out)
+{
+    c->j = c->k = c->start = 0;
+    c->len = ph->rounds ? rs_item_len(e, ph, 0, 0, out) : 0;
+}
+
+/* Moves c to the item holding stream offset pos (or past the end). */
+static void rs_cur_seek(const engine_t *e, const phase_t *ph, rs_cur_t *c, size_t pos, bool out)
+{
+    while (c->j < ph->rounds && pos >= c->start + c->len) {
+        c->start += c->len;
+        if (++c->k == ph->nblocks) {
+            c->k = 0;
+            c->j++;
+        }
+        c->len = c->j < ph->rounds ? rs_item_len(e, ph, c->j, c->k, out) : 0;
+    }
+}
+
+/* In-stream offset of the next forwarded byte still to send (everything before it that is
+ * forwarded has been sent); in_total when nothing more is forwarded. */
+static size_t rs_fwd_pos(const phase_t *ph)
+{
+    if (ph->nblocks < 2 || ph->o.j >= ph->rounds)
+        return ph->in_total;
+    if (ph->o.k == 0)
+        return ph->fw.start; /* fw sits at (o.j, 0) */
+    return ph->fw.start + (ph->out_sent - ph->o.start);
+}
+
+/* The reduce-scatter out stream at out_sent: pointer and bytes ready and contiguous. */
+static const uint8_t *rs_out(engine_t *e, phase_t *ph, size_t *avail)
+{
+    size_t p = ph->out_sent;
+    rs_cur_seek(e, ph, &ph->o, p, true);
+    *avail = 0;
+    if (ph->o.j >= ph->rounds)
+        return NULL;
+    size_t j = ph->o.j, k = ph->o.k, inner = p - ph->o.start;
+    /* Keep fw on in-item (j, k-1), or (j, 0) while sending this round's own slice. */
+    size_t want_k = k ? k - 1 : 0;
+    while (ph->fw.j < j || (ph->fw.j == j && ph->fw.k < want_k)) {
+        ph->fw.start += ph->fw.len;
+        if (++ph->fw.k == ph->nblocks) {
+            ph->fw.k = 0;
+            ph->fw.j++;
+        }
+        ph->fw.len = ph->fw.j < ph->rounds ? rs_item_len(e, ph, ph->fw.j, ph->fw.k, false) : 0;
+    }
+    if (k == 0) {
+        const coll_op_t *op = &e->req->op;
+        pshard_dtype_t dt = op->args.dtype;
+        size_t chunk = ph->out_chunk[0];
+        size_t off = j * ph->slice + inner; /* bytes into the chunk, accumulation type */
+        *avail = ph->o.len - inner;
+        if (coll_acc_dtype(dt) == dt)
+            return ph->src + op->displs[chunk] * e->esize + off;
+        if (ph->conv_round != j) {
+            size_t first = (j * ph->slice) / e->asize, nel = ph->o.len / e->asize;
+            coll_reduce_load(e->t.conv, ph->src + (op->displs[chunk] + first) * e->esize, dt,
+                             nel);
+            ph->conv_round = j;
+        }
+        return e->t.conv + inner;
+    }
+    size_t in_pos = ph->fw.start + inner;
+    size_t done = ph->in_done > in_pos ? ph->in_done - in_pos : 0;
+    size_t left = ph->o.len - inner;
+    size_t pos = in_pos % e->t.ring_cap;
+    size_t wrap = e->t.ring_cap - pos;
+    *avail = done < left ? done : left;
+    if (*avail > wrap)
+        *avail = wrap;
+    return e->t.ring + pos;
+}
+
+/* Pointer to out stream byte p and the contiguous bytes available there. */
+static const uint8_t *out_ptr(engine_t *e, phase_t *ph, size_t p, size_t *contig)
+{
+    if (ph->kind == PH_BCAST) {
+        *contig = ph->out_total - p;
+        return ph->buf + p;
+    }
+    size_t inner = locate(ph->out_off, ph->nblocks, &ph->out_k, p);
+    size_t blk_left = ph->out_off[ph->out_k + 1] - p;
+    size_t chunk = ph->out_chunk[ph->out_k];
+    *contig = blk_left;
+    return ph->buf + e->displ[chunk] + inner;
+}
+
+/* Where incoming byte q goes and how many contiguous bytes may land there now. */
+static uint8_t *in_ptr(engine_t *e, phase_t *ph, size_t q, size_t *room)
+{
+    if (ph->kind == PH_BCAST) {
+        *room = ph->in_total - q;
+        return ph->buf + q;
+    }
+    if (ph->kind == PH_AG) {
+        size_t inner = locate(ph->in_off, ph->nblocks, &ph->in_k, q);
+        *room = ph->in_off[ph->in_k + 1] - q;
+        return ph->buf + e->displ[ph->in_chunk[ph->in_k]] + inner;
+    }
+    /* RS: bounded window; a slot is free once its bytes were forwarded (or, for the last block,
+     * reduced into the output). */
+    size_t fwd = rs_fwd_pos(ph);
+    size_t freed = fwd < ph->in_done ? fwd : ph->in_done;
+    size_t limit = freed + e->t.ring_cap;
+    size_t pos = q % e->t.ring_cap;
+    size_t c = e->t.ring_cap - pos;
+    size_t allowed = limit > q ? limit - q : 0;
+    size_t left = ph->in_total - q;
+    *room = c < allowed ? c : allowed;
+    if (*room > left)
+        *room = left;
+    return e->t.ring + pos;
+}
+
+/* Reduces newly received whole elements of a reduce-scatter stream: each in-item is
+ * accumulated with the matching slice of the local input; the last block of each round is this
+ * rank's chunk, whose result is rounded once into the output. */
+static void rs_process(engine_t *e, phase_t *ph)
+{
+    const coll_op_t *op = &e->req->op;
+    pshard_dtype_t dt = op->args.dtype;
+    size_t asz = e->asize;
+    size_t upto = ph->in_recv - ph->in_recv % asz;
+    while (ph->in_done < upto) {
+        rs_cur_seek(e, ph, &ph->pr, ph->in_done, false);
+        size_t q = ph->in_done;
+        size_t item_end = ph->pr.start + ph->pr.len;
+        size_t pos = q % e->t.ring_cap;
+        size_t span = upto - q;
+        if (span > item_end - q)
+            span = item_end - q;
+        if (span > e->t.ring_cap - pos)
+            span = e->t.ring_cap - pos;
+        size_t chunk = ph->in_chunk[ph->pr.k];
+        size_t e0 = (ph->pr.j * ph->slice + (q - ph->pr.start)) / asz, nel = span / asz;
+        uint8_t *acc = e->t.ring + pos;
+        coll_reduce_accumulate(acc, ph->src + (op->displs[chunk] + e0) * e->esize, dt, nel);
+        if (ph->pr.k + 1 == ph->nblocks)
+            coll_reduce_store(ph->dst + e0 * e->esize, dt, acc, nel, e->scale);
+        ph->in_done += span;
+    }
+}
+
+/* Builds the block lists of a phase. kind AG: out blocks rank, rank-1, ...; in blocks rank-1,
+ * ...; RS: out rank-1, rank-2, ...; in rank-2, ..., rank. bytes[] are per-chunk sizes. */
+static pshard_status_t setup_ring_phase(engine_t *e, phase_t *ph, phase_kind_t kind,
+                                        const size_t *bytes)
+{
+    int n = e->t.n, r = e->t.rank;
+    size_t nb = (size_t)n - 1;
+    ph->kind = kind;
+    ph->nblocks = nb;
+    ph->in_chunk = calloc(nb, sizeof(size_t));
+    ph->out_chunk = calloc(nb, sizeof(size_t));
+    ph->in_off = calloc(nb + 1, sizeof(size_t));
+    ph->out_off = calloc(nb + 1, sizeof(size_t));
+    if (!ph->in_chunk || !ph->out_chunk || !ph->in_off || !ph->out_off)
+        return PSHARD_ERR_NO_MEMORY;
+    int out_start = kind == PH_AG ? r : r - 1;
+    int in_start = kind == PH_AG ? r - 1 : r - 2;
+    for (size_t k = 0; k < nb; k++) {
+        ph->out_chunk[k] = mod((long long)out_start - (long long)k, n);
+        ph->in_chunk[k] = mod((long long)in_start - (long long)k, n);
+        ph->out_off[k + 1] = ph->out_off[k] + bytes[ph->out_chunk[k]];
+        ph->in_off[k + 1] = ph->in_off[k] + bytes[ph->in_chunk[k]];
+    }
+    ph->out_total = ph->out_off[nb];
+    ph->in_total = ph->in_off[nb];
+    if (kind == PH_RS) {
+        /* Two rounds fit in the window; slices are whole 64-byte multiples. */
+        size_t slice = e->t.ring_cap / (2 * (size_t)n);
+        slice -= slice % 64;
+        if (slice < 4096)
+            slice = 4096;
+        size_t longest = 0;
+        for (int i = 0; i < n; i++)
+            longest = bytes[i] > longest ? bytes[i] : longest;
+        ph->slice = slice;
+        ph->rounds = (longest + slice - 1) / slice;
+        ph->conv_round = SIZE_MAX;
+        rs_cur_init(e, ph, &ph->o, true);
+        rs_cur_init(e, ph, &ph->fw, false);
+        rs_cur_init(e, ph, &ph->pr, false);
+    }
+    return PSHARD_OK;
+}
+
+static void free_phases(engine_t *e)
+{
+    for (size_t i = 0; i < e->nphases; i++) {
+        phase_t *ph = &e->phases[i];
+        free(ph->in_chunk);
+        free(ph->out_chunk);
+        free(ph->in_off);
+        free(ph->out_off);
+        memset(ph, 0, sizeof(*ph));
+    }
+    e->nphases = 0;
+    free(e->bytes);
+    free(e->displ);
+    e->bytes = e->displ = NULL;
+}
+
+/* Sets up the phases of the request's operation. For n == 1 the work is a local copy and no
+ * phase is created. */
+static pshard_status_t setup_op(engine_t *e)
+{
+    coll_op_t *op = &e->req->op;
+    const pshard_coll_args_t *a = &op->args;
+    int n = e->t.n, r = e->t.rank;
+    e->esize = pshard_dtype_size(a->dtype);
+    e->asize = pshard_dtype_size(coll_acc_dtype(a->dtype));
+    e->scale = a->reduce == PSHARD_REDUCE_AVG ? 1.0f / (float)n : 1.0f;
+    e->cur = 0;
+    e->nphases = 0;
+    e->descs_received = 0;
+    e->op_failed = false;
+    e->waiting_on = -1;
+    e->bytes = calloc((size_t)n, sizeof(size_t));
+    e->displ = calloc((size_t)n, sizeof(size_t));
+    if (!e->bytes || !e->displ)
+        return PSHARD_ERR_NO_MEMORY;
+    uint8_t *recv = a->recv;
+    const uint8_t *send = a->send;
+    size_t es = e->esize;
+
+    if (n == 1) {
+        size_t nbytes = a->op == PSHARD_COLL_BARRIER ? 0 : op->displs[1] * es;
+        if (nbytes && send && recv && send != recv)
+            memmove(recv, send, nbytes);
+        return PSHARD_OK;
+    }
+    switch (a->op) {
+    case PSHARD_COLL_ALL_GATHER:
+    case PSHARD_COLL_BARRIER: {
+        bool barrier = a->op == PSHARD_COLL_BARRIER;
+        for (int i = 0; i < n; i++) {
+            e->bytes[i] = barrier ? 8 : op->counts[i] * es;
+            e->displ[i] = barrier ? (size_t)i * 8 : op->displs[i] * es;
+        }
+        uint8_t *buf = barrier ? (uint8_t *)e->t.barrier_buf : recv;
+        if (barrier)
+            e->t.barrier_buf[r] = op->desc.seq;
+        else if (e->bytes[r] && send != buf + e->displ[r])
+            memmove(buf + e->displ[r], send, e->bytes[r]);
+        e->phases[0].buf = buf;
+        e->nphases = 1;
+        return setup_ring_phase(e, &e->phases[0], PH_AG, e->bytes);
+    }
+    case PSHARD_COLL_REDUCE_SCATTER:
+    case PSHARD_COLL_ALL_REDUCE: {
+        for (int i = 0; i < n; i++) {
+            e->bytes[i] = op->counts[i] * e->asize;
+            e->displ[i] = op->displs[i] * es;
+        }
+        phase_t *rs = &e->phases[0];
+        rs->src = send;
+        rs->dst = a->op == PSHARD_COLL_ALL_REDUCE ? recv + e->displ[r] : recv;
+        e->nphases = 1;
+        PS_CHECK(setup_ring_phase(e, rs, PH_RS, e->bytes));
+        if (a->op == PSHARD_COLL_ALL_REDUCE) {
+            size_t *ag_bytes = calloc((size_t)n, sizeof(size_t));
+            if (!ag_bytes)
+                return PSHARD_ERR_NO_MEMORY;
+            for (int i = 0; i < n; i++)
+                ag_bytes[i] = op->counts[i] * es;
+            phase_t *ag = &e->phases[1];
+            ag->buf = recv;
+            e->nphases = 2;
+            pshard_status_t rc = setup_ring_phase(e, ag, PH_AG, ag_bytes);
+            free(ag_bytes);
+            return rc;
+        }
+        return PSHARD_OK;
+    }
+    case PSHARD_COLL_BROADCAST: {
+        size_t total = op->displs[n] * es;
+        if (r == a->root && total && send != recv)
+            memmove(recv, send, total);
+        phase_t *ph = &e->phases[0];
+        ph->kind = PH_BCAST;
+        ph->buf = recv;
+        ph->in_total = r == a->root ? 0 : total;
+        ph->out_total = e->t.next == a->root ? 0 : total;
+        e->nphases = 1;
+        return PSHARD_OK;
+    }
+    }
+    return PSHARD_ERR_INVALID_ARGUMENT;
+}
+
+/* The bytes a phase switch needs: the AG phase of an all-reduce uses per-chunk output sizes. */
+static void enter_phase(engine_t *e)
+{
+    phase_t *ph = &e->phases[e->cur];
+    if (ph->kind == PH_AG) {
+        const coll_op_t *op = &e->req->op;
+        if (op->args.op != PSHARD_COLL_BARRIER) {
+            for (int i = 0; i < e->t.n; i++)
+                e->displ[i] = op->displs[i] * e->esize;
+        }
+    }
+}
+
+static bool phase_done(const engine_t *e, const phase_t *ph)
+{
+    bool data_frame_open = e->of_active && e->of_is_data && e->of_phase == ph;
+    return ph->in_done == ph->in_total && ph->out_sent == ph->out_total && !data_frame_open;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Socket I/O                                                                                */
+
+static bool do_writes(engine_t *e)
+{
+    bool progress = false;
+    e->write_blocked = false;
+    if (e->next_lost_errno)
+        return false;
+    for (int frames = 0; frames < 16; frames++) {
+        if (!e->of_active) {
+            if (e->ctrl_head) {
+                ctrl_frame_t *f = e->ctrl_head;
+                e->ctrl_head = f->next;
+                if (!e->ctrl_head)
+                    e->ctrl_tail = NULL;
+                e->of_ctrl = f;
+                e->of_is_data = false;
+                e->of_payload = f->buf;
+                e->of_len = f->len;
+                e->of_off = 0;
+                e->of_hdr_off = COLL_FRAME_HEADER_SIZE; /* header is inside buf */
+                e->of_active = true;
+            } else if (e->req && !e->op_failed && e->cur < e->nphases) {
+                phase_t *ph = &e->phases[e->cur];
+                size_t len, contig;
+                const uint8_t *p;
+                if (ph->kind == PH_RS) {
+                    if (ph->out_sent >= ph->out_total)
+                        break;
+                    p = rs_out(e, ph, &len);
+                } else {
+                    size_t ready = out_ready(e, ph);
+                    if (ready <= ph->out_sent)
+                        break;
+                    p = out_ptr(e, ph, ph->out_sent, &contig);
+                    len = ready - ph->out_sent;
+                    if (len > contig)
+                        len = contig;
+                }
+                if (len > DATA_FRAME)
+                    len = DATA_FRAME;
+                if (len == 0)
+                    break;
+                coll_frame_header_t h = {COLL_FRAME_DATA, 0, (uint32_t)len,
+                                         e->req->op.desc.seq};
+                coll_frame_header_encode(&h, e->of_hdr);
+                e->of_hdr_off = 0;
+                e->of_payload = p;
+                e->of_len = len;
+                e->of_off = 0;
+                e->of_is_data = true;
+                e->of_zero_pad = false;
+                e->of_phase = ph;
+                e->of_active = true;
+            } else {
+                break;
+            }
+        }
+        static const uint8_t zeros[65536];
+        struct iovec iov[2];
+        int niov = 0;
+        if (e->of_hdr_off < COLL_FRAME_HEADER_SIZE) {
+            iov[niov].iov_base = e->of_hdr + e->of_hdr_off;
+            iov[niov].iov_len = COLL_FRAME_HEADER_SIZE - e->of_hdr_off;
+            niov++;
+        }
+        size_t left = e->of_len - e->of_off;
+        if (left) {
+            if (e->of_zero_pad) {
+                iov[niov].iov_base = (void *)zeros;
+                iov[niov].iov_len = left < sizeof(zeros) ? left : sizeof(zeros);
+            } else {
+                iov[niov].iov_base = (void *)(e->of_payload + e->of_off);
+                iov[niov].iov_len = left;
+            }
+            niov++;
+        }
+        struct msghdr mh = {0};
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)niov;
+        ssize_t w = sendmsg(e->t.send_fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                e->write_blocked = true;
+                return progress;
+            }
+            /* The next rank is gone. Its neighbour on the other side may already be telling
+             * the ring why (a desync, an abort): give that notice a moment to arrive before
+             * reporting a lost peer. */
+            if (!e->next_lost_errno) {
+                e->next_lost_errno = errno;
+                e->next_lost_ns = ps_now_ns();
+            }
+            e->of_active = false; /* the link is dead: drop what is queued */
+            free(e->of_ctrl);
+            e->of_ctrl = NULL;
+            while (e->ctrl_head) {
+                ctrl_frame_t *f = e->ctrl_head;
+                e->ctrl_head = f->next;
+                free(f);
+            }
+            e->ctrl_tail = NULL;
+            e->drain_until_ns = 0;
+            return true;
+        }
+        progress = true;
+        size_t wrote = (size_t)w;
+        if (e->of_hdr_off < COLL_FRAME_HEADER_SIZE) {
+            size_t h = COLL_FRAME_HEADER_SIZE - e->of_hdr_off;
+            size_t take = wrote < h ? wrote : h;
+            e->of_hdr_off += take;
+            wrote -= take;
+        }
+        e->of_off += wrote;
+        if (e->of_is_data && !e->of_zero_pad)
+            e->of_phase->out_sent += wrote;
+        if (e->of_hdr_off == COLL_FRAME_HEADER_SIZE && e->of_off == e->of_len) {
+            e->of_active = false;
+            if (e->of_ctrl) {
+                free(e->of_ctrl);
+                e->of_ctrl = NULL;
+            }
+        }
+    }
+    return progress;
+}
+
+static bool expecting_input(const engine_t *e)
+{
+    if (!e->req || e->op_failed)
+        return false;
+    if (e->descs_received < e->t.n - 1)
+        return true;
+    for (size_t i = e->cur; i < e->nphases; i++) {
+        if (e->phases[i].in_recv < e->phases[i].in_total)
+            return true;
+    }
+    return false;
+}
+
+static void handle_desc(engine_t *e)
+{
+    coll_op_t *op = &e->req->op;
+    coll_desc_t d;
+    char err[256] = "";
+    if (coll_desc_decode(e->if_ctrl, e->if_h.len, &d, err, sizeof(err)) != PSHARD_OK) {
+        fail_protocol(e, err);
+        return;
+    }
+    int origin = (int)mod((long long)e->t.rank - 1 - e->descs_received, e->t.n);
+    if (!coll_desc_same(&d, &op->desc) || e->if_h.seq != op->desc.seq) {
+        char theirs[256], mine[256], msg[900];
+        coll_desc_format(&d, theirs, sizeof(theirs));
+        coll_desc_format(&op->desc, mine, sizeof(mine));
+        snprintf(msg, sizeof(msg), "desync: rank %d ran %s but rank %d ran %s", origin, theirs,
+                 e->t.rank, mine);
+        fail_op(e, PSHARD_ERR_DESYNC, msg, true);
+        return;
+    }
+    e->descs_received++;
+    /* Forward it unless the next rank is where it came from. */
+    if (origin != e->t.next)
+        queue_ctrl(e, COLL_FRAME_DESC, e->if_h.seq, e->if_ctrl, e->if_h.len);
+}
+
+static void handle_abort(engine_t *e)
+{
+    coll_abort_t a;
+    char err[256] = "";
+    if (coll_abort_decode(e->if_ctrl, e->if_h.len, &a, err, sizeof(err)) != PSHARD_OK) {
+        fail_protocol(e, err);
+        return;
+    }
+    if ((int)a.origin_rank == e->t.rank || a.origin_rank >= (uint32_t)e->t.n)
+        return; /* our own notice came back around */
+    pshard_status_t st = (pshard_status_t)a.status;
+    if (st >= 0 || st < PSHARD_ERR_CANCELLED)
+        st = PSHARD_ERR_ABORTED;
+    if ((int)a.origin_rank != e->t.next)
+        queue_abort(e, a.origin_rank, st, a.message, e->if_h.seq);
+    char msg[700];
+    snprintf(msg, sizeof(msg), "%s (reported by rank %u)", a.message, a.origin_rank);
+    fail_op(e, st, msg, false);
+}
+
+static bool do_reads(engine_t *e)
+{
+    bool progress = false;
+    e->read_blocked = false;
+    while (expecting_input(e)) {
+        if (!e->if_have_hdr) {
+            ssize_t got = recv(e->t.recv_fd, e->if_hdr + e->if_hdr_off,
+                               COLL_FRAME_HEADER_SIZE - e->if_hdr_off, MSG_DONTWAIT);
+            if (got == 0) {
+                fail_errno(e, false, 0);
+                return true;
+            }
+            if (got < 0) {
+                if (errno == EINTR)
+                    continue;
+                if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                    e->read_blocked = true;
+                    return progress;
+                }
+                fail_errno(e, false, errno);
+                return true;
+            }
+            progress = true;
+            e->if_hdr_off += (size_t)got;
+            if (e->if_hdr_off < COLL_FRAME_HEADER_SIZE)
+                continue;
+            char err[256] = "";
+            if (coll_frame_header_decode(e->if_hdr, &e->if_h, err, sizeof(err)) != PSHARD_OK) {
+                fail_protocol(e, err);
+                return true;
+            }
+            e->if_have_hdr = true;
+            e->if_off = 0;
+            uint8_t type = e->if_h.type;
+            if (type != COLL_FRAME_DESC && type != COLL_FRAME_DATA && type != COLL_FRAME_ABORT) {
+                char what[96];
+                snprintf(what, sizeof(what), "unexpected frame type %u", type);
+                fail_protocol(e, what);
+                return true;
+            }
+            if (type != COLL_FRAME_ABORT && e->if_h.seq != e->req->op.desc.seq) {
+                char what[160];
+                snprintf(what, sizeof(what),
+                         "it sent a frame of operation seq %" PRIu64 " while this rank runs seq "
+                         "%" PRIu64 " (the ranks issued different numbers of collectives)",
+                         e->if_h.seq, e->req->op.desc.seq);
+                fail_protocol(e, what);
+                return true;
+            }
+            if (type == COLL_FRAME_DATA && e->descs_received == 0) {
+                fail_protocol(e, "it sent data before its descriptor");
+                return true;
+            }
+        }
+        if (e->if_h.type == COLL_FRAME_DATA) {
+            if (e->cur >= e->nphases) {
+                fail_protocol(e, "it sent more data than the operation holds");
+                return true;
+            }
+            phase_t *ph = &e->phases[e->cur];
+            size_t frame_left = e->if_h.len - e->if_off;
+            if (frame_left == 0) {
+                e->if_have_hdr = false;
+                e->if_hdr_off = 0;
+                continue;
+            }
+            if (ph->in_recv == ph->in_total) {
+                if (e->cur + 1 < e->nphases)
+                    return progress; /* data of the next phase: wait for the switch */
+                fail_protocol(e, "it sent more data than the operation holds");
+                return true;
+            }
+            size_t room;
+            uint8_t *dst = in_ptr(e, ph, ph->in_recv, &room);
+            if (room > frame_left)
+                room = frame_left;
+            if (room == 0)
+                return progress; /* window full: wait for sends to free it */
+            ssize_t got = recv(e->t.recv_fd, dst, room, MSG_DONTWAIT);
+            if (got == 0) {
+                fail_errno(e, false, 0);
+                return true;
+            }
+            if (got < 0) {
+                if (errno == EINTR)
+                    continue;
+                if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                    e->read_blocked = true;
+                    return progress;
+                }
+                fail_errno(e, false, errno);
+                return true;
+            }
+            progress = true;
+            e->if_off += (size_t)got;
+            ph->in_recv += (size_t)got;
+            if (ph->kind == PH_RS)
+                rs_process(e, ph);
+            else
+                ph->in_done = ph->in_recv;
+            if (e->if_off == e->if_h.len) {
+                e->if_have_hdr = false;
+                e->if_hdr_off = 0;
+            }
+        } else {
+            size_t left = e->if_h.len - e->if_off;
+            if (left) {
+                ssize_t got = recv(e->t.recv_fd, e->if_ctrl + e->if_off, left, MSG_DONTWAIT);
+                if (got == 0) {
+                    fail_errno(e, false, 0);
+                    return true;
+                }
+                if (got < 0) {
+                    if (errno == EINTR)
+                        continue;
+                    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                        e->read_blocked = true;
+                        return progress;
+                    }
+                    fail_errno(e, false, errno);
+                    return true;
+                }
+                progress = true;
+                e->if_off += (size_t)got;
+                if (e->if_off < e->if_h.len)
+                    continue;
+            }
+            e->if_have_hdr = false;
+            e->if_hdr_off = 0;
+            if (e->if_h.type == COLL_FRAME_DESC)
+                handle_desc(e);
+            else
+                handle_abort(e);
+            progress = true;
+        }
+    }
+    return progress;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The engine                                                                                */
+
+static void drain_wake(engine_t *e)
+{
+    uint64_t v;
+    while (read(e->t.wake_fd, &v, sizeof(v)) > 0) {
+    }
+}
+
+static pshard_coll_req_t *pop_request(engine_t *e)
+{
+    pthread_mutex_lock(&e->t.qmu);
+    pshard_coll_req_t *r = e->t.qhead;
+    if (r) {
+        e->t.qhead = r->next;
+        if (!e->t.qhead)
+            e->t.qtail = NULL;
+    }
+    pthread_mutex_unlock(&e->t.qmu);
+    return r;
+}
+
+static void fail_timeout(engine_t *e)
+{
+    const coll_op_t *op = &e->req->op;
+    char msg[700];
+    phase_t *ph = e->cur < e->nphases ? &e->phases[e->cur] : NULL;
+    int who = e->waiting_on >= 0 ? e->waiting_on : e->t.prev;
+    snprintf(msg, sizeof(msg),
+             "%s seq %" PRIu64 " timed out on rank %d waiting on rank %d: received %zu of %zu "
+             "bytes from rank %d, sent %zu of %zu bytes to rank %d, %d of %d descriptors",
+             pshard_coll_op_name(op->args.op), op->desc.seq, e->t.rank, who,
+             ph ? ph->in_recv : 0, ph ? ph->in_total : 0, e->t.prev, ph ? ph->out_sent : 0,
+             ph ? ph->out_total : 0, e->t.next, e->descs_received, e->t.n - 1);
+    fail_op(e, PSHARD_ERR_TIMEOUT, msg, true);
+}
+
+static void run_request(engine_t *e, pshard_coll_req_t *req)
+{
+    e->req = req;
+    char msg[512];
+    pshard_status_t rc = setup_op(e);
+    if (rc != PSHARD_OK) {
+        snprintf(msg, sizeof(msg), "cannot set up %s: %s", pshard_coll_op_name(req->op.args.op),
+                 pshard_status_str(rc));
+        coll_complete(req, rc, msg);
+        free_phases(e);
+        e->req = NULL;
+        return;
+    }
+    coll_record_waiting(e->t.comm, &req->op, -1);
+    if (e->t.n == 1) {
+        coll_complete(req, PSHARD_OK, NULL);
+        free_phases(e);
+        e->req = NULL;
+        return;
+    }
+    uint8_t buf[COLL_FRAME_MAX_CONTROL];
+    size_t n = coll_desc_encode(&req->op.desc, buf, sizeof(buf));
+    queue_ctrl(e, COLL_FRAME_DESC, req->op.desc.seq, buf, n);
+    if (e->cur < e->nphases)
+        enter_phase(e);
+
+    while (!e->op_failed) {
+        bool progress = true;
+        while (progress && !e->op_failed) {
+            progress = do_writes(e);
+            if (!e->op_failed && do_reads(e))
+                progress = true;
+            while (!e->op_failed && e->cur < e->nphases && phase_done(e, &e->phases[e->cur])) {
+                e->cur++;
+                if (e->cur < e->nphases)
+                    enter_phase(e);
+                progress = true;
+            }
+            if (!e->op_failed && e->cur == e->nphases && e->descs_received == e->t.n - 1) {
+                /* Forwarded descriptors may still be queued; they go out before anything of
+                 * the next operation. */
+                do_writes(e);
+                coll_complete(req, PSHARD_OK, NULL);
+                free_phases(e);
+                e->req = NULL;
+                return;
+            }
+        }
+        if (e->op_failed)
+            break;
+        if (atomic_load(&e->t.comm->aborted)) {
+            char why[1024] = "";
+            if (pshard_comm_error(e->t.comm, why, sizeof(why)) == PSHARD_OK)
+                ps_strlcpy(why, "aborted", sizeof(why));
+            fail_op(e, PSHARD_ERR_ABORTED, why, true);
+            break;
+        }
+        int64_t now = ps_now_ns();
+        if (e->next_lost_errno &&
+            (now - e->next_lost_ns >= NEXT_LOST_GRACE_NS || !expecting_input(e))) {
+            fail_errno(e, true, e->next_lost_errno);
+            break;
+        }
+        if (now >= req->op.deadline_ns) {
+            fail_timeout(e);
+            break;
+        }
+        int waiting = e->read_blocked && expecting_input(e) ? e->t.prev
+                      : e->write_blocked                    ? e->t.next
+                                                            : -1;
+        if (waiting != e->waiting_on) {
+            e->waiting_on = waiting;
+            coll_record_waiting(e->t.comm, &req->op, waiting);
+        }
+        struct pollfd pfds[3];
+        int np = 0;
+        pfds[np++] = (struct pollfd){e->t.wake_fd, POLLIN, 0};
+        if (e->read_blocked)
+            pfds[np++] = (struct pollfd){e->t.recv_fd, POLLIN, 0};
+        if (e->write_blocked)
+            pfds[np++] = (struct pollfd){e->t.send_fd, POLLOUT, 0};
+        int64_t left_ms = (req->op.deadline_ns - now) / 1000000 + 1;
+        int timeout = left_ms > 1000 ? 1000 : (int)left_ms;
+        if (e->next_lost_errno && timeout > 20)
+            timeout = 20;
+        int pr = poll(pfds, (nfds_t)np, timeout);
+        if (pr > 0 && (pfds[0].revents & POLLIN))
+            drain_wake(e);
+    }
+    free_phases(e);
+    e->req = NULL;
+}
+
+/* After a failure: fail whatever arrives with the sticky error, and for a short while keep
+ * pushing out the abort notice so the peers learn why. */
+static void fail_queued(engine_t *e)
+{
+    pshard_coll_req_t *r;
+    while ((r = pop_request(e)) != NULL) {
+        char msg[1024] = "";
+        pshard_status_t st = pshard_comm_error(e->t.comm, msg, sizeof(msg));
+        if (st == PSHARD_OK)
+            ps_strlcpy(msg, "communicator failed", sizeof(msg));
+        coll_complete(r, st != PSHARD_OK ? st : PSHARD_ERR_ABORTED, msg);
+    }
+}
+
+static void *engine_main(void *arg)
+{
+    engine_t *e = arg;
+    for (;;) {
+        pthread_mutex_lock(&e->t.qmu);
+        bool stop = e->t.stop;
+        pthread_mutex_unlock(&e->t.qmu);
+        if (stop) {
+            /* Push out what the ring still needs from us (forwarded descriptors, an abort
+             * notice) before the sockets close. */
+            int64_t until = ps_now_ns() + DRAIN_NS / 2;
+            while (e->t.n > 1 && (e->of_active || e->ctrl_head) && !e->next_lost_errno &&
+                   ps_now_ns() < until) {
+                do_writes(e);
+                if (e->write_blocked) {
+                    struct pollfd pfd = {e->t.send_fd, POLLOUT, 0};
+                    poll(&pfd, 1, 50);
+                }
+            }
+            break;
+        }
+        if (!e->failed && atomic_load(&e->t.comm->aborted)) {
+            e->failed = true;
+            e->drain_until_ns = ps_now_ns() + DRAIN_NS;
+            char msg[1024] = "";
+            if (pshard_comm_error(e->t.comm, msg, sizeof(msg)) == PSHARD_OK)
+                ps_strlcpy(msg, "aborted", sizeof(msg));
+            if (e->t.n > 1)
+                queue_abort(e, (uint32_t)e->t.rank, PSHARD_ERR_ABORTED, msg, 0);
+        }
+        if (e->failed) {
+            fail_queued(e);
+        } else {
+            pshard_coll_req_t *r = pop_request(e);
+            if (r) {
+                run_request(e, r);
+                continue;
+            }
+        }
+        bool flushing = e->t.n > 1 && (e->of_active || e->ctrl_head) &&
+                        (!e->failed || ps_now_ns() < e->drain_until_ns);
+        if (flushing)
+            do_writes(e);
+        struct pollfd pfds[2];
+        int np = 0;
+        pfds[np++] = (struct pollfd){e->t.wake_fd, POLLIN, 0};
+        if (flushing && e->write_blocked)
+            pfds[np++] = (struct pollfd){e->t.send_fd, POLLOUT, 0};
+        int pr = poll(pfds, (nfds_t)np, flushing ? 50 : 1000);
+        if (pr > 0 && (pfds[0].revents & POLLIN))
+            drain_wake(e);
+    }
+    return NULL;
+}
+
+static void wake(engine_t *e)
+{
+    uint64_t one = 1;
+    ssize_t w = write(e->t.wake_fd, &one, sizeof(one));
+    (void)w;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Backend entry points                                                                      */
+
+static void *alloc_touched(size_t n)
+{
+    void *p = malloc(n);
+    if (p)
+        memset(p, 0, n); /* first touch now, not on the hot path */
+    return p;
+}
+
+static pshard_status_t tcp_connect(pshard_comm_t *comm, const pshard_comm_config_t *cfg,
+                                   char *err, size_t errlen)
+{
+    engine_t *e = calloc(1, sizeof(*e));
+    if (!e)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    tcp_t *t = &e->t;
+    t->comm = comm;
+    t->n = comm->world_size;
+    t->rank = comm->rank;
+    t->next = (t->rank + 1) % t->n;
+    t->prev = (t->rank - 1 + t->n) % t->n;
+    t->listen_fd = t->send_fd = t->recv_fd = -1;
+    if (cfg->token) {
+        t->keylen = strlen(cfg->token);
+        if (t->keylen > sizeof(t->key)) {
+            free(e);
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "the cluster token is longer than %zu bytes", sizeof(t->key));
+        }
+        memcpy(t->key, cfg->token, t->keylen);
+    }
+    pthread_mutex_init(&t->qmu, NULL);
+    t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    comm->impl = e;
+    pshard_status_t rc = PSHARD_OK;
+    if (t->wake_fd < 0) {
+        rc = ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "eventfd: %s", strerror(errno));
+        goto fail;
+    }
+    if (t->n > 1) {
+        t->ring_cap = RING_CAP;
+        t->conv_cap = CONV_CAP;
+        t->ring = alloc_touched(t->ring_cap);
+        t->conv = alloc_touched(t->conv_cap);
+        t->barrier_buf = calloc((size_t)t->n, sizeof(uint64_t));
+        if (!t->ring || !t->conv || !t->barrier_buf) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+            goto fail;
+        }
+        rc = tcp_connect_ring(t, cfg, err, errlen);
+        if (rc != PSHARD_OK)
+            goto fail;
+    }
+    if (pthread_create(&t->thread, NULL, engine_main, e) != 0) {
+        rc = ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot start the engine thread");
+        goto fail;
+    }
+    t->thread_started = true;
+    return PSHARD_OK;
+fail:
+    comm->backend->destroy(comm);
+    return rc;
+}
+
+static void tcp_submit(pshard_comm_t *comm, pshard_coll_req_t *req)
+{
+    engine_t *e = engine_of(comm);
+    req->next = NULL;
+    pthread_mutex_lock(&e->t.qmu);
+    if (e->t.qtail)
+        e->t.qtail->next = req;
+    else
+        e->t.qhead = req;
+    e->t.qtail = req;
+    pthread_mutex_unlock(&e->t.qmu);
+    wake(e);
+}
+
+static void tcp_abort(pshard_comm_t *comm)
+{
+    wake(engine_of(comm));
+}
+
+static void tcp_destroy(pshard_comm_t *comm)
+{
+    engine_t *e = engine_of(comm);
+    if (!e)
+        return;
+    tcp_t *t = &e->t;
+    if (t->thread_started) {
+        /* Anything still queued fails rather than hangs. */
+        if (t->qhead) {
+            atomic_store(&comm->aborted, true);
+            coll_set_sticky(comm, PSHARD_ERR_ABORTED, "communicator destroyed");
+        }
+        pthread_mutex_lock(&t->qmu);
+        t->stop = true;
+        pthread_mutex_unlock(&t->qmu);
+        wake(e);
+        pthread_join(t->thread, NULL);
+        fail_queued(e);
+    }
+    /* Close gracefully: end our stream to next at once, then read and discard what prev still
+     * sends until it closes too (or LINGER_MS passes). Closing a socket with unread data would
+     * send a reset, and prev would report us lost instead of the failure we told the ring. */
+    if (t->send_fd >= 0)
+        shutdown(t->send_fd, SHUT_WR);
+    if (t->recv_fd >= 0) {
+        int64_t until = ps_now_ns() + (int64_t)LINGER_MS * 1000000;
+        static uint8_t sink[65536];
+        while (ps_now_ns() < until) {
+            struct pollfd pfd = {t->recv_fd, POLLIN, 0};
+            if (poll(&pfd, 1, 50) <= 0)
+                continue;
+            ssize_t r = recv(t->recv_fd, sink, sizeof(sink), MSG_DONTWAIT);
+            if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR))
+                break;
+        }
+    }
+    if (t->send_fd >= 0)
+        close(t->send_fd);
+    if (t->recv_fd >= 0)
+        close(t->recv_fd);
+    if (t->listen_fd >= 0)
+        close(t->listen_fd);
+    if (t->wake_fd >= 0)
+        close(t->wake_fd);
+    while (e->ctrl_head) {
+        ctrl_frame_t *f = e->ctrl_head;
+        e->ctrl_head = f->next;
+        free(f);
+    }
+    free(e->of_ctrl);
+    free(t->ring);
+    free(t->conv);
+    free(t->barrier_buf);
+    pthread_mutex_destroy(&t->qmu);
+    free(e);
+    comm->impl = NULL;
+}
+
+const coll_backend_t coll_tcp_backend = {
+    .name = "tcp",
+    .connect = tcp_connect,
+    .submit = tcp_submit,
+    .abort = tcp_abort,
+    .destroy = tcp_destroy,
+};

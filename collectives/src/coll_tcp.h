@@ -1,0 +1,45 @@
+/* The tcp backend's state, shared by its ring set-up (coll_tcp_conn.c) and its engine
+ * (coll_tcp.c). Each communicator has one engine thread that owns both sockets; other threads
+ * only queue requests and wake it through an eventfd. */
+#ifndef PSHARD_COLL_TCP_H
+#define PSHARD_COLL_TCP_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "coll_internal.h"
+
+typedef struct tcp {
+    pshard_comm_t *comm;
+    int n, rank, next, prev;
+    int listen_fd, listen_port;
+    int send_fd; /* to rank next */
+    int recv_fd; /* from rank prev */
+    int wake_fd; /* eventfd: new requests, abort, stop */
+    uint8_t key[4096];
+    size_t keylen;
+
+    pthread_t thread;
+    bool thread_started;
+    pthread_mutex_t qmu;
+    pshard_coll_req_t *qhead, *qtail;
+    bool stop;
+
+    /* Buffers allocated once, pre-touched, reused by every operation. */
+    uint8_t *ring;   /* reduce-scatter pipeline window (accumulation type) */
+    size_t ring_cap;
+    uint8_t *conv;   /* half-type input converted to fp32 before it is sent */
+    size_t conv_cap;
+    uint64_t *barrier_buf;
+} tcp_t;
+
+/* Listens, exchanges addresses, connects to the next rank and accepts the previous one, both
+ * links authenticated. Fills send_fd/recv_fd (non-blocking). */
+pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char *err,
+                                 size_t errlen);
+
+/* TCP_NODELAY, and PSHARD_SOCKET_BUFFER (bytes) for SO_SNDBUF/SO_RCVBUF when set. */
+void tcp_tune_socket(int fd);
+
+#endif

@@ -1,0 +1,641 @@
+/* One rank of a collectives test: joins a communicator through a real coordinator's store and
+ * runs a scenario. Inputs come from a PRNG seeded by (case, rank), so every rank can compute
+ * the reference result of every operation by itself and check its own output; exit 0 means
+ * every check passed. Scenarios: correctness, big, desync, kill, abort, timeout, impostor. */
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pshard/collectives.h"
+#include "pshard/util.h"
+
+static int g_rank, g_world, g_failures;
+static const char *g_coordinator, *g_token;
+static uint64_t g_generation = 1;
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "rank %d: CHECK FAILED %s:%d: ", g_rank, __FILE__, __LINE__);         \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fputc('\n', stderr);                                                                   \
+            g_failures++;                                                                          \
+        }                                                                                          \
+    } while (0)
+
+static uint64_t mix(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* Element i of rank r's input for case c, as a double exactly representable in dtype. */
+static double input_value(uint64_t c, int r, size_t i, pshard_dtype_t dt)
+{
+    uint64_t h = mix(c * 0x9e3779b97f4a7c15ULL ^ mix((uint64_t)r + 1) ^ mix(i + 7));
+    if (dt == PSHARD_INT64) {
+        int64_t v = (int64_t)(h % 2000001) - 1000000;
+        return (double)(v == 0 ? 1 : v);
+    }
+    double u = ((double)(h >> 11) + 1.0) / 9007199254740992.0; /* (0, 1] */
+    float f = (float)((h & 1) ? -u : u) * 4.0f;
+    if (dt == PSHARD_BF16)
+        return ps_bf16_to_f32(ps_f32_to_bf16(f));
+    if (dt == PSHARD_FP16)
+        return ps_f16_to_f32(ps_f32_to_f16(f));
+    return f;
+}
+
+static void fill(void *buf, pshard_dtype_t dt, uint64_t c, int r, size_t first, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        double v = input_value(c, r, first + i, dt);
+        switch (dt) {
+        case PSHARD_FP32:
+            ((float *)buf)[i] = (float)v;
+            break;
+        case PSHARD_BF16:
+            ((uint16_t *)buf)[i] = ps_f32_to_bf16((float)v);
+            break;
+        case PSHARD_FP16:
+            ((uint16_t *)buf)[i] = ps_f32_to_f16((float)v);
+            break;
+        case PSHARD_INT64:
+            ((int64_t *)buf)[i] = (int64_t)v;
+            break;
+        }
+    }
+}
+
+static double get(const void *buf, pshard_dtype_t dt, size_t i)
+{
+    switch (dt) {
+    case PSHARD_FP32:
+        return ((const float *)buf)[i];
+    case PSHARD_BF16:
+        return ps_bf16_to_f32(((const uint16_t *)buf)[i]);
+    case PSHARD_FP16:
+        return ps_f16_to_f32(((const uint16_t *)buf)[i]);
+    case PSHARD_INT64:
+        return (double)((const int64_t *)buf)[i];
+    }
+    return NAN;
+}
+
+/* Checks a reduced value: fp32 within a relative 1e-5 of the exact sum (the ring's order of
+ * additions differs from ours); half types rounded once from an fp32 sum, so within one unit in
+ * the last place of the half type; int64 exact. */
+static bool close_enough(double got, double ref, double abs_terms, pshard_dtype_t dt)
+{
+    double diff = fabs(got - ref);
+    switch (dt) {
+    case PSHARD_FP32:
+        return diff <= 1e-5 * fabs(ref) + 1e-6 * abs_terms;
+    case PSHARD_BF16:
+        return diff <= ldexp(fabs(ref) > 1e-30 ? fabs(ref) : 1e-30, -7) + 1e-6 * abs_terms;
+    case PSHARD_FP16:
+        return diff <= ldexp(fabs(ref) > 6e-5 ? fabs(ref) : 6e-5, -10) + 1e-5 * abs_terms;
+    case PSHARD_INT64:
+        return diff == 0;
+    }
+    return false;
+}
+
+static pshard_comm_t *make_comm(const char *name, const char *token, uint64_t generation,
+                                int64_t timeout_ms, pshard_status_t *rc_out, char *err,
+                                size_t errlen)
+{
+    /* Runs share one coordinator: the driver's run id keeps their store keys apart. */
+    char full[64];
+    const char *run = getenv("PSHARD_TEST_RUN");
+    snprintf(full, sizeof(full), "%s-%s", name, run ? run : "0");
+    pshard_comm_config_t cfg = {
+        .rank = g_rank,
+        .world_size = g_world,
+        .backend = "tcp",
+        .name = full,
+        .coordinator = g_coordinator,
+        .token = token,
+        .generation = generation,
+        .timeout_ms = timeout_ms,
+        .connect_timeout_ms = 20000,
+    };
+    pshard_comm_t *comm = NULL;
+    pshard_status_t rc = pshard_comm_create(&cfg, &comm, err, errlen);
+    if (rc_out)
+        *rc_out = rc;
+    return rc == PSHARD_OK ? comm : NULL;
+}
+
+typedef struct {
+    pshard_coll_op_t op;
+    pshard_dtype_t dtype;
+    pshard_reduce_t reduce;
+    size_t count;
+    const size_t *counts; /* v-form */
+    int root;
+} case_t;
+
+/* Runs one case (or only starts it when req_out is given) and checks the output. */
+typedef struct {
+    case_t c;
+    uint64_t id;
+    size_t *counts;
+    size_t total, mine;
+    void *send, *recv;
+    pshard_coll_req_t *req;
+} running_t;
+
+static void counts_of(const case_t *c, size_t *counts, size_t *total)
+{
+    *total = 0;
+    for (int i = 0; i < g_world; i++) {
+        if (c->op == PSHARD_COLL_ALL_GATHER || c->op == PSHARD_COLL_REDUCE_SCATTER)
+            counts[i] = c->counts ? c->counts[i] : c->count;
+        else
+            counts[i] = 0;
+        *total += counts[i];
+    }
+    if (c->op == PSHARD_COLL_ALL_REDUCE || c->op == PSHARD_COLL_BROADCAST)
+        *total = c->count;
+}
+
+static void start_case(pshard_comm_t *comm, running_t *r)
+{
+    const case_t *c = &r->c;
+    size_t es = pshard_dtype_size(c->dtype);
+    r->counts = calloc((size_t)g_world, sizeof(size_t));
+    counts_of(c, r->counts, &r->total);
+    size_t offset_mine = 0;
+    for (int i = 0; i < g_rank; i++)
+        offset_mine += r->counts[i];
+    size_t send_n = 0, recv_n = 0, send_first = 0;
+    switch (c->op) {
+    case PSHARD_COLL_ALL_GATHER:
+        send_n = r->counts[g_rank];
+        recv_n = r->total;
+        send_first = offset_mine;
+        break;
+    case PSHARD_COLL_REDUCE_SCATTER:
+        send_n = r->total;
+        recv_n = r->counts[g_rank];
+        break;
+    case PSHARD_COLL_ALL_REDUCE:
+    case PSHARD_COLL_BROADCAST:
+        send_n = r->total;
+        recv_n = r->total;
+        break;
+    case PSHARD_COLL_BARRIER:
+        break;
+    }
+    r->send = malloc(send_n * es + 8);
+    r->recv = malloc(recv_n * es + 8);
+    memset(r->recv, 0xA5, recv_n * es + 8); /* garbage, never zeros */
+    /* all_gather inputs are indexed by their global position, so the gathered output is
+     * checkable element by element. */
+    fill(r->send, c->dtype, r->id, g_rank, send_first, send_n);
+    pshard_coll_args_t a = {
+        .op = c->op,
+        .dtype = c->dtype,
+        .reduce = c->reduce,
+        .root = c->root,
+        .send = send_n ? r->send : NULL,
+        .recv = recv_n ? r->recv : NULL,
+        .count = c->count,
+        .counts = c->counts,
+        .tag = r->id,
+        .label = "test",
+    };
+    char err[1024] = "";
+    pshard_status_t rc = pshard_coll_start(comm, &a, &r->req, err, sizeof(err));
+    CHECK(rc == PSHARD_OK, "start case %" PRIu64 ": %s", r->id, err);
+}
+
+static void finish_case(running_t *r)
+{
+    const case_t *c = &r->c;
+    char err[1024] = "";
+    pshard_status_t rc = pshard_coll_wait(r->req, err, sizeof(err));
+    CHECK(rc == PSHARD_OK, "case %" PRIu64 " (%s %s count %zu): %s", r->id,
+          pshard_coll_op_name(c->op), pshard_dtype_name(c->dtype), r->total, err);
+    pshard_coll_req_free(r->req);
+    if (rc == PSHARD_OK) {
+        size_t bad = 0, first_bad = 0;
+        double got_bad = 0, ref_bad = 0;
+        size_t offset_mine = 0;
+        for (int i = 0; i < g_rank; i++)
+            offset_mine += r->counts[i];
+        size_t n = c->op == PSHARD_COLL_ALL_GATHER       ? r->total
+                   : c->op == PSHARD_COLL_REDUCE_SCATTER ? r->counts[g_rank]
+                   : c->op == PSHARD_COLL_BARRIER        ? 0
+                                                         : r->total;
+        for (size_t i = 0; i < n; i++) {
+            double got = get(r->recv, c->dtype, i), ref = 0, abs_terms = 0;
+            bool ok;
+            if (c->op == PSHARD_COLL_ALL_GATHER) {
+                /* Element i came from the rank whose block holds it. */
+                int owner = 0;
+                size_t acc = 0;
+                while (owner < g_world - 1 && i >= acc + r->counts[owner])
+                    acc += r->counts[owner++];
+                ref = input_value(r->id, owner, i, c->dtype);
+                ok = got == ref;
+            } else if (c->op == PSHARD_COLL_BROADCAST) {
+                ref = input_value(r->id, c->root, i, c->dtype);
+                ok = got == ref;
+            } else {
+                size_t gi = c->op == PSHARD_COLL_REDUCE_SCATTER ? offset_mine + i : i;
+                for (int q = 0; q < g_world; q++) {
+                    double v = input_value(r->id, q, gi, c->dtype);
+                    ref += v;
+                    abs_terms += fabs(v);
+                }
+                if (c->reduce == PSHARD_REDUCE_AVG) {
+                    ref /= g_world;
+                    abs_terms /= g_world;
+                }
+                ok = close_enough(got, ref, abs_terms, c->dtype);
+            }
+            if (!ok) {
+                if (bad++ == 0) {
+                    first_bad = i;
+                    got_bad = got;
+                    ref_bad = ref;
+                }
+            }
+        }
+        CHECK(bad == 0,
+              "case %" PRIu64 " (%s %s %s count %zu): %zu wrong elements, first at %zu: got %.9g "
+              "want %.9g",
+              r->id, pshard_coll_op_name(c->op), pshard_dtype_name(c->dtype),
+              c->reduce == PSHARD_REDUCE_AVG ? "avg" : "sum", r->total, bad, first_bad, got_bad,
+              ref_bad);
+    }
+    free(r->counts);
+    free(r->send);
+    free(r->recv);
+}
+
+static void run_case(pshard_comm_t *comm, const case_t *c, uint64_t id)
+{
+    running_t r = {.c = *c, .id = id};
+    start_case(comm, &r);
+    if (r.req)
+        finish_case(&r);
+}
+
+static int scenario_correctness(bool big)
+{
+    char err[1024] = "";
+    pshard_comm_t *comm = make_comm(big ? "big" : "correct", g_token, g_generation, 60000, NULL,
+                                    err, sizeof(err));
+    if (!comm) {
+        fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
+        return 1;
+    }
+    uint64_t id = 1000;
+    if (big) {
+        /* 64 MiB of fp32 per operation, and bf16 reduce-scatter (window and rounds). */
+        size_t n32 = (64u << 20) / 4;
+        case_t cs[] = {
+            {PSHARD_COLL_ALL_GATHER, PSHARD_FP32, PSHARD_REDUCE_SUM, n32 / (size_t)g_world, NULL, 0},
+            {PSHARD_COLL_REDUCE_SCATTER, PSHARD_FP32, PSHARD_REDUCE_SUM, n32 / (size_t)g_world, NULL, 0},
+            {PSHARD_COLL_ALL_REDUCE, PSHARD_FP32, PSHARD_REDUCE_AVG, n32, NULL, 0},
+            {PSHARD_COLL_REDUCE_SCATTER, PSHARD_BF16, PSHARD_REDUCE_SUM, n32 / (size_t)g_world + 3, NULL, 0},
+        };
+        for (size_t i = 0; i < PS_ARRAY_LEN(cs); i++)
+            run_case(comm, &cs[i], id++);
+    } else {
+        static const size_t sizes[] = {0, 1, 2, 3, 7, 13, 97, 1021, 65537};
+        static const pshard_dtype_t dtypes[] = {PSHARD_FP32, PSHARD_BF16, PSHARD_FP16,
+                                                PSHARD_INT64};
+        for (size_t d = 0; d < PS_ARRAY_LEN(dtypes); d++) {
+            for (size_t s = 0; s < PS_ARRAY_LEN(sizes); s++) {
+                size_t n = sizes[s];
+                pshard_dtype_t dt = dtypes[d];
+                case_t ag = {PSHARD_COLL_ALL_GATHER, dt, PSHARD_REDUCE_SUM, n, NULL, 0};
+                case_t rs = {PSHARD_COLL_REDUCE_SCATTER, dt, PSHARD_REDUCE_SUM, n, NULL, 0};
+                case_t ar = {PSHARD_COLL_ALL_REDUCE, dt,
+                             dt == PSHARD_INT64 ? PSHARD_REDUCE_SUM : PSHARD_REDUCE_AVG, n, NULL,
+                             0};
+                case_t bc = {PSHARD_COLL_BROADCAST, dt, PSHARD_REDUCE_SUM, n, NULL,
+                             (int)(s % (size_t)g_world)};
+                run_case(comm, &ag, id++);
+                run_case(comm, &rs, id++);
+                run_case(comm, &ar, id++);
+                run_case(comm, &bc, id++);
+            }
+        }
+        /* v-forms with empty ranks: rank i has (i * 37) % 5 == 0 ? 0 : 11 * i + 3 elements. */
+        size_t *vc = calloc((size_t)g_world, sizeof(size_t));
+        for (int i = 0; i < g_world; i++)
+            vc[i] = (i % 2 == 1) ? 0 : (size_t)(11 * i + 3);
+        for (size_t d = 0; d < PS_ARRAY_LEN(dtypes); d++) {
+            case_t agv = {PSHARD_COLL_ALL_GATHER, dtypes[d], PSHARD_REDUCE_SUM, 0, vc, 0};
+            case_t rsv = {PSHARD_COLL_REDUCE_SCATTER, dtypes[d], PSHARD_REDUCE_SUM, 0, vc, 0};
+            run_case(comm, &agv, id++);
+            run_case(comm, &rsv, id++);
+        }
+        /* Many asynchronous operations in flight, completed in issue order. */
+        running_t inflight[24];
+        for (int i = 0; i < 24; i++) {
+            case_t c = {(pshard_coll_op_t)(1 + i % 4), (pshard_dtype_t)(i % 4),
+                        PSHARD_REDUCE_SUM, (size_t)(1000 + 17 * i), NULL, i % g_world};
+            inflight[i] = (running_t){.c = c, .id = id++};
+            start_case(comm, &inflight[i]);
+        }
+        for (int i = 0; i < 24; i++)
+            if (inflight[i].req)
+                finish_case(&inflight[i]);
+        free(vc);
+        /* A barrier completes. */
+        pshard_coll_args_t b = {.op = PSHARD_COLL_BARRIER};
+        CHECK(pshard_coll_run(comm, &b, err, sizeof(err)) == PSHARD_OK, "barrier: %s", err);
+        /* Bad arguments are refused locally without breaking the communicator. */
+        pshard_coll_args_t bad = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_FP32, .root = 99,
+                                  .count = 1};
+        pshard_coll_req_t *req = NULL;
+        err[0] = '\0';
+        CHECK(pshard_coll_start(comm, &bad, &req, err, sizeof(err)) ==
+                  PSHARD_ERR_INVALID_ARGUMENT && strstr(err, "root"),
+              "bad root accepted: %s", err);
+        case_t after = {PSHARD_COLL_ALL_REDUCE, PSHARD_FP32, PSHARD_REDUCE_SUM, 5, NULL, 0};
+        run_case(comm, &after, id++);
+        /* The flight recorder holds the recent operations. */
+        pshard_coll_record_t recs[8];
+        size_t nr = pshard_comm_flight_records(comm, recs, 8);
+        CHECK(nr == 8 && recs[7].state == PSHARD_COLL_DONE, "flight recorder: %zu records", nr);
+    }
+    pshard_comm_destroy(comm);
+    if (g_failures == 0)
+        printf("rank %d: correctness%s passed\n", g_rank, big ? " (big)" : "");
+    return g_failures ? 1 : 0;
+}
+
+/* Every rank runs an all_reduce; the last rank uses a different dtype (or count, or op), and
+ * every rank must fail with DESYNC naming both sides. */
+static int scenario_desync(const char *what)
+{
+    char err[1024] = "";
+    pshard_comm_t *comm = make_comm("desync", g_token, g_generation, 20000, NULL, err,
+                                    sizeof(err));
+    if (!comm) {
+        fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
+        return 1;
+    }
+    /* One good operation first. */
+    case_t ok = {PSHARD_COLL_ALL_REDUCE, PSHARD_FP32, PSHARD_REDUCE_SUM, 1000, NULL, 0};
+    run_case(comm, &ok, 1);
+    bool odd = g_rank == g_world - 1;
+    float buf[4096];
+    for (int i = 0; i < 4096; i++)
+        buf[i] = 1.0f + (float)i;
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32, .count = 1000,
+                            .send = buf, .recv = buf, .tag = 7};
+    if (odd && strcmp(what, "dtype") == 0)
+        a.dtype = PSHARD_BF16;
+    else if (odd && strcmp(what, "count") == 0)
+        a.count = 1001;
+    else if (odd && strcmp(what, "op") == 0)
+        a.op = PSHARD_COLL_BROADCAST;
+    else if (odd && strcmp(what, "tag") == 0)
+        a.tag = 8;
+    err[0] = '\0';
+    int64_t t0 = ps_now_ns();
+    pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
+    double secs = (double)(ps_now_ns() - t0) / 1e9;
+    CHECK(rc == PSHARD_ERR_DESYNC, "expected DESYNC, got %s: %s", pshard_status_name(rc), err);
+    char r_last[32];
+    snprintf(r_last, sizeof(r_last), "rank %d", g_world - 1);
+    CHECK(strstr(err, "desync") && strstr(err, r_last) && strstr(err, "all_reduce"),
+          "message does not name both sides: %s", err);
+    CHECK(secs < 10, "desync took %.1f s", secs);
+    /* The communicator stays failed. */
+    char err2[1024] = "";
+    CHECK(pshard_coll_run(comm, &a, err2, sizeof(err2)) == PSHARD_ERR_DESYNC,
+          "second call after desync: %s", err2);
+    printf("rank %d: desync(%s) -> %s\n", g_rank, what, err);
+    pshard_comm_destroy(comm);
+    return g_failures ? 1 : 0;
+}
+
+/* Rank 1 kills itself (SIGKILL) in the middle of a large all_reduce; the others must fail
+ * with PEER_LOST naming rank 1, promptly. */
+static int scenario_kill(void)
+{
+    char err[1024] = "";
+    pshard_comm_t *comm = make_comm("kill", g_token, g_generation, 30000, NULL, err, sizeof(err));
+    if (!comm) {
+        fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
+        return 1;
+    }
+    size_t n = 16u << 20;
+    float *buf = calloc(n, sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        buf[i] = 1.0f;
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32, .count = n,
+                            .send = buf, .recv = buf};
+    pshard_coll_req_t *req = NULL;
+    pshard_coll_start(comm, &a, &req, err, sizeof(err));
+    if (g_rank == 1) {
+        struct timespec ts = {0, 20 * 1000000};
+        nanosleep(&ts, NULL);
+        raise(SIGKILL);
+    }
+    int64_t t0 = ps_now_ns();
+    pshard_status_t rc = pshard_coll_wait(req, err, sizeof(err));
+    double secs = (double)(ps_now_ns() - t0) / 1e9;
+    pshard_coll_req_free(req);
+    CHECK(rc == PSHARD_ERR_PEER_LOST, "expected PEER_LOST, got %s: %s", pshard_status_name(rc),
+          err);
+    CHECK(strstr(err, "rank 1") != NULL, "message does not name rank 1: %s", err);
+    CHECK(secs < 10, "took %.1f s to notice", secs);
+    printf("rank %d: kill -> %s after %.3f s\n", g_rank, err, secs);
+    free(buf);
+    pshard_comm_destroy(comm);
+    return g_failures ? 1 : 0;
+}
+
+typedef struct {
+    pshard_comm_t *comm;
+    int64_t abort_ns;
+} aborter_t;
+
+static void *abort_thread(void *arg)
+{
+    aborter_t *a = arg;
+    struct timespec ts = {0, 300 * 1000000};
+    nanosleep(&ts, NULL);
+    a->abort_ns = ps_now_ns();
+    pshard_comm_abort(a->comm, "test abort");
+    return NULL;
+}
+
+/* Rank 0 waits in an all_gather its peers never join; another thread aborts after 300 ms; the
+ * waiter must return ABORTED within 100 ms of the abort. Peers wait for rank 0's notice. */
+static int scenario_abort(void)
+{
+    char err[1024] = "";
+    pshard_comm_t *comm = make_comm("abort", g_token, g_generation, 30000, NULL, err, sizeof(err));
+    if (!comm) {
+        fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
+        return 1;
+    }
+    float in[4] = {1, 2, 3, 4}, out[64];
+    if (g_rank == 0) {
+        aborter_t ab = {comm, 0};
+        pthread_t t;
+        pthread_create(&t, NULL, abort_thread, &ab);
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32, .count = 4,
+                                .send = in, .recv = out};
+        pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
+        int64_t released = ps_now_ns();
+        pthread_join(t, NULL);
+        double ms = (double)(released - ab.abort_ns) / 1e6;
+        CHECK(rc == PSHARD_ERR_ABORTED, "expected ABORTED, got %s: %s", pshard_status_name(rc),
+              err);
+        CHECK(ms < 100, "waiter released %.1f ms after abort", ms);
+        printf("rank 0: abort released the waiter after %.2f ms: %s\n", ms, err);
+    } else {
+        /* Join late: by then rank 0 has aborted and told the ring. */
+        struct timespec ts = {0, 600 * 1000000};
+        nanosleep(&ts, NULL);
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32, .count = 4,
+                                .send = in, .recv = out};
+        pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
+        CHECK(rc == PSHARD_ERR_ABORTED, "peer expected ABORTED, got %s: %s",
+              pshard_status_name(rc), err);
+        CHECK(strstr(err, "rank 0") != NULL, "peer message does not name rank 0: %s", err);
+    }
+    pshard_comm_destroy(comm);
+    return g_failures ? 1 : 0;
+}
+
+/* The last rank never calls the collective: everyone else times out naming who they wait on. */
+static int scenario_timeout(void)
+{
+    char err[1024] = "";
+    pshard_comm_t *comm = make_comm("timeout", g_token, g_generation, 30000, NULL, err,
+                                    sizeof(err));
+    if (!comm) {
+        fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
+        return 1;
+    }
+    float in[4] = {1, 2, 3, 4}, out[64];
+    int silent = g_world - 1;
+    if (g_rank != silent) {
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32, .count = 4,
+                                .send = in, .recv = out, .timeout_ms = 500};
+        int64_t t0 = ps_now_ns();
+        pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
+        double secs = (double)(ps_now_ns() - t0) / 1e9;
+        /* The rank right after the silent one times out itself; the others may first hear of
+         * it from a peer's notice: either way the silent rank is named. */
+        char who[32];
+        snprintf(who, sizeof(who), "rank %d", silent);
+        CHECK(rc == PSHARD_ERR_TIMEOUT, "expected TIMEOUT, got %s: %s", pshard_status_name(rc),
+              err);
+        CHECK(strstr(err, who) != NULL, "message does not name %s: %s", who, err);
+        CHECK(secs < 5, "took %.1f s", secs);
+        printf("rank %d: timeout -> %s\n", g_rank, err);
+    } else {
+        struct timespec ts = {2, 0};
+        nanosleep(&ts, NULL);
+    }
+    pshard_comm_destroy(comm);
+    return g_failures ? 1 : 0;
+}
+
+/* Rank 1 uses a wrong token (or an old generation): both links to it must be refused. */
+static int scenario_impostor(const char *what)
+{
+    char err[1024] = "";
+    const char *token = g_token;
+    uint64_t gen = g_generation;
+    if (g_rank == 1 && strcmp(what, "token") == 0)
+        token = "not-the-cluster-token";
+    if (g_rank == 1 && strcmp(what, "generation") == 0)
+        gen = g_generation - 1;
+    pshard_status_t rc = PSHARD_OK;
+    /* Explicit peers (PSHARD_TEST_PEERS="host:port,host:port"): the impostor dials the real
+     * ring directly, as a stray or stale process would. */
+    const char *env = getenv("PSHARD_TEST_PEERS");
+    char peers_buf[256];
+    const char *peers[2] = {NULL, NULL};
+    if (!env || ps_strlcpy(peers_buf, env, sizeof(peers_buf)) != 0 || g_world != 2)
+        return 2;
+    char *comma = strchr(peers_buf, ',');
+    if (!comma)
+        return 2;
+    *comma = '\0';
+    peers[0] = peers_buf;
+    peers[1] = comma + 1;
+    pshard_comm_config_t cfg = {
+        .rank = g_rank,
+        .world_size = g_world,
+        .name = "impostor",
+        .peers = peers,
+        .token = token,
+        .generation = gen,
+        .connect_timeout_ms = 3000,
+    };
+    pshard_comm_t *comm = NULL;
+    rc = pshard_comm_create(&cfg, &comm, err, sizeof(err));
+    CHECK(rc != PSHARD_OK, "rank %d joined a ring with an impostor", g_rank);
+    printf("rank %d: impostor(%s) -> %s: %s\n", g_rank, what, pshard_status_name(rc), err);
+    CHECK(rc == PSHARD_ERR_PERMISSION, "expected PERMISSION, got %s", pshard_status_name(rc));
+    if (strcmp(what, "generation") == 0)
+        CHECK(strstr(err, "generation") != NULL, "message does not mention the generation: %s",
+              err);
+    else
+        CHECK(strstr(err, "token") != NULL, "message does not mention the token: %s", err);
+    pshard_comm_destroy(comm);
+    return g_failures ? 1 : 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 5) {
+        fprintf(stderr, "usage: %s COORDINATOR RANK WORLD SCENARIO [ARG] [TOKEN]\n", argv[0]);
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    g_coordinator = argv[1];
+    int64_t v;
+    if (ps_parse_i64(argv[2], 0, 1024, &v) != 0)
+        return 2;
+    g_rank = (int)v;
+    if (ps_parse_i64(argv[3], 1, 1024, &v) != 0)
+        return 2;
+    g_world = (int)v;
+    const char *scenario = argv[4];
+    const char *arg = argc > 5 ? argv[5] : "";
+    g_token = argc > 6 ? argv[6] : "test-token";
+    g_generation = 5;
+    if (strcmp(scenario, "correctness") == 0)
+        return scenario_correctness(false);
+    if (strcmp(scenario, "big") == 0)
+        return scenario_correctness(true);
+    if (strcmp(scenario, "desync") == 0)
+        return scenario_desync(arg);
+    if (strcmp(scenario, "kill") == 0)
+        return scenario_kill();
+    if (strcmp(scenario, "abort") == 0)
+        return scenario_abort();
+    if (strcmp(scenario, "timeout") == 0)
+        return scenario_timeout();
+    if (strcmp(scenario, "impostor") == 0)
+        return scenario_impostor(arg);
+    fprintf(stderr, "unknown scenario %s\n", scenario);
+    return 2;
+}
