@@ -38,6 +38,11 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$stamp_text" && -x "$venv_dir/bin/pyt
     exit 0
 fi
 
+# Replace only what is a virtual environment (or nothing): never wipe an unrelated folder.
+if [[ -e "$venv_dir" && ! -f "$venv_dir/pyvenv.cfg" && -n "$(ls -A "$venv_dir" 2>/dev/null)" ]]; then
+    echo "test-venv: $venv_dir exists and is not a virtual environment; not replacing it" >&2
+    exit 1
+fi
 echo "test-venv: creating $venv_dir with $python"
 rm -rf "$venv_dir"
 if ! "$python" -m venv "$venv_dir"; then
