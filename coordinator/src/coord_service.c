@@ -77,6 +77,7 @@ static void view_to_pb(const coord_member_view_t *v, Pshard__MemberView *out)
     out->state = state_to_pb(v->state);
     out->lease_ms = v->lease_ms;
     out->heartbeat_ms = v->heartbeat_ms;
+    out->formed_generation = v->formed_generation;
 }
 
 /* Fills members[] (caller-allocated, snap->nmembers entries) pointing into snap. */
@@ -532,6 +533,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         out.store_waiters = waiters;
         out.lease_ms = c->cfg.lease_ms;
         out.heartbeat_ms = c->cfg.heartbeat_ms;
+        out.formed_generation = snap->formed_generation;
         ps_rpc_call_reply(call, &out.base);
     }
     free(items);

@@ -43,6 +43,7 @@ struct coord_state {
     int64_t last_call_deadline_ns; /* forms at this time while FORMING; -1 when not running */
 
     int world_size;     /* 0 until formed, then fixed */
+    uint64_t formed_generation; /* generation of the last (re)forming; 0 before */
     rank_slot_t *slots; /* world_size entries once formed */
     int held_slots;     /* slots with held == true */
 
@@ -340,6 +341,7 @@ static pshard_status_t form_cluster(coord_state_t *st)
     st->state = COORD_CLUSTER_FORMED;
     st->last_call_deadline_ns = -1;
     bumpf(st, "cluster formed with %d shard server%s", k, k == 1 ? "" : "s");
+    st->formed_generation = st->generation;
     return PSHARD_OK;
 }
 
@@ -424,6 +426,7 @@ static void fill_view(const coord_state_t *st, const coord_member_t *m, coord_me
     out->rank = m->rank;
     out->world_size = st->world_size;
     out->state = st->state;
+    out->formed_generation = st->formed_generation;
     out->lease_ms = st->cfg.lease_ms;
     out->heartbeat_ms = st->cfg.heartbeat_ms;
 }
@@ -587,6 +590,7 @@ pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const
         st->state = COORD_CLUSTER_FORMED;
         bumpf(st, "cluster formed again: all %d ranks held (rank %d now %s)", st->world_size,
               mine->rank, name);
+        st->formed_generation = st->generation;
     }
     if (role == COORD_ROLE_SHARD_SERVER)
         rendezvous_update(st, now_ns);
@@ -792,6 +796,7 @@ coord_snapshot_t *coord_state_snapshot(const coord_state_t *st, int64_t now_ns)
     snap->generation = st->generation;
     snap->state = st->state;
     snap->world_size = st->world_size;
+    snap->formed_generation = st->formed_generation;
     snap->min_nodes = st->cfg.min_nodes;
     snap->max_nodes = st->cfg.max_nodes;
     snap->shard_servers = count_shard_servers(st);

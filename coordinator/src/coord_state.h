@@ -58,6 +58,8 @@ typedef struct {
     coord_cluster_state_t state;
     int64_t lease_ms;
     int64_t heartbeat_ms;
+    uint64_t formed_generation; /* generation at which the current ranks were (re)formed: the
+                                   ranks' collectives are scoped by it; 0 before forming */
 } coord_member_view_t;
 
 /* A consistent copy of the whole state for Status and Watch. */
@@ -65,6 +67,7 @@ typedef struct {
     uint64_t generation;
     coord_cluster_state_t state;
     int world_size;           /* ranks assigned when formed, else 0 */
+    uint64_t formed_generation; /* see coord_member_view_t */
     int min_nodes, max_nodes; /* from the config */
     int shard_servers;        /* registered shard servers right now */
     int64_t last_call_remaining_ms; /* -1 when no last call is running */

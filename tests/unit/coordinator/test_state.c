@@ -402,6 +402,12 @@ static void test_evicted_rank_returns_and_reforms(void)
     coord_member_view_t v[3];
     coord_state_t *st = formed_three(v);
     uint64_t gen = coord_state_generation(st);
+    /* The forming generation scopes the collectives; it stays put while trainers come and go. */
+    CU_ASSERT_EQUAL(v[1].formed_generation, gen); /* s2 registered last and formed it */
+    coord_member_view_t tr = reg(st, TRN, "t0", MS(100));
+    CU_ASSERT_EQUAL(tr.formed_generation, gen);
+    CU_ASSERT(tr.generation > gen);
+    gen = coord_state_generation(st);
     /* s1 and s10 keep heartbeating; s2 goes silent. */
     CU_ASSERT_EQUAL(rank_of(st, v[0].member_id, MS(4000)), 0);
     CU_ASSERT_EQUAL(rank_of(st, v[2].member_id, MS(4000)), 2);
@@ -425,6 +431,13 @@ static void test_evicted_rank_returns_and_reforms(void)
     CU_ASSERT_EQUAL(coord_state_generation(st), gen + 4);
     CU_ASSERT_STRING_EQUAL(changes.reason[changes.n - 2], "member s2 registered with rank 1");
     CU_ASSERT_PTR_NOT_NULL(strstr(changes.reason[changes.n - 1], "cluster formed again"));
+    /* Re-forming moves the forming generation on: old rings are not the new one. */
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen + 4);
+    coord_member_view_t again;
+    char err[64] = "";
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, back.member_id, MS(6001), &again, err, sizeof(err)),
+                    PSHARD_OK);
+    CU_ASSERT_EQUAL(again.formed_generation, gen + 4);
     coord_state_destroy(st);
 }
 
