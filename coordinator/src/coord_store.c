@@ -393,7 +393,7 @@ void coord_store_destroy(coord_store_t *store)
 pshard_status_t coord_store_set(coord_store_t *store, const char *key, const uint8_t *value,
                                 size_t len, char *err, size_t errlen)
 {
-    size_t klen;
+    size_t klen = 0;
     PS_CHECK(check_key("key", key, &klen, err, errlen));
     return put(store, key, klen, hash_key(key, klen), value, len, NULL, err, errlen);
 }
@@ -401,7 +401,7 @@ pshard_status_t coord_store_set(coord_store_t *store, const char *key, const uin
 pshard_status_t coord_store_get(const coord_store_t *store, const char *key, const uint8_t **value,
                                 size_t *len, char *err, size_t errlen)
 {
-    size_t klen;
+    size_t klen = 0;
     PS_CHECK(check_key("key", key, &klen, err, errlen));
     const entry_t *e = lookup(store, key, klen, hash_key(key, klen));
     if (!e)
@@ -423,7 +423,7 @@ pshard_status_t coord_store_compare_set(coord_store_t *store, const char *key,
                                         const uint8_t **value, size_t *len, char *err,
                                         size_t errlen)
 {
-    size_t klen;
+    size_t klen = 0;
     PS_CHECK(check_key("key", key, &klen, err, errlen));
     PS_CHECK(check_value("expected value", expected, expected_len, err, errlen));
     PS_CHECK(check_value("desired value", desired, desired_len, err, errlen));
@@ -446,7 +446,7 @@ pshard_status_t coord_store_compare_set(coord_store_t *store, const char *key,
 pshard_status_t coord_store_add(coord_store_t *store, const char *key, int64_t delta,
                                 int64_t *result, char *err, size_t errlen)
 {
-    size_t klen;
+    size_t klen = 0;
     PS_CHECK(check_key("key", key, &klen, err, errlen));
     uint64_t hash = hash_key(key, klen);
     const entry_t *e = lookup(store, key, klen, hash);
@@ -491,7 +491,7 @@ pshard_status_t coord_store_add(coord_store_t *store, const char *key, int64_t d
 
 pshard_status_t coord_store_delete(coord_store_t *store, const char *key, char *err, size_t errlen)
 {
-    size_t klen;
+    size_t klen = 0;
     PS_CHECK(check_key("key", key, &klen, err, errlen));
     size_t pos = probe(store, key, klen, hash_key(key, klen));
     entry_t *e = store->table[pos];
