@@ -19,6 +19,7 @@ typedef struct tcp {
     int wake_fd; /* eventfd: new requests, abort, stop */
     uint8_t key[4096];
     size_t keylen;
+    const volatile int *cancel; /* set-up gives up when *cancel != 0 */
 
     pthread_t thread;
     bool thread_started;

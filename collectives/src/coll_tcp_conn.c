@@ -65,6 +65,14 @@ static int set_nonblocking(int fd, bool on)
     return fcntl(fd, F_SETFL, on ? (fl | O_NONBLOCK) : (fl & ~O_NONBLOCK));
 }
 
+/* The set-up's cancel flag, per thread (set-up runs on the calling thread and its acceptor). */
+static _Thread_local const volatile int *tl_cancel;
+
+static bool cancelled(void)
+{
+    return tl_cancel && *tl_cancel;
+}
+
 static int remaining_ms(int64_t deadline_ns)
 {
     int64_t left = (deadline_ns - ps_now_ns()) / 1000000;
@@ -78,8 +86,15 @@ static int read_full(int fd, void *buf, size_t n, int64_t deadline_ns)
 {
     uint8_t *p = buf;
     while (n > 0) {
+        if (cancelled()) {
+            errno = ECANCELED;
+            return -1;
+        }
         struct pollfd pfd = {fd, POLLIN, 0};
-        int r = poll(&pfd, 1, remaining_ms(deadline_ns));
+        int left = remaining_ms(deadline_ns);
+        int r = poll(&pfd, 1, left < 200 ? left : 200);
+        if (r == 0 && left > 200)
+            continue;
         if (r == 0) {
             errno = ETIMEDOUT;
             return -1;
@@ -109,8 +124,15 @@ static int write_full(int fd, const void *buf, size_t n, int64_t deadline_ns)
 {
     const uint8_t *p = buf;
     while (n > 0) {
+        if (cancelled()) {
+            errno = ECANCELED;
+            return -1;
+        }
         struct pollfd pfd = {fd, POLLOUT, 0};
-        int r = poll(&pfd, 1, remaining_ms(deadline_ns));
+        int left = remaining_ms(deadline_ns);
+        int r = poll(&pfd, 1, left < 200 ? left : 200);
+        if (r == 0 && left > 200)
+            continue;
         if (r == 0) {
             errno = ETIMEDOUT;
             return -1;
@@ -223,9 +245,10 @@ static void *acceptor_main(void *arg)
 {
     acceptor_t *a = arg;
     tcp_t *t = a->t;
+    tl_cancel = t->cancel;
     a->rc = PSHARD_ERR_TIMEOUT;
     snprintf(a->err, sizeof(a->err), "rank %d never connected to rank %d", t->prev, t->rank);
-    while (ps_now_ns() < a->deadline) {
+    while (ps_now_ns() < a->deadline && !cancelled()) {
         struct pollfd pfd = {t->listen_fd, POLLIN, 0};
         int r = poll(&pfd, 1, remaining_ms(a->deadline) < 200 ? remaining_ms(a->deadline) : 200);
         if (r <= 0)
@@ -269,7 +292,7 @@ static pshard_status_t connect_next(tcp_t *t, const char *addr, int64_t deadline
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "cannot resolve %s: %s", addr,
                        gai_strerror(gai));
     int fd = -1;
-    while (ps_now_ns() < deadline) {
+    while (ps_now_ns() < deadline && !cancelled()) {
         fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0)
             break;
@@ -282,6 +305,8 @@ static pshard_status_t connect_next(tcp_t *t, const char *addr, int64_t deadline
         nanosleep(&ts, NULL);
     }
     freeaddrinfo(res);
+    if (fd < 0 && cancelled())
+        return ps_errf(err, errlen, PSHARD_ERR_CANCELLED, "set-up cancelled");
     if (fd < 0)
         return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT, "cannot connect to rank %d at %s",
                        t->next, addr);
@@ -416,32 +441,45 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
                                       errlen);
     if (resp)
         protobuf_c_message_free_unpacked(resp, NULL);
-    if (rc == PSHARD_OK) {
+    /* Wait in short slices so a cancelled set-up stops promptly. */
+    while (rc == PSHARD_OK) {
+        if (cancelled()) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_CANCELLED, "set-up cancelled");
+            break;
+        }
+        left_ms = (deadline - ps_now_ns()) / 1000000;
+        if (left_ms <= 0) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_TIMEOUT,
+                         "rank %d never published its address (%s)", t->next, next_key);
+            break;
+        }
         Pshard__StoreWaitRequest w = PSHARD__STORE_WAIT_REQUEST__INIT;
         char *keys[1] = {next_key};
         w.n_keys = 1;
         w.keys = keys;
-        left_ms = (deadline - ps_now_ns()) / 1000000;
-        w.timeout_ms = left_ms > 1 ? left_ms : 1;
+        w.timeout_ms = left_ms < 500 ? left_ms : 500;
         resp = NULL;
-        rc = ps_rpc_unary(ch, "/pshard.Coordinator/StoreWait", &w.base,
-                          &pshard__store_wait_response__descriptor, &resp, w.timeout_ms + 1000,
-                          PS_RPC_IDEMPOTENT, NULL, err, errlen);
-        if (rc == PSHARD_OK) {
-            Pshard__StoreWaitResponse *r = (Pshard__StoreWaitResponse *)resp;
-            if (r->n_values != 1 || r->values[0].len == 0 || r->values[0].len >= len) {
-                rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                             "store key %s holds no usable address", next_key);
-            } else {
-                memcpy(next_addr, r->values[0].data, r->values[0].len);
-                next_addr[r->values[0].len] = '\0';
-            }
-        } else if (rc == PSHARD_ERR_TIMEOUT) {
-            ps_errf(err, errlen, rc, "rank %d never published its address (%s)", t->next,
-                    next_key);
+        char werr[512] = "";
+        pshard_status_t wrc = ps_rpc_unary(ch, "/pshard.Coordinator/StoreWait", &w.base,
+                                           &pshard__store_wait_response__descriptor, &resp,
+                                           w.timeout_ms + 5000, PS_RPC_IDEMPOTENT, NULL, werr,
+                                           sizeof(werr));
+        if (wrc == PSHARD_ERR_TIMEOUT)
+            continue;
+        if (wrc != PSHARD_OK) {
+            rc = ps_errf(err, errlen, wrc, "%s", werr);
+            break;
         }
-        if (resp)
-            protobuf_c_message_free_unpacked(resp, NULL);
+        Pshard__StoreWaitResponse *r = (Pshard__StoreWaitResponse *)resp;
+        if (r->n_values != 1 || r->values[0].len == 0 || r->values[0].len >= len) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                         "store key %s holds no usable address", next_key);
+        } else {
+            memcpy(next_addr, r->values[0].data, r->values[0].len);
+            next_addr[r->values[0].len] = '\0';
+        }
+        protobuf_c_message_free_unpacked(resp, NULL);
+        break;
     }
     ps_rpc_channel_destroy(ch);
     return rc;
@@ -451,6 +489,8 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
                                  size_t errlen)
 {
     int64_t connect_ms = cfg->connect_timeout_ms > 0 ? cfg->connect_timeout_ms : 60000;
+    t->cancel = cfg->cancel;
+    tl_cancel = cfg->cancel;
     int64_t deadline = ps_now_ns() + connect_ms * 1000000;
     char host[256], port[32], my_addr[300], next_addr[300];
     if (cfg->peers) {
@@ -480,6 +520,7 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
         return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot start the acceptor thread");
     pshard_status_t rc = connect_next(t, next_addr, deadline, err, errlen);
     pthread_join(th, NULL);
+    tl_cancel = NULL;
     close(t->listen_fd);
     t->listen_fd = -1;
     if (rc != PSHARD_OK) {

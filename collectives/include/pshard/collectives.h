@@ -87,6 +87,8 @@ typedef struct {
     int64_t timeout_ms;       /* default per-operation timeout; 0 = 600000 (10 min) */
     int64_t connect_timeout_ms; /* bootstrap and handshakes; 0 = 60000 */
     int device;               /* nccl: CUDA device ordinal */
+    const volatile int *cancel; /* optional: when *cancel becomes non-zero, a connect in
+                                   progress gives up with PSHARD_ERR_CANCELLED within ~200 ms */
     size_t flight_recorder_size; /* descriptors kept for status output; 0 = 64 */
 } pshard_comm_config_t;
 
