@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config git ca-certificates
   libgrpc-dev protobuf-c-compiler libprotobuf-c-dev protobuf-compiler libprotobuf-dev
-  libevent-dev libcunit1-dev libssl-dev openssl
+  libevent-dev libcunit1-dev libssl-dev openssl libopenblas-dev
   python3 python3-venv
 )
 

@@ -1,0 +1,152 @@
+/* libpshard: what a trainer links to train a model whose parameters live sharded across
+ * pshard's shard servers, FSDP style. The trainer defines its parameters once; before using a
+ * layer it gathers the full parameters (all-gather, in param_dtype) into buffers the library
+ * owns, after backward it writes full gradients (in reduce_dtype) and reduce-scatters them, and
+ * step() runs the optimizer on every shard. Tensors move through shared memory with the local
+ * shard server; gRPC carries only the requests.
+ *
+ * Connection settings follow torch.distributed's env:// conventions: RANK, WORLD_SIZE,
+ * LOCAL_RANK, MASTER_ADDR/MASTER_PORT, plus PSHARD_SERVER (this trainer's shard server) and
+ * PSHARD_TOKEN_FILE.
+ *
+ * Thread safety: a pshard_client_t is used by one thread at a time, except pshard_work_wait and
+ * pshard_work_test, which may run on any thread. Errors are pshard_status_t values; the last
+ * error's message is kept per client (pshard_last_error). */
+#ifndef PSHARD_PSHARD_H
+#define PSHARD_PSHARD_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pshard/dtype.h"
+#include "pshard/layout.h"
+#include "pshard/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(PSHARD_BUILDING_LIBRARY)
+#define PSHARD_API __attribute__((visibility("default")))
+#else
+#define PSHARD_API
+#endif
+
+typedef struct pshard_client pshard_client_t;
+typedef struct pshard_work pshard_work_t;
+
+typedef struct {
+    const char *server;        /* shard server "HOST:PORT" (env PSHARD_SERVER) */
+    const char *token;         /* cluster token, or NULL (env PSHARD_TOKEN_FILE is read) */
+    int rank;                  /* this trainer's rank (env RANK) */
+    int world_size;            /* (env WORLD_SIZE); checked against the cluster */
+    size_t scratch_bytes;      /* shared memory for plain collectives (default 16 MiB) */
+    int64_t timeout_ms;        /* per operation (default 10 minutes) */
+    int64_t connect_timeout_ms; /* waiting for the cluster to form (default 5 minutes) */
+} pshard_client_config_t;
+
+/* Fills cfg from the environment (RANK, WORLD_SIZE, PSHARD_SERVER, PSHARD_TOKEN_FILE,
+ * PSHARD_SCRATCH_BYTES) with defaults for the rest. Strings point into the environment or
+ * static storage. Returns INVALID_ARGUMENT with a message on stderr-free err for malformed
+ * values. Thread-safe if the environment is not modified concurrently. */
+PSHARD_API pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char *err,
+                                                         size_t errlen);
+
+/* Connects to the shard server, waiting (up to connect_timeout_ms) for the cluster to form, and
+ * attaches a shared-memory scratch region. On error *out is NULL and err holds the reason.
+ * Free with pshard_close. */
+PSHARD_API pshard_status_t pshard_connect(const pshard_client_config_t *cfg,
+                                          pshard_client_t **out, char *err, size_t errlen);
+
+/* Closes the connection and frees the client and its shared memory. NULL is a no-op. */
+PSHARD_API void pshard_close(pshard_client_t *c);
+
+PSHARD_API int pshard_rank(const pshard_client_t *c);
+PSHARD_API int pshard_world_size(const pshard_client_t *c);
+
+/* The message of the last failed call on this client ("" if none). Valid until the next call. */
+PSHARD_API const char *pshard_last_error(const pshard_client_t *c);
+
+typedef struct {
+    const char *name;     /* unique, e.g. "fc1.weight" */
+    int ndim;             /* 1..8 */
+    const int64_t *shape; /* ndim entries */
+} pshard_param_t;
+
+typedef enum {
+    PSHARD_SGD = 0,
+    PSHARD_ADAM = 1,
+    PSHARD_ADAMW = 2,
+} pshard_optimizer_t;
+
+typedef struct {
+    pshard_layout_t layout;       /* FSDP2 (dim 0) or FSDP1 (flat) */
+    pshard_dtype_t param_dtype;   /* what gather returns: fp32, bf16, fp16 */
+    pshard_dtype_t reduce_dtype;  /* what gradients are reduced in: fp32, bf16 */
+    pshard_optimizer_t optimizer;
+    double lr, momentum, dampening, weight_decay, beta1, beta2, eps;
+    bool nesterov;
+    double max_grad_norm;         /* clip_grad_norm over all shards; 0 = off */
+    bool init_from_rank0;         /* true: rank 0's values are used (sync_module_states);
+                                     false: every trainer passes the same values */
+} pshard_model_config_t;
+
+/* FSDP2 layout, fp32 params and reductions, torch.optim's defaults for `optimizer` (SGD
+ * lr 1e-3), no clipping, init from rank 0. */
+PSHARD_API void pshard_model_config_default(pshard_model_config_t *mc,
+                                            pshard_optimizer_t optimizer);
+
+/* Defines the model: every trainer must pass the same parameters in the same order (a
+ * mismatch is refused with a message naming the first differing parameter). init[i] holds
+ * parameter i's full fp32 values: required on rank 0 with init_from_rank0 (others may pass
+ * NULL), on every rank otherwise. Allocates the shared-memory buffers for full parameters and
+ * gradients. */
+PSHARD_API pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *params,
+                                               size_t nparams, const pshard_model_config_t *mc,
+                                               const float *const *init);
+
+/* The full buffer of parameter i in param_dtype (valid after it was gathered) and of its
+ * gradient in reduce_dtype (the trainer writes it before reduce-scatter). NULL for a bad i. */
+PSHARD_API void *pshard_param(pshard_client_t *c, size_t i);
+PSHARD_API void *pshard_grad(pshard_client_t *c, size_t i);
+PSHARD_API size_t pshard_param_numel(const pshard_client_t *c, size_t i);
+
+/* Gathers the full values of parameters ids[0..n) (n == 0: all) into their buffers. */
+PSHARD_API pshard_status_t pshard_gather(pshard_client_t *c, const size_t *ids, size_t n);
+
+/* Reduce-scatters the gradients of ids[0..n) (n == 0: all): each shard server keeps its
+ * averaged slice, accumulated until the next step. */
+PSHARD_API pshard_status_t pshard_reduce_scatter(pshard_client_t *c, const size_t *ids,
+                                                 size_t n);
+
+/* Asynchronous forms: they run in issue order on the client's own thread. The ids are copied.
+ * Wait on the handle (which frees it) before touching the buffers involved. */
+PSHARD_API pshard_status_t pshard_gather_start(pshard_client_t *c, const size_t *ids, size_t n,
+                                               pshard_work_t **work);
+PSHARD_API pshard_status_t pshard_reduce_scatter_start(pshard_client_t *c, const size_t *ids,
+                                                       size_t n, pshard_work_t **work);
+/* Waits for and frees a handle; returns its status (message via pshard_last_error). */
+PSHARD_API pshard_status_t pshard_work_wait(pshard_work_t *work);
+
+/* Runs the optimizer on every shard (clipping first if configured). lr < 0 keeps the
+ * configured rate. *step (may be NULL) gets the step number after the update, *grad_norm
+ * (may be NULL) the global gradient norm before clipping. */
+PSHARD_API pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step,
+                                       double *grad_norm);
+
+/* Plain collectives on the trainer's own buffers, through its shard server (as
+ * torch.distributed offers): all_reduce in place, broadcast in place from root, all_gather of
+ * count elements per rank into recv (world_size * count), barrier. */
+PSHARD_API pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count,
+                                             pshard_dtype_t dtype, bool average);
+PSHARD_API pshard_status_t pshard_broadcast(pshard_client_t *c, void *buf, size_t count,
+                                            pshard_dtype_t dtype, int root);
+PSHARD_API pshard_status_t pshard_all_gather(pshard_client_t *c, const void *send, void *recv,
+                                             size_t count, pshard_dtype_t dtype);
+PSHARD_API pshard_status_t pshard_barrier(pshard_client_t *c);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,1097 @@
+/* pshardrun: the torchrun of pshard. It starts a coordinator (unless one is named), N shard
+ * servers and N trainers on this host, forwards every child's output line by line with a
+ * "[role rank]" prefix, forwards SIGINT/SIGTERM/SIGHUP, and stops everything it started when
+ * the trainers are done or the first of them fails.
+ *
+ * Exit status: 0 when every trainer exited 0; the first failing trainer's exit status (or
+ * 128+N when it was killed by signal N); 128+N when pshardrun itself got signal N; 1 when a
+ * shard server or the coordinator died unexpectedly or could not be started; 2 for usage
+ * errors. Trainers run with stdin from /dev/null. */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "pshard/config.h"
+#include "pshard/log.h"
+#include "pshard/util.h"
+
+#define RUN_PROG "pshardrun"
+#define RUN_COORD_BIN "pshard-coordinator"
+#define RUN_SERVER_BIN "pshard-server"
+
+/* Longest line forwarded as one piece; a longer run of bytes without a newline is forwarded
+ * in pieces of this size so one chatty child cannot make pshardrun grow without bound. */
+#define RUN_MAX_LINE 65536
+/* How often port files are looked for while waiting for servers to come up. */
+#define RUN_PORT_POLL_MS 20
+/* After SIGKILL, how long to wait for the kernel to let us reap before giving up. */
+#define RUN_REAP_AFTER_KILL_MS 5000
+/* How long to keep reading pipes after every child is gone (grandchildren may hold them). */
+#define RUN_DRAIN_MS 2000
+
+/* Options: one table, which also makes --help. */
+typedef struct {
+    int64_t nproc;
+    char *coordinator;
+    char *backend;
+    char *offload;
+    char *token_file;
+    int64_t lease_ms;
+    char *log;
+    char *coordinator_bin;
+    char *server_bin;
+    int64_t start_timeout_ms;
+    int64_t stop_grace_ms;
+} run_opts_t;
+
+/* clang-format off */
+#define OPT(flag, env, type, def, help, field, lo, hi)                                             \
+    {flag, env, type, def, help, offsetof(run_opts_t, field), lo, hi}
+/* clang-format on */
+
+static const ps_option_t options[] = {
+    OPT("nproc", "PSHARD_NPROC", PS_OPT_INT, "1", "number of shard servers and trainers to start",
+        nproc, 1, 4096),
+    OPT("coordinator", "PSHARD_COORDINATOR", PS_OPT_STRING, NULL,
+        "use this coordinator HOST:PORT instead of starting one on 127.0.0.1", coordinator, 0, 0),
+    OPT("backend", "PSHARD_BACKEND", PS_OPT_STRING, "tcp", "collectives backend: tcp or nccl",
+        backend, 0, 0),
+    OPT("offload", "PSHARD_OFFLOAD", PS_OPT_STRING, "none", "where shards live: none or cpu",
+        offload, 0, 0),
+    OPT("token-file", "PSHARD_TOKEN_FILE", PS_OPT_STRING, NULL,
+        "cluster token file, passed to the coordinator, servers and trainers", token_file, 0, 0),
+    OPT("lease-ms", "PSHARD_LEASE_MS", PS_OPT_INT, "0",
+        "member lease of the coordinator pshardrun starts (0: its default)", lease_ms, 0, 86400000),
+    OPT("log", "PSHARD_LOG", PS_OPT_STRING, "warn",
+        "log level of pshardrun and its children: error|warn|info|debug|trace", log, 0, 0),
+    OPT("coordinator-bin", "PSHARD_COORDINATOR_BIN", PS_OPT_STRING, NULL,
+        "path of pshard-coordinator (default: beside pshardrun, then PATH)", coordinator_bin, 0, 0),
+    OPT("server-bin", "PSHARD_SERVER_BIN", PS_OPT_STRING, NULL,
+        "path of pshard-server (default: beside pshardrun, then PATH)", server_bin, 0, 0),
+    OPT("start-timeout-ms", "PSHARD_START_TIMEOUT_MS", PS_OPT_INT, "30000",
+        "give up if the coordinator or a server has not written its port file by then",
+        start_timeout_ms, 1, 86400000),
+    OPT("stop-grace-ms", "PSHARD_STOP_GRACE_MS", PS_OPT_INT, "5000",
+        "after SIGTERM, wait this long before SIGKILL", stop_grace_ms, 0, 3600000),
+};
+
+/* One environment variable set in a trainer; both strings borrowed. */
+typedef struct {
+    const char *name;
+    const char *value;
+} run_env_t;
+
+typedef enum { ROLE_COORDINATOR, ROLE_SERVER, ROLE_TRAINER } run_role_t;
+
+static const char *const role_names[] = {"coordinator", "server", "trainer"};
+
+/* One pipe from a child's stdout or stderr, with the bytes of a line not yet complete. */
+typedef struct {
+    int fd;     /* read end (non-blocking, close-on-exec); -1 after EOF */
+    int out_fd; /* where lines go: 1 or 2 */
+    char *buf;  /* pending bytes of an incomplete line; owned */
+    size_t len; /* bytes in buf */
+} run_stream_t;
+
+typedef struct {
+    run_role_t role;
+    int rank;                 /* -1 for the coordinator */
+    char label[32];           /* "trainer 3", "coordinator": used in messages */
+    char prefix[40];          /* "[trainer 3] ": put in front of each forwarded line */
+    char port_file[PATH_MAX]; /* servers and coordinator: where the bound port appears */
+    int port;                 /* from the port file once read; 0 before */
+    pid_t pid;                /* 0 until started; also the id of its process group */
+    bool reaped;              /* waitpid returned its status */
+    int wait_status;          /* valid when reaped */
+    bool signalled;           /* pshardrun asked it to stop, so its exit is expected */
+    run_stream_t streams[2];  /* stdout, stderr */
+} run_child_t;
+
+typedef enum {
+    STOP_NONE = 0,
+    STOP_DONE,           /* every trainer exited 0 */
+    STOP_TRAINER_FAILED, /* a trainer exited non-zero or was killed */
+    STOP_SERVICE_DIED,   /* a server or the coordinator exited on its own */
+    STOP_SIGNAL,         /* pshardrun got SIGINT/SIGTERM/SIGHUP */
+    STOP_STARTUP,        /* something could not be started in time */
+} run_stop_t;
+
+/* Everything one run owns. Single-threaded: only main() touches it. */
+typedef struct {
+    run_opts_t *opts;
+    run_child_t *children; /* coordinator (if started), servers, trainers */
+    size_t nchildren;
+    run_child_t *coord;        /* NULL when --coordinator names an existing one */
+    run_child_t *servers;      /* nproc entries */
+    run_child_t *trainers;     /* nproc entries */
+    struct pollfd *pfds;       /* 1 + 2 * nchildren: the signalfd, then open streams */
+    run_child_t **pfd_child;   /* for pfds[i], i >= 1: whose stream it is */
+    run_stream_t **pfd_stream; /* for pfds[i], i >= 1: which stream */
+    int sigfd;                 /* signalfd for SIGINT, SIGTERM, SIGHUP, SIGCHLD */
+    sigset_t orig_mask;        /* restored in children */
+    struct sigaction orig_sigpipe;
+    run_stop_t stop; /* why we are stopping (first reason wins) */
+    int stop_signal; /* for STOP_SIGNAL */
+    int exit_code;   /* decided together with stop */
+    bool force_kill; /* a second signal arrived: SIGKILL without grace */
+    char tmpdir[PATH_MAX];
+    char coord_addr[300]; /* HOST:PORT trainers and servers use */
+    char master_addr[256];
+    int master_port;
+} run_t;
+
+/* ---------------------------------------------------------------------------------------- */
+/* Output forwarding                                                                        */
+
+/* Writes all of buf to fd, retrying short writes and EINTR. Errors (a closed terminal or
+ * pipe) drop the output; children keep running and their pipes keep being drained. */
+static void run_write_all(int fd, const char *buf, size_t len)
+{
+    while (len > 0) {
+        ssize_t n = write(fd, buf, len);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return;
+        }
+        buf += n;
+        len -= (size_t)n;
+    }
+}
+
+/* Forwards one line (without its newline) with the child's prefix, in one write. */
+static void run_emit_line(const run_child_t *c, int out_fd, const char *line, size_t len)
+{
+    static char out[sizeof(((run_child_t *)0)->prefix) + RUN_MAX_LINE + 1];
+    size_t plen = strlen(c->prefix);
+    memcpy(out, c->prefix, plen);
+    memcpy(out + plen, line, len);
+    out[plen + len] = '\n';
+    run_write_all(out_fd, out, plen + len + 1);
+}
+
+/* Forwards every complete line in the stream's buffer; with flush, also what is left (a
+ * partial line at EOF). */
+static void run_stream_emit(const run_child_t *c, run_stream_t *s, bool flush)
+{
+    size_t start = 0;
+    for (size_t i = 0; i < s->len; i++) {
+        if (s->buf[i] == '\n') {
+            run_emit_line(c, s->out_fd, s->buf + start, i - start);
+            start = i + 1;
+        }
+    }
+    if (s->len - start == RUN_MAX_LINE || (flush && s->len > start)) {
+        run_emit_line(c, s->out_fd, s->buf + start, s->len - start);
+        start = s->len;
+    }
+    memmove(s->buf, s->buf + start, s->len - start);
+    s->len -= start;
+}
+
+static void run_stream_close(const run_child_t *c, run_stream_t *s)
+{
+    if (s->fd < 0)
+        return;
+    run_stream_emit(c, s, true);
+    close(s->fd);
+    s->fd = -1;
+}
+
+/* Reads what the pipe has now (a bounded amount, so one chatty child cannot starve the
+ * others) and forwards complete lines; closes the stream at EOF. */
+static void run_stream_read(const run_child_t *c, run_stream_t *s)
+{
+    for (int round = 0; round < 16; round++) {
+        if (!s->buf) {
+            s->buf = malloc(RUN_MAX_LINE);
+            if (!s->buf) {
+                /* Without a buffer the output cannot be forwarded; stop reading rather than
+                 * spin, and the child gets SIGPIPE or EPIPE on its next write. */
+                close(s->fd);
+                s->fd = -1;
+                return;
+            }
+        }
+        ssize_t n = read(s->fd, s->buf + s->len, RUN_MAX_LINE - s->len);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return;
+            run_stream_close(c, s);
+            return;
+        }
+        if (n == 0) {
+            run_stream_close(c, s);
+            return;
+        }
+        s->len += (size_t)n;
+        run_stream_emit(c, s, false);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Children                                                                                 */
+
+static void run_child_init(run_child_t *c, run_role_t role, int rank)
+{
+    memset(c, 0, sizeof(*c));
+    c->role = role;
+    c->rank = rank;
+    if (role == ROLE_COORDINATOR) {
+        ps_snprintf(c->label, sizeof(c->label), "%s", role_names[role]);
+        ps_snprintf(c->prefix, sizeof(c->prefix), "[%s] ", role_names[role]);
+    } else {
+        ps_snprintf(c->label, sizeof(c->label), "%s %d", role_names[role], rank);
+        ps_snprintf(c->prefix, sizeof(c->prefix), "[%s %d] ", role_names[role], rank);
+    }
+    for (int k = 0; k < 2; k++) {
+        c->streams[k].fd = -1;
+        c->streams[k].out_fd = k + 1;
+    }
+}
+
+/* True while the child or anything left in its process group may still be running. */
+static bool run_child_alive(const run_child_t *c)
+{
+    if (c->pid <= 0)
+        return false;
+    if (!c->reaped)
+        return true;
+    return kill(-c->pid, 0) == 0;
+}
+
+/* Sends sig to the child's process group (which catches the shell's children too), or to the
+ * child itself if it moved out of its group. */
+static void run_child_signal(run_child_t *c, int sig)
+{
+    if (c->pid <= 0)
+        return;
+    c->signalled = true;
+    if (kill(-c->pid, sig) != 0 && !c->reaped)
+        kill(c->pid, sig);
+}
+
+/* Names the signals pshardrun sends or handles; others by number. The result is either a
+ * literal or buf. */
+static const char *run_signame(int sig, char *buf, size_t len)
+{
+    switch (sig) {
+    case SIGINT:
+        return "SIGINT";
+    case SIGTERM:
+        return "SIGTERM";
+    case SIGHUP:
+        return "SIGHUP";
+    case SIGKILL:
+        return "SIGKILL";
+    default:
+        ps_snprintf(buf, len, "signal %d", sig);
+        return buf;
+    }
+}
+
+/* Describes a wait status: "exited with status 3" or "killed by signal 9 (Killed)". */
+static void run_describe_status(int status, char *buf, size_t len)
+{
+    if (WIFEXITED(status))
+        ps_snprintf(buf, len, "exited with status %d", WEXITSTATUS(status));
+    else if (WIFSIGNALED(status))
+        ps_snprintf(buf, len, "killed by signal %d (%s)", WTERMSIG(status),
+                    strsignal(WTERMSIG(status)));
+    else
+        ps_snprintf(buf, len, "ended with wait status 0x%x", (unsigned)status);
+}
+
+/* Records the first reason to stop; later reasons are ignored. */
+static void run_set_stop(run_t *run, run_stop_t why, int exit_code)
+{
+    if (run->stop != STOP_NONE)
+        return;
+    run->stop = why;
+    run->exit_code = exit_code;
+}
+
+/* Takes note of one reaped child: a failing trainer or a service that died on its own is
+ * the first failure unless something else already is. */
+static void run_on_exit(run_t *run, run_child_t *c, int status)
+{
+    c->reaped = true;
+    c->wait_status = status;
+    char what[96];
+    run_describe_status(status, what, sizeof(what));
+    PS_INFO(PS_SUB_MAIN, "%s (pid %d) %s", c->label, (int)c->pid, what);
+    if (run->stop != STOP_NONE)
+        return;
+    if (c->role == ROLE_TRAINER && WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        return;
+    /* Its last words (often the reason) come before the summary line. */
+    for (int k = 0; k < 2; k++) {
+        if (c->streams[k].fd >= 0)
+            run_stream_read(c, &c->streams[k]);
+    }
+    if (c->role == ROLE_TRAINER) {
+        fprintf(stderr, RUN_PROG ": %s (pid %d) %s first; stopping the rest\n", c->label,
+                (int)c->pid, what);
+        run_set_stop(run, STOP_TRAINER_FAILED,
+                     WIFEXITED(status)     ? WEXITSTATUS(status)
+                     : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
+                                           : 1);
+    } else if (!c->signalled) {
+        fprintf(stderr, RUN_PROG ": %s (pid %d) %s unexpectedly; stopping the rest\n", c->label,
+                (int)c->pid, what);
+        run_set_stop(run, STOP_SERVICE_DIED, 1);
+    }
+}
+
+/* Reaps every child that has ended, ours or orphans handed to us as subreaper. */
+static void run_reap(run_t *run)
+{
+    for (;;) {
+        int status;
+        pid_t pid = waitpid(-1, &status, WNOHANG);
+        if (pid <= 0) {
+            if (pid < 0 && errno == EINTR)
+                continue;
+            return;
+        }
+        run_child_t *c = NULL;
+        for (size_t i = 0; i < run->nchildren; i++) {
+            if (run->children[i].pid == pid && !run->children[i].reaped) {
+                c = &run->children[i];
+                break;
+            }
+        }
+        if (c)
+            run_on_exit(run, c, status);
+        else
+            PS_DEBUG(PS_SUB_MAIN, "reaped orphaned descendant pid %d", (int)pid);
+    }
+}
+
+/* What a signal to pshardrun does: the first one stops the run (forwarding it to the
+ * trainers); the next one while stopping skips the grace periods. */
+static void run_on_signal(run_t *run, int sig)
+{
+    char name[32];
+    if (run->stop == STOP_NONE) {
+        fprintf(stderr, RUN_PROG ": got %s; stopping trainers, servers and coordinator\n",
+                run_signame(sig, name, sizeof(name)));
+        run->stop_signal = sig;
+        run_set_stop(run, STOP_SIGNAL, 128 + sig);
+        return;
+    }
+    if (!run->force_kill) {
+        fprintf(stderr, RUN_PROG ": got %s while stopping; killing everything now\n",
+                run_signame(sig, name, sizeof(name)));
+        run->force_kill = true;
+    }
+}
+
+/* Waits up to deadline_ns (monotonic) for output, signals or exits, and handles what came.
+ * Returns early after any event. */
+static void run_pump(run_t *run, int64_t deadline_ns)
+{
+    nfds_t n = 0;
+    run->pfds[n++] = (struct pollfd){.fd = run->sigfd, .events = POLLIN};
+    for (size_t i = 0; i < run->nchildren; i++) {
+        for (int k = 0; k < 2; k++) {
+            run_stream_t *s = &run->children[i].streams[k];
+            if (s->fd < 0)
+                continue;
+            run->pfd_child[n] = &run->children[i];
+            run->pfd_stream[n] = s;
+            run->pfds[n++] = (struct pollfd){.fd = s->fd, .events = POLLIN};
+        }
+    }
+    int64_t wait_ms = (deadline_ns - ps_now_ns()) / 1000000;
+    if (wait_ms < 0)
+        wait_ms = 0;
+    if (wait_ms > 1000)
+        wait_ms = 1000; /* reaping does not depend on SIGCHLD alone */
+    int rc = poll(run->pfds, n, (int)wait_ms);
+    if (rc > 0) {
+        if (run->pfds[0].revents) {
+            struct signalfd_siginfo si;
+            while (read(run->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+                if (si.ssi_signo != SIGCHLD)
+                    run_on_signal(run, (int)si.ssi_signo);
+            }
+        }
+        for (nfds_t j = 1; j < n; j++) {
+            if (run->pfds[j].revents && run->pfd_stream[j]->fd >= 0)
+                run_stream_read(run->pfd_child[j], run->pfd_stream[j]);
+        }
+    }
+    run_reap(run);
+}
+
+/* Starts one child with its stdout and stderr on new pipes, in its own process group, with
+ * stdin from /dev/null. `path` is executed as is (execv) for services and looked up on PATH
+ * (execvp) for trainers. `env` (nenv entries, may be NULL) is set in the child only.
+ * A child that cannot exec prints why on its stderr and exits 127, which the normal exit
+ * handling reports. Returns 0, or -1 with a message printed when fork or pipe fail. */
+static int run_spawn(run_t *run, run_child_t *c, const char *path, char *const argv[],
+                     const run_env_t *env, size_t nenv)
+{
+    int fds[2][2] = {{-1, -1}, {-1, -1}};
+    for (int k = 0; k < 2; k++) {
+        if (pipe2(fds[k], O_CLOEXEC) != 0) {
+            fprintf(stderr, RUN_PROG ": cannot create a pipe for %s: %s\n", c->label,
+                    strerror(errno));
+            goto fail;
+        }
+    }
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) {
+        fprintf(stderr, RUN_PROG ": cannot fork %s: %s\n", c->label, strerror(errno));
+        goto fail;
+    }
+    if (pid == 0) {
+        /* Child. pshardrun is single-threaded, so the libc calls below are safe after fork. */
+        setpgid(0, 0);
+        /* If pshardrun is killed outright, the child is told to stop too. */
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != parent)
+            _exit(1);
+        sigaction(SIGPIPE, &run->orig_sigpipe, NULL);
+        sigprocmask(SIG_SETMASK, &run->orig_mask, NULL);
+        int devnull = open("/dev/null", O_RDONLY);
+        if (devnull >= 0 && devnull != 0) {
+            dup2(devnull, 0);
+            close(devnull);
+        }
+        if (dup2(fds[0][1], 1) < 0 || dup2(fds[1][1], 2) < 0)
+            _exit(127);
+        for (size_t i = 0; i < nenv; i++)
+            setenv(env[i].name, env[i].value, 1);
+        if (c->role == ROLE_TRAINER)
+            execvp(path, argv);
+        else
+            execv(path, argv);
+        dprintf(2, RUN_PROG ": cannot execute '%s': %s\n", path, strerror(errno));
+        _exit(127);
+    }
+    /* Parent: make the group now too, so a signal sent before the child runs finds it. */
+    setpgid(pid, pid);
+    c->pid = pid;
+    for (int k = 0; k < 2; k++) {
+        close(fds[k][1]);
+        c->streams[k].fd = fds[k][0];
+        fcntl(fds[k][0], F_SETFL, fcntl(fds[k][0], F_GETFL) | O_NONBLOCK);
+    }
+    PS_INFO(PS_SUB_MAIN, "started %s (pid %d): %s", c->label, (int)pid, path);
+    return 0;
+fail:
+    for (int k = 0; k < 2; k++) {
+        for (int e = 0; e < 2; e++) {
+            if (fds[k][e] >= 0)
+                close(fds[k][e]);
+        }
+    }
+    return -1;
+}
+
+/* Reads a port file if it is there (it is written with a rename, so whole or absent).
+ * Returns the port, or 0 when it is not there yet or does not hold a port. */
+static int run_read_port_file(const char *path)
+{
+    char buf[32];
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    buf[strcspn(buf, "\r\n ")] = '\0';
+    int64_t port;
+    if (ps_parse_i64(buf, 1, 65535, &port) != 0)
+        return 0;
+    return (int)port;
+}
+
+/* Waits until every child in [first, first+count) has written its port file, the run is
+ * stopping, or the start timeout passes (which stops the run with a message). */
+static void run_wait_ports(run_t *run, run_child_t *first, size_t count)
+{
+    int64_t deadline = ps_now_ns() + run->opts->start_timeout_ms * 1000000;
+    for (;;) {
+        if (run->stop != STOP_NONE)
+            return;
+        run_child_t *missing = NULL;
+        for (size_t i = 0; i < count; i++) {
+            if (first[i].port == 0)
+                first[i].port = run_read_port_file(first[i].port_file);
+            if (first[i].port == 0 && !missing)
+                missing = &first[i];
+        }
+        if (!missing)
+            return;
+        int64_t now = ps_now_ns();
+        if (now >= deadline) {
+            fprintf(stderr,
+                    RUN_PROG ": %s (pid %d) did not write its port file within %lld ms; "
+                             "stopping the rest\n",
+                    missing->label, (int)missing->pid, (long long)run->opts->start_timeout_ms);
+            run_set_stop(run, STOP_STARTUP, 1);
+            return;
+        }
+        int64_t next = now + (int64_t)RUN_PORT_POLL_MS * 1000000;
+        run_pump(run, next < deadline ? next : deadline);
+    }
+}
+
+/* Stops every child of one role that is still running: sends sig to its process group, waits
+ * up to the grace period, then SIGKILLs what is left and waits for it to be reaped. */
+static void run_stop_role(run_t *run, run_role_t role, int sig)
+{
+    char name[32];
+    const char *signame = run_signame(sig, name, sizeof(name));
+    bool any = false;
+    for (size_t i = 0; i < run->nchildren; i++) {
+        run_child_t *c = &run->children[i];
+        if (c->role == role && run_child_alive(c)) {
+            PS_DEBUG(PS_SUB_MAIN, "sending %s to %s (pid %d)", signame, c->label, (int)c->pid);
+            run_child_signal(c, sig);
+            any = true;
+        }
+    }
+    if (!any)
+        return;
+    int64_t deadline = ps_now_ns() + run->opts->stop_grace_ms * 1000000;
+    bool killed = false;
+    for (;;) {
+        bool alive = false;
+        for (size_t i = 0; i < run->nchildren && !alive; i++)
+            alive = run->children[i].role == role && run_child_alive(&run->children[i]);
+        if (!alive)
+            return;
+        int64_t now = ps_now_ns();
+        if (!killed && (run->force_kill || now >= deadline)) {
+            for (size_t i = 0; i < run->nchildren; i++) {
+                run_child_t *c = &run->children[i];
+                if (c->role == role && run_child_alive(c)) {
+                    if (!run->force_kill)
+                        fprintf(stderr,
+                                RUN_PROG ": %s%s (pid %d) still running %lld ms after %s; "
+                                         "sending SIGKILL\n",
+                                c->reaped ? "processes left behind by " : "", c->label, (int)c->pid,
+                                (long long)run->opts->stop_grace_ms, signame);
+                    run_child_signal(c, SIGKILL);
+                }
+            }
+            killed = true;
+            deadline = now + (int64_t)RUN_REAP_AFTER_KILL_MS * 1000000;
+        } else if (killed && now >= deadline) {
+            fprintf(stderr, RUN_PROG ": some %s processes did not end after SIGKILL\n",
+                    role_names[role]);
+            return;
+        }
+        int64_t next = now + 50 * 1000000LL;
+        run_pump(run, next < deadline ? next : deadline);
+    }
+}
+
+/* Kills and reaps whatever descendants are left that escaped their process groups (they were
+ * handed to pshardrun, the subreaper, when their parents ended). Bounded in time. */
+static void run_sweep(run_t *run)
+{
+    char path[64];
+    ps_snprintf(path, sizeof(path), "/proc/self/task/%d/children", (int)getpid());
+    int64_t deadline = ps_now_ns() + (int64_t)RUN_REAP_AFTER_KILL_MS * 1000000;
+    for (;;) {
+        run_reap(run);
+        FILE *f = fopen(path, "re");
+        bool any = false;
+        if (f) {
+            long pid;
+            while (fscanf(f, "%ld", &pid) == 1) {
+                PS_DEBUG(PS_SUB_MAIN, "killing leftover descendant pid %ld", pid);
+                kill((pid_t)pid, SIGKILL);
+                any = true;
+            }
+            fclose(f);
+        } else {
+            /* No /proc children list: wait for what waitpid still knows about. */
+            any = waitpid(-1, NULL, WNOHANG) == 0;
+        }
+        if (!any || ps_now_ns() >= deadline)
+            return;
+        run_pump(run, ps_now_ns() + 20 * 1000000LL);
+    }
+}
+
+/* Forwards what is still buffered in the pipes (bounded in time), then closes them. */
+static void run_drain(run_t *run)
+{
+    int64_t deadline = ps_now_ns() + (int64_t)RUN_DRAIN_MS * 1000000;
+    for (;;) {
+        bool open_any = false;
+        for (size_t i = 0; i < run->nchildren && !open_any; i++)
+            open_any = run->children[i].streams[0].fd >= 0 || run->children[i].streams[1].fd >= 0;
+        if (!open_any || ps_now_ns() >= deadline)
+            break;
+        run_pump(run, deadline);
+    }
+    for (size_t i = 0; i < run->nchildren; i++) {
+        for (int k = 0; k < 2; k++) {
+            run_stream_close(&run->children[i], &run->children[i].streams[k]);
+            free(run->children[i].streams[k].buf);
+            run->children[i].streams[k].buf = NULL;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Setup                                                                                    */
+
+/* True when path names an executable regular file. */
+static bool run_is_executable(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode) && access(path, X_OK) == 0;
+}
+
+/* Finds a pshard binary: the flag's path, then the build tree layout beside pshardrun
+ * (<exe dir>/../<subdir>/<name>), then the installed layout (<exe dir>/<name>), then PATH.
+ * Returns a malloc'd path (caller frees), or NULL after printing what was tried. */
+static char *run_find_binary(const char *flag_value, const char *flag, const char *subdir,
+                             const char *name)
+{
+    if (flag_value) {
+        if (run_is_executable(flag_value))
+            return strdup(flag_value);
+        fprintf(stderr, RUN_PROG ": --%s %s: not an executable file\n", flag, flag_value);
+        return NULL;
+    }
+    char exe[PATH_MAX], cand[PATH_MAX + 64], dir[PATH_MAX] = "";
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n > 0) {
+        exe[n] = '\0';
+        char *slash = strrchr(exe, '/');
+        if (slash) {
+            *slash = '\0';
+            ps_strlcpy(dir, exe, sizeof(dir));
+        }
+    }
+    if (dir[0]) {
+        if (ps_snprintf(cand, sizeof(cand), "%s/../%s/%s", dir, subdir, name) == 0 &&
+            run_is_executable(cand))
+            return realpath(cand, NULL);
+        if (ps_snprintf(cand, sizeof(cand), "%s/%s", dir, name) == 0 && run_is_executable(cand))
+            return strdup(cand);
+    }
+    const char *p = getenv("PATH");
+    while (p && *p) {
+        size_t len = strcspn(p, ":");
+        if (len > 0 && ps_snprintf(cand, sizeof(cand), "%.*s/%s", (int)len, p, name) == 0 &&
+            run_is_executable(cand))
+            return strdup(cand);
+        p += len;
+        if (*p == ':')
+            p++;
+    }
+    fprintf(stderr,
+            RUN_PROG ": cannot find %s: not at %s/../%s/%s, not at %s/%s, not on PATH; "
+                     "pass --%s\n",
+            name, dir[0] ? dir : "?", subdir, name, dir[0] ? dir : "?", name, flag);
+    return NULL;
+}
+
+/* Splits "HOST:PORT" (or "[V6]:PORT") into the run's MASTER_ADDR and MASTER_PORT.
+ * Returns 0, or -1 when it is not of that form. */
+static int run_parse_coordinator(run_t *run, const char *addr)
+{
+    const char *colon = strrchr(addr, ':');
+    if (!colon || colon == addr)
+        return -1;
+    int64_t port;
+    if (ps_parse_i64(colon + 1, 1, 65535, &port) != 0)
+        return -1;
+    const char *host = addr;
+    size_t hlen = (size_t)(colon - addr);
+    if (hlen >= 2 && host[0] == '[' && host[hlen - 1] == ']') {
+        host++;
+        hlen -= 2;
+    }
+    if (hlen == 0 || hlen >= sizeof(run->master_addr))
+        return -1;
+    memcpy(run->master_addr, host, hlen);
+    run->master_addr[hlen] = '\0';
+    run->master_port = (int)port;
+    return ps_strlcpy(run->coord_addr, addr, sizeof(run->coord_addr));
+}
+
+/* Removes the run's temporary directory and the port files in it. */
+static void run_remove_tmpdir(const char *tmpdir)
+{
+    if (!tmpdir[0])
+        return;
+    DIR *d = opendir(tmpdir);
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
+                unlinkat(dirfd(d), e->d_name, 0);
+        }
+        closedir(d);
+    }
+    if (rmdir(tmpdir) != 0)
+        PS_WARN(PS_SUB_MAIN, "cannot remove %s: %s", tmpdir, strerror(errno));
+}
+
+/* Starts the coordinator pshardrun owns and waits for its port. */
+static void run_start_coordinator(run_t *run, const char *bin)
+{
+    run_child_t *c = run->coord;
+    ps_snprintf(c->port_file, sizeof(c->port_file), "%s/coordinator.port", run->tmpdir);
+    char world[24], lease[24], heartbeat[24];
+    ps_snprintf(world, sizeof(world), "%lld", (long long)run->opts->nproc);
+    char *argv[20];
+    int a = 0;
+    argv[a++] = (char *)bin;
+    argv[a++] = "--listen";
+    argv[a++] = "127.0.0.1:0";
+    argv[a++] = "--port-file";
+    argv[a++] = c->port_file;
+    argv[a++] = "--world-size";
+    argv[a++] = world;
+    argv[a++] = "--log";
+    argv[a++] = run->opts->log;
+    if (run->opts->lease_ms > 0) {
+        /* Members heartbeat as often as the coordinator says; keep at least three beats per
+         * lease so a short lease does not evict healthy members. */
+        int64_t beat = run->opts->lease_ms / 3;
+        if (beat > 1000)
+            beat = 1000;
+        if (beat < 1)
+            beat = 1;
+        ps_snprintf(lease, sizeof(lease), "%lld", (long long)run->opts->lease_ms);
+        ps_snprintf(heartbeat, sizeof(heartbeat), "%lld", (long long)beat);
+        argv[a++] = "--lease-ms";
+        argv[a++] = lease;
+        argv[a++] = "--heartbeat-ms";
+        argv[a++] = heartbeat;
+    }
+    if (run->opts->token_file) {
+        argv[a++] = "--token-file";
+        argv[a++] = run->opts->token_file;
+    }
+    argv[a] = NULL;
+    if (run_spawn(run, c, bin, argv, NULL, 0) != 0) {
+        run_set_stop(run, STOP_STARTUP, 1);
+        return;
+    }
+    run_wait_ports(run, c, 1);
+    if (run->stop != STOP_NONE)
+        return;
+    ps_snprintf(run->coord_addr, sizeof(run->coord_addr), "127.0.0.1:%d", c->port);
+    ps_strlcpy(run->master_addr, "127.0.0.1", sizeof(run->master_addr));
+    run->master_port = c->port;
+    PS_INFO(PS_SUB_MAIN, "coordinator serving on %s", run->coord_addr);
+}
+
+/* Starts every shard server and waits for all their ports. */
+static void run_start_servers(run_t *run, const char *bin)
+{
+    for (int r = 0; r < (int)run->opts->nproc && run->stop == STOP_NONE; r++) {
+        run_child_t *c = &run->servers[r];
+        ps_snprintf(c->port_file, sizeof(c->port_file), "%s/server-%d.port", run->tmpdir, r);
+        char name[64], device[24];
+        ps_snprintf(name, sizeof(name), "pshardrun-%d-%d", (int)getpid(), r);
+        ps_snprintf(device, sizeof(device), "%d", r);
+        char *argv[24];
+        int a = 0;
+        argv[a++] = (char *)bin;
+        argv[a++] = "--coordinator";
+        argv[a++] = run->coord_addr;
+        argv[a++] = "--listen";
+        argv[a++] = "127.0.0.1:0";
+        argv[a++] = "--port-file";
+        argv[a++] = c->port_file;
+        argv[a++] = "--name";
+        argv[a++] = name;
+        argv[a++] = "--backend";
+        argv[a++] = run->opts->backend;
+        argv[a++] = "--offload";
+        argv[a++] = run->opts->offload;
+        argv[a++] = "--log";
+        argv[a++] = run->opts->log;
+        if (strcmp(run->opts->backend, "nccl") == 0) {
+            argv[a++] = "--device"; /* one GPU per server, like LOCAL_RANK for trainers */
+            argv[a++] = device;
+        }
+        if (run->opts->token_file) {
+            argv[a++] = "--token-file";
+            argv[a++] = run->opts->token_file;
+        }
+        argv[a] = NULL;
+        if (run_spawn(run, c, bin, argv, NULL, 0) != 0)
+            run_set_stop(run, STOP_STARTUP, 1);
+    }
+    if (run->stop == STOP_NONE)
+        run_wait_ports(run, run->servers, (size_t)run->opts->nproc);
+}
+
+/* Starts the trainers with the torchrun environment plus pshard's own variables. */
+static void run_start_trainers(run_t *run, char *const argv[])
+{
+    int n = (int)run->opts->nproc;
+    for (int r = 0; r < n && run->stop == STOP_NONE; r++) {
+        char rank[16], world[16], mport[16], server[64];
+        ps_snprintf(rank, sizeof(rank), "%d", r);
+        ps_snprintf(world, sizeof(world), "%d", n);
+        ps_snprintf(mport, sizeof(mport), "%d", run->master_port);
+        ps_snprintf(server, sizeof(server), "127.0.0.1:%d", run->servers[r].port);
+        const run_env_t env[] = {
+            {"RANK", rank},
+            {"LOCAL_RANK", rank},
+            {"WORLD_SIZE", world},
+            {"LOCAL_WORLD_SIZE", world},
+            {"GROUP_RANK", "0"},
+            {"MASTER_ADDR", run->master_addr},
+            {"MASTER_PORT", mport},
+            {"PSHARD_COORDINATOR", run->coord_addr},
+            {"PSHARD_SERVER", server},
+            {"PSHARD_LOG", run->opts->log},
+            {"PSHARD_TOKEN_FILE", run->opts->token_file}, /* last: dropped when NULL */
+        };
+        size_t nenv = PS_ARRAY_LEN(env) - (run->opts->token_file ? 0 : 1);
+        if (run_spawn(run, &run->trainers[r], argv[0], argv, env, nenv) != 0)
+            run_set_stop(run, STOP_STARTUP, 1);
+    }
+}
+
+/* Checks option values the config table cannot. Returns 0, or 2 after printing why. */
+static int run_check_opts(run_t *run, const run_opts_t *o)
+{
+    ps_log_level_t level;
+    if (!ps_log_parse_level(o->log, &level)) {
+        fprintf(stderr, RUN_PROG ": --log '%s' is not error|warn|info|debug|trace\n", o->log);
+        return 2;
+    }
+    ps_log_set_level(level);
+    if (strcmp(o->backend, "tcp") != 0 && strcmp(o->backend, "nccl") != 0) {
+        fprintf(stderr, RUN_PROG ": --backend '%s' is not tcp or nccl\n", o->backend);
+        return 2;
+    }
+    if (strcmp(o->offload, "none") != 0 && strcmp(o->offload, "cpu") != 0) {
+        fprintf(stderr, RUN_PROG ": --offload '%s' is not none or cpu\n", o->offload);
+        return 2;
+    }
+    if (o->token_file && access(o->token_file, R_OK) != 0) {
+        fprintf(stderr, RUN_PROG ": --token-file %s: %s\n", o->token_file, strerror(errno));
+        return 2;
+    }
+    if (o->coordinator && run_parse_coordinator(run, o->coordinator) != 0) {
+        fprintf(stderr, RUN_PROG ": --coordinator '%s' is not HOST:PORT\n", o->coordinator);
+        return 2;
+    }
+    if (o->coordinator && o->lease_ms > 0)
+        fprintf(stderr, RUN_PROG ": --lease-ms is ignored with --coordinator (the running "
+                                 "coordinator's lease applies)\n");
+    return 0;
+}
+
+/* Blocks the signals pshardrun handles and routes them to a signalfd; makes pshardrun the
+ * subreaper of its descendants. Returns 0 or -1 after printing why. */
+static int run_setup_signals(run_t *run)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGHUP);
+    sigaddset(&set, SIGCHLD);
+    if (sigprocmask(SIG_BLOCK, &set, &run->orig_mask) != 0)
+        return -1;
+    run->sigfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (run->sigfd < 0) {
+        fprintf(stderr, RUN_PROG ": signalfd: %s\n", strerror(errno));
+        return -1;
+    }
+    /* A closed stdout must not kill pshardrun while children still need reaping. */
+    struct sigaction ign = {.sa_handler = SIG_IGN};
+    sigemptyset(&ign.sa_mask);
+    sigaction(SIGPIPE, &ign, &run->orig_sigpipe);
+    /* Orphaned grandchildren come to us instead of init, so none outlives the run. */
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
+        PS_WARN(PS_SUB_MAIN, "PR_SET_CHILD_SUBREAPER: %s", strerror(errno));
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    ps_log_init(RUN_PROG);
+    run_opts_t o;
+    memset(&o, 0, sizeof(o));
+    ps_config_result_t res;
+    char err[512] = "";
+    char *coord_bin = NULL, *server_bin = NULL;
+    run_t run;
+    memset(&run, 0, sizeof(run));
+    run.sigfd = -1;
+    run.opts = &o;
+    int exit_code = 0;
+
+    if (ps_config_parse(options, PS_ARRAY_LEN(options), argc, argv, &o, &res, err, sizeof(err)) !=
+        PSHARD_OK) {
+        fprintf(stderr, RUN_PROG ": %s (see --help)\n", err);
+        exit_code = 2;
+        goto out;
+    }
+    if (res.help) {
+        ps_config_usage(stdout, RUN_PROG, "[OPTIONS] -- CMD [ARGS...]",
+                        "Starts a coordinator (unless --coordinator names one), NPROC shard "
+                        "servers and NPROC trainers running CMD with RANK, LOCAL_RANK, "
+                        "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, PSHARD_COORDINATOR and "
+                        "PSHARD_SERVER set, and stops them all when the trainers finish or one "
+                        "fails. Exits 0 on success, with the first failing trainer's status, "
+                        "128+N after signal N, 1 when a server or the coordinator fails, 2 on "
+                        "usage errors.",
+                        options, PS_ARRAY_LEN(options));
+        goto out;
+    }
+    if (res.version) {
+        printf(RUN_PROG " %s\n", PSHARD_VERSION_STRING);
+        goto out;
+    }
+    int cmd = res.first_positional;
+    if (cmd >= argc || cmd < 2 || strcmp(argv[cmd - 1], "--") != 0) {
+        if (cmd < argc)
+            fprintf(stderr,
+                    RUN_PROG ": unexpected argument '%s'; the trainer command goes after '--' "
+                             "(see --help)\n",
+                    argv[cmd]);
+        else
+            fprintf(stderr, RUN_PROG ": no trainer command; usage: " RUN_PROG
+                                     " [OPTIONS] -- CMD [ARGS...] (see --help)\n");
+        exit_code = 2;
+        goto out;
+    }
+    exit_code = run_check_opts(&run, &o);
+    if (exit_code != 0)
+        goto out;
+    ps_config_log(options, PS_ARRAY_LEN(options), &o, &res);
+
+    /* A path given by flag that is not executable is a usage error (2); a binary the search
+     * does not find is an installation problem (1). */
+    server_bin = run_find_binary(o.server_bin, "server-bin", "shard_server", RUN_SERVER_BIN);
+    if (!server_bin) {
+        exit_code = o.server_bin ? 2 : 1;
+        goto out;
+    }
+    if (!o.coordinator) {
+        coord_bin =
+            run_find_binary(o.coordinator_bin, "coordinator-bin", "coordinator", RUN_COORD_BIN);
+        if (!coord_bin) {
+            exit_code = o.coordinator_bin ? 2 : 1;
+            goto out;
+        }
+    }
+
+    size_t n = (size_t)o.nproc;
+    run.nchildren = (o.coordinator ? 0 : 1) + 2 * n;
+    run.children = calloc(run.nchildren, sizeof(*run.children));
+    run.pfds = calloc(1 + 2 * run.nchildren, sizeof(*run.pfds));
+    run.pfd_child = calloc(1 + 2 * run.nchildren, sizeof(*run.pfd_child));
+    run.pfd_stream = calloc(1 + 2 * run.nchildren, sizeof(*run.pfd_stream));
+    if (!run.children || !run.pfds || !run.pfd_child || !run.pfd_stream) {
+        fprintf(stderr, RUN_PROG ": out of memory for %zu processes\n", run.nchildren);
+        exit_code = 1;
+        goto out;
+    }
+    size_t at = 0;
+    if (!o.coordinator) {
+        run.coord = &run.children[at];
+        run_child_init(&run.children[at++], ROLE_COORDINATOR, -1);
+    }
+    run.servers = &run.children[at];
+    for (size_t r = 0; r < n; r++)
+        run_child_init(&run.children[at++], ROLE_SERVER, (int)r);
+    run.trainers = &run.children[at];
+    for (size_t r = 0; r < n; r++)
+        run_child_init(&run.children[at++], ROLE_TRAINER, (int)r);
+
+    if (run_setup_signals(&run) != 0) {
+        exit_code = 1;
+        goto out;
+    }
+    const char *tmp = getenv("TMPDIR");
+    if (ps_snprintf(run.tmpdir, sizeof(run.tmpdir), "%s/pshardrun-XXXXXX",
+                    tmp && *tmp ? tmp : "/tmp") != 0 ||
+        !mkdtemp(run.tmpdir)) {
+        fprintf(stderr, RUN_PROG ": cannot create a temporary directory: %s\n", strerror(errno));
+        run.tmpdir[0] = '\0';
+        exit_code = 1;
+        goto out;
+    }
+
+    if (run.coord)
+        run_start_coordinator(&run, coord_bin);
+    if (run.stop == STOP_NONE)
+        run_start_servers(&run, server_bin);
+    if (run.stop == STOP_NONE)
+        run_start_trainers(&run, &argv[cmd]);
+    while (run.stop == STOP_NONE) {
+        bool all_done = true;
+        for (size_t r = 0; r < n && all_done; r++)
+            all_done = run.trainers[r].reaped;
+        if (all_done) {
+            run_set_stop(&run, STOP_DONE, 0);
+            break;
+        }
+        run_pump(&run, ps_now_ns() + 1000 * 1000000LL);
+    }
+
+    /* Stop in dependency order: trainers first (with the signal pshardrun got, if any), then
+     * the servers (which leave the cluster), then the coordinator. */
+    run_stop_role(&run, ROLE_TRAINER, run.stop == STOP_SIGNAL ? run.stop_signal : SIGTERM);
+    run_stop_role(&run, ROLE_SERVER, SIGTERM);
+    run_stop_role(&run, ROLE_COORDINATOR, SIGTERM);
+    run_sweep(&run);
+    run_drain(&run);
+    exit_code = run.exit_code;
+    if (run.stop == STOP_DONE) {
+        for (size_t i = 0; i < run.nchildren; i++) {
+            const run_child_t *c = &run.children[i];
+            if (c->role != ROLE_TRAINER && c->reaped &&
+                !(WIFEXITED(c->wait_status) && WEXITSTATUS(c->wait_status) == 0)) {
+                char what[96];
+                run_describe_status(c->wait_status, what, sizeof(what));
+                PS_WARN(PS_SUB_MAIN, "%s (pid %d) %s while stopping", c->label, (int)c->pid, what);
+            }
+        }
+    }
+
+out:
+    if (run.sigfd >= 0)
+        close(run.sigfd);
+    run_remove_tmpdir(run.tmpdir);
+    free(run.children);
+    free(run.pfds);
+    free(run.pfd_child);
+    free(run.pfd_stream);
+    free(coord_bin);
+    free(server_bin);
+    ps_config_free(options, PS_ARRAY_LEN(options), &o);
+    return exit_code;
+}

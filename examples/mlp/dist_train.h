@@ -1,0 +1,25 @@
+/* The example MLP trained with pshard: parameters sharded across shard servers, gathered
+ * before each forward, gradients reduce-scattered after backward, the optimizer stepped on the
+ * shards. Prints the same lines as the --local reference (mlp_local_train) so the two can be
+ * compared. */
+#ifndef PSHARD_EXAMPLE_DIST_TRAIN_H
+#define PSHARD_EXAMPLE_DIST_TRAIN_H
+
+#include "local_train.h"
+#include "pshard/dtype.h"
+#include "pshard/layout.h"
+
+typedef struct {
+    mlp_local_args_t common;    /* shape, batch, steps, seeds, optimizer, clipping, printing */
+    pshard_dtype_t param_dtype; /* what gathers return */
+    pshard_dtype_t reduce_dtype;
+    pshard_layout_t layout;
+} mlp_dist_args_t;
+
+/* Connects through the environment (RANK, WORLD_SIZE, PSHARD_SERVER; pshardrun sets them),
+ * trains, and on rank 0 prints "step N loss X" (X the mean of all ranks' batch losses,
+ * all-reduced through pshard), "final checksum Y" and the throughput. Returns 0, 1 on a pshard
+ * error (message on stderr), 2 on bad arguments. */
+int mlp_dist_train(const mlp_dist_args_t *a);
+
+#endif

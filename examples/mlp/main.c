@@ -1,0 +1,282 @@
+/* pshard-mlp: the example trainer. Parses flags and environment into one struct, then runs
+ * either the single-process --local reference (mlp_local_train) or the distributed trainer
+ * (mlp_dist_train, through libpshard). */
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dist_train.h"
+#include "local_train.h"
+#include "mlp.h"
+#include "optim.h"
+#include "pshard/config.h"
+#include "pshard/dtype.h"
+#include "pshard/log.h"
+#include "pshard/util.h"
+
+#define PROG "pshard-mlp"
+
+/* Option values as parsed (strings where the config module has no type for them). */
+typedef struct {
+    int64_t steps;
+    int64_t batch;
+    char *widths;
+    int64_t input;
+    int64_t output;
+    char *optimizer;
+    char *lr;
+    char *momentum;
+    char *weight_decay;
+    char *max_grad_norm;
+    char *param_dtype;
+    char *reduce_dtype;
+    int64_t seed;
+    int64_t data_seed;
+    int64_t task_seed;
+    bool local;
+    int64_t world;
+    bool uneven;
+    int64_t print_every;
+    char *log;
+    char *layout;
+} mlp_opts_t;
+
+#define OPT(flag, env, type, def, help, field, lo, hi)                                             \
+    {flag, env, type, def, help, offsetof(mlp_opts_t, field), lo, hi}
+
+static const ps_option_t options[] = {
+    OPT("steps", NULL, PS_OPT_INT, "20", "training steps (batches per rank)", steps, 0, 1000000000),
+    OPT("batch", NULL, PS_OPT_INT, "32", "rows per rank per step", batch, 1, 1048576),
+    OPT("widths", NULL, PS_OPT_STRING, "1024,1024,1024,1024",
+        "hidden layer widths, comma-separated (empty: one linear layer)", widths, 0, 0),
+    OPT("input", NULL, PS_OPT_INT, "256", "input features", input, 1, 1048576),
+    OPT("output", NULL, PS_OPT_INT, "64", "output features", output, 1, 1048576),
+    OPT("optimizer", NULL, PS_OPT_STRING, "adam", "sgd|adam|adamw", optimizer, 0, 0),
+    OPT("lr", NULL, PS_OPT_STRING, "3e-3", "learning rate (fixed for every step)", lr, 0, 0),
+    OPT("momentum", NULL, PS_OPT_STRING, NULL, "SGD momentum (default 0)", momentum, 0, 0),
+    OPT("weight-decay", NULL, PS_OPT_STRING, NULL, "weight decay (default: sgd/adam 0, adamw 0.01)",
+        weight_decay, 0, 0),
+    OPT("max-grad-norm", NULL, PS_OPT_STRING, "0", "clip gradients to this global L2 norm; 0 = off",
+        max_grad_norm, 0, 0),
+    OPT("param-dtype", NULL, PS_OPT_STRING, "fp32",
+        "fp32|bf16|fp16: parameters as gathered by trainers (distributed mode)", param_dtype, 0, 0),
+    OPT("reduce-dtype", NULL, PS_OPT_STRING, "fp32",
+        "fp32|bf16: gradients as reduced (distributed mode)", reduce_dtype, 0, 0),
+    OPT("seed", NULL, PS_OPT_INT, "0", "model init seed", seed, 0, INT64_MAX),
+    OPT("data-seed", NULL, PS_OPT_INT, "1", "input data seed", data_seed, 0, INT64_MAX),
+    OPT("task-seed", NULL, PS_OPT_INT, "2", "teacher (target function) seed", task_seed, 0,
+        INT64_MAX),
+    OPT("local", NULL, PS_OPT_BOOL, "false",
+        "train in this process on the union of --world ranks' batches (reference)", local, 0, 0),
+    OPT("world", NULL, PS_OPT_INT, "1", "ranks simulated with --local", world, 1, 65536),
+    OPT("uneven", NULL, PS_OPT_BOOL, "false", "rank r gets steps + r batches (tests Join)", uneven,
+        0, 0),
+    OPT("print-every", NULL, PS_OPT_INT, "1", "print every Nth step's loss (0: none)", print_every,
+        0, 1000000000),
+    OPT("log", "PSHARD_LOG", PS_OPT_STRING, "warn", "log level: error|warn|info|debug|trace", log,
+        0, 0),
+    OPT("layout", "PSHARD_LAYOUT", PS_OPT_STRING, "fsdp2",
+        "sharding layout: fsdp2 (dim 0 per parameter) or fsdp1 (flat)", layout, 0, 0),
+};
+
+/* The validated configuration every mode runs from. */
+typedef struct {
+    mlp_shape_t shape;
+    int batch;
+    int64_t steps;
+    int world;
+    bool uneven;
+    uint64_t seed, data_seed, task_seed;
+    ps_optim_config_t optim;
+    double max_grad_norm;
+    pshard_dtype_t param_dtype;
+    pshard_dtype_t reduce_dtype;
+    int64_t print_every;
+    bool local;
+} mlp_config_t;
+
+/* Parses a whole string as a finite double >= 0; returns 0 or -1. */
+static int parse_nonneg_double(const char *text, double *out)
+{
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (errno != 0 || end == text || *end != '\0' || !isfinite(v) || v < 0.0)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* Turns parsed options into cfg; returns 0, or -1 after printing why on stderr. */
+static int build_config(const mlp_opts_t *o, mlp_config_t *cfg)
+{
+    memset(cfg, 0, sizeof(*cfg));
+    if (mlp_parse_widths(o->widths ? o->widths : "", (int)o->input, (int)o->output, &cfg->shape) !=
+        0) {
+        fprintf(stderr, PROG ": --widths '%s' is not a list of at most %d positive widths\n",
+                o->widths ? o->widths : "", MLP_MAX_LAYERS - 1);
+        return -1;
+    }
+    ps_optim_kind_t kind;
+    if (strcmp(o->optimizer, "sgd") == 0) {
+        kind = PS_OPTIM_SGD;
+    } else if (strcmp(o->optimizer, "adam") == 0) {
+        kind = PS_OPTIM_ADAM;
+    } else if (strcmp(o->optimizer, "adamw") == 0) {
+        kind = PS_OPTIM_ADAMW;
+    } else {
+        fprintf(stderr, PROG ": --optimizer '%s' is not sgd|adam|adamw\n", o->optimizer);
+        return -1;
+    }
+    ps_optim_defaults(kind, &cfg->optim);
+    struct {
+        const char *flag, *text;
+        double *dst;
+    } reals[] = {
+        {"lr", o->lr, &cfg->optim.lr},
+        {"momentum", o->momentum, &cfg->optim.momentum},
+        {"weight-decay", o->weight_decay, &cfg->optim.weight_decay},
+        {"max-grad-norm", o->max_grad_norm, &cfg->max_grad_norm},
+    };
+    for (size_t i = 0; i < PS_ARRAY_LEN(reals); i++) {
+        if (reals[i].text && parse_nonneg_double(reals[i].text, reals[i].dst) != 0) {
+            fprintf(stderr, PROG ": --%s '%s' is not a finite number >= 0\n", reals[i].flag,
+                    reals[i].text);
+            return -1;
+        }
+    }
+    if (kind != PS_OPTIM_SGD && cfg->optim.momentum != 0.0) {
+        fprintf(stderr, PROG ": --momentum only applies to --optimizer sgd\n");
+        return -1;
+    }
+    char err[256] = "";
+    if (ps_optim_validate(&cfg->optim, err, sizeof(err)) != 0) {
+        fprintf(stderr, PROG ": %s\n", err);
+        return -1;
+    }
+    if (pshard_dtype_parse(o->param_dtype, &cfg->param_dtype) != 0 ||
+        cfg->param_dtype == PSHARD_INT64) {
+        fprintf(stderr, PROG ": --param-dtype '%s' is not fp32|bf16|fp16\n", o->param_dtype);
+        return -1;
+    }
+    if (pshard_dtype_parse(o->reduce_dtype, &cfg->reduce_dtype) != 0 ||
+        (cfg->reduce_dtype != PSHARD_FP32 && cfg->reduce_dtype != PSHARD_BF16)) {
+        fprintf(stderr, PROG ": --reduce-dtype '%s' is not fp32|bf16\n", o->reduce_dtype);
+        return -1;
+    }
+    cfg->batch = (int)o->batch;
+    cfg->steps = o->steps;
+    cfg->world = (int)o->world;
+    cfg->uneven = o->uneven;
+    cfg->seed = (uint64_t)o->seed;
+    cfg->data_seed = (uint64_t)o->data_seed;
+    cfg->task_seed = (uint64_t)o->task_seed;
+    cfg->print_every = o->print_every;
+    cfg->local = o->local;
+    return 0;
+}
+
+static int run_local(const mlp_config_t *cfg)
+{
+    mlp_local_args_t a;
+    memset(&a, 0, sizeof(a));
+    a.shape = cfg->shape;
+    a.batch = cfg->batch;
+    a.steps = cfg->steps;
+    a.world = cfg->world;
+    a.uneven = cfg->uneven;
+    a.seed = cfg->seed;
+    a.data_seed = cfg->data_seed;
+    a.task_seed = cfg->task_seed;
+    a.optim = cfg->optim;
+    a.max_grad_norm = cfg->max_grad_norm;
+    a.print_every = cfg->print_every;
+    return mlp_local_train(&a);
+}
+
+static int run_distributed(const mlp_config_t *cfg, const char *layout)
+{
+    mlp_dist_args_t d;
+    memset(&d, 0, sizeof(d));
+    mlp_local_args_t *a = &d.common;
+    a->shape = cfg->shape;
+    a->batch = cfg->batch;
+    a->steps = cfg->steps;
+    a->world = cfg->world;
+    a->uneven = cfg->uneven;
+    a->seed = cfg->seed;
+    a->data_seed = cfg->data_seed;
+    a->task_seed = cfg->task_seed;
+    a->optim = cfg->optim;
+    a->max_grad_norm = cfg->max_grad_norm;
+    a->print_every = cfg->print_every;
+    d.param_dtype = cfg->param_dtype;
+    d.reduce_dtype = cfg->reduce_dtype;
+    if (strcmp(layout, "fsdp2") == 0) {
+        d.layout = PSHARD_LAYOUT_FSDP2;
+    } else if (strcmp(layout, "fsdp1") == 0) {
+        d.layout = PSHARD_LAYOUT_FSDP1;
+    } else {
+        fprintf(stderr, PROG ": --layout '%s' is not fsdp2|fsdp1\n", layout);
+        return 2;
+    }
+    return mlp_dist_train(&d);
+}
+
+int main(int argc, char **argv)
+{
+    ps_log_init("mlp");
+    mlp_opts_t o;
+    ps_config_result_t res;
+    mlp_config_t cfg;
+    char err[512] = "";
+    int exit_code = 0;
+    if (ps_config_parse(options, PS_ARRAY_LEN(options), argc, argv, &o, &res, err, sizeof(err)) !=
+        PSHARD_OK) {
+        fprintf(stderr, PROG ": %s (see --help)\n", err);
+        exit_code = 2;
+        goto out;
+    }
+    if (res.help) {
+        ps_config_usage(stdout, PROG, "[OPTIONS]",
+                        "Trains an MLP on a synthetic teacher task, either with pshard (sharded "
+                        "across shard servers) or with --local in one process as the reference.",
+                        options, PS_ARRAY_LEN(options));
+        goto out;
+    }
+    if (res.version) {
+        printf(PROG " %s\n", PSHARD_VERSION_STRING);
+        goto out;
+    }
+    if (res.first_positional < argc) {
+        fprintf(stderr, PROG ": unexpected argument '%s' (see --help)\n",
+                argv[res.first_positional]);
+        exit_code = 2;
+        goto out;
+    }
+    ps_log_level_t level;
+    if (!ps_log_parse_level(o.log, &level)) {
+        fprintf(stderr, PROG ": --log '%s' is not error|warn|info|debug|trace\n", o.log);
+        exit_code = 2;
+        goto out;
+    }
+    ps_log_set_level(level);
+    ps_config_log(options, PS_ARRAY_LEN(options), &o, &res);
+    if (build_config(&o, &cfg) != 0) {
+        exit_code = 2;
+        goto out;
+    }
+    if (cfg.local) {
+        exit_code = run_local(&cfg);
+        goto out;
+    }
+    exit_code = run_distributed(&cfg, o.layout);
+out:
+    ps_config_free(options, PS_ARRAY_LEN(options), &o);
+    return exit_code;
+}

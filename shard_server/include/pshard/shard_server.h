@@ -1,0 +1,49 @@
+/* The pshard shard server: registers with the coordinator, takes its rank when the cluster
+ * forms, builds its communicator, owns slice r of every parameter (fp32 master weights,
+ * gradient accumulator, optimizer state) and serves its local trainer. pshard-server's main()
+ * is a thin wrapper so tests can run one in-process too. */
+#ifndef PSHARD_SHARD_SERVER_H
+#define PSHARD_SHARD_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pshard/status.h"
+
+typedef struct pshard_shard_server pshard_shard_server_t;
+
+typedef struct {
+    const char *coordinator;  /* "HOST:PORT" of the coordinator */
+    const char *listen;       /* "HOST:PORT" for trainers; port 0 picks one */
+    const char *advertise;    /* address registered with the coordinator (default: listen) */
+    const char *name;         /* member name (stable across restarts, e.g. the pod name) */
+    const char *node;         /* node name for status */
+    const char *backend;      /* "tcp" or "nccl" */
+    const char *offload;      /* "none" or "cpu" */
+    const char *data_host;    /* interface the collectives listen on (default 127.0.0.1) */
+    const char *token;        /* cluster token, or NULL */
+    const char *tls_cert_file, *tls_key_file, *tls_client_ca_file; /* trainer-facing TLS */
+    const char *coord_tls_ca_file;  /* to verify the coordinator's TLS certificate */
+    int64_t coll_timeout_ms;  /* per-collective timeout; 0 = 10 minutes */
+    int64_t form_timeout_ms;  /* how long to wait for the cluster to form; 0 = forever */
+    int64_t max_message_bytes;
+    int device;               /* CUDA device for nccl */
+} pshard_shard_server_config_t;
+
+/* Starts serving trainers at once (health "pshard.ShardServer" is NOT_SERVING until the
+ * cluster formed and the communicator is up), registers with the coordinator and brings the
+ * rest up in the background. NULL with a message in err on a bad config or when the address
+ * cannot be bound. Not thread-safe. */
+pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_config_t *cfg,
+                                                 char *err, size_t errlen);
+
+int pshard_shard_server_port(const pshard_shard_server_t *s);
+
+/* Fatal background error (lost coordinator, communicator failure at set-up), or PSHARD_OK. */
+pshard_status_t pshard_shard_server_error(const pshard_shard_server_t *s, char *err,
+                                          size_t errlen);
+
+/* Leaves the cluster (Leave), stops serving, frees everything. NULL is a no-op. */
+void pshard_shard_server_stop(pshard_shard_server_t *s);
+
+#endif

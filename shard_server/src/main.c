@@ -1,0 +1,197 @@
+/* pshard-server: parses flags and environment, starts a shard server, prints "listening on
+ * HOST:PORT", and leaves the cluster cleanly on SIGTERM or SIGINT. */
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "pshard/config.h"
+#include "pshard/log.h"
+#include "pshard/rpc.h"
+#include "pshard/shard_server.h"
+#include "pshard/util.h"
+
+typedef struct {
+    char *coordinator;
+    char *listen;
+    char *advertise;
+    char *port_file;
+    char *name;
+    char *node;
+    char *backend;
+    char *offload;
+    char *data_host;
+    char *token_file;
+    char *tls_cert;
+    char *tls_key;
+    char *tls_client_ca;
+    char *coordinator_ca;
+    int64_t coll_timeout_ms;
+    int64_t form_timeout_ms;
+    int64_t device;
+    char *log;
+} server_opts_t;
+
+#define OPT(flag, env, type, def, help, field, lo, hi)                                             \
+    {flag, env, type, def, help, offsetof(server_opts_t, field), lo, hi}
+
+static const ps_option_t options[] = {
+    OPT("coordinator", "PSHARD_COORDINATOR", PS_OPT_STRING, NULL,
+        "coordinator HOST:PORT (default MASTER_ADDR:MASTER_PORT)", coordinator, 0, 0),
+    OPT("listen", "PSHARD_SERVER_LISTEN", PS_OPT_STRING, "127.0.0.1:0",
+        "address trainers connect to; port 0 picks a free port", listen, 0, 0),
+    OPT("advertise", "PSHARD_ADVERTISE", PS_OPT_STRING, NULL,
+        "address registered with the coordinator (default: the listen address)", advertise, 0,
+        0),
+    OPT("port-file", "PSHARD_PORT_FILE", PS_OPT_STRING, NULL,
+        "write the bound port to this file once serving", port_file, 0, 0),
+    OPT("name", "PSHARD_NAME,POD_NAME,HOSTNAME", PS_OPT_STRING, NULL,
+        "stable member name; a restart under the same name gets its rank back", name, 0, 0),
+    OPT("node", "PSHARD_NODE,NODE_NAME", PS_OPT_STRING, NULL, "node name shown in status", node,
+        0, 0),
+    OPT("backend", "PSHARD_BACKEND", PS_OPT_STRING, "tcp", "collectives backend: tcp or nccl",
+        backend, 0, 0),
+    OPT("offload", "PSHARD_OFFLOAD", PS_OPT_STRING, "none",
+        "where shards live: none (device or host with tcp) or cpu", offload, 0, 0),
+    OPT("data-host", "PSHARD_DATA_HOST", PS_OPT_STRING, "127.0.0.1",
+        "interface the collectives listen on", data_host, 0, 0),
+    OPT("token-file", "PSHARD_TOKEN_FILE", PS_OPT_STRING, NULL, "file holding the cluster token",
+        token_file, 0, 0),
+    OPT("tls-cert", "PSHARD_TLS_CERT", PS_OPT_STRING, NULL, "PEM certificate for trainers",
+        tls_cert, 0, 0),
+    OPT("tls-key", "PSHARD_TLS_KEY", PS_OPT_STRING, NULL, "PEM key of --tls-cert", tls_key, 0, 0),
+    OPT("tls-client-ca", "PSHARD_TLS_CLIENT_CA", PS_OPT_STRING, NULL,
+        "require trainer certificates signed by this CA", tls_client_ca, 0, 0),
+    OPT("coordinator-ca", "PSHARD_COORDINATOR_CA", PS_OPT_STRING, NULL,
+        "CA that signed the coordinator's TLS certificate", coordinator_ca, 0, 0),
+    OPT("coll-timeout-ms", "PSHARD_COLL_TIMEOUT_MS", PS_OPT_INT, "600000",
+        "timeout of each collective", coll_timeout_ms, 1, 86400000),
+    OPT("form-timeout-ms", "PSHARD_FORM_TIMEOUT_MS", PS_OPT_INT, "0",
+        "give up if the cluster has not formed by then (0: wait)", form_timeout_ms, 0, 86400000),
+    OPT("device", "LOCAL_RANK", PS_OPT_INT, "0", "CUDA device for --backend nccl", device, 0, 1024),
+    OPT("log", "PSHARD_LOG", PS_OPT_STRING, "warn", "log level: error|warn|info|debug|trace", log,
+        0, 0),
+};
+
+static int write_port_file(const char *path, int port)
+{
+    char tmp[4096];
+    if (ps_snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) != 0)
+        return -1;
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return -1;
+    fprintf(f, "%d\n", port);
+    if (fclose(f) != 0 || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    ps_rpc_block_signals();
+    ps_log_init("server");
+    server_opts_t o;
+    ps_config_result_t res;
+    char err[1024] = "";
+    int rc = 0;
+    char *token = NULL;
+    char default_coord[300];
+    pshard_shard_server_t *srv = NULL;
+    if (ps_config_parse(options, PS_ARRAY_LEN(options), argc, argv, &o, &res, err, sizeof(err)) !=
+        PSHARD_OK) {
+        fprintf(stderr, "pshard-server: %s (see --help)\n", err);
+        rc = 2;
+        goto out;
+    }
+    if (res.help) {
+        ps_config_usage(stdout, "pshard-server", "[OPTIONS]",
+                        "Owns one rank's shards of the model, runs the collectives with the other "
+                        "shard servers and serves its local trainer.",
+                        options, PS_ARRAY_LEN(options));
+        goto out;
+    }
+    if (res.version) {
+        printf("pshard-server %s\n", PSHARD_VERSION_STRING);
+        goto out;
+    }
+    if (res.first_positional < argc) {
+        fprintf(stderr, "pshard-server: unexpected argument '%s'\n", argv[res.first_positional]);
+        rc = 2;
+        goto out;
+    }
+    ps_log_level_t level;
+    if (!ps_log_parse_level(o.log, &level)) {
+        fprintf(stderr, "pshard-server: --log '%s' is not error|warn|info|debug|trace\n", o.log);
+        rc = 2;
+        goto out;
+    }
+    ps_log_set_level(level);
+    if (!o.coordinator) {
+        const char *a = getenv("MASTER_ADDR"), *p = getenv("MASTER_PORT");
+        snprintf(default_coord, sizeof(default_coord), "%s:%s", a && *a ? a : "127.0.0.1",
+                 p && *p ? p : "29500");
+        o.coordinator = strdup(default_coord);
+    }
+    if (!o.name || !*o.name) {
+        fprintf(stderr, "pshard-server: --name (or PSHARD_NAME, POD_NAME, HOSTNAME) is required\n");
+        rc = 2;
+        goto out;
+    }
+    if (o.token_file) {
+        token = ps_read_file(o.token_file, true, 4096, NULL, err, sizeof(err));
+        if (!token || !*token) {
+            fprintf(stderr, "pshard-server: --token-file: %s\n", token ? "empty" : err);
+            rc = 2;
+            goto out;
+        }
+    }
+    ps_config_log(options, PS_ARRAY_LEN(options), &o, &res);
+    pshard_shard_server_config_t cfg = {
+        .coordinator = o.coordinator,
+        .listen = o.listen,
+        .advertise = o.advertise,
+        .name = o.name,
+        .node = o.node,
+        .backend = o.backend,
+        .offload = o.offload,
+        .data_host = o.data_host,
+        .token = token,
+        .tls_cert_file = o.tls_cert,
+        .tls_key_file = o.tls_key,
+        .tls_client_ca_file = o.tls_client_ca,
+        .coord_tls_ca_file = o.coordinator_ca,
+        .coll_timeout_ms = o.coll_timeout_ms,
+        .form_timeout_ms = o.form_timeout_ms,
+        .device = (int)o.device,
+    };
+    srv = pshard_shard_server_start(&cfg, err, sizeof(err));
+    if (!srv) {
+        fprintf(stderr, "pshard-server: %s\n", err);
+        rc = strstr(err, "--") ? 2 : 1;
+        goto out;
+    }
+    int port = pshard_shard_server_port(srv);
+    if (o.port_file && write_port_file(o.port_file, port) != 0) {
+        fprintf(stderr, "pshard-server: cannot write --port-file %s\n", o.port_file);
+        rc = 1;
+        goto out;
+    }
+    char host[256];
+    ps_strlcpy(host, o.listen, sizeof(host));
+    char *colon = strrchr(host, ':');
+    if (colon)
+        *colon = '\0';
+    printf("listening on %s:%d\n", host, port);
+    fflush(stdout);
+    int sig = ps_rpc_wait_for_signal();
+    PS_INFO(PS_SUB_MAIN, "signal %d: leaving the cluster", sig);
+out:
+    pshard_shard_server_stop(srv);
+    free(token);
+    ps_config_free(options, PS_ARRAY_LEN(options), &o);
+    return rc;
+}

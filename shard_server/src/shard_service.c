@@ -1,0 +1,1098 @@
+/* The shard server: membership with the coordinator (register, heartbeat, re-register under
+ * the same name), the communicator built once the cluster forms, and the trainer-facing gRPC
+ * service (attach shared memory, define the model, gather, reduce-scatter, step, plain
+ * collectives, status). Trainer operations run one at a time on worker threads (a collective
+ * blocks), never on the completion-queue thread. */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pshard/collectives.h"
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/log.h"
+#include "pshard/rpc.h"
+#include "pshard/shard.pb-c.h"
+#include "pshard/shard_server.h"
+#include "pshard/util.h"
+#include "shard_model.h"
+
+#define NMETHODS 7
+#define SHM_NAME_MAX 200
+
+typedef struct {
+    void *base;
+    size_t bytes;
+    char name[SHM_NAME_MAX + 2];
+} shm_map_t;
+
+struct pshard_shard_server {
+    pshard_shard_server_config_t cfg;
+    char *strings[16]; /* owned copies of cfg strings */
+    ps_rpc_server_t *srv;
+    ps_rpc_channel_t *coord;
+    char advertise[300];
+
+    pthread_t hb_thread, setup_thread;
+    bool hb_started, setup_started;
+    atomic_bool stop;
+    volatile int stop_flag; /* mirrors stop for the communicator's set-up (pshard_comm_config) */
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char member_id[64];
+    int rank, world;
+    uint64_t generation, formed_generation, comm_generation;
+    int64_t heartbeat_ms;
+    bool formed;
+    pshard_comm_t *comm; /* set once built; replaced only by the setup thread */
+    pshard_status_t fatal;
+    char fatal_msg[512];
+
+    /* Trainer state, guarded by op_mu (one operation at a time). */
+    pthread_mutex_t op_mu;
+    char session[40];
+    shm_map_t scratch, model_shm;
+    shard_model_t *model;
+
+    ps_rpc_method_t methods[NMETHODS];
+    char paths[NMETHODS][64];
+};
+
+/* ---------------------------------------------------------------------------------------- */
+/* Helpers                                                                                   */
+
+static void sleep_ms(int64_t ms)
+{
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
+    nanosleep(&ts, NULL);
+}
+
+static void set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *msg)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->fatal == PSHARD_OK) {
+        s->fatal = st;
+        ps_strlcpy(s->fatal_msg, msg, sizeof(s->fatal_msg));
+    }
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    PS_ERROR(PS_SUB_SHARD, "%s", msg);
+}
+
+static bool dtype_from_pb(Pshard__DType d, pshard_dtype_t *out)
+{
+    switch (d) {
+    case PSHARD__DTYPE__FP32:
+        *out = PSHARD_FP32;
+        return true;
+    case PSHARD__DTYPE__BF16:
+        *out = PSHARD_BF16;
+        return true;
+    case PSHARD__DTYPE__FP16:
+        *out = PSHARD_FP16;
+        return true;
+    case PSHARD__DTYPE__INT64:
+        *out = PSHARD_INT64;
+        return true;
+    default:
+        return false;
+    }
+}
+
+static void unmap(shm_map_t *m)
+{
+    if (m->base)
+        munmap(m->base, m->bytes);
+    memset(m, 0, sizeof(*m));
+}
+
+/* Maps a trainer's shared-memory object. The name must look like "/pshard-..." (letters,
+ * digits, '.', '_', '-'), name a regular object of at least `bytes` bytes. */
+static pshard_status_t map_shm(const char *name, uint64_t bytes, shm_map_t *out, char *err,
+                               size_t errlen)
+{
+    size_t n = name ? strlen(name) : 0;
+    if (n < 9 || n > SHM_NAME_MAX || strncmp(name, "/pshard-", 8) != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "shared-memory name must be \"/pshard-...\" (at most %d bytes)",
+                       SHM_NAME_MAX);
+    for (size_t i = 1; i < n; i++) {
+        char ch = name[i];
+        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+                  ch == '.' || ch == '_' || ch == '-';
+        if (!ok)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "shared-memory name has an invalid character at %zu", i);
+    }
+    if (bytes == 0 || bytes > (1ull << 46))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "shared-memory size %" PRIu64 " is out of range", bytes);
+    int fd = shm_open(name, O_RDWR | O_NOFOLLOW, 0);
+    if (fd < 0)
+        return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "cannot open shared memory %s: %s",
+                       name, strerror(errno));
+    struct stat stt;
+    if (fstat(fd, &stt) != 0 || !S_ISREG(stt.st_mode) || (uint64_t)stt.st_size < bytes) {
+        close(fd);
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "shared memory %s is smaller than the %" PRIu64 " bytes announced", name,
+                       bytes);
+    }
+    void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED)
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot map %s: %s", name,
+                       strerror(errno));
+    out->base = p;
+    out->bytes = (size_t)bytes;
+    ps_strlcpy(out->name, name, sizeof(out->name));
+    return PSHARD_OK;
+}
+
+/* Checks [offset, offset + len) lies in the region and offset is aligned to align. */
+static bool in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t align)
+{
+    return m->base && offset <= m->bytes && len <= m->bytes - offset &&
+           (align == 0 || offset % align == 0);
+}
+
+/* The communicator if the cluster is up; otherwise fails the call and returns NULL. */
+static pshard_comm_t *comm_or_fail(pshard_shard_server_t *s, ps_rpc_call_t *call)
+{
+    pthread_mutex_lock(&s->mu);
+    pshard_comm_t *c = s->comm;
+    pshard_status_t fatal = s->fatal;
+    char msg[512];
+    ps_strlcpy(msg, s->fatal_msg, sizeof(msg));
+    pthread_mutex_unlock(&s->mu);
+    if (fatal != PSHARD_OK) {
+        ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE, "shard server failed: %s", msg);
+        return NULL;
+    }
+    if (!c)
+        ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE,
+                         "the cluster has not formed yet (or is re-forming); retry");
+    return c;
+}
+
+static bool session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session)
+{
+    if (!s->session[0]) {
+        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
+                         "no trainer is attached; call Attach first");
+        return false;
+    }
+    if (!session || strcmp(session, s->session) != 0) {
+        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
+                         "session '%s' is not the attached trainer's (another trainer attached "
+                         "since?)",
+                         session ? session : "");
+        return false;
+    }
+    return true;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Trainer RPCs                                                                              */
+
+static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    const Pshard__AttachRequest *req = (const Pshard__AttachRequest *)request;
+    pshard_comm_t *comm = comm_or_fail(s, call);
+    if (!comm)
+        return;
+    if (req->rank != pshard_comm_rank(comm)) {
+        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
+                         "trainer rank %d attached to the shard server of rank %d (RANK and "
+                         "PSHARD_SERVER disagree)",
+                         req->rank, pshard_comm_rank(comm));
+        return;
+    }
+    char err[512] = "";
+    shm_map_t m = {0};
+    pshard_status_t rc = map_shm(req->shm_name, req->shm_bytes, &m, err, sizeof(err));
+    if (rc != PSHARD_OK) {
+        ps_rpc_call_fail(call, rc, "%s", err);
+        return;
+    }
+    pthread_mutex_lock(&s->op_mu);
+    unmap(&s->scratch);
+    unmap(&s->model_shm);
+    s->scratch = m;
+    uint8_t rnd[16];
+    if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
+        uint64_t t = (uint64_t)ps_now_ns() ^ ((uint64_t)getpid() << 32);
+        memcpy(rnd, &t, sizeof(t));
+        memcpy(rnd + 8, &t, sizeof(t));
+    }
+    for (int i = 0; i < 16; i++)
+        snprintf(s->session + 2 * i, 3, "%02x", rnd[i]);
+    Pshard__AttachResponse out = PSHARD__ATTACH_RESPONSE__INIT;
+    out.session = s->session;
+    out.rank = pshard_comm_rank(comm);
+    out.world_size = pshard_comm_world_size(comm);
+    out.generation = s->comm_generation;
+    out.backend = (char *)s->cfg.backend;
+    out.offload = (char *)s->cfg.offload;
+    PS_INFO(PS_SUB_SHARD, "trainer '%s' attached (%" PRIu64 " bytes of scratch)",
+            req->trainer_name, req->shm_bytes);
+    ps_rpc_call_reply(call, &out.base);
+    pthread_mutex_unlock(&s->op_mu);
+}
+
+/* Compares this rank's definition with every other rank's through the coordinator's store. */
+static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_model_t *m,
+                                         char *err, size_t errlen)
+{
+    char key[128];
+    snprintf(key, sizeof(key), "pshard/model/g%" PRIu64 "/rank/%d", s->comm_generation,
+             m->rank);
+    Pshard__StoreSetRequest set = PSHARD__STORE_SET_REQUEST__INIT;
+    set.key = key;
+    set.value.data = (uint8_t *)m->spec_text;
+    set.value.len = strlen(m->spec_text);
+    if (set.value.len > (1u << 20))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "the model definition is too large to compare (%zu bytes)",
+                       set.value.len);
+    ProtobufCMessage *resp = NULL;
+    pshard_status_t rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreSet", &set.base,
+                                      &pshard__store_set_response__descriptor, &resp, 10000,
+                                      PS_RPC_IDEMPOTENT, NULL, err, errlen);
+    if (resp)
+        protobuf_c_message_free_unpacked(resp, NULL);
+    if (rc != PSHARD_OK)
+        return rc;
+    for (int r = 0; r < m->world; r++) {
+        if (r == m->rank)
+            continue;
+        char other[128];
+        snprintf(other, sizeof(other), "pshard/model/g%" PRIu64 "/rank/%d", s->comm_generation,
+                 r);
+        char *keys[1] = {other};
+        Pshard__StoreWaitRequest w = PSHARD__STORE_WAIT_REQUEST__INIT;
+        w.n_keys = 1;
+        w.keys = keys;
+        w.timeout_ms = s->cfg.coll_timeout_ms > 0 ? s->cfg.coll_timeout_ms : 600000;
+        resp = NULL;
+        rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreWait", &w.base,
+                          &pshard__store_wait_response__descriptor, &resp, w.timeout_ms + 2000,
+                          PS_RPC_IDEMPOTENT, NULL, err, errlen);
+        if (rc != PSHARD_OK) {
+            ps_errf(err, errlen, rc, "rank %d never defined its model", r);
+            return rc;
+        }
+        Pshard__StoreWaitResponse *wr = (Pshard__StoreWaitResponse *)resp;
+        char *text = wr->n_values == 1 ? strndup((const char *)wr->values[0].data,
+                                                 wr->values[0].len)
+                                       : NULL;
+        protobuf_c_message_free_unpacked(resp, NULL);
+        if (!text)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        rc = shard_model_compare(m, text, r, err, errlen);
+        free(text);
+        if (rc != PSHARD_OK)
+            return rc;
+    }
+    return PSHARD_OK;
+}
+
+static pshard_status_t init_params(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                   shard_model_t *m, const Pshard__DefineModelRequest *req,
+                                   char *err, size_t errlen)
+{
+    bool from_rank0 = req->init == PSHARD__INIT_MODE__INIT_FROM_RANK0;
+    bool has_data = !from_rank0 || m->rank == 0;
+    if (has_data && req->n_init_offsets != m->nparams)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "init_offsets has %zu entries for %zu parameters", req->n_init_offsets,
+                       m->nparams);
+    float *full = NULL;
+    if (from_rank0 && m->world > 1) {
+        full = malloc(m->max_numel * sizeof(float) + 1);
+        if (!full)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    pshard_status_t rc = PSHARD_OK;
+    for (size_t p = 0; p < m->nparams && rc == PSHARD_OK; p++) {
+        size_t numel = m->params[p].numel;
+        const float *src = NULL;
+        if (has_data) {
+            uint64_t off = req->init_offsets[p];
+            if (!in_region(&s->model_shm, off, (uint64_t)numel * 4, 4)) {
+                rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                             "init values of '%s' lie outside the model region",
+                             m->params[p].name);
+                break;
+            }
+            src = (const float *)((uint8_t *)s->model_shm.base + off);
+        }
+        if (from_rank0 && m->world > 1) {
+            pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_FP32, .root = 0,
+                                    .send = src, .recv = full, .count = numel,
+                                    .tag = ((uint64_t)1 << 63) | p, .label = m->params[p].name};
+            rc = pshard_coll_run(comm, &a, err, errlen);
+            src = full;
+        }
+        if (rc == PSHARD_OK) {
+            size_t off = ps_layout_piece_offset(m->layout, p, m->rank);
+            size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
+            memcpy(m->master + ps_layout_shard_offset(m->layout, p, m->rank), src + off,
+                   cnt * sizeof(float));
+        }
+    }
+    free(full);
+    return rc;
+}
+
+static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    const Pshard__DefineModelRequest *req = (const Pshard__DefineModelRequest *)request;
+    pshard_comm_t *comm = comm_or_fail(s, call);
+    if (!comm)
+        return;
+    pthread_mutex_lock(&s->op_mu);
+    if (!session_ok(s, call, req->session)) {
+        pthread_mutex_unlock(&s->op_mu);
+        return;
+    }
+    char err[1024] = "";
+    pshard_status_t rc = PSHARD_OK;
+    size_t n = req->n_params;
+    const char **names = calloc(n ? n : 1, sizeof(char *));
+    const int64_t **shapes = calloc(n ? n : 1, sizeof(int64_t *));
+    size_t *ndims = calloc(n ? n : 1, sizeof(size_t));
+    shard_model_t *m = NULL;
+    shm_map_t region = {0};
+    if (!names || !shapes || !ndims) {
+        rc = ps_errf(err, sizeof(err), PSHARD_ERR_NO_MEMORY, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        names[i] = req->params[i]->name;
+        shapes[i] = req->params[i]->shape;
+        ndims[i] = req->params[i]->n_shape;
+    }
+    ps_optim_config_t oc;
+    const Pshard__OptimizerConfig *po = req->optimizer;
+    ps_optim_kind_t kind = !po                                        ? PS_OPTIM_SGD
+                           : po->kind == PSHARD__OPTIMIZER_KIND__ADAM  ? PS_OPTIM_ADAM
+                           : po->kind == PSHARD__OPTIMIZER_KIND__ADAMW ? PS_OPTIM_ADAMW
+                                                                       : PS_OPTIM_SGD;
+    if (po && po->kind != PSHARD__OPTIMIZER_KIND__SGD && po->kind != PSHARD__OPTIMIZER_KIND__ADAM &&
+        po->kind != PSHARD__OPTIMIZER_KIND__ADAMW) {
+        rc = ps_errf(err, sizeof(err), PSHARD_ERR_INVALID_ARGUMENT, "unknown optimizer %d",
+                     (int)po->kind);
+        goto out;
+    }
+    ps_optim_defaults(kind, &oc);
+    if (po) {
+        oc.lr = po->lr;
+        oc.momentum = po->momentum;
+        oc.dampening = po->dampening;
+        oc.nesterov = po->nesterov;
+        oc.weight_decay = po->weight_decay;
+        if (kind != PS_OPTIM_SGD) {
+            oc.beta1 = po->beta1;
+            oc.beta2 = po->beta2;
+            oc.eps = po->eps;
+        }
+    }
+    pshard_layout_t layout = req->layout == PSHARD__LAYOUT__FSDP1 ? PSHARD_LAYOUT_FSDP1
+                                                                  : PSHARD_LAYOUT_FSDP2;
+    if (req->layout != PSHARD__LAYOUT__FSDP1 && req->layout != PSHARD__LAYOUT__FSDP2) {
+        rc = ps_errf(err, sizeof(err), PSHARD_ERR_INVALID_ARGUMENT, "unknown layout %d",
+                     (int)req->layout);
+        goto out;
+    }
+    rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n,
+                            names, shapes, ndims, &oc, po ? po->max_grad_norm : 0, &m, err,
+                            sizeof(err));
+    if (rc != PSHARD_OK)
+        goto out;
+    rc = map_shm(req->shm_name, req->shm_bytes, &region, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        goto out;
+    unmap(&s->model_shm);
+    s->model_shm = region;
+    memset(&region, 0, sizeof(region));
+    rc = check_definitions(s, m, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        goto out;
+    rc = init_params(s, comm, m, req, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        goto out;
+    shard_model_free(s->model);
+    s->model = m;
+    PS_INFO(PS_SUB_SHARD, "model defined: %zu parameters, %zu elements on this rank (%s)", n,
+            m->shard_numel, layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1");
+    m = NULL;
+out:
+    unmap(&region);
+    shard_model_free(m);
+    free(names);
+    free(shapes);
+    free(ndims);
+    if (rc != PSHARD_OK) {
+        ps_rpc_call_fail(call, rc, "%s", err);
+    } else {
+        Pshard__DefineModelResponse out = PSHARD__DEFINE_MODEL_RESPONSE__INIT;
+        char fp[32];
+        snprintf(fp, sizeof(fp), "%016" PRIx64, s->model->fingerprint);
+        out.shard_elements = s->model->shard_numel;
+        out.fingerprint = fp;
+        ps_rpc_call_reply(call, &out.base);
+    }
+    pthread_mutex_unlock(&s->op_mu);
+}
+
+/* Checks the tensor list of a Gather/ReduceScatter against the model and the region. */
+static bool tensors_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshard__TensorRef **t,
+                       size_t n, pshard_dtype_t dt)
+{
+    shard_model_t *m = s->model;
+    if (!m) {
+        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
+                         "no model is defined; call DefineModel first");
+        return false;
+    }
+    if (n == 0) {
+        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "no tensors named");
+        return false;
+    }
+    size_t es = pshard_dtype_size(dt);
+    for (size_t i = 0; i < n; i++) {
+        if (t[i]->param >= m->nparams) {
+            ps_rpc_call_fail(call, PSHARD_ERR_NOT_FOUND,
+                             "unknown parameter #%u (the model has %zu)", t[i]->param,
+                             m->nparams);
+            return false;
+        }
+        const shard_param_t *p = &m->params[t[i]->param];
+        if (!in_region(&s->model_shm, t[i]->offset, (uint64_t)p->numel * es, es)) {
+            ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
+                             "buffer of '%s' (%zu x %s at offset %" PRIu64
+                             ") lies outside the model region of %zu bytes or is misaligned",
+                             p->name, p->numel, pshard_dtype_name(dt), t[i]->offset,
+                             s->model_shm.bytes);
+            return false;
+        }
+    }
+    return true;
+}
+
+static void handle_gather(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    const Pshard__GatherRequest *req = (const Pshard__GatherRequest *)request;
+    pshard_comm_t *comm = comm_or_fail(s, call);
+    if (!comm)
+        return;
+    pshard_dtype_t dt;
+    if (!dtype_from_pb(req->dtype, &dt) || dt == PSHARD_INT64) {
+        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
+                         "param dtype must be fp32, bf16 or fp16");
+        return;
+    }
+    pthread_mutex_lock(&s->op_mu);
+    if (!session_ok(s, call, req->session) ||
+        !tensors_ok(s, call, req->tensors, req->n_tensors, dt)) {
+        pthread_mutex_unlock(&s->op_mu);
+        return;
+    }
+    shard_model_t *m = s->model;
+    char err[1024] = "";
+    pshard_status_t rc = PSHARD_OK;
+    for (size_t i = 0; i < req->n_tensors && rc == PSHARD_OK; i++) {
+        uint32_t p = req->tensors[i]->param;
+        const float *mine = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
+        size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
+        const void *send = mine;
+        if (dt == PSHARD_BF16) {
+            ps_convert_f32_to_bf16(mine, m->stage, cnt);
+            send = m->stage;
+        } else if (dt == PSHARD_FP16) {
+            ps_convert_f32_to_f16(mine, m->stage, cnt);
+            send = m->stage;
+        }
+        pshard_coll_args_t a = {
+            .op = PSHARD_COLL_ALL_GATHER,
+            .dtype = dt,
+            .send = send,
+            .recv = (uint8_t *)s->model_shm.base + req->tensors[i]->offset,
+            .counts = ps_layout_counts(m->layout, p),
+            .tag = ((uint64_t)m->step << 32) | p,
+            .label = m->params[p].name,
+        };
+        rc = pshard_coll_run(comm, &a, err, sizeof(err));
+    }
+    if (rc != PSHARD_OK) {
+        ps_rpc_call_fail(call, rc, "%s", err);
+    } else {
+        Pshard__GatherResponse out = PSHARD__GATHER_RESPONSE__INIT;
+        ps_rpc_call_reply(call, &out.base);
+    }
+    pthread_mutex_unlock(&s->op_mu);
+}
+
+static void handle_reduce_scatter(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    const Pshard__ReduceScatterRequest *req = (const Pshard__ReduceScatterRequest *)request;
+    pshard_comm_t *comm = comm_or_fail(s, call);
+    if (!comm)
+        return;
+    pshard_dtype_t dt;
+    if (!dtype_from_pb(req->dtype, &dt) || (dt != PSHARD_FP32 && dt != PSHARD_BF16)) {
+        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "reduce dtype must be fp32 or bf16");
+        return;
+    }
+    pthread_mutex_lock(&s->op_mu);
+    if (!session_ok(s, call, req->session) ||
+        !tensors_ok(s, call, req->tensors, req->n_tensors, dt)) {
+        pthread_mutex_unlock(&s->op_mu);
+        return;
+    }
+    shard_model_t *m = s->model;
+    char err[1024] = "";
+    pshard_status_t rc = PSHARD_OK;
+    for (size_t i = 0; i < req->n_tensors && rc == PSHARD_OK; i++) {
+        uint32_t p = req->tensors[i]->param;
+        size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
+        float *g = m->grad + ps_layout_shard_offset(m->layout, p, m->rank);
+        pshard_coll_args_t a = {
+            .op = PSHARD_COLL_REDUCE_SCATTER,
+            .dtype = dt,
+            .reduce = PSHARD_REDUCE_AVG,
+            .send = (uint8_t *)s->model_shm.base + req->tensors[i]->offset,
+            .recv = m->stage,
+            .counts = ps_layout_counts(m->layout, p),
+            .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
+            .label = m->params[p].name,
+        };
+        rc = pshard_coll_run(comm, &a, err, sizeof(err));
+        if (rc != PSHARD_OK)
+            break;
+        /* Accumulate (gradients add up across backward passes until the step). */
+        if (dt == PSHARD_FP32) {
+            const float *r = m->stage;
+            for (size_t k = 0; k < cnt; k++)
+                g[k] += r[k];
+        } else {
+            const uint16_t *r = m->stage;
+            for (size_t k = 0; k < cnt; k++)
+                g[k] += ps_bf16_to_f32(r[k]);
+        }
+    }
+    if (rc != PSHARD_OK) {
+        ps_rpc_call_fail(call, rc, "%s", err);
+    } else {
+        Pshard__ReduceScatterResponse out = PSHARD__REDUCE_SCATTER_RESPONSE__INIT;
+        ps_rpc_call_reply(call, &out.base);
+    }
+    pthread_mutex_unlock(&s->op_mu);
+}
+
+static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    const Pshard__StepRequest *req = (const Pshard__StepRequest *)request;
+    pshard_comm_t *comm = comm_or_fail(s, call);
+    if (!comm)
+        return;
+    pthread_mutex_lock(&s->op_mu);
+    if (!session_ok(s, call, req->session)) {
+        pthread_mutex_unlock(&s->op_mu);
+        return;
+    }
+    shard_model_t *m = s->model;
+    if (!m) {
+        pthread_mutex_unlock(&s->op_mu);
+        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
+        return;
+    }
+    double lr = req->set_lr ? req->lr : m->optim.lr;
+    if (!(lr >= 0) || !isfinite(lr)) {
+        pthread_mutex_unlock(&s->op_mu);
+        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "learning rate %g is not >= 0", lr);
+        return;
+    }
+    /* The global gradient norm: an all-reduce of the squared slice norms (clip_grad_norm). */
+    float sq = (float)ps_sum_squares(m->grad, m->shard_numel);
+    char err[1024] = "";
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32,
+                            .reduce = PSHARD_REDUCE_SUM, .send = &sq, .recv = &sq, .count = 1,
+                            .tag = ((uint64_t)m->step << 32) | 0x7fffffffu,
+                            .label = "grad norm"};
+    pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
+    if (rc != PSHARD_OK) {
+        pthread_mutex_unlock(&s->op_mu);
+        ps_rpc_call_fail(call, rc, "%s", err);
+        return;
+    }
+    double norm = sqrt((double)sq);
+    if (m->max_grad_norm > 0) {
+        double coef = m->max_grad_norm / (norm + 1e-6);
+        if (coef < 1.0)
+            ps_scale(m->grad, m->shard_numel, (float)coef);
+    }
+    m->step++;
+    ps_optim_step(&m->optim, lr, m->step, m->master, m->grad, m->state0, m->state1,
+                  m->shard_numel);
+    memset(m->grad, 0, m->shard_numel * sizeof(float));
+    Pshard__StepResponse out = PSHARD__STEP_RESPONSE__INIT;
+    out.step = m->step;
+    out.grad_norm = norm;
+    ps_rpc_call_reply(call, &out.base);
+    pthread_mutex_unlock(&s->op_mu);
+}
+
+static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    const Pshard__CollectiveRequest *req = (const Pshard__CollectiveRequest *)request;
+    pshard_comm_t *comm = comm_or_fail(s, call);
+    if (!comm)
+        return;
+    pshard_dtype_t dt;
+    if (!dtype_from_pb(req->dtype, &dt)) {
+        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "unknown dtype %d", (int)req->dtype);
+        return;
+    }
+    if (req->op != PSHARD_COLL_ALL_GATHER && req->op != PSHARD_COLL_ALL_REDUCE &&
+        req->op != PSHARD_COLL_BROADCAST && req->op != PSHARD_COLL_BARRIER) {
+        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
+                         "op %u is not one of all_gather (1), all_reduce (3), broadcast (4), "
+                         "barrier (5)",
+                         req->op);
+        return;
+    }
+    pthread_mutex_lock(&s->op_mu);
+    if (!session_ok(s, call, req->session)) {
+        pthread_mutex_unlock(&s->op_mu);
+        return;
+    }
+    size_t es = pshard_dtype_size(dt);
+    int world = pshard_comm_world_size(comm);
+    uint64_t send_bytes = req->count * es;
+    uint64_t recv_bytes = req->op == PSHARD_COLL_ALL_GATHER ? send_bytes * (uint64_t)world
+                                                            : send_bytes;
+    if (req->count > (1ull << 40) || !in_region(&s->scratch, req->send_offset, send_bytes, es) ||
+        !in_region(&s->scratch, req->recv_offset, recv_bytes, es)) {
+        pthread_mutex_unlock(&s->op_mu);
+        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
+                         "buffers (%" PRIu64 " elements at offsets %" PRIu64 " and %" PRIu64
+                         ") lie outside the %zu-byte scratch region or are misaligned",
+                         req->count, req->send_offset, req->recv_offset, s->scratch.bytes);
+        return;
+    }
+    uint8_t *base = s->scratch.base;
+    pshard_coll_args_t a = {.op = (pshard_coll_op_t)req->op, .dtype = dt,
+                            .reduce = req->reduce ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
+                            .root = req->root, .send = base + req->send_offset,
+                            .recv = base + req->recv_offset, .count = req->count,
+                            .label = "trainer collective"};
+    char err[1024] = "";
+    pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
+    pthread_mutex_unlock(&s->op_mu);
+    if (rc != PSHARD_OK) {
+        ps_rpc_call_fail(call, rc, "%s", err);
+        return;
+    }
+    Pshard__CollectiveResponse out = PSHARD__COLLECTIVE_RESPONSE__INIT;
+    ps_rpc_call_reply(call, &out.base);
+}
+
+static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    (void)request;
+    Pshard__ShardStatusResponse out = PSHARD__SHARD_STATUS_RESPONSE__INIT;
+    pthread_mutex_lock(&s->mu);
+    pshard_comm_t *comm = s->comm;
+    out.rank = s->rank;
+    out.world_size = s->world;
+    out.generation = s->comm_generation;
+    pthread_mutex_unlock(&s->mu);
+    out.name = (char *)s->cfg.name;
+    out.backend = (char *)s->cfg.backend;
+    out.offload = (char *)s->cfg.offload;
+    char *lines[32];
+    char buf[32][256];
+    size_t nl = 0;
+    if (comm) {
+        pshard_coll_record_t recs[32];
+        size_t n = pshard_comm_flight_records(comm, recs, 32);
+        for (size_t i = 0; i < n; i++) {
+            pshard_coll_record_format(comm, &recs[i], buf[nl], sizeof(buf[nl]));
+            lines[nl] = buf[nl];
+            nl++;
+        }
+    }
+    out.n_flight_records = nl;
+    out.flight_records = lines;
+    /* Model fields are read without op_mu: status must answer while a collective hangs. The
+     * values are sizes and a counter, read atomically enough for display. */
+    shard_model_t *m = s->model;
+    out.attached = s->session[0] != 0;
+    if (m) {
+        out.params = (uint32_t)m->nparams;
+        out.shard_elements = m->shard_numel;
+        out.step = m->step;
+        out.layout = ps_layout_kind(m->layout) == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1";
+        out.state_bytes = shard_model_state_bytes(m);
+    }
+    ps_rpc_call_reply(call, &out.base);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Membership and the communicator                                                           */
+
+static pshard_status_t do_register(pshard_shard_server_t *s, char *err, size_t errlen)
+{
+    Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
+    req.role = PSHARD__ROLE__SHARD_SERVER;
+    req.name = (char *)s->cfg.name;
+    req.address = s->advertise;
+    req.node = (char *)(s->cfg.node ? s->cfg.node : "");
+    req.device = (char *)(strcmp(s->cfg.backend, "nccl") == 0 ? "cuda" : "cpu");
+    ProtobufCMessage *resp = NULL;
+    pshard_status_t rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/Register", &req.base,
+                                      &pshard__member_view__descriptor, &resp, 5000, 0, NULL, err,
+                                      errlen);
+    if (rc != PSHARD_OK)
+        return rc;
+    Pshard__MemberView *v = (Pshard__MemberView *)resp;
+    pthread_mutex_lock(&s->mu);
+    ps_strlcpy(s->member_id, v->member_id, sizeof(s->member_id));
+    s->heartbeat_ms = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
+    pthread_mutex_unlock(&s->mu);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    PS_INFO(PS_SUB_SHARD, "registered with %s as %s", s->cfg.coordinator, s->member_id);
+    return PSHARD_OK;
+}
+
+static void *heartbeat_main(void *arg)
+{
+    pshard_shard_server_t *s = arg;
+    char err[512];
+    int64_t backoff = 100;
+    while (!atomic_load(&s->stop)) {
+        err[0] = '\0';
+        if (!s->member_id[0]) {
+            if (do_register(s, err, sizeof(err)) != PSHARD_OK) {
+                PS_WARN(PS_SUB_SHARD, "cannot register with %s: %s; retrying", s->cfg.coordinator,
+                        err);
+                sleep_ms(backoff);
+                backoff = backoff * 2 > 2000 ? 2000 : backoff * 2;
+                continue;
+            }
+            backoff = 100;
+        }
+        Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
+        char id[64];
+        pthread_mutex_lock(&s->mu);
+        ps_strlcpy(id, s->member_id, sizeof(id));
+        int64_t every = s->heartbeat_ms;
+        pthread_mutex_unlock(&s->mu);
+        req.member_id = id;
+        ProtobufCMessage *resp = NULL;
+        pshard_status_t rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/Heartbeat", &req.base,
+                                          &pshard__member_view__descriptor, &resp, every * 2, 0,
+                                          NULL, err, sizeof(err));
+        if (rc == PSHARD_ERR_NOT_FOUND) {
+            /* Evicted (or the coordinator restarted): register again under the same name,
+             * which gives the old rank back. */
+            PS_WARN(PS_SUB_SHARD, "coordinator forgot us (%s); registering again", err);
+            s->member_id[0] = '\0';
+            continue;
+        }
+        if (rc == PSHARD_OK) {
+            Pshard__MemberView *v = (Pshard__MemberView *)resp;
+            pthread_mutex_lock(&s->mu);
+            s->generation = v->generation;
+            bool formed = v->state == PSHARD__CLUSTER_STATE__FORMED && v->rank >= 0;
+            if (formed) {
+                s->rank = v->rank;
+                s->world = v->world_size;
+                s->formed_generation = v->formed_generation;
+            }
+            s->formed = formed;
+            pthread_cond_broadcast(&s->cv);
+            pthread_mutex_unlock(&s->mu);
+            protobuf_c_message_free_unpacked(resp, NULL);
+        } else {
+            PS_WARN(PS_SUB_SHARD, "heartbeat to %s failed: %s", s->cfg.coordinator, err);
+        }
+        /* Sleep in small pieces so stop is prompt; heartbeat faster while forming. */
+        int64_t wait = s->formed && s->comm ? every : (every < 100 ? every : 100);
+        for (int64_t t = 0; t < wait && !atomic_load(&s->stop); t += 20)
+            sleep_ms(20);
+    }
+    return NULL;
+}
+
+static void *setup_main(void *arg)
+{
+    pshard_shard_server_t *s = arg;
+    int64_t give_up = s->cfg.form_timeout_ms > 0 ? ps_now_ns() + s->cfg.form_timeout_ms * 1000000
+                                                 : INT64_MAX;
+    while (!atomic_load(&s->stop)) {
+        pthread_mutex_lock(&s->mu);
+        while (!atomic_load(&s->stop) &&
+               (!s->formed || (s->comm && s->formed_generation == s->comm_generation))) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 100 * 1000000;
+            if (ts.tv_nsec >= 1000000000) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000;
+            }
+            pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+            if (!s->comm && ps_now_ns() > give_up) {
+                pthread_mutex_unlock(&s->mu);
+                set_fatal(s, PSHARD_ERR_TIMEOUT, "the cluster did not form in time");
+                return NULL;
+            }
+        }
+        if (atomic_load(&s->stop)) {
+            pthread_mutex_unlock(&s->mu);
+            break;
+        }
+        int rank = s->rank, world = s->world;
+        uint64_t gen = s->formed_generation;
+        pshard_comm_t *old = s->comm;
+        s->comm = NULL;
+        pthread_mutex_unlock(&s->mu);
+        if (old) {
+            /* The cluster re-formed: the old ring is not the new one. */
+            PS_WARN(PS_SUB_SHARD, "cluster re-formed (generation %" PRIu64 "); rebuilding the "
+                                  "communicator",
+                    gen);
+            ps_rpc_server_set_health(s->srv, "pshard.ShardServer", 2);
+            pthread_mutex_lock(&s->op_mu);
+            pshard_comm_abort(old, "cluster re-formed");
+            pshard_comm_destroy(old);
+            pthread_mutex_unlock(&s->op_mu);
+        }
+        ps_log_set_rank(rank);
+        pshard_comm_config_t cc = {
+            .rank = rank,
+            .world_size = world,
+            .backend = s->cfg.backend,
+            .name = "shard",
+            .coordinator = s->cfg.coordinator,
+            .listen_host = s->cfg.data_host ? s->cfg.data_host : "127.0.0.1",
+            .token = s->cfg.token,
+            .generation = gen,
+            .timeout_ms = s->cfg.coll_timeout_ms,
+            .connect_timeout_ms = 120000,
+            .device = s->cfg.device,
+            .cancel = &s->stop_flag,
+        };
+        char err[1024] = "";
+        pshard_comm_t *comm = NULL;
+        pshard_status_t rc = pshard_comm_create(&cc, &comm, err, sizeof(err));
+        if (rc != PSHARD_OK) {
+            PS_WARN(PS_SUB_SHARD, "cannot build the communicator (rank %d of %d): %s; retrying",
+                    rank, world, err);
+            sleep_ms(500);
+            continue;
+        }
+        pthread_mutex_lock(&s->mu);
+        s->comm = comm;
+        s->comm_generation = gen;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        ps_rpc_server_set_health(s->srv, "pshard.ShardServer", 1);
+        PS_INFO(PS_SUB_SHARD, "rank %d of %d ready (generation %" PRIu64 ")", rank, world, gen);
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Lifecycle                                                                                 */
+
+static const char *own(pshard_shard_server_t *s, int slot, const char *v)
+{
+    s->strings[slot] = v ? strdup(v) : NULL;
+    return s->strings[slot];
+}
+
+int pshard_shard_server_port(const pshard_shard_server_t *s)
+{
+    return ps_rpc_server_port(s->srv);
+}
+
+pshard_status_t pshard_shard_server_error(const pshard_shard_server_t *s, char *err,
+                                          size_t errlen)
+{
+    pshard_shard_server_t *m = (pshard_shard_server_t *)s;
+    pthread_mutex_lock(&m->mu);
+    pshard_status_t st = m->fatal;
+    if (st != PSHARD_OK)
+        ps_errf(err, errlen, st, "%s", m->fatal_msg);
+    pthread_mutex_unlock(&m->mu);
+    return st;
+}
+
+pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_config_t *cfg,
+                                                 char *err, size_t errlen)
+{
+    if (!cfg->coordinator || !cfg->listen || !cfg->name) {
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                "a shard server needs --coordinator, --listen and --name");
+        return NULL;
+    }
+    const char *backend = cfg->backend ? cfg->backend : "tcp";
+    const char *offload = cfg->offload ? cfg->offload : "none";
+    if (strcmp(backend, "tcp") != 0 && strcmp(backend, "nccl") != 0) {
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--backend must be tcp or nccl");
+        return NULL;
+    }
+    if (strcmp(offload, "none") != 0 && strcmp(offload, "cpu") != 0) {
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--offload must be none or cpu");
+        return NULL;
+    }
+    if (strcmp(backend, "nccl") == 0) {
+        ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
+                "--backend nccl: GPU-resident shards are not implemented yet in the shard "
+                "server (the collectives' NCCL backend exists); use tcp");
+        return NULL;
+    }
+    pshard_shard_server_t *s = calloc(1, sizeof(*s));
+    if (!s)
+        return NULL;
+    s->cfg = *cfg;
+    s->cfg.coordinator = own(s, 0, cfg->coordinator);
+    s->cfg.listen = own(s, 1, cfg->listen);
+    s->cfg.advertise = own(s, 2, cfg->advertise);
+    s->cfg.name = own(s, 3, cfg->name);
+    s->cfg.node = own(s, 4, cfg->node);
+    s->cfg.backend = own(s, 5, backend);
+    s->cfg.offload = own(s, 6, offload);
+    s->cfg.data_host = own(s, 7, cfg->data_host);
+    s->cfg.token = own(s, 8, cfg->token);
+    s->rank = -1;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    pthread_mutex_init(&s->op_mu, NULL);
+    atomic_init(&s->stop, false);
+
+    ps_rpc_server_config_t rcfg = {
+        .listen = cfg->listen,
+        .tls_cert_file = cfg->tls_cert_file,
+        .tls_key_file = cfg->tls_key_file,
+        .tls_client_ca_file = cfg->tls_client_ca_file,
+        .token = cfg->token,
+        .max_message_bytes = cfg->max_message_bytes,
+        .worker_threads = 4,
+        .cq_threads = 1,
+    };
+    s->srv = ps_rpc_server_create(&rcfg, err, errlen);
+    if (!s->srv) {
+        pshard_shard_server_stop(s);
+        return NULL;
+    }
+    static const struct {
+        const char *name;
+        const ProtobufCMessageDescriptor *desc;
+        ps_rpc_handler_fn fn;
+    } table[NMETHODS] = {
+        {"Attach", &pshard__attach_request__descriptor, handle_attach},
+        {"DefineModel", &pshard__define_model_request__descriptor, handle_define},
+        {"Gather", &pshard__gather_request__descriptor, handle_gather},
+        {"ReduceScatter", &pshard__reduce_scatter_request__descriptor, handle_reduce_scatter},
+        {"Step", &pshard__step_request__descriptor, handle_step},
+        {"Collective", &pshard__collective_request__descriptor, handle_collective},
+        {"Status", &pshard__shard_status_request__descriptor, handle_status},
+    };
+    for (size_t i = 0; i < NMETHODS; i++) {
+        snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);
+        s->methods[i] = (ps_rpc_method_t){s->paths[i], table[i].desc, table[i].fn, 0, s};
+    }
+    ps_rpc_server_add_methods(s->srv, s->methods, NMETHODS);
+    if (ps_rpc_server_start(s->srv) < 0) {
+        ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot start the gRPC server");
+        pshard_shard_server_stop(s);
+        return NULL;
+    }
+    ps_rpc_server_set_health(s->srv, "pshard.ShardServer", 2);
+    /* Advertise HOST:PORT with the port actually bound. */
+    char host[256];
+    ps_strlcpy(host, cfg->advertise ? cfg->advertise : cfg->listen, sizeof(host));
+    char *colon = strrchr(host, ':');
+    if (colon)
+        *colon = '\0';
+    if (strcmp(host, "0.0.0.0") == 0 || host[0] == '\0')
+        ps_strlcpy(host, "127.0.0.1", sizeof(host));
+    snprintf(s->advertise, sizeof(s->advertise), "%s:%d", host, ps_rpc_server_port(s->srv));
+
+    ps_rpc_channel_config_t ccfg = {.target = cfg->coordinator,
+                                    .token = cfg->token,
+                                    .tls_ca_file = cfg->coord_tls_ca_file};
+    s->coord = ps_rpc_channel_create(&ccfg, err, errlen);
+    if (!s->coord) {
+        pshard_shard_server_stop(s);
+        return NULL;
+    }
+    if (pthread_create(&s->hb_thread, NULL, heartbeat_main, s) == 0)
+        s->hb_started = true;
+    if (pthread_create(&s->setup_thread, NULL, setup_main, s) == 0)
+        s->setup_started = true;
+    return s;
+}
+
+void pshard_shard_server_stop(pshard_shard_server_t *s)
+{
+    if (!s)
+        return;
+    atomic_store(&s->stop, true);
+    s->stop_flag = 1;
+    pthread_mutex_lock(&s->mu);
+    pthread_cond_broadcast(&s->cv);
+    pshard_comm_t *comm = s->comm;
+    pthread_mutex_unlock(&s->mu);
+    /* Release a trainer operation blocked in a collective before joining anything. */
+    if (comm)
+        pshard_comm_abort(comm, "shard server stopping");
+    if (s->setup_started)
+        pthread_join(s->setup_thread, NULL);
+    if (s->hb_started)
+        pthread_join(s->hb_thread, NULL);
+    ps_rpc_server_destroy(s->srv);
+    if (s->coord && s->member_id[0]) {
+        Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
+        lv.member_id = s->member_id;
+        ProtobufCMessage *resp = NULL;
+        char err[256] = "";
+        if (ps_rpc_unary(s->coord, "/pshard.Coordinator/Leave", &lv.base,
+                         &pshard__leave_response__descriptor, &resp, 2000, 0, NULL, err,
+                         sizeof(err)) == PSHARD_OK)
+            protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    ps_rpc_channel_destroy(s->coord);
+    pshard_comm_destroy(s->comm);
+    unmap(&s->scratch);
+    unmap(&s->model_shm);
+    shard_model_free(s->model);
+    for (size_t i = 0; i < 16; i++)
+        free(s->strings[i]);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->op_mu);
+    free(s);
+}

@@ -1,0 +1,210 @@
+/* A trainer for the sharded-training equivalence test: it trains a few oddly shaped parameters
+ * (rows not divisible by the world size, a parameter with fewer rows than ranks) through
+ * libpshard, and alongside it runs the same training in one process on the full parameters
+ * with every rank's gradients averaged — the reference — then checks that the gathered
+ * parameters match it. Gradients are a deterministic function of (parameters, rank, step), so
+ * each trainer can compute every rank's. Exit 0 when they match.
+ * usage: shard_trainer SERVER RANK WORLD LAYOUT(fsdp2|fsdp1) OPT(sgd|adam|adamw) DTYPE(fp32|bf16)
+ *        STEPS [mismatch] */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "optim.h"
+#include "pshard/pshard.h"
+#include "pshard/util.h"
+
+#define NP 4
+
+static const int64_t shapes[NP][3] = {{7, 3, 0}, {2, 0, 0}, {16, 4, 2}, {1, 0, 0}};
+static const int ndims[NP] = {2, 1, 3, 1};
+static const char *const names[NP] = {"layer.a", "bias.b", "conv.c", "scale.d"};
+
+static size_t numel_of(int p)
+{
+    size_t n = 1;
+    for (int d = 0; d < ndims[p]; d++)
+        n *= (size_t)shapes[p][d];
+    return n;
+}
+
+static float grad_value(float param, int rank, int64_t step, size_t i, int p)
+{
+    return 0.05f * param + 0.1f * sinf((float)(rank * 13 + (int)i * 7 + p * 3) * 0.37f +
+                                       (float)step * 0.11f);
+}
+
+static float round_param(float v, pshard_dtype_t dt)
+{
+    return dt == PSHARD_BF16 ? ps_bf16_to_f32(ps_f32_to_bf16(v)) : v;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 8) {
+        fprintf(stderr, "usage: %s SERVER RANK WORLD LAYOUT OPT DTYPE STEPS [mismatch]\n", argv[0]);
+        return 2;
+    }
+    int64_t v;
+    ps_parse_i64(argv[2], 0, 64, &v);
+    int rank = (int)v;
+    ps_parse_i64(argv[3], 1, 64, &v);
+    int world = (int)v;
+    pshard_layout_t layout = strcmp(argv[4], "fsdp1") == 0 ? PSHARD_LAYOUT_FSDP1
+                                                           : PSHARD_LAYOUT_FSDP2;
+    pshard_optimizer_t opt = strcmp(argv[5], "adam") == 0    ? PSHARD_ADAM
+                             : strcmp(argv[5], "adamw") == 0 ? PSHARD_ADAMW
+                                                             : PSHARD_SGD;
+    pshard_dtype_t dt = strcmp(argv[6], "bf16") == 0 ? PSHARD_BF16 : PSHARD_FP32;
+    ps_parse_i64(argv[7], 1, 1000, &v);
+    int steps = (int)v;
+    bool mismatch = argc > 8 && strcmp(argv[8], "mismatch") == 0;
+
+    pshard_client_config_t cfg = {.server = argv[1], .rank = rank, .world_size = world,
+                                  .connect_timeout_ms = 30000, .timeout_ms = 30000};
+    pshard_client_t *c = NULL;
+    char err[1024] = "";
+    if (pshard_connect(&cfg, &c, err, sizeof(err)) != PSHARD_OK) {
+        fprintf(stderr, "rank %d: connect: %s\n", rank, err);
+        return 1;
+    }
+    pshard_model_config_t mc;
+    pshard_model_config_default(&mc, opt);
+    mc.layout = layout;
+    mc.param_dtype = dt;
+    mc.lr = opt == PSHARD_SGD ? 0.1 : 0.01;
+    mc.momentum = opt == PSHARD_SGD ? 0.9 : 0;
+    mc.nesterov = opt == PSHARD_SGD;
+    mc.weight_decay = opt == PSHARD_ADAMW ? 0.05 : (opt == PSHARD_ADAM ? 0.01 : 0.001);
+    mc.max_grad_norm = 0.5;
+    pshard_param_t params[NP];
+    float *ref[NP], *st0[NP], *st1[NP], *avg[NP];
+    for (int p = 0; p < NP; p++) {
+        params[p] = (pshard_param_t){names[p], ndims[p], shapes[p]};
+        size_t n = numel_of(p);
+        ref[p] = malloc(n * sizeof(float));
+        st0[p] = calloc(n, sizeof(float));
+        st1[p] = calloc(n, sizeof(float));
+        avg[p] = malloc(n * sizeof(float));
+        for (size_t i = 0; i < n; i++)
+            ref[p][i] = 0.5f * sinf((float)(i * 31 + (size_t)p * 101) * 0.013f) + 0.01f;
+    }
+    int64_t mismatch_shape[3] = {7, 4, 0};
+    if (mismatch && rank == world - 1)
+        params[0].shape = mismatch_shape;
+    if (pshard_define_model(c, params, NP, &mc, (const float *const *)ref) != PSHARD_OK) {
+        fprintf(stderr, "rank %d: define: %s\n", rank, pshard_last_error(c));
+        int code = mismatch && strstr(pshard_last_error(c), "layer.a") ? 0 : 1;
+        if (mismatch)
+            printf("rank %d: refused as expected: %s\n", rank, pshard_last_error(c));
+        pshard_close(c);
+        return code;
+    }
+    if (mismatch) {
+        fprintf(stderr, "rank %d: a mismatched definition was accepted\n", rank);
+        pshard_close(c);
+        return 1;
+    }
+    ps_optim_config_t oc;
+    ps_optim_defaults(opt == PSHARD_ADAM ? PS_OPTIM_ADAM : opt == PSHARD_ADAMW ? PS_OPTIM_ADAMW
+                                                                              : PS_OPTIM_SGD,
+                      &oc);
+    oc.lr = mc.lr;
+    oc.momentum = mc.momentum;
+    oc.nesterov = mc.nesterov;
+    oc.weight_decay = mc.weight_decay;
+
+    int failures = 0;
+    for (int step = 1; step <= steps; step++) {
+        if (pshard_gather(c, NULL, 0) != PSHARD_OK) {
+            fprintf(stderr, "rank %d: gather: %s\n", rank, pshard_last_error(c));
+            return 1;
+        }
+        /* The gathered parameters equal the reference (rounded to the param dtype). */
+        double worst = 0;
+        for (int p = 0; p < NP; p++) {
+            size_t n = numel_of(p);
+            const void *g = pshard_param(c, (size_t)p);
+            for (size_t i = 0; i < n; i++) {
+                float got = dt == PSHARD_BF16 ? ps_bf16_to_f32(((const uint16_t *)g)[i])
+                                              : ((const float *)g)[i];
+                float want = round_param(ref[p][i], dt);
+                double tol = dt == PSHARD_BF16 ? fabs(want) / 128.0 + 1e-6
+                                               : 1e-5 * fabs(want) + 1e-7;
+                double d = fabs((double)got - (double)want);
+                if (d > tol) {
+                    if (failures++ < 5)
+                        fprintf(stderr,
+                                "rank %d step %d: %s[%zu] = %.9g, reference %.9g\n", rank, step,
+                                names[p], i, got, want);
+                }
+                if (d > worst)
+                    worst = d;
+            }
+        }
+        /* Local gradients from the gathered values; reference: every rank's, averaged. */
+        for (int p = 0; p < NP; p++) {
+            size_t n = numel_of(p);
+            const void *g = pshard_param(c, (size_t)p);
+            float *grad = pshard_grad(c, (size_t)p);
+            for (size_t i = 0; i < n; i++) {
+                float pv = dt == PSHARD_BF16 ? ps_bf16_to_f32(((const uint16_t *)g)[i])
+                                             : ((const float *)g)[i];
+                grad[i] = grad_value(pv, rank, step, i, p);
+                double sum = 0;
+                for (int q = 0; q < world; q++)
+                    sum += grad_value(round_param(ref[p][i], dt), q, step, i, p);
+                avg[p][i] = (float)(sum / world);
+            }
+        }
+        if (pshard_reduce_scatter(c, NULL, 0) != PSHARD_OK) {
+            fprintf(stderr, "rank %d: reduce_scatter: %s\n", rank, pshard_last_error(c));
+            return 1;
+        }
+        double norm = 0;
+        if (pshard_step(c, -1, NULL, &norm) != PSHARD_OK) {
+            fprintf(stderr, "rank %d: step: %s\n", rank, pshard_last_error(c));
+            return 1;
+        }
+        double sq = 0;
+        for (int p = 0; p < NP; p++)
+            sq += ps_sum_squares(avg[p], numel_of(p));
+        double ref_norm = sqrt(sq);
+        if (fabs(norm - ref_norm) > 1e-4 * ref_norm + 1e-6) {
+            fprintf(stderr, "rank %d step %d: grad norm %.9g, reference %.9g\n", rank, step, norm,
+                    ref_norm);
+            failures++;
+        }
+        double coef = mc.max_grad_norm / (ref_norm + 1e-6);
+        for (int p = 0; p < NP; p++) {
+            if (coef < 1)
+                ps_scale(avg[p], numel_of(p), (float)coef);
+            ps_optim_step(&oc, oc.lr, step, ref[p], avg[p], st0[p], st1[p], numel_of(p));
+        }
+        if (rank == 0 && (step == 1 || step == steps))
+            printf("step %d grad_norm %.6f worst_param_diff %.3g\n", step, norm, worst);
+    }
+    /* Plain collectives through the shard server. */
+    float m[2] = {(float)rank, 1.0f};
+    if (pshard_all_reduce(c, m, 2, PSHARD_FP32, false) != PSHARD_OK ||
+        m[0] != (float)(world * (world - 1) / 2) || m[1] != (float)world) {
+        fprintf(stderr, "rank %d: all_reduce gave %g %g: %s\n", rank, m[0], m[1],
+                pshard_last_error(c));
+        failures++;
+    }
+    if (pshard_barrier(c) != PSHARD_OK) {
+        fprintf(stderr, "rank %d: barrier: %s\n", rank, pshard_last_error(c));
+        failures++;
+    }
+    pshard_close(c);
+    for (int p = 0; p < NP; p++) {
+        free(ref[p]);
+        free(st0[p]);
+        free(st1[p]);
+        free(avg[p]);
+    }
+    if (failures == 0 && rank == 0)
+        printf("rank 0: %d steps match the single-process reference\n", steps);
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,143 @@
+/* Sharded training end to end: a real coordinator, N real shard servers and N shard_trainer
+ * processes per case; each trainer checks its gathered parameters against a single-process
+ * reference every step. Cases cover 1-3 ranks, both layouts, SGD (momentum, nesterov), Adam and
+ * AdamW with clipping, bf16 parameters, and a mismatched model definition that every rank must
+ * refuse. argv: pshard-coordinator pshard-server shard_trainer. */
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ps_proc.h"
+#include "ps_test.h"
+#include "pshard/util.h"
+
+static const char *coord_bin, *server_bin, *trainer_bin;
+
+/* Runs one case; returns true when every trainer exited 0 and the servers stopped cleanly. */
+static bool run_case(int world, const char *layout, const char *opt, const char *dtype,
+                     const char *extra)
+{
+    char world_s[16];
+    snprintf(world_s, sizeof(world_s), "%d", world);
+    const char *cargs[] = {"--world-size", world_s, NULL};
+    char target[64];
+    pid_t coord = ps_proc_start_coordinator(coord_bin, cargs, target, sizeof(target));
+    if (coord < 0)
+        return false;
+    char dir[] = "/tmp/pshard-shard-XXXXXX";
+    if (!mkdtemp(dir))
+        return false;
+    pid_t servers[8], trainers[8];
+    char addr[8][64];
+    bool ok = true;
+    for (int r = 0; r < world; r++) {
+        char name[32], port_file[128], log[128];
+        snprintf(name, sizeof(name), "srv-%d", r);
+        snprintf(port_file, sizeof(port_file), "%s/server-%d.port", dir, r);
+        snprintf(log, sizeof(log), "%s/server-%d.log", dir, r);
+        char *argv[] = {(char *)server_bin, "--coordinator", target, "--name", name,
+                        "--port-file", port_file, "--coll-timeout-ms", "30000", NULL};
+        servers[r] = ps_proc_spawn(argv, log);
+    }
+    for (int r = 0; r < world; r++) {
+        char port_file[128];
+        snprintf(port_file, sizeof(port_file), "%s/server-%d.port", dir, r);
+        int port = ps_proc_wait_port_file(port_file, servers[r], 10000);
+        if (port < 0) {
+            fprintf(stderr, "server %d did not start (log in %s)\n", r, dir);
+            ok = false;
+        }
+        snprintf(addr[r], sizeof(addr[r]), "127.0.0.1:%d", port);
+    }
+    for (int r = 0; ok && r < world; r++) {
+        char rank_s[16];
+        snprintf(rank_s, sizeof(rank_s), "%d", r);
+        char *argv[] = {(char *)trainer_bin, addr[r], rank_s, world_s, (char *)layout,
+                        (char *)opt, (char *)dtype, "12", (char *)extra, NULL};
+        trainers[r] = ps_proc_spawn(argv, NULL);
+    }
+    int64_t end = ps_now_ns() + 120 * 1000000000LL;
+    for (int r = 0; ok && r < world; r++) {
+        int st = 0;
+        pid_t got = 0;
+        while ((got = waitpid(trainers[r], &st, WNOHANG)) == 0 && ps_now_ns() < end) {
+            struct timespec ts = {0, 10 * 1000000};
+            nanosleep(&ts, NULL);
+        }
+        if (got != trainers[r]) {
+            fprintf(stderr, "trainer %d hung; killing it\n", r);
+            kill(trainers[r], SIGKILL);
+            waitpid(trainers[r], &st, 0);
+            ok = false;
+        } else if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+            fprintf(stderr, "trainer %d failed (status %d); server logs in %s\n", r, st, dir);
+            ok = false;
+        }
+    }
+    for (int r = 0; r < world; r++) {
+        int code = ps_proc_stop(servers[r], 10000);
+        if (code != 0) {
+            fprintf(stderr, "server %d exited with %d\n", r, code);
+            ok = false;
+        }
+    }
+    ps_proc_stop(coord, 10000);
+    return ok;
+}
+
+static void test_one_rank(void)
+{
+    CU_ASSERT(run_case(1, "fsdp2", "adam", "fp32", ""));
+}
+static void test_two_ranks_sgd(void)
+{
+    CU_ASSERT(run_case(2, "fsdp2", "sgd", "fp32", ""));
+}
+static void test_three_ranks_adam(void)
+{
+    CU_ASSERT(run_case(3, "fsdp2", "adam", "fp32", ""));
+}
+static void test_three_ranks_adamw_fsdp1(void)
+{
+    CU_ASSERT(run_case(3, "fsdp1", "adamw", "fp32", ""));
+}
+static void test_two_ranks_sgd_fsdp1(void)
+{
+    CU_ASSERT(run_case(2, "fsdp1", "sgd", "fp32", ""));
+}
+static void test_bf16_params(void)
+{
+    CU_ASSERT(run_case(3, "fsdp2", "adamw", "bf16", ""));
+}
+static void test_mismatched_definition(void)
+{
+    CU_ASSERT(run_case(2, "fsdp2", "sgd", "fp32", "mismatch"));
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 4) {
+        fprintf(stderr, "usage: %s COORDINATOR SERVER TRAINER\n", argv[0]);
+        return 2;
+    }
+    coord_bin = argv[1];
+    server_bin = argv[2];
+    trainer_bin = argv[3];
+    signal(SIGPIPE, SIG_IGN);
+    static const ps_test_case_t cases[] = {
+        {"1 rank, fsdp2, adam", test_one_rank},
+        {"2 ranks, fsdp2, sgd momentum nesterov", test_two_ranks_sgd},
+        {"3 ranks, fsdp2, adam", test_three_ranks_adam},
+        {"3 ranks, fsdp1, adamw", test_three_ranks_adamw_fsdp1},
+        {"2 ranks, fsdp1, sgd", test_two_ranks_sgd_fsdp1},
+        {"3 ranks, bf16 params, adamw", test_bf16_params},
+        {"mismatched model definitions are refused", test_mismatched_definition},
+        {NULL, NULL},
+    };
+    return ps_test_main("sharded_training", cases);
+}
