@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a fresh Debian 12 machine: install what is missing, build, start a local
-# coordinator, register four shard servers (they heartbeat until the end), wait for the cluster
-# to form, print `pshardctl status`, then stop everything that was started.
+# coordinator, train the example MLP sharded over four shard servers with pshardrun (the loss
+# must fall), print `pshardctl status`, then stop everything that was started.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/install-deps.sh"
@@ -31,16 +31,16 @@ world=${WORLD_SIZE:-4}
   --world-size "$world" > "$work/coordinator.out" 2> "$work/coordinator.log" &
 pids+=($!)
 wait_for "test -s '$work/port'" 10
-ctl=("$bin/client/pshardctl" --coordinator "127.0.0.1:$(cat "$work/port")")
+coord="127.0.0.1:$(cat "$work/port")"
+ctl=("$bin/client/pshardctl" --coordinator "$coord")
 wait_for "${ctl[*]} health" 10
 echo "coordinator: $(cat "$work/coordinator.out")"
 
-for i in $(seq 0 $((world - 1))); do
-  "${ctl[@]}" register --role shard_server --name "pshard-server-$i" \
-    --address "127.0.0.1:$((29600 + i))" --node "$(hostname)" --device cpu --hold \
-    >> "$work/members.log" 2>&1 &
-  pids+=($!)
-done
-wait_for "${ctl[*]} health pshard.Cluster" 15
-"${ctl[@]}" store set demo/greeting "hello from run-local" > /dev/null
+# Train the example MLP (4 hidden layers of 1024) sharded over $world shard servers, one thread
+# per rank, like torchrun would launch it.
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
+"$bin/client/pshardrun" --nproc "$world" --coordinator "$coord" -- \
+  "$bin/examples/pshard-mlp" --steps "${STEPS:-30}" --batch 32 --widths 1024,1024,1024,1024 \
+  --optimizer adam --print-every 5
+echo
 "${ctl[@]}" status

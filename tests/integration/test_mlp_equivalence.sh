@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The core oracle of sharded training: `pshardrun --nproc N -- pshard-mlp ARGS` must print the
+# same `step N loss X` lines as the single-process reference `pshard-mlp --local --world N ARGS`
+# (1e-4 relative in fp32; bf16 parameters within 2e-2), for several world sizes, optimizers,
+# both layouts, with clipping, on widths that do not divide by N and a 1-row output layer.
+# usage: test_mlp_equivalence.sh PSHARDRUN PSHARD-MLP
+set -euo pipefail
+run="$1"
+mlp="$2"
+export OPENBLAS_NUM_THREADS=1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fails=0
+
+# compare FILE_A FILE_B TOLERANCE: every "step N loss X" line of A has a matching line in B.
+compare() {
+  awk -v tol="$3" '
+    FNR == NR { if ($1 == "step" && $3 == "loss") ref[$2] = $4; next }
+    $1 == "step" && $3 == "loss" {
+      n++
+      if (!($2 in ref)) { printf "step %s missing from the reference\n", $2; bad = 1; next }
+      d = $4 - ref[$2]; if (d < 0) d = -d
+      r = ref[$2]; if (r < 0) r = -r
+      if (d > tol * r + 1e-9) { printf "step %s: distributed %s, reference %s\n", $2, $4, ref[$2]; bad = 1 }
+    }
+    END { if (n == 0) { print "no step lines"; bad = 1 } exit bad }' "$1" "$2"
+}
+
+case_() {
+  local nproc="$1" tol="$2"; shift 2
+  local args=(--steps 8 --batch 6 --widths 37,50 --input 19 --output 1 --seed 3 "$@")
+  echo "== nproc $nproc: ${args[*]}"
+  "$mlp" --local --world "$nproc" "${args[@]}" > "$work/local.txt"
+  if ! timeout 120 "$run" --nproc "$nproc" -- "$mlp" "${args[@]}" > "$work/dist.txt" 2>&1; then
+    echo "FAIL: pshardrun exited non-zero"; cat "$work/dist.txt"; fails=$((fails + 1)); return
+  fi
+  # pshardrun prefixes rank 0's lines with "[trainer 0] ".
+  sed -n 's/^\[trainer 0\] //p' "$work/dist.txt" > "$work/dist0.txt"
+  if compare "$work/local.txt" "$work/dist0.txt" "$tol"; then
+    echo "ok: $(grep -c '^step' "$work/dist0.txt") steps match within $tol"
+  else
+    echo "FAIL"; paste "$work/local.txt" "$work/dist0.txt"; fails=$((fails + 1))
+  fi
+}
+
+case_ 1 1e-4 --optimizer adam
+case_ 2 1e-4 --optimizer sgd --lr 0.05 --momentum 0.9 --max-grad-norm 0.5
+case_ 3 1e-4 --optimizer adam --max-grad-norm 1.0
+case_ 3 1e-4 --optimizer adamw --layout fsdp1
+case_ 4 1e-4 --optimizer sgd --lr 0.05 --momentum 0.9 --layout fsdp1
+case_ 2 2e-2 --optimizer adamw --param-dtype bf16 --reduce-dtype bf16
+
+if [ "$fails" -ne 0 ]; then
+  echo "$fails case(s) failed"
+  exit 1
+fi
+echo "all cases match the single-process reference"
