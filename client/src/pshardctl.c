@@ -561,9 +561,7 @@ int main(int argc, char **argv)
         goto out;
     }
     if (!opts.coordinator) {
-        const char *addr = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT");
-        snprintf(default_target, sizeof(default_target), "%s:%s", addr && *addr ? addr : "127.0.0.1",
-                 port && *port ? port : "29500");
+        ps_default_coordinator(default_target, sizeof(default_target));
         opts.coordinator = strdup(default_target);
     }
     if (opts.token_file) {

@@ -732,30 +732,40 @@ static void handle_abort(engine_t *e)
     fail_op(e, st, msg, false);
 }
 
+/* Reads up to len bytes from the previous rank. Returns 1 with *got > 0, 0 when nothing is
+ * available now (read_blocked set), or -1 after failing the operation (closed or broken link). */
+static int recv_some(engine_t *e, void *buf, size_t len, size_t *got)
+{
+    for (;;) {
+        ssize_t r = recv(e->t.recv_fd, buf, len, MSG_DONTWAIT);
+        if (r > 0) {
+            *got = (size_t)r;
+            return 1;
+        }
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            e->read_blocked = true;
+            return 0;
+        }
+        fail_errno(e, false, r == 0 ? 0 : errno);
+        return -1;
+    }
+}
+
 static bool do_reads(engine_t *e)
 {
     bool progress = false;
     e->read_blocked = false;
     while (expecting_input(e)) {
         if (!e->if_have_hdr) {
-            ssize_t got = recv(e->t.recv_fd, e->if_hdr + e->if_hdr_off,
-                               COLL_FRAME_HEADER_SIZE - e->if_hdr_off, MSG_DONTWAIT);
-            if (got == 0) {
-                fail_errno(e, false, 0);
-                return true;
-            }
-            if (got < 0) {
-                if (errno == EINTR)
-                    continue;
-                if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                    e->read_blocked = true;
-                    return progress;
-                }
-                fail_errno(e, false, errno);
-                return true;
-            }
+            size_t got;
+            int r = recv_some(e, e->if_hdr + e->if_hdr_off, COLL_FRAME_HEADER_SIZE - e->if_hdr_off,
+                              &got);
+            if (r <= 0)
+                return r == 0 ? progress : true;
             progress = true;
-            e->if_hdr_off += (size_t)got;
+            e->if_hdr_off += got;
             if (e->if_hdr_off < COLL_FRAME_HEADER_SIZE)
                 continue;
             char err[256] = "";
@@ -810,24 +820,13 @@ static bool do_reads(engine_t *e)
                 room = frame_left;
             if (room == 0)
                 return progress; /* window full: wait for sends to free it */
-            ssize_t got = recv(e->t.recv_fd, dst, room, MSG_DONTWAIT);
-            if (got == 0) {
-                fail_errno(e, false, 0);
-                return true;
-            }
-            if (got < 0) {
-                if (errno == EINTR)
-                    continue;
-                if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                    e->read_blocked = true;
-                    return progress;
-                }
-                fail_errno(e, false, errno);
-                return true;
-            }
+            size_t got;
+            int r = recv_some(e, dst, room, &got);
+            if (r <= 0)
+                return r == 0 ? progress : true;
             progress = true;
-            e->if_off += (size_t)got;
-            ph->in_recv += (size_t)got;
+            e->if_off += got;
+            ph->in_recv += got;
             if (ph->kind == PH_RS)
                 rs_process(e, ph);
             else
@@ -839,23 +838,12 @@ static bool do_reads(engine_t *e)
         } else {
             size_t left = e->if_h.len - e->if_off;
             if (left) {
-                ssize_t got = recv(e->t.recv_fd, e->if_ctrl + e->if_off, left, MSG_DONTWAIT);
-                if (got == 0) {
-                    fail_errno(e, false, 0);
-                    return true;
-                }
-                if (got < 0) {
-                    if (errno == EINTR)
-                        continue;
-                    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                        e->read_blocked = true;
-                        return progress;
-                    }
-                    fail_errno(e, false, errno);
-                    return true;
-                }
+                size_t got;
+                int r = recv_some(e, e->if_ctrl + e->if_off, left, &got);
+                if (r <= 0)
+                    return r == 0 ? progress : true;
                 progress = true;
-                e->if_off += (size_t)got;
+                e->if_off += got;
                 if (e->if_off < e->if_h.len)
                     continue;
             }

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 int64_t ps_now_ns(void)
 {
@@ -111,4 +112,31 @@ int ps_const_time_eq(const void *a, size_t alen, const void *b, size_t blen)
     for (size_t i = 0; i < n; i++)
         diff |= pa[i] ^ pb[i];
     return diff == 0;
+}
+
+int ps_write_port_file(const char *path, int port)
+{
+    char tmp[4096];
+    if (ps_snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) != 0) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return -1;
+    fprintf(f, "%d\n", port);
+    if (fclose(f) != 0 || rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        errno = e;
+        return -1;
+    }
+    return 0;
+}
+
+void ps_default_coordinator(char *buf, size_t len)
+{
+    const char *addr = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT");
+    snprintf(buf, len, "%s:%s", addr && *addr ? addr : "127.0.0.1",
+             port && *port ? port : "29500");
 }

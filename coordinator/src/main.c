@@ -92,22 +92,6 @@ static int parse_nnodes(const char *text, int *min, int *max)
     return 0;
 }
 
-static int write_port_file(const char *path, int port)
-{
-    char tmp[4096];
-    if (ps_snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) != 0)
-        return -1;
-    FILE *f = fopen(tmp, "w");
-    if (!f)
-        return -1;
-    fprintf(f, "%d\n", port);
-    if (fclose(f) != 0 || rename(tmp, path) != 0) {
-        unlink(tmp);
-        return -1;
-    }
-    return 0;
-}
-
 int main(int argc, char **argv)
 {
     ps_rpc_block_signals();
@@ -219,7 +203,7 @@ int main(int argc, char **argv)
         goto out;
     }
     int port = pshard_coordinator_port(coord);
-    if (o.port_file && write_port_file(o.port_file, port) != 0) {
+    if (o.port_file && ps_write_port_file(o.port_file, port) != 0) {
         fprintf(stderr, "pshard-coordinator: cannot write --port-file %s\n", o.port_file);
         exit_code = 1;
         goto out;

@@ -74,22 +74,6 @@ static const ps_option_t options[] = {
         0, 0),
 };
 
-static int write_port_file(const char *path, int port)
-{
-    char tmp[4096];
-    if (ps_snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) != 0)
-        return -1;
-    FILE *f = fopen(tmp, "w");
-    if (!f)
-        return -1;
-    fprintf(f, "%d\n", port);
-    if (fclose(f) != 0 || rename(tmp, path) != 0) {
-        unlink(tmp);
-        return -1;
-    }
-    return 0;
-}
-
 int main(int argc, char **argv)
 {
     ps_rpc_block_signals();
@@ -131,9 +115,7 @@ int main(int argc, char **argv)
     }
     ps_log_set_level(level);
     if (!o.coordinator) {
-        const char *a = getenv("MASTER_ADDR"), *p = getenv("MASTER_PORT");
-        snprintf(default_coord, sizeof(default_coord), "%s:%s", a && *a ? a : "127.0.0.1",
-                 p && *p ? p : "29500");
+        ps_default_coordinator(default_coord, sizeof(default_coord));
         o.coordinator = strdup(default_coord);
     }
     if (!o.name || !*o.name) {
@@ -175,7 +157,7 @@ int main(int argc, char **argv)
         goto out;
     }
     int port = pshard_shard_server_port(srv);
-    if (o.port_file && write_port_file(o.port_file, port) != 0) {
+    if (o.port_file && ps_write_port_file(o.port_file, port) != 0) {
         fprintf(stderr, "pshard-server: cannot write --port-file %s\n", o.port_file);
         rc = 1;
         goto out;

@@ -34,6 +34,14 @@ int ps_parse_i64(const char *text, int64_t min, int64_t max, int64_t *out);
 /* Natural-order comparison ("node-2" < "node-10"), used for stable rank assignment. */
 int ps_natural_cmp(const char *a, const char *b);
 
+/* Writes "PORT\n" to path atomically (temporary file, then rename) so a reader never sees a
+ * partial file. Returns 0 or -1 (errno set). */
+int ps_write_port_file(const char *path, int port);
+
+/* The coordinator address torch.distributed's environment implies: MASTER_ADDR:MASTER_PORT,
+ * each defaulting to 127.0.0.1 and 29500. Writes into buf. */
+void ps_default_coordinator(char *buf, size_t len);
+
 /* Compares two byte strings in time independent of where they differ (for tokens). */
 int ps_const_time_eq(const void *a, size_t alen, const void *b, size_t blen);
 
