@@ -35,6 +35,18 @@ static float grad_value(float param, int rank, int64_t step, size_t i, int p)
                                        (float)step * 0.11f);
 }
 
+static float *ref[NP], *st0[NP], *st1[NP], *avg[NP];
+
+static void free_arrays(void)
+{
+    for (int p = 0; p < NP; p++) {
+        free(ref[p]);
+        free(st0[p]);
+        free(st1[p]);
+        free(avg[p]);
+    }
+}
+
 static float round_param(float v, pshard_dtype_t dt)
 {
     return dt == PSHARD_BF16 ? ps_bf16_to_f32(ps_f32_to_bf16(v)) : v;
@@ -79,7 +91,7 @@ int main(int argc, char **argv)
     mc.weight_decay = opt == PSHARD_ADAMW ? 0.05 : (opt == PSHARD_ADAM ? 0.01 : 0.001);
     mc.max_grad_norm = 0.5;
     pshard_param_t params[NP];
-    float *ref[NP], *st0[NP], *st1[NP], *avg[NP];
+    atexit(free_arrays);
     for (int p = 0; p < NP; p++) {
         params[p] = (pshard_param_t){names[p], ndims[p], shapes[p]};
         size_t n = numel_of(p);
@@ -198,12 +210,6 @@ int main(int argc, char **argv)
         failures++;
     }
     pshard_close(c);
-    for (int p = 0; p < NP; p++) {
-        free(ref[p]);
-        free(st0[p]);
-        free(st1[p]);
-        free(avg[p]);
-    }
     if (failures == 0 && rank == 0)
         printf("rank 0: %d steps match the single-process reference\n", steps);
     return failures ? 1 : 0;
