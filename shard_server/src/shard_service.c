@@ -237,8 +237,12 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         memcpy(rnd, &t, sizeof(t));
         memcpy(rnd + 8, &t, sizeof(t));
     }
+    char session[sizeof(s->session)];
     for (int i = 0; i < 16; i++)
-        snprintf(s->session + 2 * i, 3, "%02x", rnd[i]);
+        snprintf(session + 2 * i, 3, "%02x", rnd[i]);
+    pthread_mutex_lock(&s->mu);
+    memcpy(s->session, session, sizeof(session));
+    pthread_mutex_unlock(&s->mu);
     Pshard__AttachResponse out = PSHARD__ATTACH_RESPONSE__INIT;
     out.session = s->session;
     out.rank = pshard_comm_rank(comm);
@@ -435,8 +439,12 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     rc = init_params(s, comm, m, req, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
-    shard_model_free(s->model);
+    /* Status reads the model under s->mu without waiting for trainer operations. */
+    pthread_mutex_lock(&s->mu);
+    shard_model_t *old = s->model;
     s->model = m;
+    pthread_mutex_unlock(&s->mu);
+    shard_model_free(old);
     PS_INFO(PS_SUB_SHARD, "model defined: %zu parameters, %zu elements on this rank (%s)", n,
             m->shard_numel, layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1");
     m = NULL;
@@ -649,7 +657,9 @@ static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
         if (coef < 1.0)
             ps_scale(m->grad, m->shard_numel, (float)coef);
     }
+    pthread_mutex_lock(&s->mu);
     m->step++;
+    pthread_mutex_unlock(&s->mu);
     ps_optim_step(&m->optim, lr, m->step, m->master, m->grad, m->state0, m->state1,
                   m->shard_numel);
     memset(m->grad, 0, m->shard_numel * sizeof(float));
@@ -744,8 +754,8 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     }
     out.n_flight_records = nl;
     out.flight_records = lines;
-    /* Model fields are read without op_mu: status must answer while a collective hangs. The
-     * values are sizes and a counter, read atomically enough for display. */
+    /* Read under s->mu, not op_mu: status must answer while a collective hangs. */
+    pthread_mutex_lock(&s->mu);
     shard_model_t *m = s->model;
     out.attached = s->session[0] != 0;
     if (m) {
@@ -756,6 +766,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         out.state_bytes = shard_model_state_bytes(m);
     }
     ps_rpc_call_reply(call, &out.base);
+    pthread_mutex_unlock(&s->mu);
 }
 
 /* ---------------------------------------------------------------------------------------- */
