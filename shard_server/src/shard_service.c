@@ -313,8 +313,8 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
     return PSHARD_OK;
 }
 
-static pshard_status_t init_params(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                   shard_model_t *m, const Pshard__DefineModelRequest *req,
+static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
+                                   const Pshard__DefineModelRequest *req, const shm_map_t *region,
                                    char *err, size_t errlen)
 {
     bool from_rank0 = req->init == PSHARD__INIT_MODE__INIT_FROM_RANK0;
@@ -335,13 +335,13 @@ static pshard_status_t init_params(pshard_shard_server_t *s, pshard_comm_t *comm
         const float *src = NULL;
         if (has_data) {
             uint64_t off = req->init_offsets[p];
-            if (!in_region(&s->model_shm, off, (uint64_t)numel * 4, 4)) {
+            if (!in_region(region, off, (uint64_t)numel * 4, 4)) {
                 rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                              "init values of '%s' lie outside the model region",
                              m->params[p].name);
                 break;
             }
-            src = (const float *)((uint8_t *)s->model_shm.base + off);
+            src = (const float *)((uint8_t *)region->base + off);
         }
         if (from_rank0 && m->world > 1) {
             pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_FP32, .root = 0,
@@ -422,23 +422,31 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
                      (int)req->layout);
         goto out;
     }
+    if (req->init != PSHARD__INIT_MODE__INIT_FROM_RANK0 &&
+        req->init != PSHARD__INIT_MODE__INIT_LOCAL) {
+        rc = ps_errf(err, sizeof(err), PSHARD_ERR_INVALID_ARGUMENT, "unknown init mode %d",
+                     (int)req->init);
+        goto out;
+    }
+    /* Map the region before allocating shard state, and adopt both only when everything
+     * succeeded: a refused definition leaves the previous model and region in place. */
+    rc = map_shm(req->shm_name, req->shm_bytes, &region, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        goto out;
     rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n,
                             names, shapes, ndims, &oc, po ? po->max_grad_norm : 0, &m, err,
                             sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
-    rc = map_shm(req->shm_name, req->shm_bytes, &region, err, sizeof(err));
+    rc = check_definitions(s, m, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        goto out;
+    rc = init_params(comm, m, req, &region, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
     unmap(&s->model_shm);
     s->model_shm = region;
     memset(&region, 0, sizeof(region));
-    rc = check_definitions(s, m, err, sizeof(err));
-    if (rc != PSHARD_OK)
-        goto out;
-    rc = init_params(s, comm, m, req, err, sizeof(err));
-    if (rc != PSHARD_OK)
-        goto out;
     /* Status reads the model under s->mu without waiting for trainer operations. */
     pthread_mutex_lock(&s->mu);
     shard_model_t *old = s->model;
@@ -475,6 +483,12 @@ static bool tensors_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshard__Te
     if (!m) {
         ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
                          "no model is defined; call DefineModel first");
+        return false;
+    }
+    if (!s->model_shm.base) {
+        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
+                         "the trainer re-attached: call DefineModel again to map its model "
+                         "region");
         return false;
     }
     if (n == 0) {
