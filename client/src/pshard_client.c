@@ -62,6 +62,7 @@ struct pshard_client {
     /* Async worker */
     pthread_t worker;
     bool worker_started, stop;
+    bool busy; /* an operation is running (on the worker or inline on the caller) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     pshard_work_t *qhead, *qtail;
@@ -555,7 +556,7 @@ static void *worker_main(void *arg)
     pshard_client_t *c = arg;
     for (;;) {
         pthread_mutex_lock(&c->mu);
-        while (!c->qhead && !c->stop)
+        while ((!c->qhead || c->busy) && !c->stop)
             pthread_cond_wait(&c->cv, &c->mu);
         pshard_work_t *w = c->qhead;
         if (!w) {
@@ -565,10 +566,12 @@ static void *worker_main(void *arg)
         c->qhead = w->next;
         if (!c->qhead)
             c->qtail = NULL;
+        c->busy = true;
         pthread_mutex_unlock(&c->mu);
         char err[1024] = "";
         pshard_status_t rc = run_tensor_op(c, w->kind, w->ids, w->n, err, sizeof(err));
         pthread_mutex_lock(&c->mu);
+        c->busy = false;
         w->status = rc;
         ps_strlcpy(w->error, err, sizeof(w->error));
         w->done = true;
@@ -632,18 +635,35 @@ pshard_status_t pshard_work_wait(pshard_work_t *w)
     return rc;
 }
 
+/* A blocking operation runs on the caller's thread once everything issued before it finished:
+ * handing it to the worker and waiting would only add two thread wake-ups. */
+static pshard_status_t run_inline(pshard_client_t *c, work_kind_t kind, const size_t *ids,
+                                  size_t n)
+{
+    pthread_mutex_lock(&c->mu);
+    while (c->qhead || c->busy)
+        pthread_cond_wait(&c->cv, &c->mu);
+    c->busy = true;
+    pthread_mutex_unlock(&c->mu);
+    char err[1024] = "";
+    pshard_status_t rc = run_tensor_op(c, kind, ids, n, err, sizeof(err));
+    pthread_mutex_lock(&c->mu);
+    c->busy = false;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    if (rc != PSHARD_OK)
+        fail(c, rc, "%s", err);
+    return rc;
+}
+
 pshard_status_t pshard_gather(pshard_client_t *c, const size_t *ids, size_t n)
 {
-    pshard_work_t *w;
-    PS_CHECK(pshard_gather_start(c, ids, n, &w));
-    return pshard_work_wait(w);
+    return run_inline(c, WORK_GATHER, ids, n);
 }
 
 pshard_status_t pshard_reduce_scatter(pshard_client_t *c, const size_t *ids, size_t n)
 {
-    pshard_work_t *w;
-    PS_CHECK(pshard_reduce_scatter_start(c, ids, n, &w));
-    return pshard_work_wait(w);
+    return run_inline(c, WORK_REDUCE_SCATTER, ids, n);
 }
 
 pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double *grad_norm)

@@ -191,7 +191,7 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
         m->state0 = alloc_touched(bytes);
     if (nstate >= 2)
         m->state1 = alloc_touched(bytes);
-    m->stage = alloc_touched(m->max_piece * 8);
+    m->stage = alloc_touched(m->max_piece * 4); /* widest staged type: fp32 */
     if (!m->master || !m->grad || (nstate >= 1 && !m->state0) || (nstate >= 2 && !m->state1) ||
         !m->stage) {
         rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,

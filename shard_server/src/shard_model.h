@@ -34,7 +34,7 @@ typedef struct {
     float *master, *grad, *state0, *state1;
     size_t max_piece;   /* largest piece of one parameter on this rank */
     size_t max_numel;   /* largest full parameter */
-    void *stage;        /* max_piece elements of the widest dtype: conversions, reduce output */
+    void *stage;        /* max_piece fp32-sized elements: conversions, reduce output */
     ps_optim_config_t optim;
     double max_grad_norm;
     int64_t step;

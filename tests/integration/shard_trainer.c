@@ -129,7 +129,23 @@ int main(int argc, char **argv)
 
     int failures = 0;
     for (int step = 1; step <= steps; step++) {
-        if (pshard_gather(c, NULL, 0) != PSHARD_OK) {
+        /* Prefetch-style: two asynchronous gathers in flight, waited in order (odd steps), or
+         * one blocking gather of everything (even steps). */
+        pshard_status_t grc;
+        if (step % 2) {
+            static const size_t first[2] = {0, 1}, second[2] = {2, 3};
+            pshard_work_t *w1 = NULL, *w2 = NULL;
+            grc = pshard_gather_start(c, first, 2, &w1);
+            if (grc == PSHARD_OK)
+                grc = pshard_gather_start(c, second, 2, &w2);
+            if (w1 && pshard_work_wait(w1) != PSHARD_OK)
+                grc = PSHARD_ERR_RPC;
+            if (w2 && pshard_work_wait(w2) != PSHARD_OK)
+                grc = PSHARD_ERR_RPC;
+        } else {
+            grc = pshard_gather(c, NULL, 0);
+        }
+        if (grc != PSHARD_OK) {
             fprintf(stderr, "rank %d: gather: %s\n", rank, pshard_last_error(c));
             return 1;
         }
@@ -170,7 +186,9 @@ int main(int argc, char **argv)
                 avg[p][i] = (float)(sum / world);
             }
         }
-        if (pshard_reduce_scatter(c, NULL, 0) != PSHARD_OK) {
+        pshard_work_t *rsw = NULL;
+        if (pshard_reduce_scatter_start(c, NULL, 0, &rsw) != PSHARD_OK ||
+            pshard_work_wait(rsw) != PSHARD_OK) {
             fprintf(stderr, "rank %d: reduce_scatter: %s\n", rank, pshard_last_error(c));
             return 1;
         }
