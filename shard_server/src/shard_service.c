@@ -456,116 +456,114 @@ static bool tensors_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshard__Te
     return true;
 }
 
-static void handle_gather(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+/* Gathers one parameter into the trainer's buffer in dtype (its full values, rank-major). */
+static pshard_status_t gather_one(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
+                                  const Pshard__TensorRef *t, pshard_dtype_t dt, char *err,
+                                  size_t errlen)
 {
-    pshard_shard_server_t *s = ctx;
-    const Pshard__GatherRequest *req = (const Pshard__GatherRequest *)request;
+    uint32_t p = t->param;
+    const float *mine = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
+    size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
+    const void *send = mine;
+    if (dt == PSHARD_BF16) {
+        ps_convert_f32_to_bf16(mine, m->stage, cnt);
+        send = m->stage;
+    } else if (dt == PSHARD_FP16) {
+        ps_convert_f32_to_f16(mine, m->stage, cnt);
+        send = m->stage;
+    }
+    pshard_coll_args_t a = {
+        .op = PSHARD_COLL_ALL_GATHER,
+        .dtype = dt,
+        .send = send,
+        .recv = (uint8_t *)s->model_shm.base + t->offset,
+        .counts = ps_layout_counts(m->layout, p),
+        .tag = ((uint64_t)m->step << 32) | p,
+        .label = m->params[p].name,
+    };
+    return pshard_coll_run(comm, &a, err, errlen);
+}
+
+/* Reduce-scatters one parameter's full gradient (dtype) and adds this rank's averaged slice
+ * to the fp32 accumulator (gradients add up across backward passes until the step). */
+static pshard_status_t reduce_scatter_one(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                          shard_model_t *m, const Pshard__TensorRef *t,
+                                          pshard_dtype_t dt, char *err, size_t errlen)
+{
+    uint32_t p = t->param;
+    size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
+    float *g = m->grad + ps_layout_shard_offset(m->layout, p, m->rank);
+    pshard_coll_args_t a = {
+        .op = PSHARD_COLL_REDUCE_SCATTER,
+        .dtype = dt,
+        .reduce = PSHARD_REDUCE_AVG,
+        .send = (uint8_t *)s->model_shm.base + t->offset,
+        .recv = m->stage,
+        .counts = ps_layout_counts(m->layout, p),
+        .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
+        .label = m->params[p].name,
+    };
+    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    if (dt == PSHARD_FP32) {
+        const float *r = m->stage;
+        for (size_t k = 0; k < cnt; k++)
+            g[k] += r[k];
+    } else {
+        const uint16_t *r = m->stage;
+        for (size_t k = 0; k < cnt; k++)
+            g[k] += ps_bf16_to_f32(r[k]);
+    }
+    return PSHARD_OK;
+}
+
+/* What Gather and ReduceScatter share: checks, one collective per tensor in order, the reply. */
+static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather,
+                      const char *session, Pshard__TensorRef **tensors, size_t n,
+                      Pshard__DType dtype_pb, const ProtobufCMessage *reply)
+{
     pshard_comm_t *comm = comm_or_fail(s, call);
     if (!comm)
         return;
     pshard_dtype_t dt;
-    if (!dtype_from_pb(req->dtype, &dt) || dt == PSHARD_INT64) {
+    bool dt_ok = dtype_from_pb(dtype_pb, &dt) &&
+                 (gather ? dt != PSHARD_INT64 : (dt == PSHARD_FP32 || dt == PSHARD_BF16));
+    if (!dt_ok) {
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                         "param dtype must be fp32, bf16 or fp16");
+                         gather ? "param dtype must be fp32, bf16 or fp16"
+                                : "reduce dtype must be fp32 or bf16");
         return;
     }
     pthread_mutex_lock(&s->op_mu);
-    if (!session_ok(s, call, req->session) ||
-        !tensors_ok(s, call, req->tensors, req->n_tensors, dt)) {
+    if (!session_ok(s, call, session) || !tensors_ok(s, call, tensors, n, dt)) {
         pthread_mutex_unlock(&s->op_mu);
         return;
     }
-    shard_model_t *m = s->model;
     char err[1024] = "";
     pshard_status_t rc = PSHARD_OK;
-    for (size_t i = 0; i < req->n_tensors && rc == PSHARD_OK; i++) {
-        uint32_t p = req->tensors[i]->param;
-        const float *mine = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
-        size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
-        const void *send = mine;
-        if (dt == PSHARD_BF16) {
-            ps_convert_f32_to_bf16(mine, m->stage, cnt);
-            send = m->stage;
-        } else if (dt == PSHARD_FP16) {
-            ps_convert_f32_to_f16(mine, m->stage, cnt);
-            send = m->stage;
-        }
-        pshard_coll_args_t a = {
-            .op = PSHARD_COLL_ALL_GATHER,
-            .dtype = dt,
-            .send = send,
-            .recv = (uint8_t *)s->model_shm.base + req->tensors[i]->offset,
-            .counts = ps_layout_counts(m->layout, p),
-            .tag = ((uint64_t)m->step << 32) | p,
-            .label = m->params[p].name,
-        };
-        rc = pshard_coll_run(comm, &a, err, sizeof(err));
+    for (size_t i = 0; i < n && rc == PSHARD_OK; i++) {
+        rc = gather ? gather_one(s, comm, s->model, tensors[i], dt, err, sizeof(err))
+                    : reduce_scatter_one(s, comm, s->model, tensors[i], dt, err, sizeof(err));
     }
-    if (rc != PSHARD_OK) {
+    if (rc != PSHARD_OK)
         ps_rpc_call_fail(call, rc, "%s", err);
-    } else {
-        Pshard__GatherResponse out = PSHARD__GATHER_RESPONSE__INIT;
-        ps_rpc_call_reply(call, &out.base);
-    }
+    else
+        ps_rpc_call_reply(call, reply);
     pthread_mutex_unlock(&s->op_mu);
+}
+
+static void handle_gather(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    const Pshard__GatherRequest *req = (const Pshard__GatherRequest *)request;
+    Pshard__GatherResponse out = PSHARD__GATHER_RESPONSE__INIT;
+    tensor_op(ctx, call, true, req->session, req->tensors, req->n_tensors, req->dtype, &out.base);
 }
 
 static void handle_reduce_scatter(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
-    pshard_shard_server_t *s = ctx;
     const Pshard__ReduceScatterRequest *req = (const Pshard__ReduceScatterRequest *)request;
-    pshard_comm_t *comm = comm_or_fail(s, call);
-    if (!comm)
-        return;
-    pshard_dtype_t dt;
-    if (!dtype_from_pb(req->dtype, &dt) || (dt != PSHARD_FP32 && dt != PSHARD_BF16)) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "reduce dtype must be fp32 or bf16");
-        return;
-    }
-    pthread_mutex_lock(&s->op_mu);
-    if (!session_ok(s, call, req->session) ||
-        !tensors_ok(s, call, req->tensors, req->n_tensors, dt)) {
-        pthread_mutex_unlock(&s->op_mu);
-        return;
-    }
-    shard_model_t *m = s->model;
-    char err[1024] = "";
-    pshard_status_t rc = PSHARD_OK;
-    for (size_t i = 0; i < req->n_tensors && rc == PSHARD_OK; i++) {
-        uint32_t p = req->tensors[i]->param;
-        size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
-        float *g = m->grad + ps_layout_shard_offset(m->layout, p, m->rank);
-        pshard_coll_args_t a = {
-            .op = PSHARD_COLL_REDUCE_SCATTER,
-            .dtype = dt,
-            .reduce = PSHARD_REDUCE_AVG,
-            .send = (uint8_t *)s->model_shm.base + req->tensors[i]->offset,
-            .recv = m->stage,
-            .counts = ps_layout_counts(m->layout, p),
-            .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
-            .label = m->params[p].name,
-        };
-        rc = pshard_coll_run(comm, &a, err, sizeof(err));
-        if (rc != PSHARD_OK)
-            break;
-        /* Accumulate (gradients add up across backward passes until the step). */
-        if (dt == PSHARD_FP32) {
-            const float *r = m->stage;
-            for (size_t k = 0; k < cnt; k++)
-                g[k] += r[k];
-        } else {
-            const uint16_t *r = m->stage;
-            for (size_t k = 0; k < cnt; k++)
-                g[k] += ps_bf16_to_f32(r[k]);
-        }
-    }
-    if (rc != PSHARD_OK) {
-        ps_rpc_call_fail(call, rc, "%s", err);
-    } else {
-        Pshard__ReduceScatterResponse out = PSHARD__REDUCE_SCATTER_RESPONSE__INIT;
-        ps_rpc_call_reply(call, &out.base);
-    }
-    pthread_mutex_unlock(&s->op_mu);
+    Pshard__ReduceScatterResponse out = PSHARD__REDUCE_SCATTER_RESPONSE__INIT;
+    tensor_op(ctx, call, false, req->session, req->tensors, req->n_tensors, req->dtype,
+              &out.base);
 }
 
 static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
