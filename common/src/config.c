@@ -509,3 +509,41 @@ void ps_config_log(const ps_option_t *opts, size_t nopts, const void *config,
                 result ? config_source_name(result->source[i]) : "unknown");
     }
 }
+
+int ps_config_main(const ps_option_t *opts, size_t nopts, int argc, char **argv, void *config,
+                   ps_config_result_t *result, const char *prog, const char *synopsis,
+                   const char *summary, bool allow_positional)
+{
+    char err[512] = "";
+    if (ps_config_parse(opts, nopts, argc, argv, config, result, err, sizeof(err)) != PSHARD_OK) {
+        fprintf(stderr, "%s: %s (see --help)\n", prog, err);
+        return 2;
+    }
+    if (result->help) {
+        ps_config_usage(stdout, prog, synopsis, summary, opts, nopts);
+        return 0;
+    }
+    if (result->version) {
+        printf("%s %s\n", prog, PSHARD_VERSION_STRING);
+        return 0;
+    }
+    if (!allow_positional && result->first_positional < argc) {
+        fprintf(stderr, "%s: unexpected argument '%s' (see --help)\n", prog,
+                argv[result->first_positional]);
+        return 2;
+    }
+    for (size_t i = 0; i < nopts; i++) {
+        if (strcmp(opts[i].flag, "log") != 0 || opts[i].type != PS_OPT_STRING)
+            continue;
+        const char *text = *(char *const *)((const char *)config + opts[i].offset);
+        ps_log_level_t level;
+        if (text && !ps_log_parse_level(text, &level)) {
+            fprintf(stderr, "%s: --log '%s' is not error|warn|info|debug|trace\n", prog, text);
+            return 2;
+        }
+        if (text)
+            ps_log_set_level(level);
+    }
+    ps_config_log(opts, nopts, config, result);
+    return -1;
+}

@@ -102,37 +102,15 @@ int main(int argc, char **argv)
     int exit_code = 0;
     pshard_coordinator_t *coord = NULL;
     char *token = NULL;
-    if (ps_config_parse(options, PS_ARRAY_LEN(options), argc, argv, &o, &res, err, sizeof(err)) !=
-        PSHARD_OK) {
-        fprintf(stderr, "pshard-coordinator: %s (see --help)\n", err);
-        exit_code = 2;
+    int start = ps_config_main(options, PS_ARRAY_LEN(options), argc, argv, &o, &res,
+                               "pshard-coordinator", "[OPTIONS]",
+                               "Tracks membership, rendezvous, Join state and timeouts for a pshard "
+                               "cluster, and serves a key/value store for bootstrapping collectives.",
+                               false);
+    if (start >= 0) {
+        exit_code = start;
         goto out;
     }
-    if (res.help) {
-        ps_config_usage(stdout, "pshard-coordinator", "[OPTIONS]",
-                        "Tracks membership, rendezvous, Join state and timeouts for a pshard "
-                        "cluster, and serves a key/value store for bootstrapping collectives.",
-                        options, PS_ARRAY_LEN(options));
-        goto out;
-    }
-    if (res.version) {
-        printf("pshard-coordinator %s\n", PSHARD_VERSION_STRING);
-        goto out;
-    }
-    if (res.first_positional < argc) {
-        fprintf(stderr, "pshard-coordinator: unexpected argument '%s' (see --help)\n",
-                argv[res.first_positional]);
-        exit_code = 2;
-        goto out;
-    }
-    ps_log_level_t level;
-    if (!ps_log_parse_level(o.log, &level)) {
-        fprintf(stderr, "pshard-coordinator: --log '%s' is not error|warn|info|debug|trace\n",
-                o.log);
-        exit_code = 2;
-        goto out;
-    }
-    ps_log_set_level(level);
 
     /* torchrun's MASTER_PORT names the coordinator's port when --listen/PSHARD_LISTEN do not. */
     const char *master_port = getenv("MASTER_PORT");
@@ -179,8 +157,6 @@ int main(int argc, char **argv)
             goto out;
         }
     }
-    ps_config_log(options, PS_ARRAY_LEN(options), &o, &res);
-
     pshard_coordinator_config_t cfg = {
         .listen = o.listen,
         .token = token,

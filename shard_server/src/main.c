@@ -85,35 +85,15 @@ int main(int argc, char **argv)
     char *token = NULL;
     char default_coord[300];
     pshard_shard_server_t *srv = NULL;
-    if (ps_config_parse(options, PS_ARRAY_LEN(options), argc, argv, &o, &res, err, sizeof(err)) !=
-        PSHARD_OK) {
-        fprintf(stderr, "pshard-server: %s (see --help)\n", err);
-        rc = 2;
+    int start = ps_config_main(options, PS_ARRAY_LEN(options), argc, argv, &o, &res,
+                               "pshard-server", "[OPTIONS]",
+                               "Owns one rank's shards of the model, runs the collectives with the "
+                               "other shard servers and serves its local trainer.",
+                               false);
+    if (start >= 0) {
+        rc = start;
         goto out;
     }
-    if (res.help) {
-        ps_config_usage(stdout, "pshard-server", "[OPTIONS]",
-                        "Owns one rank's shards of the model, runs the collectives with the other "
-                        "shard servers and serves its local trainer.",
-                        options, PS_ARRAY_LEN(options));
-        goto out;
-    }
-    if (res.version) {
-        printf("pshard-server %s\n", PSHARD_VERSION_STRING);
-        goto out;
-    }
-    if (res.first_positional < argc) {
-        fprintf(stderr, "pshard-server: unexpected argument '%s'\n", argv[res.first_positional]);
-        rc = 2;
-        goto out;
-    }
-    ps_log_level_t level;
-    if (!ps_log_parse_level(o.log, &level)) {
-        fprintf(stderr, "pshard-server: --log '%s' is not error|warn|info|debug|trace\n", o.log);
-        rc = 2;
-        goto out;
-    }
-    ps_log_set_level(level);
     if (!o.coordinator) {
         ps_default_coordinator(default_coord, sizeof(default_coord));
         o.coordinator = strdup(default_coord);
@@ -131,7 +111,6 @@ int main(int argc, char **argv)
             goto out;
         }
     }
-    ps_config_log(options, PS_ARRAY_LEN(options), &o, &res);
     pshard_shard_server_config_t cfg = {
         .coordinator = o.coordinator,
         .listen = o.listen,

@@ -51,6 +51,15 @@ pshard_status_t ps_config_parse(const ps_option_t *opts, size_t nopts, int argc,
                                 void *config, ps_config_result_t *result, char *err,
                                 size_t errlen);
 
+/* The start every pshard daemon and tool shares: ps_config_parse, then usage on --help and
+ * "PROG VERSION" on --version, a refusal of positional arguments unless allow_positional,
+ * and the log level of the option named "log" (if the table has one) applied with
+ * ps_log_set_level. Returns -1 when main should go on, else the exit code main returns: 0
+ * after --help/--version, 2 after a message on stderr naming the bad flag or value. */
+int ps_config_main(const ps_option_t *opts, size_t nopts, int argc, char **argv, void *config,
+                   ps_config_result_t *result, const char *prog, const char *synopsis,
+                   const char *summary, bool allow_positional);
+
 /* Frees the PS_OPT_STRING fields of `config` and sets them to NULL. NULL config is a no-op. */
 void ps_config_free(const ps_option_t *opts, size_t nopts, void *config);
 

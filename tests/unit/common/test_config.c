@@ -726,6 +726,44 @@ static void test_log(void)
     clear_env();
 }
 
+typedef struct {
+    char *log;
+    int64_t n;
+} main_cfg_t;
+
+static const ps_option_t main_opts[] = {
+    {"log", NULL, PS_OPT_STRING, "warn", "log level", offsetof(main_cfg_t, log), 0, 0},
+    {"n", NULL, PS_OPT_INT, "1", "a number", offsetof(main_cfg_t, n), 1, 9},
+};
+
+/* ps_config_main: go on (-1), or the exit code for --help/--version (0) and bad input (2). */
+static void test_config_main(void)
+{
+    main_cfg_t c;
+    ps_config_result_t r;
+    char *ok[] = {"prog", "--n", "3", "--log", "error", NULL};
+    CU_ASSERT_EQUAL(ps_config_main(main_opts, 2, 5, ok, &c, &r, "prog", "", "", false), -1);
+    CU_ASSERT_EQUAL(c.n, 3);
+    CU_ASSERT(ps_log_enabled(PS_LOG_ERROR, PS_SUB_MAIN));
+    CU_ASSERT(!ps_log_enabled(PS_LOG_WARN, PS_SUB_MAIN));
+    ps_log_set_level(PS_LOG_WARN);
+    ps_config_free(main_opts, 2, &c);
+    char *badlog[] = {"prog", "--log", "loud", NULL};
+    CU_ASSERT_EQUAL(ps_config_main(main_opts, 2, 3, badlog, &c, &r, "prog", "", "", false), 2);
+    ps_config_free(main_opts, 2, &c);
+    char *badn[] = {"prog", "--n", "10", NULL};
+    CU_ASSERT_EQUAL(ps_config_main(main_opts, 2, 3, badn, &c, &r, "prog", "", "", false), 2);
+    ps_config_free(main_opts, 2, &c);
+    char *extra[] = {"prog", "stray", NULL};
+    CU_ASSERT_EQUAL(ps_config_main(main_opts, 2, 2, extra, &c, &r, "prog", "", "", false), 2);
+    ps_config_free(main_opts, 2, &c);
+    CU_ASSERT_EQUAL(ps_config_main(main_opts, 2, 2, extra, &c, &r, "prog", "", "", true), -1);
+    ps_config_free(main_opts, 2, &c);
+    char *ver[] = {"prog", "--version", NULL};
+    CU_ASSERT_EQUAL(ps_config_main(main_opts, 2, 2, ver, &c, &r, "prog", "", "", false), 0);
+    ps_config_free(main_opts, 2, &c);
+}
+
 int main(void)
 {
     static const ps_test_case_t cases[] = {
@@ -749,6 +787,7 @@ int main(void)
         {"too_many_options", test_too_many_options},
         {"bad_table", test_bad_table},
         {"log", test_log},
+        {"config_main", test_config_main},
         {NULL, NULL},
     };
     return ps_test_main("config", cases);
