@@ -28,8 +28,10 @@
 typedef struct {
     void *base;
     size_t bytes;
-    char name[64];
+    char name[64]; /* "" for a private region (remote trainers) */
 } region_t;
+
+#define CHUNK (1u << 20)
 
 typedef enum { WORK_GATHER, WORK_REDUCE_SCATTER } work_kind_t;
 
@@ -97,9 +99,20 @@ int pshard_world_size(const pshard_client_t *c)
 /* ---------------------------------------------------------------------------------------- */
 /* Shared memory                                                                             */
 
-static pshard_status_t region_create(region_t *r, size_t bytes, const char *what, char *err,
-                                     size_t errlen)
+static pshard_status_t region_create(region_t *r, size_t bytes, const char *what, bool remote,
+                                     char *err, size_t errlen)
 {
+    if (remote) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "cannot allocate %zu bytes",
+                           bytes);
+        memset(p, 0, bytes);
+        r->base = p;
+        r->bytes = bytes;
+        r->name[0] = '\0';
+        return PSHARD_OK;
+    }
     uint8_t rnd[8];
     if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd))
         memset(rnd, 0x5a, sizeof(rnd));
@@ -133,7 +146,8 @@ static void region_destroy(region_t *r)
 {
     if (r->base) {
         munmap(r->base, r->bytes);
-        shm_unlink(r->name);
+        if (r->name[0])
+            shm_unlink(r->name);
     }
     memset(r, 0, sizeof(*r));
 }
@@ -154,6 +168,66 @@ static pshard_status_t call(pshard_client_t *c, const char *method, const Protob
         *resp = r;
     else if (r)
         protobuf_c_message_free_unpacked(r, NULL);
+    return rc;
+}
+
+/* Remote path: copies len bytes at off of a local region to the server's, in chunks.
+ * region_bytes (MODEL before DefineModel) asks the server to create its region first. */
+static pshard_status_t remote_write(pshard_client_t *c, Pshard__Region region,
+                                    const region_t *r, size_t off, size_t len,
+                                    uint64_t region_bytes, char *err, size_t errlen)
+{
+    size_t done = 0;
+    do {
+        size_t n = len - done < CHUNK ? len - done : CHUNK;
+        Pshard__RegionWriteRequest req = PSHARD__REGION_WRITE_REQUEST__INIT;
+        req.session = c->session;
+        req.region = region;
+        req.offset = off + done;
+        req.data.data = (uint8_t *)r->base + off + done;
+        req.data.len = n;
+        req.region_bytes = region_bytes;
+        PS_CHECK(call(c, "WriteRegion", &req.base, &pshard__region_write_response__descriptor,
+                      NULL, err, errlen));
+        done += n;
+    } while (done < len);
+    return PSHARD_OK;
+}
+
+/* Remote path: fetches len bytes at off of the server's region into the local one. */
+static pshard_status_t remote_read(pshard_client_t *c, Pshard__Region region, region_t *r,
+                                   size_t off, size_t len, char *err, size_t errlen)
+{
+    Pshard__RegionReadRequest req = PSHARD__REGION_READ_REQUEST__INIT;
+    req.session = c->session;
+    req.region = region;
+    req.offset = off;
+    req.length = len;
+    ps_rpc_stream_t *st = ps_rpc_stream_open(c->ch, "/pshard.ShardServer/ReadRegion", &req.base,
+                                             c->cfg.timeout_ms, err, errlen);
+    if (!st)
+        return PSHARD_ERR_RPC;
+    size_t got = 0;
+    pshard_status_t rc = PSHARD_OK;
+    for (;;) {
+        ProtobufCMessage *msg = NULL;
+        rc = ps_rpc_stream_next(st, &pshard__data_chunk__descriptor, &msg, -1, NULL, err, errlen);
+        if (rc != PSHARD_OK || !msg)
+            break;
+        Pshard__DataChunk *ch = (Pshard__DataChunk *)msg;
+        if (ch->offset < off || ch->data.len > len || ch->offset - off > len - ch->data.len) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_RPC, "the server sent a chunk outside the range");
+        } else {
+            memcpy((uint8_t *)r->base + ch->offset, ch->data.data, ch->data.len);
+            got += ch->data.len;
+        }
+        protobuf_c_message_free_unpacked(msg, NULL);
+        if (rc != PSHARD_OK)
+            break;
+    }
+    ps_rpc_stream_close(st);
+    if (rc == PSHARD_OK && got != len)
+        rc = ps_errf(err, errlen, PSHARD_ERR_RPC, "the server sent %zu of %zu bytes", got, len);
     return rc;
 }
 
@@ -187,6 +261,8 @@ pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char 
                            "PSHARD_SCRATCH_BYTES='%s' is not a size in bytes", e);
         cfg->scratch_bytes = (size_t)v;
     }
+    e = getenv("PSHARD_REMOTE");
+    cfg->remote = e && (strcmp(e, "1") == 0 || strcmp(e, "true") == 0);
     cfg->server = getenv("PSHARD_SERVER");
     if (!cfg->server || !*cfg->server)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
@@ -236,7 +312,7 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
         rc = PSHARD_ERR_INVALID_ARGUMENT;
         goto fail;
     }
-    rc = region_create(&c->scratch, c->cfg.scratch_bytes, "scratch", err, errlen);
+    rc = region_create(&c->scratch, c->cfg.scratch_bytes, "scratch", c->cfg.remote, err, errlen);
     if (rc != PSHARD_OK)
         goto fail;
     /* Attach, retrying while the cluster forms (UNAVAILABLE) until the connect timeout. */
@@ -398,7 +474,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     size_t bytes = off > init_bytes ? off : init_bytes;
     region_t model = {0};
     char err[1024] = "";
-    rc = region_create(&model, bytes, "model", err, sizeof(err));
+    rc = region_create(&model, bytes, "model", c->cfg.remote, err, sizeof(err));
     if (rc != PSHARD_OK) {
         fail(c, rc, "%s", err);
         goto out;
@@ -413,6 +489,16 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
                 goto out;
             }
             memcpy((uint8_t *)model.base + init_offsets[i], init[i], numel[i] * 4);
+        }
+    }
+    if (c->cfg.remote) {
+        /* The server creates its copy of the region; initial values travel in chunks. */
+        rc = remote_write(c, PSHARD__REGION__MODEL, &model, 0, need_init ? init_bytes : 0,
+                          model.bytes, err, sizeof(err));
+        if (rc != PSHARD_OK) {
+            region_destroy(&model);
+            fail(c, rc, "uploading the model region: %s", err);
+            goto out;
         }
     }
     Pshard__OptimizerConfig oc = PSHARD__OPTIMIZER_CONFIG__INIT;
@@ -527,6 +613,12 @@ static pshard_status_t run_tensor_op(pshard_client_t *c, work_kind_t kind, const
         refs[k].offset = kind == WORK_GATHER ? c->param_off[i] : c->grad_off[i];
         ptrs[k] = &refs[k];
     }
+    size_t ps = pshard_dtype_size(c->param_dtype), gs = pshard_dtype_size(c->reduce_dtype);
+    if (rc == PSHARD_OK && c->cfg.remote && kind == WORK_REDUCE_SCATTER) {
+        for (size_t k = 0; k < count && rc == PSHARD_OK; k++)
+            rc = remote_write(c, PSHARD__REGION__MODEL, &c->model, refs[k].offset,
+                              c->numel[refs[k].param] * gs, 0, err, errlen);
+    }
     if (rc == PSHARD_OK) {
         if (kind == WORK_GATHER) {
             Pshard__GatherRequest req = PSHARD__GATHER_REQUEST__INIT;
@@ -545,6 +637,11 @@ static pshard_status_t run_tensor_op(pshard_client_t *c, work_kind_t kind, const
             rc = call(c, "ReduceScatter", &req.base, &pshard__reduce_scatter_response__descriptor,
                       NULL, err, errlen);
         }
+    }
+    if (rc == PSHARD_OK && c->cfg.remote && kind == WORK_GATHER) {
+        for (size_t k = 0; k < count && rc == PSHARD_OK; k++)
+            rc = remote_read(c, PSHARD__REGION__MODEL, &c->model, refs[k].offset,
+                             c->numel[refs[k].param] * ps, err, errlen);
     }
     free(refs);
     free(ptrs);
@@ -694,8 +791,14 @@ pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double
 
 static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_t dt,
                                   bool average, int root, size_t count, size_t send_off,
-                                  size_t recv_off)
+                                  size_t recv_off, size_t recv_bytes)
 {
+    char err[1024] = "";
+    size_t send_bytes = count * pshard_dtype_size(dt);
+    if (c->cfg.remote && send_bytes &&
+        remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, send_off, send_bytes, 0, err,
+                     sizeof(err)) != PSHARD_OK)
+        return fail(c, PSHARD_ERR_RPC, "collective: %s", err);
     Pshard__CollectiveRequest req = PSHARD__COLLECTIVE_REQUEST__INIT;
     req.session = c->session;
     req.op = op;
@@ -705,9 +808,11 @@ static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_
     req.count = count;
     req.send_offset = send_off;
     req.recv_offset = recv_off;
-    char err[1024] = "";
     pshard_status_t rc = call(c, "Collective", &req.base, &pshard__collective_response__descriptor,
                               NULL, err, sizeof(err));
+    if (rc == PSHARD_OK && c->cfg.remote && recv_bytes)
+        rc = remote_read(c, PSHARD__REGION__SCRATCH, &c->scratch, recv_off, recv_bytes, err,
+                         sizeof(err));
     if (rc != PSHARD_OK)
         return fail(c, rc, "collective: %s", err);
     return PSHARD_OK;
@@ -728,7 +833,7 @@ pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count,
     size_t bytes = count * pshard_dtype_size(dtype);
     PS_CHECK(fits(c, bytes));
     memcpy(c->scratch.base, buf, bytes);
-    PS_CHECK(collective(c, 3, dtype, average, 0, count, 0, 0));
+    PS_CHECK(collective(c, 3, dtype, average, 0, count, 0, 0, bytes));
     memcpy(buf, c->scratch.base, bytes);
     return PSHARD_OK;
 }
@@ -740,7 +845,7 @@ pshard_status_t pshard_broadcast(pshard_client_t *c, void *buf, size_t count,
     PS_CHECK(fits(c, bytes));
     if (c->rank == root)
         memcpy(c->scratch.base, buf, bytes);
-    PS_CHECK(collective(c, 4, dtype, false, root, count, 0, 0));
+    PS_CHECK(collective(c, 4, dtype, false, root, count, 0, 0, bytes));
     memcpy(buf, c->scratch.base, bytes);
     return PSHARD_OK;
 }
@@ -752,12 +857,12 @@ pshard_status_t pshard_all_gather(pshard_client_t *c, const void *send, void *re
     size_t recv_off = align_up(bytes);
     PS_CHECK(fits(c, recv_off + bytes * (size_t)c->world));
     memcpy(c->scratch.base, send, bytes);
-    PS_CHECK(collective(c, 1, dtype, false, 0, count, 0, recv_off));
+    PS_CHECK(collective(c, 1, dtype, false, 0, count, 0, recv_off, bytes * (size_t)c->world));
     memcpy(recv, (uint8_t *)c->scratch.base + recv_off, bytes * (size_t)c->world);
     return PSHARD_OK;
 }
 
 pshard_status_t pshard_barrier(pshard_client_t *c)
 {
-    return collective(c, 5, PSHARD_FP32, false, 0, 0, 0, 0);
+    return collective(c, 5, PSHARD_FP32, false, 0, 0, 0, 0, 0);
 }

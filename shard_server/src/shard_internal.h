@@ -13,7 +13,7 @@
 #include "pshard/shard_server.h"
 #include "shard_model.h"
 
-#define NMETHODS 7
+#define NMETHODS 9
 #define SHM_NAME_MAX 200
 
 typedef struct {
@@ -49,6 +49,7 @@ struct pshard_shard_server {
     pthread_mutex_t op_mu;
     char session[40];
     shm_map_t scratch, model_shm;
+    shm_map_t pending_model; /* remote trainers: private model region filled before DefineModel */
     shard_model_t *model;
 
     ps_rpc_method_t methods[NMETHODS];

@@ -6,7 +6,9 @@
  * each trainer can compute every rank's. Exit 0 when they match.
  * usage: shard_trainer SERVER RANK WORLD LAYOUT(fsdp2|fsdp1) OPT(sgd|adam|adamw) DTYPE(fp32|bf16)
  *        STEPS [mismatch] */
+#include <dirent.h>
 #include <math.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +49,20 @@ static void free_arrays(void)
     }
 }
 
+/* Shared-memory objects this process created (the local path makes two per client). */
+static int own_shm_objects(void)
+{
+    char prefix[64];
+    snprintf(prefix, sizeof(prefix), "pshard-%d-", (int)getpid());
+    DIR *d = opendir("/dev/shm");
+    int n = 0;
+    for (struct dirent *e; d && (e = readdir(d)) != NULL;)
+        n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
+    if (d)
+        closedir(d);
+    return n;
+}
+
 static float round_param(float v, pshard_dtype_t dt)
 {
     return dt == PSHARD_BF16 ? ps_bf16_to_f32(ps_f32_to_bf16(v)) : v;
@@ -73,8 +89,10 @@ int main(int argc, char **argv)
     int steps = (int)v;
     bool mismatch = argc > 8 && strcmp(argv[8], "mismatch") == 0;
 
+    const char *remote = getenv("PSHARD_REMOTE");
     pshard_client_config_t cfg = {.server = argv[1], .rank = rank, .world_size = world,
-                                  .connect_timeout_ms = 30000, .timeout_ms = 30000};
+                                  .connect_timeout_ms = 30000, .timeout_ms = 30000,
+                                  .remote = remote && strcmp(remote, "1") == 0};
     pshard_client_t *c = NULL;
     char err[1024] = "";
     if (pshard_connect(&cfg, &c, err, sizeof(err)) != PSHARD_OK) {
@@ -112,6 +130,13 @@ int main(int argc, char **argv)
             printf("rank %d: refused as expected: %s\n", rank, pshard_last_error(c));
         pshard_close(c);
         return code;
+    }
+    /* The remote path uses no shared memory at all; the local one does. */
+    if ((own_shm_objects() == 0) != cfg.remote) {
+        fprintf(stderr, "rank %d: %d shared-memory objects on the %s path\n", rank,
+                own_shm_objects(), cfg.remote ? "remote" : "local");
+        pshard_close(c);
+        return 1;
     }
     if (mismatch) {
         fprintf(stderr, "rank %d: a mismatched definition was accepted\n", rank);

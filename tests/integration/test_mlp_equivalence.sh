@@ -2,7 +2,8 @@
 # The core oracle of sharded training: `pshardrun --nproc N -- pshard-mlp ARGS` must print the
 # same `step N loss X` lines as the single-process reference `pshard-mlp --local --world N ARGS`
 # (1e-4 relative in fp32; bf16 parameters within 2e-2), for several world sizes, optimizers,
-# both layouts, with clipping, on widths that do not divide by N and a 1-row output layer.
+# both layouts, with clipping, on widths that do not divide by N and a 1-row output layer, and
+# once over the remote (gRPC streaming) path.
 # usage: test_mlp_equivalence.sh PSHARDRUN PSHARD-MLP
 set -euo pipefail
 run="$1"
@@ -49,6 +50,8 @@ case_ 3 1e-4 --optimizer adam --max-grad-norm 1.0
 case_ 3 1e-4 --optimizer adamw --layout fsdp1
 case_ 4 1e-4 --optimizer sgd --lr 0.05 --momentum 0.9 --layout fsdp1
 case_ 2 2e-2 --optimizer adamw --param-dtype bf16 --reduce-dtype bf16
+# The remote path: trainers stream tensors over gRPC instead of sharing memory.
+PSHARD_REMOTE=1 case_ 3 1e-4 --optimizer adam --max-grad-norm 1.0
 
 if [ "$fails" -ne 0 ]; then
   echo "$fails case(s) failed"

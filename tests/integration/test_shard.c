@@ -114,6 +114,15 @@ static void test_bf16_params(void)
 {
     CU_ASSERT(run_case(3, "fsdp2", "adamw", "bf16", ""));
 }
+/* A trainer on "another host": no shared memory, tensors stream over gRPC in 1 MiB chunks. */
+static void test_remote_path(void)
+{
+    setenv("PSHARD_REMOTE", "1", 1);
+    CU_ASSERT(run_case(3, "fsdp2", "adam", "fp32", ""));
+    CU_ASSERT(run_case(2, "fsdp1", "sgd", "bf16", ""));
+    unsetenv("PSHARD_REMOTE");
+}
+
 static void test_mismatched_definition(void)
 {
     CU_ASSERT(run_case(2, "fsdp2", "sgd", "fp32", "mismatch"));
@@ -136,6 +145,7 @@ int main(int argc, char **argv)
         {"3 ranks, fsdp1, adamw", test_three_ranks_adamw_fsdp1},
         {"2 ranks, fsdp1, sgd", test_two_ranks_sgd_fsdp1},
         {"3 ranks, bf16 params, adamw", test_bf16_params},
+        {"remote path (gRPC streaming, no shared memory)", test_remote_path},
         {"mismatched model definitions are refused", test_mismatched_definition},
         {NULL, NULL},
     };

@@ -44,10 +44,12 @@ typedef struct {
     size_t scratch_bytes;      /* shared memory for plain collectives (default 16 MiB) */
     int64_t timeout_ms;        /* per operation (default 10 minutes) */
     int64_t connect_timeout_ms; /* waiting for the cluster to form (default 5 minutes) */
+    bool remote;               /* the shard server is on another host: no shared memory, tensors
+                                  stream over gRPC in 1 MiB chunks (env PSHARD_REMOTE=1) */
 } pshard_client_config_t;
 
 /* Fills cfg from the environment (RANK, WORLD_SIZE, PSHARD_SERVER, PSHARD_TOKEN_FILE,
- * PSHARD_SCRATCH_BYTES) with defaults for the rest. Strings point into the environment or
+ * PSHARD_SCRATCH_BYTES, PSHARD_REMOTE) with defaults for the rest. Strings point into the environment or
  * static storage. Returns INVALID_ARGUMENT with a message on stderr-free err for malformed
  * values. Thread-safe if the environment is not modified concurrently. */
 PSHARD_API pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char *err,
