@@ -758,7 +758,10 @@ static void test_attach_bad(void)
     EXPECT_ERR("Attach, negative rank", do_attach(ch, -1, obj.name, 4096), IA, "rank -1");
     EXPECT_ERR("Attach ../etc", do_attach(ch, 0, "../etc", 4096), IA, "\"/pshard-...\"");
     EXPECT_ERR("Attach /other-name", do_attach(ch, 0, "/other-name", 4096), IA, "\"/pshard-...\"");
-    EXPECT_ERR("Attach, empty name", do_attach(ch, 0, "", 4096), IA, "\"/pshard-...\"");
+    /* An empty name asks for the remote path (a private region); its size is still checked. */
+    EXPECT_ERR("Attach, remote with 0 bytes", do_attach(ch, 0, "", 0), IA, "out of range");
+    EXPECT_ERR("Attach, remote with 2^50 bytes", do_attach(ch, 0, "", 1ull << 50), IA,
+               "out of range");
     EXPECT_ERR("Attach /pshard-", do_attach(ch, 0, "/pshard-", 4096), IA, "\"/pshard-...\"");
     char longname[400] = "/pshard-";
     memset(longname + 8, 'a', 300);
@@ -1540,6 +1543,80 @@ out:
     }
 }
 
+/* The remote path's byte movers refuse what does not fit: chunks over 1 MiB, ranges outside
+ * the region, unknown regions, wrong sessions; the server keeps serving. */
+static void test_region_bad(void)
+{
+    CU_ASSERT_FATAL(ensure_trainer());
+    ps_rpc_channel_t *ch = one.ch[0];
+    const pshard_status_t IA = PSHARD_ERR_INVALID_ARGUMENT;
+    static uint8_t big[(1u << 20) + 1];
+    Pshard__RegionWriteRequest w = PSHARD__REGION_WRITE_REQUEST__INIT;
+    w.session = tr.session;
+    w.region = PSHARD__REGION__SCRATCH;
+    w.data.data = big;
+    w.data.len = sizeof(big);
+    EXPECT_ERR("WriteRegion, chunk over 1 MiB",
+               rpc(ch, "WriteRegion", &w.base, &pshard__region_write_response__descriptor, 5000),
+               IA, "exceeds");
+    w.data.len = 16;
+    w.offset = (uint64_t)1 << 40;
+    EXPECT_ERR("WriteRegion, outside the region",
+               rpc(ch, "WriteRegion", &w.base, &pshard__region_write_response__descriptor, 5000),
+               IA, "outside");
+    w.offset = 0;
+    w.region = 7;
+    EXPECT_ERR("WriteRegion, unknown region",
+               rpc(ch, "WriteRegion", &w.base, &pshard__region_write_response__descriptor, 5000),
+               IA, "unknown region");
+    w.region = PSHARD__REGION__SCRATCH;
+    w.session = "not-a-session";
+    EXPECT_ERR("WriteRegion, wrong session",
+               rpc(ch, "WriteRegion", &w.base, &pshard__region_write_response__descriptor, 5000),
+               PSHARD_ERR_FAILED_PRECONDITION, "session");
+    /* A good write, then reading it back through the stream. */
+    w.session = tr.session;
+    memset(big, 0x5a, 16);
+    ProtobufCMessage *ok = EXPECT_OK(
+        "WriteRegion, 16 bytes",
+        rpc(ch, "WriteRegion", &w.base, &pshard__region_write_response__descriptor, 5000));
+    CU_ASSERT(ok != NULL);
+    if (ok)
+        protobuf_c_message_free_unpacked(ok, NULL);
+    Pshard__RegionReadRequest rq = PSHARD__REGION_READ_REQUEST__INIT;
+    rq.session = tr.session;
+    rq.region = PSHARD__REGION__SCRATCH;
+    rq.length = 16;
+    char err[512] = "";
+    ps_rpc_stream_t *st =
+        ps_rpc_stream_open(ch, "/pshard.ShardServer/ReadRegion", &rq.base, 5000, err, sizeof(err));
+    CU_ASSERT_FATAL(st != NULL);
+    ProtobufCMessage *msg = NULL;
+    CU_ASSERT(ps_rpc_stream_next(st, &pshard__data_chunk__descriptor, &msg, 5000, NULL, err,
+                                 sizeof(err)) == PSHARD_OK);
+    if (msg) {
+        Pshard__DataChunk *c = (Pshard__DataChunk *)msg;
+        CU_ASSERT(c->offset == 0 && c->data.len == 16 && c->data.data[15] == 0x5a);
+        protobuf_c_message_free_unpacked(msg, NULL);
+    }
+    ps_rpc_stream_close(st);
+    /* Reading past the end fails on the stream with INVALID_ARGUMENT. */
+    rq.offset = (uint64_t)1 << 40;
+    st = ps_rpc_stream_open(ch, "/pshard.ShardServer/ReadRegion", &rq.base, 5000, err,
+                            sizeof(err));
+    CU_ASSERT_FATAL(st != NULL);
+    msg = NULL;
+    err[0] = '\0';
+    int code = 0;
+    pshard_status_t rc = ps_rpc_stream_next(st, &pshard__data_chunk__descriptor, &msg, 5000,
+                                            &code, err, sizeof(err));
+    CU_ASSERT(rc == IA && strstr(err, "outside") != NULL);
+    if (msg)
+        protobuf_c_message_free_unpacked(msg, NULL);
+    ps_rpc_stream_close(st);
+    check_serving_(ch, &tr, __LINE__);
+}
+
 int main(int argc, char **argv)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -1577,6 +1654,7 @@ int main(int argc, char **argv)
         {"Gather/ReduceScatter/Step: bad params, offsets, dtypes, lr", test_tensors_bad},
         {"Collective: bad op, dtype, offsets", test_collective_bad},
         {"garbage bytes on each method, oversized request", test_garbage},
+        {"ReadRegion/WriteRegion: oversized chunks, ranges, regions, sessions", test_region_bad},
         {"--offload cpu/none, --offload gpu and --backend nccl refused",
          test_offload_and_backend_options},
         {"a trainer killed mid-step: ReduceScatter times out naming the rank",
