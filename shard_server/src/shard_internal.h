@@ -65,4 +65,21 @@ void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *m
 void *shard_heartbeat_main(void *arg);
 void *shard_setup_main(void *arg);
 
+/* Unmaps a region (shared or private) and clears it; an empty one is a no-op. */
+void shard_unmap(shm_map_t *m);
+
+/* True when [offset, offset + len) lies inside m and offset is a multiple of align (0: any). */
+bool shard_in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t align);
+
+/* True when session names the attached trainer; otherwise fails the call and returns false.
+ * Call with op_mu held. */
+bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session);
+
+/* Anonymous memory of bytes for a remote trainer's region (shard_region.c). */
+pshard_status_t shard_alloc_private(uint64_t bytes, shm_map_t *out, char *err, size_t errlen);
+
+/* ReadRegion (server streaming) and WriteRegion handlers (shard_region.c). */
+void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
+void shard_handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
+
 #endif

@@ -50,7 +50,7 @@ static bool dtype_from_pb(Pshard__DType d, pshard_dtype_t *out)
     }
 }
 
-static void unmap(shm_map_t *m)
+void shard_unmap(shm_map_t *m)
 {
     if (m->base)
         munmap(m->base, m->bytes);
@@ -100,25 +100,9 @@ static pshard_status_t map_shm(const char *name, uint64_t bytes, shm_map_t *out,
     return PSHARD_OK;
 }
 
-/* A private region for a trainer on another host (no shared memory): anonymous pages. */
-static pshard_status_t alloc_private(uint64_t bytes, shm_map_t *out, char *err, size_t errlen)
-{
-    if (bytes == 0 || bytes > (1ull << 46))
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "region size %" PRIu64 " is out of range", bytes);
-    void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
-                   0);
-    if (p == MAP_FAILED)
-        return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
-                       "cannot allocate a %" PRIu64 "-byte region: %s", bytes, strerror(errno));
-    out->base = p;
-    out->bytes = (size_t)bytes;
-    out->name[0] = '\0';
-    return PSHARD_OK;
-}
 
 /* Checks [offset, offset + len) lies in the region and offset is aligned to align. */
-static bool in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t align)
+bool shard_in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t align)
 {
     return m->base && offset <= m->bytes && len <= m->bytes - offset &&
            (align == 0 || offset % align == 0);
@@ -143,7 +127,7 @@ static pshard_comm_t *comm_or_fail(pshard_shard_server_t *s, ps_rpc_call_t *call
     return c;
 }
 
-static bool session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session)
+bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session)
 {
     if (!s->session[0]) {
         ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
@@ -180,16 +164,16 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     char err[512] = "";
     shm_map_t m = {0};
     bool remote = !req->shm_name || !req->shm_name[0];
-    pshard_status_t rc = remote ? alloc_private(req->shm_bytes, &m, err, sizeof(err))
+    pshard_status_t rc = remote ? shard_alloc_private(req->shm_bytes, &m, err, sizeof(err))
                                 : map_shm(req->shm_name, req->shm_bytes, &m, err, sizeof(err));
     if (rc != PSHARD_OK) {
         ps_rpc_call_fail(call, rc, "%s", err);
         return;
     }
     pthread_mutex_lock(&s->op_mu);
-    unmap(&s->scratch);
-    unmap(&s->model_shm);
-    unmap(&s->pending_model);
+    shard_unmap(&s->scratch);
+    shard_unmap(&s->model_shm);
+    shard_unmap(&s->pending_model);
     s->scratch = m;
     uint8_t rnd[16];
     if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
@@ -295,7 +279,7 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
         const float *src = NULL;
         if (has_data) {
             uint64_t off = req->init_offsets[p];
-            if (!in_region(region, off, (uint64_t)numel * 4, 4)) {
+            if (!shard_in_region(region, off, (uint64_t)numel * 4, 4)) {
                 rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                              "init values of '%s' lie outside the model region",
                              m->params[p].name);
@@ -329,7 +313,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     if (!comm)
         return;
     pthread_mutex_lock(&s->op_mu);
-    if (!session_ok(s, call, req->session)) {
+    if (!shard_session_ok(s, call, req->session)) {
         pthread_mutex_unlock(&s->op_mu);
         return;
     }
@@ -417,7 +401,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     rc = init_params(comm, m, req, &region, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
-    unmap(&s->model_shm);
+    shard_unmap(&s->model_shm);
     s->model_shm = region;
     memset(&region, 0, sizeof(region));
     /* Status reads the model under s->mu without waiting for trainer operations. */
@@ -430,7 +414,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
             m->shard_numel, layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1");
     m = NULL;
 out:
-    unmap(&region);
+    shard_unmap(&region);
     shard_model_free(m);
     free(names);
     free(shapes);
@@ -477,7 +461,7 @@ static bool tensors_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshard__Te
             return false;
         }
         const shard_param_t *p = &m->params[t[i]->param];
-        if (!in_region(&s->model_shm, t[i]->offset, (uint64_t)p->numel * es, es)) {
+        if (!shard_in_region(&s->model_shm, t[i]->offset, (uint64_t)p->numel * es, es)) {
             ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
                              "buffer of '%s' (%zu x %s at offset %" PRIu64
                              ") lies outside the model region of %zu bytes or is misaligned",
@@ -567,7 +551,7 @@ static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather
         return;
     }
     pthread_mutex_lock(&s->op_mu);
-    if (!session_ok(s, call, session) || !tensors_ok(s, call, tensors, n, dt)) {
+    if (!shard_session_ok(s, call, session) || !tensors_ok(s, call, tensors, n, dt)) {
         pthread_mutex_unlock(&s->op_mu);
         return;
     }
@@ -607,7 +591,7 @@ static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
     if (!comm)
         return;
     pthread_mutex_lock(&s->op_mu);
-    if (!session_ok(s, call, req->session)) {
+    if (!shard_session_ok(s, call, req->session)) {
         pthread_mutex_unlock(&s->op_mu);
         return;
     }
@@ -676,7 +660,7 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
         return;
     }
     pthread_mutex_lock(&s->op_mu);
-    if (!session_ok(s, call, req->session)) {
+    if (!shard_session_ok(s, call, req->session)) {
         pthread_mutex_unlock(&s->op_mu);
         return;
     }
@@ -685,8 +669,8 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
     uint64_t send_bytes = req->count * es;
     uint64_t recv_bytes = req->op == PSHARD_COLL_ALL_GATHER ? send_bytes * (uint64_t)world
                                                             : send_bytes;
-    if (req->count > (1ull << 40) || !in_region(&s->scratch, req->send_offset, send_bytes, es) ||
-        !in_region(&s->scratch, req->recv_offset, recv_bytes, es)) {
+    if (req->count > (1ull << 40) || !shard_in_region(&s->scratch, req->send_offset, send_bytes, es) ||
+        !shard_in_region(&s->scratch, req->recv_offset, recv_bytes, es)) {
         pthread_mutex_unlock(&s->op_mu);
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
                          "buffers (%" PRIu64 " elements at offsets %" PRIu64 " and %" PRIu64
@@ -752,101 +736,6 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     }
     ps_rpc_call_reply(call, &out.base);
     pthread_mutex_unlock(&s->mu);
-}
-
-/* The region a remote trainer names; NULL (and the call failed) when it is not there. */
-static shm_map_t *region_of(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshard__Region r)
-{
-    shm_map_t *m = r == PSHARD__REGION__SCRATCH ? &s->scratch
-                   : r == PSHARD__REGION__MODEL ? &s->model_shm
-                                                : NULL;
-    if (!m) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "unknown region %d", (int)r);
-        return NULL;
-    }
-    if (!m->base) {
-        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION, "the %s region is not there yet",
-                         r == PSHARD__REGION__SCRATCH ? "scratch" : "model");
-        return NULL;
-    }
-    return m;
-}
-
-#define CHUNK_MAX (1u << 20)
-
-static void handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
-{
-    pshard_shard_server_t *s = ctx;
-    const Pshard__RegionReadRequest *req = (const Pshard__RegionReadRequest *)request;
-    pthread_mutex_lock(&s->op_mu);
-    shm_map_t *m = NULL;
-    if (session_ok(s, call, req->session) && (m = region_of(s, call, req->region)) != NULL &&
-        !in_region(m, req->offset, req->length, 0)) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                         "%" PRIu64 " bytes at offset %" PRIu64 " lie outside the %zu-byte region",
-                         req->length, req->offset, m->bytes);
-        m = NULL;
-    }
-    if (m) {
-        /* Chunks are copied into the call's send queue, so the region may change after. */
-        for (uint64_t off = 0; off < req->length; off += CHUNK_MAX) {
-            uint64_t n = req->length - off < CHUNK_MAX ? req->length - off : CHUNK_MAX;
-            Pshard__DataChunk c = PSHARD__DATA_CHUNK__INIT;
-            c.offset = req->offset + off;
-            c.data.data = (uint8_t *)m->base + req->offset + off;
-            c.data.len = (size_t)n;
-            if (ps_rpc_call_send(call, &c.base) != PSHARD_OK)
-                break;
-        }
-        ps_rpc_call_finish(call);
-    }
-    pthread_mutex_unlock(&s->op_mu);
-}
-
-static void handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
-{
-    pshard_shard_server_t *s = ctx;
-    const Pshard__RegionWriteRequest *req = (const Pshard__RegionWriteRequest *)request;
-    pthread_mutex_lock(&s->op_mu);
-    if (!session_ok(s, call, req->session)) {
-        pthread_mutex_unlock(&s->op_mu);
-        return;
-    }
-    char err[512] = "";
-    shm_map_t *m = NULL;
-    if (req->data.len > CHUNK_MAX) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                         "a chunk of %zu bytes exceeds the %u-byte limit", req->data.len,
-                         CHUNK_MAX);
-    } else if (req->region == PSHARD__REGION__MODEL && req->region_bytes) {
-        /* Before DefineModel: the private model region being filled. */
-        if (s->pending_model.bytes != req->region_bytes) {
-            unmap(&s->pending_model);
-            pshard_status_t rc = alloc_private(req->region_bytes, &s->pending_model, err,
-                                               sizeof(err));
-            if (rc != PSHARD_OK)
-                ps_rpc_call_fail(call, rc, "%s", err);
-            else
-                m = &s->pending_model;
-        } else {
-            m = &s->pending_model;
-        }
-    } else {
-        m = region_of(s, call, req->region);
-    }
-    if (m && !in_region(m, req->offset, req->data.len, 0)) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                         "%zu bytes at offset %" PRIu64 " lie outside the %zu-byte region",
-                         req->data.len, req->offset, m->bytes);
-        m = NULL;
-    }
-    if (m) {
-        if (req->data.len)
-            memcpy((uint8_t *)m->base + req->offset, req->data.data, req->data.len);
-        Pshard__RegionWriteResponse out = PSHARD__REGION_WRITE_RESPONSE__INIT;
-        ps_rpc_call_reply(call, &out.base);
-    }
-    pthread_mutex_unlock(&s->op_mu);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -945,12 +834,12 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         {"Step", &pshard__step_request__descriptor, handle_step},
         {"Collective", &pshard__collective_request__descriptor, handle_collective},
         {"Status", &pshard__shard_status_request__descriptor, handle_status},
-        {"ReadRegion", &pshard__region_read_request__descriptor, handle_read_region},
-        {"WriteRegion", &pshard__region_write_request__descriptor, handle_write_region},
+        {"ReadRegion", &pshard__region_read_request__descriptor, shard_handle_read_region},
+        {"WriteRegion", &pshard__region_write_request__descriptor, shard_handle_write_region},
     };
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);
-        unsigned flags = table[i].fn == handle_read_region ? PS_RPC_STREAM : 0;
+        unsigned flags = table[i].fn == shard_handle_read_region ? PS_RPC_STREAM : 0;
         s->methods[i] = (ps_rpc_method_t){s->paths[i], table[i].desc, table[i].fn, flags, s};
     }
     ps_rpc_server_add_methods(s->srv, s->methods, NMETHODS);
@@ -1015,9 +904,9 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     }
     ps_rpc_channel_destroy(s->coord);
     pshard_comm_destroy(s->comm);
-    unmap(&s->scratch);
-    unmap(&s->model_shm);
-    unmap(&s->pending_model);
+    shard_unmap(&s->scratch);
+    shard_unmap(&s->model_shm);
+    shard_unmap(&s->pending_model);
     shard_model_free(s->model);
     for (size_t i = 0; i < 16; i++)
         free(s->strings[i]);
