@@ -585,6 +585,7 @@ static bool do_writes(engine_t *e)
                 e->of_len = f->len;
                 e->of_off = 0;
                 e->of_hdr_off = COLL_FRAME_HEADER_SIZE; /* header is inside buf */
+                e->of_zero_pad = false; /* padding belongs to an abandoned DATA frame only */
                 e->of_active = true;
             } else if (e->req && !e->op_failed && e->cur < e->nphases) {
                 phase_t *ph = &e->phases[e->cur];
@@ -632,7 +633,7 @@ static bool do_writes(engine_t *e)
         }
         size_t left = e->of_len - e->of_off;
         if (left) {
-            if (e->of_zero_pad) {
+            if (e->of_zero_pad && e->of_is_data) {
                 iov[niov].iov_base = (void *)zeros;
                 iov[niov].iov_len = left < sizeof(zeros) ? left : sizeof(zeros);
             } else {
