@@ -483,7 +483,7 @@ static void *abort_thread(void *arg)
 
 /* Rank 0 waits in an all_gather its peers never join; another thread aborts after 300 ms; the
  * waiter must return ABORTED within 100 ms of the abort. Peers wait for rank 0's notice. */
-static int scenario_abort(void)
+static int scenario_abort(bool big)
 {
     char err[1024] = "";
     pshard_comm_t *comm = make_comm("abort", g_token, g_generation, 30000, NULL, err, sizeof(err));
@@ -491,13 +491,20 @@ static int scenario_abort(void)
         fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
         return 1;
     }
-    float in[4] = {1, 2, 3, 4}, out[64];
+    /* big: 64 MiB per rank, so rank 0 is blocked in the middle of a DATA frame when it aborts
+     * (its peers are not reading yet); the rest of that frame is padded and the abort notice
+     * must still arrive intact. */
+    size_t count = big ? (16u << 20) : 4;
+    float *in = calloc(count, sizeof(float));
+    float *out = calloc(count * (size_t)g_world, sizeof(float));
+    if (!in || !out)
+        return 1;
     if (g_rank == 0) {
         aborter_t ab = {comm, 0};
         pthread_t t;
         pthread_create(&t, NULL, abort_thread, &ab);
-        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32, .count = 4,
-                                .send = in, .recv = out};
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32,
+                                .count = count, .send = in, .recv = out};
         pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
         int64_t released = ps_now_ns();
         pthread_join(t, NULL);
@@ -510,14 +517,16 @@ static int scenario_abort(void)
         /* Join late: by then rank 0 has aborted and told the ring. */
         struct timespec ts = {0, 600 * 1000000};
         nanosleep(&ts, NULL);
-        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32, .count = 4,
-                                .send = in, .recv = out};
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32,
+                                .count = count, .send = in, .recv = out};
         pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
         CHECK(rc == PSHARD_ERR_ABORTED, "peer expected ABORTED, got %s: %s",
               pshard_status_name(rc), err);
         CHECK(strstr(err, "rank 0") != NULL, "peer message does not name rank 0: %s", err);
     }
     pshard_comm_destroy(comm);
+    free(in);
+    free(out);
     return g_failures ? 1 : 0;
 }
 
@@ -631,7 +640,7 @@ int main(int argc, char **argv)
     if (strcmp(scenario, "kill") == 0)
         return scenario_kill();
     if (strcmp(scenario, "abort") == 0)
-        return scenario_abort();
+        return scenario_abort(strcmp(arg, "big") == 0);
     if (strcmp(scenario, "timeout") == 0)
         return scenario_timeout();
     if (strcmp(scenario, "impostor") == 0)

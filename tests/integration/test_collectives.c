@@ -151,6 +151,14 @@ static void test_abort(void)
         CU_ASSERT(exited_ok(st[r]));
 }
 
+static void test_abort_mid_frame(void)
+{
+    int st[8];
+    CU_ASSERT_FATAL(run_workers(3, "abort", "big", st, 60000) == 0);
+    for (int r = 0; r < 3; r++)
+        CU_ASSERT(exited_ok(st[r]));
+}
+
 static void test_timeout(void)
 {
     int st[8];
@@ -221,6 +229,7 @@ int main(int argc, char **argv)
         {"desync: tag", test_desync_tag},
         {"kill -9 a rank mid-operation", test_kill},
         {"abort from another thread", test_abort},
+        {"abort in the middle of a DATA frame", test_abort_mid_frame},
         {"timeout names the silent rank", test_timeout},
         {"wrong token refused", test_impostor_token},
         {"stale generation refused", test_impostor_generation},
