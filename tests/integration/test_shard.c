@@ -87,6 +87,17 @@ static bool run_case(int world, const char *layout, const char *opt, const char 
         }
     }
     ps_proc_stop(coord, 10000);
+    if (ok) {
+        /* Keep the servers' logs only when the case failed. */
+        for (int r = 0; r < world; r++) {
+            char path[160];
+            snprintf(path, sizeof(path), "%s/server-%d.port", dir, r);
+            unlink(path);
+            snprintf(path, sizeof(path), "%s/server-%d.log", dir, r);
+            unlink(path);
+        }
+        rmdir(dir);
+    }
     return ok;
 }
 

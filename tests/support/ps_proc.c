@@ -120,12 +120,42 @@ int ps_proc_stop(pid_t pid, int64_t timeout_ms)
     return -1;
 }
 
+/* Temporary directories made for coordinators, removed when the test program exits (their
+ * logs are kept when it fails, to read). */
+static char made_dirs[32][32];
+static int nmade;
+static int test_failed_hint;
+
+static void remove_made_dirs(void)
+{
+    if (test_failed_hint)
+        return;
+    for (int i = 0; i < nmade; i++) {
+        char path[1100];
+        snprintf(path, sizeof(path), "%s/port", made_dirs[i]);
+        unlink(path);
+        snprintf(path, sizeof(path), "%s/coordinator.log", made_dirs[i]);
+        unlink(path);
+        rmdir(made_dirs[i]);
+    }
+}
+
+void ps_proc_keep_logs(void)
+{
+    test_failed_hint = 1;
+}
+
 pid_t ps_proc_start_coordinator(const char *binary, const char *const *extra_args, char *target,
                                 size_t target_len)
 {
     char dir[] = "/tmp/pshard-test-XXXXXX";
     if (!mkdtemp(dir))
         return -1;
+    if (nmade < (int)(sizeof(made_dirs) / sizeof(made_dirs[0]))) {
+        if (nmade == 0)
+            atexit(remove_made_dirs);
+        snprintf(made_dirs[nmade++], sizeof(made_dirs[0]), "%s", dir);
+    }
     char port_file[128], log_file[128];
     snprintf(port_file, sizeof(port_file), "%s/port", dir);
     snprintf(log_file, sizeof(log_file), "%s/coordinator.log", dir);
@@ -144,12 +174,14 @@ pid_t ps_proc_start_coordinator(const char *binary, const char *const *extra_arg
         return -1;
     int port = ps_proc_wait_port_file(port_file, pid, 10000);
     if (port < 0) {
+        ps_proc_keep_logs();
         fprintf(stderr, "coordinator did not start; log in %s\n", log_file);
         ps_proc_stop(pid, 2000);
         return -1;
     }
     snprintf(target, target_len, "127.0.0.1:%d", port);
     if (ps_proc_wait_healthy(target, 10000) != 0) {
+        ps_proc_keep_logs();
         fprintf(stderr, "coordinator on %s never became healthy; log in %s\n", target, log_file);
         ps_proc_stop(pid, 2000);
         return -1;

@@ -24,8 +24,12 @@ int ps_proc_stop(pid_t pid, int64_t timeout_ms);
 
 /* Starts a coordinator binary on 127.0.0.1:0 with extra args (NULL-terminated list), waits for
  * it to serve, and fills target ("127.0.0.1:PORT"). Returns the PID or -1. The port file and
- * log live in a fresh temporary directory. */
+ * log live in a fresh temporary directory, removed at exit unless ps_proc_keep_logs ran. */
 pid_t ps_proc_start_coordinator(const char *binary, const char *const *extra_args, char *target,
                                 size_t target_len);
+
+/* Keeps the coordinators' temporary directories (and logs) when the program exits; they are
+ * removed otherwise. */
+void ps_proc_keep_logs(void);
 
 #endif

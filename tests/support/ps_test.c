@@ -1,5 +1,6 @@
 /* CUnit runner used by every unit suite; see ps_test.h. */
 #include "ps_test.h"
+#include "ps_proc.h"
 
 #include <stdio.h>
 
@@ -23,6 +24,8 @@ int ps_test_main(const char *suite_name, const ps_test_case_t *cases)
     unsigned failed = CU_get_number_of_failures() + CU_get_number_of_tests_failed();
     unsigned ran = CU_get_number_of_tests_run();
     CU_cleanup_registry();
+    if (failed)
+        ps_proc_keep_logs(); /* failing runs keep the coordinators' logs to read */
     if (ran == 0) {
         fprintf(stderr, "%s: no test ran\n", suite_name);
         return 1;
