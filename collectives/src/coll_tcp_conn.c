@@ -81,8 +81,10 @@ static int remaining_ms(int64_t deadline_ns)
     return left > 1000000 ? 1000000 : (int)left;
 }
 
-/* Reads exactly n bytes before the deadline. 0, or -1 (errno ETIMEDOUT / ECONNRESET / ...). */
-static int read_full(int fd, void *buf, size_t n, int64_t deadline_ns)
+/* Reads (or, sending, writes) exactly n bytes before the deadline, polling in 200 ms slices so
+ * a cancelled set-up stops promptly. 0, or -1 with errno (ETIMEDOUT, ECONNRESET, ECANCELED,
+ * or the system call's). */
+static int io_full(int fd, void *buf, size_t n, int64_t deadline_ns, bool sending)
 {
     uint8_t *p = buf;
     while (n > 0) {
@@ -90,7 +92,7 @@ static int read_full(int fd, void *buf, size_t n, int64_t deadline_ns)
             errno = ECANCELED;
             return -1;
         }
-        struct pollfd pfd = {fd, POLLIN, 0};
+        struct pollfd pfd = {fd, sending ? POLLOUT : POLLIN, 0};
         int left = remaining_ms(deadline_ns);
         int r = poll(&pfd, 1, left < 200 ? left : 200);
         if (r == 0 && left > 200)
@@ -104,54 +106,30 @@ static int read_full(int fd, void *buf, size_t n, int64_t deadline_ns)
                 continue;
             return -1;
         }
-        ssize_t got = read(fd, p, n);
-        if (got == 0) {
+        ssize_t done = sending ? send(fd, p, n, MSG_NOSIGNAL) : read(fd, p, n);
+        if (done == 0 && !sending) {
             errno = ECONNRESET;
             return -1;
         }
-        if (got < 0) {
+        if (done < 0) {
             if (errno == EINTR || errno == EAGAIN)
                 continue;
             return -1;
         }
-        p += got;
-        n -= (size_t)got;
+        p += done;
+        n -= (size_t)done;
     }
     return 0;
 }
 
+static int read_full(int fd, void *buf, size_t n, int64_t deadline_ns)
+{
+    return io_full(fd, buf, n, deadline_ns, false);
+}
+
 static int write_full(int fd, const void *buf, size_t n, int64_t deadline_ns)
 {
-    const uint8_t *p = buf;
-    while (n > 0) {
-        if (cancelled()) {
-            errno = ECANCELED;
-            return -1;
-        }
-        struct pollfd pfd = {fd, POLLOUT, 0};
-        int left = remaining_ms(deadline_ns);
-        int r = poll(&pfd, 1, left < 200 ? left : 200);
-        if (r == 0 && left > 200)
-            continue;
-        if (r == 0) {
-            errno = ETIMEDOUT;
-            return -1;
-        }
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        ssize_t put = send(fd, p, n, MSG_NOSIGNAL);
-        if (put < 0) {
-            if (errno == EINTR || errno == EAGAIN)
-                continue;
-            return -1;
-        }
-        p += put;
-        n -= (size_t)put;
-    }
-    return 0;
+    return io_full(fd, (void *)buf, n, deadline_ns, true);
 }
 
 static int send_frame(int fd, uint8_t type, const uint8_t *payload, size_t len, int64_t deadline)

@@ -140,3 +140,20 @@ void ps_default_coordinator(char *buf, size_t len)
     snprintf(buf, len, "%s:%s", addr && *addr ? addr : "127.0.0.1",
              port && *port ? port : "29500");
 }
+
+int ps_announce_listening(const char *prog, const char *listen, int port, const char *port_file)
+{
+    if (port_file && ps_write_port_file(port_file, port) != 0) {
+        fprintf(stderr, "%s: cannot write --port-file %s: %s\n", prog, port_file,
+                strerror(errno));
+        return -1;
+    }
+    char host[256];
+    ps_strlcpy(host, listen, sizeof(host));
+    char *colon = strrchr(host, ':');
+    if (colon)
+        *colon = '\0';
+    printf("listening on %s:%d\n", host, port);
+    fflush(stdout);
+    return 0;
+}

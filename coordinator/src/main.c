@@ -179,20 +179,11 @@ int main(int argc, char **argv)
         goto out;
     }
     int port = pshard_coordinator_port(coord);
-    if (o.port_file && ps_write_port_file(o.port_file, port) != 0) {
-        fprintf(stderr, "pshard-coordinator: cannot write --port-file %s\n", o.port_file);
+    if (ps_announce_listening("pshard-coordinator", o.listen, port, o.port_file) != 0) {
         exit_code = 1;
         goto out;
     }
-    /* The listen host without its port, for the one line scripts wait for. */
-    char host[256];
-    ps_strlcpy(host, o.listen, sizeof(host));
-    char *colon = strrchr(host, ':');
-    if (colon)
-        *colon = '\0';
-    printf("listening on %s:%d\n", host, port);
-    fflush(stdout);
-    PS_INFO(PS_SUB_MAIN, "serving on %s:%d (nodes %d:%d, lease %lld ms)", host, port, min_nodes,
+    PS_INFO(PS_SUB_MAIN, "serving on port %d (nodes %d:%d, lease %lld ms)", port, min_nodes,
             max_nodes, (long long)o.lease_ms);
 
     int sig = ps_rpc_wait_for_signal();

@@ -135,19 +135,11 @@ int main(int argc, char **argv)
         rc = strstr(err, "--") ? 2 : 1;
         goto out;
     }
-    int port = pshard_shard_server_port(srv);
-    if (o.port_file && ps_write_port_file(o.port_file, port) != 0) {
-        fprintf(stderr, "pshard-server: cannot write --port-file %s\n", o.port_file);
+    if (ps_announce_listening("pshard-server", o.listen, pshard_shard_server_port(srv),
+                              o.port_file) != 0) {
         rc = 1;
         goto out;
     }
-    char host[256];
-    ps_strlcpy(host, o.listen, sizeof(host));
-    char *colon = strrchr(host, ':');
-    if (colon)
-        *colon = '\0';
-    printf("listening on %s:%d\n", host, port);
-    fflush(stdout);
     int sig = ps_rpc_wait_for_signal();
     PS_INFO(PS_SUB_MAIN, "signal %d: leaving the cluster", sig);
 out:

@@ -38,6 +38,11 @@ int ps_natural_cmp(const char *a, const char *b);
  * partial file. Returns 0 or -1 (errno set). */
 int ps_write_port_file(const char *path, int port);
 
+/* What a daemon does once it serves: writes the bound port to port_file (if non-NULL) and
+ * prints "listening on HOST:PORT" (HOST from listen, "HOST:PORT") to stdout, the line scripts
+ * wait for. Returns 0, or -1 with a message on stderr when the port file cannot be written. */
+int ps_announce_listening(const char *prog, const char *listen, int port, const char *port_file);
+
 /* The coordinator address torch.distributed's environment implies: MASTER_ADDR:MASTER_PORT,
  * each defaulting to 127.0.0.1 and 29500. Writes into buf. */
 void ps_default_coordinator(char *buf, size_t len);
