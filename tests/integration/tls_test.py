@@ -9,8 +9,6 @@ Usage: python tls_test.py PATH/TO/pshard-coordinator [unittest options]
 """
 
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,10 +22,9 @@ from google.protobuf import descriptor_pool, message_factory  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import proto_reflection_descriptor_database as refl_db  # noqa: E402
 
+from coordinator_proc import CoordinatorProcess  # noqa: E402
+
 COORDINATOR = None  # set from argv in __main__
-LOOPBACK = "127.0.0.1"
-START_TIMEOUT_S = 15.0
-STOP_TIMEOUT_S = 10.0
 RPC_TIMEOUT_S = 10.0
 # A handshake that cannot succeed fails fast; this only bounds a hang.
 FAIL_TIMEOUT_S = 5.0
@@ -36,16 +33,6 @@ TOKEN = "tls-and-token-secret"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 CERTS = None  # the Certs of this run, made in setUpModule
-
-
-def _die_with_parent():
-    """A command prefix that kills the child when the test runner dies before its cleanups.
-
-    setpriv sets PR_SET_PDEATHSIG and then execs, so the PID stays the coordinator's. This
-    is not done with Popen(preexec_fn=...): running Python in a child forked from a process
-    with gRPC's threads can deadlock before exec, and Popen then waits forever."""
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
 
 def _openssl(*args, cwd):
@@ -119,49 +106,16 @@ def tearDownModule():
         CERTS.cleanup()
 
 
-class Coordinator:
+class Coordinator(CoordinatorProcess):
     """One pshard-coordinator with TLS on 127.0.0.1:<ephemeral>, stopped by PID."""
 
     def __init__(self, ready_credentials, *args, token=None):
+        super().__init__(COORDINATOR, args, token, "pshard-tls-coord-")
         self.ready_credentials = ready_credentials
-        self.args = list(args)
-        self.token = token
-        self.tmp = tempfile.TemporaryDirectory(prefix="pshard-tls-coord-")
-        self.port_file = os.path.join(self.tmp.name, "port")
-        self.log_path = os.path.join(self.tmp.name, "coordinator.log")
-        self.proc = None
-        self.port = None
-        self.channels = []
 
     def start(self):
-        cmd = [COORDINATOR, "--listen", LOOPBACK + ":0", "--port-file", self.port_file,
-               "--log", "warn", "--tls-cert", CERTS.path("server.pem"),
-               "--tls-key", CERTS.path("server.key")] + self.args
-        if self.token is not None:
-            token_file = os.path.join(self.tmp.name, "token")
-            with open(token_file, "w") as f:
-                f.write(self.token + "\n")
-            cmd += ["--token-file", token_file]
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(_die_with_parent() + cmd, stdin=subprocess.DEVNULL,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while self.port is None:
-            if self.proc.poll() is not None:
-                raise AssertionError("coordinator exited with %d before serving:\n%s"
-                                     % (self.proc.returncode, self.log_text()))
-            if time.monotonic() > deadline:
-                raise AssertionError("no port file after %.0f s:\n%s"
-                                     % (START_TIMEOUT_S, self.log_text()))
-            try:
-                with open(self.port_file) as f:
-                    text = f.read().strip()
-                if text:
-                    self.port = int(text)
-            except FileNotFoundError:
-                pass
-            if self.port is None:
-                time.sleep(0.01)
+        deadline = self.launch(["--tls-cert", CERTS.path("server.pem"),
+                                "--tls-key", CERTS.path("server.key")])
         stub = health_pb2_grpc.HealthStub(self.channel(self.ready_credentials))
         left = deadline - time.monotonic()
         try:
@@ -173,48 +127,6 @@ class Coordinator:
         if resp.status != SERVING:
             raise AssertionError("health is %d, not SERVING" % resp.status)
         return self
-
-    def stop(self):
-        """SIGTERM, wait, SIGKILL fallback. Returns the exit status."""
-        rc = None
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    rc = self.proc.wait(timeout=STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-                    rc = "did not exit within %.0f s of SIGTERM" % STOP_TIMEOUT_S
-            else:
-                rc = self.proc.returncode
-            self.proc = None
-            self.log.close()
-        for ch in self.channels:
-            ch.close()
-        self.channels = []
-        return rc
-
-    def cleanup(self):
-        """Stops the coordinator; a crash or an unclean exit during the test fails it."""
-        try:
-            rc = self.stop()
-            log = self.log_text()
-        finally:
-            self.tmp.cleanup()
-        if rc not in (0, None):
-            raise AssertionError("coordinator exit status %r on SIGTERM:\n%s" % (rc, log))
-
-    def log_text(self):
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-4000:].decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-    @property
-    def target(self):
-        return "%s:%d" % (LOOPBACK, self.port)
 
     def channel(self, credentials, options=()):
         """A channel of its own (own connection, so each handshake is really made)."""
