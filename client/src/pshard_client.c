@@ -35,11 +35,30 @@ typedef struct {
 
 typedef enum { WORK_GATHER, WORK_REDUCE_SCATTER } work_kind_t;
 
+/* Where a parameter's full values or its full gradient stand in the client's pool. */
+typedef enum {
+    BUF_NONE = 0, /* sharded: no full buffer */
+    BUF_PENDING,  /* a gather (or reduce-scatter) of it is issued and not finished */
+    BUF_READY,    /* gathered (param) or handed to the trainer to write (grad) */
+} buf_state_t;
+
+typedef struct {
+    buf_state_t state;
+    size_t off, bytes; /* block in the model region, valid unless BUF_NONE */
+} tensor_buf_t;
+
+/* A free block of the pool; the free list is kept sorted by offset and coalesced. */
+typedef struct {
+    size_t off, bytes;
+} pool_hole_t;
+
 struct pshard_work {
     pshard_client_t *c;
     work_kind_t kind;
-    size_t *ids;
+    size_t *ids;  /* the parameters this work really moves (skipped ones are left out) */
+    uint64_t *offs; /* their blocks in the model region */
     size_t n;
+    bool counted; /* holds a place among the gathers in flight */
     bool done;
     pshard_status_t status;
     char error[1024];
@@ -55,11 +74,19 @@ struct pshard_client {
     region_t scratch, model;
     char last_error[1024];
 
-    /* Model */
+    /* Model. The model region is a pool: full parameters and gradients get a block when they
+     * are gathered or handed out and give it back when resharded or reduce-scattered, so only
+     * what is unsharded at once is ever backed by memory. Guarded by mu. */
     size_t nparams;
     size_t *numel;
-    size_t *param_off, *grad_off; /* byte offsets in the model region */
+    tensor_buf_t *pbuf, *gbuf;
     pshard_dtype_t param_dtype, reduce_dtype;
+    bool reshard_after_forward;
+    int max_gathers_in_flight;
+    int gathers_in_flight;
+    pool_hole_t *holes;
+    size_t nholes, holes_cap;
+    pshard_memory_stats_t mem;
 
     /* Async worker */
     pthread_t worker;
@@ -99,15 +126,18 @@ int pshard_world_size(const pshard_client_t *c)
 /* ---------------------------------------------------------------------------------------- */
 /* Shared memory                                                                             */
 
+/* A region of bytes, shared with the server unless remote; touch backs every page now (the
+ * scratch region), otherwise pages are backed as they are first used (the model's pool). */
 static pshard_status_t region_create(region_t *r, size_t bytes, const char *what, bool remote,
-                                     char *err, size_t errlen)
+                                     bool touch, char *err, size_t errlen)
 {
     if (remote) {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "cannot allocate %zu bytes",
                            bytes);
-        memset(p, 0, bytes);
+        if (touch)
+            memset(p, 0, bytes);
         r->base = p;
         r->bytes = bytes;
         r->name[0] = '\0';
@@ -135,8 +165,9 @@ static pshard_status_t region_create(region_t *r, size_t bytes, const char *what
         shm_unlink(r->name);
         return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "mmap %s: %s", r->name, strerror(errno));
     }
-    /* Touch every page now, not inside the first gather. */
-    memset(p, 0, bytes);
+    /* Touch every page now, not inside the first operation. */
+    if (touch)
+        memset(p, 0, bytes);
     r->base = p;
     r->bytes = bytes;
     return PSHARD_OK;
@@ -272,6 +303,7 @@ pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char 
 }
 
 static void *worker_main(void *arg);
+static void model_free(pshard_client_t *c);
 
 pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_t **out,
                                char *err, size_t errlen)
@@ -312,7 +344,8 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
         rc = PSHARD_ERR_INVALID_ARGUMENT;
         goto fail;
     }
-    rc = region_create(&c->scratch, c->cfg.scratch_bytes, "scratch", c->cfg.remote, err, errlen);
+    rc = region_create(&c->scratch, c->cfg.scratch_bytes, "scratch", c->cfg.remote, true, err,
+                       errlen);
     if (rc != PSHARD_OK)
         goto fail;
     /* Attach, retrying while the cluster forms (UNAVAILABLE) until the connect timeout. */
@@ -378,9 +411,7 @@ void pshard_close(pshard_client_t *c)
     ps_rpc_channel_destroy(c->ch);
     region_destroy(&c->scratch);
     region_destroy(&c->model);
-    free(c->numel);
-    free(c->param_off);
-    free(c->grad_off);
+    model_free(c);
     free(c->server);
     free(c->token);
     pthread_mutex_destroy(&c->mu);
@@ -404,11 +435,114 @@ void pshard_model_config_default(pshard_model_config_t *mc, pshard_optimizer_t o
     mc->eps = 1e-8;
     mc->weight_decay = optimizer == PSHARD_ADAMW ? 1e-2 : 0.0;
     mc->init_from_rank0 = true;
+    mc->reshard_after_forward = true;
+    mc->max_gathers_in_flight = 2;
 }
 
 static size_t align_up(size_t x)
 {
     return (x + ALIGN - 1) / ALIGN * ALIGN;
+}
+
+/* ---- the pool (callers hold c->mu) ------------------------------------------------------ */
+
+/* First fit from the low end, so that the pages in use stay at the start of the region and
+ * a repeating pattern of gathers and reshards reuses the same (already backed) blocks. */
+static bool pool_alloc(pshard_client_t *c, size_t bytes, size_t *off)
+{
+    bytes = align_up(bytes ? bytes : 1);
+    for (size_t h = 0; h < c->nholes; h++) {
+        if (c->holes[h].bytes < bytes)
+            continue;
+        *off = c->holes[h].off;
+        c->holes[h].off += bytes;
+        c->holes[h].bytes -= bytes;
+        if (c->holes[h].bytes == 0) {
+            memmove(&c->holes[h], &c->holes[h + 1], (c->nholes - h - 1) * sizeof(pool_hole_t));
+            c->nholes--;
+        }
+        c->mem.in_use_bytes += bytes;
+        if (c->mem.in_use_bytes > c->mem.peak_in_use_bytes)
+            c->mem.peak_in_use_bytes = c->mem.in_use_bytes;
+        if (*off + bytes > c->mem.touched_bytes)
+            c->mem.touched_bytes = *off + bytes;
+        return true;
+    }
+    return false;
+}
+
+/* Returns a block and merges it with its neighbours. Fails only without memory for the list
+ * (the block is then lost to the pool, never handed out twice). */
+static void pool_free(pshard_client_t *c, size_t off, size_t bytes)
+{
+    bytes = align_up(bytes ? bytes : 1);
+    c->mem.in_use_bytes -= bytes;
+    size_t h = 0;
+    while (h < c->nholes && c->holes[h].off < off)
+        h++;
+    bool merge_prev = h > 0 && c->holes[h - 1].off + c->holes[h - 1].bytes == off;
+    bool merge_next = h < c->nholes && off + bytes == c->holes[h].off;
+    if (merge_prev && merge_next) {
+        c->holes[h - 1].bytes += bytes + c->holes[h].bytes;
+        memmove(&c->holes[h], &c->holes[h + 1], (c->nholes - h - 1) * sizeof(pool_hole_t));
+        c->nholes--;
+    } else if (merge_prev) {
+        c->holes[h - 1].bytes += bytes;
+    } else if (merge_next) {
+        c->holes[h].off = off;
+        c->holes[h].bytes += bytes;
+    } else {
+        if (c->nholes == c->holes_cap) {
+            size_t cap = c->holes_cap ? 2 * c->holes_cap : 16;
+            pool_hole_t *nh = realloc(c->holes, cap * sizeof(pool_hole_t));
+            if (!nh)
+                return;
+            c->holes = nh;
+            c->holes_cap = cap;
+        }
+        memmove(&c->holes[h + 1], &c->holes[h], (c->nholes - h) * sizeof(pool_hole_t));
+        c->holes[h] = (pool_hole_t){off, bytes};
+        c->nholes++;
+    }
+}
+
+static void buf_release(pshard_client_t *c, tensor_buf_t *b)
+{
+    if (b->state != BUF_NONE)
+        pool_free(c, b->off, b->bytes);
+    b->state = BUF_NONE;
+}
+
+/* Frees every full parameter and gradient (a new model, or parameters stale after a step). */
+static void pool_reset_params(pshard_client_t *c)
+{
+    for (size_t i = 0; i < c->nparams; i++)
+        if (c->pbuf[i].state == BUF_READY)
+            buf_release(c, &c->pbuf[i]);
+}
+
+static void model_free(pshard_client_t *c)
+{
+    free(c->numel);
+    free(c->pbuf);
+    free(c->gbuf);
+    free(c->holes);
+    c->numel = NULL;
+    c->pbuf = c->gbuf = NULL;
+    c->holes = NULL;
+    c->nholes = c->holes_cap = 0;
+    c->nparams = 0;
+}
+
+/* Gives the pages of [off, off + len) of the model region back to the kernel: MADV_REMOVE
+ * punches a hole in the shared-memory file, so neither process keeps them. */
+static void region_discard(region_t *r, size_t off, size_t len)
+{
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t start = (off + page - 1) / page * page, end = (off + len) / page * page;
+    if (end > start)
+        madvise((uint8_t *)r->base + start, end - start,
+                r->name[0] ? MADV_REMOVE : MADV_DONTNEED);
 }
 
 pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *params,
@@ -422,24 +556,33 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         return fail(c, PSHARD_ERR_INVALID_ARGUMENT, "param_dtype must be fp32, bf16 or fp16");
     if (mc->reduce_dtype != PSHARD_FP32 && mc->reduce_dtype != PSHARD_BF16)
         return fail(c, PSHARD_ERR_INVALID_ARGUMENT, "reduce_dtype must be fp32 or bf16");
+    if (mc->max_gathers_in_flight < 0)
+        return fail(c, PSHARD_ERR_INVALID_ARGUMENT, "max_gathers_in_flight must be >= 0");
     bool need_init = !mc->init_from_rank0 || c->rank == 0;
     if (need_init && !init)
         return fail(c, PSHARD_ERR_INVALID_ARGUMENT,
                     "initial values are required on %s", mc->init_from_rank0 ? "rank 0"
                                                                              : "every rank");
+    pthread_mutex_lock(&c->mu);
+    bool idle = !c->qhead && !c->busy;
+    pthread_mutex_unlock(&c->mu);
+    if (!idle)
+        return fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                    "asynchronous work is still in flight; wait for it before redefining");
     size_t *numel = calloc(nparams, sizeof(size_t));
-    size_t *poff = calloc(nparams, sizeof(size_t));
-    size_t *goff = calloc(nparams, sizeof(size_t));
+    tensor_buf_t *pbuf = calloc(nparams, sizeof(tensor_buf_t));
+    tensor_buf_t *gbuf = calloc(nparams, sizeof(tensor_buf_t));
     Pshard__ParamSpec *specs = calloc(nparams, sizeof(*specs));
     Pshard__ParamSpec **sptrs = calloc(nparams, sizeof(*sptrs));
     uint64_t *init_offsets = calloc(nparams, sizeof(uint64_t));
+    pool_hole_t *holes = calloc(16, sizeof(pool_hole_t));
     pshard_status_t rc = PSHARD_OK;
-    if (!numel || !poff || !goff || !specs || !sptrs || !init_offsets) {
+    if (!numel || !pbuf || !gbuf || !specs || !sptrs || !init_offsets || !holes) {
         rc = fail(c, PSHARD_ERR_NO_MEMORY, "out of memory");
         goto out;
     }
     size_t ps = pshard_dtype_size(mc->param_dtype), gs = pshard_dtype_size(mc->reduce_dtype);
-    size_t off = 0, init_bytes = 0;
+    size_t all_bytes = 0, init_bytes = 0;
     for (size_t i = 0; i < nparams; i++) {
         if (params[i].ndim < 1 || params[i].ndim > 8 || !params[i].shape) {
             rc = fail(c, PSHARD_ERR_INVALID_ARGUMENT, "parameter #%zu (%s): ndim must be 1..8",
@@ -457,8 +600,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
             n *= (size_t)params[i].shape[d];
         }
         numel[i] = n;
-        poff[i] = off;
-        off = align_up(off + n * ps);
+        all_bytes += align_up(n * ps) + align_up(n * gs);
         init_offsets[i] = init_bytes;
         init_bytes = align_up(init_bytes + n * 4);
         pshard__param_spec__init(&specs[i]);
@@ -467,14 +609,13 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         specs[i].shape = (int64_t *)params[i].shape;
         sptrs[i] = &specs[i];
     }
-    for (size_t i = 0; i < nparams; i++) {
-        goff[i] = off;
-        off = align_up(off + numel[i] * gs);
-    }
-    size_t bytes = off > init_bytes ? off : init_bytes;
+    /* Twice what everything needs at once, so first fit cannot fail for want of a hole; it
+     * costs address space only, as pages are backed when first used. */
+    size_t pool = mc->pool_bytes ? align_up(mc->pool_bytes) : 2 * all_bytes;
+    size_t bytes = pool > init_bytes ? pool : init_bytes;
     region_t model = {0};
     char err[1024] = "";
-    rc = region_create(&model, bytes, "model", c->cfg.remote, err, sizeof(err));
+    rc = region_create(&model, bytes, "model", c->cfg.remote, false, err, sizeof(err));
     if (rc != PSHARD_OK) {
         fail(c, rc, "%s", err);
         goto out;
@@ -535,42 +676,96 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         fail(c, rc, "DefineModel: %s", err);
         goto out;
     }
-    memset(model.base, 0, model.bytes); /* the init values are consumed */
+    /* The initial values are consumed: their pages go back (in both processes). */
+    if (need_init)
+        region_discard(&model, 0, init_bytes);
+    pthread_mutex_lock(&c->mu);
     region_destroy(&c->model);
+    model_free(c);
     c->model = model;
-    free(c->numel);
-    free(c->param_off);
-    free(c->grad_off);
     c->numel = numel;
-    c->param_off = poff;
-    c->grad_off = goff;
-    numel = poff = goff = NULL;
+    c->pbuf = pbuf;
+    c->gbuf = gbuf;
+    c->holes = holes;
+    c->holes_cap = 16;
+    c->holes[0] = (pool_hole_t){0, pool};
+    c->nholes = 1;
+    numel = NULL;
+    pbuf = gbuf = NULL;
+    holes = NULL;
     c->nparams = nparams;
     c->param_dtype = mc->param_dtype;
     c->reduce_dtype = mc->reduce_dtype;
+    c->reshard_after_forward = mc->reshard_after_forward;
+    c->max_gathers_in_flight = mc->max_gathers_in_flight;
+    c->gathers_in_flight = 0;
+    memset(&c->mem, 0, sizeof(c->mem));
+    c->mem.pool_bytes = pool;
+    pthread_mutex_unlock(&c->mu);
 out:
     free(numel);
-    free(poff);
-    free(goff);
+    free(pbuf);
+    free(gbuf);
     free(specs);
     free(sptrs);
     free(init_offsets);
+    free(holes);
     return rc;
 }
 
 void *pshard_param(pshard_client_t *c, size_t i)
 {
-    return i < c->nparams ? (uint8_t *)c->model.base + c->param_off[i] : NULL;
+    void *p = NULL;
+    pthread_mutex_lock(&c->mu);
+    if (i < c->nparams && c->pbuf[i].state == BUF_READY)
+        p = (uint8_t *)c->model.base + c->pbuf[i].off;
+    pthread_mutex_unlock(&c->mu);
+    return p;
 }
 
 void *pshard_grad(pshard_client_t *c, size_t i)
 {
-    return i < c->nparams ? (uint8_t *)c->model.base + c->grad_off[i] : NULL;
+    void *p = NULL;
+    bool fresh = false;
+    size_t bytes = 0;
+    pthread_mutex_lock(&c->mu);
+    if (i >= c->nparams) {
+        fail(c, PSHARD_ERR_NOT_FOUND, "unknown parameter #%zu", i);
+    } else if (c->gbuf[i].state == BUF_PENDING) {
+        fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+             "the gradient of parameter #%zu is being reduce-scattered", i);
+    } else if (c->gbuf[i].state == BUF_READY) {
+        p = (uint8_t *)c->model.base + c->gbuf[i].off;
+    } else {
+        bytes = c->numel[i] * pshard_dtype_size(c->reduce_dtype);
+        size_t off;
+        if (pool_alloc(c, bytes, &off)) {
+            c->gbuf[i] = (tensor_buf_t){BUF_READY, off, bytes};
+            p = (uint8_t *)c->model.base + off;
+            fresh = true;
+        } else {
+            fail(c, PSHARD_ERR_NO_MEMORY,
+                 "the %zu-byte pool cannot fit the %zu-byte gradient of parameter #%zu (%zu "
+                 "bytes in use): reshard or reduce-scatter first, or raise pool_bytes",
+                 c->mem.pool_bytes, bytes, i, c->mem.in_use_bytes);
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (fresh)
+        memset(p, 0, bytes);
+    return p;
 }
 
 size_t pshard_param_numel(const pshard_client_t *c, size_t i)
 {
     return i < c->nparams ? c->numel[i] : 0;
+}
+
+void pshard_memory_stats(pshard_client_t *c, pshard_memory_stats_t *out)
+{
+    pthread_mutex_lock(&c->mu);
+    *out = c->mem;
+    pthread_mutex_unlock(&c->mu);
 }
 
 static Pshard__DType dtype_pb(pshard_dtype_t d)
@@ -587,13 +782,13 @@ static Pshard__DType dtype_pb(pshard_dtype_t d)
     }
 }
 
-/* One Gather or ReduceScatter request for ids (n == 0: all parameters). */
+/* One Gather or ReduceScatter request for the blocks picked when the work was issued. */
 static pshard_status_t run_tensor_op(pshard_client_t *c, work_kind_t kind, const size_t *ids,
-                                     size_t n, char *err, size_t errlen)
+                                     const uint64_t *offs, size_t count, char *err,
+                                     size_t errlen)
 {
-    if (!c->nparams)
-        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
-    size_t count = n ? n : c->nparams;
+    if (count == 0)
+        return PSHARD_OK;
     Pshard__TensorRef *refs = calloc(count, sizeof(*refs));
     Pshard__TensorRef **ptrs = calloc(count, sizeof(*ptrs));
     if (!refs || !ptrs) {
@@ -603,21 +798,16 @@ static pshard_status_t run_tensor_op(pshard_client_t *c, work_kind_t kind, const
     }
     pshard_status_t rc = PSHARD_OK;
     for (size_t k = 0; k < count; k++) {
-        size_t i = n ? ids[k] : k;
-        if (i >= c->nparams) {
-            rc = ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "unknown parameter #%zu", i);
-            break;
-        }
         pshard__tensor_ref__init(&refs[k]);
-        refs[k].param = (uint32_t)i;
-        refs[k].offset = kind == WORK_GATHER ? c->param_off[i] : c->grad_off[i];
+        refs[k].param = (uint32_t)ids[k];
+        refs[k].offset = offs[k];
         ptrs[k] = &refs[k];
     }
     size_t ps = pshard_dtype_size(c->param_dtype), gs = pshard_dtype_size(c->reduce_dtype);
-    if (rc == PSHARD_OK && c->cfg.remote && kind == WORK_REDUCE_SCATTER) {
+    if (c->cfg.remote && kind == WORK_REDUCE_SCATTER) {
         for (size_t k = 0; k < count && rc == PSHARD_OK; k++)
             rc = remote_write(c, PSHARD__REGION__MODEL, &c->model, refs[k].offset,
-                              c->numel[refs[k].param] * gs, 0, err, errlen);
+                              c->numel[ids[k]] * gs, 0, err, errlen);
     }
     if (rc == PSHARD_OK) {
         if (kind == WORK_GATHER) {
@@ -641,11 +831,96 @@ static pshard_status_t run_tensor_op(pshard_client_t *c, work_kind_t kind, const
     if (rc == PSHARD_OK && c->cfg.remote && kind == WORK_GATHER) {
         for (size_t k = 0; k < count && rc == PSHARD_OK; k++)
             rc = remote_read(c, PSHARD__REGION__MODEL, &c->model, refs[k].offset,
-                             c->numel[refs[k].param] * ps, err, errlen);
+                             c->numel[ids[k]] * ps, err, errlen);
     }
     free(refs);
     free(ptrs);
     return rc;
+}
+
+/* Publishes the end of a work's transfer (holding c->mu): gathered parameters become
+ * readable, or are freed again on failure; reduce-scattered gradients go back to the pool. */
+static void finish_buffers(pshard_client_t *c, pshard_work_t *w, pshard_status_t rc)
+{
+    for (size_t k = 0; k < w->n; k++) {
+        size_t i = w->ids[k];
+        if (w->kind == WORK_GATHER) {
+            if (rc == PSHARD_OK)
+                c->pbuf[i].state = BUF_READY;
+            else
+                buf_release(c, &c->pbuf[i]);
+        } else {
+            buf_release(c, &c->gbuf[i]);
+        }
+    }
+    if (w->kind == WORK_GATHER && w->counted) {
+        c->gathers_in_flight--;
+        w->counted = false;
+    }
+}
+
+/* Picks the parameters a work moves and their blocks, on the caller's thread (holding
+ * c->mu): a gather skips what is gathered or being gathered and takes blocks from the pool,
+ * waiting for unfinished work to return blocks when it is full; a reduce-scatter takes the
+ * gradients handed out by pshard_grad. On error nothing is taken. */
+static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const size_t *ids,
+                                     size_t n)
+{
+    size_t count = n ? n : c->nparams;
+    w->ids = malloc((count ? count : 1) * sizeof(size_t));
+    w->offs = malloc((count ? count : 1) * sizeof(uint64_t));
+    if (!w->ids || !w->offs)
+        return fail(c, PSHARD_ERR_NO_MEMORY, "out of memory");
+    w->n = 0;
+    for (size_t k = 0; k < count; k++) {
+        size_t i = n ? ids[k] : k;
+        if (i >= c->nparams) {
+            finish_buffers(c, w, PSHARD_ERR_ABORTED);
+            w->n = 0;
+            return fail(c, PSHARD_ERR_NOT_FOUND, "unknown parameter #%zu (the model has %zu)", i,
+                        c->nparams);
+        }
+        if (w->kind == WORK_GATHER) {
+            if (c->pbuf[i].state != BUF_NONE) {
+                c->mem.params_skipped++;
+                continue;
+            }
+            size_t bytes = c->numel[i] * pshard_dtype_size(c->param_dtype), off;
+            while (!pool_alloc(c, bytes, &off)) {
+                if (!c->qhead && !c->busy) {
+                    size_t in_use = c->mem.in_use_bytes;
+                    finish_buffers(c, w, PSHARD_ERR_ABORTED);
+                    w->n = 0;
+                    return fail(c, PSHARD_ERR_NO_MEMORY,
+                                "the %zu-byte pool cannot fit the %zu-byte parameter #%zu "
+                                "(%zu bytes in use): reshard or reduce-scatter first, or raise "
+                                "pool_bytes",
+                                c->mem.pool_bytes, bytes, i, in_use);
+                }
+                pthread_cond_wait(&c->cv, &c->mu);
+            }
+            c->pbuf[i] = (tensor_buf_t){BUF_PENDING, off, bytes};
+            c->mem.params_gathered++;
+        } else {
+            if (c->gbuf[i].state != BUF_READY) {
+                if (!n)
+                    continue; /* "all": the gradients handed out */
+                finish_buffers(c, w, PSHARD_ERR_ABORTED);
+                w->n = 0;
+                return fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                            c->gbuf[i].state == BUF_PENDING
+                                ? "the gradient of parameter #%zu is already being "
+                                  "reduce-scattered"
+                                : "the gradient of parameter #%zu was never written "
+                                  "(pshard_grad hands out its buffer)",
+                            i);
+            }
+            c->gbuf[i].state = BUF_PENDING;
+        }
+        w->offs[w->n] = w->kind == WORK_GATHER ? c->pbuf[i].off : c->gbuf[i].off;
+        w->ids[w->n++] = i;
+    }
+    return PSHARD_OK;
 }
 
 static void *worker_main(void *arg)
@@ -666,8 +941,10 @@ static void *worker_main(void *arg)
         c->busy = true;
         pthread_mutex_unlock(&c->mu);
         char err[1024] = "";
-        pshard_status_t rc = run_tensor_op(c, w->kind, w->ids, w->n, err, sizeof(err));
+        pshard_status_t rc =
+            run_tensor_op(c, w->kind, w->ids, w->offs, w->n, err, sizeof(err));
         pthread_mutex_lock(&c->mu);
+        finish_buffers(c, w, rc);
         c->busy = false;
         w->status = rc;
         ps_strlcpy(w->error, err, sizeof(w->error));
@@ -677,27 +954,52 @@ static void *worker_main(void *arg)
     }
 }
 
+static void work_free(pshard_work_t *w)
+{
+    if (w) {
+        free(w->ids);
+        free(w->offs);
+        free(w);
+    }
+}
+
 static pshard_status_t start_work(pshard_client_t *c, work_kind_t kind, const size_t *ids,
                                   size_t n, pshard_work_t **out)
 {
     *out = NULL;
+    if (!c->nparams)
+        return fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
     pshard_work_t *w = calloc(1, sizeof(*w));
-    if (!w || (n && !(w->ids = malloc(n * sizeof(size_t))))) {
-        free(w);
+    if (!w)
         return fail(c, PSHARD_ERR_NO_MEMORY, "out of memory");
-    }
-    if (n)
-        memcpy(w->ids, ids, n * sizeof(size_t));
-    w->n = n;
     w->kind = kind;
     w->c = c;
     pthread_mutex_lock(&c->mu);
-    if (c->qtail)
-        c->qtail->next = w;
-    else
-        c->qhead = w;
-    c->qtail = w;
-    pthread_cond_broadcast(&c->cv);
+    if (kind == WORK_GATHER) {
+        while (c->max_gathers_in_flight > 0 && c->gathers_in_flight >= c->max_gathers_in_flight)
+            pthread_cond_wait(&c->cv, &c->mu);
+    }
+    pshard_status_t rc = claim_buffers(c, w, ids, n);
+    if (rc != PSHARD_OK) {
+        pthread_mutex_unlock(&c->mu);
+        work_free(w);
+        return rc;
+    }
+    if (w->n == 0) {
+        w->done = true; /* nothing to move: complete at once */
+    } else {
+        if (kind == WORK_GATHER) {
+            w->counted = true;
+            if (++c->gathers_in_flight > c->mem.peak_gathers_in_flight)
+                c->mem.peak_gathers_in_flight = c->gathers_in_flight;
+        }
+        if (c->qtail)
+            c->qtail->next = w;
+        else
+            c->qhead = w;
+        c->qtail = w;
+        pthread_cond_broadcast(&c->cv);
+    }
     pthread_mutex_unlock(&c->mu);
     *out = w;
     return PSHARD_OK;
@@ -727,8 +1029,7 @@ pshard_status_t pshard_work_wait(pshard_work_t *w)
     if (rc != PSHARD_OK)
         ps_strlcpy(c->last_error, w->error, sizeof(c->last_error));
     pthread_mutex_unlock(&c->mu);
-    free(w->ids);
-    free(w);
+    work_free(w);
     return rc;
 }
 
@@ -737,17 +1038,30 @@ pshard_status_t pshard_work_wait(pshard_work_t *w)
 static pshard_status_t run_inline(pshard_client_t *c, work_kind_t kind, const size_t *ids,
                                   size_t n)
 {
+    if (!c->nparams)
+        return fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
+    pshard_work_t w = {.c = c, .kind = kind};
     pthread_mutex_lock(&c->mu);
     while (c->qhead || c->busy)
         pthread_cond_wait(&c->cv, &c->mu);
+    pshard_status_t rc = claim_buffers(c, &w, ids, n);
+    if (rc != PSHARD_OK) {
+        pthread_mutex_unlock(&c->mu);
+        free(w.ids);
+        free(w.offs);
+        return rc;
+    }
     c->busy = true;
     pthread_mutex_unlock(&c->mu);
     char err[1024] = "";
-    pshard_status_t rc = run_tensor_op(c, kind, ids, n, err, sizeof(err));
+    rc = run_tensor_op(c, kind, w.ids, w.offs, w.n, err, sizeof(err));
     pthread_mutex_lock(&c->mu);
+    finish_buffers(c, &w, rc);
     c->busy = false;
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
+    free(w.ids);
+    free(w.offs);
     if (rc != PSHARD_OK)
         fail(c, rc, "%s", err);
     return rc;
@@ -763,6 +1077,32 @@ pshard_status_t pshard_reduce_scatter(pshard_client_t *c, const size_t *ids, siz
     return run_inline(c, WORK_REDUCE_SCATTER, ids, n);
 }
 
+pshard_status_t pshard_reshard(pshard_client_t *c, const size_t *ids, size_t n)
+{
+    pthread_mutex_lock(&c->mu);
+    size_t count = n ? n : c->nparams;
+    pshard_status_t rc = PSHARD_OK;
+    for (size_t k = 0; k < count && rc == PSHARD_OK; k++) {
+        size_t i = n ? ids[k] : k;
+        if (i >= c->nparams)
+            rc = fail(c, PSHARD_ERR_NOT_FOUND, "unknown parameter #%zu (the model has %zu)", i,
+                      c->nparams);
+        else if (c->pbuf[i].state == BUF_PENDING)
+            rc = fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                      "parameter #%zu is still being gathered: wait for its gather first", i);
+    }
+    if (rc == PSHARD_OK)
+        for (size_t k = 0; k < count; k++)
+            buf_release(c, &c->pbuf[n ? ids[k] : k]);
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+pshard_status_t pshard_forward_done(pshard_client_t *c, const size_t *ids, size_t n)
+{
+    return c->reshard_after_forward ? pshard_reshard(c, ids, n) : PSHARD_OK;
+}
+
 pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double *grad_norm)
 {
     Pshard__StepRequest req = PSHARD__STEP_REQUEST__INIT;
@@ -773,6 +1113,14 @@ pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double
     }
     ProtobufCMessage *resp = NULL;
     char err[1024] = "";
+    /* Reductions issued before the step are part of it, so it waits for them. The step
+     * changes every parameter: full copies are stale from here on (FSDP reshards after
+     * backward anyway). */
+    pthread_mutex_lock(&c->mu);
+    while (c->qhead || c->busy)
+        pthread_cond_wait(&c->cv, &c->mu);
+    pool_reset_params(c);
+    pthread_mutex_unlock(&c->mu);
     pshard_status_t rc =
         call(c, "Step", &req.base, &pshard__step_response__descriptor, &resp, err, sizeof(err));
     if (rc != PSHARD_OK)

@@ -1,6 +1,7 @@
 /* The example MLP trained with pshard; see dist_train.h. */
 #include "dist_train.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +26,91 @@ static void to_f32(const void *src, pshard_dtype_t dt, float *dst, size_t n)
         ps_convert_f16_to_f32(src, dst, n);
 }
 
+/* Layer l's parameters as fp32 for compute: the gathered buffers themselves in fp32, else
+ * converted into the scratch buffers. */
+static void layer_params(pshard_client_t *c, int l, pshard_dtype_t dt, float *wtmp, float *btmp,
+                         const float **w, const float **b)
+{
+    size_t iw = (size_t)(2 * l), ib = iw + 1;
+    if (dt == PSHARD_FP32) {
+        *w = pshard_param(c, iw);
+        *b = pshard_param(c, ib);
+        return;
+    }
+    to_f32(pshard_param(c, iw), dt, wtmp, pshard_param_numel(c, iw));
+    to_f32(pshard_param(c, ib), dt, btmp, pshard_param_numel(c, ib));
+    *w = wtmp;
+    *b = btmp;
+}
+
+/* One training step, FSDP style, one layer (an FSDP unit: weight and bias) at a time:
+ * forward gathers layer l+1 while layer l computes and (FULL_SHARD) frees layer l after it;
+ * backward gathers again what was freed, prefetching the layer below, and reduce-scatters
+ * each layer's gradients asynchronously as soon as they are written. Returns the batch loss
+ * or NAN on a pshard error. */
+static double train_step(pshard_client_t *c, const mlp_dist_args_t *da, mlp_workspace_t *ws,
+                         const float *x, const float *y, float *wtmp, float *btmp, float *gwtmp,
+                         float *gbtmp)
+{
+    const mlp_shape_t *shape = &da->common.shape;
+    int nl = shape->nlayers, batch = da->common.batch;
+    pshard_work_t *gw[MLP_MAX_LAYERS] = {0}, *rs[MLP_MAX_LAYERS] = {0};
+    size_t ids[MLP_MAX_LAYERS][2];
+    for (int l = 0; l < nl; l++) {
+        ids[l][0] = (size_t)(2 * l);
+        ids[l][1] = (size_t)(2 * l + 1);
+    }
+    bool ok = pshard_gather_start(c, ids[0], 2, &gw[0]) == PSHARD_OK;
+    for (int l = 0; l < nl && ok; l++) {
+        ok = pshard_work_wait(gw[l]) == PSHARD_OK;
+        gw[l] = NULL;
+        if (ok && l + 1 < nl)
+            ok = pshard_gather_start(c, ids[l + 1], 2, &gw[l + 1]) == PSHARD_OK;
+        if (!ok)
+            break;
+        const float *w, *b;
+        layer_params(c, l, da->param_dtype, wtmp, btmp, &w, &b);
+        mlp_layer_forward(shape, ws, l, w, b, x, batch);
+        ok = pshard_forward_done(c, ids[l], 2) == PSHARD_OK;
+    }
+    double loss = ok ? mlp_loss(shape, ws, y, batch) : NAN;
+    if (ok)
+        ok = pshard_gather_start(c, ids[nl - 1], 2, &gw[nl - 1]) == PSHARD_OK;
+    for (int l = nl - 1; l >= 0 && ok; l--) {
+        ok = pshard_work_wait(gw[l]) == PSHARD_OK;
+        gw[l] = NULL;
+        if (ok && l > 0)
+            ok = pshard_gather_start(c, ids[l - 1], 2, &gw[l - 1]) == PSHARD_OK;
+        if (!ok)
+            break;
+        const float *w, *b;
+        layer_params(c, l, da->param_dtype, wtmp, btmp, &w, &b);
+        void *gw_buf = pshard_grad(c, ids[l][0]), *gb_buf = pshard_grad(c, ids[l][1]);
+        if (!gw_buf || !gb_buf) {
+            ok = false;
+            break;
+        }
+        bool direct = da->reduce_dtype == PSHARD_FP32;
+        mlp_layer_backward(shape, ws, l, w, x, batch, direct ? gw_buf : gwtmp,
+                           direct ? gb_buf : gbtmp);
+        if (!direct) {
+            ps_convert_f32_to_bf16(gwtmp, gw_buf, pshard_param_numel(c, ids[l][0]));
+            ps_convert_f32_to_bf16(gbtmp, gb_buf, pshard_param_numel(c, ids[l][1]));
+        }
+        ok = pshard_reshard(c, ids[l], 2) == PSHARD_OK &&
+             pshard_reduce_scatter_start(c, ids[l], 2, &rs[l]) == PSHARD_OK;
+    }
+    /* Every handle is waited, even after an error, so none is leaked; the first error stays
+     * in pshard_last_error only if no later wait fails too, which is good enough here. */
+    for (int l = 0; l < nl; l++) {
+        if (gw[l] && pshard_work_wait(gw[l]) != PSHARD_OK)
+            ok = false;
+        if (rs[l] && pshard_work_wait(rs[l]) != PSHARD_OK)
+            ok = false;
+    }
+    return ok ? loss : NAN;
+}
+
 int mlp_dist_train(const mlp_dist_args_t *da)
 {
     const mlp_local_args_t *a = &da->common;
@@ -47,17 +133,26 @@ int mlp_dist_train(const mlp_dist_args_t *da)
     }
     int rank = pshard_rank(c), world = pshard_world_size(c);
     const mlp_shape_t *shape = &a->shape;
-    size_t np = mlp_num_params(shape);
+    size_t np = mlp_num_params(shape), max_numel = 0;
+    for (size_t p = 0; p < np; p++)
+        if (mlp_param_numel(shape, p) > max_numel)
+            max_numel = mlp_param_numel(shape, p);
     pshard_param_t *params = calloc(np, sizeof(*params));
     int64_t(*shapes)[2] = calloc(np, sizeof(*shapes));
     char(*names)[64] = calloc(np, sizeof(*names));
-    float **w = calloc(np, sizeof(float *)), **g = calloc(np, sizeof(float *));
+    float **init = calloc(np, sizeof(float *));
+    /* fp32 scratch for one layer: parameters converted from param_dtype, gradients before
+     * their conversion to reduce_dtype. */
+    float *tmp[4] = {0};
+    for (int k = 0; k < 4; k++)
+        tmp[k] = malloc(max_numel * sizeof(float));
     float *x = malloc((size_t)a->batch * (size_t)shape->widths[0] * sizeof(float));
     float *y = malloc((size_t)a->batch * (size_t)shape->widths[shape->nlayers] * sizeof(float));
     mlp_workspace_t *ws = mlp_workspace_create(shape, a->batch);
     mlp_task_t *task = mlp_task_create(shape, a->task_seed);
     int rc = 1;
-    if (!params || !shapes || !names || !w || !g || !x || !y || !ws || !task) {
+    if (!params || !shapes || !names || !init || !tmp[0] || !tmp[1] || !tmp[2] || !tmp[3] ||
+        !x || !y || !ws || !task) {
         fprintf(stderr, "pshard-mlp: out of memory\n");
         goto out;
     }
@@ -65,15 +160,14 @@ int mlp_dist_train(const mlp_dist_args_t *da)
         mlp_param_name(shape, p, names[p], sizeof(names[p]));
         mlp_param_shape(shape, p, shapes[p]);
         params[p] = (pshard_param_t){names[p], mlp_param_ndim(shape, p), shapes[p]};
-        w[p] = calloc(mlp_param_numel(shape, p), sizeof(float));
-        g[p] = calloc(mlp_param_numel(shape, p), sizeof(float));
-        if (!w[p] || !g[p]) {
+        if (rank == 0 && !(init[p] = calloc(mlp_param_numel(shape, p), sizeof(float)))) {
             fprintf(stderr, "pshard-mlp: out of memory\n");
             goto out;
         }
     }
     /* Rank 0's initial values are the model's (sync_module_states); they match --local's. */
-    mlp_init_params(shape, a->seed, w);
+    if (rank == 0)
+        mlp_init_params(shape, a->seed, init);
     pshard_model_config_t mc;
     pshard_model_config_default(&mc, optimizer_of(a->optim.kind));
     mc.layout = da->layout;
@@ -89,32 +183,26 @@ int mlp_dist_train(const mlp_dist_args_t *da)
     mc.eps = a->optim.eps;
     mc.max_grad_norm = a->max_grad_norm;
     mc.init_from_rank0 = true;
-    if (pshard_define_model(c, params, np, &mc, rank == 0 ? (const float *const *)w : NULL) !=
+    mc.reshard_after_forward = da->reshard_after_forward;
+    mc.max_gathers_in_flight = da->max_gathers_in_flight;
+    if (pshard_define_model(c, params, np, &mc, rank == 0 ? (const float *const *)init : NULL) !=
         PSHARD_OK) {
         fprintf(stderr, "pshard-mlp: rank %d: %s\n", rank, pshard_last_error(c));
         goto out;
+    }
+    for (size_t p = 0; p < np; p++) {
+        free(init[p]);
+        init[p] = NULL;
     }
     int64_t t0 = 0;
     for (int64_t s = 0; s < a->steps; s++) {
         if (s == 1)
             t0 = ps_now_ns(); /* the first step includes connection warm-up */
-        if (pshard_gather(c, NULL, 0) != PSHARD_OK)
-            goto pshard_error;
-        for (size_t p = 0; p < np; p++)
-            to_f32(pshard_param(c, p), da->param_dtype, w[p], mlp_param_numel(shape, p));
         mlp_task_batch(task, a->data_seed, rank, s, a->batch, x, y);
-        float loss = (float)mlp_forward_backward(shape, ws, (const float *const *)w, x, y,
-                                                 a->batch, g);
-        for (size_t p = 0; p < np; p++) {
-            void *dst = pshard_grad(c, p);
-            size_t n = mlp_param_numel(shape, p);
-            if (da->reduce_dtype == PSHARD_FP32)
-                memcpy(dst, g[p], n * sizeof(float));
-            else
-                ps_convert_f32_to_bf16(g[p], dst, n);
-        }
-        if (pshard_reduce_scatter(c, NULL, 0) != PSHARD_OK)
+        double l = train_step(c, da, ws, x, y, tmp[0], tmp[1], tmp[2], tmp[3]);
+        if (isnan(l))
             goto pshard_error;
+        float loss = (float)l;
         if (pshard_step(c, -1, NULL, NULL) != PSHARD_OK)
             goto pshard_error;
         if (pshard_all_reduce(c, &loss, 1, PSHARD_FP32, true) != PSHARD_OK)
@@ -126,19 +214,27 @@ int mlp_dist_train(const mlp_dist_args_t *da)
             fprintf(out, "step %lld loss %.9g\n", (long long)n, (double)loss);
     }
     double ms = a->steps > 1 ? (double)(ps_now_ns() - t0) / 1e6 / (double)(a->steps - 1) : 0;
+    pshard_memory_stats_t mem;
+    pshard_memory_stats(c, &mem);
     if (pshard_gather(c, NULL, 0) != PSHARD_OK)
         goto pshard_error;
     double checksum = 0;
     for (size_t p = 0; p < np; p++) {
-        to_f32(pshard_param(c, p), da->param_dtype, w[p], mlp_param_numel(shape, p));
+        to_f32(pshard_param(c, p), da->param_dtype, tmp[0], mlp_param_numel(shape, p));
         for (size_t i = 0; i < mlp_param_numel(shape, p); i++)
-            checksum += w[p][i];
+            checksum += tmp[0][i];
     }
     if (rank == 0) {
         fprintf(out, "final checksum %.17g\n", checksum);
         if (a->steps > 1)
             fprintf(out, "throughput %.1f samples/s, %.2f ms/step (%d ranks x batch %d)\n",
                     (double)world * a->batch * 1000.0 / ms, ms, world, a->batch);
+        fprintf(out,
+                "memory: at most %.2f MiB of full parameters and gradients held at once (%s, "
+                "%llu parameter gathers skipped)\n",
+                (double)mem.peak_in_use_bytes / 1048576.0,
+                da->reshard_after_forward ? "FULL_SHARD" : "SHARD_GRAD_OP",
+                (unsigned long long)mem.params_skipped);
     }
     rc = 0;
     goto out;
@@ -146,14 +242,12 @@ pshard_error:
     fprintf(stderr, "pshard-mlp: rank %d: %s\n", rank, pshard_last_error(c));
     rc = 1;
 out:
-    if (w)
+    if (init)
         for (size_t p = 0; p < np; p++)
-            free(w[p]);
-    if (g)
-        for (size_t p = 0; p < np; p++)
-            free(g[p]);
-    free(w);
-    free(g);
+            free(init[p]);
+    free(init);
+    for (int k = 0; k < 4; k++)
+        free(tmp[k]);
     free(params);
     free(shapes);
     free(names);

@@ -5,6 +5,8 @@
 #ifndef PSHARD_EXAMPLE_DIST_TRAIN_H
 #define PSHARD_EXAMPLE_DIST_TRAIN_H
 
+#include <stdbool.h>
+
 #include "local_train.h"
 #include "pshard/dtype.h"
 #include "pshard/layout.h"
@@ -14,6 +16,8 @@ typedef struct {
     pshard_dtype_t param_dtype; /* what gathers return */
     pshard_dtype_t reduce_dtype;
     pshard_layout_t layout;
+    bool reshard_after_forward; /* FULL_SHARD (true) or SHARD_GRAD_OP */
+    int max_gathers_in_flight;
 } mlp_dist_args_t;
 
 /* Connects through the environment (RANK, WORLD_SIZE, PSHARD_SERVER; pshardrun sets them),

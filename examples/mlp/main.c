@@ -44,6 +44,8 @@ typedef struct {
     int64_t print_every;
     char *log;
     char *layout;
+    bool reshard_after_forward;
+    int64_t max_gathers_in_flight;
 } mlp_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
@@ -82,6 +84,13 @@ static const ps_option_t options[] = {
         0, 0),
     OPT("layout", "PSHARD_LAYOUT", PS_OPT_STRING, "fsdp2",
         "sharding layout: fsdp2 (dim 0 per parameter) or fsdp1 (flat)", layout, 0, 0),
+    OPT("reshard-after-forward", NULL, PS_OPT_BOOL, "true",
+        "free each layer's full parameters after forward (FULL_SHARD); false keeps them for "
+        "backward (SHARD_GRAD_OP)",
+        reshard_after_forward, 0, 0),
+    OPT("max-gathers-in-flight", NULL, PS_OPT_INT, "2",
+        "bound on asynchronous gathers issued and unfinished (0: none)", max_gathers_in_flight, 0,
+        1024),
 };
 
 /* The validated configuration every mode runs from. */
@@ -199,8 +208,9 @@ static int run_local(const mlp_config_t *cfg)
     return mlp_local_train(&a);
 }
 
-static int run_distributed(const mlp_config_t *cfg, const char *layout)
+static int run_distributed(const mlp_config_t *cfg, const mlp_opts_t *o)
 {
+    const char *layout = o->layout;
     mlp_dist_args_t d;
     memset(&d, 0, sizeof(d));
     mlp_local_args_t *a = &d.common;
@@ -217,6 +227,8 @@ static int run_distributed(const mlp_config_t *cfg, const char *layout)
     a->print_every = cfg->print_every;
     d.param_dtype = cfg->param_dtype;
     d.reduce_dtype = cfg->reduce_dtype;
+    d.reshard_after_forward = o->reshard_after_forward;
+    d.max_gathers_in_flight = (int)o->max_gathers_in_flight;
     if (strcmp(layout, "fsdp2") == 0) {
         d.layout = PSHARD_LAYOUT_FSDP2;
     } else if (strcmp(layout, "fsdp1") == 0) {
@@ -275,7 +287,7 @@ int main(int argc, char **argv)
         exit_code = run_local(&cfg);
         goto out;
     }
-    exit_code = run_distributed(&cfg, o.layout);
+    exit_code = run_distributed(&cfg, &o);
 out:
     ps_config_free(options, PS_ARRAY_LEN(options), &o);
     return exit_code;

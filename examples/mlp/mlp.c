@@ -172,6 +172,7 @@ struct mlp_workspace {
     int max_batch;
     float *act[MLP_MAX_LAYERS + 1]; /* act[l], l >= 1: output of layer l-1 (after ReLU) */
     float *delta[2];                /* ping-pong d(loss)/d(pre-activation), batch x max width */
+    int cur;                        /* which delta holds the current layer's */
 };
 
 mlp_workspace_t *mlp_workspace_create(const mlp_shape_t *shape, int max_batch)
@@ -214,29 +215,69 @@ void mlp_workspace_free(mlp_workspace_t *ws)
     free(ws);
 }
 
-/* Runs the forward pass of rows x [batch x widths[0]] and returns the output activations
- * (inside ws, valid until the next call). Hidden activations stay in ws for backward. */
-static const float *mlp_forward(const mlp_shape_t *shape, mlp_workspace_t *ws,
-                                const float *const *params, const float *x, int batch)
+void mlp_layer_forward(const mlp_shape_t *shape, mlp_workspace_t *ws, int l, const float *w,
+                       const float *b, const float *x, int batch)
 {
-    const float *in = x;
-    for (int l = 0; l < shape->nlayers; l++) {
-        int n_in = shape->widths[l], n_out = shape->widths[l + 1];
-        const float *w = params[2 * l], *b = params[2 * l + 1];
-        float *out = ws->act[l + 1];
-        /* Seed every row with the bias, then out += in * W^T in one sgemm. */
-        for (int i = 0; i < batch; i++)
-            memcpy(out + (size_t)i * n_out, b, (size_t)n_out * sizeof(float));
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, batch, n_out, n_in, 1.0f, in, n_in, w,
-                    n_in, 1.0f, out, n_out);
-        if (l + 1 < shape->nlayers) {
-            size_t n = (size_t)batch * (size_t)n_out;
-            for (size_t i = 0; i < n; i++)
-                out[i] = out[i] > 0.0f ? out[i] : 0.0f;
-        }
-        in = out;
+    int n_in = shape->widths[l], n_out = shape->widths[l + 1];
+    const float *in = l == 0 ? x : ws->act[l];
+    float *out = ws->act[l + 1];
+    /* Seed every row with the bias, then out += in * W^T in one sgemm. */
+    for (int i = 0; i < batch; i++)
+        memcpy(out + (size_t)i * n_out, b, (size_t)n_out * sizeof(float));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, batch, n_out, n_in, 1.0f, in, n_in, w,
+                n_in, 1.0f, out, n_out);
+    if (l + 1 < shape->nlayers) {
+        size_t n = (size_t)batch * (size_t)n_out;
+        for (size_t i = 0; i < n; i++)
+            out[i] = out[i] > 0.0f ? out[i] : 0.0f;
     }
-    return in;
+}
+
+double mlp_loss(const mlp_shape_t *shape, mlp_workspace_t *ws, const float *y, int batch)
+{
+    int nl = shape->nlayers;
+    size_t n = (size_t)batch * (size_t)shape->widths[nl];
+    const float *out = ws->act[nl];
+    /* MSE = mean (out - y)^2; its gradient w.r.t. out is 2 (out - y) / n. */
+    double sum = 0.0;
+    float *delta = ws->delta[0];
+    float scale = (float)(2.0 / (double)n);
+    for (size_t i = 0; i < n; i++) {
+        float diff = out[i] - y[i];
+        sum += (double)diff * (double)diff;
+        delta[i] = diff * scale;
+    }
+    ws->cur = 0;
+    return sum / (double)n;
+}
+
+void mlp_layer_backward(const mlp_shape_t *shape, mlp_workspace_t *ws, int l, const float *w,
+                        const float *x, int batch, float *gw, float *gb)
+{
+    int li = shape->widths[l], lo = shape->widths[l + 1];
+    const float *in = (l == 0) ? x : ws->act[l];
+    const float *dz = ws->delta[ws->cur];
+    /* dW = dZ^T [lo x batch] * in [batch x li] */
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, lo, li, batch, 1.0f, dz, lo, in, li,
+                0.0f, gw, li);
+    memcpy(gb, dz, (size_t)lo * sizeof(float));
+    for (int i = 1; i < batch; i++) {
+        const float *row = dz + (size_t)i * lo;
+        for (int j = 0; j < lo; j++)
+            gb[j] += row[j];
+    }
+    if (l == 0)
+        return; /* the input needs no gradient */
+    /* dA = dZ [batch x lo] * W [lo x li], then through the ReLU that produced act[l]. */
+    float *da = ws->delta[1 - ws->cur];
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, batch, li, lo, 1.0f, dz, lo, w, li,
+                0.0f, da, li);
+    const float *a = ws->act[l];
+    size_t m = (size_t)batch * (size_t)li;
+    for (size_t i = 0; i < m; i++)
+        if (!(a[i] > 0.0f))
+            da[i] = 0.0f;
+    ws->cur = 1 - ws->cur;
 }
 
 double mlp_forward_backward(const mlp_shape_t *shape, mlp_workspace_t *ws,
@@ -248,51 +289,13 @@ double mlp_forward_backward(const mlp_shape_t *shape, mlp_workspace_t *ws,
     if (batch < 1 || batch > ws->max_batch)
         return NAN;
     int nl = shape->nlayers;
-    int n_out = shape->widths[nl];
-    size_t n = (size_t)batch * (size_t)n_out;
-    const float *out = mlp_forward(shape, ws, params, x, batch);
-
-    /* MSE = mean (out - y)^2; its gradient w.r.t. out is 2 (out - y) / n. */
-    double sum = 0.0;
-    float *delta = ws->delta[0];
-    float scale = (float)(2.0 / (double)n);
-    for (size_t i = 0; i < n; i++) {
-        float diff = out[i] - y[i];
-        sum += (double)diff * (double)diff;
-        delta[i] = diff * scale;
-    }
-    double loss = sum / (double)n;
+    for (int l = 0; l < nl; l++)
+        mlp_layer_forward(shape, ws, l, params[2 * l], params[2 * l + 1], x, batch);
+    double loss = mlp_loss(shape, ws, y, batch);
     if (!grads)
         return loss;
-
-    int cur = 0;
-    for (int l = nl - 1; l >= 0; l--) {
-        int li = shape->widths[l], lo = shape->widths[l + 1];
-        const float *in = (l == 0) ? x : ws->act[l];
-        const float *dz = ws->delta[cur];
-        float *gw = grads[2 * l], *gb = grads[2 * l + 1];
-        /* dW = dZ^T [lo x batch] * in [batch x li] */
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, lo, li, batch, 1.0f, dz, lo, in, li,
-                    0.0f, gw, li);
-        memcpy(gb, dz, (size_t)lo * sizeof(float));
-        for (int i = 1; i < batch; i++) {
-            const float *row = dz + (size_t)i * lo;
-            for (int j = 0; j < lo; j++)
-                gb[j] += row[j];
-        }
-        if (l == 0)
-            break; /* the input needs no gradient */
-        /* dA = dZ [batch x lo] * W [lo x li], then through the ReLU that produced act[l]. */
-        float *da = ws->delta[1 - cur];
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, batch, li, lo, 1.0f, dz, lo,
-                    params[2 * l], li, 0.0f, da, li);
-        const float *a = ws->act[l];
-        size_t m = (size_t)batch * (size_t)li;
-        for (size_t i = 0; i < m; i++)
-            if (!(a[i] > 0.0f))
-                da[i] = 0.0f;
-        cur = 1 - cur;
-    }
+    for (int l = nl - 1; l >= 0; l--)
+        mlp_layer_backward(shape, ws, l, params[2 * l], x, batch, grads[2 * l], grads[2 * l + 1]);
     return loss;
 }
 
@@ -357,8 +360,10 @@ void mlp_task_batch(mlp_task_t *task, uint64_t data_seed, int rank, int64_t b, i
     fill_normal(seed_mix(h, (uint64_t)b), x, (size_t)batch * (size_t)n_in);
     for (int row = 0; row < batch; row += MLP_TASK_CHUNK) {
         int rows = batch - row < MLP_TASK_CHUNK ? batch - row : MLP_TASK_CHUNK;
-        const float *out = mlp_forward(shape, task->ws, (const float *const *)task->params,
-                                       x + (size_t)row * n_in, rows);
+        for (int l = 0; l < shape->nlayers; l++)
+            mlp_layer_forward(shape, task->ws, l, task->params[2 * l], task->params[2 * l + 1],
+                              x + (size_t)row * n_in, rows);
+        const float *out = task->ws->act[shape->nlayers];
         memcpy(y + (size_t)row * n_out, out, (size_t)rows * (size_t)n_out * sizeof(float));
     }
 }

@@ -47,6 +47,18 @@ void mlp_workspace_free(mlp_workspace_t *ws);
 double mlp_forward_backward(const mlp_shape_t *shape, mlp_workspace_t *ws, const float *const *params,
                             const float *x, const float *y, int batch, float *const *grads);
 
+/* The same computation one layer at a time, for trainers that hold one layer's parameters at
+ * a time (FSDP): mlp_layer_forward for l = 0 .. nlayers-1 in order (x is the batch, read by
+ * layers 0 in both passes), then mlp_loss (returns the loss and seeds backward), then
+ * mlp_layer_backward for l = nlayers-1 down to 0, which writes layer l's gradients into gw
+ * [widths[l+1] x widths[l]] and gb [widths[l+1]] (overwriting). w and b are layer l's
+ * parameters. Results are bit-identical to mlp_forward_backward's. */
+void mlp_layer_forward(const mlp_shape_t *shape, mlp_workspace_t *ws, int l, const float *w,
+                       const float *b, const float *x, int batch);
+double mlp_loss(const mlp_shape_t *shape, mlp_workspace_t *ws, const float *y, int batch);
+void mlp_layer_backward(const mlp_shape_t *shape, mlp_workspace_t *ws, int l, const float *w,
+                        const float *x, int batch, float *gw, float *gb);
+
 /* The task: a fixed random "teacher" MLP (same shape, seeded by task_seed, independent of the
  * student's init) produces targets y = teacher(x) for inputs x ~ N(0, 1). Batch b of rank r
  * (b = 0, 1, ...) is a deterministic function of (data_seed, rank, b), so the --local reference

@@ -187,6 +187,12 @@ static int run(pshard_client_t *c, const size_t *sizes, size_t nsizes, const ben
     for (size_t p = 0; p < nsizes; p++) {
         size_t id = p, bytes = sizes[p];
         for (int64_t k = 0; k < o->warmup + o->iters; k++) {
+            /* A gathered parameter is not gathered again; freeing it first makes every
+             * iteration a real gather into the same (pooled) buffer. */
+            if (k > 0 && pshard_reshard(c, &id, 1) != PSHARD_OK) {
+                fprintf(stderr, PROG ": rank %d: reshard: %s\n", rank, pshard_last_error(c));
+                goto out;
+            }
             int64_t t0 = ps_now_ns();
             if (pshard_gather(c, &id, 1) != PSHARD_OK) {
                 fprintf(stderr, PROG ": rank %d: gather of %zu bytes: %s\n", rank, bytes,

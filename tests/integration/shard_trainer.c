@@ -108,6 +108,7 @@ int main(int argc, char **argv)
     mc.nesterov = opt == PSHARD_SGD;
     mc.weight_decay = opt == PSHARD_ADAMW ? 0.05 : (opt == PSHARD_ADAM ? 0.01 : 0.001);
     mc.max_grad_norm = 0.5;
+    mc.max_gathers_in_flight = 1; /* odd steps issue two gathers: the second must wait */
     pshard_param_t params[NP];
     atexit(free_arrays);
     for (int p = 0; p < NP; p++) {
@@ -169,6 +170,17 @@ int main(int argc, char **argv)
                 grc = PSHARD_ERR_RPC;
         } else {
             grc = pshard_gather(c, NULL, 0);
+            /* Gathered already: a second gather moves nothing (SHARD_GRAD_OP's saving). */
+            pshard_memory_stats_t before, after;
+            pshard_memory_stats(c, &before);
+            if (grc == PSHARD_OK)
+                grc = pshard_gather(c, NULL, 0);
+            pshard_memory_stats(c, &after);
+            if (after.params_skipped != before.params_skipped + NP ||
+                after.params_gathered != before.params_gathered) {
+                fprintf(stderr, "rank %d: a repeated gather moved parameters again\n", rank);
+                failures++;
+            }
         }
         if (grc != PSHARD_OK) {
             fprintf(stderr, "rank %d: gather: %s\n", rank, pshard_last_error(c));
@@ -222,6 +234,14 @@ int main(int argc, char **argv)
             fprintf(stderr, "rank %d: step: %s\n", rank, pshard_last_error(c));
             return 1;
         }
+        /* The step made every full copy stale: they are freed. */
+        for (int p = 0; p < NP; p++) {
+            if (pshard_param(c, (size_t)p) || pshard_grad(c, (size_t)p) == NULL) {
+                fprintf(stderr, "rank %d: after the step parameter %d is still gathered, or "
+                                "its gradient cannot be handed out\n", rank, p);
+                failures++;
+            }
+        }
         double sq = 0;
         for (int p = 0; p < NP; p++)
             sq += ps_sum_squares(avg[p], numel_of(p));
@@ -250,6 +270,13 @@ int main(int argc, char **argv)
     }
     if (pshard_barrier(c) != PSHARD_OK) {
         fprintf(stderr, "rank %d: barrier: %s\n", rank, pshard_last_error(c));
+        failures++;
+    }
+    pshard_memory_stats_t mem;
+    pshard_memory_stats(c, &mem);
+    if (mem.peak_gathers_in_flight != 1) {
+        fprintf(stderr, "rank %d: %d gathers were in flight at once; the bound is 1\n", rank,
+                mem.peak_gathers_in_flight);
         failures++;
     }
     pshard_close(c);

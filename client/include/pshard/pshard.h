@@ -92,10 +92,19 @@ typedef struct {
     double max_grad_norm;         /* clip_grad_norm over all shards; 0 = off */
     bool init_from_rank0;         /* true: rank 0's values are used (sync_module_states);
                                      false: every trainer passes the same values */
+    bool reshard_after_forward;   /* true (FULL_SHARD, the default): pshard_forward_done frees
+                                     the full parameters and backward gathers them again;
+                                     false (SHARD_GRAD_OP): they stay until backward is done */
+    int max_gathers_in_flight;    /* pshard_gather_start waits while this many gathers are
+                                     issued and unfinished (FSDP's limit_all_gathers); default
+                                     2, 0 = no bound */
+    size_t pool_bytes;            /* shared memory for full parameters and gradients; 0 = room
+                                     for all of them twice over (only what is unsharded at
+                                     once is ever backed by pages) */
 } pshard_model_config_t;
 
 /* FSDP2 layout, fp32 params and reductions, torch.optim's defaults for `optimizer` (SGD
- * lr 1e-3), no clipping, init from rank 0. */
+ * lr 1e-3), no clipping, init from rank 0, FULL_SHARD with at most 2 gathers in flight. */
 PSHARD_API void pshard_model_config_default(pshard_model_config_t *mc,
                                             pshard_optimizer_t optimizer);
 
@@ -108,22 +117,54 @@ PSHARD_API pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_
                                                size_t nparams, const pshard_model_config_t *mc,
                                                const float *const *init);
 
-/* The full buffer of parameter i in param_dtype (valid after it was gathered) and of its
- * gradient in reduce_dtype (the trainer writes it before reduce-scatter). NULL for a bad i. */
+/* The full buffer of parameter i in param_dtype: non-NULL only while it is gathered (after
+ * the gather finished, until it is resharded; the address may differ from one gather to the
+ * next). NULL for a bad i or a parameter that is sharded or still being gathered. */
 PSHARD_API void *pshard_param(pshard_client_t *c, size_t i);
+/* The full gradient buffer of parameter i in reduce_dtype, zero-filled when first handed out;
+ * the trainer writes (or accumulates into) it, then reduce-scatters it, which frees it. NULL
+ * for a bad i, while its reduce-scatter runs, or when the pool is full (pshard_last_error). */
 PSHARD_API void *pshard_grad(pshard_client_t *c, size_t i);
 PSHARD_API size_t pshard_param_numel(const pshard_client_t *c, size_t i);
 
-/* Gathers the full values of parameters ids[0..n) (n == 0: all) into their buffers. */
+/* Gathers the full values of parameters ids[0..n) (n == 0: all) into buffers taken from the
+ * pool. A parameter that is already gathered (or being gathered) is skipped, which is how
+ * SHARD_GRAD_OP saves backward's gather; every trainer must make the same calls, or the
+ * collectives report a desync naming both ranks. After pshard_step every parameter is sharded
+ * again (its values changed). */
 PSHARD_API pshard_status_t pshard_gather(pshard_client_t *c, const size_t *ids, size_t n);
 
-/* Reduce-scatters the gradients of ids[0..n) (n == 0: all): each shard server keeps its
- * averaged slice, accumulated until the next step. */
+/* Frees the full buffers of ids[0..n) (n == 0: all), like FSDP2's reshard(); their memory
+ * goes back to the pool. A gather still in flight for one of them is FAILED_PRECONDITION. */
+PSHARD_API pshard_status_t pshard_reshard(pshard_client_t *c, const size_t *ids, size_t n);
+
+/* Call after a unit's forward: reshards ids with reshard_after_forward (FULL_SHARD), keeps
+ * them for backward otherwise (SHARD_GRAD_OP). */
+PSHARD_API pshard_status_t pshard_forward_done(pshard_client_t *c, const size_t *ids, size_t n);
+
+/* Reduce-scatters the gradients of ids[0..n) (n == 0: all that were handed out by
+ * pshard_grad): each shard server keeps its averaged slice, accumulated until the next step.
+ * The full gradient buffers go back to the pool when it finishes. */
 PSHARD_API pshard_status_t pshard_reduce_scatter(pshard_client_t *c, const size_t *ids,
                                                  size_t n);
 
+typedef struct {
+    size_t pool_bytes;          /* the model region's size */
+    size_t in_use_bytes;        /* full parameters and gradients held now */
+    size_t peak_in_use_bytes;   /* the most held at once since pshard_define_model */
+    size_t touched_bytes;       /* the pool's high-water mark: what was ever backed by pages */
+    uint64_t params_gathered;   /* parameters moved by gathers */
+    uint64_t params_skipped;    /* parameters a gather found already gathered */
+    int peak_gathers_in_flight; /* the most asynchronous gathers unfinished at once */
+} pshard_memory_stats_t;
+
+/* Memory and gather counters of this client's pool. Thread-safe. */
+PSHARD_API void pshard_memory_stats(pshard_client_t *c, pshard_memory_stats_t *out);
+
 /* Asynchronous forms: they run in issue order on the client's own thread. The ids are copied.
- * Wait on the handle (which frees it) before touching the buffers involved. */
+ * Wait on the handle (which frees it) before touching the buffers involved. A gather's buffers
+ * are taken from the pool when it is issued; pshard_gather_start first waits while
+ * max_gathers_in_flight gathers are unfinished. */
 PSHARD_API pshard_status_t pshard_gather_start(pshard_client_t *c, const size_t *ids, size_t n,
                                                pshard_work_t **work);
 PSHARD_API pshard_status_t pshard_reduce_scatter_start(pshard_client_t *c, const size_t *ids,
