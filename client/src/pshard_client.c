@@ -1134,6 +1134,53 @@ pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double
     return PSHARD_OK;
 }
 
+void pshard_join_options_default(pshard_join_options_t *o)
+{
+    o->enable = true;
+    o->throw_on_early_termination = false;
+}
+
+pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opts,
+                            pshard_join_result_t *result)
+{
+    pshard_join_options_t def;
+    if (!opts) {
+        pshard_join_options_default(&def);
+        opts = &def;
+    }
+    if (!opts->enable)
+        return fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                    "Join is disabled (enable = false): this trainer cannot join");
+    if (!c->nparams)
+        return fail(c, PSHARD_ERR_FAILED_PRECONDITION, "define the model before joining");
+    pthread_mutex_lock(&c->mu);
+    while (c->qhead || c->busy)
+        pthread_cond_wait(&c->cv, &c->mu);
+    pool_reset_params(c);
+    pthread_mutex_unlock(&c->mu);
+    Pshard__JoinRequest req = PSHARD__JOIN_REQUEST__INIT;
+    req.session = c->session;
+    req.throw_on_early_termination = opts->throw_on_early_termination;
+    ProtobufCMessage *resp = NULL;
+    char err[1024] = "";
+    char path[64] = "/pshard.ShardServer/Join";
+    /* The others may train for a long time yet: no deadline of the usual size. Failures
+     * reach this call through the collectives (a lost peer, a timeout). */
+    pshard_status_t rc = ps_rpc_unary(c->ch, path, &req.base, &pshard__join_response__descriptor,
+                                      &resp, 30LL * 24 * 3600 * 1000, 0, NULL, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        return fail(c, rc, "Join: %s", err);
+    Pshard__JoinResponse *r = (Pshard__JoinResponse *)resp;
+    if (result) {
+        result->is_last_joiner = r->is_last_joiner;
+        result->last_rank = r->last_rank;
+        result->step = r->step;
+        result->shadowed_ops = r->shadowed_ops;
+    }
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return PSHARD_OK;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Plain collectives                                                                         */
 

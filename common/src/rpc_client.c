@@ -196,12 +196,32 @@ static void drain_and_destroy_cq(grpc_completion_queue *cq)
 }
 
 static pshard_status_t status_from_call(grpc_status_code code, grpc_slice details,
-                                        const char *target, const char *path, char *err,
-                                        size_t errlen)
+                                        const grpc_metadata_array *trailing, const char *target,
+                                        const char *path, char *err, size_t errlen)
 {
     if (code == GRPC_STATUS_OK)
         return PSHARD_OK;
     pshard_status_t st = pshard_status_from_grpc((int)code);
+    /* A pshard server names the exact status; trust it only if it maps to the same gRPC code
+     * (a peer cannot turn an error into success or into another class). */
+    for (size_t i = 0; trailing && i < trailing->count; i++) {
+        const grpc_metadata *m = &trailing->metadata[i];
+        if (grpc_slice_str_cmp(m->key, "pshard-status") != 0)
+            continue;
+        char v[16];
+        size_t len = GRPC_SLICE_LENGTH(m->value);
+        if (len == 0 || len >= sizeof(v))
+            break;
+        memcpy(v, GRPC_SLICE_START_PTR(m->value), len);
+        v[len] = '\0';
+        char *end = NULL;
+        long x = strtol(v, &end, 10);
+        if (*end == '\0' && x < 0 && x >= -1000 &&
+            strcmp(pshard_status_name((pshard_status_t)x), "PSHARD_ERR_UNKNOWN") != 0 &&
+            pshard_status_to_grpc((pshard_status_t)x) == (int)code)
+            st = (pshard_status_t)x;
+        break;
+    }
     ps_errf(err, errlen, st, "%.*s", (int)GRPC_SLICE_LENGTH(details),
             (const char *)GRPC_SLICE_START_PTR(details));
     if (GRPC_SLICE_LENGTH(details) == 0)
@@ -259,7 +279,7 @@ static pshard_status_t unary_once(ps_rpc_channel_t *ch, const char *path, grpc_s
         grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
         if (grpc_code)
             *grpc_code = (int)status;
-        rc = status_from_call(status, details, ch->target, path, err, errlen);
+        rc = status_from_call(status, details, &trailing_md, ch->target, path, err, errlen);
         if (rc == PSHARD_OK && recv_bb) {
             grpc_byte_buffer_reader reader;
             if (grpc_byte_buffer_reader_init(&reader, recv_bb)) {
@@ -483,7 +503,8 @@ pshard_status_t ps_rpc_stream_next(ps_rpc_stream_t *st, const ProtobufCMessageDe
     }
     if (grpc_code)
         *grpc_code = (int)st->status;
-    return status_from_call(st->status, st->details, "server", "stream", err, errlen);
+    return status_from_call(st->status, st->details, &st->trailing_md, "server", "stream", err,
+                            errlen);
 }
 
 void ps_rpc_stream_close(ps_rpc_stream_t *st)

@@ -65,6 +65,12 @@ struct ps_rpc_call {
     grpc_status_code final_code;
     grpc_slice final_details;
     bool final_details_set;
+    /* The exact pshard_status_t of a failure, in trailing metadata "pshard-status", since
+     * several pshard codes share one gRPC code (JOINED and ABORTED, PEER_LOST and
+     * UNAVAILABLE). */
+    int final_pshard_status;
+    grpc_metadata final_md;
+    bool final_md_set;
 
     grpc_byte_buffer *recv_bb;
     int close_cancelled;
@@ -168,6 +174,8 @@ static void call_free(ps_rpc_call_t *c)
         grpc_byte_buffer_destroy(c->final_bb);
     if (c->final_details_set)
         grpc_slice_unref(c->final_details);
+    if (c->final_md_set)
+        grpc_slice_unref(c->final_md.value);
     for (send_item_t *it = c->sendq_head; it;) {
         send_item_t *next = it->next;
         grpc_byte_buffer_destroy(it->bb);
@@ -269,6 +277,15 @@ static void start_final_locked(ps_rpc_call_t *c)
     ops[n].data.send_status_from_server.status_details =
         c->final_details_set ? &c->final_details : NULL;
     ops[n].data.send_status_from_server.trailing_metadata_count = 0;
+    if (c->final_pshard_status != 0) {
+        char v[16];
+        snprintf(v, sizeof(v), "%d", c->final_pshard_status);
+        c->final_md.key = grpc_slice_from_static_string("pshard-status");
+        c->final_md.value = grpc_slice_from_copied_string(v);
+        c->final_md_set = true;
+        ops[n].data.send_status_from_server.trailing_metadata_count = 1;
+        ops[n].data.send_status_from_server.trailing_metadata = &c->final_md;
+    }
     n++;
     start_batch_locked(c, ops, n, &c->t_final);
 }
@@ -328,6 +345,7 @@ void ps_rpc_call_fail(ps_rpc_call_t *call, pshard_status_t status, const char *f
         code = GRPC_STATUS_UNKNOWN;
     PS_DEBUG(PS_SUB_RPC, "%s from %s failed: %s: %s", call->path, call->peer ? call->peer : "?",
              pshard_status_name(status), msg);
+    call->final_pshard_status = (int)status; /* read once final_started, under the lock */
     finalize(call, code, msg, NULL);
 }
 

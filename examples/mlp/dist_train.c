@@ -48,10 +48,17 @@ static void layer_params(pshard_client_t *c, int l, pshard_dtype_t dt, float *wt
  * backward gathers again what was freed, prefetching the layer below, and reduce-scatters
  * each layer's gradients asynchronously as soon as they are written. Returns the batch loss
  * or NAN on a pshard error. */
-static double train_step(pshard_client_t *c, const mlp_dist_args_t *da, mlp_workspace_t *ws,
-                         const float *x, const float *y, float *wtmp, float *btmp, float *gwtmp,
-                         float *gbtmp)
+static pshard_status_t train_step(pshard_client_t *c, const mlp_dist_args_t *da,
+                                  mlp_workspace_t *ws, const float *x, const float *y,
+                                  float *wtmp, float *btmp, float *gwtmp, float *gbtmp,
+                                  double *loss_out)
 {
+    pshard_status_t first = PSHARD_OK;
+#define OK(expr)                                                                               \
+    do {                                                                                       \
+        if (first == PSHARD_OK)                                                                \
+            first = (expr);                                                                    \
+    } while (0)
     const mlp_shape_t *shape = &da->common.shape;
     int nl = shape->nlayers, batch = da->common.batch;
     pshard_work_t *gw[MLP_MAX_LAYERS] = {0}, *rs[MLP_MAX_LAYERS] = {0};
@@ -60,34 +67,33 @@ static double train_step(pshard_client_t *c, const mlp_dist_args_t *da, mlp_work
         ids[l][0] = (size_t)(2 * l);
         ids[l][1] = (size_t)(2 * l + 1);
     }
-    bool ok = pshard_gather_start(c, ids[0], 2, &gw[0]) == PSHARD_OK;
-    for (int l = 0; l < nl && ok; l++) {
-        ok = pshard_work_wait(gw[l]) == PSHARD_OK;
+    OK(pshard_gather_start(c, ids[0], 2, &gw[0]));
+    for (int l = 0; l < nl && first == PSHARD_OK; l++) {
+        OK(pshard_work_wait(gw[l]));
         gw[l] = NULL;
-        if (ok && l + 1 < nl)
-            ok = pshard_gather_start(c, ids[l + 1], 2, &gw[l + 1]) == PSHARD_OK;
-        if (!ok)
+        if (l + 1 < nl)
+            OK(pshard_gather_start(c, ids[l + 1], 2, &gw[l + 1]));
+        if (first != PSHARD_OK)
             break;
         const float *w, *b;
         layer_params(c, l, da->param_dtype, wtmp, btmp, &w, &b);
         mlp_layer_forward(shape, ws, l, w, b, x, batch);
-        ok = pshard_forward_done(c, ids[l], 2) == PSHARD_OK;
+        OK(pshard_forward_done(c, ids[l], 2));
     }
-    double loss = ok ? mlp_loss(shape, ws, y, batch) : NAN;
-    if (ok)
-        ok = pshard_gather_start(c, ids[nl - 1], 2, &gw[nl - 1]) == PSHARD_OK;
-    for (int l = nl - 1; l >= 0 && ok; l--) {
-        ok = pshard_work_wait(gw[l]) == PSHARD_OK;
+    double loss = first == PSHARD_OK ? mlp_loss(shape, ws, y, batch) : NAN;
+    OK(pshard_gather_start(c, ids[nl - 1], 2, &gw[nl - 1]));
+    for (int l = nl - 1; l >= 0 && first == PSHARD_OK; l--) {
+        OK(pshard_work_wait(gw[l]));
         gw[l] = NULL;
-        if (ok && l > 0)
-            ok = pshard_gather_start(c, ids[l - 1], 2, &gw[l - 1]) == PSHARD_OK;
-        if (!ok)
+        if (l > 0)
+            OK(pshard_gather_start(c, ids[l - 1], 2, &gw[l - 1]));
+        if (first != PSHARD_OK)
             break;
         const float *w, *b;
         layer_params(c, l, da->param_dtype, wtmp, btmp, &w, &b);
         void *gw_buf = pshard_grad(c, ids[l][0]), *gb_buf = pshard_grad(c, ids[l][1]);
         if (!gw_buf || !gb_buf) {
-            ok = false;
+            first = PSHARD_ERR_NO_MEMORY;
             break;
         }
         bool direct = da->reduce_dtype == PSHARD_FP32;
@@ -97,28 +103,26 @@ static double train_step(pshard_client_t *c, const mlp_dist_args_t *da, mlp_work
             ps_convert_f32_to_bf16(gwtmp, gw_buf, pshard_param_numel(c, ids[l][0]));
             ps_convert_f32_to_bf16(gbtmp, gb_buf, pshard_param_numel(c, ids[l][1]));
         }
-        ok = pshard_reshard(c, ids[l], 2) == PSHARD_OK &&
-             pshard_reduce_scatter_start(c, ids[l], 2, &rs[l]) == PSHARD_OK;
+        OK(pshard_reshard(c, ids[l], 2));
+        OK(pshard_reduce_scatter_start(c, ids[l], 2, &rs[l]));
     }
-    /* Every handle is waited, even after an error, so none is leaked; the first error stays
-     * in pshard_last_error only if no later wait fails too, which is good enough here. */
+    /* Every handle is waited, even after an error, so none is leaked; the status returned is
+     * the first error (pshard_last_error may hold a later one's message). */
     for (int l = 0; l < nl; l++) {
-        if (gw[l] && pshard_work_wait(gw[l]) != PSHARD_OK)
-            ok = false;
-        if (rs[l] && pshard_work_wait(rs[l]) != PSHARD_OK)
-            ok = false;
+        pshard_status_t st;
+        if (gw[l] && (st = pshard_work_wait(gw[l])) != PSHARD_OK && first == PSHARD_OK)
+            first = st;
+        if (rs[l] && (st = pshard_work_wait(rs[l])) != PSHARD_OK && first == PSHARD_OK)
+            first = st;
     }
-    return ok ? loss : NAN;
+#undef OK
+    *loss_out = loss;
+    return first;
 }
 
 int mlp_dist_train(const mlp_dist_args_t *da)
 {
     const mlp_local_args_t *a = &da->common;
-    if (a->uneven) {
-        fprintf(stderr, "pshard-mlp: --uneven needs Join support in the shard servers, which is "
-                        "not built yet; use --local --uneven for the reference\n");
-        return 2;
-    }
     FILE *out = a->out ? a->out : stdout;
     pshard_client_config_t cfg;
     char err[1024] = "";
@@ -194,39 +198,80 @@ int mlp_dist_train(const mlp_dist_args_t *da)
         free(init[p]);
         init[p] = NULL;
     }
-    int64_t t0 = 0;
-    for (int64_t s = 0; s < a->steps; s++) {
+    /* With --uneven rank r has steps + r batches, then joins (PyTorch's Join): the last rank
+     * has the most steps, so it prints the loss lines. */
+    int64_t my_steps = a->steps + (a->uneven ? rank : 0);
+    int printer = a->uneven ? world - 1 : 0;
+    int64_t t0 = 0, done_steps = 0;
+    for (int64_t s = 0; s < my_steps; s++) {
         if (s == 1)
             t0 = ps_now_ns(); /* the first step includes connection warm-up */
         mlp_task_batch(task, a->data_seed, rank, s, a->batch, x, y);
-        double l = train_step(c, da, ws, x, y, tmp[0], tmp[1], tmp[2], tmp[3]);
-        if (isnan(l))
-            goto pshard_error;
+        double l = NAN;
+        pshard_status_t st = train_step(c, da, ws, x, y, tmp[0], tmp[1], tmp[2], tmp[3], &l);
+        if (st == PSHARD_OK)
+            st = pshard_step(c, -1, NULL, NULL);
         float loss = (float)l;
-        if (pshard_step(c, -1, NULL, NULL) != PSHARD_OK)
+        if (st == PSHARD_OK)
+            st = pshard_all_reduce(c, &loss, 1, PSHARD_FP32, true);
+        if (st == PSHARD_ERR_JOINED && da->join_throw) {
+            /* Another rank ran out with throw_on_early_termination: stop and join too. */
+            fprintf(stderr, "pshard-mlp: rank %d: stopping at step %lld: %s\n", rank,
+                    (long long)s + 1, pshard_last_error(c));
+            break;
+        }
+        if (st != PSHARD_OK)
             goto pshard_error;
-        if (pshard_all_reduce(c, &loss, 1, PSHARD_FP32, true) != PSHARD_OK)
-            goto pshard_error;
+        done_steps++;
         int64_t n = s + 1;
         bool print = a->print_every > 0 &&
-                     (n == 1 || n % a->print_every == 0 || n == a->steps);
-        if (rank == 0 && print)
+                     (n == 1 || n % a->print_every == 0 || n == my_steps);
+        if (rank == printer && print)
             fprintf(out, "step %lld loss %.9g\n", (long long)n, (double)loss);
     }
-    double ms = a->steps > 1 ? (double)(ps_now_ns() - t0) / 1e6 / (double)(a->steps - 1) : 0;
+    if (a->uneven) {
+        pshard_join_options_t jo;
+        pshard_join_options_default(&jo);
+        jo.enable = da->join_enable;
+        jo.throw_on_early_termination = da->join_throw;
+        pshard_join_result_t jr;
+        if (pshard_join(c, &jo, &jr) != PSHARD_OK)
+            goto pshard_error;
+        fprintf(out, "rank %d joined after %lld steps: %s (last rank to join: %d, %llu "
+                     "operations shadowed for the others)\n",
+                rank, (long long)done_steps, jr.is_last_joiner ? "last joiner" : "not last",
+                jr.last_rank, (unsigned long long)jr.shadowed_ops);
+    }
+    int64_t timed = (done_steps < my_steps ? done_steps : my_steps) - 1;
+    double ms = timed > 0 ? (double)(ps_now_ns() - t0) / 1e6 / (double)timed : 0;
     pshard_memory_stats_t mem;
     pshard_memory_stats(c, &mem);
     if (pshard_gather(c, NULL, 0) != PSHARD_OK)
         goto pshard_error;
     double checksum = 0;
+    FILE *dump = rank == 0 && a->dump_weights ? fopen(a->dump_weights, "wb") : NULL;
+    if (rank == 0 && a->dump_weights && !dump) {
+        fprintf(stderr, "pshard-mlp: cannot write %s\n", a->dump_weights);
+        goto out;
+    }
     for (size_t p = 0; p < np; p++) {
-        to_f32(pshard_param(c, p), da->param_dtype, tmp[0], mlp_param_numel(shape, p));
-        for (size_t i = 0; i < mlp_param_numel(shape, p); i++)
+        size_t n = mlp_param_numel(shape, p);
+        to_f32(pshard_param(c, p), da->param_dtype, tmp[0], n);
+        for (size_t i = 0; i < n; i++)
             checksum += tmp[0][i];
+        if (dump && fwrite(tmp[0], sizeof(float), n, dump) != n) {
+            fclose(dump);
+            fprintf(stderr, "pshard-mlp: cannot write %s\n", a->dump_weights);
+            goto out;
+        }
+    }
+    if (dump && fclose(dump) != 0) {
+        fprintf(stderr, "pshard-mlp: cannot write %s\n", a->dump_weights);
+        goto out;
     }
     if (rank == 0) {
         fprintf(out, "final checksum %.17g\n", checksum);
-        if (a->steps > 1)
+        if (timed > 0 && !a->uneven)
             fprintf(out, "throughput %.1f samples/s, %.2f ms/step (%d ranks x batch %d)\n",
                     (double)world * a->batch * 1000.0 / ms, ms, world, a->batch);
         fprintf(out,

@@ -18,6 +18,8 @@ typedef struct {
     pshard_layout_t layout;
     bool reshard_after_forward; /* FULL_SHARD (true) or SHARD_GRAD_OP */
     int max_gathers_in_flight;
+    bool join_enable;           /* --uneven: pshard_join's enable */
+    bool join_throw;            /* --uneven: throw_on_early_termination */
 } mlp_dist_args_t;
 
 /* Connects through the environment (RANK, WORLD_SIZE, PSHARD_SERVER; pshardrun sets them),

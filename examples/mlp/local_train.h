@@ -28,6 +28,8 @@ typedef struct {
     /* Optional results for tests; NULL to skip. */
     double *losses;           /* [steps + (uneven ? world - 1 : 0)] per-step mean loss */
     float *const *params_out; /* [mlp_num_params] arrays receiving the final parameters */
+    const char *dump_weights; /* file receiving the final parameters as raw little-endian fp32,
+                                 in definition order; NULL = none */
 } mlp_local_args_t;
 
 /* Trains as described above and prints "step N loss X" (N from 1; X with "%.9g", the mean of

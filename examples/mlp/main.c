@@ -46,6 +46,9 @@ typedef struct {
     char *layout;
     bool reshard_after_forward;
     int64_t max_gathers_in_flight;
+    bool join_enable;
+    bool join_throw;
+    char *dump_weights;
 } mlp_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
@@ -91,6 +94,16 @@ static const ps_option_t options[] = {
     OPT("max-gathers-in-flight", NULL, PS_OPT_INT, "2",
         "bound on asynchronous gathers issued and unfinished (0: none)", max_gathers_in_flight, 0,
         1024),
+    OPT("join-enable", NULL, PS_OPT_BOOL, "true",
+        "with --uneven, ranks that run out join (false: pshard_join refuses, like "
+        "Join(enable=False))",
+        join_enable, 0, 0),
+    OPT("join-throw", NULL, PS_OPT_BOOL, "false",
+        "with --uneven, the first join stops every rank (throw_on_early_termination)", join_throw,
+        0, 0),
+    OPT("dump-weights", NULL, PS_OPT_STRING, NULL,
+        "write the final weights here (raw fp32, definition order; rank 0 in distributed mode)",
+        dump_weights, 0, 0),
 };
 
 /* The validated configuration every mode runs from. */
@@ -190,7 +203,7 @@ static int build_config(const mlp_opts_t *o, mlp_config_t *cfg)
     return 0;
 }
 
-static int run_local(const mlp_config_t *cfg)
+static int run_local(const mlp_config_t *cfg, const char *dump)
 {
     mlp_local_args_t a;
     memset(&a, 0, sizeof(a));
@@ -205,6 +218,7 @@ static int run_local(const mlp_config_t *cfg)
     a.optim = cfg->optim;
     a.max_grad_norm = cfg->max_grad_norm;
     a.print_every = cfg->print_every;
+    a.dump_weights = dump;
     return mlp_local_train(&a);
 }
 
@@ -229,6 +243,9 @@ static int run_distributed(const mlp_config_t *cfg, const mlp_opts_t *o)
     d.reduce_dtype = cfg->reduce_dtype;
     d.reshard_after_forward = o->reshard_after_forward;
     d.max_gathers_in_flight = (int)o->max_gathers_in_flight;
+    d.join_enable = o->join_enable;
+    d.join_throw = o->join_throw;
+    a->dump_weights = o->dump_weights;
     if (strcmp(layout, "fsdp2") == 0) {
         d.layout = PSHARD_LAYOUT_FSDP2;
     } else if (strcmp(layout, "fsdp1") == 0) {
@@ -284,7 +301,7 @@ int main(int argc, char **argv)
         goto out;
     }
     if (cfg.local) {
-        exit_code = run_local(&cfg);
+        exit_code = run_local(&cfg, o.dump_weights);
         goto out;
     }
     exit_code = run_distributed(&cfg, &o);

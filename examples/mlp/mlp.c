@@ -8,6 +8,7 @@
 #include <cblas.h>
 #include <errno.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -297,6 +298,24 @@ double mlp_forward_backward(const mlp_shape_t *shape, mlp_workspace_t *ws,
     for (int l = nl - 1; l >= 0; l--)
         mlp_layer_backward(shape, ws, l, params[2 * l], x, batch, grads[2 * l], grads[2 * l + 1]);
     return loss;
+}
+
+int mlp_dump_weights(const char *path, const mlp_shape_t *shape, const float *const *params)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f) {
+        fprintf(stderr, "cannot write %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    bool ok = true;
+    for (size_t p = 0; p < mlp_num_params(shape) && ok; p++)
+        ok = fwrite(params[p], sizeof(float), mlp_param_numel(shape, p), f) ==
+             mlp_param_numel(shape, p);
+    if (fclose(f) != 0 || !ok) {
+        fprintf(stderr, "cannot write %s\n", path);
+        return -1;
+    }
+    return 0;
 }
 
 /* ---- task -------------------------------------------------------------------------------- */

@@ -59,6 +59,10 @@ double mlp_loss(const mlp_shape_t *shape, mlp_workspace_t *ws, const float *y, i
 void mlp_layer_backward(const mlp_shape_t *shape, mlp_workspace_t *ws, int l, const float *w,
                         const float *x, int batch, float *gw, float *gb);
 
+/* Writes params (fp32, definition order) to path as raw little-endian floats, for tests that
+ * compare final weights. Returns 0, or -1 with a message on stderr. */
+int mlp_dump_weights(const char *path, const mlp_shape_t *shape, const float *const *params);
+
 /* The task: a fixed random "teacher" MLP (same shape, seeded by task_seed, independent of the
  * student's init) produces targets y = teacher(x) for inputs x ~ N(0, 1). Batch b of rank r
  * (b = 0, 1, ...) is a deterministic function of (data_seed, rank, b), so the --local reference

@@ -13,7 +13,7 @@
 #include "pshard/shard_server.h"
 #include "shard_model.h"
 
-#define NMETHODS 9
+#define NMETHODS 10
 #define SHM_NAME_MAX 200
 
 typedef struct {
@@ -52,10 +52,71 @@ struct pshard_shard_server {
     shm_map_t pending_model; /* remote trainers: private model region filled before DefineModel */
     shard_model_t *model;
 
+    /* Join, guarded by op_mu (status reads the copies under mu). */
+    bool joined;             /* this rank's trainer joined; Join shadows the others */
+    int64_t joined_step;
+    uint64_t shadowed_ops;
+    int64_t *agree_buf;      /* world records of the agreement before each operation */
+    size_t agree_cap;
+    void *follow_buf;        /* a joined rank's receive/zero buffers for the others' ops */
+    size_t follow_cap;
+
     ps_rpc_method_t methods[NMETHODS];
     char paths[NMETHODS][64];
 };
 
+
+/* One trainer operation as the ranks agree on it before running it (shard_join.c). */
+typedef enum {
+    SHARD_SOP_GATHER = 1,
+    SHARD_SOP_REDUCE_SCATTER = 2,
+    SHARD_SOP_STEP = 3,
+    SHARD_SOP_COLLECTIVE = 4,
+} shard_sop_kind_t;
+
+typedef struct {
+    shard_sop_kind_t kind;
+    pshard_dtype_t dtype;
+    size_t nids;          /* gather / reduce-scatter: the parameters, in order */
+    const uint32_t *ids;
+    double lr;            /* step */
+    uint32_t coll_op;     /* collective: pshard_coll_op_t, element count, root, average */
+    uint64_t count;
+    int root;
+    bool average;
+} shard_sop_t;
+
+/* Before every operation a trainer asks for, the shard servers agree on it: each sends a
+ * small record (its operation, or "joined") in one all-gather, so a rank whose trainer joined
+ * learns what the others run and shadows it, and every rank learns how many trainers
+ * contribute. For an active rank: *active gets the number of contributing ranks; errors are
+ * DESYNC (the active ranks asked for different operations, naming both), JOINED (a rank
+ * joined with throw_on_early_termination, or a broadcast's root joined), or the collective's
+ * own. Every rank reaches the same verdict from the same records. Call with op_mu held. */
+pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                   const shard_sop_t *op, int *active, char *err, size_t errlen);
+
+/* The operations' cores, shared by the trainer-facing handlers and a joined rank shadowing
+ * them (op_mu held). shard_gather_one all-gathers parameter p in dt into recv (full size);
+ * shard_reduce_scatter_one reduce-scatters the full gradient send (dt) and adds this rank's
+ * slice, averaged over active contributors, to the accumulator; shard_run_step clips and runs
+ * the optimizer on every slice; shard_run_collective runs a plain collective (an average is
+ * over the active ranks). */
+pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
+                                 pshard_dtype_t dt, void *recv, char *err, size_t errlen);
+pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
+                                         pshard_dtype_t dt, const void *send, int active,
+                                         char *err, size_t errlen);
+pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
+                               double lr, double *norm, char *err, size_t errlen);
+pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,
+                                     void *recv, int active, char *err, size_t errlen);
+
+/* The Join handler (shard_join.c). */
+void shard_handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
+
+/* Frees the join buffers (at shutdown). */
+void shard_join_free(pshard_shard_server_t *s);
 
 /* Records the first fatal background error, wakes waiters and logs it. Thread-safe. */
 void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *msg);

@@ -473,12 +473,9 @@ static bool tensors_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshard__Te
     return true;
 }
 
-/* Gathers one parameter into the trainer's buffer in dtype (its full values, rank-major). */
-static pshard_status_t gather_one(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
-                                  const Pshard__TensorRef *t, pshard_dtype_t dt, char *err,
-                                  size_t errlen)
+pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
+                                 pshard_dtype_t dt, void *recv, char *err, size_t errlen)
 {
-    uint32_t p = t->param;
     const float *mine = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
     size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
     const void *send = mine;
@@ -493,7 +490,7 @@ static pshard_status_t gather_one(pshard_shard_server_t *s, pshard_comm_t *comm,
         .op = PSHARD_COLL_ALL_GATHER,
         .dtype = dt,
         .send = send,
-        .recv = (uint8_t *)s->model_shm.base + t->offset,
+        .recv = recv,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | p,
         .label = m->params[p].name,
@@ -501,34 +498,39 @@ static pshard_status_t gather_one(pshard_shard_server_t *s, pshard_comm_t *comm,
     return pshard_coll_run(comm, &a, err, errlen);
 }
 
-/* Reduce-scatters one parameter's full gradient (dtype) and adds this rank's averaged slice
- * to the fp32 accumulator (gradients add up across backward passes until the step). */
-static pshard_status_t reduce_scatter_one(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                          shard_model_t *m, const Pshard__TensorRef *t,
-                                          pshard_dtype_t dt, char *err, size_t errlen)
+pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
+                                         pshard_dtype_t dt, const void *send, int active,
+                                         char *err, size_t errlen)
 {
-    uint32_t p = t->param;
     size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
     float *g = m->grad + ps_layout_shard_offset(m->layout, p, m->rank);
+    /* With every rank contributing the collective averages (as before Join existed); with
+     * fewer, it sums and the sum is divided by the contributors here. */
+    bool all = active == m->world;
     pshard_coll_args_t a = {
         .op = PSHARD_COLL_REDUCE_SCATTER,
         .dtype = dt,
-        .reduce = PSHARD_REDUCE_AVG,
-        .send = (uint8_t *)s->model_shm.base + t->offset,
+        .reduce = all ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
+        .send = send,
         .recv = m->stage,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
         .label = m->params[p].name,
     };
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    float scale = all ? 1.0f : (float)(1.0 / (double)(active > 0 ? active : 1));
     if (dt == PSHARD_FP32) {
         const float *r = m->stage;
-        for (size_t k = 0; k < cnt; k++)
-            g[k] += r[k];
+        if (all)
+            for (size_t k = 0; k < cnt; k++)
+                g[k] += r[k];
+        else
+            for (size_t k = 0; k < cnt; k++)
+                g[k] += r[k] * scale;
     } else {
         const uint16_t *r = m->stage;
         for (size_t k = 0; k < cnt; k++)
-            g[k] += ps_bf16_to_f32(r[k]);
+            g[k] += ps_bf16_to_f32(r[k]) * scale;
     }
     return PSHARD_OK;
 }
@@ -557,9 +559,25 @@ static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather
     }
     char err[1024] = "";
     pshard_status_t rc = PSHARD_OK;
+    uint32_t *ids = malloc(n * sizeof(uint32_t));
+    if (!ids) {
+        pthread_mutex_unlock(&s->op_mu);
+        ps_rpc_call_fail(call, PSHARD_ERR_NO_MEMORY, "out of memory");
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        ids[i] = tensors[i]->param;
+    shard_sop_t sop = {.kind = gather ? SHARD_SOP_GATHER : SHARD_SOP_REDUCE_SCATTER,
+                       .dtype = dt, .nids = n, .ids = ids};
+    int active = 0;
+    rc = shard_agree_active(s, comm, &sop, &active, err, sizeof(err));
+    free(ids);
+    shard_model_t *m = s->model;
     for (size_t i = 0; i < n && rc == PSHARD_OK; i++) {
-        rc = gather ? gather_one(s, comm, s->model, tensors[i], dt, err, sizeof(err))
-                    : reduce_scatter_one(s, comm, s->model, tensors[i], dt, err, sizeof(err));
+        uint8_t *buf = (uint8_t *)s->model_shm.base + tensors[i]->offset;
+        rc = gather ? shard_gather_one(comm, m, tensors[i]->param, dt, buf, err, sizeof(err))
+                    : shard_reduce_scatter_one(comm, m, tensors[i]->param, dt, buf, active, err,
+                                               sizeof(err));
     }
     if (rc != PSHARD_OK)
         ps_rpc_call_fail(call, rc, "%s", err);
@@ -581,6 +599,32 @@ static void handle_reduce_scatter(ps_rpc_call_t *call, const ProtobufCMessage *r
     Pshard__ReduceScatterResponse out = PSHARD__REDUCE_SCATTER_RESPONSE__INIT;
     tensor_op(ctx, call, false, req->session, req->tensors, req->n_tensors, req->dtype,
               &out.base);
+}
+
+pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
+                               double lr, double *norm_out, char *err, size_t errlen)
+{
+    /* The global gradient norm: an all-reduce of the squared slice norms (clip_grad_norm). */
+    float sq = (float)ps_sum_squares(m->grad, m->shard_numel);
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32,
+                            .reduce = PSHARD_REDUCE_SUM, .send = &sq, .recv = &sq, .count = 1,
+                            .tag = ((uint64_t)m->step << 32) | 0x7fffffffu,
+                            .label = "grad norm"};
+    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    double norm = sqrt((double)sq);
+    if (m->max_grad_norm > 0) {
+        double coef = m->max_grad_norm / (norm + 1e-6);
+        if (coef < 1.0)
+            ps_scale(m->grad, m->shard_numel, (float)coef);
+    }
+    pthread_mutex_lock(&s->mu);
+    m->step++;
+    pthread_mutex_unlock(&s->mu);
+    ps_optim_step(&m->optim, lr, m->step, m->master, m->grad, m->state0, m->state1,
+                  m->shard_numel);
+    memset(m->grad, 0, m->shard_numel * sizeof(float));
+    *norm_out = norm;
+    return PSHARD_OK;
 }
 
 static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
@@ -607,36 +651,57 @@ static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "learning rate %g is not >= 0", lr);
         return;
     }
-    /* The global gradient norm: an all-reduce of the squared slice norms (clip_grad_norm). */
-    float sq = (float)ps_sum_squares(m->grad, m->shard_numel);
     char err[1024] = "";
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32,
-                            .reduce = PSHARD_REDUCE_SUM, .send = &sq, .recv = &sq, .count = 1,
-                            .tag = ((uint64_t)m->step << 32) | 0x7fffffffu,
-                            .label = "grad norm"};
-    pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
+    shard_sop_t sop = {.kind = SHARD_SOP_STEP, .lr = lr};
+    int active = 0;
+    double norm = 0;
+    pshard_status_t rc = shard_agree_active(s, comm, &sop, &active, err, sizeof(err));
+    if (rc == PSHARD_OK)
+        rc = shard_run_step(s, comm, m, lr, &norm, err, sizeof(err));
     if (rc != PSHARD_OK) {
         pthread_mutex_unlock(&s->op_mu);
         ps_rpc_call_fail(call, rc, "%s", err);
         return;
     }
-    double norm = sqrt((double)sq);
-    if (m->max_grad_norm > 0) {
-        double coef = m->max_grad_norm / (norm + 1e-6);
-        if (coef < 1.0)
-            ps_scale(m->grad, m->shard_numel, (float)coef);
-    }
-    pthread_mutex_lock(&s->mu);
-    m->step++;
-    pthread_mutex_unlock(&s->mu);
-    ps_optim_step(&m->optim, lr, m->step, m->master, m->grad, m->state0, m->state1,
-                  m->shard_numel);
-    memset(m->grad, 0, m->shard_numel * sizeof(float));
     Pshard__StepResponse out = PSHARD__STEP_RESPONSE__INIT;
     out.step = m->step;
     out.grad_norm = norm;
     ps_rpc_call_reply(call, &out.base);
     pthread_mutex_unlock(&s->op_mu);
+}
+
+pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,
+                                     void *recv, int active, char *err, size_t errlen)
+{
+    int world = pshard_comm_world_size(comm);
+    bool partial_avg = op->average && op->coll_op == PSHARD_COLL_ALL_REDUCE && active < world &&
+                       op->dtype != PSHARD_INT64;
+    pshard_coll_args_t a = {.op = (pshard_coll_op_t)op->coll_op, .dtype = op->dtype,
+                            .reduce = op->average && !partial_avg ? PSHARD_REDUCE_AVG
+                                                                  : PSHARD_REDUCE_SUM,
+                            .root = op->root, .send = send, .recv = recv, .count = op->count,
+                            .label = "trainer collective"};
+    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    if (partial_avg) {
+        /* Joined ranks added zeros: the mean is over the ranks that contributed. */
+        float inv = (float)(1.0 / (double)(active > 0 ? active : 1));
+        if (op->dtype == PSHARD_FP32) {
+            float *v = recv;
+            for (uint64_t k = 0; k < op->count; k++)
+                v[k] *= inv;
+        } else {
+            uint16_t *v = recv;
+            for (uint64_t k = 0; k < op->count; k++) {
+                float f = op->dtype == PSHARD_BF16 ? ps_bf16_to_f32(v[k]) : ps_f16_to_f32(v[k]);
+                f *= inv;
+                if (op->dtype == PSHARD_BF16)
+                    ps_convert_f32_to_bf16(&f, &v[k], 1);
+                else
+                    ps_convert_f32_to_f16(&f, &v[k], 1);
+            }
+        }
+    }
+    return PSHARD_OK;
 }
 
 static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
@@ -679,13 +744,14 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
         return;
     }
     uint8_t *base = s->scratch.base;
-    pshard_coll_args_t a = {.op = (pshard_coll_op_t)req->op, .dtype = dt,
-                            .reduce = req->reduce ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
-                            .root = req->root, .send = base + req->send_offset,
-                            .recv = base + req->recv_offset, .count = req->count,
-                            .label = "trainer collective"};
     char err[1024] = "";
-    pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
+    shard_sop_t sop = {.kind = SHARD_SOP_COLLECTIVE, .dtype = dt, .coll_op = req->op,
+                       .count = req->count, .root = req->root, .average = req->reduce != 0};
+    int active = 0;
+    pshard_status_t rc = shard_agree_active(s, comm, &sop, &active, err, sizeof(err));
+    if (rc == PSHARD_OK)
+        rc = shard_run_collective(comm, &sop, base + req->send_offset, base + req->recv_offset,
+                                  active, err, sizeof(err));
     pthread_mutex_unlock(&s->op_mu);
     if (rc != PSHARD_OK) {
         ps_rpc_call_fail(call, rc, "%s", err);
@@ -705,6 +771,9 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.rank = s->rank;
     out.world_size = s->world;
     out.generation = s->comm_generation;
+    out.joined = s->joined;
+    out.joined_step = s->joined_step;
+    out.shadowed_ops = s->shadowed_ops;
     pthread_mutex_unlock(&s->mu);
     out.name = (char *)s->cfg.name;
     out.backend = (char *)s->cfg.backend;
@@ -836,6 +905,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         {"Status", &pshard__shard_status_request__descriptor, handle_status},
         {"ReadRegion", &pshard__region_read_request__descriptor, shard_handle_read_region},
         {"WriteRegion", &pshard__region_write_request__descriptor, shard_handle_write_region},
+        {"Join", &pshard__join_request__descriptor, shard_handle_join},
     };
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);
@@ -908,6 +978,7 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     shard_unmap(&s->model_shm);
     shard_unmap(&s->pending_model);
     shard_model_free(s->model);
+    shard_join_free(s);
     for (size_t i = 0; i < 16; i++)
         free(s->strings[i]);
     pthread_mutex_destroy(&s->mu);

@@ -178,8 +178,38 @@ PSHARD_API pshard_status_t pshard_work_wait(pshard_work_t *work);
 PSHARD_API pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step,
                                        double *grad_norm);
 
+typedef struct {
+    bool enable;                     /* false: Join is off and pshard_join is an error (torch's
+                                        Join(enable=False)) */
+    bool throw_on_early_termination; /* the others' next operation fails with PSHARD_ERR_JOINED
+                                        naming this rank, instead of being shadowed */
+} pshard_join_options_t;
+
+typedef struct {
+    bool is_last_joiner;   /* this trainer was the last to join (the post hook's argument) */
+    int last_rank;         /* the rank that joined last */
+    int64_t step;          /* optimizer steps taken when everyone had joined */
+    uint64_t shadowed_ops; /* operations this rank's server ran for the others meanwhile */
+} pshard_join_result_t;
+
+/* enable = true, throw_on_early_termination = false. */
+PSHARD_API void pshard_join_options_default(pshard_join_options_t *o);
+
+/* Join for uneven inputs, as PyTorch's Join: this trainer has no more input. Its shard server
+ * keeps taking part in every gather, reduce-scatter, step and collective the other trainers
+ * run (its real slice for gathers, zeros for gradients and collectives; gradients and averages
+ * are over the trainers that contributed), and the call returns once every trainer has joined,
+ * filling *result (may be NULL). Afterwards all ranks are active again (e.g. for a final
+ * gather). Waits for asynchronous work first; a joined trainer's full parameters are resharded.
+ * Errors: FAILED_PRECONDITION with enable = false or before pshard_define_model; the
+ * collectives' own (PEER_LOST, TIMEOUT) if a rank is lost meanwhile. A trainer that gets
+ * PSHARD_ERR_JOINED (another rank joined with throw_on_early_termination) should join too. */
+PSHARD_API pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opts,
+                                       pshard_join_result_t *result);
+
 /* Plain collectives on the trainer's own buffers, through its shard server (as
- * torch.distributed offers): all_reduce in place, broadcast in place from root, all_gather of
+ * torch.distributed offers; while some trainers have joined, their ranks add zeros and an
+ * average is over the others): all_reduce in place, broadcast in place from root, all_gather of
  * count elements per rank into recv (world_size * count), barrier. */
 PSHARD_API pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count,
                                              pshard_dtype_t dtype, bool average);

@@ -1,0 +1,460 @@
+/* Join for uneven inputs (PyTorch's Join / JoinHook): before every trainer operation the shard
+ * servers agree on it in one small all-gather, so a rank whose trainer ran out of input learns
+ * what the others run and shadows it — its real slice for gathers, zeros for gradient
+ * reductions and collectives (the main hook) — and every rank knows how many trainers
+ * contributed, which is what gradients are averaged over. When every rank has joined, each
+ * Join answers and says who joined last (the post hook). */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/log.h"
+#include "pshard/shard.pb-c.h"
+#include "pshard/util.h"
+
+#include "shard_internal.h"
+
+/* An agreement record: REC_WORDS int64 per rank. */
+#define REC_WORDS 16
+#define REC_INLINE_IDS 6
+#define AGREE_TAG 0x41475245u /* "AGRE" */
+
+enum { REC_OP = 1, REC_JOIN = 2, REC_JOINED = 3 };
+
+enum {
+    W_KIND = 0,
+    W_SOP,
+    W_DTYPE,
+    W_NIDS,
+    W_ARG, /* lr bits (step) or collective op */
+    W_COUNT,
+    W_ROOT,
+    W_AVERAGE,
+    W_THROW,
+    W_STEP,
+    W_HASH,
+    W_IDS, /* REC_INLINE_IDS words */
+};
+
+/* The outcome of one agreement round, the same on every rank. */
+typedef struct {
+    int world;
+    int active;         /* ranks that asked for an operation */
+    int first_active;   /* whose operation the round runs; -1 when none */
+    int throw_rank;     /* a joined rank that asked for throw_on_early_termination; -1 */
+    int64_t throw_step;
+    bool any_joined;    /* some rank is joined or joining */
+    bool all_joined;    /* no rank asked for an operation: the post hook */
+    int last_rank;      /* with all_joined: the highest rank that joined in this round */
+    bool desync;
+    char desync_msg[512];
+    shard_sop_t op;     /* the agreed operation (ids point into ids_buf or the records) */
+    uint32_t ids_buf_inline[REC_INLINE_IDS];
+    uint32_t *ids_heap;
+} agreement_t;
+
+static void agreement_free(agreement_t *ag)
+{
+    free(ag->ids_heap);
+    ag->ids_heap = NULL;
+}
+
+static uint64_t ids_hash(const uint32_t *ids, size_t n)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) {
+        h ^= ids[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+static void rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_flag, int64_t step)
+{
+    memset(r, 0, REC_WORDS * sizeof(int64_t));
+    r[W_KIND] = kind;
+    r[W_THROW] = throw_flag;
+    r[W_STEP] = step;
+    if (!op)
+        return;
+    r[W_SOP] = op->kind;
+    r[W_DTYPE] = op->dtype;
+    r[W_NIDS] = (int64_t)op->nids;
+    if (op->kind == SHARD_SOP_STEP) {
+        uint64_t bits;
+        memcpy(&bits, &op->lr, sizeof(bits));
+        r[W_ARG] = (int64_t)bits;
+    } else {
+        r[W_ARG] = op->coll_op;
+    }
+    r[W_COUNT] = (int64_t)op->count;
+    r[W_ROOT] = op->root;
+    r[W_AVERAGE] = op->average;
+    r[W_HASH] = (int64_t)ids_hash(op->ids, op->nids);
+    for (size_t i = 0; i < op->nids && i < REC_INLINE_IDS; i++)
+        r[W_IDS + i] = op->ids[i];
+}
+
+static const char *sop_name(int64_t k)
+{
+    switch (k) {
+    case SHARD_SOP_GATHER:
+        return "gather";
+    case SHARD_SOP_REDUCE_SCATTER:
+        return "reduce_scatter";
+    case SHARD_SOP_STEP:
+        return "step";
+    case SHARD_SOP_COLLECTIVE:
+        return "collective";
+    default:
+        return "?";
+    }
+}
+
+static void rec_format(const int64_t *r, char *buf, size_t len)
+{
+    if (r[W_SOP] == SHARD_SOP_GATHER || r[W_SOP] == SHARD_SOP_REDUCE_SCATTER)
+        snprintf(buf, len, "%s of %" PRId64 " parameter(s) starting with #%" PRId64 " in %s",
+                 sop_name(r[W_SOP]), r[W_NIDS], r[W_IDS],
+                 pshard_dtype_name((pshard_dtype_t)r[W_DTYPE]));
+    else if (r[W_SOP] == SHARD_SOP_COLLECTIVE)
+        snprintf(buf, len, "%s of %" PRId64 " %s", pshard_coll_op_name((pshard_coll_op_t)r[W_ARG]),
+                 r[W_COUNT], pshard_dtype_name((pshard_dtype_t)r[W_DTYPE]));
+    else
+        snprintf(buf, len, "%s", sop_name(r[W_SOP]));
+}
+
+/* Runs one agreement round: this rank's record is (kind, mine). On success *ag holds the
+ * outcome (free with agreement_free); errors are the all-gather's, or DESYNC for records no
+ * pshard server sends. */
+static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int kind,
+                             const shard_sop_t *mine, bool throw_flag, agreement_t *ag,
+                             char *err, size_t errlen)
+{
+    memset(ag, 0, sizeof(*ag));
+    int world = pshard_comm_world_size(comm), rank = pshard_comm_rank(comm);
+    size_t need = (size_t)world * REC_WORDS;
+    if (s->agree_cap < need) {
+        int64_t *nb = realloc(s->agree_buf, need * sizeof(int64_t));
+        if (!nb)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        s->agree_buf = nb;
+        s->agree_cap = need;
+    }
+    int64_t rec[REC_WORDS];
+    rec_encode(rec, kind, mine, throw_flag, s->model ? s->model->step : 0);
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_INT64, .send = rec,
+                            .recv = s->agree_buf, .count = REC_WORDS, .tag = AGREE_TAG,
+                            .label = "agreement"};
+    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    const int64_t *recs = s->agree_buf;
+    ag->world = world;
+    ag->first_active = -1;
+    ag->throw_rank = -1;
+    ag->last_rank = -1;
+    for (int r = 0; r < world; r++) {
+        const int64_t *x = recs + (size_t)r * REC_WORDS;
+        if (x[W_KIND] < REC_OP || x[W_KIND] > REC_JOINED ||
+            (x[W_KIND] == REC_OP && (x[W_SOP] < SHARD_SOP_GATHER ||
+                                     x[W_SOP] > SHARD_SOP_COLLECTIVE || x[W_NIDS] < 0 ||
+                                     x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 ||
+                                     x[W_DTYPE] > PSHARD_INT64)))
+            return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
+                           "rank %d sent a malformed agreement record (kind %" PRId64 ")", r,
+                           x[W_KIND]);
+        if (x[W_KIND] == REC_OP) {
+            if (ag->first_active < 0)
+                ag->first_active = r;
+            ag->active++;
+            continue;
+        }
+        ag->any_joined = true;
+        if (x[W_KIND] == REC_JOIN)
+            ag->last_rank = r;
+        if (x[W_THROW] && ag->throw_rank < 0) {
+            ag->throw_rank = r;
+            ag->throw_step = x[W_STEP];
+        }
+    }
+    if (ag->active == 0) {
+        ag->all_joined = true;
+        return PSHARD_OK;
+    }
+    const int64_t *f = recs + (size_t)ag->first_active * REC_WORDS;
+    for (int r = ag->first_active + 1; r < world; r++) {
+        const int64_t *x = recs + (size_t)r * REC_WORDS;
+        if (x[W_KIND] != REC_OP)
+            continue;
+        bool same = memcmp(&x[W_SOP], &f[W_SOP], (W_THROW - W_SOP) * sizeof(int64_t)) == 0 &&
+                    memcmp(&x[W_HASH], &f[W_HASH], (REC_WORDS - W_HASH) * sizeof(int64_t)) == 0;
+        if (!same && !ag->desync) {
+            char fa[160], xa[160];
+            rec_format(f, fa, sizeof(fa));
+            rec_format(x, xa, sizeof(xa));
+            ag->desync = true;
+            snprintf(ag->desync_msg, sizeof(ag->desync_msg),
+                     "ranks asked for different operations: rank %d %s, rank %d %s",
+                     ag->first_active, fa, r, xa);
+        }
+    }
+    shard_sop_t *op = &ag->op;
+    op->kind = (shard_sop_kind_t)f[W_SOP];
+    op->dtype = (pshard_dtype_t)f[W_DTYPE];
+    op->nids = (size_t)f[W_NIDS];
+    if (op->kind == SHARD_SOP_STEP) {
+        uint64_t bits = (uint64_t)f[W_ARG];
+        memcpy(&op->lr, &bits, sizeof(bits));
+    } else {
+        op->coll_op = (uint32_t)f[W_ARG];
+    }
+    op->count = (uint64_t)f[W_COUNT];
+    op->root = (int)f[W_ROOT];
+    op->average = f[W_AVERAGE] != 0;
+    if (op->nids <= REC_INLINE_IDS) {
+        for (size_t i = 0; i < op->nids; i++)
+            ag->ids_buf_inline[i] = (uint32_t)f[W_IDS + i];
+        op->ids = ag->ids_buf_inline;
+        return PSHARD_OK;
+    }
+    /* Longer lists travel only when a joined rank needs them: everyone can tell from the
+     * records, so every rank makes the same decision. */
+    if (!ag->any_joined || ag->desync || ag->throw_rank >= 0) {
+        op->ids = mine ? mine->ids : NULL; /* only active ranks go on to use it */
+        return PSHARD_OK;
+    }
+    int64_t *wide = calloc(op->nids, sizeof(int64_t));
+    ag->ids_heap = malloc(op->nids * sizeof(uint32_t));
+    if (!wide || !ag->ids_heap) {
+        free(wide);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    if (rank == ag->first_active)
+        for (size_t i = 0; i < op->nids; i++)
+            wide[i] = mine->ids[i];
+    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64, .send = wide,
+                            .recv = wide, .count = op->nids, .root = ag->first_active,
+                            .tag = AGREE_TAG + 1, .label = "agreement ids"};
+    pshard_status_t rc = pshard_coll_run(comm, &b, err, errlen);
+    for (size_t i = 0; rc == PSHARD_OK && i < op->nids; i++)
+        ag->ids_heap[i] = (uint32_t)wide[i];
+    free(wide);
+    op->ids = ag->ids_heap;
+    return rc;
+}
+
+pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                   const shard_sop_t *op, int *active, char *err, size_t errlen)
+{
+    agreement_t ag;
+    pshard_status_t rc = agree(s, comm, REC_OP, op, false, &ag, err, errlen);
+    if (rc == PSHARD_OK) {
+        if (ag.desync) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_DESYNC, "%s", ag.desync_msg);
+        } else if (ag.throw_rank >= 0) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_JOINED,
+                         "rank %d joined at step %" PRId64 " (its trainer ran out of input) "
+                         "with throw_on_early_termination: this %s ran on no rank; call "
+                         "pshard_join to finish",
+                         ag.throw_rank, ag.throw_step, sop_name(op->kind));
+        } else if (op->kind == SHARD_SOP_COLLECTIVE && op->coll_op == PSHARD_COLL_BROADCAST &&
+                   op->root >= 0 && op->root < ag.world &&
+                   s->agree_buf[(size_t)op->root * REC_WORDS + W_KIND] != REC_OP) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_JOINED,
+                         "the broadcast's root, rank %d, has joined (no more input)", op->root);
+        }
+        *active = ag.active;
+    }
+    agreement_free(&ag);
+    return rc;
+}
+
+/* A buffer of at least bytes for shadowing the others' operations, reused across them. */
+static void *follow_buffer(pshard_shard_server_t *s, size_t bytes)
+{
+    if (bytes == 0)
+        bytes = 1;
+    if (s->follow_cap < bytes) {
+        void *nb = realloc(s->follow_buf, bytes);
+        if (!nb)
+            return NULL;
+        s->follow_buf = nb;
+        s->follow_cap = bytes;
+    }
+    return s->follow_buf;
+}
+
+/* The main hook: runs this rank's side of the operation the others agreed on. */
+static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm,
+                              const agreement_t *ag, char *err, size_t errlen)
+{
+    shard_model_t *m = s->model;
+    const shard_sop_t *op = &ag->op;
+    if (op->kind == SHARD_SOP_COLLECTIVE) {
+        size_t es = pshard_dtype_size(op->dtype);
+        uint64_t world = (uint64_t)ag->world;
+        if (op->count > (1ull << 32) / es || (op->coll_op != PSHARD_COLL_ALL_GATHER &&
+                                              op->coll_op != PSHARD_COLL_ALL_REDUCE &&
+                                              op->coll_op != PSHARD_COLL_BROADCAST &&
+                                              op->coll_op != PSHARD_COLL_BARRIER))
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "cannot shadow %s of %" PRIu64 " elements",
+                           pshard_coll_op_name((pshard_coll_op_t)op->coll_op), op->count);
+        size_t send_bytes = (size_t)op->count * es;
+        size_t recv_bytes = op->coll_op == PSHARD_COLL_ALL_GATHER ? send_bytes * world
+                                                                  : send_bytes;
+        uint8_t *buf = follow_buffer(s, send_bytes + recv_bytes);
+        if (!buf)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        memset(buf, 0, send_bytes);
+        /* A broadcast runs in place: the receive buffer is the send buffer. */
+        void *recv = op->coll_op == PSHARD_COLL_BROADCAST ? buf : buf + send_bytes;
+        return shard_run_collective(comm, op, buf, recv, ag->active, err, errlen);
+    }
+    if (!m)
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "the others run %s but no model is defined here", sop_name(op->kind));
+    if (op->kind == SHARD_SOP_STEP)
+        return shard_run_step(s, comm, m, op->lr, &(double){0}, err, errlen);
+    size_t es = pshard_dtype_size(op->dtype);
+    for (size_t i = 0; i < op->nids; i++) {
+        uint32_t p = op->ids[i];
+        if (p >= m->nparams)
+            return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
+                           "the others run %s of parameter #%u; the model has %zu",
+                           sop_name(op->kind), p, m->nparams);
+        size_t bytes = m->params[p].numel * es;
+        void *buf = follow_buffer(s, bytes);
+        if (!buf)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        if (op->kind == SHARD_SOP_GATHER) {
+            PS_CHECK(shard_gather_one(comm, m, p, op->dtype, buf, err, errlen));
+        } else {
+            memset(buf, 0, bytes); /* this rank contributes no gradient */
+            PS_CHECK(shard_reduce_scatter_one(comm, m, p, op->dtype, buf, ag->active, err,
+                                              errlen));
+        }
+    }
+    return PSHARD_OK;
+}
+
+/* Tells the coordinator (best effort, short deadline: the join goes on without it). */
+static void report_join(pshard_shard_server_t *s, Pshard__JoinPhase phase, int rank, int64_t step,
+                        bool throw_flag, int last_rank)
+{
+    char id[64];
+    pthread_mutex_lock(&s->mu);
+    ps_strlcpy(id, s->member_id, sizeof(id));
+    pthread_mutex_unlock(&s->mu);
+    Pshard__JoinReport req = PSHARD__JOIN_REPORT__INIT;
+    req.member_id = id;
+    req.rank = rank;
+    req.phase = phase;
+    req.step = step;
+    req.throw_on_early_termination = throw_flag;
+    req.last_rank = last_rank;
+    ProtobufCMessage *resp = NULL;
+    char err[512] = "";
+    if (ps_rpc_unary(s->coord, "/pshard.Coordinator/ReportJoin", &req.base,
+                     &pshard__join_report_response__descriptor, &resp, 2000, 0, NULL, err,
+                     sizeof(err)) != PSHARD_OK)
+        PS_WARN(PS_SUB_SHARD, "could not report the join to the coordinator: %s", err);
+    if (resp)
+        protobuf_c_message_free_unpacked(resp, NULL);
+}
+
+void shard_handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    const Pshard__JoinRequest *req = (const Pshard__JoinRequest *)request;
+    pthread_mutex_lock(&s->mu);
+    pshard_comm_t *comm = s->comm;
+    pthread_mutex_unlock(&s->mu);
+    if (!comm) {
+        ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE,
+                         "the cluster has not formed yet (or is re-forming); retry");
+        return;
+    }
+    pthread_mutex_lock(&s->op_mu);
+    if (!shard_session_ok(s, call, req->session)) {
+        pthread_mutex_unlock(&s->op_mu);
+        return;
+    }
+    if (!s->model) {
+        pthread_mutex_unlock(&s->op_mu);
+        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
+                         "define the model before joining");
+        return;
+    }
+    int rank = pshard_comm_rank(comm);
+    bool throw_flag = req->throw_on_early_termination;
+    pthread_mutex_lock(&s->mu);
+    s->joined = true;
+    s->joined_step = s->model->step;
+    s->shadowed_ops = 0;
+    pthread_mutex_unlock(&s->mu);
+    PS_INFO(PS_SUB_SHARD, "trainer joined at step %" PRId64 "%s; shadowing the other ranks",
+            s->joined_step, throw_flag ? " (throw_on_early_termination)" : "");
+    report_join(s, PSHARD__JOIN_PHASE__JOINED, rank, s->joined_step, throw_flag, -1);
+    char err[1024] = "";
+    pshard_status_t rc = PSHARD_OK;
+    int kind = REC_JOIN, last_rank = -1;
+    for (;;) {
+        agreement_t ag;
+        rc = agree(s, comm, kind, NULL, throw_flag, &ag, err, sizeof(err));
+        kind = REC_JOINED;
+        if (rc != PSHARD_OK)
+            break;
+        if (ag.all_joined) {
+            last_rank = ag.last_rank;
+            agreement_free(&ag);
+            break;
+        }
+        bool skip = ag.desync || ag.throw_rank >= 0 ||
+                    (ag.op.kind == SHARD_SOP_COLLECTIVE &&
+                     ag.op.coll_op == PSHARD_COLL_BROADCAST && ag.op.root >= 0 &&
+                     ag.op.root < ag.world &&
+                     s->agree_buf[(size_t)ag.op.root * REC_WORDS + W_KIND] != REC_OP);
+        if (!skip)
+            rc = follow(s, comm, &ag, err, sizeof(err));
+        agreement_free(&ag);
+        if (rc != PSHARD_OK)
+            break;
+        if (!skip) {
+            pthread_mutex_lock(&s->mu);
+            s->shadowed_ops++;
+            pthread_mutex_unlock(&s->mu);
+        }
+    }
+    pthread_mutex_lock(&s->mu);
+    s->joined = false;
+    uint64_t shadowed = s->shadowed_ops;
+    pthread_mutex_unlock(&s->mu);
+    int64_t step = s->model->step;
+    pthread_mutex_unlock(&s->op_mu);
+    if (rc != PSHARD_OK) {
+        PS_WARN(PS_SUB_SHARD, "join ended with an error: %s", err);
+        ps_rpc_call_fail(call, rc, "while shadowing the other ranks after the join: %s", err);
+        return;
+    }
+    PS_INFO(PS_SUB_SHARD, "every rank joined (last: rank %d) after %" PRIu64 " shadowed operations",
+            last_rank, shadowed);
+    if (rank == 0)
+        report_join(s, PSHARD__JOIN_PHASE__ALL_JOINED, rank, step, false, last_rank);
+    Pshard__JoinResponse out = PSHARD__JOIN_RESPONSE__INIT;
+    out.is_last_joiner = last_rank == rank;
+    out.last_rank = last_rank;
+    out.step = step;
+    out.shadowed_ops = shadowed;
+    ps_rpc_call_reply(call, &out.base);
+}
+
+void shard_join_free(pshard_shard_server_t *s)
+{
+    free(s->agree_buf);
+    free(s->follow_buf);
+    s->agree_buf = NULL;
+    s->follow_buf = NULL;
+    s->agree_cap = s->follow_cap = 0;
+}
