@@ -1,6 +1,7 @@
 /* pshardctl: the operator's command line for a pshard cluster. It asks a coordinator for
- * status, members, health, store entries and the Watch stream, and can register a member by
- * hand. Tables for people, --json for scripts; exit 0 ok, 1 not serving, 2 error. */
+ * status (with the Join table, and each shard server's own status and flight records, to see
+ * who is stuck where), members, health, store entries and the Watch stream, and can register
+ * a member by hand. Tables for people, --json for scripts; exit 0 ok, 1 not serving, 2 error. */
 #include <inttypes.h>
 #include <stdarg.h>
 #include <pthread.h>
@@ -17,11 +18,17 @@
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/log.h"
 #include "pshard/rpc.h"
+#include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
 
 #define EXIT_OK 0
 #define EXIT_NOT_SERVING 1
 #define EXIT_ERROR 2
+
+/* Flight records shown per shard server in the table output (stuck lines first). */
+#define FLIGHT_LINES_SHOWN 4
+/* Shard servers asked at once by status; more are asked in batches of this many. */
+#define PROBE_BATCH 64
 
 typedef struct {
     char *coordinator;
@@ -31,6 +38,7 @@ typedef struct {
     char *tls_key;
     char *tls_server_name;
     int64_t timeout_ms;
+    int64_t server_timeout_ms;
     bool json;
 } ctl_opts_t;
 
@@ -54,12 +62,16 @@ static const ps_option_t global_options[] = {
          0),
     GOPT("timeout-ms", "PSHARD_TIMEOUT_MS", PS_OPT_INT, "5000", "deadline of each call",
          timeout_ms, 1, 86400000),
+    GOPT("server-timeout-ms", "PSHARD_SERVER_TIMEOUT_MS", PS_OPT_INT, "2000",
+         "deadline of each shard server's Status call in 'status' (0: do not ask the servers)",
+         server_timeout_ms, 0, 86400000),
     GOPT("json", NULL, PS_OPT_BOOL, "false", "print JSON instead of tables", json, 0, 0),
 };
 
 static const char usage_text[] =
     "commands:\n"
-    "  status                      cluster state, members and request counters\n"
+    "  status                      cluster state, joins, members, each shard server's step\n"
+    "                              and flight records (who is stuck where), request counters\n"
     "  members                     the member table only\n"
     "  health [SERVICE]            health of the coordinator or of SERVICE (e.g. pshard.Cluster)\n"
     "  store get KEY               print a store value\n"
@@ -72,6 +84,7 @@ static const char usage_text[] =
 
 static ctl_opts_t opts;
 static ps_rpc_channel_t *channel;
+static char *cluster_token; /* from --token-file; sent to the coordinator and shard servers */
 
 static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static int fail(const char *fmt, ...)
@@ -181,6 +194,250 @@ static int call(const char *method, const ProtobufCMessage *req,
     return EXIT_OK;
 }
 
+/* ---- Join table ------------------------------------------------------------------------ */
+
+static void json_joins(FILE *out, Pshard__JoinEntry **joins, size_t n)
+{
+    fputc('[', out);
+    for (size_t i = 0; i < n; i++) {
+        const Pshard__JoinEntry *j = joins[i];
+        if (i)
+            fputc(',', out);
+        fprintf(out, "{\"rank\":%d,\"member_id\":", j->rank);
+        json_cstr(out, j->member_id);
+        fprintf(out,
+                ",\"step\":%" PRId64 ",\"joined_ms_ago\":%" PRId64
+                ",\"throw_on_early_termination\":%s}",
+                j->step, j->joined_ms_ago, j->throw_on_early_termination ? "true" : "false");
+    }
+    fputc(']', out);
+}
+
+static void print_joins_table(FILE *out, const Pshard__StatusResponse *st)
+{
+    if (st->n_joins == 0) {
+        fprintf(out, "joins        none\n");
+    } else {
+        fprintf(out, "joins        %zu of %d rank%s joined\n", st->n_joins, st->world_size,
+                st->world_size == 1 ? "" : "s");
+        fprintf(out, "  %-5s %12s %12s  %s\n", "RANK", "STEP", "JOINED_AGO", "THROW");
+        for (size_t i = 0; i < st->n_joins; i++) {
+            const Pshard__JoinEntry *j = st->joins[i];
+            fprintf(out, "  %-5d %12" PRId64 " %10.1f s  %s\n", j->rank, j->step,
+                    (double)j->joined_ms_ago / 1000.0,
+                    j->throw_on_early_termination ? "yes" : "no");
+        }
+    }
+    if (st->last_joiner >= 0)
+        fprintf(out, "last joiner  rank %d\n", st->last_joiner);
+    else
+        fprintf(out, "last joiner  none\n");
+}
+
+/* ---- Shard servers' own status (hang attribution) ----------------------------------------- */
+
+/* One shard server asked for its status by its own thread. */
+typedef struct {
+    const Pshard__Member *member;      /* borrowed from the coordinator's status */
+    pshard_status_t rc;                /* PSHARD_OK when resp is set */
+    char err[512];                     /* why it could not be asked */
+    Pshard__ShardStatusResponse *resp; /* owned; free with protobuf_c_message_free_unpacked */
+    pthread_t thread;
+    bool started;
+} server_probe_t;
+
+/* Asks one shard server for its Status with opts.server_timeout_ms, with the same token and
+ * TLS settings as the coordinator. Runs on its own thread; touches only its probe. */
+static void *probe_server_main(void *arg)
+{
+    server_probe_t *p = arg;
+    const Pshard__Member *m = p->member;
+    if (!m->address || !*m->address) {
+        p->rc = PSHARD_ERR_INVALID_ARGUMENT;
+        ps_snprintf(p->err, sizeof(p->err), "it registered no address");
+        return NULL;
+    }
+    ps_rpc_channel_config_t cfg = {
+        .target = m->address,
+        .tls_ca_file = opts.tls_ca,
+        .tls_cert_file = opts.tls_cert,
+        .tls_key_file = opts.tls_key,
+        .tls_server_name = opts.tls_server_name,
+        .token = cluster_token,
+        .max_message_bytes = 16 << 20,
+        .own_connection = true,
+    };
+    ps_rpc_channel_t *ch = ps_rpc_channel_create(&cfg, p->err, sizeof(p->err));
+    if (!ch) {
+        p->rc = PSHARD_ERR_RPC;
+        return NULL;
+    }
+    Pshard__ShardStatusRequest req = PSHARD__SHARD_STATUS_REQUEST__INIT;
+    ProtobufCMessage *msg = NULL;
+    p->rc = ps_rpc_unary(ch, "/pshard.ShardServer/Status", &req.base,
+                         &pshard__shard_status_response__descriptor, &msg, opts.server_timeout_ms,
+                         0, NULL, p->err, sizeof(p->err));
+    if (p->rc == PSHARD_OK)
+        p->resp = (Pshard__ShardStatusResponse *)msg;
+    ps_rpc_channel_destroy(ch);
+    return NULL;
+}
+
+/* Asks every shard server in st for its status, PROBE_BATCH at a time in parallel, so that
+ * hung or dead servers cost one deadline per batch, not one each. Returns a calloc'd array
+ * of *n probes (free with free_probes), or NULL with *n = 0 when there are none or memory
+ * ran out. */
+static server_probe_t *probe_servers(const Pshard__StatusResponse *st, size_t *n)
+{
+    *n = 0;
+    size_t count = 0;
+    for (size_t i = 0; i < st->n_members; i++)
+        count += st->members[i]->role == PSHARD__ROLE__SHARD_SERVER;
+    if (count == 0 || opts.server_timeout_ms <= 0)
+        return NULL;
+    server_probe_t *probes = calloc(count, sizeof(*probes));
+    if (!probes)
+        return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < st->n_members; i++)
+        if (st->members[i]->role == PSHARD__ROLE__SHARD_SERVER)
+            probes[k++].member = st->members[i];
+    for (size_t first = 0; first < count; first += PROBE_BATCH) {
+        size_t last = first + PROBE_BATCH < count ? first + PROBE_BATCH : count;
+        for (size_t i = first; i < last; i++) {
+            probes[i].started =
+                pthread_create(&probes[i].thread, NULL, probe_server_main, &probes[i]) == 0;
+            if (!probes[i].started)
+                probe_server_main(&probes[i]); /* no thread: ask it here */
+        }
+        for (size_t i = first; i < last; i++)
+            if (probes[i].started)
+                pthread_join(probes[i].thread, NULL);
+    }
+    *n = count;
+    return probes;
+}
+
+static void free_probes(server_probe_t *probes, size_t n)
+{
+    for (size_t i = 0; probes && i < n; i++)
+        if (probes[i].resp)
+            protobuf_c_message_free_unpacked(&probes[i].resp->base, NULL);
+    free(probes);
+}
+
+/* True for the flight recorder's line about a collective blocked on a peer. */
+static bool flight_line_is_stuck(const char *line)
+{
+    return strstr(line, " is stuck in ") != NULL;
+}
+
+/* "rank 2" for a ranked server, "standby NAME" for one without a rank. */
+static void server_label(const Pshard__Member *m, char *buf, size_t len)
+{
+    if (m->rank >= 0)
+        ps_snprintf(buf, len, "rank %d", m->rank);
+    else
+        ps_snprintf(buf, len, "standby %s", m->name);
+}
+
+static void print_servers_table(FILE *out, const server_probe_t *probes, size_t n)
+{
+    fprintf(out, "\nshard servers (Status of each, %" PRId64 " ms deadline)\n",
+            opts.server_timeout_ms);
+    for (size_t i = 0; i < n; i++) {
+        const server_probe_t *p = &probes[i];
+        char label[300];
+        server_label(p->member, label, sizeof(label));
+        const char *addr = *p->member->address ? p->member->address : "no address";
+        if (p->rc != PSHARD_OK) {
+            fprintf(out, "%s (%s): unreachable: %s (%s)\n", label, addr, p->err,
+                    pshard_status_name(p->rc));
+            continue;
+        }
+        const Pshard__ShardStatusResponse *r = p->resp;
+        fprintf(out, "%s (%s): step %" PRId64 ", %s, generation %" PRIu64, label, addr, r->step,
+                r->attached ? "attached" : "not attached", r->generation);
+        if (*r->backend)
+            fprintf(out, ", %s", r->backend);
+        if (r->rank != p->member->rank)
+            fprintf(out, " (the server says it is rank %d)", r->rank);
+        fputc('\n', out);
+        /* Stuck lines first, then the most recent others, oldest of those first. */
+        size_t shown = 0;
+        for (size_t k = 0; k < r->n_flight_records && shown < FLIGHT_LINES_SHOWN; k++) {
+            if (flight_line_is_stuck(r->flight_records[k])) {
+                fprintf(out, "    %s\n", r->flight_records[k]);
+                shown++;
+            }
+        }
+        size_t others = 0;
+        for (size_t k = 0; k < r->n_flight_records; k++)
+            others += !flight_line_is_stuck(r->flight_records[k]);
+        size_t room = FLIGHT_LINES_SHOWN - shown;
+        size_t skip = others > room ? others - room : 0;
+        for (size_t k = 0; k < r->n_flight_records; k++) {
+            if (flight_line_is_stuck(r->flight_records[k]))
+                continue;
+            if (skip > 0) {
+                skip--;
+                continue;
+            }
+            fprintf(out, "    %s\n", r->flight_records[k]);
+        }
+        if (r->n_flight_records == 0)
+            fprintf(out, "    (no collectives recorded)\n");
+    }
+    if (n == 0)
+        fprintf(out, "(no shard servers)\n");
+}
+
+static void json_servers(FILE *out, const server_probe_t *probes, size_t n)
+{
+    fputc('[', out);
+    for (size_t i = 0; i < n; i++) {
+        const server_probe_t *p = &probes[i];
+        if (i)
+            fputc(',', out);
+        fprintf(out, "{\"rank\":%d,\"name\":", p->member->rank);
+        json_cstr(out, p->member->name);
+        fputs(",\"address\":", out);
+        json_cstr(out, p->member->address);
+        if (p->rc != PSHARD_OK) {
+            fputs(",\"reachable\":false,\"error\":", out);
+            json_cstr(out, p->err);
+            fprintf(out, ",\"status\":\"%s\"}", pshard_status_name(p->rc));
+            continue;
+        }
+        const Pshard__ShardStatusResponse *r = p->resp;
+        fprintf(out,
+                ",\"reachable\":true,\"server_rank\":%d,\"world_size\":%d,\"step\":%" PRId64
+                ",\"attached\":%s,\"generation\":%" PRIu64 ",\"backend\":",
+                r->rank, r->world_size, r->step, r->attached ? "true" : "false", r->generation);
+        json_cstr(out, r->backend);
+        fputs(",\"stuck\":[", out);
+        bool first = true;
+        for (size_t k = 0; k < r->n_flight_records; k++) {
+            if (!flight_line_is_stuck(r->flight_records[k]))
+                continue;
+            if (!first)
+                fputc(',', out);
+            first = false;
+            json_cstr(out, r->flight_records[k]);
+        }
+        fputs("],\"flight_records\":[", out);
+        for (size_t k = 0; k < r->n_flight_records; k++) {
+            if (k)
+                fputc(',', out);
+            json_cstr(out, r->flight_records[k]);
+        }
+        fputs("]}", out);
+    }
+    fputc(']', out);
+}
+
+/* status and members. status also asks every shard server for its own status (see
+ * probe_servers); a server that does not answer is reported, not an error of the command. */
 static int cmd_status(bool members_only)
 {
     Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
@@ -190,6 +447,8 @@ static int cmd_status(bool members_only)
     if (rc != EXIT_OK)
         return rc;
     Pshard__StatusResponse *st = (Pshard__StatusResponse *)msg;
+    size_t nprobes = 0;
+    server_probe_t *probes = members_only ? NULL : probe_servers(st, &nprobes);
     if (opts.json) {
         if (members_only) {
             fputc('[', stdout);
@@ -202,14 +461,15 @@ static int cmd_status(bool members_only)
         } else {
             printf("{\"version\":");
             json_cstr(stdout, st->version);
-            printf(",\"generation\":%" PRIu64 ",\"state\":\"%s\",\"world_size\":%d,"
+            printf(",\"generation\":%" PRIu64 ",\"formed_generation\":%" PRIu64
+                   ",\"state\":\"%s\",\"world_size\":%d,"
                    "\"min_nodes\":%d,\"max_nodes\":%d,\"awaiting\":",
-                   st->generation, state_name(st->state), st->world_size, st->min_nodes,
-                   st->max_nodes);
+                   st->generation, st->formed_generation, state_name(st->state), st->world_size,
+                   st->min_nodes, st->max_nodes);
             json_cstr(stdout, st->awaiting);
             printf(",\"last_call_remaining_ms\":%" PRId64 ",\"uptime_ms\":%" PRId64
-                   ",\"store_keys\":%" PRIu64 ",\"store_waiters\":%" PRIu64
-                   ",\"lease_ms\":%" PRId64 ",\"heartbeat_ms\":%" PRId64 ",\"members\":[",
+                   ",\"store_keys\":%" PRIu64 ",\"store_waiters\":%" PRIu64 ",\"lease_ms\":%" PRId64
+                   ",\"heartbeat_ms\":%" PRId64 ",\"members\":[",
                    st->last_call_remaining_ms, st->uptime_ms, st->store_keys, st->store_waiters,
                    st->lease_ms, st->heartbeat_ms);
             for (size_t i = 0; i < st->n_members; i++) {
@@ -217,7 +477,11 @@ static int cmd_status(bool members_only)
                     fputc(',', stdout);
                 json_member(stdout, st->members[i]);
             }
-            fputs("],\"counters\":[", stdout);
+            fputs("],\"joins\":", stdout);
+            json_joins(stdout, st->joins, st->n_joins);
+            printf(",\"last_joiner\":%d,\"servers\":", st->last_joiner);
+            json_servers(stdout, probes, nprobes);
+            fputs(",\"counters\":[", stdout);
             for (size_t i = 0; i < st->n_counters; i++) {
                 if (i)
                     fputc(',', stdout);
@@ -230,8 +494,8 @@ static int cmd_status(bool members_only)
         }
     } else {
         if (!members_only) {
-            printf("coordinator  %s (pshard %s, up %" PRId64 " s)\n", opts.coordinator,
-                   st->version, st->uptime_ms / 1000);
+            printf("coordinator  %s (pshard %s, up %" PRId64 " s)\n", opts.coordinator, st->version,
+                   st->uptime_ms / 1000);
             printf("cluster      %s, generation %" PRIu64 "\n", state_name(st->state),
                    st->generation);
             if (st->min_nodes == st->max_nodes)
@@ -243,11 +507,15 @@ static int cmd_status(bool members_only)
                 printf("awaiting     %s\n", st->awaiting);
             printf("leases       %" PRId64 " ms, heartbeat every %" PRId64 " ms\n", st->lease_ms,
                    st->heartbeat_ms);
-            printf("store        %" PRIu64 " keys, %" PRIu64 " waiting\n\n", st->store_keys,
+            printf("store        %" PRIu64 " keys, %" PRIu64 " waiting\n", st->store_keys,
                    st->store_waiters);
+            print_joins_table(stdout, st);
+            fputc('\n', stdout);
         }
         print_members_table(stdout, st->members, st->n_members);
         if (!members_only) {
+            if (opts.server_timeout_ms > 0)
+                print_servers_table(stdout, probes, nprobes);
             printf("\n%-40s %10s %8s\n", "METHOD", "CALLS", "ERRORS");
             for (size_t i = 0; i < st->n_counters; i++) {
                 if (st->counters[i]->calls == 0)
@@ -257,6 +525,7 @@ static int cmd_status(bool members_only)
             }
         }
     }
+    free_probes(probes, nprobes);
     protobuf_c_message_free_unpacked(msg, NULL);
     return EXIT_OK;
 }
@@ -383,10 +652,19 @@ static void print_event(const Pshard__ClusterEvent *ev)
                 fputc(',', stdout);
             json_member(stdout, ev->members[i]);
         }
-        fputs("]}\n", stdout);
+        fputs("],\"joins\":", stdout);
+        json_joins(stdout, ev->joins, ev->n_joins);
+        printf(",\"last_joiner\":%d}\n", ev->last_joiner);
     } else {
-        printf("generation %" PRIu64 "  %-8s  %zu members  %s\n", ev->generation,
+        printf("generation %" PRIu64 "  %-8s  %zu members  %s", ev->generation,
                state_name(ev->state), ev->n_members, ev->reason);
+        if (ev->last_joiner >= 0)
+            printf(" (last joiner rank %d)", ev->last_joiner);
+        for (size_t i = 0; i < ev->n_joins; i++)
+            printf("%s rank %d at step %" PRId64 "%s", i == 0 ? "; joined:" : ",",
+                   ev->joins[i]->rank, ev->joins[i]->step,
+                   ev->joins[i]->throw_on_early_termination ? " (throw)" : "");
+        fputc('\n', stdout);
     }
     fflush(stdout);
 }
@@ -536,7 +814,6 @@ int main(int argc, char **argv)
     ps_config_result_t res;
     char err[1024] = "";
     int rc = EXIT_ERROR;
-    char *token = NULL;
     char default_target[300];
     if (ps_config_parse(global_options, PS_ARRAY_LEN(global_options), argc, argv, &opts, &res,
                         err, sizeof(err)) != PSHARD_OK) {
@@ -565,8 +842,8 @@ int main(int argc, char **argv)
         opts.coordinator = strdup(default_target);
     }
     if (opts.token_file) {
-        token = ps_read_file(opts.token_file, true, 4096, NULL, err, sizeof(err));
-        if (!token) {
+        cluster_token = ps_read_file(opts.token_file, true, 4096, NULL, err, sizeof(err));
+        if (!cluster_token) {
             fail("--token-file: %s", err);
             goto out;
         }
@@ -577,7 +854,7 @@ int main(int argc, char **argv)
         .tls_cert_file = opts.tls_cert,
         .tls_key_file = opts.tls_key,
         .tls_server_name = opts.tls_server_name,
-        .token = token,
+        .token = cluster_token,
         .max_message_bytes = 64 << 20,
     };
     channel = ps_rpc_channel_create(&ccfg, err, sizeof(err));
@@ -604,7 +881,7 @@ int main(int argc, char **argv)
         rc = fail("unknown command or arguments: '%s' (see --help)", cmd);
 out:
     ps_rpc_channel_destroy(channel);
-    free(token);
+    free(cluster_token);
     ps_config_free(global_options, PS_ARRAY_LEN(global_options), &opts);
     return rc;
 }

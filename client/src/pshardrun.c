@@ -1,7 +1,9 @@
 /* pshardrun: the torchrun of pshard. It starts a coordinator (unless one is named), N shard
  * servers and N trainers on this host, forwards every child's output line by line with a
  * "[role rank]" prefix, forwards SIGINT/SIGTERM/SIGHUP, and stops everything it started when
- * the trainers are done or the first of them fails.
+ * the trainers are done or the first of them fails. When a process fails, exactly one line on
+ * stderr names the first to fail: "pshardrun: first failure: trainer 2 (pid 1234) exited with
+ * status 1" (or "shard server 1 ... killed by signal 9", "coordinator ...").
  *
  * Exit status: 0 when every trainer exited 0; the first failing trainer's exit status (or
  * 128+N when it was killed by signal N); 128+N when pshardrun itself got signal N; 1 when a
@@ -98,6 +100,8 @@ typedef struct {
 typedef enum { ROLE_COORDINATOR, ROLE_SERVER, ROLE_TRAINER } run_role_t;
 
 static const char *const role_names[] = {"coordinator", "server", "trainer"};
+/* How the first-failure line names each role. */
+static const char *const role_long_names[] = {"coordinator", "shard server", "trainer"};
 
 /* One pipe from a child's stdout or stderr, with the bytes of a line not yet complete. */
 typedef struct {
@@ -111,6 +115,7 @@ typedef struct {
     run_role_t role;
     int rank;                 /* -1 for the coordinator */
     char label[32];           /* "trainer 3", "coordinator": used in messages */
+    char who[40];             /* "trainer 3", "shard server 3": the first-failure line */
     char prefix[40];          /* "[trainer 3] ": put in front of each forwarded line */
     char port_file[PATH_MAX]; /* servers and coordinator: where the bound port appears */
     int port;                 /* from the port file once read; 0 before */
@@ -255,9 +260,11 @@ static void run_child_init(run_child_t *c, run_role_t role, int rank)
     c->rank = rank;
     if (role == ROLE_COORDINATOR) {
         ps_snprintf(c->label, sizeof(c->label), "%s", role_names[role]);
+        ps_snprintf(c->who, sizeof(c->who), "%s", role_long_names[role]);
         ps_snprintf(c->prefix, sizeof(c->prefix), "[%s] ", role_names[role]);
     } else {
         ps_snprintf(c->label, sizeof(c->label), "%s %d", role_names[role], rank);
+        ps_snprintf(c->who, sizeof(c->who), "%s %d", role_long_names[role], rank);
         ps_snprintf(c->prefix, sizeof(c->prefix), "[%s %d] ", role_names[role], rank);
     }
     for (int k = 0; k < 2; k++) {
@@ -306,16 +313,27 @@ static const char *run_signame(int sig, char *buf, size_t len)
     }
 }
 
-/* Describes a wait status: "exited with status 3" or "killed by signal 9 (Killed)". */
-static void run_describe_status(int status, char *buf, size_t len)
+/* Describes a wait status: "exited with status 3" or "killed by signal 9", with the signal's
+ * description ("killed by signal 9 (Killed)") when signal_text is true. The first-failure
+ * line leaves it out so that its form stays fixed for scripts. */
+static void run_describe_status(int status, bool signal_text, char *buf, size_t len)
 {
     if (WIFEXITED(status))
         ps_snprintf(buf, len, "exited with status %d", WEXITSTATUS(status));
-    else if (WIFSIGNALED(status))
+    else if (WIFSIGNALED(status) && signal_text)
         ps_snprintf(buf, len, "killed by signal %d (%s)", WTERMSIG(status),
                     strsignal(WTERMSIG(status)));
+    else if (WIFSIGNALED(status))
+        ps_snprintf(buf, len, "killed by signal %d", WTERMSIG(status));
     else
         ps_snprintf(buf, len, "ended with wait status 0x%x", (unsigned)status);
+}
+
+/* Prints the one line that names the first process to fail. Called only where the stop
+ * reason is first set, so it prints at most once per run. */
+static void run_report_first_failure(const run_child_t *c, const char *what)
+{
+    fprintf(stderr, RUN_PROG ": first failure: %s (pid %d) %s\n", c->who, (int)c->pid, what);
 }
 
 /* Records the first reason to stop; later reasons are ignored. */
@@ -334,7 +352,7 @@ static void run_on_exit(run_t *run, run_child_t *c, int status)
     c->reaped = true;
     c->wait_status = status;
     char what[96];
-    run_describe_status(status, what, sizeof(what));
+    run_describe_status(status, true, what, sizeof(what));
     PS_INFO(PS_SUB_MAIN, "%s (pid %d) %s", c->label, (int)c->pid, what);
     if (run->stop != STOP_NONE)
         return;
@@ -345,16 +363,16 @@ static void run_on_exit(run_t *run, run_child_t *c, int status)
         if (c->streams[k].fd >= 0)
             run_stream_read(c, &c->streams[k]);
     }
+    char failure[96];
+    run_describe_status(status, false, failure, sizeof(failure));
     if (c->role == ROLE_TRAINER) {
-        fprintf(stderr, RUN_PROG ": %s (pid %d) %s first; stopping the rest\n", c->label,
-                (int)c->pid, what);
+        run_report_first_failure(c, failure);
         run_set_stop(run, STOP_TRAINER_FAILED,
                      WIFEXITED(status)     ? WEXITSTATUS(status)
                      : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
                                            : 1);
     } else if (!c->signalled) {
-        fprintf(stderr, RUN_PROG ": %s (pid %d) %s unexpectedly; stopping the rest\n", c->label,
-                (int)c->pid, what);
+        run_report_first_failure(c, failure);
         run_set_stop(run, STOP_SERVICE_DIED, 1);
     }
 }
@@ -547,10 +565,10 @@ static void run_wait_ports(run_t *run, run_child_t *first, size_t count)
             return;
         int64_t now = ps_now_ns();
         if (now >= deadline) {
-            fprintf(stderr,
-                    RUN_PROG ": %s (pid %d) did not write its port file within %lld ms; "
-                             "stopping the rest\n",
-                    missing->label, (int)missing->pid, (long long)run->opts->start_timeout_ms);
+            char what[96];
+            ps_snprintf(what, sizeof(what), "did not write its port file within %lld ms",
+                        (long long)run->opts->start_timeout_ms);
+            run_report_first_failure(missing, what);
             run_set_stop(run, STOP_STARTUP, 1);
             return;
         }
@@ -1076,7 +1094,7 @@ int main(int argc, char **argv)
             if (c->role != ROLE_TRAINER && c->reaped &&
                 !(WIFEXITED(c->wait_status) && WEXITSTATUS(c->wait_status) == 0)) {
                 char what[96];
-                run_describe_status(c->wait_status, what, sizeof(what));
+                run_describe_status(c->wait_status, true, what, sizeof(what));
                 PS_WARN(PS_SUB_MAIN, "%s (pid %d) %s while stopping", c->label, (int)c->pid, what);
             }
         }

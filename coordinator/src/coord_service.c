@@ -1,7 +1,8 @@
 /* The coordinator's gRPC service: handlers that translate between protobuf messages and the
- * membership state and store, a Watch stream of cluster changes, deferred StoreWait replies,
- * and a ticker thread that expires leases, forms the cluster after the last call and times out
- * store waits. One mutex guards the state, the store and the lists of open streams. */
+ * membership state, the Join table and the store, a Watch stream of cluster changes, deferred
+ * StoreWait replies, and a ticker thread that expires leases, forms the cluster after the last
+ * call and times out store waits. One mutex guards the state, the store and the lists of open
+ * streams. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +30,7 @@ typedef struct stream_entry {
 typedef struct {
     uint64_t generation;
     char reason[160];
+    int last_joiner; /* ClusterEvent.last_joiner: set for "all joined", else -1 */
 } pending_event_t;
 
 struct pshard_coordinator {
@@ -47,8 +49,8 @@ struct pshard_coordinator {
     bool stopping;
     bool ticker_started;
     pthread_t ticker;
-    ps_rpc_method_t methods[10]; /* borrowed by the server for its whole life */
-    char paths[10][64];
+    ps_rpc_method_t methods[11]; /* borrowed by the server for its whole life */
+    char paths[11][64];
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -104,13 +106,31 @@ static void members_to_pb(const coord_snapshot_t *snap, int64_t now_ns, Pshard__
     }
 }
 
+/* Fills joins[] (caller-allocated, snap->njoins entries) pointing into snap. */
+static void joins_to_pb(const coord_snapshot_t *snap, int64_t now_ns, Pshard__JoinEntry *items,
+                        Pshard__JoinEntry **ptrs)
+{
+    for (size_t i = 0; i < snap->njoins; i++) {
+        const coord_join_t *j = &snap->joins[i];
+        Pshard__JoinEntry *pj = &items[i];
+        pshard__join_entry__init(pj);
+        pj->rank = j->rank;
+        pj->member_id = (char *)j->member_id;
+        pj->step = j->step;
+        int64_t ago = (now_ns - j->joined_ns) / 1000000;
+        pj->joined_ms_ago = ago > 0 ? ago : 0;
+        pj->throw_on_early_termination = j->throw_on_early_termination;
+        ptrs[i] = pj;
+    }
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Watch                                                                                     */
 
-static void on_state_change(void *arg, uint64_t generation, const char *reason)
+/* Queues one Watch event (sent by flush_events_locked). Under c->mu. */
+static void queue_event_locked(pshard_coordinator_t *c, uint64_t generation, const char *reason,
+                               int last_joiner)
 {
-    pshard_coordinator_t *c = arg;
-    PS_INFO(PS_SUB_COORD, "generation %llu: %s", (unsigned long long)generation, reason);
     if (c->nevents == MAX_PENDING_EVENTS) {
         /* Coalesce: the newest event carries the full membership anyway. */
         memmove(&c->events[0], &c->events[1], sizeof(c->events[0]) * (MAX_PENDING_EVENTS - 1));
@@ -119,11 +139,22 @@ static void on_state_change(void *arg, uint64_t generation, const char *reason)
     pending_event_t *e = &c->events[c->nevents++];
     e->generation = generation;
     ps_strlcpy(e->reason, reason ? reason : "", sizeof(e->reason));
+    e->last_joiner = last_joiner;
 }
 
-/* Sends one ClusterEvent with the current membership to `only` (or every watcher if NULL). */
+/* The state's change callback: runs inside the state call that bumped the generation, so
+ * under c->mu. */
+static void on_state_change(void *arg, uint64_t generation, const char *reason)
+{
+    pshard_coordinator_t *c = arg;
+    PS_INFO(PS_SUB_COORD, "generation %llu: %s", (unsigned long long)generation, reason);
+    queue_event_locked(c, generation, reason, -1);
+}
+
+/* Sends one ClusterEvent with the current membership and join table to `only` (or every
+ * watcher if NULL). last_joiner goes out as is (-1 unless the event is "all joined"). */
 static void send_event_locked(pshard_coordinator_t *c, ps_rpc_call_t *only, uint64_t generation,
-                              const char *reason)
+                              const char *reason, int last_joiner)
 {
     int64_t now = ps_now_ns();
     coord_snapshot_t *snap = coord_state_snapshot(c->state, now);
@@ -131,8 +162,11 @@ static void send_event_locked(pshard_coordinator_t *c, ps_rpc_call_t *only, uint
         return;
     Pshard__Member *items = calloc(snap->nmembers + 1, sizeof(*items));
     Pshard__Member **ptrs = calloc(snap->nmembers + 1, sizeof(*ptrs));
-    if (items && ptrs) {
+    Pshard__JoinEntry *jitems = calloc(snap->njoins + 1, sizeof(*jitems));
+    Pshard__JoinEntry **jptrs = calloc(snap->njoins + 1, sizeof(*jptrs));
+    if (items && ptrs && jitems && jptrs) {
         members_to_pb(snap, now, items, ptrs);
+        joins_to_pb(snap, now, jitems, jptrs);
         Pshard__ClusterEvent ev = PSHARD__CLUSTER_EVENT__INIT;
         ev.generation = generation ? generation : snap->generation;
         ev.state = state_to_pb(snap->state);
@@ -140,6 +174,9 @@ static void send_event_locked(pshard_coordinator_t *c, ps_rpc_call_t *only, uint
         ev.world_size = snap->world_size;
         ev.n_members = snap->nmembers;
         ev.members = ptrs;
+        ev.n_joins = snap->njoins;
+        ev.joins = jptrs;
+        ev.last_joiner = last_joiner;
         if (only) {
             ps_rpc_call_send(only, &ev.base);
         } else {
@@ -149,6 +186,8 @@ static void send_event_locked(pshard_coordinator_t *c, ps_rpc_call_t *only, uint
     }
     free(items);
     free(ptrs);
+    free(jitems);
+    free(jptrs);
     coord_snapshot_free(snap);
 }
 
@@ -159,7 +198,8 @@ static void flush_events_locked(pshard_coordinator_t *c)
         return;
     for (size_t i = 0; i < c->nevents; i++) {
         if (c->watchers)
-            send_event_locked(c, NULL, c->events[i].generation, c->events[i].reason);
+            send_event_locked(c, NULL, c->events[i].generation, c->events[i].reason,
+                              c->events[i].last_joiner);
     }
     c->nevents = 0;
     bool formed = coord_state_cluster_state(c->state) == COORD_CLUSTER_FORMED;
@@ -207,7 +247,7 @@ static void handle_watch(ps_rpc_call_t *call, const ProtobufCMessage *request, v
         ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE, "the coordinator is shutting down");
         return;
     }
-    send_event_locked(c, call, 0, "current state");
+    send_event_locked(c, call, 0, "current state", -1);
     e->next = c->watchers;
     c->watchers = e;
     pthread_mutex_unlock(&c->mu);
@@ -278,6 +318,47 @@ static void handle_leave(ps_rpc_call_t *call, const ProtobufCMessage *request, v
     }
     Pshard__LeaveResponse out = PSHARD__LEAVE_RESPONSE__INIT;
     out.generation = gen;
+    ps_rpc_call_reply(call, &out.base);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Join                                                                                      */
+
+/* ReportJoin: a shard server reports its trainer's join (JOINED) or the end of a join
+ * (ALL_JOINED). The generation stays; a change is pushed on Watch with reason "join" or
+ * "all joined". Errors come from coord_state_report_join. */
+static void handle_report_join(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_coordinator_t *c = ctx;
+    const Pshard__JoinReport *req = (const Pshard__JoinReport *)request;
+    coord_join_report_t report = {
+        .member_id = req->member_id,
+        .rank = req->rank,
+        .phase = req->phase == PSHARD__JOIN_PHASE__JOINED       ? COORD_JOIN_PHASE_JOINED
+                 : req->phase == PSHARD__JOIN_PHASE__ALL_JOINED ? COORD_JOIN_PHASE_ALL_JOINED
+                                                                : (int)req->phase,
+        .step = req->step,
+        .throw_on_early_termination = req->throw_on_early_termination,
+        .last_rank = req->last_rank,
+    };
+    char err[512] = "";
+    coord_join_change_t change = COORD_JOIN_UNCHANGED;
+    pthread_mutex_lock(&c->mu);
+    pshard_status_t rc =
+        coord_state_report_join(c->state, &report, ps_now_ns(), &change, err, sizeof(err));
+    if (change != COORD_JOIN_UNCHANGED) {
+        bool all = change == COORD_JOIN_ALL_JOINED;
+        queue_event_locked(c, coord_state_generation(c->state), all ? "all joined" : "join",
+                           all ? coord_state_last_joiner(c->state) : -1);
+    }
+    flush_events_locked(c);
+    pthread_mutex_unlock(&c->mu);
+    if (rc != PSHARD_OK) {
+        PS_INFO(PS_SUB_COORD, "join report from %s refused: %s", ps_rpc_call_peer(call), err);
+        ps_rpc_call_fail(call, rc, "%s", err);
+        return;
+    }
+    Pshard__JoinReportResponse out = PSHARD__JOIN_REPORT_RESPONSE__INIT;
     ps_rpc_call_reply(call, &out.base);
 }
 
@@ -510,11 +591,14 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     cs.ptrs = calloc(cs.cap, sizeof(*cs.ptrs));
     Pshard__Member *items = snap ? calloc(snap->nmembers + 1, sizeof(*items)) : NULL;
     Pshard__Member **ptrs = snap ? calloc(snap->nmembers + 1, sizeof(*ptrs)) : NULL;
-    if (!snap || !cs.items || !cs.ptrs || !items || !ptrs) {
+    Pshard__JoinEntry *jitems = snap ? calloc(snap->njoins + 1, sizeof(*jitems)) : NULL;
+    Pshard__JoinEntry **jptrs = snap ? calloc(snap->njoins + 1, sizeof(*jptrs)) : NULL;
+    if (!snap || !cs.items || !cs.ptrs || !items || !ptrs || !jitems || !jptrs) {
         ps_rpc_call_fail(call, PSHARD_ERR_NO_MEMORY, "out of memory building status");
     } else {
         ps_rpc_server_counters(c->srv, collect_counter, &cs);
         members_to_pb(snap, now, items, ptrs);
+        joins_to_pb(snap, now, jitems, jptrs);
         Pshard__StatusResponse out = PSHARD__STATUS_RESPONSE__INIT;
         out.version = PSHARD_VERSION_STRING;
         out.generation = snap->generation;
@@ -534,10 +618,15 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         out.lease_ms = c->cfg.lease_ms;
         out.heartbeat_ms = c->cfg.heartbeat_ms;
         out.formed_generation = snap->formed_generation;
+        out.n_joins = snap->njoins;
+        out.joins = jptrs;
+        out.last_joiner = snap->last_joiner;
         ps_rpc_call_reply(call, &out.base);
     }
     free(items);
     free(ptrs);
+    free(jitems);
+    free(jptrs);
     free(cs.items);
     free(cs.ptrs);
     coord_snapshot_free(snap);
@@ -670,6 +759,7 @@ pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t
         {"StoreCompareSet", &pshard__store_compare_set_request__descriptor, handle_store_cas,
          PS_RPC_INLINE},
         {"StoreAdd", &pshard__store_add_request__descriptor, handle_store_add, PS_RPC_INLINE},
+        {"ReportJoin", &pshard__join_report__descriptor, handle_report_join, PS_RPC_INLINE},
         /* Status builds a large message: keep it off the completion-queue thread. */
         {"Status", &pshard__status_request__descriptor, handle_status, 0},
     };

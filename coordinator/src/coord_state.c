@@ -1,6 +1,7 @@
 /* Coordinator membership state machine: a dynamic array of live members with an open-addressing
- * index by member id, leases, the min:max rendezvous with a last call, and rank slots that
- * remember which name held them so a restarted shard server gets its rank back. */
+ * index by member id, leases, the min:max rendezvous with a last call, rank slots that
+ * remember which name held them so a restarted shard server gets its rank back, and the Join
+ * table of ranks whose trainers ran out of input. */
 #include "coord_state.h"
 
 #include <errno.h>
@@ -47,6 +48,12 @@ struct coord_state {
     rank_slot_t *slots; /* world_size entries once formed */
     int held_slots;     /* slots with held == true */
 
+    /* Join table: world_size entries once formed, indexed by rank; rank -1 marks a rank that
+     * has not joined. Reset (with last_joiner) whenever the cluster (re)forms. */
+    coord_join_t *joins;
+    int njoined;
+    int last_joiner; /* last rank of the most recent completed join, or -1 */
+
     /* Member ids are 8 fresh random bytes followed by (counter XOR id_secret): unpredictable,
      * and never repeated within one coordinator's life because the second half is a
      * bijection of a counter. */
@@ -67,6 +74,18 @@ const char *coord_role_name(coord_role_t role)
         break;
     }
     return "unspecified";
+}
+
+const char *coord_join_phase_name(int phase)
+{
+    switch (phase) {
+    case COORD_JOIN_PHASE_JOINED:
+        return "joined";
+    case COORD_JOIN_PHASE_ALL_JOINED:
+        return "all_joined";
+    default:
+        return "unspecified";
+    }
 }
 
 const char *coord_cluster_state_name(coord_cluster_state_t state)
@@ -278,6 +297,20 @@ static int count_shard_servers(const coord_state_t *st)
 
 /* ---- generation and rendezvous ---------------------------------------------------------- */
 
+/* Empties the join table and forgets the last joiner: called when the cluster (re)forms,
+ * because every rank restarts its training then and old joins would describe another run. */
+static void joins_reset(coord_state_t *st)
+{
+    if (st->njoined > 0 || st->last_joiner >= 0)
+        PS_INFO(PS_SUB_COORD,
+                "join table reset (%d rank%s joined, last joiner %d): the cluster formed again",
+                st->njoined, st->njoined == 1 ? "" : "s", st->last_joiner);
+    for (int r = 0; r < st->world_size && st->joins; r++)
+        st->joins[r].rank = -1;
+    st->njoined = 0;
+    st->last_joiner = -1;
+}
+
 static void bump(coord_state_t *st, const char *reason)
 {
     st->generation++;
@@ -314,9 +347,11 @@ static pshard_status_t form_cluster(coord_state_t *st)
     coord_member_t **order = malloc((size_t)(n ? n : 1) * sizeof(*order));
     int k = n < st->cfg.max_nodes ? n : st->cfg.max_nodes;
     rank_slot_t *slots = calloc((size_t)(k ? k : 1), sizeof(*slots));
-    if (!order || !slots) {
+    coord_join_t *joins = calloc((size_t)(k ? k : 1), sizeof(*joins));
+    if (!order || !slots || !joins) {
         free(order);
         free(slots);
+        free(joins);
         PS_ERROR(PS_SUB_COORD, "out of memory forming the cluster; will retry");
         return PSHARD_ERR_NO_MEMORY;
     }
@@ -335,9 +370,13 @@ static pshard_status_t form_cluster(coord_state_t *st)
         }
     }
     free(order);
+    free(st->slots); /* forming happens once, but never leak if that changes */
+    free(st->joins);
     st->slots = slots;
+    st->joins = joins;
     st->world_size = k;
     st->held_slots = k;
+    joins_reset(st);
     st->state = COORD_CLUSTER_FORMED;
     st->last_call_deadline_ns = -1;
     bumpf(st, "cluster formed with %d shard server%s", k, k == 1 ? "" : "s");
@@ -493,6 +532,7 @@ coord_state_t *coord_state_create(const coord_state_config_t *cfg, int64_t now_n
     st->generation = 1;
     st->state = COORD_CLUSTER_FORMING;
     st->last_call_deadline_ns = -1;
+    st->last_joiner = -1;
     if (random_bytes(&st->id_secret, sizeof(st->id_secret)) != 0) {
         PS_ERROR(PS_SUB_COORD, "cannot read random bytes for member ids");
         free(st);
@@ -508,6 +548,7 @@ void coord_state_destroy(coord_state_t *st)
     free(st->members);
     free(st->id_index);
     free(st->slots);
+    free(st->joins);
     free(st);
 }
 
@@ -588,6 +629,7 @@ pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const
 
     if (filled_vacancy && st->state == COORD_CLUSTER_DEGRADED && st->held_slots == st->world_size) {
         st->state = COORD_CLUSTER_FORMED;
+        joins_reset(st);
         bumpf(st, "cluster formed again: all %d ranks held (rank %d now %s)", st->world_size,
               mine->rank, name);
         st->formed_generation = st->generation;
@@ -716,6 +758,84 @@ int64_t coord_state_next_deadline_ns(const coord_state_t *st)
     return next;
 }
 
+/* ---- Join ------------------------------------------------------------------------------ */
+
+pshard_status_t coord_state_report_join(coord_state_t *st, const coord_join_report_t *report,
+                                        int64_t now_ns, coord_join_change_t *change, char *err,
+                                        size_t errlen)
+{
+    *change = COORD_JOIN_UNCHANGED;
+    if (report->phase != COORD_JOIN_PHASE_JOINED && report->phase != COORD_JOIN_PHASE_ALL_JOINED)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "join phase must be JOINED (1) or ALL_JOINED (2), got %d", report->phase);
+    PS_CHECK(check_member_id(report->member_id, err, errlen));
+    if (report->step < 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "join step is %lld; it must be 0 or more", (long long)report->step);
+    long i = find_by_id(st, report->member_id);
+    if (i < 0)
+        return unknown_id(report->member_id, err, errlen);
+    const coord_member_t *m = &st->members[i];
+    if (m->role != COORD_ROLE_SHARD_SERVER)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "member %s (%s) is a trainer; joins are reported by the shard server of "
+                       "the trainer's rank",
+                       m->member_id, m->name);
+    if (m->rank < 0)
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "shard server %s (%s) holds no rank (%s); only a ranked shard server "
+                       "reports joins",
+                       m->member_id, m->name,
+                       st->state == COORD_CLUSTER_FORMING ? "the cluster is still forming"
+                                                          : "it is a standby");
+    if (m->rank != report->rank)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "shard server %s (%s) holds rank %d, but reported a join for rank %d",
+                       m->member_id, m->name, m->rank, report->rank);
+    /* A ranked member implies a formed cluster, so the table exists and rank < world_size. */
+    if (report->phase == COORD_JOIN_PHASE_ALL_JOINED) {
+        if (report->last_rank < 0 || report->last_rank >= st->world_size)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "last_rank %d of an ALL_JOINED report is outside 0..%d",
+                           report->last_rank, st->world_size - 1);
+        if (st->njoined == 0 && st->last_joiner == report->last_rank)
+            return PSHARD_OK; /* another rank's report of the same completion */
+        PS_INFO(PS_SUB_COORD,
+                "all joined: rank %d reports every rank joined (%d in the table), last joiner "
+                "rank %d",
+                report->rank, st->njoined, report->last_rank);
+        for (int r = 0; r < st->world_size; r++)
+            st->joins[r].rank = -1;
+        st->njoined = 0;
+        st->last_joiner = report->last_rank;
+        *change = COORD_JOIN_ALL_JOINED;
+        return PSHARD_OK;
+    }
+    coord_join_t *j = &st->joins[m->rank];
+    if (j->rank == m->rank && j->step == report->step &&
+        j->throw_on_early_termination == report->throw_on_early_termination &&
+        strcmp(j->member_id, m->member_id) == 0)
+        return PSHARD_OK; /* a retried report */
+    if (j->rank < 0)
+        st->njoined++;
+    j->rank = m->rank;
+    memcpy(j->member_id, m->member_id, sizeof(j->member_id));
+    j->step = report->step;
+    j->joined_ns = now_ns;
+    j->throw_on_early_termination = report->throw_on_early_termination;
+    PS_INFO(PS_SUB_COORD, "join: rank %d (%s) joined at step %lld%s; %d of %d ranks joined",
+            m->rank, m->name, (long long)report->step,
+            report->throw_on_early_termination ? " (throw_on_early_termination)" : "", st->njoined,
+            st->world_size);
+    *change = COORD_JOIN_CHANGED;
+    return PSHARD_OK;
+}
+
+int coord_state_last_joiner(const coord_state_t *st)
+{
+    return st->last_joiner;
+}
+
 uint64_t coord_state_generation(const coord_state_t *st)
 {
     return st->generation;
@@ -808,6 +928,17 @@ coord_snapshot_t *coord_state_snapshot(const coord_state_t *st, int64_t now_ns)
     }
     describe_awaiting(st, snap->shard_servers, snap->last_call_remaining_ms, snap->awaiting,
                       sizeof(snap->awaiting));
+    snap->last_joiner = st->last_joiner;
+    if (st->njoined > 0) {
+        snap->joins = malloc((size_t)st->njoined * sizeof(*snap->joins));
+        if (!snap->joins) {
+            coord_snapshot_free(snap);
+            return NULL;
+        }
+        for (int r = 0; r < st->world_size; r++)
+            if (st->joins[r].rank >= 0)
+                snap->joins[snap->njoins++] = st->joins[r];
+    }
     return snap;
 }
 
@@ -816,5 +947,6 @@ void coord_snapshot_free(coord_snapshot_t *snap)
     if (!snap)
         return;
     free(snap->members);
+    free(snap->joins);
     free(snap);
 }

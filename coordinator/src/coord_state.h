@@ -1,6 +1,7 @@
-/* Coordinator membership state machine: members, leases, rendezvous and the cluster
- * generation. Pure logic with an injected clock (every call takes now_ns), no I/O and no locks:
- * the service serialises calls with its own mutex. Not thread-safe. */
+/* Coordinator membership state machine: members, leases, rendezvous, the cluster generation,
+ * and the Join table (which ranks' trainers ran out of input). Pure logic with an injected
+ * clock (every call takes now_ns), no I/O and no locks: the service serialises calls with its
+ * own mutex. Not thread-safe. */
 #ifndef PSHARD_COORD_STATE_H
 #define PSHARD_COORD_STATE_H
 
@@ -62,6 +63,38 @@ typedef struct {
                                    ranks' collectives are scoped by it; 0 before forming */
 } coord_member_view_t;
 
+/* Join (uneven inputs): what a shard server reports about its trainer. */
+typedef enum {
+    COORD_JOIN_PHASE_JOINED = 1,     /* this rank's trainer has no more input */
+    COORD_JOIN_PHASE_ALL_JOINED = 2, /* every rank joined; the joins returned */
+} coord_join_phase_t;
+
+/* One report, as the service decoded it from the wire (strings borrowed). */
+typedef struct {
+    const char *member_id; /* the reporting shard server */
+    int rank;              /* the rank it says it holds */
+    int phase;             /* a coord_join_phase_t; anything else is refused */
+    int64_t step;          /* optimizer steps taken when it joined, >= 0 */
+    bool throw_on_early_termination;
+    int last_rank; /* with ALL_JOINED: the last rank to join, 0..world_size-1 */
+} coord_join_report_t;
+
+/* What a report changed, so the service knows which Watch event to push. */
+typedef enum {
+    COORD_JOIN_UNCHANGED = 0,  /* a repeat of what the table already says */
+    COORD_JOIN_CHANGED = 1,    /* a rank's entry was added or updated: reason "join" */
+    COORD_JOIN_ALL_JOINED = 2, /* the table was cleared, last joiner recorded: "all joined" */
+} coord_join_change_t;
+
+/* One rank's entry in the join table. */
+typedef struct {
+    int rank;
+    char member_id[COORD_ID_LEN + 1]; /* the shard server that reported it */
+    int64_t step;
+    int64_t joined_ns; /* when the coordinator recorded it */
+    bool throw_on_early_termination;
+} coord_join_t;
+
 /* A consistent copy of the whole state for Status and Watch. */
 typedef struct {
     uint64_t generation;
@@ -75,6 +108,9 @@ typedef struct {
     size_t nmembers;
     coord_member_t *members;  /* sorted: shard servers by rank (unranked last, by name), then
                                  trainers by name */
+    size_t njoins;
+    coord_join_t *joins;      /* ranks joined now, by rank */
+    int last_joiner;          /* last rank of the most recent completed join, or -1 */
 } coord_snapshot_t;
 
 /* Called on every generation bump, synchronously inside the call that caused it (so under the
@@ -125,6 +161,24 @@ int coord_state_tick(coord_state_t *st, int64_t now_ns);
  * last-call expiry), or INT64_MAX when nothing is pending. */
 int64_t coord_state_next_deadline_ns(const coord_state_t *st);
 
+/* Records a Join report from a shard server. JOINED adds or updates the rank's entry;
+ * ALL_JOINED clears the table and records last_rank as the last joiner (a repeat from another
+ * rank, with the table already empty and the same last rank, changes nothing). Reports never
+ * bump the generation and never call on_change; *change (required) tells the caller whether
+ * to push a Watch event. The table and the last joiner are reset whenever the cluster
+ * (re)forms, since every rank restarts its training then.
+ * Errors (nothing changes): PSHARD_ERR_INVALID_ARGUMENT for a malformed member id, a phase
+ * other than JOINED/ALL_JOINED, a negative step, a trainer reporting, a rank that is not the
+ * member's own, or a last_rank outside 0..world_size-1; PSHARD_ERR_NOT_FOUND for an unknown
+ * member id; PSHARD_ERR_FAILED_PRECONDITION for a shard server that holds no rank (the
+ * cluster is forming, or it is a standby). The message in err says which. */
+pshard_status_t coord_state_report_join(coord_state_t *st, const coord_join_report_t *report,
+                                        int64_t now_ns, coord_join_change_t *change, char *err,
+                                        size_t errlen);
+
+/* The last rank of the most recent completed join, or -1 when none since the cluster formed. */
+int coord_state_last_joiner(const coord_state_t *st);
+
 uint64_t coord_state_generation(const coord_state_t *st);
 coord_cluster_state_t coord_state_cluster_state(const coord_state_t *st);
 
@@ -135,5 +189,7 @@ void coord_snapshot_free(coord_snapshot_t *snap);
 /* Names for status output: "shard_server", "trainer"; "forming", "formed", "degraded". */
 const char *coord_role_name(coord_role_t role);
 const char *coord_cluster_state_name(coord_cluster_state_t state);
+/* "joined", "all_joined"; "unspecified" for anything else. */
+const char *coord_join_phase_name(int phase);
 
 #endif

@@ -312,7 +312,7 @@ class ReflectionTest(CoordinatorTest):
         self.assertEqual(
             sorted(m.name for m in svc.methods),
             sorted(["Register", "Heartbeat", "Leave", "Watch", "StoreSet", "StoreGet",
-                    "StoreWait", "StoreCompareSet", "StoreAdd", "Status"]))
+                    "StoreWait", "StoreCompareSet", "StoreAdd", "Status", "ReportJoin"]))
         register = c.pool.FindMethodByName("pshard.Coordinator.Register")
         self.assertEqual(register.input_type.full_name, "pshard.RegisterRequest")
         self.assertEqual(register.output_type.full_name, "pshard.MemberView")

@@ -1,5 +1,5 @@
 /* Unit tests for the coordinator membership state machine (coord_state): leases, rendezvous,
- * ranks, generations and validation, all driven by an injected clock. */
+ * ranks, generations, validation and the Join table, all driven by an injected clock. */
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -784,6 +784,257 @@ static void test_many_members_index(void)
     coord_state_destroy(st);
 }
 
+/* ---- Join table ------------------------------------------------------------------------- */
+
+/* Sends one join report; returns its status and stores what it changed in *change. */
+static pshard_status_t report(coord_state_t *st, const char *member_id, int rank, int phase,
+                              int64_t step, bool throw_flag, int last_rank, int64_t now_ns,
+                              coord_join_change_t *change, char *err, size_t errlen)
+{
+    coord_join_report_t r = {.member_id = member_id,
+                             .rank = rank,
+                             .phase = phase,
+                             .step = step,
+                             .throw_on_early_termination = throw_flag,
+                             .last_rank = last_rank};
+    return coord_state_report_join(st, &r, now_ns, change, err, errlen);
+}
+
+/* A report that must succeed; returns what it changed. */
+static coord_join_change_t report_ok(coord_state_t *st, const char *member_id, int rank, int phase,
+                                     int64_t step, bool throw_flag, int last_rank, int64_t now_ns)
+{
+    char err[256] = "";
+    coord_join_change_t change = (coord_join_change_t)-1;
+    pshard_status_t rc = report(st, member_id, rank, phase, step, throw_flag, last_rank, now_ns,
+                                &change, err, sizeof(err));
+    CU_ASSERT_EQUAL(rc, PSHARD_OK);
+    if (rc != PSHARD_OK)
+        fprintf(stderr, "join report rank %d: %s\n", rank, err);
+    return change;
+}
+
+/* A report that must fail with want and a message containing needle; nothing may change. */
+static void expect_report_error(coord_state_t *st, const char *member_id, int rank, int phase,
+                                int64_t step, int last_rank, pshard_status_t want,
+                                const char *needle)
+{
+    char err[256] = "";
+    coord_join_change_t change = (coord_join_change_t)-1;
+    pshard_status_t rc = report(st, member_id, rank, phase, step, false, last_rank, MS(1), &change,
+                                err, sizeof(err));
+    CU_ASSERT_EQUAL(rc, want);
+    CU_ASSERT_EQUAL(change, COORD_JOIN_UNCHANGED);
+    if (!strstr(err, needle)) {
+        fprintf(stderr, "join report error '%s' lacks '%s'\n", err, needle);
+        CU_FAIL("error message");
+    }
+}
+
+/* Checks the snapshot's join table: n entries with these ranks and steps, and last_joiner. */
+static void expect_joins(coord_state_t *st, const int *ranks, const int64_t *steps, size_t n,
+                         int last_joiner)
+{
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(1000));
+    CU_ASSERT_PTR_NOT_NULL_FATAL(snap);
+    CU_ASSERT_EQUAL(snap->njoins, n);
+    for (size_t i = 0; i < n && i < snap->njoins; i++) {
+        CU_ASSERT_EQUAL(snap->joins[i].rank, ranks[i]);
+        CU_ASSERT_EQUAL(snap->joins[i].step, steps[i]);
+    }
+    CU_ASSERT_EQUAL(snap->last_joiner, last_joiner);
+    coord_snapshot_free(snap);
+}
+
+enum { JOINED = COORD_JOIN_PHASE_JOINED, ALL = COORD_JOIN_PHASE_ALL_JOINED };
+
+/* JOINED adds a rank's entry (sorted by rank in the snapshot), a repeat changes nothing, a
+ * different step or flag updates it; none of it bumps the generation or calls on_change. */
+static void test_join_add_update(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    reg(st, TRN, "t0", MS(0));
+    uint64_t gen = coord_state_generation(st);
+    int nchanges = changes.n;
+    expect_joins(st, NULL, NULL, 0, -1);
+    CU_ASSERT_EQUAL(coord_state_last_joiner(st), -1);
+
+    CU_ASSERT_EQUAL(report_ok(st, v[2].member_id, 2, JOINED, 40, false, 0, MS(100)),
+                    COORD_JOIN_CHANGED);
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(150));
+    CU_ASSERT_PTR_NOT_NULL_FATAL(snap);
+    CU_ASSERT_EQUAL_FATAL(snap->njoins, 1);
+    CU_ASSERT_EQUAL(snap->joins[0].rank, 2);
+    CU_ASSERT_STRING_EQUAL(snap->joins[0].member_id, v[2].member_id);
+    CU_ASSERT_EQUAL(snap->joins[0].step, 40);
+    CU_ASSERT_EQUAL(snap->joins[0].joined_ns, MS(100));
+    CU_ASSERT_FALSE(snap->joins[0].throw_on_early_termination);
+    coord_snapshot_free(snap);
+
+    /* A retried report is not a change and keeps the original time. */
+    CU_ASSERT_EQUAL(report_ok(st, v[2].member_id, 2, JOINED, 40, false, 0, MS(200)),
+                    COORD_JOIN_UNCHANGED);
+    snap = coord_state_snapshot(st, MS(250));
+    CU_ASSERT_EQUAL(snap->joins[0].joined_ns, MS(100));
+    coord_snapshot_free(snap);
+
+    CU_ASSERT_EQUAL(report_ok(st, v[0].member_id, 0, JOINED, 42, true, 0, MS(300)),
+                    COORD_JOIN_CHANGED);
+    static const int ranks02[] = {0, 2};
+    static const int64_t steps02[] = {42, 40};
+    expect_joins(st, ranks02, steps02, 2, -1);
+    snap = coord_state_snapshot(st, MS(300));
+    CU_ASSERT_TRUE(snap->joins[0].throw_on_early_termination);
+    coord_snapshot_free(snap);
+
+    /* A new step (or flag) for a rank already joined updates its entry in place. */
+    CU_ASSERT_EQUAL(report_ok(st, v[2].member_id, 2, JOINED, 41, false, 0, MS(400)),
+                    COORD_JOIN_CHANGED);
+    static const int64_t steps02b[] = {42, 41};
+    expect_joins(st, ranks02, steps02b, 2, -1);
+    CU_ASSERT_EQUAL(report_ok(st, v[2].member_id, 2, JOINED, 41, true, 0, MS(500)),
+                    COORD_JOIN_CHANGED);
+    expect_joins(st, ranks02, steps02b, 2, -1);
+
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen);
+    CU_ASSERT_EQUAL(changes.n, nchanges);
+    coord_state_destroy(st);
+}
+
+/* ALL_JOINED clears the table and records the last joiner; the same completion reported by
+ * another rank changes nothing; the next round fills the table again. */
+static void test_join_all_joined(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    uint64_t gen = coord_state_generation(st);
+    int nchanges = changes.n;
+    for (int r = 0; r < 3; r++)
+        CU_ASSERT_EQUAL(report_ok(st, v[r].member_id, r, JOINED, 10 + r, false, 0, MS(r)),
+                        COORD_JOIN_CHANGED);
+    static const int ranks[] = {0, 1, 2};
+    static const int64_t steps[] = {10, 11, 12};
+    expect_joins(st, ranks, steps, 3, -1);
+
+    CU_ASSERT_EQUAL(report_ok(st, v[1].member_id, 1, ALL, 12, false, 2, MS(10)),
+                    COORD_JOIN_ALL_JOINED);
+    expect_joins(st, NULL, NULL, 0, 2);
+    CU_ASSERT_EQUAL(coord_state_last_joiner(st), 2);
+    /* The other ranks report the same completion. */
+    CU_ASSERT_EQUAL(report_ok(st, v[0].member_id, 0, ALL, 12, false, 2, MS(11)),
+                    COORD_JOIN_UNCHANGED);
+    CU_ASSERT_EQUAL(report_ok(st, v[2].member_id, 2, ALL, 12, false, 2, MS(12)),
+                    COORD_JOIN_UNCHANGED);
+    expect_joins(st, NULL, NULL, 0, 2);
+
+    /* A second round: the last joiner stays until that round completes. */
+    CU_ASSERT_EQUAL(report_ok(st, v[2].member_id, 2, JOINED, 30, false, 0, MS(20)),
+                    COORD_JOIN_CHANGED);
+    static const int r2[] = {2};
+    static const int64_t s30[] = {30};
+    expect_joins(st, r2, s30, 1, 2);
+    CU_ASSERT_EQUAL(report_ok(st, v[2].member_id, 2, ALL, 31, false, 0, MS(30)),
+                    COORD_JOIN_ALL_JOINED);
+    expect_joins(st, NULL, NULL, 0, 0);
+
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen);
+    CU_ASSERT_EQUAL(changes.n, nchanges);
+    coord_state_destroy(st);
+}
+
+/* The table and the last joiner are reset when the cluster re-forms (ranks restart); losing a
+ * rank alone (degraded) keeps them. */
+static void test_join_cleared_on_reform(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    CU_ASSERT_EQUAL(report_ok(st, v[0].member_id, 0, JOINED, 5, false, 0, MS(1)),
+                    COORD_JOIN_CHANGED);
+    CU_ASSERT_EQUAL(report_ok(st, v[0].member_id, 0, ALL, 5, false, 0, MS(2)),
+                    COORD_JOIN_ALL_JOINED);
+    CU_ASSERT_EQUAL(report_ok(st, v[0].member_id, 0, JOINED, 9, false, 0, MS(3)),
+                    COORD_JOIN_CHANGED);
+    CU_ASSERT_EQUAL(report_ok(st, v[2].member_id, 2, JOINED, 9, false, 0, MS(3)),
+                    COORD_JOIN_CHANGED);
+    static const int ranks[] = {0, 2};
+    static const int64_t steps[] = {9, 9};
+    expect_joins(st, ranks, steps, 2, 0);
+
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(4));
+    uint64_t formed_gen = snap->formed_generation;
+    coord_snapshot_free(snap);
+    char err[256] = "";
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, MS(5), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
+    expect_joins(st, ranks, steps, 2, 0);
+    /* The old incarnation cannot report any more. */
+    expect_report_error(st, v[1].member_id, 1, JOINED, 9, 0, PSHARD_ERR_NOT_FOUND,
+                        "unknown member id");
+
+    coord_member_view_t back = reg(st, SRV, "s2", MS(6));
+    CU_ASSERT_EQUAL(back.rank, 1);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    snap = coord_state_snapshot(st, MS(7));
+    CU_ASSERT_NOT_EQUAL(snap->formed_generation, formed_gen);
+    coord_snapshot_free(snap);
+    expect_joins(st, NULL, NULL, 0, -1);
+    CU_ASSERT_EQUAL(coord_state_last_joiner(st), -1);
+    /* The new incarnation reports like any other. */
+    CU_ASSERT_EQUAL(report_ok(st, back.member_id, 1, JOINED, 1, false, 0, MS(8)),
+                    COORD_JOIN_CHANGED);
+    coord_state_destroy(st);
+}
+
+/* Bad reports are refused with a message that says why, and change nothing. */
+static void test_join_refused(void)
+{
+    coord_state_t *st = make_state(2, 2, 0);
+    coord_member_view_t a = reg(st, SRV, "a", MS(0));
+    /* Not formed yet: no ranks. */
+    expect_report_error(st, a.member_id, 0, JOINED, 1, 0, PSHARD_ERR_FAILED_PRECONDITION,
+                        "the cluster is still forming");
+    coord_member_view_t b = reg(st, SRV, "b", MS(0));
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    coord_member_view_t standby = reg(st, SRV, "c", MS(0));
+    CU_ASSERT_EQUAL(standby.rank, -1);
+    coord_member_view_t t = reg(st, TRN, "t", MS(0));
+    uint64_t gen = coord_state_generation(st);
+    int nchanges = changes.n;
+
+    expect_report_error(st, standby.member_id, -1, JOINED, 1, 0, PSHARD_ERR_FAILED_PRECONDITION,
+                        "it is a standby");
+    expect_report_error(st, t.member_id, 0, JOINED, 1, 0, PSHARD_ERR_INVALID_ARGUMENT,
+                        "is a trainer");
+    expect_report_error(st, a.member_id, 1, JOINED, 1, 0, PSHARD_ERR_INVALID_ARGUMENT,
+                        "holds rank 0, but reported a join for rank 1");
+    expect_report_error(st, b.member_id, 7, JOINED, 1, 0, PSHARD_ERR_INVALID_ARGUMENT,
+                        "holds rank 1, but reported a join for rank 7");
+    expect_report_error(st, a.member_id, 0, 0, 1, 0, PSHARD_ERR_INVALID_ARGUMENT,
+                        "join phase must be JOINED (1) or ALL_JOINED (2), got 0");
+    expect_report_error(st, a.member_id, 0, 3, 1, 0, PSHARD_ERR_INVALID_ARGUMENT, "got 3");
+    expect_report_error(st, a.member_id, 0, -1, 1, 0, PSHARD_ERR_INVALID_ARGUMENT, "got -1");
+    expect_report_error(st, a.member_id, 0, JOINED, -5, 0, PSHARD_ERR_INVALID_ARGUMENT,
+                        "join step is -5");
+    expect_report_error(st, "", 0, JOINED, 1, 0, PSHARD_ERR_INVALID_ARGUMENT, "member id is empty");
+    expect_report_error(st, NULL, 0, JOINED, 1, 0, PSHARD_ERR_INVALID_ARGUMENT,
+                        "member id is empty");
+    expect_report_error(st, "abc", 0, JOINED, 1, 0, PSHARD_ERR_INVALID_ARGUMENT,
+                        "member id must be 32 lowercase hex characters");
+    expect_report_error(st, "0123456789abcdef0123456789abcdef", 0, JOINED, 1, 0,
+                        PSHARD_ERR_NOT_FOUND, "unknown member id 0123456789abcdef0123456789abcdef");
+    expect_report_error(st, a.member_id, 0, ALL, 1, -1, PSHARD_ERR_INVALID_ARGUMENT,
+                        "last_rank -1 of an ALL_JOINED report is outside 0..1");
+    expect_report_error(st, a.member_id, 0, ALL, 1, 2, PSHARD_ERR_INVALID_ARGUMENT, "last_rank 2");
+    expect_joins(st, NULL, NULL, 0, -1);
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen);
+    CU_ASSERT_EQUAL(changes.n, nchanges);
+    CU_ASSERT_STRING_EQUAL(coord_join_phase_name(COORD_JOIN_PHASE_JOINED), "joined");
+    CU_ASSERT_STRING_EQUAL(coord_join_phase_name(COORD_JOIN_PHASE_ALL_JOINED), "all_joined");
+    CU_ASSERT_STRING_EQUAL(coord_join_phase_name(9), "unspecified");
+    coord_state_destroy(st);
+}
+
 int main(void)
 {
     static const ps_test_case_t cases[] = {
@@ -809,6 +1060,10 @@ int main(void)
         {"snapshot content and order", test_snapshot_content},
         {"role and state names", test_names},
         {"id index with many members", test_many_members_index},
+        {"join: add and update entries", test_join_add_update},
+        {"join: all joined clears, records the last joiner", test_join_all_joined},
+        {"join: table reset when the cluster re-forms", test_join_cleared_on_reform},
+        {"join: bad reports refused", test_join_refused},
         {NULL, NULL},
     };
     return ps_test_main("coord_state", cases);
