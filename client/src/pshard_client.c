@@ -18,6 +18,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/log.h"
 #include "pshard/rpc.h"
 #include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
@@ -87,6 +89,20 @@ struct pshard_client {
     pool_hole_t *holes;
     size_t nholes, holes_cap;
     pshard_memory_stats_t mem;
+
+    /* The trainer's lease with the coordinator: registered as role TRAINER and renewed by a
+     * thread, so a trainer that dies or hangs is evicted and its peers stop waiting. */
+    ps_rpc_channel_t *coord;
+    char coord_addr[256];
+    char member_id[64];
+    int64_t heartbeat_ms;
+    pthread_t lease_thread;
+    bool lease_started;
+    uint64_t seen_generation;
+    /* Set once this trainer's own shard server is known lost (mu): every later call fails
+     * at once with it instead of waiting on a server that will not answer. */
+    pshard_status_t lost;
+    char lost_msg[512];
 
     /* Async worker */
     pthread_t worker;
@@ -186,6 +202,17 @@ static void region_destroy(region_t *r)
 /* ---------------------------------------------------------------------------------------- */
 /* RPC                                                                                       */
 
+/* PSHARD_OK, or the sticky loss of this trainer's shard server (message into err). */
+static pshard_status_t lost_check(pshard_client_t *c, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&c->mu);
+    pshard_status_t st = c->lost;
+    if (st != PSHARD_OK && err && errlen)
+        snprintf(err, errlen, "%s", c->lost_msg);
+    pthread_mutex_unlock(&c->mu);
+    return st;
+}
+
 static pshard_status_t call(pshard_client_t *c, const char *method, const ProtobufCMessage *req,
                             const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp,
                             char *err, size_t errlen)
@@ -193,8 +220,15 @@ static pshard_status_t call(pshard_client_t *c, const char *method, const Protob
     char path[96];
     snprintf(path, sizeof(path), "/pshard.ShardServer/%s", method);
     ProtobufCMessage *r = NULL;
+    if (lost_check(c, err, errlen) != PSHARD_OK)
+        return c->lost;
     pshard_status_t rc =
         ps_rpc_unary(c->ch, path, req, desc, &r, c->cfg.timeout_ms, 0, NULL, err, errlen);
+    if (rc != PSHARD_OK && lost_check(c, NULL, 0) != PSHARD_OK) {
+        /* Cancelled because the server was evicted: say so, not "cancelled". */
+        snprintf(err, errlen, "%s", c->lost_msg);
+        rc = c->lost;
+    }
     if (resp)
         *resp = r;
     else if (r)
@@ -305,6 +339,144 @@ pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char 
 static void *worker_main(void *arg);
 static void model_free(pshard_client_t *c);
 
+/* Registers this trainer with the coordinator as "trainer-RANK". */
+static pshard_status_t lease_register(pshard_client_t *c, char *err, size_t errlen)
+{
+    char name[64], host[64] = "", device[32] = "cpu";
+    snprintf(name, sizeof(name), "trainer-%d", c->rank);
+    gethostname(host, sizeof(host) - 1);
+    Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
+    req.role = PSHARD__ROLE__TRAINER;
+    req.name = name;
+    req.address = c->server;
+    req.node = host;
+    req.device = device;
+    ProtobufCMessage *resp = NULL;
+    PS_CHECK(ps_rpc_unary(c->coord, "/pshard.Coordinator/Register", &req.base,
+                          &pshard__member_view__descriptor, &resp, 5000, PS_RPC_IDEMPOTENT, NULL,
+                          err, errlen));
+    Pshard__MemberView *v = (Pshard__MemberView *)resp;
+    pthread_mutex_lock(&c->mu);
+    ps_strlcpy(c->member_id, v->member_id, sizeof(c->member_id));
+    c->heartbeat_ms = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
+    pthread_mutex_unlock(&c->mu);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return PSHARD_OK;
+}
+
+/* After an eviction: if no shard server holds this trainer's rank any more, its own server is
+ * the one that was lost (dead, hung or cut off). Its collectives cannot tell this trainer, so
+ * the calls waiting on it are cancelled and every later one fails with PEER_LOST. */
+static void check_own_server(pshard_client_t *c)
+{
+    Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    char err[256] = "";
+    if (ps_rpc_unary(c->coord, "/pshard.Coordinator/Status", &req.base,
+                     &pshard__status_response__descriptor, &resp, 2000, 0, NULL, err,
+                     sizeof(err)) != PSHARD_OK)
+        return;
+    const Pshard__StatusResponse *st = (const Pshard__StatusResponse *)resp;
+    bool held = false;
+    for (size_t i = 0; i < st->n_members; i++)
+        if (st->members[i]->role == PSHARD__ROLE__SHARD_SERVER && st->members[i]->rank == c->rank)
+            held = true;
+    protobuf_c_message_free_unpacked(resp, NULL);
+    if (held)
+        return;
+    pthread_mutex_lock(&c->mu);
+    if (c->lost == PSHARD_OK) {
+        c->lost = PSHARD_ERR_PEER_LOST;
+        snprintf(c->lost_msg, sizeof(c->lost_msg),
+                 "rank %d's own shard server (%s) was evicted by the coordinator: it died, "
+                 "hangs or is cut off",
+                 c->rank, c->server);
+    }
+    pthread_mutex_unlock(&c->mu);
+    PS_ERROR(PS_SUB_CLIENT, "%s", c->lost_msg);
+    ps_rpc_channel_cancel_calls(c->ch, c->lost_msg);
+}
+
+/* Renews the lease every heartbeat_ms; registers again when the coordinator forgot this
+ * trainer (it restarted). Failures are only logged: the lease is what they cost. */
+static void *lease_main(void *arg)
+{
+    pshard_client_t *c = arg;
+    pthread_mutex_lock(&c->mu);
+    while (!c->stop) {
+        /* The condition variable is shared with the operations: wake-ups for them do not
+         * count as the heartbeat's turn. */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t ns = ts.tv_nsec + (c->heartbeat_ms % 1000) * 1000000;
+        ts.tv_sec += c->heartbeat_ms / 1000 + ns / 1000000000;
+        ts.tv_nsec = ns % 1000000000;
+        while (!c->stop && pthread_cond_timedwait(&c->cv, &c->mu, &ts) != ETIMEDOUT) {
+        }
+        if (c->stop)
+            break;
+        char id[64];
+        ps_strlcpy(id, c->member_id, sizeof(id));
+        pthread_mutex_unlock(&c->mu);
+        char err[512] = "";
+        pshard_status_t rc;
+        if (!id[0]) {
+            rc = lease_register(c, err, sizeof(err));
+        } else {
+            Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
+            req.member_id = id;
+            ProtobufCMessage *resp = NULL;
+            rc = ps_rpc_unary(c->coord, "/pshard.Coordinator/Heartbeat", &req.base,
+                              &pshard__member_view__descriptor, &resp, 2000, 0, NULL, err,
+                              sizeof(err));
+            if (resp) {
+                Pshard__MemberView *v = (Pshard__MemberView *)resp;
+                bool changed = v->generation != c->seen_generation;
+                bool degraded = v->state == PSHARD__CLUSTER_STATE__DEGRADED;
+                c->seen_generation = v->generation;
+                protobuf_c_message_free_unpacked(resp, NULL);
+                if (changed && degraded)
+                    check_own_server(c);
+            }
+            if (rc == PSHARD_ERR_NOT_FOUND) {
+                pthread_mutex_lock(&c->mu);
+                c->member_id[0] = '\0'; /* register again on the next round */
+                pthread_mutex_unlock(&c->mu);
+            }
+        }
+        if (rc != PSHARD_OK)
+            PS_WARN(PS_SUB_CLIENT, "trainer lease with %s: %s", c->coord_addr, err);
+        pthread_mutex_lock(&c->mu);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* Starts the trainer's lease (best effort: without a coordinator address or when it cannot
+ * be reached, training works, only a lost trainer is then found by the collectives'
+ * timeout). PSHARD_COORDINATOR overrides the address the shard server reported. */
+static void lease_start(pshard_client_t *c, const char *reported)
+{
+    const char *env = getenv("PSHARD_COORDINATOR");
+    const char *addr = env && *env ? env : reported;
+    if (!addr || !*addr)
+        return;
+    ps_strlcpy(c->coord_addr, addr, sizeof(c->coord_addr));
+    const char *ca = getenv("PSHARD_COORDINATOR_CA");
+    ps_rpc_channel_config_t cc = {.target = c->coord_addr, .token = c->token,
+                                  .tls_ca_file = ca && *ca ? ca : NULL};
+    char err[512] = "";
+    c->coord = ps_rpc_channel_create(&cc, err, sizeof(err));
+    if (!c->coord || lease_register(c, err, sizeof(err)) != PSHARD_OK) {
+        PS_WARN(PS_SUB_CLIENT, "cannot register the trainer with coordinator %s: %s; a lost "
+                               "trainer will only be noticed by the collectives' timeout",
+                c->coord_addr, err);
+        return;
+    }
+    if (pthread_create(&c->lease_thread, NULL, lease_main, c) == 0)
+        c->lease_started = true;
+}
+
 pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_t **out,
                                char *err, size_t errlen)
 {
@@ -369,6 +541,8 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
             ps_strlcpy(c->session, a->session, sizeof(c->session));
             c->rank = a->rank;
             c->world = a->world_size;
+            ps_strlcpy(c->coord_addr, a->coordinator ? a->coordinator : "",
+                       sizeof(c->coord_addr));
             protobuf_c_message_free_unpacked(resp, NULL);
             break;
         }
@@ -385,6 +559,7 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
                      c->world);
         goto fail;
     }
+    lease_start(c, c->coord_addr);
     if (pthread_create(&c->worker, NULL, worker_main, c) != 0) {
         rc = ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot start the client thread");
         goto fail;
@@ -408,6 +583,24 @@ void pshard_close(pshard_client_t *c)
         pthread_mutex_unlock(&c->mu);
         pthread_join(c->worker, NULL);
     }
+    if (c->lease_started) {
+        pthread_mutex_lock(&c->mu);
+        c->stop = true;
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        pthread_join(c->lease_thread, NULL);
+    }
+    if (c->coord && c->member_id[0]) {
+        Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
+        lv.member_id = c->member_id;
+        ProtobufCMessage *resp = NULL;
+        char err[256] = "";
+        if (ps_rpc_unary(c->coord, "/pshard.Coordinator/Leave", &lv.base,
+                         &pshard__leave_response__descriptor, &resp, 2000, 0, NULL, err,
+                         sizeof(err)) == PSHARD_OK)
+            protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    ps_rpc_channel_destroy(c->coord);
     ps_rpc_channel_destroy(c->ch);
     region_destroy(&c->scratch);
     region_destroy(&c->model);

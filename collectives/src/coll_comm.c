@@ -160,6 +160,14 @@ void pshard_comm_abort(pshard_comm_t *comm, const char *reason)
     comm->backend->abort(comm);
 }
 
+void pshard_comm_abort_status(pshard_comm_t *comm, pshard_status_t status, const char *reason)
+{
+    coll_set_sticky(comm, status == PSHARD_OK ? PSHARD_ERR_ABORTED : status,
+                    reason ? reason : "aborted");
+    atomic_store(&comm->aborted, true);
+    comm->backend->abort(comm);
+}
+
 /* Checks the arguments against the communicator and fills op (counts, displacements,
  * descriptor). Allocates op->counts/displs. */
 static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a, coll_op_t *op,

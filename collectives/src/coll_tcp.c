@@ -972,9 +972,12 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
             break;
         if (atomic_load(&e->t.comm->aborted)) {
             char why[1024] = "";
-            if (pshard_comm_error(e->t.comm, why, sizeof(why)) == PSHARD_OK)
+            pshard_status_t st = pshard_comm_error(e->t.comm, why, sizeof(why));
+            if (st == PSHARD_OK) {
+                st = PSHARD_ERR_ABORTED;
                 ps_strlcpy(why, "aborted", sizeof(why));
-            fail_op(e, PSHARD_ERR_ABORTED, why, true);
+            }
+            fail_op(e, st, why, true);
             break;
         }
         int64_t now = ps_now_ns();
@@ -1072,10 +1075,13 @@ static void *engine_main(void *arg)
             e->failed = true;
             e->drain_until_ns = ps_now_ns() + DRAIN_NS;
             char msg[1024] = "";
-            if (pshard_comm_error(e->t.comm, msg, sizeof(msg)) == PSHARD_OK)
+            pshard_status_t st = pshard_comm_error(e->t.comm, msg, sizeof(msg));
+            if (st == PSHARD_OK) {
+                st = PSHARD_ERR_ABORTED;
                 ps_strlcpy(msg, "aborted", sizeof(msg));
+            }
             if (e->t.n > 1)
-                queue_abort(e, (uint32_t)e->t.rank, PSHARD_ERR_ABORTED, msg, 0);
+                queue_abort(e, (uint32_t)e->t.rank, st, msg, 0);
         }
         if (e->failed) {
             fail_queued(e);

@@ -1,6 +1,7 @@
 /* The gRPC client runtime: channels (plaintext, TLS, mTLS, cluster token), blocking unary
  * calls with deadlines and retries for idempotent calls, and server-streaming reads with a
  * per-read wait. Each call uses its own pluck completion queue, so any thread may call. */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,10 +18,18 @@
 #include "pshard/rpc.h"
 #include "pshard/util.h"
 
+/* A unary call in flight, listed so another thread can cancel it. */
+typedef struct active_call {
+    grpc_call *call;
+    struct active_call *next;
+} active_call_t;
+
 struct ps_rpc_channel {
     grpc_channel *channel;
     char *auth_value; /* "Bearer TOKEN" or NULL */
     char *target;
+    pthread_mutex_t mu; /* guards active */
+    active_call_t *active;
 };
 
 struct ps_rpc_stream {
@@ -101,6 +110,7 @@ ps_rpc_channel_t *ps_rpc_channel_create(const ps_rpc_channel_config_t *cfg, char
         return NULL;
     }
     grpc_init();
+    pthread_mutex_init(&ch->mu, NULL);
     ch->target = strdup(cfg->target);
     if (cfg->token && *cfg->token) {
         size_t n = strlen(cfg->token) + 8;
@@ -175,8 +185,18 @@ void ps_rpc_channel_destroy(ps_rpc_channel_t *ch)
         grpc_channel_destroy(ch->channel);
     free(ch->auth_value);
     free(ch->target);
+    pthread_mutex_destroy(&ch->mu);
     free(ch);
     grpc_shutdown();
+}
+
+void ps_rpc_channel_cancel_calls(ps_rpc_channel_t *ch, const char *reason)
+{
+    pthread_mutex_lock(&ch->mu);
+    for (active_call_t *a = ch->active; a; a = a->next)
+        grpc_call_cancel_with_status(a->call, GRPC_STATUS_UNAVAILABLE,
+                                     reason ? reason : "cancelled", NULL);
+    pthread_mutex_unlock(&ch->mu);
 }
 
 static gpr_timespec deadline_after_ms(int64_t ms)
@@ -238,6 +258,11 @@ static pshard_status_t unary_once(ps_rpc_channel_t *ch, const char *path, grpc_s
     grpc_call *call = grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
                                                grpc_slice_from_static_string(path), NULL,
                                                deadline, NULL);
+    active_call_t me = {.call = call};
+    pthread_mutex_lock(&ch->mu);
+    me.next = ch->active;
+    ch->active = &me;
+    pthread_mutex_unlock(&ch->mu);
     grpc_metadata md;
     memset(&md, 0, sizeof(md));
     size_t nmd = 0;
@@ -297,7 +322,15 @@ static pshard_status_t unary_once(ps_rpc_channel_t *ch, const char *path, grpc_s
     grpc_byte_buffer_destroy(send_bb);
     if (recv_bb)
         grpc_byte_buffer_destroy(recv_bb);
+    pthread_mutex_lock(&ch->mu);
+    for (active_call_t **pp = &ch->active; *pp; pp = &(*pp)->next) {
+        if (*pp == &me) {
+            *pp = me.next;
+            break;
+        }
+    }
     grpc_call_unref(call);
+    pthread_mutex_unlock(&ch->mu);
     drain_and_destroy_cq(cq);
     return rc;
 }

@@ -29,8 +29,9 @@ struct pshard_shard_server {
     ps_rpc_channel_t *coord;
     char advertise[300];
 
-    pthread_t hb_thread, setup_thread;
-    bool hb_started, setup_started;
+    pthread_t hb_thread, setup_thread, watch_thread;
+    bool hb_started, setup_started, watch_started;
+    int64_t last_contact_ns;  /* last successful heartbeat (mu) */
     atomic_bool stop;
     volatile int stop_flag; /* mirrors stop for the communicator's set-up (pshard_comm_config) */
 
@@ -40,6 +41,7 @@ struct pshard_shard_server {
     int rank, world;
     uint64_t generation, formed_generation, comm_generation;
     int64_t heartbeat_ms;
+    int64_t lease_ms;        /* the coordinator's lease, from heartbeats (mu) */
     bool formed;
     pshard_comm_t *comm; /* set once built; replaced only by the setup thread */
     pshard_status_t fatal;
@@ -125,6 +127,12 @@ void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *m
  * cluster re-forms, rebuilding) the communicator. Both return once s->stop is set. */
 void *shard_heartbeat_main(void *arg);
 void *shard_setup_main(void *arg);
+
+/* Thread body: follows the coordinator's Watch stream and, when it evicts a member (a shard
+ * server or a trainer whose lease lapsed), fails this rank's collectives at once with
+ * PSHARD_ERR_PEER_LOST naming it, so no trainer waits for a peer that is gone. Returns once
+ * s->stop is set. */
+void *shard_watch_main(void *arg);
 
 /* Unmaps a region (shared or private) and clears it; an empty one is a no-op. */
 void shard_unmap(shm_map_t *m);

@@ -1,8 +1,10 @@
 /* The shard server's membership side: register with the coordinator (again under the same
  * name when evicted, which gives the old rank back), heartbeat, and build the communicator
- * once the cluster has formed — rebuilding it when the cluster re-forms. */
+ * once the cluster has formed — rebuilding it when the cluster re-forms — and follow the
+ * coordinator's Watch so an evicted peer or trainer stops this rank's collectives at once. */
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -53,6 +55,40 @@ static pshard_status_t do_register(pshard_shard_server_t *s, char *err, size_t e
     return PSHARD_OK;
 }
 
+/* Cut off from the coordinator for longer than the lease while a collective is stalled just
+ * as long: this server has been evicted and its peers have stopped waiting for it, so its own
+ * collectives stop too and its trainer gets an error instead of waiting for a ring that is
+ * gone. A coordinator that is merely down (restarting) leaves the ring running: operations
+ * keep completing, so nothing stalls and nothing is aborted. */
+static void lost_contact_check(pshard_shard_server_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    pshard_comm_t *comm = s->comm;
+    int64_t since = s->last_contact_ns, lease = s->lease_ms;
+    pthread_mutex_unlock(&s->mu);
+    int64_t now = ps_now_ns();
+    if (!comm || since == 0 || lease <= 0 || now - since < lease * 1000000 ||
+        pshard_comm_error(comm, NULL, 0) != PSHARD_OK)
+        return;
+    /* Records come oldest first; the newest is the one that may be stuck. */
+    pshard_coll_record_t recs[64];
+    size_t n = pshard_comm_flight_records(comm, recs, 64);
+    if (n == 0)
+        return;
+    pshard_coll_record_t rec = recs[n - 1];
+    if (rec.state != PSHARD_COLL_RUNNING || now - rec.start_ns < lease * 1000000)
+        return;
+    char msg[512];
+    snprintf(msg, sizeof(msg),
+             "rank %d lost contact with the coordinator %s for %lld ms (lease %lld ms) while "
+             "its %s seq %llu waits on rank %d: it counts as evicted",
+             pshard_comm_rank(comm), s->cfg.coordinator, (long long)((now - since) / 1000000),
+             (long long)lease, pshard_coll_op_name(rec.op), (unsigned long long)rec.seq,
+             rec.waiting_on);
+    PS_ERROR(PS_SUB_SHARD, "%s", msg);
+    pshard_comm_abort_status(comm, PSHARD_ERR_PEER_LOST, msg);
+}
+
 void *shard_heartbeat_main(void *arg)
 {
     pshard_shard_server_t *s = arg;
@@ -91,6 +127,9 @@ void *shard_heartbeat_main(void *arg)
         if (rc == PSHARD_OK) {
             Pshard__MemberView *v = (Pshard__MemberView *)resp;
             pthread_mutex_lock(&s->mu);
+            s->last_contact_ns = ps_now_ns();
+            if (v->lease_ms > 0)
+                s->lease_ms = v->lease_ms;
             s->generation = v->generation;
             bool formed = v->state == PSHARD__CLUSTER_STATE__FORMED && v->rank >= 0;
             if (formed) {
@@ -104,6 +143,7 @@ void *shard_heartbeat_main(void *arg)
             protobuf_c_message_free_unpacked(resp, NULL);
         } else {
             PS_WARN(PS_SUB_SHARD, "heartbeat to %s failed: %s", s->cfg.coordinator, err);
+            lost_contact_check(s);
         }
         /* Sleep in small pieces so stop is prompt; heartbeat faster while forming. */
         int64_t wait = s->formed && s->comm ? every : (every < 100 ? every : 100);
@@ -113,6 +153,22 @@ void *shard_heartbeat_main(void *arg)
     return NULL;
 }
 
+/* The ring needs rebuilding when the cluster re-formed with another rank or size for this
+ * server, or when it failed (a lost peer, an eviction). A re-forming that gives every server
+ * its rank back — a restarted coordinator — keeps a healthy ring and the training going.
+ * Call with mu held. */
+static bool comm_stale(pshard_shard_server_t *s)
+{
+    if (s->formed_generation == s->comm_generation)
+        return false;
+    bool same = s->rank == pshard_comm_rank(s->comm) &&
+                s->world == pshard_comm_world_size(s->comm) &&
+                pshard_comm_error(s->comm, NULL, 0) == PSHARD_OK;
+    if (same)
+        s->comm_generation = s->formed_generation; /* adopted: nothing changed for the ring */
+    return !same;
+}
+
 void *shard_setup_main(void *arg)
 {
     pshard_shard_server_t *s = arg;
@@ -120,8 +176,7 @@ void *shard_setup_main(void *arg)
                                                  : INT64_MAX;
     while (!atomic_load(&s->stop)) {
         pthread_mutex_lock(&s->mu);
-        while (!atomic_load(&s->stop) &&
-               (!s->formed || (s->comm && s->formed_generation == s->comm_generation))) {
+        while (!atomic_load(&s->stop) && (!s->formed || (s->comm && !comm_stale(s)))) {
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             ts.tv_nsec += 100 * 1000000;
@@ -151,8 +206,12 @@ void *shard_setup_main(void *arg)
                                   "communicator",
                     gen);
             ps_rpc_server_set_health(s->srv, "pshard.ShardServer", 2);
+            /* Abort first, without op_mu: a trainer operation may hold it inside a collective
+             * of the old ring, and only the abort releases it. */
+            if (pshard_comm_error(old, NULL, 0) == PSHARD_OK)
+                pshard_comm_abort_status(old, PSHARD_ERR_ABORTED,
+                                         "the cluster re-formed: this ring is replaced");
             pthread_mutex_lock(&s->op_mu);
-            pshard_comm_abort(old, "cluster re-formed");
             pshard_comm_destroy(old);
             pthread_mutex_unlock(&s->op_mu);
         }
@@ -191,3 +250,102 @@ void *shard_setup_main(void *arg)
     return NULL;
 }
 
+
+/* What the watch thread remembers of a member between events: enough to name an evicted one. */
+typedef struct {
+    char name[128];
+    int role, rank;
+} known_member_t;
+
+/* Handles one ClusterEvent: an eviction of a ranked shard server or of a trainer fails this
+ * rank's collectives with PEER_LOST naming it. The coordinator words evictions as
+ * "member NAME lease expired" (coord_state.c). */
+static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEvent *ev,
+                             known_member_t **known, size_t *nknown)
+{
+    const char *suffix = " lease expired";
+    const char *reason = ev->reason ? ev->reason : "";
+    size_t rl = strlen(reason), sl = strlen(suffix);
+    if (strncmp(reason, "member ", 7) == 0 && rl > 7 + sl &&
+        strcmp(reason + rl - sl, suffix) == 0) {
+        char name[128];
+        size_t nl = rl - 7 - sl < sizeof(name) - 1 ? rl - 7 - sl : sizeof(name) - 1;
+        memcpy(name, reason + 7, nl);
+        name[nl] = '\0';
+        const known_member_t *who = NULL;
+        for (size_t i = 0; i < *nknown; i++)
+            if (strcmp((*known)[i].name, name) == 0)
+                who = &(*known)[i];
+        pthread_mutex_lock(&s->mu);
+        pshard_comm_t *comm = s->comm;
+        int64_t lease = s->lease_ms;
+        pthread_mutex_unlock(&s->mu);
+        bool matters = who && (who->role == PSHARD__ROLE__TRAINER ||
+                               (who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0));
+        if (matters && comm && pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
+            char msg[512];
+            if (who->role == PSHARD__ROLE__TRAINER)
+                snprintf(msg, sizeof(msg),
+                         "trainer %s was evicted: no heartbeat within its %lld ms lease (it "
+                         "died, hangs or is cut off); rank %d stops its collectives",
+                         name, (long long)lease, pshard_comm_rank(comm));
+            else
+                snprintf(msg, sizeof(msg),
+                         "rank %d (shard server %s) was evicted: no heartbeat within its %lld "
+                         "ms lease (it died, hangs or is cut off)",
+                         who->rank, name, (long long)lease);
+            PS_ERROR(PS_SUB_SHARD, "%s", msg);
+            pshard_comm_abort_status(comm, PSHARD_ERR_PEER_LOST, msg);
+        }
+    }
+    known_member_t *next = calloc(ev->n_members ? ev->n_members : 1, sizeof(*next));
+    if (!next)
+        return;
+    for (size_t i = 0; i < ev->n_members; i++) {
+        ps_strlcpy(next[i].name, ev->members[i]->name ? ev->members[i]->name : "",
+                   sizeof(next[i].name));
+        next[i].role = ev->members[i]->role;
+        next[i].rank = ev->members[i]->rank;
+    }
+    free(*known);
+    *known = next;
+    *nknown = ev->n_members;
+}
+
+void *shard_watch_main(void *arg)
+{
+    pshard_shard_server_t *s = arg;
+    known_member_t *known = NULL;
+    size_t nknown = 0;
+    while (!atomic_load(&s->stop)) {
+        if (!s->member_id[0]) {
+            sleep_ms(50);
+            continue;
+        }
+        Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
+        char err[512] = "";
+        ps_rpc_stream_t *st = ps_rpc_stream_open(s->coord, "/pshard.Coordinator/Watch", &req.base,
+                                                 24LL * 3600 * 1000, err, sizeof(err));
+        if (!st) {
+            sleep_ms(200);
+            continue;
+        }
+        while (!atomic_load(&s->stop)) {
+            ProtobufCMessage *msg = NULL;
+            err[0] = '\0';
+            pshard_status_t rc = ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg,
+                                                    100, NULL, err, sizeof(err));
+            if (rc == PSHARD_ERR_TIMEOUT)
+                continue;
+            if (rc != PSHARD_OK || !msg)
+                break; /* the coordinator went away or ended the stream: open a new one */
+            on_cluster_event(s, (const Pshard__ClusterEvent *)msg, &known, &nknown);
+            protobuf_c_message_free_unpacked(msg, NULL);
+        }
+        ps_rpc_stream_close(st);
+        for (int t = 0; t < 10 && !atomic_load(&s->stop); t++)
+            sleep_ms(20);
+    }
+    free(known);
+    return NULL;
+}

@@ -194,6 +194,7 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.generation = s->comm_generation;
     out.backend = (char *)s->cfg.backend;
     out.offload = (char *)s->cfg.offload;
+    out.coordinator = (char *)s->cfg.coordinator;
     PS_INFO(PS_SUB_SHARD, "trainer '%s' attached (%" PRIu64 " bytes of scratch)",
             req->trainer_name, req->shm_bytes);
     ps_rpc_call_reply(call, &out.base);
@@ -941,6 +942,8 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         s->hb_started = true;
     if (pthread_create(&s->setup_thread, NULL, shard_setup_main, s) == 0)
         s->setup_started = true;
+    if (pthread_create(&s->watch_thread, NULL, shard_watch_main, s) == 0)
+        s->watch_started = true;
     return s;
 }
 
@@ -961,6 +964,8 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
         pthread_join(s->setup_thread, NULL);
     if (s->hb_started)
         pthread_join(s->hb_thread, NULL);
+    if (s->watch_started)
+        pthread_join(s->watch_thread, NULL);
     ps_rpc_server_destroy(s->srv);
     if (s->coord && s->member_id[0]) {
         Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;

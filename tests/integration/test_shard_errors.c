@@ -976,7 +976,7 @@ static void test_define_bad(void)
         {"a negative dimension", mut_negative_dim, IA, "dimension 0 is -4"},
         {"overflowing shape", mut_overflow, IA, "fit in memory"},
         {"INT64_MAX dimension", mut_huge_dim, IA, "fit in memory"},
-        {"too large to allocate", mut_too_large, PSHARD_ERR_RESOURCE_EXHAUSTED, "cannot allocate"},
+        {"too large to allocate", mut_too_large, PSHARD_ERR_NO_MEMORY, "cannot allocate"},
         {"unknown optimizer", mut_optimizer_enum, IA, "unknown optimizer 7"},
         {"unknown layout", mut_layout_enum, IA, "unknown layout 5"},
         {"negative lr", mut_negative_lr, IA, "learning rate"},

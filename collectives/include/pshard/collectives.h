@@ -132,6 +132,10 @@ pshard_status_t pshard_coll_run(pshard_comm_t *comm, const pshard_coll_args_t *a
 /* Aborts from any thread: every in-flight and queued operation fails with PSHARD_ERR_ABORTED
  * (message includes reason) within 100 ms, and the communicator stays unusable. */
 void pshard_comm_abort(pshard_comm_t *comm, const char *reason);
+/* As pshard_comm_abort, but waiters (here and, through the ring, on the other ranks) fail with
+ * status and exactly the message reason: for an owner that knows why the ring must stop, e.g.
+ * PSHARD_ERR_PEER_LOST "rank 2's shard server was evicted". Thread-safe. */
+void pshard_comm_abort_status(pshard_comm_t *comm, pshard_status_t status, const char *reason);
 
 /* The communicator's first (sticky) error, or PSHARD_OK. */
 pshard_status_t pshard_comm_error(const pshard_comm_t *comm, char *err, size_t errlen);

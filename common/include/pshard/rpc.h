@@ -159,6 +159,10 @@ ps_rpc_channel_t *ps_rpc_channel_create(const ps_rpc_channel_config_t *cfg, char
                                         size_t errlen);
 void ps_rpc_channel_destroy(ps_rpc_channel_t *ch);
 
+/* Cancels every unary call in flight on ch (they fail with UNAVAILABLE and reason), e.g. when
+ * the server they wait on was evicted by the coordinator. Thread-safe. */
+void ps_rpc_channel_cancel_calls(ps_rpc_channel_t *ch, const char *reason);
+
 /* Blocking unary call with a deadline of timeout_ms (> 0). On PSHARD_OK *response is a message
  * of response_desc (free with protobuf_c_message_free_unpacked(*response, NULL)). On error
  * *response is NULL, err holds the server's status details or the local reason, and

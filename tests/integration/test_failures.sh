@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# Failure handling end to end, on a real cluster this script starts itself (a coordinator with
+# a short lease, N shard servers, N trainers running pshard-mlp): a trainer killed with -9, a
+# shard server stopped with SIGSTOP (hung), a shard server killed with -9, and a restart of
+# the coordinator. For each fault: every surviving trainer must fail (not hang) with an error
+# that names the lost rank, within lease + 1 s (plus 2 s of slack for a loaded machine; the
+# measured times are printed), and a coordinator restart must not disturb training at all.
+# usage: test_failures.sh COORDINATOR SERVER PSHARDCTL PSHARD-MLP
+set -euo pipefail
+coord_bin="$1"
+server_bin="$2"
+ctl="$3"
+mlp="$4"
+LEASE_MS=2000
+HB_MS=500
+BOUND_MS=$((LEASE_MS + 1000 + 2000))
+export OPENBLAS_NUM_THREADS=1
+work=$(mktemp -d)
+pids=()
+fails=0
+case_no=0
+cw="$work"
+
+cleanup() {
+  for p in "${pids[@]}"; do
+    kill -CONT "$p" 2>/dev/null || true
+    kill -9 "$p" 2>/dev/null || true
+  done
+  wait 2>/dev/null || true
+  if [ "$fails" -eq 0 ]; then rm -rf "$work"; else echo "logs kept in $work"; fi
+}
+trap cleanup EXIT
+
+now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
+
+# wait_for SECONDS CMD...: polls CMD every 20 ms until it succeeds; fails after SECONDS.
+wait_for() {
+  local end=$(( $(now_ms) + $1 * 1000 )); shift
+  until "$@"; do
+    if [ "$(now_ms)" -gt "$end" ]; then return 1; fi
+    sleep 0.02
+  done
+}
+
+steps_printed() { [ "$(grep -c '^step' "$1" 2>/dev/null || true)" -ge "$2" ]; }
+gone() { ! kill -0 "$1" 2>/dev/null; }
+
+# start_coordinator [PORT]: on PORT or a free one; sets caddr and cpid.
+start_coordinator() {
+  rm -f "$cw/coord.port"
+  "$coord_bin" --listen "127.0.0.1:${1:-0}" --port-file "$cw/coord.port" --world-size "$N" \
+    --lease-ms "$LEASE_MS" --heartbeat-ms "$HB_MS" >> "$cw/coord.log" 2>&1 &
+  cpid=$!
+  pids+=("$cpid")
+  wait_for 20 test -s "$cw/coord.port"
+  caddr="127.0.0.1:$(cat "$cw/coord.port")"
+}
+
+# start_cluster N STEPS: coordinator, N servers, N trainers; waits until training runs.
+start_cluster() {
+  N="$1"
+  local steps="$2"
+  case_no=$((case_no + 1))
+  cw="$work/case$case_no" # each case's logs stay apart (kept when something fails)
+  mkdir -p "$cw"
+  start_coordinator
+  spid=(); tpid=()
+  for ((r = 0; r < N; r++)); do
+    "$server_bin" --coordinator "$caddr" --listen 127.0.0.1:0 --port-file "$cw/s$r.port" \
+      --name "pshard-server-$r" > "$cw/s$r.log" 2>&1 &
+    spid[$r]=$!
+    pids+=("${spid[$r]}")
+  done
+  for ((r = 0; r < N; r++)); do wait_for 20 test -s "$cw/s$r.port"; done
+  for ((r = 0; r < N; r++)); do
+    RANK=$r WORLD_SIZE=$N PSHARD_SERVER="127.0.0.1:$(cat "$cw/s$r.port")" \
+      "$mlp" --steps "$steps" --widths 32,32 --input 16 --output 4 --batch 4 --print-every 1 \
+      > "$cw/t$r.out" 2> "$cw/t$r.err" &
+    tpid[$r]=$!
+    pids+=("${tpid[$r]}")
+  done
+  wait_for 60 steps_printed "$cw/t0.out" 3
+}
+
+stop_cluster() {
+  for p in "${pids[@]}"; do
+    kill -CONT "$p" 2>/dev/null || true
+    kill -9 "$p" 2>/dev/null || true
+  done
+  wait 2>/dev/null || true
+  pids=()
+  rm -f "$cw"/*.port
+}
+
+# expect_failures T0 NAME_PATTERN RANKS...: each trainer RANK must exit non-zero within
+# BOUND_MS of T0 with NAME_PATTERN in its error.
+expect_failures() {
+  local t0="$1" pattern="$2"; shift 2
+  for r in "$@"; do
+    if ! wait_for $(( (BOUND_MS + 999) / 1000 )) gone "${tpid[$r]}"; then
+      echo "FAIL: trainer $r still runs $(( $(now_ms) - t0 )) ms after the fault"
+      fails=$((fails + 1)); continue
+    fi
+    local took=$(( $(now_ms) - t0 ))
+    local code=0
+    wait "${tpid[$r]}" || code=$?
+    if [ "$code" -eq 0 ]; then
+      echo "FAIL: trainer $r exited 0"; fails=$((fails + 1))
+    elif ! grep -q -- "$pattern" "$cw/t$r.err"; then
+      echo "FAIL: trainer $r's error does not name the lost member ($pattern):"
+      cat "$cw/t$r.err"; fails=$((fails + 1))
+    elif [ "$took" -gt "$BOUND_MS" ]; then
+      echo "FAIL: trainer $r took $took ms (bound $BOUND_MS)"; fails=$((fails + 1))
+    else
+      echo "ok: trainer $r failed after $took ms: $(grep -m1 -- "$pattern" "$cw/t$r.err" | cut -c1-200)"
+    fi
+  done
+}
+
+cases="${FAILURE_CASES:-trainer-kill server-stop server-kill coordinator-restart}"
+want() { [[ " $cases " == *" $1 "* ]]; }
+
+if want trainer-kill; then
+echo "== kill -9 of trainer 1 (lease ${LEASE_MS} ms, heartbeat ${HB_MS} ms)"
+start_cluster 3 100000000
+t0=$(now_ms)
+kill -9 "${tpid[1]}"
+expect_failures "$t0" "trainer-1" 0 2
+for r in 0 1 2; do
+  if gone "${spid[$r]}"; then echo "FAIL: shard server $r died"; fails=$((fails + 1)); fi
+done
+stop_cluster
+fi
+
+if want server-stop; then
+echo "== SIGSTOP of shard server 2 (hung)"
+start_cluster 3 100000000
+t0=$(now_ms)
+kill -STOP "${spid[2]}"
+expect_failures "$t0" "rank 2" 0 1 2
+stop_cluster
+fi
+
+if want server-kill; then
+echo "== kill -9 of shard server 1"
+start_cluster 3 100000000
+t0=$(now_ms)
+kill -9 "${spid[1]}"
+expect_failures "$t0" "rank 1" 0 2
+stop_cluster
+fi
+
+if want coordinator-restart; then
+echo "== coordinator restart (kill -9, then again on the same port)"
+start_cluster 2 4000
+port=$(cat "$cw/coord.port")
+kill -9 "$cpid"
+wait "$cpid" 2>/dev/null || true
+before=$(grep -c '^step' "$cw/t0.out" || true)
+# Down for longer than the lease: nobody may be aborted for that alone.
+sleep_until=$(( $(now_ms) + LEASE_MS + 500 ))
+past() { [ "$(now_ms)" -gt "$1" ]; }
+wait_for 10 past "$sleep_until"
+start_coordinator "$port"
+at_restart=$(grep -c '^step' "$cw/t0.out" || true)
+ok=1
+for r in 0 1; do
+  if ! wait_for 120 gone "${tpid[$r]}"; then echo "FAIL: trainer $r did not finish"; ok=0; continue; fi
+  code=0; wait "${tpid[$r]}" || code=$?
+  if [ "$code" -ne 0 ]; then echo "FAIL: trainer $r exited $code:"; cat "$cw/t$r.err"; ok=0; fi
+done
+after=$(grep -c '^step' "$cw/t0.out" || true)
+if [ "$ok" -eq 1 ] && [ "$after" -eq 4000 ] && [ "$at_restart" -lt 4000 ]; then
+  echo "ok: training went on through the outage and after the restart (step $before of 4000 when the coordinator died, $at_restart when it came back)"
+  if ! wait_for 20 "$ctl" --coordinator "$caddr" health pshard.Cluster > /dev/null; then
+    echo "FAIL: the restarted coordinator did not see the cluster form again"; fails=$((fails + 1))
+  fi
+else
+  [ "$ok" -eq 1 ] && echo "FAIL: $after of 4000 steps ($at_restart at the restart; must be below 4000)"
+  fails=$((fails + 1))
+fi
+stop_cluster
+fi
+
+if [ "$fails" -ne 0 ]; then
+  echo "$fails check(s) failed"
+  exit 1
+fi
+echo "every fault was reported, naming the lost member, within lease + 1 s (+ slack)"
