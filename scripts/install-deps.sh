@@ -10,6 +10,12 @@ packages=(
   python3 python3-venv
 )
 
+# The container smoke test (deploy/podman-smoke.sh, CTest deploy_podman_smoke): podman with
+# runc builds and runs pshard's image; debootstrap makes its Debian base, since no container
+# registry is reachable. (kubectl, for deploy/check-manifests.sh, is not a Debian package; that
+# test skips without it.)
+packages+=(podman buildah runc uidmap debootstrap)
+
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then

@@ -1,0 +1,927 @@
+#!/usr/bin/env python3
+"""Checks of our own on pshard's rendered Kubernetes manifests, for what the API schemas
+cannot see: that selectors select, that probes point at the port the binary really listens
+on, that every referenced ConfigMap and Secret exists, the security settings, and the
+settings the rendezvous, the shared-memory data path and the NetworkPolicy depend on.
+
+The binaries' own option tables (their --help) decide what a flag or environment variable
+means and what the defaults are, so a renamed option or a changed default fails here.
+
+  check_manifests.py --overlay cpu|gpu --coordinator-bin BIN --server-bin BIN RENDERED.yaml
+  check_manifests.py --self-test --coordinator-bin BIN --server-bin BIN CPU.yaml GPU.yaml
+
+--self-test breaks the rendered manifests in one way per check and makes sure that check (and
+only a check, never a crash) reports it: every check must be able to fail.
+Exit status: 0 all checks pass, 1 a check failed, 2 usage or input errors.
+"""
+import argparse
+import copy
+import re
+import subprocess
+import sys
+
+import yaml
+
+COORDINATOR = "pshard-coordinator"
+SERVER = "pshard-server"
+# Health service that says "the cluster has formed", per binary (readiness).
+READY_SERVICE = {COORDINATOR: "pshard.Cluster", SERVER: "pshard.ShardServer"}
+WORKLOADS = ("Deployment", "StatefulSet")
+POD_INDEX_LABEL = "metadata.labels['apps.kubernetes.io/pod-index']"
+
+
+class Binary:
+    """A pshard binary's option table, read from its --help: flag -> (env names, default)."""
+
+    def __init__(self, path):
+        self.path = path
+        out = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise SystemExit(f"check_manifests: {path} --help failed: {out.stderr.strip()}")
+        self.options = {}
+        for line in out.stdout.splitlines():
+            m = re.match(r"\s+(--[a-z0-9-]+)(?: VALUE)?\s+.*?(?:\(([^()]*)\))?\s*$", line)
+            if not m:
+                continue
+            env, default = [], None
+            for part in (m.group(2) or "").split(";"):
+                part = part.strip()
+                if part.startswith("env: "):
+                    env = [e.strip() for e in part[5:].split(",")]
+                elif part.startswith("default: "):
+                    default = part[9:]
+            self.options[m.group(1)] = (env, default)
+        with open(path, "rb") as f:
+            self.image = f.read()
+
+    def has_string(self, s):
+        return s.encode() in self.image
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the rendered objects
+
+
+def pod_specs(docs):
+    """(workload, pod template) for every Deployment and StatefulSet."""
+    for d in docs:
+        if d.get("kind") in WORKLOADS:
+            yield d, d["spec"]["template"]
+
+
+def name_of(d):
+    return f"{d.get('kind')}/{d.get('metadata', {}).get('name')}"
+
+
+def find(docs, kind, name, namespace=None):
+    for d in docs:
+        md = d.get("metadata", {})
+        if d.get("kind") == kind and md.get("name") == name and (
+                namespace is None or md.get("namespace") == namespace):
+            return d
+    return None
+
+
+def labels_match(selector, labels):
+    """True if a matchLabels selector (dict) selects an object with these labels."""
+    return bool(selector) and all((labels or {}).get(k) == v for k, v in selector.items())
+
+
+def match_labels(sel, where, errors):
+    """A LabelSelector's matchLabels; matchExpressions are not used in our manifests."""
+    sel = sel or {}
+    if sel.get("matchExpressions"):
+        errors.append(f"{where}: matchExpressions are not checked here; use matchLabels")
+    return sel.get("matchLabels") or {}
+
+
+def binary_of(container):
+    """Which pshard binary a container runs ('' for anything else, e.g. a trainer)."""
+    argv = (container.get("command") or []) + (container.get("args") or [])
+    if argv:
+        base = argv[0].rsplit("/", 1)[-1]
+        if base in (COORDINATOR, SERVER):
+            return base
+    return ""
+
+
+def container_env(docs, d, container):
+    """The container's environment as Kubernetes builds it: envFrom first, then env (which
+    wins), with $(VAR) references expanded. Downward-API values read '<fieldRef:PATH>'."""
+    ns = d["metadata"].get("namespace")
+    env = {}
+    for ef in container.get("envFrom") or []:
+        for kind, key in (("ConfigMap", "configMapRef"), ("Secret", "secretRef")):
+            if key in ef:
+                obj = find(docs, kind, ef[key].get("name"), ns)
+                for k, v in ((obj or {}).get("data") or {}).items():
+                    env[(ef.get("prefix") or "") + k] = str(v)
+    for e in container.get("env") or []:
+        if "value" in e:
+            env[e["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                                    lambda m: env.get(m.group(1), m.group(0)), str(e["value"]))
+        elif "valueFrom" in e:
+            vf = e["valueFrom"]
+            if "fieldRef" in vf:
+                env[e["name"]] = f"<fieldRef:{vf['fieldRef'].get('fieldPath')}>"
+            elif "configMapKeyRef" in vf:
+                ref = vf["configMapKeyRef"]
+                obj = find(docs, "ConfigMap", ref.get("name"), ns) or {}
+                env[e["name"]] = str((obj.get("data") or {}).get(ref.get("key"), ""))
+            else:
+                env[e["name"]] = "<valueFrom>"
+    return env
+
+
+def effective(binary, flag, container, env):
+    """The value a binary ends up with for one option: flag > environment > default."""
+    argv = (container.get("command") or []) + (container.get("args") or [])
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    names, default = binary.options.get(flag, ([], None))
+    for n in names:
+        if n in env:
+            return env[n]
+    return default
+
+
+def split_port(addr):
+    host, _, port = (addr or "").rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else None
+
+
+def container_ports(pod):
+    """containerPort numbers by name and the set of numbers, over all containers."""
+    by_name, numbers = {}, set()
+    for c in pod["spec"].get("containers") or []:
+        for p in c.get("ports") or []:
+            numbers.add(p["containerPort"])
+            if p.get("name"):
+                by_name[p["name"]] = p["containerPort"]
+    return by_name, numbers
+
+
+def resolve_target_port(pod, target):
+    by_name, numbers = container_ports(pod)
+    if isinstance(target, int):
+        return target if target in numbers else None
+    return by_name.get(target)
+
+
+CPU_UNITS = {"m": 1e-3, "": 1.0}
+MEM_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9,
+             "T": 1e12, "": 1.0}
+
+
+def quantity(q, units):
+    m = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(q))
+    if not m or m.group(2) not in units:
+        return None
+    return float(m.group(1)) * units[m.group(2)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks. Each returns a list of error messages (empty: passed).
+
+
+def check_selectors(docs, ctx):
+    """Workload selectors match their templates; Services, PDBs and NetworkPolicies select
+    pods that exist; Service target ports exist; a StatefulSet's serviceName is a headless
+    Service that selects it."""
+    errors = []
+    templates = []
+    for d, pod in pod_specs(docs):
+        sel = match_labels(d["spec"].get("selector"), name_of(d), errors)
+        labels = pod.get("metadata", {}).get("labels") or {}
+        if not labels_match(sel, labels):
+            errors.append(f"{name_of(d)}: selector {sel} does not match template labels {labels}")
+        templates.append((d, pod, labels))
+
+    def selected(sel, ns):
+        return [(d, pod) for d, pod, labels in templates
+                if d["metadata"].get("namespace") == ns and labels_match(sel, labels)]
+
+    for d in docs:
+        ns = d.get("metadata", {}).get("namespace")
+        kind = d.get("kind")
+        if kind == "Service":
+            sel = d["spec"].get("selector") or {}
+            pods = selected(sel, ns)
+            if not pods:
+                errors.append(f"{name_of(d)}: selector {sel} selects no pod template")
+            for port in d["spec"].get("ports") or []:
+                target = port.get("targetPort", port.get("port"))
+                for w, pod in pods:
+                    if resolve_target_port(pod, target) is None:
+                        errors.append(f"{name_of(d)}: targetPort {target!r} is not a container "
+                                      f"port of {name_of(w)}")
+        elif kind == "PodDisruptionBudget":
+            sel = match_labels(d["spec"].get("selector"), name_of(d), errors)
+            if not selected(sel, ns):
+                errors.append(f"{name_of(d)}: selector {sel} selects no pod template")
+        elif kind == "NetworkPolicy":
+            sel = match_labels(d["spec"].get("podSelector"), name_of(d), errors)
+            if not selected(sel, ns):
+                errors.append(f"{name_of(d)}: podSelector {sel} selects no pod template")
+            for rule in d["spec"].get("ingress") or []:
+                for peer in rule.get("from") or []:
+                    if "podSelector" in peer:
+                        psel = match_labels(peer["podSelector"], name_of(d), errors)
+                        if not selected(psel, ns):
+                            errors.append(f"{name_of(d)}: from podSelector {psel} selects no "
+                                          f"pod template")
+    for d, pod, labels in templates:
+        if d["kind"] != "StatefulSet":
+            continue
+        svc = find(docs, "Service", d["spec"].get("serviceName"), d["metadata"].get("namespace"))
+        if not svc:
+            errors.append(f"{name_of(d)}: serviceName {d['spec'].get('serviceName')!r} is not a "
+                          f"Service here")
+        elif svc["spec"].get("clusterIP") != "None":
+            errors.append(f"{name_of(d)}: {name_of(svc)} is not headless (clusterIP: None)")
+        elif not labels_match(svc["spec"].get("selector"), labels):
+            errors.append(f"{name_of(d)}: {name_of(svc)} does not select its pods")
+    return errors
+
+
+def check_probes(docs, ctx):
+    """Each server container has gRPC liveness ("" service) and readiness (the cluster-formed
+    service, which the binary must contain) probes on its container port, and that port is the
+    one the binary listens on after flags, environment and its built-in default; it listens on
+    all interfaces so that kubelet reaches it."""
+    errors = []
+    for d, pod in pod_specs(docs):
+        _, numbers = container_ports(pod)
+        for c in pod["spec"].get("containers") or []:
+            which = binary_of(c)
+            if not which:
+                continue
+            binary = ctx["bins"][which]
+            where = f"{name_of(d)} container {c['name']}"
+            env = container_env(docs, d, c)
+            listen = effective(binary, "--listen", c, env)
+            host, port = split_port(listen)
+            if not port:
+                errors.append(f"{where}: {which} listens on {listen!r}: no fixed port for probes")
+            if host not in ("0.0.0.0", "::"):
+                errors.append(f"{where}: {which} listens on {listen!r}, not on all interfaces")
+            own_ports = {p["containerPort"] for p in c.get("ports") or []}
+            if port and port not in own_ports:
+                errors.append(f"{where}: listen port {port} is not among its container ports "
+                              f"{sorted(own_ports)}")
+            for kind, want_service in (("livenessProbe", ""),
+                                       ("readinessProbe", READY_SERVICE[which])):
+                probe = c.get(kind)
+                if not probe or "grpc" not in probe:
+                    errors.append(f"{where}: no gRPC {kind}")
+                    continue
+                pport = probe["grpc"].get("port")
+                if pport != port:
+                    errors.append(f"{where}: {kind} port {pport} is not the listen port {port}")
+                if pport not in own_ports or pport not in numbers:
+                    errors.append(f"{where}: {kind} port {pport} is not a container port")
+                service = probe["grpc"].get("service", "")
+                if service != want_service:
+                    errors.append(f"{where}: {kind} asks for health service {service!r}, "
+                                  f"expected {want_service!r}")
+                if service and not binary.has_string(service):
+                    errors.append(f"{where}: {binary.path} knows no health service {service!r}")
+    return errors
+
+
+def check_addresses(docs, ctx):
+    """The addresses containers dial: PSHARD_COORDINATOR names a Service whose port leads to
+    the coordinator's listen port; a trainer's PSHARD_SERVER is its own pod's shard server on
+    localhost (the shared-memory path needs the same host)."""
+    errors = []
+    coord_port = None
+    for d, pod in pod_specs(docs):
+        for c in pod["spec"].get("containers") or []:
+            if binary_of(c) == COORDINATOR:
+                env = container_env(docs, d, c)
+                coord_port = split_port(
+                    effective(ctx["bins"][COORDINATOR], "--listen", c, env))[1]
+    for d, pod in pod_specs(docs):
+        ns = d["metadata"].get("namespace")
+        server_port = None
+        for c in pod["spec"].get("containers") or []:
+            if binary_of(c) == SERVER:
+                env = container_env(docs, d, c)
+                server_port = split_port(effective(ctx["bins"][SERVER], "--listen", c, env))[1]
+                target = effective(ctx["bins"][SERVER], "--coordinator", c, env)
+                host, port = split_port(target)
+                svc = find(docs, "Service", host.split(".")[0], ns)
+                if not svc:
+                    errors.append(f"{name_of(d)}: --coordinator {target!r} is no Service here")
+                    continue
+                sport = [p for p in svc["spec"].get("ports") or [] if p.get("port") == port]
+                if not sport:
+                    errors.append(f"{name_of(d)}: {name_of(svc)} has no port {port}")
+                    continue
+                coord_pods = [p for w, p in pod_specs(docs)
+                              if labels_match(svc["spec"].get("selector"),
+                                              p["metadata"].get("labels"))]
+                for p in coord_pods:
+                    tp = resolve_target_port(p, sport[0].get("targetPort", port))
+                    if tp != coord_port:
+                        errors.append(f"{name_of(svc)} port {port} leads to {tp}, but the "
+                                      f"coordinator listens on {coord_port}")
+        for c in pod["spec"].get("containers") or []:
+            if binary_of(c):
+                continue
+            env = container_env(docs, d, c)
+            if "PSHARD_SERVER" not in env:
+                continue
+            host, port = split_port(env["PSHARD_SERVER"])
+            if host not in ("127.0.0.1", "localhost") or port != server_port:
+                errors.append(f"{name_of(d)} container {c['name']}: PSHARD_SERVER="
+                              f"{env['PSHARD_SERVER']!r} is not this pod's shard server "
+                              f"(127.0.0.1:{server_port})")
+    return errors
+
+
+def check_references(docs, ctx):
+    """Every ConfigMap and Secret a pod refers to (envFrom, env valueFrom, volumes, projected
+    volumes), and every key it names, exists in the pod's namespace."""
+    errors = []
+
+    def need(where, kind, name, ns, keys=()):
+        obj = find(docs, kind, name, ns)
+        if obj is None:
+            errors.append(f"{where}: {kind} {name!r} does not exist in namespace {ns}")
+            return
+        have = set((obj.get("data") or {})) | set((obj.get("stringData") or {})) | set(
+            (obj.get("binaryData") or {}))
+        for k in keys:
+            if k not in have:
+                errors.append(f"{where}: {kind} {name!r} has no key {k!r}")
+
+    for d, pod in pod_specs(docs):
+        ns = d["metadata"].get("namespace")
+        spec = pod["spec"]
+        for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+            where = f"{name_of(d)} container {c['name']}"
+            for ef in c.get("envFrom") or []:
+                if "configMapRef" in ef:
+                    need(where, "ConfigMap", ef["configMapRef"].get("name"), ns)
+                if "secretRef" in ef:
+                    need(where, "Secret", ef["secretRef"].get("name"), ns)
+            for e in c.get("env") or []:
+                vf = e.get("valueFrom") or {}
+                if "configMapKeyRef" in vf:
+                    r = vf["configMapKeyRef"]
+                    need(where, "ConfigMap", r.get("name"), ns, [r.get("key")])
+                if "secretKeyRef" in vf:
+                    r = vf["secretKeyRef"]
+                    need(where, "Secret", r.get("name"), ns, [r.get("key")])
+            vols = {v["name"] for v in spec.get("volumes") or []}
+            for m in c.get("volumeMounts") or []:
+                if m["name"] not in vols:
+                    errors.append(f"{where}: mounts volume {m['name']!r} the pod does not have")
+        for v in spec.get("volumes") or []:
+            where = f"{name_of(d)} volume {v['name']}"
+            sources = [v] + [s for s in (v.get("projected") or {}).get("sources") or []]
+            for s in sources:
+                if "configMap" in s:
+                    keys = [i["key"] for i in s["configMap"].get("items") or []]
+                    need(where, "ConfigMap", s["configMap"].get("name"), ns, keys)
+                if "secret" in s:
+                    sec = s["secret"]
+                    keys = [i["key"] for i in sec.get("items") or []]
+                    need(where, "Secret", sec.get("secretName", sec.get("name")), ns, keys)
+        # The token file every pshard container is pointed at must be in a mounted Secret.
+        for c in spec.get("containers") or []:
+            env = container_env(docs, d, c)
+            tf = env.get("PSHARD_TOKEN_FILE")
+            if not tf:
+                continue
+            mounts = [m for m in c.get("volumeMounts") or []
+                      if tf.startswith(m["mountPath"].rstrip("/") + "/")]
+            vol = [v for v in spec.get("volumes") or []
+                   if mounts and v["name"] == mounts[0]["name"]]
+            if not vol or "secret" not in vol[0]:
+                errors.append(f"{name_of(d)} container {c['name']}: PSHARD_TOKEN_FILE={tf} is "
+                              f"not in a mounted Secret")
+                continue
+            key = tf[len(mounts[0]["mountPath"].rstrip("/")) + 1:]
+            need(f"{name_of(d)} container {c['name']}", "Secret",
+                 vol[0]["secret"].get("secretName"), ns, [key])
+    return errors
+
+
+def check_security(docs, ctx):
+    """Non-root, read-only root filesystem, no privilege escalation, every capability dropped,
+    RuntimeDefault seccomp, no service-account token, no service-link environment, and the
+    image's ENTRYPOINT (tini, PID 1) left in place; the namespace enforces the 'restricted'
+    Pod Security Standard."""
+    errors = []
+    for d, pod in pod_specs(docs):
+        spec = pod["spec"]
+        psc = spec.get("securityContext") or {}
+        if spec.get("automountServiceAccountToken") is not False:
+            errors.append(f"{name_of(d)}: automountServiceAccountToken is not false")
+        if spec.get("enableServiceLinks") is not False:
+            errors.append(f"{name_of(d)}: enableServiceLinks is not false (service links put "
+                          f"PSHARD_*_PORT variables into the environment)")
+        if spec.get("hostNetwork") or spec.get("hostIPC") or spec.get("hostPID"):
+            errors.append(f"{name_of(d)}: uses host namespaces")
+        for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+            where = f"{name_of(d)} container {c['name']}"
+            csc = c.get("securityContext") or {}
+
+            def eff(key):
+                return csc.get(key, psc.get(key))
+
+            if eff("runAsNonRoot") is not True:
+                errors.append(f"{where}: runAsNonRoot is not true")
+            if eff("runAsUser") in (0, None):
+                errors.append(f"{where}: runAsUser is root or unset")
+            if csc.get("readOnlyRootFilesystem") is not True:
+                errors.append(f"{where}: readOnlyRootFilesystem is not true")
+            if csc.get("allowPrivilegeEscalation") is not False:
+                errors.append(f"{where}: allowPrivilegeEscalation is not false")
+            if csc.get("privileged"):
+                errors.append(f"{where}: privileged")
+            caps = csc.get("capabilities") or {}
+            if "ALL" not in (caps.get("drop") or []):
+                errors.append(f"{where}: capabilities.drop does not contain ALL")
+            if caps.get("add"):
+                errors.append(f"{where}: adds capabilities {caps['add']}")
+            if (eff("seccompProfile") or {}).get("type") != "RuntimeDefault":
+                errors.append(f"{where}: seccompProfile is not RuntimeDefault")
+            if c.get("command"):
+                errors.append(f"{where}: sets command, which replaces the image's ENTRYPOINT "
+                              f"(tini as PID 1); use args")
+        ns = find(docs, "Namespace", d["metadata"].get("namespace"))
+        if not ns:
+            errors.append(f"{name_of(d)}: its namespace is not part of the manifests")
+        elif (ns["metadata"].get("labels") or {}).get(
+                "pod-security.kubernetes.io/enforce") != "restricted":
+            errors.append(f"{name_of(ns)}: does not enforce the restricted Pod Security Standard")
+    return errors
+
+
+def check_resources(docs, ctx):
+    """Every container requests and limits cpu and memory, requests not above limits; an
+    extended resource (a GPU) has requests equal to limits."""
+    errors = []
+    for d, pod in pod_specs(docs):
+        for c in (pod["spec"].get("initContainers") or []) + pod["spec"].get("containers", []):
+            where = f"{name_of(d)} container {c['name']}"
+            res = c.get("resources") or {}
+            req, lim = res.get("requests") or {}, res.get("limits") or {}
+            for r, units in (("cpu", CPU_UNITS), ("memory", MEM_UNITS)):
+                if r not in req or r not in lim:
+                    errors.append(f"{where}: no {r} request and limit")
+                    continue
+                rq, lm = quantity(req[r], units), quantity(lim[r], units)
+                if rq is None or lm is None:
+                    errors.append(f"{where}: cannot read {r} {req[r]!r}/{lim[r]!r}")
+                elif rq > lm:
+                    errors.append(f"{where}: {r} request {req[r]} above limit {lim[r]}")
+            for r in set(req) | set(lim):
+                if "/" in r and str(req.get(r, lim.get(r))) != str(lim.get(r)):
+                    errors.append(f"{where}: {r} request {req.get(r)} differs from limit "
+                                  f"{lim.get(r)}")
+    return errors
+
+
+def check_shm(docs, ctx):
+    """The trainer runs in the shard server's pod and both mount one memory-backed emptyDir
+    at /dev/shm."""
+    errors = []
+    found = False
+    for d, pod in pod_specs(docs):
+        containers = pod["spec"].get("containers") or []
+        servers = [c for c in containers if binary_of(c) == SERVER]
+        if not servers:
+            continue
+        found = True
+        trainers = [c for c in containers
+                    if not binary_of(c) and "PSHARD_SERVER" in container_env(docs, d, c)]
+        if not trainers:
+            errors.append(f"{name_of(d)}: no trainer container (one with PSHARD_SERVER) in the "
+                          f"shard server's pod")
+        vols = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+        shm_vols = set()
+        for c in servers + trainers:
+            m = [m for m in c.get("volumeMounts") or [] if m.get("mountPath") == "/dev/shm"]
+            if not m:
+                errors.append(f"{name_of(d)} container {c['name']}: nothing mounted at /dev/shm")
+                continue
+            shm_vols.add(m[0]["name"])
+            v = vols.get(m[0]["name"]) or {}
+            if (v.get("emptyDir") or {}).get("medium") != "Memory":
+                errors.append(f"{name_of(d)} container {c['name']}: /dev/shm is not an emptyDir "
+                              f"with medium: Memory")
+            if m[0].get("readOnly"):
+                errors.append(f"{name_of(d)} container {c['name']}: /dev/shm is read-only")
+        if len(shm_vols) > 1:
+            errors.append(f"{name_of(d)}: trainer and shard server mount different /dev/shm "
+                          f"volumes {sorted(shm_vols)}")
+    if not found:
+        errors.append("no pod runs pshard-server")
+    return errors
+
+
+def check_rendezvous(docs, ctx):
+    """What forming the cluster depends on: one coordinator, never two at once; the shard
+    servers start together (readiness needs all of them) under stable names, and the
+    Services route before readiness; the coordinator's world size and the trainers'
+    WORLD_SIZE equal the StatefulSet's replicas; each trainer's RANK is its pod's ordinal."""
+    errors = []
+    world = None
+    for d, pod in pod_specs(docs):
+        for c in pod["spec"].get("containers") or []:
+            if binary_of(c) == COORDINATOR:
+                if d["kind"] != "Deployment" or d["spec"].get("replicas") != 1:
+                    errors.append(f"{name_of(d)}: the coordinator must be one Deployment replica")
+                if (d["spec"].get("strategy") or {}).get("type") != "Recreate":
+                    errors.append(f"{name_of(d)}: strategy is not Recreate (two coordinators "
+                                  f"would overlap during a rollout)")
+                env = container_env(docs, d, c)
+                world = effective(ctx["bins"][COORDINATOR], "--world-size", c, env)
+                nnodes = effective(ctx["bins"][COORDINATOR], "--nnodes", c, env)
+                if nnodes:
+                    errors.append(f"{name_of(d)}: --nnodes is set; these manifests expect a "
+                                  f"fixed --world-size")
+    for d in docs:
+        if d.get("kind") == "Service" and d["spec"].get("publishNotReadyAddresses") is not True:
+            errors.append(f"{name_of(d)}: publishNotReadyAddresses is not true (pods are ready "
+                          f"only after the cluster formed through this Service)")
+    sts = [(d, pod) for d, pod in pod_specs(docs)
+           if any(binary_of(c) == SERVER for c in pod["spec"].get("containers") or [])]
+    for d, pod in sts:
+        if d["kind"] != "StatefulSet":
+            errors.append(f"{name_of(d)}: shard servers need a StatefulSet (stable names)")
+            continue
+        replicas = d["spec"].get("replicas", 1)
+        if d["spec"].get("podManagementPolicy") != "Parallel":
+            errors.append(f"{name_of(d)}: podManagementPolicy is not Parallel (OrderedReady "
+                          f"waits for pod 0 to be ready, which needs every pod)")
+        if str(world) != str(replicas):
+            errors.append(f"{name_of(d)}: {replicas} replicas but the coordinator forms with "
+                          f"world size {world}")
+        for c in pod["spec"].get("containers") or []:
+            env = container_env(docs, d, c)
+            if binary_of(c) == SERVER:
+                name = effective(ctx["bins"][SERVER], "--name", c, env)
+                if name not in (None, "<fieldRef:metadata.name>"):
+                    errors.append(f"{name_of(d)}: the shard server's --name is {name!r}, not the "
+                                  f"pod name (ranks follow names)")
+            elif "PSHARD_SERVER" in env:
+                if env.get("WORLD_SIZE") != str(replicas):
+                    errors.append(f"{name_of(d)} container {c['name']}: WORLD_SIZE="
+                                  f"{env.get('WORLD_SIZE')} but {replicas} replicas")
+                if env.get("RANK") != f"<fieldRef:{POD_INDEX_LABEL}>":
+                    errors.append(f"{name_of(d)} container {c['name']}: RANK is not the "
+                                  f"pod-index label")
+    if not sts:
+        errors.append("no StatefulSet runs pshard-server")
+    return errors
+
+
+def check_data_host(docs, ctx):
+    """The collectives listen on and publish the pod IP (the default 127.0.0.1 is unreachable
+    from other pods, 0.0.0.0 cannot be dialled)."""
+    errors = []
+    for d, pod in pod_specs(docs):
+        for c in pod["spec"].get("containers") or []:
+            if binary_of(c) != SERVER:
+                continue
+            env = container_env(docs, d, c)
+            dh = effective(ctx["bins"][SERVER], "--data-host", c, env)
+            if dh != "<fieldRef:status.podIP>":
+                errors.append(f"{name_of(d)} container {c['name']}: --data-host is {dh!r}, not "
+                              f"the pod IP")
+    return errors
+
+
+def port_range(pod):
+    for s in (pod["spec"].get("securityContext") or {}).get("sysctls") or []:
+        if s.get("name") == "net.ipv4.ip_local_port_range":
+            lo, hi = str(s.get("value")).split()
+            return int(lo), int(hi)
+    return None
+
+
+def check_network_policy(docs, ctx):
+    """Every pshard pod is covered by an Ingress policy; each container port is open to pshard
+    pods; nothing else is open except, between shard servers, exactly the port range the
+    kernel picks the collectives' listening ports from (the pod's pinned sysctl); peers are
+    pshard pods only."""
+    errors = []
+    policies = [d for d in docs if d.get("kind") == "NetworkPolicy"]
+    for d, pod in pod_specs(docs):
+        ns = d["metadata"].get("namespace")
+        labels = pod["metadata"].get("labels") or {}
+        mine = [p for p in policies if p["metadata"].get("namespace") == ns and labels_match(
+            (p["spec"].get("podSelector") or {}).get("matchLabels"), labels)]
+        if not any("Ingress" in (p["spec"].get("policyTypes") or []) for p in mine):
+            errors.append(f"{name_of(d)}: no NetworkPolicy restricts its ingress")
+            continue
+        _, own_ports = container_ports(pod)
+        is_server = any(binary_of(c) == SERVER for c in pod["spec"]["containers"])
+        data = port_range(pod) if is_server else None
+        if is_server and not data:
+            errors.append(f"{name_of(d)}: net.ipv4.ip_local_port_range is not pinned, so no "
+                          f"policy can name the collectives' ports")
+        open_ports, data_open = set(), False
+        for p in mine:
+            for rule in p["spec"].get("ingress") or []:
+                peers = rule.get("from") or []
+                if not peers:
+                    errors.append(f"{name_of(p)}: a rule allows every source")
+                peer_is_server = True
+                for peer in peers:
+                    if set(peer) != {"podSelector"}:
+                        errors.append(f"{name_of(p)}: a peer other than pshard pods: {peer}")
+                        peer_is_server = False
+                        continue
+                    sel = (peer["podSelector"] or {}).get("matchLabels") or {}
+                    if sel.get("app.kubernetes.io/name") != "pshard":
+                        errors.append(f"{name_of(p)}: a peer that is not a pshard pod: {sel}")
+                    if sel.get("app.kubernetes.io/component") != "shard-server":
+                        peer_is_server = False
+                if not rule.get("ports"):
+                    errors.append(f"{name_of(p)}: a rule allows every port")
+                for pp in rule.get("ports") or []:
+                    if pp.get("protocol", "TCP") != "TCP":
+                        errors.append(f"{name_of(p)}: protocol {pp.get('protocol')}")
+                    port, end = pp.get("port"), pp.get("endPort")
+                    if end is None and port in own_ports:
+                        open_ports.add(port)
+                    elif data and (port, end) == data and peer_is_server:
+                        data_open = True
+                    else:
+                        errors.append(f"{name_of(p)}: opens {port}{'-' + str(end) if end else ''}"
+                                      f" to {name_of(d)}, which is not one of its ports"
+                                      + (f" nor the data range {data[0]}-{data[1]} between shard "
+                                         f"servers" if data else ""))
+        for port in sorted(own_ports - open_ports):
+            errors.append(f"{name_of(d)}: container port {port} is not open to pshard pods")
+        if data and not data_open:
+            errors.append(f"{name_of(d)}: the collectives' port range {data[0]}-{data[1]} is not "
+                          f"open between shard servers")
+    return errors
+
+
+def check_overlay(docs, ctx):
+    """cpu: the tcp backend and no GPU; gpu: one nvidia.com/gpu for each shard server, the
+    nccl backend, a CUDA image; the coordinator never asks for a GPU."""
+    errors = []
+    overlay = ctx["overlay"]
+    for d, pod in pod_specs(docs):
+        for c in pod["spec"].get("containers") or []:
+            which = binary_of(c)
+            res = c.get("resources") or {}
+            gpus = (res.get("limits") or {}).get("nvidia.com/gpu")
+            where = f"{name_of(d)} container {c['name']}"
+            if which == SERVER:
+                backend = effective(ctx["bins"][SERVER], "--backend", c,
+                                    container_env(docs, d, c))
+                if overlay == "gpu":
+                    if str(gpus) != "1":
+                        errors.append(f"{where}: nvidia.com/gpu limit is {gpus}, expected 1")
+                    if backend != "nccl":
+                        errors.append(f"{where}: backend {backend!r}, expected nccl")
+                    if "cuda" not in c.get("image", ""):
+                        errors.append(f"{where}: image {c.get('image')!r} is not the CUDA image")
+                else:
+                    if gpus is not None:
+                        errors.append(f"{where}: asks for nvidia.com/gpu on the cpu overlay")
+                    if backend != "tcp":
+                        errors.append(f"{where}: backend {backend!r}, expected tcp")
+            elif gpus is not None and (overlay != "gpu" or which == COORDINATOR):
+                errors.append(f"{where}: asks for nvidia.com/gpu")
+    return errors
+
+
+CHECKS = [
+    ("selectors", check_selectors),
+    ("probes", check_probes),
+    ("addresses", check_addresses),
+    ("references", check_references),
+    ("security", check_security),
+    ("resources", check_resources),
+    ("shm", check_shm),
+    ("rendezvous", check_rendezvous),
+    ("data-host", check_data_host),
+    ("network-policy", check_network_policy),
+    ("overlay", check_overlay),
+]
+
+
+def run_checks(docs, ctx, quiet=False):
+    """Runs every check; returns {check name: [errors]}."""
+    results = {}
+    for name, fn in CHECKS:
+        errs = fn(docs, ctx)
+        results[name] = errs
+        if not quiet:
+            if errs:
+                print(f"FAIL {name}")
+                for e in errs:
+                    print(f"     {e}")
+            else:
+                print(f"ok   {name}")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-test: one way to break the manifests per check.
+
+
+def obj(docs, kind, name_prefix):
+    for d in docs:
+        if d.get("kind") == kind and d["metadata"]["name"].startswith(name_prefix):
+            return d
+    raise KeyError(f"{kind}/{name_prefix}*")
+
+
+def ctr(docs, kind, name, container):
+    d = obj(docs, kind, name)
+    return next(c for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == container)
+
+
+def env_set(c, name, value):
+    c["env"] = [e for e in c.get("env") or [] if e["name"] != name] + [
+        {"name": name, "value": value}]
+
+
+def drop_run_as_non_root(workload):
+    spec = workload["spec"]["template"]["spec"]
+    spec["securityContext"].pop("runAsNonRoot", None)
+    for c in spec["containers"]:
+        (c.get("securityContext") or {}).pop("runAsNonRoot", None)
+
+
+def mutations(overlay):
+    """(check expected to fail, what is broken, function that breaks a copy of the docs)."""
+    sts = ("StatefulSet", "pshard-server")
+    dep = ("Deployment", "pshard-coordinator")
+    m = [
+        ("selectors", "StatefulSet template label differs from its selector",
+         lambda D: obj(D, *sts)["spec"]["template"]["metadata"]["labels"].update(
+             {"app.kubernetes.io/component": "shard"})),
+        ("selectors", "coordinator Service selects nothing",
+         lambda D: obj(D, "Service", "pshard-coordinator")["spec"]["selector"].update(
+             {"app.kubernetes.io/component": "coord"})),
+        ("selectors", "Service targetPort names no container port",
+         lambda D: obj(D, "Service", "pshard-server")["spec"]["ports"][0].update(
+             {"targetPort": "grcp"})),
+        ("selectors", "PodDisruptionBudget selects nothing",
+         lambda D: obj(D, "PodDisruptionBudget", "pshard-server")["spec"]["selector"][
+             "matchLabels"].update({"app.kubernetes.io/name": "pshard-x"})),
+        ("selectors", "StatefulSet serviceName is not a Service",
+         lambda D: obj(D, *sts)["spec"].update({"serviceName": "pshard-servers"})),
+        ("probes", "coordinator readiness probe on another port",
+         lambda D: ctr(D, *dep, "coordinator")["readinessProbe"]["grpc"].update({"port": 29501})),
+        ("probes", "readiness on a health service the binary does not serve",
+         lambda D: ctr(D, *dep, "coordinator")["readinessProbe"]["grpc"].update(
+             {"service": "pshard.Formed"})),
+        ("probes", "liveness gated on the cluster",
+         lambda D: ctr(D, *sts, "shard-server")["livenessProbe"]["grpc"].update(
+             {"service": "pshard.ShardServer"})),
+        ("probes", "shard server left on its default listen address (127.0.0.1:0)",
+         lambda D: ctr(D, *sts, "shard-server").update(
+             {"env": [e for e in ctr(D, *sts, "shard-server")["env"]
+                      if e["name"] != "PSHARD_SERVER_LISTEN"]})),
+        ("probes", "coordinator listens on another port than its probes",
+         lambda D: env_set(ctr(D, *dep, "coordinator"), "PSHARD_LISTEN", "0.0.0.0:29501")),
+        ("addresses", "trainer dials a shard server on another port",
+         lambda D: env_set(ctr(D, *sts, "trainer"), "PSHARD_SERVER", "127.0.0.1:29601")),
+        ("addresses", "PSHARD_COORDINATOR names no Service",
+         lambda D: obj(D, "ConfigMap", "pshard-config")["data"].update(
+             {"PSHARD_COORDINATOR": "coordinator:29500"})),
+        ("references", "Secret volume names a Secret that does not exist",
+         lambda D: next(v for v in obj(D, *sts)["spec"]["template"]["spec"]["volumes"]
+                        if "secret" in v)["secret"].update({"secretName": "pshard-secret"})),
+        ("references", "envFrom names a ConfigMap that does not exist",
+         lambda D: ctr(D, *dep, "coordinator")["envFrom"][0]["configMapRef"].update(
+             {"name": "pshard-conf"})),
+        ("references", "token file outside every mounted Secret",
+         lambda D: env_set(ctr(D, *sts, "trainer"), "PSHARD_TOKEN_FILE", "/etc/pshard/token")),
+        ("security", "writable root filesystem",
+         lambda D: ctr(D, *sts, "trainer")["securityContext"].update(
+             {"readOnlyRootFilesystem": False})),
+        ("security", "capabilities not dropped",
+         lambda D: ctr(D, *dep, "coordinator")["securityContext"].pop("capabilities")),
+        ("security", "runAsNonRoot removed", lambda D: drop_run_as_non_root(obj(D, *sts))),
+        ("security", "command replaces tini",
+         lambda D: ctr(D, *dep, "coordinator").update({"command": ["pshard-coordinator"]})),
+        ("resources", "no memory limit",
+         lambda D: ctr(D, *sts, "trainer")["resources"]["limits"].pop("memory")),
+        ("resources", "request above limit",
+         lambda D: ctr(D, *dep, "coordinator")["resources"]["requests"].update({"cpu": "2"})),
+        ("shm", "trainer without /dev/shm",
+         lambda D: ctr(D, *sts, "trainer").update(
+             {"volumeMounts": [m for m in ctr(D, *sts, "trainer")["volumeMounts"]
+                               if m["mountPath"] != "/dev/shm"]})),
+        ("shm", "/dev/shm on disk, not memory",
+         lambda D: next(v for v in obj(D, *sts)["spec"]["template"]["spec"]["volumes"]
+                        if v["name"] == "dshm")["emptyDir"].pop("medium")),
+        ("rendezvous", "replicas differ from the world size",
+         lambda D: obj(D, *sts)["spec"].update({"replicas": 3})),
+        ("rendezvous", "OrderedReady pod management",
+         lambda D: obj(D, *sts)["spec"].pop("podManagementPolicy")),
+        ("rendezvous", "coordinator Service routes only to ready pods",
+         lambda D: obj(D, "Service", "pshard-coordinator")["spec"].update(
+             {"publishNotReadyAddresses": False})),
+        ("rendezvous", "two coordinators",
+         lambda D: obj(D, *dep)["spec"].update({"replicas": 2})),
+        ("rendezvous", "trainer RANK fixed",
+         lambda D: env_set(ctr(D, *sts, "trainer"), "RANK", "0")),
+        ("data-host", "collectives on 0.0.0.0",
+         lambda D: env_set(ctr(D, *sts, "shard-server"), "PSHARD_DATA_HOST", "0.0.0.0")),
+        ("network-policy", "data range differs from the pinned sysctl",
+         lambda D: obj(D, "NetworkPolicy", "pshard-server")["spec"]["ingress"][1]["ports"][
+             0].update({"endPort": 40000})),
+        ("network-policy", "an extra port (22) opened",
+         lambda D: obj(D, "NetworkPolicy", "pshard-coordinator")["spec"]["ingress"][0][
+             "ports"].append({"protocol": "TCP", "port": 22})),
+        ("network-policy", "shard server gRPC port not open",
+         lambda D: obj(D, "NetworkPolicy", "pshard-server")["spec"]["ingress"].pop(0)),
+        ("network-policy", "open to any source",
+         lambda D: obj(D, "NetworkPolicy", "pshard-coordinator")["spec"]["ingress"][0].pop(
+             "from")),
+        ("network-policy", "sysctl not pinned",
+         lambda D: obj(D, *sts)["spec"]["template"]["spec"]["securityContext"].pop("sysctls")),
+    ]
+    if overlay == "gpu":
+        m += [
+            ("overlay", "gpu overlay without nvidia.com/gpu",
+             lambda D: ctr(D, *sts, "shard-server")["resources"]["limits"].pop("nvidia.com/gpu")),
+            ("overlay", "gpu overlay on the tcp backend",
+             lambda D: obj(D, "ConfigMap", "pshard-config")["data"].update(
+                 {"PSHARD_BACKEND": "tcp"})),
+        ]
+    else:
+        m += [
+            ("overlay", "cpu overlay asks for a GPU",
+             lambda D: ctr(D, *sts, "shard-server")["resources"].setdefault("limits", {}).update(
+                 {"nvidia.com/gpu": 1})),
+        ]
+    return m
+
+
+def self_test(files, ctx):
+    failures = 0
+    for path, overlay in zip(files, ("cpu", "gpu")):
+        docs = load(path)
+        ctx = dict(ctx, overlay=overlay)
+        base = run_checks(docs, ctx, quiet=True)
+        if any(base.values()):
+            print(f"FAIL {overlay}: the unbroken manifests do not pass:")
+            run_checks(docs, ctx)
+            return 1
+        for check, what, breaker in mutations(overlay):
+            broken = copy.deepcopy(docs)
+            breaker(broken)
+            try:
+                res = run_checks(broken, ctx, quiet=True)
+            except Exception as e:  # a check must report, not crash
+                print(f"FAIL {overlay}: '{what}' crashed the checks: {e!r}")
+                failures += 1
+                continue
+            if res[check]:
+                print(f"ok   {overlay}: '{what}' caught by {check}: {res[check][0]}")
+            else:
+                print(f"FAIL {overlay}: '{what}' not caught by {check}")
+                failures += 1
+    return 1 if failures else 0
+
+
+def load(path):
+    with open(path) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    if not docs:
+        raise SystemExit(f"check_manifests: {path} holds no objects")
+    return docs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--overlay", choices=("cpu", "gpu"))
+    ap.add_argument("--coordinator-bin", required=True)
+    ap.add_argument("--server-bin", required=True)
+    ap.add_argument("--self-test", action="store_true")
+    ap.add_argument("files", nargs="+")
+    a = ap.parse_args()
+    ctx = {"bins": {COORDINATOR: Binary(a.coordinator_bin), SERVER: Binary(a.server_bin)}}
+    if a.self_test:
+        if len(a.files) != 2:
+            ap.error("--self-test takes the rendered cpu and gpu overlays")
+        return self_test(a.files, ctx)
+    if not a.overlay or len(a.files) != 1:
+        ap.error("give --overlay and one rendered file")
+    ctx["overlay"] = a.overlay
+    results = run_checks(load(a.files[0]), ctx)
+    return 1 if any(results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
