@@ -18,7 +18,7 @@
 
 /* An agreement record: REC_WORDS int64 per rank. */
 #define REC_WORDS 16
-#define REC_INLINE_IDS 6
+#define REC_INLINE_IDS 5 /* W_IDS + 5 == REC_WORDS */
 #define AGREE_TAG 0x41475245u /* "AGRE" */
 
 enum { REC_OP = 1, REC_JOIN = 2, REC_JOINED = 3 };
@@ -37,6 +37,8 @@ enum {
     W_HASH,
     W_IDS, /* REC_INLINE_IDS words */
 };
+
+_Static_assert(W_IDS + REC_INLINE_IDS == REC_WORDS, "the record's words are all used");
 
 /* The outcome of one agreement round, the same on every rank. */
 typedef struct {
