@@ -1,0 +1,161 @@
+/* Internal pieces of the checkpoint format shared by ckpt.c, ckpt_json.c and safetensors.c: the
+ * two CRC-32C implementations (so tests can compare them), a small strict JSON parser and the
+ * helpers that write JSON text and files atomically. Not for use outside common/. */
+#ifndef PSHARD_CKPT_INTERNAL_H
+#define PSHARD_CKPT_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pshard/ckpt.h"
+#include "pshard/status.h"
+
+/* ---- CRC-32C ---------------------------------------------------------------------------- */
+
+/* The portable table-driven CRC-32C (slice-by-8); same contract as ps_crc32c. Thread-safe. */
+uint32_t ckpt_crc32c_sw(uint32_t crc, const void *buf, size_t len);
+
+/* True when this build has a CRC instruction path and this CPU supports it. Thread-safe. */
+bool ckpt_crc32c_hw_available(void);
+
+/* The CRC-instruction CRC-32C; call only when ckpt_crc32c_hw_available(). Thread-safe. */
+uint32_t ckpt_crc32c_hw(uint32_t crc, const void *buf, size_t len);
+
+/* ---- Manifest -------------------------------------------------------------------------- */
+
+/* Everything ps_ckpt_manifest_read checks beyond JSON types: names, ranges, sizes, one file per
+ * rank, pieces inside their parameter and file and tiling each parameter exactly once.
+ * Errors: INVALID_ARGUMENT with the JSON path of the first problem (indices as m's arrays
+ * are), NO_MEMORY. Reentrant. */
+pshard_status_t ckpt_manifest_check(const ps_ckpt_manifest_t *m, char *err, size_t errlen);
+
+/* ---- JSON parsing ----------------------------------------------------------------------- */
+
+typedef enum {
+    CKPT_JSON_NULL,
+    CKPT_JSON_FALSE,
+    CKPT_JSON_TRUE,
+    CKPT_JSON_INT,    /* an integer literal that fits in int64 */
+    CKPT_JSON_DOUBLE, /* any other number (fraction, exponent, or too large for int64) */
+    CKPT_JSON_STRING,
+    CKPT_JSON_ARRAY,
+    CKPT_JSON_OBJECT,
+} ckpt_json_type_t;
+
+/* One value. Nodes live in one array; index 0 is the root, so 0 also means "none" for links. */
+typedef struct {
+    uint8_t type;     /* ckpt_json_type_t */
+    uint32_t next;    /* next sibling (array element or object member), 0 after the last */
+    uint32_t child;   /* first element or member of an array or object, 0 when empty */
+    uint32_t count;   /* elements or members of an array or object */
+    uint32_t key_off; /* an object member's name: offset in the document's text */
+    uint32_t key_len; /* ... and its length in bytes */
+    union {
+        int64_t i; /* CKPT_JSON_INT */
+        double d;  /* CKPT_JSON_DOUBLE */
+        struct {
+            uint32_t off, len; /* CKPT_JSON_STRING: unescaped bytes in the text (NUL after) */
+        } s;
+    } v;
+} ckpt_json_node_t;
+
+typedef struct {
+    char *text;              /* owned copy of the input; strings are unescaped in place */
+    ckpt_json_node_t *nodes; /* nodes[0] is the root value */
+    uint32_t nnodes;
+    uint32_t cap;
+} ckpt_json_doc_t;
+
+/* Parses exactly one JSON value (RFC 8259, strictly: no comments, trailing commas, leading
+ * zeros, unescaped control characters, invalid UTF-8, lone surrogates or duplicate object
+ * keys) from data[0..len), nesting at most max_depth arrays/objects deep. Errors:
+ * INVALID_ARGUMENT with "line L, column C: what" in err, NO_MEMORY. On success free the
+ * document with ckpt_json_free; on failure nothing needs freeing. Reentrant. */
+pshard_status_t ckpt_json_parse(const char *data, size_t len, int max_depth, ckpt_json_doc_t *doc,
+                                char *err, size_t errlen);
+
+/* Frees what ckpt_json_parse allocated; a zeroed document is a no-op. */
+void ckpt_json_free(ckpt_json_doc_t *doc);
+
+static inline const ckpt_json_node_t *ckpt_json_node(const ckpt_json_doc_t *doc, uint32_t i)
+{
+    return &doc->nodes[i];
+}
+
+/* An object member's name (NUL-terminated in the text, and key_len long). */
+static inline const char *ckpt_json_key(const ckpt_json_doc_t *doc, const ckpt_json_node_t *n)
+{
+    return doc->text + n->key_off;
+}
+
+/* A string's bytes (NUL-terminated; an embedded \u0000 makes strlen shorter than s.len). */
+static inline const char *ckpt_json_str(const ckpt_json_doc_t *doc, const ckpt_json_node_t *n)
+{
+    return doc->text + n->v.s.off;
+}
+
+/* The member of object `obj` named key, or 0 when it has none. */
+uint32_t ckpt_json_get(const ckpt_json_doc_t *doc, uint32_t obj, const char *key);
+
+/* "an object", "an integer", ... for messages. */
+const char *ckpt_json_type_name(int type);
+
+/* True when s[0..len) is well-formed UTF-8 (no overlong forms, surrogates or values past
+ * U+10FFFF). */
+bool ckpt_utf8_valid(const char *s, size_t len);
+
+/* ---- JSON writing ----------------------------------------------------------------------- */
+
+/* A growing text buffer. After an allocation failure `failed` is set and appends do nothing,
+ * so a writer checks once at the end. Free data with free(). */
+typedef struct {
+    char *data;
+    size_t len, cap;
+    bool failed;
+} ckpt_buf_t;
+
+void ckpt_buf_printf(ckpt_buf_t *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void ckpt_buf_append(ckpt_buf_t *b, const char *s, size_t len);
+
+/* Appends s[0..len) as a JSON string literal (quotes, backslash and control characters
+ * escaped; other bytes as they are). */
+void ckpt_buf_json_str(ckpt_buf_t *b, const char *s, size_t len);
+
+/* Appends v with 17 significant digits in the C locale ("%.17g": reading it back gives v
+ * exactly). v must be finite. */
+void ckpt_buf_double(ckpt_buf_t *b, double v);
+
+/* ---- Files ------------------------------------------------------------------------------ */
+
+/* Writes data[0..len) to path atomically: a temporary file in the same directory, fsync,
+ * rename over path, fsync of the directory. A failure removes the temporary file and leaves
+ * any previous file at path as it was. Errors: SYSTEM with the path and strerror in err. */
+pshard_status_t ckpt_write_file_atomic(const char *path, const void *data, size_t len, char *err,
+                                       size_t errlen);
+
+/* Opens a temporary file beside final_path (same directory, mode 0644) for an atomic write;
+ * its name goes to tmp and its descriptor to *fd. Errors: SYSTEM (naming final_path),
+ * INVALID_ARGUMENT (path too long). */
+pshard_status_t ckpt_open_temp(const char *final_path, char *tmp, size_t tmplen, int *fd, char *err,
+                               size_t errlen);
+
+/* Finishes an atomic write begun with ckpt_open_temp: fsync and close fd, rename tmp to
+ * final_path, fsync the directory. On any failure (and whenever ok is false) the temporary
+ * file is removed; fd is closed either way. Errors: SYSTEM. */
+pshard_status_t ckpt_commit_temp(int fd, const char *tmp, const char *final_path, bool ok,
+                                 char *err, size_t errlen);
+
+/* write(2) of all len bytes, retrying on EINTR and short writes. Errors: SYSTEM naming path. */
+pshard_status_t ckpt_write_all(int fd, const void *buf, size_t len, const char *path, char *err,
+                               size_t errlen);
+
+/* pread(2) of up to len bytes at off, retrying on EINTR and short reads; *got is how many
+ * bytes were read (less than len only at end of file). Errors: SYSTEM naming path. */
+pshard_status_t ckpt_pread_full(int fd, void *buf, size_t len, uint64_t off, size_t *got,
+                                const char *path, char *err, size_t errlen);
+
+/* "cannot WHAT PATH: strerror(errno)" as a SYSTEM error. */
+pshard_status_t ckpt_sys_err(char *err, size_t errlen, const char *what, const char *path);
+
+#endif
