@@ -83,6 +83,7 @@ struct pshard_client {
     size_t *numel;
     tensor_buf_t *pbuf, *gbuf;
     pshard_dtype_t param_dtype, reduce_dtype;
+    int64_t model_step; /* from DefineModel: > 0 after a resume */
     bool reshard_after_forward;
     int max_gathers_in_flight;
     int gathers_in_flight;
@@ -862,13 +863,16 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         req.n_init_offsets = nparams;
         req.init_offsets = init_offsets;
     }
-    rc = call(c, "DefineModel", &req.base, &pshard__define_model_response__descriptor, NULL, err,
-              sizeof(err));
+    ProtobufCMessage *dresp = NULL;
+    rc = call(c, "DefineModel", &req.base, &pshard__define_model_response__descriptor, &dresp,
+              err, sizeof(err));
     if (rc != PSHARD_OK) {
         region_destroy(&model);
         fail(c, rc, "DefineModel: %s", err);
         goto out;
     }
+    int64_t model_step = ((Pshard__DefineModelResponse *)dresp)->step;
+    protobuf_c_message_free_unpacked(dresp, NULL);
     /* The initial values are consumed: their pages go back (in both processes). */
     if (need_init)
         region_discard(&model, 0, init_bytes);
@@ -891,6 +895,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     c->reduce_dtype = mc->reduce_dtype;
     c->reshard_after_forward = mc->reshard_after_forward;
     c->max_gathers_in_flight = mc->max_gathers_in_flight;
+    c->model_step = model_step;
     c->gathers_in_flight = 0;
     memset(&c->mem, 0, sizeof(c->mem));
     c->mem.pool_bytes = pool;
@@ -1323,6 +1328,37 @@ pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double
         *step = r->step;
     if (grad_norm)
         *grad_norm = r->grad_norm;
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return PSHARD_OK;
+}
+
+int64_t pshard_model_step(const pshard_client_t *c)
+{
+    return c->model_step;
+}
+
+pshard_status_t pshard_checkpoint_save(pshard_client_t *c, int64_t *step, char *dir,
+                                       size_t dirlen)
+{
+    if (!c->nparams)
+        return fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
+    pthread_mutex_lock(&c->mu);
+    while (c->qhead || c->busy)
+        pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    Pshard__CheckpointRequest req = PSHARD__CHECKPOINT_REQUEST__INIT;
+    req.session = c->session;
+    ProtobufCMessage *resp = NULL;
+    char err[1024] = "";
+    pshard_status_t rc = call(c, "Checkpoint", &req.base, &pshard__checkpoint_response__descriptor,
+                              &resp, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        return fail(c, rc, "Checkpoint: %s", err);
+    const Pshard__CheckpointResponse *r = (const Pshard__CheckpointResponse *)resp;
+    if (step)
+        *step = r->step;
+    if (dir && dirlen)
+        ps_strlcpy(dir, r->dir ? r->dir : "", dirlen);
     protobuf_c_message_free_unpacked(resp, NULL);
     return PSHARD_OK;
 }

@@ -58,6 +58,10 @@ typedef struct {
     char *server_bin;
     int64_t start_timeout_ms;
     int64_t stop_grace_ms;
+    char *checkpoint_dir;
+    int64_t checkpoint_every;
+    int64_t checkpoint_keep;
+    char *resume;
 } run_opts_t;
 
 /* clang-format off */
@@ -89,6 +93,16 @@ static const ps_option_t options[] = {
         start_timeout_ms, 1, 86400000),
     OPT("stop-grace-ms", "PSHARD_STOP_GRACE_MS", PS_OPT_INT, "5000",
         "after SIGTERM, wait this long before SIGKILL", stop_grace_ms, 0, 3600000),
+    OPT("checkpoint-dir", "PSHARD_CHECKPOINT_DIR", PS_OPT_STRING, NULL,
+        "checkpoint root of the shard servers (default: --resume's)", checkpoint_dir, 0, 0),
+    OPT("checkpoint-every", "PSHARD_CHECKPOINT_EVERY", PS_OPT_INT, "0",
+        "save a checkpoint after every Kth optimizer step (0: only when asked)",
+        checkpoint_every, 0, INT64_MAX),
+    OPT("checkpoint-keep", "PSHARD_CHECKPOINT_KEEP", PS_OPT_INT, "3",
+        "committed checkpoints kept, newest first", checkpoint_keep, 1, 1000000),
+    OPT("resume", "PSHARD_RESUME", PS_OPT_STRING, NULL,
+        "restart from the newest committed checkpoint under this root (any world size)", resume,
+        0, 0),
 };
 
 /* One environment variable set in a trainer; both strings borrowed. */
@@ -833,10 +847,12 @@ static void run_start_servers(run_t *run, const char *bin)
     for (int r = 0; r < (int)run->opts->nproc && run->stop == STOP_NONE; r++) {
         run_child_t *c = &run->servers[r];
         ps_snprintf(c->port_file, sizeof(c->port_file), "%s/server-%d.port", run->tmpdir, r);
-        char name[64], device[24];
+        char name[64], device[24], every[24], keep[24];
         ps_snprintf(name, sizeof(name), "pshardrun-%d-%d", (int)getpid(), r);
         ps_snprintf(device, sizeof(device), "%d", r);
-        char *argv[24];
+        ps_snprintf(every, sizeof(every), "%lld", (long long)run->opts->checkpoint_every);
+        ps_snprintf(keep, sizeof(keep), "%lld", (long long)run->opts->checkpoint_keep);
+        char *argv[40];
         int a = 0;
         argv[a++] = (char *)bin;
         argv[a++] = "--coordinator";
@@ -861,6 +877,18 @@ static void run_start_servers(run_t *run, const char *bin)
             argv[a++] = "--token-file";
             argv[a++] = run->opts->token_file;
         }
+        if (run->opts->checkpoint_dir) {
+            argv[a++] = "--checkpoint-dir";
+            argv[a++] = run->opts->checkpoint_dir;
+        }
+        if (run->opts->resume) {
+            argv[a++] = "--resume";
+            argv[a++] = run->opts->resume;
+        }
+        argv[a++] = "--checkpoint-every";
+        argv[a++] = every;
+        argv[a++] = "--checkpoint-keep";
+        argv[a++] = keep;
         argv[a] = NULL;
         if (run_spawn(run, c, bin, argv, NULL, 0) != 0)
             run_set_stop(run, STOP_STARTUP, 1);

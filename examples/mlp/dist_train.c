@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pshard/ckpt.h"
 #include "pshard/log.h"
 #include "pshard/pshard.h"
 #include "pshard/util.h"
@@ -169,9 +170,21 @@ int mlp_dist_train(const mlp_dist_args_t *da)
             goto out;
         }
     }
-    /* Rank 0's initial values are the model's (sync_module_states); they match --local's. */
+    /* Rank 0's initial values are the model's (sync_module_states); they match --local's.
+     * --init-from imports them from a safetensors file instead (e.g. a full export). */
     if (rank == 0)
         mlp_init_params(shape, a->seed, init);
+    if (rank == 0 && da->init_from) {
+        for (size_t p = 0; p < np; p++) {
+            char e[512] = "";
+            if (ps_safetensors_read(da->init_from, names[p], params[p].ndim, params[p].shape,
+                                    init[p], e, sizeof(e)) != PSHARD_OK) {
+                fprintf(stderr, "pshard-mlp: --init-from %s: %s\n", da->init_from, e);
+                rc = 2;
+                goto out;
+            }
+        }
+    }
     pshard_model_config_t mc;
     pshard_model_config_default(&mc, optimizer_of(a->optim.kind));
     mc.layout = da->layout;
@@ -203,8 +216,12 @@ int mlp_dist_train(const mlp_dist_args_t *da)
     int64_t my_steps = a->steps + (a->uneven ? rank : 0);
     int printer = a->uneven ? world - 1 : 0;
     int64_t t0 = 0, done_steps = 0;
-    for (int64_t s = 0; s < my_steps; s++) {
-        if (s == 1)
+    /* After --resume the servers hold the checkpoint's step: the data continues from there. */
+    int64_t first = pshard_model_step(c);
+    if (first > 0 && rank == printer)
+        fprintf(out, "resumed at step %lld\n", (long long)first);
+    for (int64_t s = first; s < my_steps; s++) {
+        if (s == first + 1)
             t0 = ps_now_ns(); /* the first step includes connection warm-up */
         mlp_task_batch(task, a->data_seed, rank, s, a->batch, x, y);
         double l = NAN;
@@ -242,7 +259,15 @@ int mlp_dist_train(const mlp_dist_args_t *da)
                 rank, (long long)done_steps, jr.is_last_joiner ? "last joiner" : "not last",
                 jr.last_rank, (unsigned long long)jr.shadowed_ops);
     }
-    int64_t timed = (done_steps < my_steps ? done_steps : my_steps) - 1;
+    int64_t timed = done_steps - 1;
+    if (da->checkpoint_at_end) {
+        int64_t cstep = 0;
+        char cdir[4096] = "";
+        if (pshard_checkpoint_save(c, &cstep, cdir, sizeof(cdir)) != PSHARD_OK)
+            goto pshard_error;
+        if (rank == 0)
+            fprintf(out, "checkpoint: step %lld in %s\n", (long long)cstep, cdir);
+    }
     double ms = timed > 0 ? (double)(ps_now_ns() - t0) / 1e6 / (double)timed : 0;
     pshard_memory_stats_t mem;
     pshard_memory_stats(c, &mem);

@@ -20,6 +20,8 @@ typedef struct {
     int max_gathers_in_flight;
     bool join_enable;           /* --uneven: pshard_join's enable */
     bool join_throw;            /* --uneven: throw_on_early_termination */
+    bool checkpoint_at_end;     /* pshard_checkpoint_save after the last step */
+    const char *init_from;      /* safetensors file with the initial weights, or NULL */
 } mlp_dist_args_t;
 
 /* Connects through the environment (RANK, WORLD_SIZE, PSHARD_SERVER; pshardrun sets them),

@@ -49,6 +49,8 @@ typedef struct {
     bool join_enable;
     bool join_throw;
     char *dump_weights;
+    bool checkpoint_at_end;
+    char *init_from;
 } mlp_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
@@ -104,6 +106,12 @@ static const ps_option_t options[] = {
     OPT("dump-weights", NULL, PS_OPT_STRING, NULL,
         "write the final weights here (raw fp32, definition order; rank 0 in distributed mode)",
         dump_weights, 0, 0),
+    OPT("checkpoint-at-end", NULL, PS_OPT_BOOL, "false",
+        "save a checkpoint after the last step (the servers' --checkpoint-dir)", checkpoint_at_end,
+        0, 0),
+    OPT("init-from", NULL, PS_OPT_STRING, NULL,
+        "initial weights from this safetensors file (e.g. pshardctl checkpoint export)",
+        init_from, 0, 0),
 };
 
 /* The validated configuration every mode runs from. */
@@ -245,6 +253,8 @@ static int run_distributed(const mlp_config_t *cfg, const mlp_opts_t *o)
     d.max_gathers_in_flight = (int)o->max_gathers_in_flight;
     d.join_enable = o->join_enable;
     d.join_throw = o->join_throw;
+    d.checkpoint_at_end = o->checkpoint_at_end;
+    d.init_from = o->init_from;
     a->dump_weights = o->dump_weights;
     if (strcmp(layout, "fsdp2") == 0) {
         d.layout = PSHARD_LAYOUT_FSDP2;

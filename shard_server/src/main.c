@@ -31,6 +31,10 @@ typedef struct {
     int64_t form_timeout_ms;
     int64_t device;
     char *log;
+    char *checkpoint_dir;
+    int64_t checkpoint_every;
+    int64_t checkpoint_keep;
+    char *resume;
 } server_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
@@ -72,6 +76,17 @@ static const ps_option_t options[] = {
     OPT("device", "LOCAL_RANK", PS_OPT_INT, "0", "CUDA device for --backend nccl", device, 0, 1024),
     OPT("log", "PSHARD_LOG", PS_OPT_STRING, "warn", "log level: error|warn|info|debug|trace", log,
         0, 0),
+    OPT("checkpoint-dir", "PSHARD_CHECKPOINT_DIR", PS_OPT_STRING, NULL,
+        "checkpoint root shared by all shard servers (default: --resume's)", checkpoint_dir, 0,
+        0),
+    OPT("checkpoint-every", "PSHARD_CHECKPOINT_EVERY", PS_OPT_INT, "0",
+        "save a checkpoint after every Kth optimizer step (0: only when asked)",
+        checkpoint_every, 0, INT64_MAX),
+    OPT("checkpoint-keep", "PSHARD_CHECKPOINT_KEEP", PS_OPT_INT, "3",
+        "committed checkpoints kept, newest first", checkpoint_keep, 1, 1000000),
+    OPT("resume", "PSHARD_RESUME", PS_OPT_STRING, NULL,
+        "restore the newest committed checkpoint under this root (any world size)", resume, 0,
+        0),
 };
 
 int main(int argc, char **argv)
@@ -128,6 +143,10 @@ int main(int argc, char **argv)
         .coll_timeout_ms = o.coll_timeout_ms,
         .form_timeout_ms = o.form_timeout_ms,
         .device = (int)o.device,
+        .checkpoint_dir = o.checkpoint_dir ? o.checkpoint_dir : o.resume,
+        .checkpoint_every = o.checkpoint_every,
+        .checkpoint_keep = o.checkpoint_keep,
+        .resume = o.resume,
     };
     srv = pshard_shard_server_start(&cfg, err, sizeof(err));
     if (!srv) {

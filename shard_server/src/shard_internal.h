@@ -13,7 +13,7 @@
 #include "pshard/shard_server.h"
 #include "shard_model.h"
 
-#define NMETHODS 10
+#define NMETHODS 11
 #define SHM_NAME_MAX 200
 
 typedef struct {
@@ -63,6 +63,10 @@ struct pshard_shard_server {
     void *follow_buf;        /* a joined rank's receive/zero buffers for the others' ops */
     size_t follow_cap;
 
+    /* Checkpoints. ckpt_requested: the newest `pshardctl checkpoint save` request seen in the
+     * coordinator's store (mu); ckpt_handled: the newest one saved (op_mu). */
+    int64_t ckpt_requested, ckpt_handled;
+
     ps_rpc_method_t methods[NMETHODS];
     char paths[NMETHODS][64];
 };
@@ -74,6 +78,7 @@ typedef enum {
     SHARD_SOP_REDUCE_SCATTER = 2,
     SHARD_SOP_STEP = 3,
     SHARD_SOP_COLLECTIVE = 4,
+    SHARD_SOP_SAVE = 5,
 } shard_sop_kind_t;
 
 typedef struct {
@@ -96,7 +101,8 @@ typedef struct {
  * joined with throw_on_early_termination, or a broadcast's root joined), or the collective's
  * own. Every rank reaches the same verdict from the same records. Call with op_mu held. */
 pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                   const shard_sop_t *op, int *active, char *err, size_t errlen);
+                                   const shard_sop_t *op, int *active, int64_t *ckpt_request,
+                                   char *err, size_t errlen);
 
 /* The operations' cores, shared by the trainer-facing handlers and a joined rank shadowing
  * them (op_mu held). shard_gather_one all-gathers parameter p in dt into recv (full size);
@@ -110,9 +116,32 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
                                          pshard_dtype_t dt, const void *send, int active,
                                          char *err, size_t errlen);
 pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
-                               double lr, double *norm, char *err, size_t errlen);
+                               double lr, int64_t ckpt_request, double *norm, char *err,
+                               size_t errlen);
 pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,
                                      void *recv, int active, char *err, size_t errlen);
+
+/* Checkpoints (shard_ckpt.c), collective: every rank calls them at the same point.
+ * shard_ckpt_save writes this rank's shard of m at step m->step under cfg.checkpoint_dir and,
+ * once every rank's is written, rank 0 commits the manifest; dir gets the step directory.
+ * Errors name the file and the rank; the previous checkpoints are never touched.
+ * shard_ckpt_load restores m (master weights, optimizer state, step) from the newest committed
+ * checkpoint under root, saved with any world size and layout, after verifying every file's
+ * checksum; *restored is false (and m untouched) when root holds none. */
+pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
+                                char *dir, size_t dirlen, char *err, size_t errlen);
+pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
+                                const char *root, bool *restored, char *dir, size_t dirlen,
+                                char *err, size_t errlen);
+
+/* After an optimizer step: saves when checkpoint_every says so or a `pshardctl checkpoint
+ * save` request (the agreed ckpt_request) is pending, and answers that request in the store. */
+pshard_status_t shard_ckpt_after_step(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                      shard_model_t *m, int64_t ckpt_request, char *err,
+                                      size_t errlen);
+
+/* The Checkpoint handler (shard_ckpt.c). */
+void shard_handle_checkpoint(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
 
 /* The Join handler (shard_join.c). */
 void shard_handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);

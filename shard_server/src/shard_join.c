@@ -18,7 +18,7 @@
 
 /* An agreement record: REC_WORDS int64 per rank. */
 #define REC_WORDS 16
-#define REC_INLINE_IDS 5 /* W_IDS + 5 == REC_WORDS */
+#define REC_INLINE_IDS 4 /* W_IDS + 4 == REC_WORDS */
 #define AGREE_TAG 0x41475245u /* "AGRE" */
 
 enum { REC_OP = 1, REC_JOIN = 2, REC_JOINED = 3 };
@@ -34,6 +34,7 @@ enum {
     W_AVERAGE,
     W_THROW,
     W_STEP,
+    W_CKPT, /* the newest checkpoint request this rank has seen (not compared) */
     W_HASH,
     W_IDS, /* REC_INLINE_IDS words */
 };
@@ -52,6 +53,7 @@ typedef struct {
     int last_rank;      /* with all_joined: the highest rank that joined in this round */
     bool desync;
     char desync_msg[512];
+    int64_t ckpt_request; /* the newest checkpoint request any rank has seen */
     shard_sop_t op;     /* the agreed operation (ids point into ids_buf or the records) */
     uint32_t ids_buf_inline[REC_INLINE_IDS];
     uint32_t *ids_heap;
@@ -73,12 +75,14 @@ static uint64_t ids_hash(const uint32_t *ids, size_t n)
     return h;
 }
 
-static void rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_flag, int64_t step)
+static void rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_flag, int64_t step,
+                       int64_t ckpt)
 {
     memset(r, 0, REC_WORDS * sizeof(int64_t));
     r[W_KIND] = kind;
     r[W_THROW] = throw_flag;
     r[W_STEP] = step;
+    r[W_CKPT] = ckpt;
     if (!op)
         return;
     r[W_SOP] = op->kind;
@@ -110,6 +114,8 @@ static const char *sop_name(int64_t k)
         return "step";
     case SHARD_SOP_COLLECTIVE:
         return "collective";
+    case SHARD_SOP_SAVE:
+        return "checkpoint save";
     default:
         return "?";
     }
@@ -146,7 +152,10 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
         s->agree_cap = need;
     }
     int64_t rec[REC_WORDS];
-    rec_encode(rec, kind, mine, throw_flag, s->model ? s->model->step : 0);
+    pthread_mutex_lock(&s->mu);
+    int64_t ckpt = s->ckpt_requested;
+    pthread_mutex_unlock(&s->mu);
+    rec_encode(rec, kind, mine, throw_flag, s->model ? s->model->step : 0, ckpt);
     pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_INT64, .send = rec,
                             .recv = s->agree_buf, .count = REC_WORDS, .tag = AGREE_TAG,
                             .label = "agreement"};
@@ -160,12 +169,14 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
         const int64_t *x = recs + (size_t)r * REC_WORDS;
         if (x[W_KIND] < REC_OP || x[W_KIND] > REC_JOINED ||
             (x[W_KIND] == REC_OP && (x[W_SOP] < SHARD_SOP_GATHER ||
-                                     x[W_SOP] > SHARD_SOP_COLLECTIVE || x[W_NIDS] < 0 ||
+                                     x[W_SOP] > SHARD_SOP_SAVE || x[W_NIDS] < 0 ||
                                      x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 ||
                                      x[W_DTYPE] > PSHARD_INT64)))
             return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
                            "rank %d sent a malformed agreement record (kind %" PRId64 ")", r,
                            x[W_KIND]);
+        if (x[W_CKPT] > ag->ckpt_request)
+            ag->ckpt_request = x[W_CKPT];
         if (x[W_KIND] == REC_OP) {
             if (ag->first_active < 0)
                 ag->first_active = r;
@@ -189,6 +200,7 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
         const int64_t *x = recs + (size_t)r * REC_WORDS;
         if (x[W_KIND] != REC_OP)
             continue;
+        /* Compared: W_SOP..W_AVERAGE and W_HASH onwards (not the flags, step or request). */
         bool same = memcmp(&x[W_SOP], &f[W_SOP], (W_THROW - W_SOP) * sizeof(int64_t)) == 0 &&
                     memcmp(&x[W_HASH], &f[W_HASH], (REC_WORDS - W_HASH) * sizeof(int64_t)) == 0;
         if (!same && !ag->desync) {
@@ -247,7 +259,8 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
 }
 
 pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                   const shard_sop_t *op, int *active, char *err, size_t errlen)
+                                   const shard_sop_t *op, int *active, int64_t *ckpt_request,
+                                   char *err, size_t errlen)
 {
     agreement_t ag;
     pshard_status_t rc = agree(s, comm, REC_OP, op, false, &ag, err, errlen);
@@ -267,6 +280,8 @@ pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm
                          "the broadcast's root, rank %d, has joined (no more input)", op->root);
         }
         *active = ag.active;
+        if (ckpt_request)
+            *ckpt_request = ag.ckpt_request;
     }
     agreement_free(&ag);
     return rc;
@@ -318,7 +333,11 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm,
         return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                        "the others run %s but no model is defined here", sop_name(op->kind));
     if (op->kind == SHARD_SOP_STEP)
-        return shard_run_step(s, comm, m, op->lr, &(double){0}, err, errlen);
+        return shard_run_step(s, comm, m, op->lr, ag->ckpt_request, &(double){0}, err, errlen);
+    if (op->kind == SHARD_SOP_SAVE) {
+        char dir[512];
+        return shard_ckpt_save(s, comm, m, dir, sizeof(dir), err, errlen);
+    }
     size_t es = pshard_dtype_size(op->dtype);
     for (size_t i = 0; i < op->nids; i++) {
         uint32_t p = op->ids[i];

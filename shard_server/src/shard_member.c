@@ -89,6 +89,35 @@ static void lost_contact_check(pshard_shard_server_t *s)
     pshard_comm_abort_status(comm, PSHARD_ERR_PEER_LOST, msg);
 }
 
+/* `pshardctl checkpoint save` bumps a counter in the coordinator's store; the newest value
+ * goes into this server's agreement records, and the step after which any rank has seen it
+ * saves on every rank. */
+static void poll_checkpoint_request(pshard_shard_server_t *s)
+{
+    Pshard__StoreGetRequest req = PSHARD__STORE_GET_REQUEST__INIT;
+    req.key = "pshard/checkpoint/request";
+    ProtobufCMessage *resp = NULL;
+    char err[256] = "";
+    if (ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreGet", &req.base,
+                     &pshard__store_get_response__descriptor, &resp, 2000, 0, NULL, err,
+                     sizeof(err)) != PSHARD_OK)
+        return; /* NOT_FOUND until the first request */
+    const Pshard__StoreGetResponse *r = (const Pshard__StoreGetResponse *)resp;
+    char text[32];
+    size_t n = r->value.len < sizeof(text) - 1 ? r->value.len : sizeof(text) - 1;
+    memcpy(text, r->value.data, n);
+    text[n] = '\0';
+    int64_t v = 0;
+    /* StoreAdd keeps counters as decimal text. */
+    if (ps_parse_i64(text, 0, INT64_MAX, &v) == 0) {
+        pthread_mutex_lock(&s->mu);
+        if (v > s->ckpt_requested)
+            s->ckpt_requested = v;
+        pthread_mutex_unlock(&s->mu);
+    }
+    protobuf_c_message_free_unpacked(resp, NULL);
+}
+
 void *shard_heartbeat_main(void *arg)
 {
     pshard_shard_server_t *s = arg;
@@ -141,6 +170,7 @@ void *shard_heartbeat_main(void *arg)
             pthread_cond_broadcast(&s->cv);
             pthread_mutex_unlock(&s->mu);
             protobuf_c_message_free_unpacked(resp, NULL);
+            poll_checkpoint_request(s);
         } else {
             PS_WARN(PS_SUB_SHARD, "heartbeat to %s failed: %s", s->cfg.coordinator, err);
             lost_contact_check(s);

@@ -231,17 +231,28 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
         snprintf(other, sizeof(other), "pshard/model/g%" PRIu64 "/rank/%d", s->comm_generation,
                  r);
         char *keys[1] = {other};
-        Pshard__StoreWaitRequest w = PSHARD__STORE_WAIT_REQUEST__INIT;
-        w.n_keys = 1;
-        w.keys = keys;
-        w.timeout_ms = s->cfg.coll_timeout_ms > 0 ? s->cfg.coll_timeout_ms : 600000;
-        resp = NULL;
-        rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreWait", &w.base,
-                          &pshard__store_wait_response__descriptor, &resp, w.timeout_ms + 2000,
-                          PS_RPC_IDEMPOTENT, NULL, err, errlen);
-        if (rc != PSHARD_OK) {
-            ps_errf(err, errlen, rc, "rank %d never defined its model", r);
-            return rc;
+        /* Wait in short slices so that a stopping server (or an aborted ring) does not sit
+         * in a store wait for the whole collective timeout. */
+        int64_t limit_ms = s->cfg.coll_timeout_ms > 0 ? s->cfg.coll_timeout_ms : 600000;
+        int64_t give_up = ps_now_ns() + limit_ms * 1000000;
+        for (;;) {
+            Pshard__StoreWaitRequest w = PSHARD__STORE_WAIT_REQUEST__INIT;
+            w.n_keys = 1;
+            w.keys = keys;
+            w.timeout_ms = 500;
+            resp = NULL;
+            char werr[512] = "";
+            rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreWait", &w.base,
+                              &pshard__store_wait_response__descriptor, &resp, 2500,
+                              PS_RPC_IDEMPOTENT, NULL, werr, sizeof(werr));
+            if (rc == PSHARD_OK)
+                break;
+            bool stopping = atomic_load(&s->stop);
+            if (rc != PSHARD_ERR_TIMEOUT || stopping || ps_now_ns() > give_up) {
+                ps_errf(err, errlen, rc, "rank %d never defined its model%s: %s", r,
+                        stopping ? " (this server is stopping)" : "", werr);
+                return rc;
+            }
         }
         Pshard__StoreWaitResponse *wr = (Pshard__StoreWaitResponse *)resp;
         char *text = wr->n_values == 1 ? strndup((const char *)wr->values[0].data,
@@ -318,7 +329,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         pthread_mutex_unlock(&s->op_mu);
         return;
     }
-    char err[1024] = "";
+    char err[1024] = "", resumed_from[4096] = "";
     pshard_status_t rc = PSHARD_OK;
     size_t n = req->n_params;
     const char **names = calloc(n ? n : 1, sizeof(char *));
@@ -402,6 +413,14 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     rc = init_params(comm, m, req, &region, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
+    /* --resume: the newest committed checkpoint replaces the initial values (collective). */
+    if (s->cfg.resume && *s->cfg.resume) {
+        bool restored = false;
+        rc = shard_ckpt_load(s, comm, m, s->cfg.resume, &restored, resumed_from,
+                             sizeof(resumed_from), err, sizeof(err));
+        if (rc != PSHARD_OK)
+            goto out;
+    }
     shard_unmap(&s->model_shm);
     s->model_shm = region;
     memset(&region, 0, sizeof(region));
@@ -428,6 +447,8 @@ out:
         snprintf(fp, sizeof(fp), "%016" PRIx64, s->model->fingerprint);
         out.shard_elements = s->model->shard_numel;
         out.fingerprint = fp;
+        out.step = s->model->step;
+        out.resumed_from = resumed_from;
         ps_rpc_call_reply(call, &out.base);
     }
     pthread_mutex_unlock(&s->op_mu);
@@ -571,7 +592,7 @@ static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather
     shard_sop_t sop = {.kind = gather ? SHARD_SOP_GATHER : SHARD_SOP_REDUCE_SCATTER,
                        .dtype = dt, .nids = n, .ids = ids};
     int active = 0;
-    rc = shard_agree_active(s, comm, &sop, &active, err, sizeof(err));
+    rc = shard_agree_active(s, comm, &sop, &active, NULL, err, sizeof(err));
     free(ids);
     shard_model_t *m = s->model;
     for (size_t i = 0; i < n && rc == PSHARD_OK; i++) {
@@ -603,7 +624,8 @@ static void handle_reduce_scatter(ps_rpc_call_t *call, const ProtobufCMessage *r
 }
 
 pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
-                               double lr, double *norm_out, char *err, size_t errlen)
+                               double lr, int64_t ckpt_request, double *norm_out, char *err,
+                               size_t errlen)
 {
     /* The global gradient norm: an all-reduce of the squared slice norms (clip_grad_norm). */
     float sq = (float)ps_sum_squares(m->grad, m->shard_numel);
@@ -625,7 +647,7 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
                   m->shard_numel);
     memset(m->grad, 0, m->shard_numel * sizeof(float));
     *norm_out = norm;
-    return PSHARD_OK;
+    return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
 }
 
 static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
@@ -655,10 +677,12 @@ static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
     char err[1024] = "";
     shard_sop_t sop = {.kind = SHARD_SOP_STEP, .lr = lr};
     int active = 0;
+    int64_t ckpt_request = 0;
     double norm = 0;
-    pshard_status_t rc = shard_agree_active(s, comm, &sop, &active, err, sizeof(err));
+    pshard_status_t rc =
+        shard_agree_active(s, comm, &sop, &active, &ckpt_request, err, sizeof(err));
     if (rc == PSHARD_OK)
-        rc = shard_run_step(s, comm, m, lr, &norm, err, sizeof(err));
+        rc = shard_run_step(s, comm, m, lr, ckpt_request, &norm, err, sizeof(err));
     if (rc != PSHARD_OK) {
         pthread_mutex_unlock(&s->op_mu);
         ps_rpc_call_fail(call, rc, "%s", err);
@@ -749,7 +773,7 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
     shard_sop_t sop = {.kind = SHARD_SOP_COLLECTIVE, .dtype = dt, .coll_op = req->op,
                        .count = req->count, .root = req->root, .average = req->reduce != 0};
     int active = 0;
-    pshard_status_t rc = shard_agree_active(s, comm, &sop, &active, err, sizeof(err));
+    pshard_status_t rc = shard_agree_active(s, comm, &sop, &active, NULL, err, sizeof(err));
     if (rc == PSHARD_OK)
         rc = shard_run_collective(comm, &sop, base + req->send_offset, base + req->recv_offset,
                                   active, err, sizeof(err));
@@ -871,6 +895,10 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     s->cfg.offload = own(s, 6, offload);
     s->cfg.data_host = own(s, 7, cfg->data_host);
     s->cfg.token = own(s, 8, cfg->token);
+    s->cfg.checkpoint_dir = own(s, 9, cfg->checkpoint_dir);
+    s->cfg.resume = own(s, 10, cfg->resume);
+    if (s->cfg.checkpoint_keep <= 0)
+        s->cfg.checkpoint_keep = 3;
     s->rank = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -907,6 +935,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         {"ReadRegion", &pshard__region_read_request__descriptor, shard_handle_read_region},
         {"WriteRegion", &pshard__region_write_request__descriptor, shard_handle_write_region},
         {"Join", &pshard__join_request__descriptor, shard_handle_join},
+        {"Checkpoint", &pshard__checkpoint_request__descriptor, shard_handle_checkpoint},
     };
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);

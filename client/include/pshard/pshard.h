@@ -117,6 +117,20 @@ PSHARD_API pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_
                                                size_t nparams, const pshard_model_config_t *mc,
                                                const float *const *init);
 
+/* Optimizer steps the model has taken: 0 for a new model, the checkpoint's step when the shard
+ * servers resumed one (pshard-server --resume), so the trainer continues its data from there.
+ * Not thread-safe against pshard_define_model. */
+PSHARD_API int64_t pshard_model_step(const pshard_client_t *c);
+
+/* Saves a checkpoint now, like torch.distributed.checkpoint.save: collective, every trainer
+ * calls it at the same point (ranks that joined take part by themselves). Each shard server
+ * writes its shard under its --checkpoint-dir, then the manifest commits the step. *step and
+ * dir (may be NULL) get the step and the committed directory. Errors: FAILED_PRECONDITION
+ * without a --checkpoint-dir, SYSTEM naming the file (disk full, permissions), never a damaged
+ * earlier checkpoint. */
+PSHARD_API pshard_status_t pshard_checkpoint_save(pshard_client_t *c, int64_t *step, char *dir,
+                                                  size_t dirlen);
+
 /* The full buffer of parameter i in param_dtype: non-NULL only while it is gathered (after
  * the gather finished, until it is resharded; the address may differ from one gather to the
  * next). NULL for a bad i or a parameter that is sharded or still being gathered. */

@@ -28,6 +28,11 @@ typedef struct {
     int64_t form_timeout_ms;  /* how long to wait for the cluster to form; 0 = forever */
     int64_t max_message_bytes;
     int device;               /* CUDA device for nccl */
+    const char *checkpoint_dir; /* where checkpoints are saved (shared by all ranks), or NULL */
+    int64_t checkpoint_every; /* save after every Kth optimizer step; 0 = only on request */
+    int64_t checkpoint_keep;  /* committed checkpoints kept (newest); 0 = 3 */
+    const char *resume;       /* restore the newest committed checkpoint under this root when
+                                 the model is defined (any world size, either layout); NULL */
 } pshard_shard_server_config_t;
 
 /* Starts serving trainers at once (health "pshard.ShardServer" is NOT_SERVING until the

@@ -1,0 +1,613 @@
+/* Sharded checkpoints on the shard server side: every rank writes its own shard file (master
+ * weights and optimizer state, with its CRC-32C), rank 0 commits the step by writing the
+ * manifest last (common/include/pshard/ckpt.h has the format), and loading restores any
+ * world size or layout by reading, for each of this rank's pieces, just the byte ranges of the
+ * old pieces it overlaps. Every function here is collective over the ring and runs the same
+ * collectives on every rank whatever happened locally, so a local failure never desyncs. */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "pshard/ckpt.h"
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/log.h"
+#include "pshard/shard.pb-c.h"
+#include "pshard/util.h"
+
+#include "shard_internal.h"
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "checkpoint files are little-endian fp32; a big-endian host needs byte swapping here"
+#endif
+
+#define CKPT_TAG 0x434b5054u /* "CKPT" */
+#define WRITE_CHUNK (8u << 20)
+
+static int nsections(const shard_model_t *m)
+{
+    return 1 + ps_optim_state_count(&m->optim);
+}
+
+static float *section_ptr(shard_model_t *m, int k)
+{
+    return k == 0 ? m->master : k == 1 ? m->state0 : m->state1;
+}
+
+/* All-gathers `words` int64 of every rank into out (world * words). */
+static pshard_status_t gather_words(pshard_comm_t *comm, const int64_t *mine, int64_t *out,
+                                    size_t words, const char *label, char *err, size_t errlen)
+{
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_INT64, .send = mine,
+                            .recv = out, .count = words, .tag = CKPT_TAG, .label = label};
+    return pshard_coll_run(comm, &a, err, errlen);
+}
+
+static pshard_status_t broadcast_words(pshard_comm_t *comm, int64_t *words, size_t n,
+                                       const char *label, char *err, size_t errlen)
+{
+    pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64, .send = words,
+                            .recv = words, .count = n, .root = 0, .tag = CKPT_TAG + 1,
+                            .label = label};
+    return pshard_coll_run(comm, &a, err, errlen);
+}
+
+/* Fault injection for the crash-safety tests: PSHARD_FAULT_INJECT=NAME:STEP kills this process
+ * (SIGKILL, no clean-up, as a crash would) when it reaches point NAME while saving STEP. */
+static void fault_point(const char *name, int64_t step)
+{
+    const char *f = getenv("PSHARD_FAULT_INJECT");
+    size_t n = strlen(name);
+    if (!f || strncmp(f, name, n) != 0 || f[n] != ':')
+        return;
+    int64_t at = -1;
+    if (ps_parse_i64(f + n + 1, 0, INT64_MAX, &at) != 0 || at != step)
+        return;
+    PS_ERROR(PS_SUB_SHARD, "PSHARD_FAULT_INJECT: killing this process at %s of step %" PRId64,
+             name, step);
+    raise(SIGKILL);
+}
+
+static pshard_status_t sys_err(char *err, size_t errlen, const char *what, const char *path)
+{
+    int e = errno;
+    return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "%s %s: %s", what, path, strerror(e));
+}
+
+/* mkdir -p for the checkpoint root, then the step directory. */
+static pshard_status_t make_dirs(const char *root, const char *step_dir, char *err, size_t errlen)
+{
+    char path[PATH_MAX];
+    if (strlen(root) >= sizeof(path))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "checkpoint path too long");
+    memcpy(path, root, strlen(root) + 1);
+    for (char *p = path + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        if (mkdir(path, 0755) != 0 && errno != EEXIST)
+            return sys_err(err, errlen, "cannot create", path);
+        *p = '/';
+    }
+    if (mkdir(path, 0755) != 0 && errno != EEXIST)
+        return sys_err(err, errlen, "cannot create", path);
+    if (mkdir(step_dir, 0755) != 0 && errno != EEXIST)
+        return sys_err(err, errlen, "cannot create", step_dir);
+    return PSHARD_OK;
+}
+
+static pshard_status_t write_all(int fd, const void *buf, size_t len, const char *path,
+                                 char *err, size_t errlen)
+{
+    const uint8_t *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return sys_err(err, errlen, "cannot write", path);
+        p += n;
+        len -= (size_t)n;
+    }
+    return PSHARD_OK;
+}
+
+/* Writes this rank's shard file (temporary name, fsync, rename) and returns its size and
+ * CRC-32C. A failure removes the temporary file. */
+static pshard_status_t write_shard(shard_model_t *m, const char *step_dir, const char *name,
+                                   uint64_t *bytes, uint32_t *crc, char *err, size_t errlen)
+{
+    char path[PATH_MAX + 80], tmp[PATH_MAX + 88];
+    snprintf(path, sizeof(path), "%s/%s", step_dir, name);
+    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return sys_err(err, errlen, "cannot create", tmp);
+    pshard_status_t rc = PSHARD_OK;
+    uint32_t c = 0;
+    for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
+        const uint8_t *p = (const uint8_t *)section_ptr(m, k);
+        size_t left = m->shard_numel * sizeof(float);
+        while (left > 0 && rc == PSHARD_OK) {
+            size_t n = left < WRITE_CHUNK ? left : WRITE_CHUNK;
+            c = ps_crc32c(c, p, n);
+            rc = write_all(fd, p, n, tmp, err, errlen);
+            p += n;
+            left -= n;
+        }
+    }
+    if (rc == PSHARD_OK && fsync(fd) != 0)
+        rc = sys_err(err, errlen, "cannot sync", tmp);
+    if (close(fd) != 0 && rc == PSHARD_OK)
+        rc = sys_err(err, errlen, "cannot close", tmp);
+    if (rc == PSHARD_OK && rename(tmp, path) != 0)
+        rc = sys_err(err, errlen, "cannot rename to", path);
+    if (rc != PSHARD_OK) {
+        unlink(tmp);
+        return rc;
+    }
+    *bytes = (uint64_t)nsections(m) * m->shard_numel * sizeof(float);
+    *crc = c;
+    return PSHARD_OK;
+}
+
+static const char *optim_kind_name(ps_optim_kind_t k)
+{
+    return k == PS_OPTIM_ADAM ? "adam" : k == PS_OPTIM_ADAMW ? "adamw" : "sgd";
+}
+
+/* The manifest rank 0 commits: the model's parameters, layout, optimizer and every rank's
+ * file with its pieces (from the layout, so rank 0 can describe every rank's file). */
+static pshard_status_t build_manifest(const shard_model_t *m, int world, const int64_t *gathered,
+                                      size_t words, ps_ckpt_manifest_t *man, char *err,
+                                      size_t errlen)
+{
+    memset(man, 0, sizeof(*man));
+    man->step = m->step;
+    man->world_size = world;
+    man->layout = ps_layout_kind(m->layout);
+    ps_strlcpy(man->optim.kind, optim_kind_name(m->optim.kind), sizeof(man->optim.kind));
+    man->optim.lr = m->optim.lr;
+    man->optim.momentum = m->optim.momentum;
+    man->optim.dampening = m->optim.dampening;
+    man->optim.nesterov = m->optim.nesterov;
+    man->optim.weight_decay = m->optim.weight_decay;
+    man->optim.beta1 = m->optim.beta1;
+    man->optim.beta2 = m->optim.beta2;
+    man->optim.eps = m->optim.eps;
+    man->optim.max_grad_norm = m->max_grad_norm;
+    man->nsections = nsections(m);
+    ps_strlcpy(man->sections[0], "master", sizeof(man->sections[0]));
+    if (m->optim.kind == PS_OPTIM_SGD) {
+        if (man->nsections > 1)
+            ps_strlcpy(man->sections[1], "momentum_buffer", sizeof(man->sections[1]));
+    } else {
+        ps_strlcpy(man->sections[1], "exp_avg", sizeof(man->sections[1]));
+        ps_strlcpy(man->sections[2], "exp_avg_sq", sizeof(man->sections[2]));
+    }
+    man->nparams = m->nparams;
+    man->params = calloc(m->nparams, sizeof(*man->params));
+    man->nfiles = (size_t)world;
+    man->files = calloc((size_t)world, sizeof(*man->files));
+    if (!man->params || !man->files)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    for (size_t p = 0; p < m->nparams; p++) {
+        ps_strlcpy(man->params[p].name, m->params[p].name, sizeof(man->params[p].name));
+        man->params[p].ndim = m->params[p].ndim;
+        memcpy(man->params[p].shape, m->params[p].shape, sizeof(man->params[p].shape));
+    }
+    for (int r = 0; r < world; r++) {
+        ps_ckpt_file_t *f = &man->files[r];
+        f->rank = r;
+        ps_ckpt_shard_name(r, world, f->path, sizeof(f->path));
+        f->bytes = (uint64_t)gathered[(size_t)r * words + 1];
+        f->crc32c = (uint32_t)gathered[(size_t)r * words + 2];
+        f->shard_numel = ps_layout_shard_numel(m->layout, r);
+        f->pieces = calloc(m->nparams ? m->nparams : 1, sizeof(*f->pieces));
+        if (!f->pieces)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        for (size_t p = 0; p < m->nparams; p++) {
+            size_t cnt = ps_layout_counts(m->layout, p)[r];
+            if (cnt == 0)
+                continue;
+            f->pieces[f->npieces++] = (ps_ckpt_piece_t){
+                .param = (uint32_t)p,
+                .start = ps_layout_piece_offset(m->layout, p, r),
+                .count = cnt,
+                .offset = ps_layout_shard_offset(m->layout, p, r),
+            };
+        }
+    }
+    return PSHARD_OK;
+}
+
+static void manifest_release(ps_ckpt_manifest_t *man)
+{
+    for (size_t i = 0; man->files && i < man->nfiles; i++)
+        free(man->files[i].pieces);
+    free(man->files);
+    free(man->params);
+    memset(man, 0, sizeof(*man));
+}
+
+pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
+                                char *dir, size_t dirlen, char *err, size_t errlen)
+{
+    int rank = pshard_comm_rank(comm), world = pshard_comm_world_size(comm);
+    const char *root = s->cfg.checkpoint_dir;
+    char step_dir[PATH_MAX], name[64], local_err[512] = "";
+    pshard_status_t local = PSHARD_OK;
+    bool committed = false;
+    if (!root || !*root) {
+        local = ps_errf(local_err, sizeof(local_err), PSHARD_ERR_FAILED_PRECONDITION,
+                        "no --checkpoint-dir is configured on rank %d", rank);
+    } else {
+        ps_ckpt_step_dir(root, m->step, step_dir, sizeof(step_dir));
+        local = make_dirs(root, step_dir, local_err, sizeof(local_err));
+        char man_path[PATH_MAX + 32];
+        snprintf(man_path, sizeof(man_path), "%s/%s", step_dir, PS_CKPT_MANIFEST);
+        committed = local == PSHARD_OK && access(man_path, F_OK) == 0;
+    }
+    int64_t t0 = ps_now_ns();
+    /* Phase 1: every rank writes its shard (unless this step is committed already: saving the
+     * same state twice would only risk the committed copy). */
+    int64_t mine[3] = {local == PSHARD_OK, 0, 0};
+    if (local == PSHARD_OK && !committed) {
+        uint64_t bytes = 0;
+        uint32_t crc = 0;
+        ps_ckpt_shard_name(rank, world, name, sizeof(name));
+        local = write_shard(m, step_dir, name, &bytes, &crc, local_err, sizeof(local_err));
+        mine[0] = local == PSHARD_OK;
+        mine[1] = (int64_t)bytes;
+        mine[2] = crc;
+    }
+    if (committed)
+        mine[0] = 2;
+    int64_t *all = calloc((size_t)world * 3, sizeof(int64_t));
+    if (!all)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    pshard_status_t rc = gather_words(comm, mine, all, 3, "checkpoint shards", err, errlen);
+    int failed = -1;
+    bool all_committed = true;
+    for (int r = 0; rc == PSHARD_OK && r < world; r++) {
+        if (all[(size_t)r * 3] == 0 && failed < 0)
+            failed = r;
+        if (all[(size_t)r * 3] != 2)
+            all_committed = false;
+    }
+    /* Phase 2: rank 0 commits, then tells everyone whether it did. */
+    int64_t verdict[1] = {0};
+    char commit_err[512] = "";
+    if (rc == PSHARD_OK && rank == 0 && failed < 0 && !all_committed) {
+        ps_ckpt_manifest_t man;
+        pshard_status_t mr = build_manifest(m, world, all, 3, &man, commit_err,
+                                            sizeof(commit_err));
+        if (mr == PSHARD_OK)
+            fault_point("ckpt-before-manifest", m->step);
+        if (mr == PSHARD_OK)
+            mr = ps_ckpt_manifest_write(step_dir, &man, commit_err, sizeof(commit_err));
+        manifest_release(&man);
+        verdict[0] = mr == PSHARD_OK;
+        if (mr == PSHARD_OK) {
+            char perr[256] = "";
+            if (ps_ckpt_prune(root, (int)s->cfg.checkpoint_keep, perr, sizeof(perr)) !=
+                PSHARD_OK)
+                PS_WARN(PS_SUB_SHARD, "pruning old checkpoints: %s", perr);
+        } else {
+            PS_ERROR(PS_SUB_SHARD, "committing the checkpoint of step %" PRId64 ": %s", m->step,
+                     commit_err);
+        }
+    } else if (rank == 0) {
+        verdict[0] = failed < 0;
+    }
+    if (rc == PSHARD_OK)
+        rc = broadcast_words(comm, verdict, 1, "checkpoint commit", err, errlen);
+    free(all);
+    if (rc != PSHARD_OK)
+        return rc;
+    if (failed >= 0) {
+        if (failed == rank)
+            return ps_errf(err, errlen, local, "checkpoint of step %" PRId64 " not saved: %s",
+                           m->step, local_err);
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM,
+                       "checkpoint of step %" PRId64 " not saved: rank %d could not write its "
+                       "shard (its log says why); the previous checkpoints are intact",
+                       m->step, failed);
+    }
+    if (!verdict[0])
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM,
+                       "checkpoint of step %" PRId64 " not committed: %s", m->step,
+                       rank == 0 ? commit_err : "rank 0 could not write the manifest (its log "
+                                                "says why); the previous checkpoints are intact");
+    char abs[PATH_MAX];
+    if (!realpath(step_dir, abs))
+        ps_strlcpy(abs, step_dir, sizeof(abs));
+    ps_strlcpy(dir, abs, dirlen);
+    PS_INFO(PS_SUB_SHARD, "checkpoint of step %" PRId64 " %s in %s (%.1f ms, %zu bytes here)",
+            m->step, all_committed ? "was already committed" : "committed", abs,
+            (double)(ps_now_ns() - t0) / 1e6,
+            (size_t)nsections(m) * m->shard_numel * sizeof(float));
+    return PSHARD_OK;
+}
+
+/* Checks the manifest describes this model: same parameters (names, shapes, order) and the
+ * same optimizer state. */
+static pshard_status_t check_matches(const shard_model_t *m, const ps_ckpt_manifest_t *man,
+                                     const char *dir, char *err, size_t errlen)
+{
+    if (man->nparams != m->nparams)
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "checkpoint %s has %zu parameters; the model defines %zu", dir,
+                       man->nparams, m->nparams);
+    for (size_t p = 0; p < m->nparams; p++) {
+        const ps_ckpt_param_t *cp = &man->params[p];
+        bool same = strcmp(cp->name, m->params[p].name) == 0 && cp->ndim == m->params[p].ndim &&
+                    memcmp(cp->shape, m->params[p].shape,
+                           (size_t)cp->ndim * sizeof(int64_t)) == 0;
+        if (!same)
+            return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                           "checkpoint %s: parameter #%zu is '%s' (%d dims, first %" PRId64
+                           "); the model defines '%s' (%d dims, first %" PRId64 ")",
+                           dir, p, cp->name, cp->ndim, cp->shape[0], m->params[p].name,
+                           m->params[p].ndim, m->params[p].shape[0]);
+    }
+    if (strcmp(man->optim.kind, optim_kind_name(m->optim.kind)) != 0 ||
+        man->nsections != nsections(m))
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "checkpoint %s holds %s state (%d sections); the model uses %s (%d)", dir,
+                       man->optim.kind, man->nsections, optim_kind_name(m->optim.kind),
+                       nsections(m));
+    return PSHARD_OK;
+}
+
+/* Reads file f, which holds exactly this rank's shard, straight into the model's sections,
+ * checking its size and CRC-32C on the way. */
+static pshard_status_t read_own_file(shard_model_t *m, const char *step_dir,
+                                     const ps_ckpt_file_t *f, char *err, size_t errlen)
+{
+    char path[PATH_MAX + 300];
+    snprintf(path, sizeof(path), "%s/%s", step_dir, f->path);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return errno == ENOENT ? ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "%s is missing", path)
+                               : sys_err(err, errlen, "cannot open", path);
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != f->bytes) {
+        close(fd);
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%s is truncated or padded: %lld of %llu bytes", path,
+                       (long long)st.st_size, (unsigned long long)f->bytes);
+    }
+    uint32_t crc = 0;
+    pshard_status_t rc = PSHARD_OK;
+    for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
+        uint8_t *p = (uint8_t *)section_ptr(m, k);
+        size_t left = m->shard_numel * sizeof(float);
+        while (left > 0) {
+            ssize_t n = read(fd, p, left < WRITE_CHUNK ? left : WRITE_CHUNK);
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n <= 0) {
+                rc = n < 0 ? sys_err(err, errlen, "cannot read", path)
+                           : ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s is truncated",
+                                     path);
+                break;
+            }
+            crc = ps_crc32c(crc, p, (size_t)n);
+            p += n;
+            left -= (size_t)n;
+        }
+    }
+    close(fd);
+    if (rc == PSHARD_OK && crc != f->crc32c)
+        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                     "%s: checksum mismatch (CRC-32C %08x, the manifest says %08x)", path, crc,
+                     f->crc32c);
+    return rc;
+}
+
+pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
+                                const char *root, bool *restored, char *dir, size_t dirlen,
+                                char *err, size_t errlen)
+{
+    (void)s;
+    *restored = false;
+    int rank = pshard_comm_rank(comm), world = pshard_comm_world_size(comm);
+    char local_err[512] = "";
+    pshard_status_t local = PSHARD_OK;
+    /* Rank 0 picks the step (the newest committed), so all restore the same one. */
+    int64_t pick[1] = {-1};
+    if (rank == 0) {
+        int64_t *steps = NULL;
+        size_t n = 0;
+        if (ps_ckpt_list(root, &steps, &n, local_err, sizeof(local_err)) == PSHARD_OK && n > 0)
+            pick[0] = steps[n - 1];
+        else if (local_err[0])
+            PS_WARN(PS_SUB_SHARD, "listing checkpoints in %s: %s", root, local_err);
+        free(steps);
+        local_err[0] = '\0';
+    }
+    PS_CHECK(broadcast_words(comm, pick, 1, "checkpoint pick", err, errlen));
+    if (pick[0] < 0) {
+        PS_INFO(PS_SUB_SHARD, "no committed checkpoint under %s: starting fresh", root);
+        return PSHARD_OK;
+    }
+    char step_dir[PATH_MAX];
+    ps_ckpt_step_dir(root, pick[0], step_dir, sizeof(step_dir));
+    int64_t t0 = ps_now_ns();
+    /* Phase 1: the manifest, the model check, and this rank's share of the checksums. */
+    ps_ckpt_manifest_t *man = NULL;
+    int64_t bad_file = -1;
+    local = ps_ckpt_manifest_read(step_dir, &man, local_err, sizeof(local_err));
+    if (local == PSHARD_OK)
+        local = check_matches(m, man, step_dir, local_err, sizeof(local_err));
+    /* Same world size and layout (the common restart): this rank's file is exactly its shard,
+     * so one pass reads it into place and checks its CRC at the same time. */
+    bool direct = local == PSHARD_OK && man->world_size == world &&
+                  man->layout == ps_layout_kind(m->layout) &&
+                  man->files[rank].shard_numel == m->shard_numel;
+    for (size_t f = (size_t)rank; local == PSHARD_OK && f < man->nfiles; f += (size_t)world) {
+        local = direct ? read_own_file(m, step_dir, &man->files[f], local_err, sizeof(local_err))
+                       : ps_ckpt_verify_file(step_dir, &man->files[f], local_err,
+                                             sizeof(local_err));
+        if (local != PSHARD_OK)
+            bad_file = (int64_t)f;
+    }
+    int64_t mine[2] = {local == PSHARD_OK, bad_file};
+    int64_t *all = calloc((size_t)world * 2, sizeof(int64_t));
+    if (!all) {
+        ps_ckpt_manifest_free(man);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    pshard_status_t rc = gather_words(comm, mine, all, 2, "checkpoint verify", err, errlen);
+    int failed = -1;
+    for (int r = 0; rc == PSHARD_OK && r < world && failed < 0; r++)
+        if (all[(size_t)r * 2] == 0)
+            failed = r;
+    /* Phase 2: read this rank's pieces of every section, from whichever old files hold
+     * them. */
+    if (rc == PSHARD_OK && failed < 0) {
+        for (size_t p = 0; !direct && p < m->nparams && local == PSHARD_OK; p++) {
+            size_t cnt = ps_layout_counts(m->layout, p)[rank];
+            if (cnt == 0)
+                continue;
+            size_t start = ps_layout_piece_offset(m->layout, p, rank);
+            size_t off = ps_layout_shard_offset(m->layout, p, rank);
+            for (int k = 0; k < nsections(m) && local == PSHARD_OK; k++)
+                local = ps_ckpt_read_range(step_dir, man, k, (uint32_t)p, start, cnt,
+                                           section_ptr(m, k) + off, local_err,
+                                           sizeof(local_err));
+        }
+        mine[0] = local == PSHARD_OK;
+        rc = gather_words(comm, mine, all, 2, "checkpoint read", err, errlen);
+        for (int r = 0; rc == PSHARD_OK && r < world && failed < 0; r++)
+            if (all[(size_t)r * 2] == 0)
+                failed = r;
+    }
+    int64_t saved_step = man ? man->step : 0;
+    int64_t file_named = failed >= 0 ? all[(size_t)failed * 2 + 1] : -1;
+    char file_name[64] = "";
+    if (man && file_named >= 0 && (size_t)file_named < man->nfiles)
+        ps_strlcpy(file_name, man->files[file_named].path, sizeof(file_name));
+    ps_ckpt_manifest_free(man);
+    free(all);
+    if (rc != PSHARD_OK)
+        return rc;
+    if (failed >= 0) {
+        if (failed == rank)
+            return ps_errf(err, errlen, local, "cannot resume from %s: %s", step_dir, local_err);
+        if (file_name[0])
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "cannot resume from %s: %s failed verification on rank %d (its log "
+                           "says why)",
+                           step_dir, file_name, failed);
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "cannot resume from %s: rank %d refused it (its log says why)", step_dir,
+                       failed);
+    }
+    pthread_mutex_lock(&s->mu);
+    m->step = saved_step;
+    pthread_mutex_unlock(&s->mu);
+    memset(m->grad, 0, m->shard_numel * sizeof(float));
+    char abs[PATH_MAX];
+    if (!realpath(step_dir, abs))
+        ps_strlcpy(abs, step_dir, sizeof(abs));
+    ps_strlcpy(dir, abs, dirlen);
+    *restored = true;
+    PS_INFO(PS_SUB_SHARD, "resumed step %" PRId64 " from %s (%.1f ms)", saved_step, abs,
+            (double)(ps_now_ns() - t0) / 1e6);
+    return PSHARD_OK;
+}
+
+/* Answers a `pshardctl checkpoint save` request in the coordinator's store (rank 0). */
+static void answer_request(pshard_shard_server_t *s, int64_t request, const char *value)
+{
+    char key[96];
+    snprintf(key, sizeof(key), "pshard/checkpoint/done/%" PRId64, request);
+    Pshard__StoreSetRequest req = PSHARD__STORE_SET_REQUEST__INIT;
+    req.key = key;
+    req.value.data = (uint8_t *)value;
+    req.value.len = strlen(value);
+    ProtobufCMessage *resp = NULL;
+    char err[256] = "";
+    if (ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreSet", &req.base,
+                     &pshard__store_set_response__descriptor, &resp, 5000, PS_RPC_IDEMPOTENT,
+                     NULL, err, sizeof(err)) != PSHARD_OK)
+        PS_WARN(PS_SUB_SHARD, "cannot answer checkpoint request %" PRId64 ": %s", request, err);
+    if (resp)
+        protobuf_c_message_free_unpacked(resp, NULL);
+}
+
+pshard_status_t shard_ckpt_after_step(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                      shard_model_t *m, int64_t ckpt_request, char *err,
+                                      size_t errlen)
+{
+    bool periodic = s->cfg.checkpoint_every > 0 && m->step % s->cfg.checkpoint_every == 0 &&
+                    s->cfg.checkpoint_dir;
+    bool requested = ckpt_request > s->ckpt_handled;
+    if (!periodic && !requested)
+        return PSHARD_OK;
+    char dir[PATH_MAX] = "", serr[768] = "";
+    pshard_status_t rc = shard_ckpt_save(s, comm, m, dir, sizeof(dir), serr, sizeof(serr));
+    if (requested) {
+        s->ckpt_handled = ckpt_request;
+        if (pshard_comm_rank(comm) == 0) {
+            char value[PATH_MAX + 900];
+            if (rc == PSHARD_OK)
+                snprintf(value, sizeof(value), "step=%" PRId64 " dir=%s", m->step, dir);
+            else
+                snprintf(value, sizeof(value), "error=%s", serr);
+            answer_request(s, ckpt_request, value);
+        }
+    }
+    if (rc != PSHARD_OK)
+        return ps_errf(err, errlen, rc, "step %" PRId64 " was applied, but %s", m->step, serr);
+    return PSHARD_OK;
+}
+
+void shard_handle_checkpoint(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    const Pshard__CheckpointRequest *req = (const Pshard__CheckpointRequest *)request;
+    pthread_mutex_lock(&s->mu);
+    pshard_comm_t *comm = s->comm;
+    pthread_mutex_unlock(&s->mu);
+    if (!comm) {
+        ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE,
+                         "the cluster has not formed yet (or is re-forming); retry");
+        return;
+    }
+    pthread_mutex_lock(&s->op_mu);
+    if (!shard_session_ok(s, call, req->session)) {
+        pthread_mutex_unlock(&s->op_mu);
+        return;
+    }
+    shard_model_t *m = s->model;
+    if (!m) {
+        pthread_mutex_unlock(&s->op_mu);
+        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
+        return;
+    }
+    char err[1024] = "", dir[PATH_MAX] = "";
+    shard_sop_t sop = {.kind = SHARD_SOP_SAVE};
+    int active = 0;
+    pshard_status_t rc = shard_agree_active(s, comm, &sop, &active, NULL, err, sizeof(err));
+    if (rc == PSHARD_OK)
+        rc = shard_ckpt_save(s, comm, m, dir, sizeof(dir), err, sizeof(err));
+    int64_t step = m->step;
+    pthread_mutex_unlock(&s->op_mu);
+    if (rc != PSHARD_OK) {
+        ps_rpc_call_fail(call, rc, "%s", err);
+        return;
+    }
+    Pshard__CheckpointResponse out = PSHARD__CHECKPOINT_RESPONSE__INIT;
+    out.step = step;
+    out.dir = dir;
+    ps_rpc_call_reply(call, &out.base);
+}
