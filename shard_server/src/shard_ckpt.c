@@ -575,25 +575,10 @@ void shard_handle_checkpoint(ps_rpc_call_t *call, const ProtobufCMessage *reques
 {
     pshard_shard_server_t *s = ctx;
     const Pshard__CheckpointRequest *req = (const Pshard__CheckpointRequest *)request;
-    pthread_mutex_lock(&s->mu);
-    pshard_comm_t *comm = s->comm;
-    pthread_mutex_unlock(&s->mu);
-    if (!comm) {
-        ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE,
-                         "the cluster has not formed yet (or is re-forming); retry");
+    pshard_comm_t *comm = shard_op_begin(s, call, req->session, "no model is defined");
+    if (!comm)
         return;
-    }
-    pthread_mutex_lock(&s->op_mu);
-    if (!shard_session_ok(s, call, req->session)) {
-        pthread_mutex_unlock(&s->op_mu);
-        return;
-    }
     shard_model_t *m = s->model;
-    if (!m) {
-        pthread_mutex_unlock(&s->op_mu);
-        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
-        return;
-    }
     char err[1024] = "", dir[PATH_MAX] = "";
     shard_sop_t sop = {.kind = SHARD_SOP_SAVE};
     int active = 0;

@@ -173,6 +173,13 @@ bool shard_in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t a
  * Call with op_mu held. */
 bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session);
 
+/* What every trainer operation starts with: the communicator (UNAVAILABLE while the cluster
+ * forms), op_mu taken, the session checked and, unless needs_model is NULL, a defined model
+ * (else FAILED_PRECONDITION with needs_model as the message). Returns the communicator with
+ * op_mu held, or NULL with the call already failed and op_mu not held. */
+pshard_comm_t *shard_op_begin(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session,
+                              const char *needs_model);
+
 /* Anonymous memory of bytes for a remote trainer's region (shard_region.c). */
 pshard_status_t shard_alloc_private(uint64_t bytes, shm_map_t *out, char *err, size_t errlen);
 

@@ -389,25 +389,10 @@ void shard_handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, voi
 {
     pshard_shard_server_t *s = ctx;
     const Pshard__JoinRequest *req = (const Pshard__JoinRequest *)request;
-    pthread_mutex_lock(&s->mu);
-    pshard_comm_t *comm = s->comm;
-    pthread_mutex_unlock(&s->mu);
-    if (!comm) {
-        ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE,
-                         "the cluster has not formed yet (or is re-forming); retry");
+    pshard_comm_t *comm =
+        shard_op_begin(s, call, req->session, "define the model before joining");
+    if (!comm)
         return;
-    }
-    pthread_mutex_lock(&s->op_mu);
-    if (!shard_session_ok(s, call, req->session)) {
-        pthread_mutex_unlock(&s->op_mu);
-        return;
-    }
-    if (!s->model) {
-        pthread_mutex_unlock(&s->op_mu);
-        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
-                         "define the model before joining");
-        return;
-    }
     int rank = pshard_comm_rank(comm);
     bool throw_flag = req->throw_on_early_termination;
     pthread_mutex_lock(&s->mu);

@@ -127,6 +127,25 @@ static pshard_comm_t *comm_or_fail(pshard_shard_server_t *s, ps_rpc_call_t *call
     return c;
 }
 
+pshard_comm_t *shard_op_begin(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session,
+                              const char *needs_model)
+{
+    pshard_comm_t *comm = comm_or_fail(s, call);
+    if (!comm)
+        return NULL;
+    pthread_mutex_lock(&s->op_mu);
+    if (!shard_session_ok(s, call, session)) {
+        pthread_mutex_unlock(&s->op_mu);
+        return NULL;
+    }
+    if (needs_model && !s->model) {
+        pthread_mutex_unlock(&s->op_mu);
+        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION, "%s", needs_model);
+        return NULL;
+    }
+    return comm;
+}
+
 bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session)
 {
     if (!s->session[0]) {

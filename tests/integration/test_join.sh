@@ -16,20 +16,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fails=0
 
-# compare_losses REF DIST TOL: every "step N loss X" of DIST matches REF's line for N.
-compare_losses() {
-  awk -v tol="$3" '
-    FNR == NR { if ($1 == "step" && $3 == "loss") ref[$2] = $4; next }
-    $1 == "step" && $3 == "loss" {
-      n++
-      if (!($2 in ref)) { printf "step %s missing from the reference\n", $2; bad = 1; next }
-      d = $4 - ref[$2]; if (d < 0) d = -d
-      r = ref[$2]; if (r < 0) r = -r
-      if (d > tol * r + 1e-9) { printf "step %s: distributed %s, reference %s\n", $2, $4, ref[$2]; bad = 1 }
-    }
-    END { if (n != nref) { printf "%d step lines, the reference has %d\n", n, nref; bad = 1 } exit bad }
-  ' nref="$(grep -c '^step' "$1")" "$1" "$2"
-}
+# shellcheck source=losses.sh
+. "$(dirname "$0")/losses.sh"
 
 # compare_weights REF DIST TOL: raw fp32 files, element by element, relative to max(|ref|, 1e-2);
 # with low-precision parameters (a tolerance above 1e-3) the relative L2 distance of the whole
@@ -73,7 +61,7 @@ case_() {
     echo "FAIL: rank $((nproc - 1)) should be the last joiner"; grep "joined after" "$work/dist.txt"
     fails=$((fails + 1)); return
   fi
-  if compare_losses "$work/local.txt" "$work/dist_last.txt" "$tol" &&
+  if compare_losses "$work/local.txt" "$work/dist_last.txt" "$tol" all &&
      compare_weights "$work/ref.bin" "$work/dist.bin" "$tol"; then
     echo "ok: $(wc -l < "$work/dist_last.txt") steps and the final weights match within $tol"
   else

@@ -13,19 +13,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fails=0
 
-# compare FILE_A FILE_B TOLERANCE: every "step N loss X" line of A has a matching line in B.
-compare() {
-  awk -v tol="$3" '
-    FNR == NR { if ($1 == "step" && $3 == "loss") ref[$2] = $4; next }
-    $1 == "step" && $3 == "loss" {
-      n++
-      if (!($2 in ref)) { printf "step %s missing from the reference\n", $2; bad = 1; next }
-      d = $4 - ref[$2]; if (d < 0) d = -d
-      r = ref[$2]; if (r < 0) r = -r
-      if (d > tol * r + 1e-9) { printf "step %s: distributed %s, reference %s\n", $2, $4, ref[$2]; bad = 1 }
-    }
-    END { if (n == 0) { print "no step lines"; bad = 1 } exit bad }' "$1" "$2"
-}
+# shellcheck source=losses.sh
+. "$(dirname "$0")/losses.sh"
 
 case_() {
   local nproc="$1" tol="$2"; shift 2
@@ -37,7 +26,7 @@ case_() {
   fi
   # pshardrun prefixes rank 0's lines with "[trainer 0] ".
   sed -n 's/^\[trainer 0\] //p' "$work/dist.txt" > "$work/dist0.txt"
-  if compare "$work/local.txt" "$work/dist0.txt" "$tol"; then
+  if compare_losses "$work/local.txt" "$work/dist0.txt" "$tol"; then
     echo "ok: $(grep -c '^step' "$work/dist0.txt") steps match within $tol"
   else
     echo "FAIL"; paste "$work/local.txt" "$work/dist0.txt"; fails=$((fails + 1))
