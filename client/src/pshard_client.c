@@ -99,6 +99,7 @@ struct pshard_client {
     int64_t heartbeat_ms;
     pthread_t lease_thread;
     bool lease_started;
+    bool lease_ok; /* the last heartbeat went through (mu); else Leave is not even tried */
     uint64_t seen_generation;
     /* Set once this trainer's own shard server is known lost (mu): every later call fails
      * at once with it instead of waiting on a server that will not answer. */
@@ -448,6 +449,7 @@ static void *lease_main(void *arg)
         if (rc != PSHARD_OK)
             PS_WARN(PS_SUB_CLIENT, "trainer lease with %s: %s", c->coord_addr, err);
         pthread_mutex_lock(&c->mu);
+        c->lease_ok = rc == PSHARD_OK;
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
@@ -474,6 +476,7 @@ static void lease_start(pshard_client_t *c, const char *reported)
                 c->coord_addr, err);
         return;
     }
+    c->lease_ok = true;
     if (pthread_create(&c->lease_thread, NULL, lease_main, c) == 0)
         c->lease_started = true;
 }
@@ -589,15 +592,17 @@ void pshard_close(pshard_client_t *c)
         c->stop = true;
         pthread_cond_broadcast(&c->cv);
         pthread_mutex_unlock(&c->mu);
+        /* A heartbeat waiting on an unreachable coordinator must not hold up the exit. */
+        ps_rpc_channel_cancel_calls(c->coord, "the trainer is closing");
         pthread_join(c->lease_thread, NULL);
     }
-    if (c->coord && c->member_id[0]) {
+    if (c->coord && c->member_id[0] && c->lease_ok) {
         Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
         lv.member_id = c->member_id;
         ProtobufCMessage *resp = NULL;
         char err[256] = "";
         if (ps_rpc_unary(c->coord, "/pshard.Coordinator/Leave", &lv.base,
-                         &pshard__leave_response__descriptor, &resp, 2000, 0, NULL, err,
+                         &pshard__leave_response__descriptor, &resp, 1000, 0, NULL, err,
                          sizeof(err)) == PSHARD_OK)
             protobuf_c_message_free_unpacked(resp, NULL);
     }

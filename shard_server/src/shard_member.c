@@ -55,8 +55,8 @@ static pshard_status_t do_register(pshard_shard_server_t *s, char *err, size_t e
     return PSHARD_OK;
 }
 
-/* Cut off from the coordinator for longer than the lease while a collective is stalled just
- * as long: this server has been evicted and its peers have stopped waiting for it, so its own
+/* Cut off from the coordinator for longer than the lease while a collective is stalled (for
+ * half a lease or more): this server has been evicted and its peers have stopped waiting for it, so its own
  * collectives stop too and its trainer gets an error instead of waiting for a ring that is
  * gone. A coordinator that is merely down (restarting) leaves the ring running: operations
  * keep completing, so nothing stalls and nothing is aborted. */
@@ -76,7 +76,9 @@ static void lost_contact_check(pshard_shard_server_t *s)
     if (n == 0)
         return;
     pshard_coll_record_t rec = recs[n - 1];
-    if (rec.state != PSHARD_COLL_RUNNING || now - rec.start_ns < lease * 1000000)
+    /* Half a lease of stalling is evidence enough: a healthy ring finishes an operation far
+     * sooner, and a merely restarting coordinator does not stall it at all. */
+    if (rec.state != PSHARD_COLL_RUNNING || now - rec.start_ns < lease * 500000)
         return;
     char msg[512];
     snprintf(msg, sizeof(msg),
@@ -177,8 +179,12 @@ void *shard_heartbeat_main(void *arg)
         }
         /* Sleep in small pieces so stop is prompt; heartbeat faster while forming. */
         int64_t wait = s->formed && s->comm ? every : (every < 100 ? every : 100);
-        for (int64_t t = 0; t < wait && !atomic_load(&s->stop); t += 20)
+        for (int64_t t = 0; t < wait && !atomic_load(&s->stop); t += 20) {
             sleep_ms(20);
+            /* Out of contact, the lease runs out between heartbeats: look every 100 ms. */
+            if (rc != PSHARD_OK && t % 100 == 0)
+                lost_contact_check(s);
+        }
     }
     return NULL;
 }
