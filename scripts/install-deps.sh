@@ -8,6 +8,7 @@ packages=(
   libgrpc-dev protobuf-c-compiler libprotobuf-c-dev protobuf-compiler libprotobuf-dev
   libevent-dev libcunit1-dev libssl-dev openssl libopenblas-dev
   python3 python3-venv
+  iproute2  # ip netns, for the network-cut test
 )
 
 # The container smoke test (deploy/podman-smoke.sh, CTest deploy_podman_smoke): podman with
