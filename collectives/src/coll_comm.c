@@ -370,9 +370,24 @@ pshard_status_t coll_start_check(pshard_comm_t *comm, const coll_desc_t *desc, c
     return PSHARD_OK;
 }
 
+/* On a timeout the flight recorder goes to the log (the last 8 operations, the stuck one last)
+ * so that "who waited on whom" survives the process. */
+static void log_flight_records(pshard_comm_t *c)
+{
+    pshard_coll_record_t recs[8];
+    size_t n = pshard_comm_flight_records(c, recs, 8);
+    for (size_t i = 0; i < n; i++) {
+        char line[320];
+        pshard_coll_record_format(c, &recs[i], line, sizeof(line));
+        PS_ERROR(PS_SUB_COLL, "flight recorder: %s", line);
+    }
+}
+
 void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *msg)
 {
     pshard_comm_t *c = req->comm;
+    if (status == PSHARD_ERR_TIMEOUT)
+        log_flight_records(c);
     if (status != PSHARD_OK)
         coll_set_sticky(c, status, msg);
     pthread_mutex_lock(&c->mu);
