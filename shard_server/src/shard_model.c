@@ -6,15 +6,36 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "pshard/util.h"
 
+#define HUGE_PAGE (2u << 20)
+
+static size_t touched_len(size_t n)
+{
+    return ((n ? n : 1) + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+}
+
+/* Zeroed memory whose pages are backed now, not at the first step or checkpoint load, from
+ * transparent huge pages where the kernel allows (512x fewer page faults for state arrays of
+ * hundreds of MiB). malloc + memset would not do: the compiler turns that into calloc, which
+ * leaves the pages untouched. Free with free_touched and the same n. */
 static void *alloc_touched(size_t n)
 {
-    void *p = malloc(n ? n : 1);
-    if (p)
-        memset(p, 0, n ? n : 1);
+    size_t len = touched_len(n);
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return NULL;
+    madvise(p, len, MADV_HUGEPAGE);
+    memset(p, 0, len);
     return p;
+}
+
+static void free_touched(void *p, size_t n)
+{
+    if (p)
+        munmap(p, touched_len(n));
 }
 
 void shard_model_free(shard_model_t *m)
@@ -27,11 +48,12 @@ void shard_model_free(shard_model_t *m)
         free(m->params);
     }
     ps_layout_destroy(m->layout);
-    free(m->master);
-    free(m->grad);
-    free(m->state0);
-    free(m->state1);
-    free(m->stage);
+    size_t bytes = m->shard_numel * sizeof(float);
+    free_touched(m->master, bytes);
+    free_touched(m->grad, bytes);
+    free_touched(m->state0, bytes);
+    free_touched(m->state1, bytes);
+    free_touched(m->stage, m->max_piece * 4);
     free(m->spec_text);
     free(m);
 }
