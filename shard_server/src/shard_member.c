@@ -96,27 +96,22 @@ static void lost_contact_check(pshard_shard_server_t *s)
  * saves on every rank. */
 static void poll_checkpoint_request(pshard_shard_server_t *s)
 {
-    Pshard__StoreGetRequest req = PSHARD__STORE_GET_REQUEST__INIT;
+    /* An add of 0 reads the counter (0 before the first request) without the NOT_FOUND a get
+     * would answer every heartbeat, which status would count as errors. */
+    Pshard__StoreAddRequest req = PSHARD__STORE_ADD_REQUEST__INIT;
     req.key = "pshard/checkpoint/request";
+    req.delta = 0;
     ProtobufCMessage *resp = NULL;
     char err[256] = "";
-    if (ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreGet", &req.base,
-                     &pshard__store_get_response__descriptor, &resp, 2000, 0, NULL, err,
+    if (ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreAdd", &req.base,
+                     &pshard__store_add_response__descriptor, &resp, 2000, 0, NULL, err,
                      sizeof(err)) != PSHARD_OK)
-        return; /* NOT_FOUND until the first request */
-    const Pshard__StoreGetResponse *r = (const Pshard__StoreGetResponse *)resp;
-    char text[32];
-    size_t n = r->value.len < sizeof(text) - 1 ? r->value.len : sizeof(text) - 1;
-    memcpy(text, r->value.data, n);
-    text[n] = '\0';
-    int64_t v = 0;
-    /* StoreAdd keeps counters as decimal text. */
-    if (ps_parse_i64(text, 0, INT64_MAX, &v) == 0) {
-        pthread_mutex_lock(&s->mu);
-        if (v > s->ckpt_requested)
-            s->ckpt_requested = v;
-        pthread_mutex_unlock(&s->mu);
-    }
+        return;
+    int64_t v = ((const Pshard__StoreAddResponse *)resp)->value;
+    pthread_mutex_lock(&s->mu);
+    if (v > s->ckpt_requested)
+        s->ckpt_requested = v;
+    pthread_mutex_unlock(&s->mu);
     protobuf_c_message_free_unpacked(resp, NULL);
 }
 
