@@ -417,7 +417,6 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
                                 const char *root, bool *restored, char *dir, size_t dirlen,
                                 char *err, size_t errlen)
 {
-    (void)s;
     *restored = false;
     int rank = pshard_comm_rank(comm), world = pshard_comm_world_size(comm);
     char local_err[512] = "";

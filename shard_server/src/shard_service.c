@@ -340,14 +340,9 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
 {
     pshard_shard_server_t *s = ctx;
     const Pshard__DefineModelRequest *req = (const Pshard__DefineModelRequest *)request;
-    pshard_comm_t *comm = comm_or_fail(s, call);
+    pshard_comm_t *comm = shard_op_begin(s, call, req->session, NULL);
     if (!comm)
         return;
-    pthread_mutex_lock(&s->op_mu);
-    if (!shard_session_ok(s, call, req->session)) {
-        pthread_mutex_unlock(&s->op_mu);
-        return;
-    }
     char err[1024] = "", resumed_from[4096] = "";
     pshard_status_t rc = PSHARD_OK;
     size_t n = req->n_params;
@@ -673,20 +668,10 @@ static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
 {
     pshard_shard_server_t *s = ctx;
     const Pshard__StepRequest *req = (const Pshard__StepRequest *)request;
-    pshard_comm_t *comm = comm_or_fail(s, call);
+    pshard_comm_t *comm = shard_op_begin(s, call, req->session, "no model is defined");
     if (!comm)
         return;
-    pthread_mutex_lock(&s->op_mu);
-    if (!shard_session_ok(s, call, req->session)) {
-        pthread_mutex_unlock(&s->op_mu);
-        return;
-    }
     shard_model_t *m = s->model;
-    if (!m) {
-        pthread_mutex_unlock(&s->op_mu);
-        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
-        return;
-    }
     double lr = req->set_lr ? req->lr : m->optim.lr;
     if (!(lr >= 0) || !isfinite(lr)) {
         pthread_mutex_unlock(&s->op_mu);
