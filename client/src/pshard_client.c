@@ -31,6 +31,7 @@ typedef struct {
     void *base;
     size_t bytes;
     char name[64]; /* "" for a private region (remote trainers) */
+    bool linked;   /* the name is still in /dev/shm (until the server has mapped it) */
 } region_t;
 
 #define CHUNK (1u << 20)
@@ -183,6 +184,7 @@ static pshard_status_t region_create(region_t *r, size_t bytes, const char *what
         shm_unlink(r->name);
         return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "mmap %s: %s", r->name, strerror(errno));
     }
+    r->linked = true;
     /* Touch every page now, not inside the first operation. */
     if (touch)
         memset(p, 0, bytes);
@@ -191,13 +193,21 @@ static pshard_status_t region_create(region_t *r, size_t bytes, const char *what
     return PSHARD_OK;
 }
 
+/* Removes the region's name once the server has mapped it: the memory lives on in both
+ * mappings, and a trainer killed with -9 leaves nothing behind in /dev/shm. */
+static void region_unlink(region_t *r)
+{
+    if (r->linked) {
+        shm_unlink(r->name);
+        r->linked = false;
+    }
+}
+
 static void region_destroy(region_t *r)
 {
-    if (r->base) {
+    if (r->base)
         munmap(r->base, r->bytes);
-        if (r->name[0])
-            shm_unlink(r->name);
-    }
+    region_unlink(r);
     memset(r, 0, sizeof(*r));
 }
 
@@ -543,6 +553,7 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
         if (rc == PSHARD_OK) {
             Pshard__AttachResponse *a = (Pshard__AttachResponse *)resp;
             ps_strlcpy(c->session, a->session, sizeof(c->session));
+            region_unlink(&c->scratch);
             c->rank = a->rank;
             c->world = a->world_size;
             ps_strlcpy(c->coord_addr, a->coordinator ? a->coordinator : "",
@@ -878,6 +889,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     }
     int64_t model_step = ((Pshard__DefineModelResponse *)dresp)->step;
     protobuf_c_message_free_unpacked(dresp, NULL);
+    region_unlink(&model);
     /* The initial values are consumed: their pages go back (in both processes). */
     if (need_init)
         region_discard(&model, 0, init_bytes);

@@ -50,7 +50,21 @@ static void free_arrays(void)
 }
 
 /* Shared-memory objects this process created (the local path makes two per client). */
-static int own_shm_objects(void)
+/* Shared-memory objects this process has mapped (from /proc/self/maps), and how many of
+ * its objects still have a name in /dev/shm (none once the server has mapped them). */
+static int own_shm_mappings(void)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    int n = 0;
+    char line[512];
+    while (f && fgets(line, sizeof(line), f))
+        n += strstr(line, "/dev/shm/pshard-") != NULL;
+    if (f)
+        fclose(f);
+    return n;
+}
+
+static int own_shm_names(void)
 {
     char prefix[64];
     snprintf(prefix, sizeof(prefix), "pshard-%d-", (int)getpid());
@@ -132,10 +146,12 @@ int main(int argc, char **argv)
         pshard_close(c);
         return code;
     }
-    /* The remote path uses no shared memory at all; the local one does. */
-    if ((own_shm_objects() == 0) != cfg.remote) {
-        fprintf(stderr, "rank %d: %d shared-memory objects on the %s path\n", rank,
-                own_shm_objects(), cfg.remote ? "remote" : "local");
+    /* The remote path uses no shared memory at all; the local one does, and its objects
+     * are already unlinked (nothing is left in /dev/shm if this process is killed). */
+    if ((own_shm_mappings() == 0) != cfg.remote || own_shm_names() != 0) {
+        fprintf(stderr, "rank %d: %d shared-memory mappings, %d names in /dev/shm on the %s "
+                "path\n", rank, own_shm_mappings(), own_shm_names(),
+                cfg.remote ? "remote" : "local");
         pshard_close(c);
         return 1;
     }

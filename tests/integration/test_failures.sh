@@ -126,6 +126,13 @@ start_cluster 3 100000000
 t0=$(now_ms)
 kill -9 "${tpid[1]}"
 expect_failures "$t0" "trainer-1" 0 2
+# Its shared memory was unlinked once mapped: nothing of it is left in /dev/shm.
+left=$(find /dev/shm -maxdepth 1 -name "pshard-${tpid[1]}-*" 2>/dev/null | wc -l)
+if [ "$left" -ne 0 ]; then
+  echo "FAIL: the killed trainer left $left shared-memory objects in /dev/shm"; fails=$((fails + 1))
+else
+  echo "ok: the killed trainer left nothing in /dev/shm"
+fi
 for r in 0 1 2; do
   if gone "${spid[$r]}"; then echo "FAIL: shard server $r died"; fails=$((fails + 1)); fi
 done
