@@ -865,6 +865,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     oc.beta2 = mc->beta2;
     oc.eps = mc->eps;
     oc.max_grad_norm = mc->max_grad_norm;
+    oc.in_backward = mc->optimizer_in_backward;
     Pshard__DefineModelRequest req = PSHARD__DEFINE_MODEL_REQUEST__INIT;
     req.session = c->session;
     req.n_params = nparams;

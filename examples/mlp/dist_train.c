@@ -202,6 +202,7 @@ int mlp_dist_train(const mlp_dist_args_t *da)
     mc.init_from_rank0 = true;
     mc.reshard_after_forward = da->reshard_after_forward;
     mc.max_gathers_in_flight = da->max_gathers_in_flight;
+    mc.optimizer_in_backward = da->optimizer_in_backward;
     if (pshard_define_model(c, params, np, &mc, rank == 0 ? (const float *const *)init : NULL) !=
         PSHARD_OK) {
         fprintf(stderr, "pshard-mlp: rank %d: %s\n", rank, pshard_last_error(c));
@@ -271,17 +272,21 @@ int mlp_dist_train(const mlp_dist_args_t *da)
     double ms = timed > 0 ? (double)(ps_now_ns() - t0) / 1e6 / (double)timed : 0;
     pshard_memory_stats_t mem;
     pshard_memory_stats(c, &mem);
-    if (pshard_gather(c, NULL, 0) != PSHARD_OK)
-        goto pshard_error;
     double checksum = 0;
     FILE *dump = rank == 0 && a->dump_weights ? fopen(a->dump_weights, "wb") : NULL;
     if (rank == 0 && a->dump_weights && !dump) {
         fprintf(stderr, "pshard-mlp: cannot write %s\n", a->dump_weights);
         goto out;
     }
+    /* One parameter at a time (gather, read, reshard), so the checksum holds no more than
+     * training did, like summon_full_params on one module after another. */
     for (size_t p = 0; p < np; p++) {
         size_t n = mlp_param_numel(shape, p);
+        if (pshard_gather(c, &p, 1) != PSHARD_OK)
+            goto pshard_error;
         to_f32(pshard_param(c, p), da->param_dtype, tmp[0], n);
+        if (pshard_reshard(c, &p, 1) != PSHARD_OK)
+            goto pshard_error;
         for (size_t i = 0; i < n; i++)
             checksum += tmp[0][i];
         if (dump && fwrite(tmp[0], sizeof(float), n, dump) != n) {

@@ -20,6 +20,7 @@ typedef struct {
     int max_gathers_in_flight;
     bool join_enable;           /* --uneven: pshard_join's enable */
     bool join_throw;            /* --uneven: throw_on_early_termination */
+    bool optimizer_in_backward; /* updates at the reduce-scatters, no accumulator */
     bool checkpoint_at_end;     /* pshard_checkpoint_save after the last step */
     const char *init_from;      /* safetensors file with the initial weights, or NULL */
 } mlp_dist_args_t;

@@ -48,6 +48,7 @@ typedef struct {
     int64_t max_gathers_in_flight;
     bool join_enable;
     bool join_throw;
+    bool optimizer_in_backward;
     char *dump_weights;
     bool checkpoint_at_end;
     char *init_from;
@@ -103,6 +104,10 @@ static const ps_option_t options[] = {
     OPT("join-throw", NULL, PS_OPT_BOOL, "false",
         "with --uneven, the first join stops every rank (throw_on_early_termination)", join_throw,
         0, 0),
+    OPT("optimizer-in-backward", NULL, PS_OPT_BOOL, "false",
+        "shard servers update each layer at its reduce-scatter and keep no gradient "
+        "accumulator (needs --max-grad-norm 0)",
+        optimizer_in_backward, 0, 0),
     OPT("dump-weights", NULL, PS_OPT_STRING, NULL,
         "write the final weights here (raw fp32, definition order; rank 0 in distributed mode)",
         dump_weights, 0, 0),
@@ -253,6 +258,7 @@ static int run_distributed(const mlp_config_t *cfg, const mlp_opts_t *o)
     d.max_gathers_in_flight = (int)o->max_gathers_in_flight;
     d.join_enable = o->join_enable;
     d.join_throw = o->join_throw;
+    d.optimizer_in_backward = o->optimizer_in_backward;
     d.checkpoint_at_end = o->checkpoint_at_end;
     d.init_from = o->init_from;
     a->dump_weights = o->dump_weights;

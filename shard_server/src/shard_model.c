@@ -54,6 +54,7 @@ void shard_model_free(shard_model_t *m)
     free_touched(m->state0, bytes);
     free_touched(m->state1, bytes);
     free_touched(m->stage, m->max_piece * 4);
+    free(m->reduced);
     free(m->spec_text);
     free(m);
 }
@@ -104,8 +105,8 @@ static void format_param(const shard_param_t *p, char *buf, size_t len)
 pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
                                    const char *const *names, const int64_t *const *shapes,
                                    const size_t *ndims, const ps_optim_config_t *optim,
-                                   double max_grad_norm, shard_model_t **out, char *err,
-                                   size_t errlen)
+                                   double max_grad_norm, bool in_backward,
+                                   shard_model_t **out, char *err, size_t errlen)
 {
     *out = NULL;
     if (nparams == 0)
@@ -122,6 +123,11 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     if (!(max_grad_norm >= 0))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "max_grad_norm must be >= 0 (0 disables clipping)");
+    if (in_backward && max_grad_norm > 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "optimizer_in_backward updates each parameter at its reduce-scatter, "
+                       "before the global gradient norm is known: it cannot clip (set "
+                       "max_grad_norm to 0, or turn optimizer_in_backward off)");
     shard_model_t *m = calloc(1, sizeof(*m));
     if (!m)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
@@ -129,6 +135,8 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     m->world = world;
     m->optim = *optim;
     m->max_grad_norm = max_grad_norm;
+    m->in_backward = in_backward;
+    m->cur_lr = optim->lr;
     m->nparams = nparams;
     m->params = calloc(nparams, sizeof(*m->params));
     size_t *numel = calloc(nparams, sizeof(size_t));
@@ -207,17 +215,22 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     }
     size_t bytes = m->shard_numel * sizeof(float);
     m->master = alloc_touched(bytes);
-    m->grad = alloc_touched(bytes);
+    /* In-backward updates need no accumulator, only a flag per parameter and step. */
+    if (in_backward)
+        m->reduced = calloc(nparams, 1);
+    else
+        m->grad = alloc_touched(bytes);
     int nstate = ps_optim_state_count(optim);
     if (nstate >= 1)
         m->state0 = alloc_touched(bytes);
     if (nstate >= 2)
         m->state1 = alloc_touched(bytes);
     m->stage = alloc_touched(m->max_piece * 4); /* widest staged type: fp32 */
-    if (!m->master || !m->grad || (nstate >= 1 && !m->state0) || (nstate >= 2 && !m->state1) ||
-        !m->stage) {
+    if (!m->master || (in_backward ? !m->reduced : !m->grad) || (nstate >= 1 && !m->state0) ||
+        (nstate >= 2 && !m->state1) || !m->stage) {
         rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
-                     "cannot allocate %zu bytes of shard state", bytes * (size_t)(2 + nstate));
+                     "cannot allocate %zu bytes of shard state",
+                     bytes * (size_t)(1 + !in_backward + nstate));
         goto fail;
     }
 
@@ -225,8 +238,9 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     size_t cap = 256, len = 0;
     m->spec_text = malloc(cap);
     if (!m->spec_text ||
-        append(&m->spec_text, &len, &cap, "layout %s world %d optimizer %d\n",
-               layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1", world, (int)optim->kind) != 0) {
+        append(&m->spec_text, &len, &cap, "layout %s world %d optimizer %d%s\n",
+               layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1", world, (int)optim->kind,
+               in_backward ? " in_backward" : "") != 0) {
         rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
         goto fail;
     }
@@ -306,5 +320,5 @@ pshard_status_t shard_model_compare(const shard_model_t *m, const char *other, i
 size_t shard_model_state_bytes(const shard_model_t *m)
 {
     size_t per = m->shard_numel * sizeof(float);
-    return per * (2 + (m->state0 ? 1 : 0) + (m->state1 ? 1 : 0));
+    return per * (1 + (m->grad ? 1 : 0) + (m->state0 ? 1 : 0) + (m->state1 ? 1 : 0));
 }

@@ -37,6 +37,13 @@ typedef struct {
     void *stage;        /* max_piece fp32-sized elements: conversions, reduce output */
     ps_optim_config_t optim;
     double max_grad_norm;
+    /* optimizer_in_backward: grad is NULL; each parameter's slice is updated at its
+     * reduce-scatter with cur_lr (set by the previous Step), reduced[p] marks the parameters
+     * reduced in this step, grad_sq sums their squares for the step's gradient norm. */
+    bool in_backward;
+    double cur_lr;
+    uint8_t *reduced;
+    double grad_sq;
     int64_t step;
     uint64_t fingerprint;
     char *spec_text;    /* canonical text of the definition, compared across ranks */
@@ -44,14 +51,15 @@ typedef struct {
 
 /* Builds the model from parameter names and shapes (copied). Validates everything a trainer
  * sends (names 1..255 printable bytes, 1..8 positive dims, element counts without overflow, at
- * most SHARD_MAX_PARAMS parameters, unique names, the optimizer config); errors are
+ * most SHARD_MAX_PARAMS parameters, unique names, the optimizer config, no clipping with
+ * in_backward); errors are
  * INVALID_ARGUMENT with a message naming the parameter. Allocates and pre-touches storage.
  * Free with shard_model_free. */
 pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
                                    const char *const *names, const int64_t *const *shapes,
                                    const size_t *ndims, const ps_optim_config_t *optim,
-                                   double max_grad_norm, shard_model_t **out, char *err,
-                                   size_t errlen);
+                                   double max_grad_norm, bool in_backward,
+                                   shard_model_t **out, char *err, size_t errlen);
 void shard_model_free(shard_model_t *m);
 
 /* Compares this model's definition text with another rank's and, when they differ, writes a
@@ -59,7 +67,7 @@ void shard_model_free(shard_model_t *m);
 pshard_status_t shard_model_compare(const shard_model_t *m, const char *other_text,
                                     int other_rank, char *err, size_t errlen);
 
-/* Bytes of master + gradient + optimizer state. */
+/* Bytes of master + gradient accumulator (none in backward mode) + optimizer state. */
 size_t shard_model_state_bytes(const shard_model_t *m);
 
 #endif

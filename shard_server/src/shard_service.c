@@ -417,8 +417,8 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
             goto out;
     }
     rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n,
-                            names, shapes, ndims, &oc, po ? po->max_grad_norm : 0, &m, err,
-                            sizeof(err));
+                            names, shapes, ndims, &oc, po ? po->max_grad_norm : 0,
+                            po && po->in_backward, &m, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
     rc = check_definitions(s, m, err, sizeof(err));
@@ -539,7 +539,14 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
                                          char *err, size_t errlen)
 {
     size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
-    float *g = m->grad + ps_layout_shard_offset(m->layout, p, m->rank);
+    size_t off = ps_layout_shard_offset(m->layout, p, m->rank);
+    /* Checked before the collective, so every rank refuses alike and none waits. */
+    if (m->in_backward && m->reduced[p])
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "'%s' was already reduce-scattered in step %" PRId64 ": "
+                       "optimizer_in_backward applies the update at the first one, so gradient "
+                       "accumulation needs optimizer_in_backward off",
+                       m->params[p].name, m->step + 1);
     /* With every rank contributing the collective averages (as before Join existed); with
      * fewer, it sums and the sum is divided by the contributors here. */
     bool all = active == m->world;
@@ -555,6 +562,26 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
     };
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     float scale = all ? 1.0f : (float)(1.0 / (double)(active > 0 ? active : 1));
+    if (m->in_backward) {
+        /* The averaged slice, in fp32 in the staging buffer (bf16 widened in place, from the
+         * end, so no element is overwritten before it is read), updates the slice now. */
+        float *r = m->stage;
+        if (dt != PSHARD_FP32) {
+            const uint16_t *r16 = m->stage;
+            for (size_t k = cnt; k-- > 0;)
+                r[k] = ps_bf16_to_f32(r16[k]);
+        }
+        if (!all || dt != PSHARD_FP32)
+            for (size_t k = 0; k < cnt; k++)
+                r[k] *= scale;
+        m->grad_sq += ps_sum_squares(r, cnt);
+        ps_optim_step(&m->optim, m->cur_lr, m->step + 1, m->master + off, r,
+                      m->state0 ? m->state0 + off : NULL, m->state1 ? m->state1 + off : NULL,
+                      cnt);
+        m->reduced[p] = 1;
+        return PSHARD_OK;
+    }
+    float *g = m->grad + off;
     if (dt == PSHARD_FP32) {
         const float *r = m->stage;
         if (all)
@@ -642,13 +669,25 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
                                size_t errlen)
 {
     /* The global gradient norm: an all-reduce of the squared slice norms (clip_grad_norm). */
-    float sq = (float)ps_sum_squares(m->grad, m->shard_numel);
+    float sq = (float)(m->in_backward ? m->grad_sq : ps_sum_squares(m->grad, m->shard_numel));
     pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32,
                             .reduce = PSHARD_REDUCE_SUM, .send = &sq, .recv = &sq, .count = 1,
                             .tag = ((uint64_t)m->step << 32) | 0x7fffffffu,
                             .label = "grad norm"};
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     double norm = sqrt((double)sq);
+    if (m->in_backward) {
+        /* The updates were applied at the reduce-scatters (a parameter without one this step
+         * is left alone, as torch skips a None grad); lr is for the next step's. */
+        pthread_mutex_lock(&s->mu);
+        m->step++;
+        pthread_mutex_unlock(&s->mu);
+        m->cur_lr = lr;
+        m->grad_sq = 0;
+        memset(m->reduced, 0, m->nparams);
+        *norm_out = norm;
+        return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
+    }
     if (m->max_grad_norm > 0) {
         double coef = m->max_grad_norm / (norm + 1e-6);
         if (coef < 1.0)

@@ -7,7 +7,8 @@
 #      PyTorch local, DDP and FSDP2 (torch_mlp.py) (targets: pshard 2-rank step / torch FSDP2
 #      step (DDP if FSDP2 cannot run) <= 1.0; pshard's distributed overhead <= torch's);
 #   3. peak RSS (VmHWM) of each shard server on 2 ranks, 4x1024 and 8x4096 MLPs, SGD momentum and
-#      Adam, against ideal = fp32 params / N x (1 + optimizer states) + 64 MiB (target <= 1.1).
+#      Adam, each also with --optimizer-in-backward (tag _inbw: no gradient accumulator),
+#      against ideal = fp32 params / N x (1 + optimizer states) + 64 MiB (target <= 1.1).
 # Builds (Release) into build-bench/ and makes a virtual environment with PyPI's torch in it
 # (the torch wheel without its CUDA dependencies plus the few CUDA libraries that /usr/local/cuda
 # lacks, about 1 GiB; the full wheel set, several GiB, only if that does not import).
@@ -211,6 +212,11 @@ for m in "4x1024 1024,1024,1024,1024 20" "8x4096 4096,4096,4096,4096,4096,4096,4
         --momentum 0.9 --lr 0.01 --steps "$steps" --print-every 0
     run_rss "${tag}_adam" --widths "$widths" --input 256 --output 64 --optimizer adam \
         --lr 0.001 --steps "$steps" --print-every 0
+    # optimizer_in_backward: no gradient accumulator on the servers.
+    run_rss "${tag}_sgdm_inbw" --widths "$widths" --input 256 --output 64 --optimizer sgd \
+        --momentum 0.9 --lr 0.01 --steps "$steps" --print-every 0 --optimizer-in-backward
+    run_rss "${tag}_adam_inbw" --widths "$widths" --input 256 --output 64 --optimizer adam \
+        --lr 0.001 --steps "$steps" --print-every 0 --optimizer-in-backward
 done
 echo "# load after the runs: $(cut -d' ' -f1-3 /proc/loadavg)"
 fi
@@ -271,7 +277,7 @@ for f in "$OUT"/rss_*.txt; do
     8x4096_*) p=$(mlp_params 256 4096,4096,4096,4096,4096,4096,4096,4096 64) ;;
     *) continue ;;
     esac
-    case "$tag" in *_adam) states=2 ;; *) states=1 ;; esac
+    case "$tag" in *_adam | *_adam_*) states=2 ;; *) states=1 ;; esac
     sed 's/^\[trainer 0\] //' "$f" | awk '$1 == "rss-server"' | sort -k3n | awk -v p="$p" -v s="$states" -v tag="$tag" '
         { hwm = $5 / 1024; anon = $9 / 1024; shm = $13 / 1024
           ideal = p * 4 / 2 * (1 + s) / 1048576 + 64

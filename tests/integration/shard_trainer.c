@@ -102,6 +102,7 @@ int main(int argc, char **argv)
     ps_parse_i64(argv[7], 1, 1000, &v);
     int steps = (int)v;
     bool mismatch = argc > 8 && strcmp(argv[8], "mismatch") == 0;
+    bool in_backward = argc > 8 && strcmp(argv[8], "in_backward") == 0;
 
     const char *remote = getenv("PSHARD_REMOTE");
     pshard_client_config_t cfg = {.server = argv[1], .rank = rank, .world_size = world,
@@ -121,7 +122,8 @@ int main(int argc, char **argv)
     mc.momentum = opt == PSHARD_SGD ? 0.9 : 0;
     mc.nesterov = opt == PSHARD_SGD;
     mc.weight_decay = opt == PSHARD_ADAMW ? 0.05 : (opt == PSHARD_ADAM ? 0.01 : 0.001);
-    mc.max_grad_norm = 0.5;
+    mc.max_grad_norm = in_backward ? 0 : 0.5; /* in-backward updates cannot clip */
+    mc.optimizer_in_backward = in_backward;
     mc.max_gathers_in_flight = 1; /* odd steps issue two gathers: the second must wait */
     pshard_param_t params[NP];
     atexit(free_arrays);
@@ -245,6 +247,21 @@ int main(int argc, char **argv)
             fprintf(stderr, "rank %d: reduce_scatter: %s\n", rank, pshard_last_error(c));
             return 1;
         }
+        /* In-backward, the update is done: a second reduce-scatter of a parameter in the
+         * same step (gradient accumulation) is refused on every rank, changing nothing. */
+        if (in_backward && step == 2) {
+            static const size_t first = 0;
+            float *g0 = pshard_grad(c, first);
+            if (g0)
+                memset(g0, 0, numel_of(0) * sizeof(float));
+            pshard_status_t st = g0 ? pshard_reduce_scatter(c, &first, 1) : PSHARD_ERR_INTERNAL;
+            if (st != PSHARD_ERR_FAILED_PRECONDITION ||
+                !strstr(pshard_last_error(c), "already reduce-scattered")) {
+                fprintf(stderr, "rank %d: a second reduce-scatter in one step gave %d: %s\n",
+                        rank, (int)st, pshard_last_error(c));
+                failures++;
+            }
+        }
         double norm = 0;
         if (pshard_step(c, -1, NULL, &norm) != PSHARD_OK) {
             fprintf(stderr, "rank %d: step: %s\n", rank, pshard_last_error(c));
@@ -269,7 +286,7 @@ int main(int argc, char **argv)
         }
         double coef = mc.max_grad_norm / (ref_norm + 1e-6);
         for (int p = 0; p < NP; p++) {
-            if (coef < 1)
+            if (mc.max_grad_norm > 0 && coef < 1)
                 ps_scale(avg[p], numel_of(p), (float)coef);
             ps_optim_step(&oc, oc.lr, step, ref[p], avg[p], st0[p], st1[p], numel_of(p));
         }

@@ -77,6 +77,8 @@ case_ 3 1e-5 --optimizer adam --steps 0
 case_ 2 2e-2 --optimizer adamw --param-dtype bf16 --reduce-dtype bf16
 case_ 3 2e-2 --optimizer adam --param-dtype fp16 --layout fsdp1
 PSHARD_REMOTE=1 case_ 2 1e-5 --optimizer adam
+# optimizer_in_backward: a joined rank's server applies the others' averaged update itself.
+case_ 3 1e-5 --optimizer adam --optimizer-in-backward
 
 # throw_on_early_termination: rank 0 runs out after 5 steps; the others' next operation fails
 # with JOINED naming rank 0, they join, and the model has exactly 5 steps (even reference).

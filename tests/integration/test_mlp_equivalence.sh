@@ -45,6 +45,20 @@ case_ 4 1e-4 --optimizer adamw --layout fsdp1 --reshard-after-forward=false --ma
 # The remote path: trainers stream tensors over gRPC instead of sharing memory.
 PSHARD_REMOTE=1 case_ 3 1e-4 --optimizer adam --max-grad-norm 1.0
 PSHARD_REMOTE=1 case_ 2 1e-4 --optimizer sgd --reshard-after-forward=false
+# optimizer_in_backward: updates at the reduce-scatters, no gradient accumulator (no clipping:
+# without it both orders of work give the same weights).
+case_ 3 1e-4 --optimizer adam --optimizer-in-backward
+case_ 2 1e-4 --optimizer sgd --lr 0.05 --momentum 0.9 --layout fsdp1 --optimizer-in-backward
+case_ 2 2e-2 --optimizer adamw --param-dtype bf16 --reduce-dtype bf16 --optimizer-in-backward
+echo "== optimizer_in_backward with clipping is refused"
+if timeout 120 "$run" --nproc 2 -- "$mlp" --steps 2 --optimizer-in-backward --max-grad-norm 1 \
+    > "$work/clip.txt" 2>&1; then
+  echo "FAIL: optimizer_in_backward with --max-grad-norm 1 was accepted"; fails=$((fails + 1))
+elif ! grep -q "it cannot clip" "$work/clip.txt"; then
+  echo "FAIL: the refusal does not say why:"; cat "$work/clip.txt"; fails=$((fails + 1))
+else
+  echo "ok: $(grep -m1 -o 'optimizer_in_backward updates.*cannot clip' "$work/clip.txt")"
+fi
 
 # Memory: FULL_SHARD holds a few layers at a time, SHARD_GRAD_OP every parameter from forward
 # to backward; only SHARD_GRAD_OP skips backward's gathers (2 per layer per step).

@@ -134,6 +134,14 @@ static void test_remote_path(void)
     unsetenv("PSHARD_REMOTE");
 }
 
+/* optimizer_in_backward: updates at the reduce-scatters, no accumulator; a second
+ * reduce-scatter of a parameter in one step is refused. */
+static void test_in_backward(void)
+{
+    CU_ASSERT(run_case(3, "fsdp2", "adam", "fp32", "in_backward"));
+    CU_ASSERT(run_case(2, "fsdp1", "sgd", "bf16", "in_backward"));
+}
+
 static void test_mismatched_definition(void)
 {
     CU_ASSERT(run_case(2, "fsdp2", "sgd", "fp32", "mismatch"));
@@ -157,6 +165,7 @@ int main(int argc, char **argv)
         {"2 ranks, fsdp1, sgd", test_two_ranks_sgd_fsdp1},
         {"3 ranks, bf16 params, adamw", test_bf16_params},
         {"remote path (gRPC streaming, no shared memory)", test_remote_path},
+        {"optimizer in backward", test_in_backward},
         {"mismatched model definitions are refused", test_mismatched_definition},
         {NULL, NULL},
     };

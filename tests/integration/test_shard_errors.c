@@ -910,6 +910,11 @@ static void mut_clip(define_t *d)
 {
     d->opt.max_grad_norm = -1;
 }
+static void mut_in_backward_clip(define_t *d)
+{
+    d->opt.in_backward = true;
+    d->opt.max_grad_norm = 1.0;
+}
 static void mut_no_offsets(define_t *d)
 {
     d->req.n_init_offsets = 0;
@@ -988,6 +993,7 @@ static void test_define_bad(void)
         {"negative weight decay", mut_negative_wd, IA, "weight_decay"},
         {"nesterov without momentum", mut_nesterov, IA, "Nesterov"},
         {"negative max_grad_norm", mut_clip, IA, "max_grad_norm"},
+        {"clipping with optimizer_in_backward", mut_in_backward_clip, IA, "it cannot clip"},
         {"init offsets missing", mut_no_offsets, IA, "init_offsets has 0 entries for 2"},
         {"one init offset for two params", mut_one_offset, IA, "init_offsets has 1 entries for 2"},
         {"init offsets missing (from rank 0)", mut_no_offsets_rank0, IA,

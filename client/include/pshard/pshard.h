@@ -101,6 +101,15 @@ typedef struct {
     size_t pool_bytes;            /* shared memory for full parameters and gradients; 0 = room
                                      for all of them twice over (only what is unsharded at
                                      once is ever backed by pages) */
+    bool optimizer_in_backward;   /* torch's _apply_optimizer_in_backward: each shard server
+                                     updates a parameter's slice as soon as its gradient is
+                                     reduce-scattered and keeps no gradient accumulator (1/N
+                                     of the fp32 parameters less per server). Refuses
+                                     max_grad_norm > 0 and a second reduce-scatter of a
+                                     parameter in one step (gradient accumulation); a
+                                     parameter not reduce-scattered in a step is not updated;
+                                     pshard_step ends the step and its lr applies to the next
+                                     step's updates. Default false. */
 } pshard_model_config_t;
 
 /* FSDP2 layout, fp32 params and reductions, torch.optim's defaults for `optimizer` (SGD
@@ -187,7 +196,8 @@ PSHARD_API pshard_status_t pshard_reduce_scatter_start(pshard_client_t *c, const
 PSHARD_API pshard_status_t pshard_work_wait(pshard_work_t *work);
 
 /* Runs the optimizer on every shard (clipping first if configured). lr < 0 keeps the
- * configured rate. *step (may be NULL) gets the step number after the update, *grad_norm
+ * configured rate. With optimizer_in_backward the updates were already applied at the
+ * reduce-scatters: the step only counts them, and lr is the rate of the next step's. *step (may be NULL) gets the step number after the update, *grad_norm
  * (may be NULL) the global gradient norm before clipping. */
 PSHARD_API pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step,
                                        double *grad_norm);
