@@ -331,6 +331,18 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
             memcpy(m->master + ps_layout_shard_offset(m->layout, p, m->rank), src + off,
                    cnt * sizeof(float));
         }
+        /* This server is done with those trainer pages (the trainer discards them after
+         * DefineModel): drop them from its own mapping now, so the definition's peak holds
+         * one parameter's initial values, not all. Shared mappings only: the pages keep their
+         * contents, should another parameter's offsets overlap these. */
+        if (rc == PSHARD_OK && has_data && region->name[0]) {
+            size_t page = (size_t)sysconf(_SC_PAGESIZE);
+            uintptr_t a0 = (uintptr_t)((const uint8_t *)region->base + req->init_offsets[p]);
+            uintptr_t start = (a0 + page - 1) / page * page;
+            uintptr_t end = (a0 + numel * sizeof(float)) / page * page;
+            if (end > start)
+                madvise((void *)start, end - start, MADV_DONTNEED);
+        }
     }
     free(full);
     return rc;
