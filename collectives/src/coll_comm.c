@@ -322,13 +322,31 @@ pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
     pshard_status_t sticky = comm->sticky;
     char sticky_msg[sizeof(comm->sticky_msg)];
     ps_strlcpy(sticky_msg, comm->sticky_msg, sizeof(sticky_msg));
+    /* One rank, host buffers, nothing queued ahead: the operation is a copy, done here
+     * rather than handed to the backend's thread and back (two wake-ups per operation). */
+    bool local = sticky == PSHARD_OK && comm->world_size == 1 && comm->backend->host_buffers &&
+                 comm->in_flight == 0;
+    if (sticky == PSHARD_OK && !local) {
+        r->submitted = true;
+        comm->in_flight++;
+    }
     pthread_mutex_unlock(&comm->mu);
 
     *req = r;
-    if (sticky != PSHARD_OK)
+    if (sticky != PSHARD_OK) {
         coll_complete(r, sticky, sticky_msg);
-    else
+    } else if (local) {
+        /* A one-rank all-gather, reduce-scatter, all-reduce or broadcast copies send to
+         * recv (a sum or average over one rank is the value itself); a barrier does nothing. */
+        size_t nbytes = args->op == PSHARD_COLL_BARRIER
+                            ? 0
+                            : r->op.displs[1] * pshard_dtype_size(args->dtype);
+        if (nbytes && args->send && args->recv && args->send != args->recv)
+            memmove(args->recv, args->send, nbytes);
+        coll_complete(r, PSHARD_OK, NULL);
+    } else {
         comm->backend->submit(comm, r);
+    }
     return PSHARD_OK;
 }
 
@@ -361,6 +379,10 @@ pshard_status_t coll_start_check(pshard_comm_t *comm, const coll_desc_t *desc, c
     pshard_status_t sticky = comm->sticky;
     char sticky_msg[sizeof(comm->sticky_msg)];
     ps_strlcpy(sticky_msg, comm->sticky_msg, sizeof(sticky_msg));
+    if (sticky == PSHARD_OK) {
+        r->submitted = true;
+        comm->in_flight++;
+    }
     pthread_mutex_unlock(&comm->mu);
     *req = r;
     if (sticky != PSHARD_OK)
@@ -391,6 +413,10 @@ void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *m
     if (status != PSHARD_OK)
         coll_set_sticky(c, status, msg);
     pthread_mutex_lock(&c->mu);
+    if (req->submitted) {
+        req->submitted = false;
+        c->in_flight--;
+    }
     pshard_coll_record_t *r = record_of(c, &req->op);
     if (r) {
         r->state = status == PSHARD_OK ? PSHARD_COLL_DONE : PSHARD_COLL_FAILED;

@@ -28,6 +28,7 @@ struct pshard_coll_req {
     bool done;
     pshard_status_t status;
     char error[1024];
+    bool submitted;               /* counted in comm->in_flight */
     struct pshard_coll_req *next; /* queue link */
 };
 
@@ -45,6 +46,9 @@ typedef struct {
     void (*abort)(pshard_comm_t *comm);
     /* Stops threads and frees backend state; everything submitted has completed. */
     void (*destroy)(pshard_comm_t *comm);
+    /* Buffers are host memory: an operation of a one-rank communicator is then a local copy,
+     * which coll_comm.c does in the caller's thread when nothing else is in flight. */
+    bool host_buffers;
 } coll_backend_t;
 
 struct pshard_comm {
@@ -63,6 +67,7 @@ struct pshard_comm {
 
     pshard_coll_record_t *records; /* flight recorder ring */
     size_t nrecords, record_cap, record_head;
+    size_t in_flight; /* requests submitted to the backend and not completed */
 };
 
 /* Starts a descriptor-only operation on a tcp communicator: the ranks exchange and compare

@@ -1268,4 +1268,5 @@ const coll_backend_t coll_tcp_backend = {
     .submit = tcp_submit,
     .abort = tcp_abort,
     .destroy = tcp_destroy,
+    .host_buffers = true,
 };
