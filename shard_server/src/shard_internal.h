@@ -104,6 +104,9 @@ pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm
                                    const shard_sop_t *op, int *active, int64_t *ckpt_request,
                                    char *err, size_t errlen);
 
+/* "step N, what" into buf (N the step being computed): a flight-recorder label. */
+const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, size_t len);
+
 /* The operations' cores, shared by the trainer-facing handlers and a joined rank shadowing
  * them (op_mu held). shard_gather_one all-gathers parameter p in dt into recv (full size);
  * shard_reduce_scatter_one reduce-scatters the full gradient send (dt) and adds this rank's

@@ -156,9 +156,11 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
     int64_t ckpt = s->ckpt_requested;
     pthread_mutex_unlock(&s->mu);
     rec_encode(rec, kind, mine, throw_flag, s->model ? s->model->step : 0, ckpt);
+    char label[64];
     pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_INT64, .send = rec,
                             .recv = s->agree_buf, .count = REC_WORDS, .tag = AGREE_TAG,
-                            .label = "agreement"};
+                            .label = shard_op_label(s->model, "agreement", label,
+                                                    sizeof(label))};
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     const int64_t *recs = s->agree_buf;
     ag->world = world;

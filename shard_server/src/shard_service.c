@@ -108,6 +108,14 @@ bool shard_in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t a
            (align == 0 || offset % align == 0);
 }
 
+/* The flight recorder's label of an operation in the step being computed: "step 12, fc3.weight"
+ * (what names a stuck collective in `pshardctl status` and the logs). */
+const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, size_t len)
+{
+    snprintf(buf, len, "step %" PRId64 ", %s", m ? m->step + 1 : 0, what);
+    return buf;
+}
+
 /* The communicator if the cluster is up; otherwise fails the call and returns NULL. */
 static pshard_comm_t *comm_or_fail(pshard_shard_server_t *s, ps_rpc_call_t *call)
 {
@@ -527,6 +535,7 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
     const float *mine = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
     size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
     const void *send = mine;
+    char label[64];
     if (dt == PSHARD_BF16) {
         ps_convert_f32_to_bf16(mine, m->stage, cnt);
         send = m->stage;
@@ -541,7 +550,7 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
         .recv = recv,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | p,
-        .label = m->params[p].name,
+        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
     };
     return pshard_coll_run(comm, &a, err, errlen);
 }
@@ -562,6 +571,7 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
     /* With every rank contributing the collective averages (as before Join existed); with
      * fewer, it sums and the sum is divided by the contributors here. */
     bool all = active == m->world;
+    char label[64];
     pshard_coll_args_t a = {
         .op = PSHARD_COLL_REDUCE_SCATTER,
         .dtype = dt,
@@ -570,7 +580,7 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
         .recv = m->stage,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
-        .label = m->params[p].name,
+        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
     };
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     float scale = all ? 1.0f : (float)(1.0 / (double)(active > 0 ? active : 1));
@@ -682,10 +692,11 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
 {
     /* The global gradient norm: an all-reduce of the squared slice norms (clip_grad_norm). */
     float sq = (float)(m->in_backward ? m->grad_sq : ps_sum_squares(m->grad, m->shard_numel));
+    char label[64];
     pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32,
                             .reduce = PSHARD_REDUCE_SUM, .send = &sq, .recv = &sq, .count = 1,
                             .tag = ((uint64_t)m->step << 32) | 0x7fffffffu,
-                            .label = "grad norm"};
+                            .label = shard_op_label(m, "grad norm", label, sizeof(label))};
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     double norm = sqrt((double)sq);
     if (m->in_backward) {

@@ -37,8 +37,8 @@ static char *const fake_records[] = {
     "rank 0 finished reduce_scatter seq 412 (step 11 fc1.weight) in 0.300 ms",
     "rank 0 finished all_gather seq 413 (step 12 fc1.weight) in 0.220 ms",
     "rank 0 finished all_gather seq 414 (step 12 fc2.weight) in 0.230 ms",
-    "rank 0 finished all_gather seq 415 (step 12 fc3.weight) in 0.240 ms",
-    "rank 0 is stuck in all_gather seq 418 (step 12 fc3.weight), waiting on rank 1 for 5.2 s",
+    "rank 0 finished all_gather seq 415 (step 12, fc3.weight) in 0.240 ms",
+    "rank 0 is stuck in all_gather seq 418 (step 12, fc3.weight), waiting on rank 1 for 5.2 s",
 };
 
 static void handle_fake_status(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
@@ -264,11 +264,11 @@ static void test_status_joins_and_servers(void)
     char want[512];
     snprintf(want, sizeof(want),
              "rank 0 (%s): step 12, attached, generation 7, tcp\n"
-             "    rank 0 is stuck in all_gather seq 418 (step 12 fc3.weight), waiting on rank 1 "
+             "    rank 0 is stuck in all_gather seq 418 (step 12, fc3.weight), waiting on rank 1 "
              "for 5.2 s\n"
              "    rank 0 finished all_gather seq 413 (step 12 fc1.weight) in 0.220 ms\n"
              "    rank 0 finished all_gather seq 414 (step 12 fc2.weight) in 0.230 ms\n"
-             "    rank 0 finished all_gather seq 415 (step 12 fc3.weight) in 0.240 ms\n",
+             "    rank 0 finished all_gather seq 415 (step 12, fc3.weight) in 0.240 ms\n",
              addr0);
     expect_contains(out, want); /* stuck first, then the newest three; older ones left out */
     CU_ASSERT(strstr(out, "seq 411") == NULL);

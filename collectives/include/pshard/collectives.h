@@ -63,7 +63,7 @@ typedef struct {
     const size_t *counts;   /* borrowed until the operation completes */
     uint64_t tag;           /* caller's tag, e.g. (step << 32 | parameter id); compared */
     int64_t timeout_ms;     /* 0: the communicator's default */
-    const char *label;      /* optional text for the flight recorder ("step 12 fc3.weight");
+    const char *label;      /* optional text for the flight recorder ("step 12, fc3.weight");
                                copied; not compared */
 } pshard_coll_args_t;
 
@@ -165,7 +165,7 @@ typedef struct {
 size_t pshard_comm_flight_records(pshard_comm_t *comm, pshard_coll_record_t *out, size_t max);
 
 /* Formats one record as a line such as
- * "rank 2 is stuck in all_gather seq 418 (step 12 fc3.weight), waiting on rank 3 for 5.2 s". */
+ * "rank 2 is stuck in all_gather seq 418 (step 12, fc3.weight), waiting on rank 3 for 5.2 s". */
 void pshard_coll_record_format(const pshard_comm_t *comm, const pshard_coll_record_t *rec,
                                char *buf, size_t len);
 
