@@ -10,7 +10,6 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,12 +20,6 @@
 #include "ckpt_internal.h"
 #include "pshard/log.h"
 #include "pshard/util.h"
-
-#if defined(__x86_64__)
-#include <nmmintrin.h>
-#elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
-#include <arm_acle.h>
-#endif
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "checkpoint files are little-endian fp32; a big-endian host needs byte swapping here"
@@ -42,174 +35,6 @@
 #define CKPT_MAX_NUMEL ((uint64_t)1 << 60)
 /* Shard files are checksummed in reads of this size. */
 #define VERIFY_CHUNK (4u << 20)
-
-/* ---- CRC-32C ------------------------------------------------------------------------------ */
-
-#define CRC32C_POLY 0x82F63B78u /* Castagnoli, reflected */
-
-static uint32_t crc_table[8][256];
-static bool crc_have_hw;
-static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
-
-/* The crc32 instruction has a latency of 3 cycles and a throughput of 1: three independent
- * streams over consecutive blocks of CRC_STRIDE bytes keep it busy, and their registers are
- * joined with crc_shift, which advances a register over CRC_STRIDE zero bytes (the CRC is
- * linear: raw(r, A||B) = shift_|B|(raw(r, A)) ^ raw(0, B)). crc_shift_table[k][b] is the shift
- * of byte b in position k of the register. */
-#define CRC_STRIDE 8192u
-static uint32_t crc_shift_table[4][256];
-
-static inline uint32_t crc_shift(uint32_t r)
-{
-    return crc_shift_table[0][r & 0xff] ^ crc_shift_table[1][(r >> 8) & 0xff] ^
-           crc_shift_table[2][(r >> 16) & 0xff] ^ crc_shift_table[3][r >> 24];
-}
-
-/* The register (no pre- or post-inversion) after len zero bytes from register r, bytewise. */
-static uint32_t crc_raw_zeros(uint32_t r, size_t len)
-{
-    while (len-- > 0)
-        r = crc_table[0][r & 0xff] ^ (r >> 8);
-    return r;
-}
-
-/* Builds the slice-by-8 tables: crc_table[0] is the byte-at-a-time table, crc_table[k] advances
- * a byte's contribution through k more zero bytes. Also decides whether the CPU has crc32. */
-static void crc_init(void)
-{
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int b = 0; b < 8; b++)
-            c = (c & 1) ? (c >> 1) ^ CRC32C_POLY : c >> 1;
-        crc_table[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; i++)
-        for (int k = 1; k < 8; k++)
-            crc_table[k][i] = (crc_table[k - 1][i] >> 8) ^ crc_table[0][crc_table[k - 1][i] & 0xff];
-    /* The shift is linear: its value on each of the 32 register bits, then by bytes. */
-    uint32_t bit_shift[32];
-    for (int b = 0; b < 32; b++)
-        bit_shift[b] = crc_raw_zeros(1u << b, CRC_STRIDE);
-    for (int k = 0; k < 4; k++)
-        for (uint32_t v = 0; v < 256; v++) {
-            uint32_t r = 0;
-            for (int b = 0; b < 8; b++)
-                if (v & (1u << b))
-                    r ^= bit_shift[8 * k + b];
-            crc_shift_table[k][v] = r;
-        }
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    crc_have_hw = __builtin_cpu_supports("sse4.2");
-#elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
-    crc_have_hw = true;
-#endif
-}
-
-uint32_t ckpt_crc32c_sw(uint32_t crc, const void *buf, size_t len)
-{
-    pthread_once(&crc_once, crc_init);
-    const uint8_t *p = buf;
-    uint32_t c = ~crc;
-    while (len > 0 && ((uintptr_t)p & 7) != 0) {
-        c = crc_table[0][(c ^ *p++) & 0xff] ^ (c >> 8);
-        len--;
-    }
-    while (len >= 8) {
-        uint64_t v;
-        memcpy(&v, p, sizeof(v));
-        v ^= c;
-        c = crc_table[7][v & 0xff] ^ crc_table[6][(v >> 8) & 0xff] ^
-            crc_table[5][(v >> 16) & 0xff] ^ crc_table[4][(v >> 24) & 0xff] ^
-            crc_table[3][(v >> 32) & 0xff] ^ crc_table[2][(v >> 40) & 0xff] ^
-            crc_table[1][(v >> 48) & 0xff] ^ crc_table[0][v >> 56];
-        p += 8;
-        len -= 8;
-    }
-    while (len-- > 0)
-        c = crc_table[0][(c ^ *p++) & 0xff] ^ (c >> 8);
-    return ~c;
-}
-
-#if defined(__x86_64__)
-__attribute__((target("sse4.2"))) static uint32_t crc32c_insn(uint32_t crc, const uint8_t *p,
-                                                              size_t len)
-{
-    uint32_t c = ~crc;
-    while (len > 0 && ((uintptr_t)p & 7) != 0) {
-        c = _mm_crc32_u8(c, *p++);
-        len--;
-    }
-    uint64_t c64 = c;
-    while (len >= 3 * CRC_STRIDE) {
-        uint64_t a = c64, b = 0, d = 0;
-        for (size_t i = 0; i < CRC_STRIDE; i += 8) {
-            uint64_t va, vb, vd;
-            memcpy(&va, p + i, 8);
-            memcpy(&vb, p + CRC_STRIDE + i, 8);
-            memcpy(&vd, p + 2 * CRC_STRIDE + i, 8);
-            a = _mm_crc32_u64(a, va);
-            b = _mm_crc32_u64(b, vb);
-            d = _mm_crc32_u64(d, vd);
-        }
-        c64 = crc_shift(crc_shift((uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)d;
-        p += 3 * CRC_STRIDE;
-        len -= 3 * CRC_STRIDE;
-    }
-    while (len >= 8) {
-        uint64_t v;
-        memcpy(&v, p, sizeof(v));
-        c64 = _mm_crc32_u64(c64, v);
-        p += 8;
-        len -= 8;
-    }
-    c = (uint32_t)c64;
-    while (len-- > 0)
-        c = _mm_crc32_u8(c, *p++);
-    return ~c;
-}
-#define CKPT_HAVE_CRC_INSN 1
-#elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
-static uint32_t crc32c_insn(uint32_t crc, const uint8_t *p, size_t len)
-{
-    uint32_t c = ~crc;
-    while (len > 0 && ((uintptr_t)p & 7) != 0) {
-        c = __crc32cb(c, *p++);
-        len--;
-    }
-    while (len >= 8) {
-        uint64_t v;
-        memcpy(&v, p, sizeof(v));
-        c = __crc32cd(c, v);
-        p += 8;
-        len -= 8;
-    }
-    while (len-- > 0)
-        c = __crc32cb(c, *p++);
-    return ~c;
-}
-#define CKPT_HAVE_CRC_INSN 1
-#endif
-
-bool ckpt_crc32c_hw_available(void)
-{
-    pthread_once(&crc_once, crc_init);
-    return crc_have_hw;
-}
-
-uint32_t ckpt_crc32c_hw(uint32_t crc, const void *buf, size_t len)
-{
-#ifdef CKPT_HAVE_CRC_INSN
-    if (ckpt_crc32c_hw_available())
-        return crc32c_insn(crc, buf, len);
-#endif
-    return ckpt_crc32c_sw(crc, buf, len);
-}
-
-uint32_t ps_crc32c(uint32_t crc, const void *buf, size_t len)
-{
-    return ckpt_crc32c_hw(crc, buf, len);
-}
 
 /* ---- Names -------------------------------------------------------------------------------- */
 

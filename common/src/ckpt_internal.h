@@ -1,6 +1,7 @@
 /* Internal pieces of the checkpoint format shared by ckpt.c, ckpt_json.c and safetensors.c: the
- * two CRC-32C implementations (so tests can compare them), a small strict JSON parser and the
- * helpers that write JSON text and files atomically. Not for use outside common/. */
+ * CRC-32C implementations (crc32c.c; separate so tests can compare them), a small strict JSON
+ * parser and the helpers that write JSON text and files atomically. Not for use outside
+ * common/. */
 #ifndef PSHARD_CKPT_INTERNAL_H
 #define PSHARD_CKPT_INTERNAL_H
 
@@ -19,8 +20,16 @@ uint32_t ckpt_crc32c_sw(uint32_t crc, const void *buf, size_t len);
 /* True when this build has a CRC instruction path and this CPU supports it. Thread-safe. */
 bool ckpt_crc32c_hw_available(void);
 
-/* The CRC-instruction CRC-32C; call only when ckpt_crc32c_hw_available(). Thread-safe. */
+/* The fastest CRC-32C this CPU has (what ps_crc32c uses): folding when
+ * ckpt_crc32c_fold_available(), else the crc32 instruction, else the table. Thread-safe. */
 uint32_t ckpt_crc32c_hw(uint32_t crc, const void *buf, size_t len);
+
+/* True when the carry-less-multiply folding path runs here (x86, AVX-512, VPCLMULQDQ). */
+bool ckpt_crc32c_fold_available(void);
+
+/* The crc32 instruction alone (three streams), so tests can compare it with folding; the
+ * table where there is no instruction. Thread-safe. */
+uint32_t ckpt_crc32c_insn(uint32_t crc, const void *buf, size_t len);
 
 /* ---- Manifest -------------------------------------------------------------------------- */
 
