@@ -514,8 +514,6 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
     pthread_mutex_lock(&s->mu);
     m->step = saved_step;
     pthread_mutex_unlock(&s->mu);
-    if (m->grad)
-        memset(m->grad, 0, m->shard_numel * sizeof(float));
     char abs[PATH_MAX];
     if (!realpath(step_dir, abs))
         ps_strlcpy(abs, step_dir, sizeof(abs));

@@ -128,9 +128,10 @@ pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op,
  * shard_ckpt_save writes this rank's shard of m at step m->step under cfg.checkpoint_dir and,
  * once every rank's is written, rank 0 commits the manifest; dir gets the step directory.
  * Errors name the file and the rank; the previous checkpoints are never touched.
- * shard_ckpt_load restores m (master weights, optimizer state, step) from the newest committed
- * checkpoint under root, saved with any world size and layout, after verifying every file's
- * checksum; *restored is false (and m untouched) when root holds none. */
+ * shard_ckpt_load restores m, freshly created (its gradients are still zero), (master weights,
+ * optimizer state, step) from the newest committed checkpoint under root, saved with any world
+ * size and layout, after verifying every file's checksum; *restored is false (and m untouched)
+ * when root holds none. */
 pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
                                 char *dir, size_t dirlen, char *err, size_t errlen);
 pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
