@@ -211,39 +211,30 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_insn(uint32_t crc, cons
                                                               size_t len, bool fold)
 {
     uint32_t c = ~crc;
+    uint64_t c64;
     if (fold && len >= 256) {
-        uint64_t reg = crc32c_fold(c, &p, &len);
-        while (len >= 8) {
-            uint64_t v;
-            memcpy(&v, p, sizeof(v));
-            reg = _mm_crc32_u64(reg, v);
-            p += 8;
-            len -= 8;
-        }
-        c = (uint32_t)reg;
-        while (len-- > 0)
+        c64 = crc32c_fold(c, &p, &len);
+    } else {
+        while (len > 0 && ((uintptr_t)p & 7) != 0) {
             c = _mm_crc32_u8(c, *p++);
-        return ~c;
-    }
-    while (len > 0 && ((uintptr_t)p & 7) != 0) {
-        c = _mm_crc32_u8(c, *p++);
-        len--;
-    }
-    uint64_t c64 = c;
-    while (len >= 3 * CRC_STRIDE) {
-        uint64_t a = c64, b = 0, d = 0;
-        for (size_t i = 0; i < CRC_STRIDE; i += 8) {
-            uint64_t va, vb, vd;
-            memcpy(&va, p + i, 8);
-            memcpy(&vb, p + CRC_STRIDE + i, 8);
-            memcpy(&vd, p + 2 * CRC_STRIDE + i, 8);
-            a = _mm_crc32_u64(a, va);
-            b = _mm_crc32_u64(b, vb);
-            d = _mm_crc32_u64(d, vd);
+            len--;
         }
-        c64 = crc_shift(crc_shift((uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)d;
-        p += 3 * CRC_STRIDE;
-        len -= 3 * CRC_STRIDE;
+        c64 = c;
+        while (len >= 3 * CRC_STRIDE) {
+            uint64_t a = c64, b = 0, d = 0;
+            for (size_t i = 0; i < CRC_STRIDE; i += 8) {
+                uint64_t va, vb, vd;
+                memcpy(&va, p + i, 8);
+                memcpy(&vb, p + CRC_STRIDE + i, 8);
+                memcpy(&vd, p + 2 * CRC_STRIDE + i, 8);
+                a = _mm_crc32_u64(a, va);
+                b = _mm_crc32_u64(b, vb);
+                d = _mm_crc32_u64(d, vd);
+            }
+            c64 = crc_shift(crc_shift((uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)d;
+            p += 3 * CRC_STRIDE;
+            len -= 3 * CRC_STRIDE;
+        }
     }
     while (len >= 8) {
         uint64_t v;
