@@ -247,6 +247,13 @@ int mlp_dist_train(const mlp_dist_args_t *da)
         if (rank == printer && print)
             fprintf(out, "step %lld loss %.9g\n", (long long)n, (double)loss);
     }
+    if (a->uneven && da->join_mid_step && done_steps == my_steps - first) {
+        /* One more step begun and abandoned: its first layer gathered (with the others' same
+         * gather), then the join; that step is averaged over the others. */
+        static const size_t layer0[2] = {0, 1};
+        if (pshard_gather(c, layer0, 2) != PSHARD_OK)
+            goto pshard_error;
+    }
     if (a->uneven) {
         pshard_join_options_t jo;
         pshard_join_options_default(&jo);

@@ -21,6 +21,7 @@ typedef struct {
     bool join_enable;           /* --uneven: pshard_join's enable */
     bool join_throw;            /* --uneven: throw_on_early_termination */
     bool optimizer_in_backward; /* updates at the reduce-scatters, no accumulator */
+    bool join_mid_step;         /* --uneven: join after the first gather of one more step */
     bool checkpoint_at_end;     /* pshard_checkpoint_save after the last step */
     const char *init_from;      /* safetensors file with the initial weights, or NULL */
 } mlp_dist_args_t;

@@ -49,6 +49,7 @@ typedef struct {
     bool join_enable;
     bool join_throw;
     bool optimizer_in_backward;
+    bool join_mid_step;
     char *dump_weights;
     bool checkpoint_at_end;
     char *init_from;
@@ -104,6 +105,10 @@ static const ps_option_t options[] = {
     OPT("join-throw", NULL, PS_OPT_BOOL, "false",
         "with --uneven, the first join stops every rank (throw_on_early_termination)", join_throw,
         0, 0),
+    OPT("join-mid-step", NULL, PS_OPT_BOOL, "false",
+        "with --uneven, a rank that runs out starts one more step, gathers its first layer and "
+        "joins there (a join in the middle of a step)",
+        join_mid_step, 0, 0),
     OPT("optimizer-in-backward", NULL, PS_OPT_BOOL, "false",
         "shard servers update each layer at its reduce-scatter and keep no gradient "
         "accumulator (needs --max-grad-norm 0)",
@@ -259,6 +264,7 @@ static int run_distributed(const mlp_config_t *cfg, const mlp_opts_t *o)
     d.join_enable = o->join_enable;
     d.join_throw = o->join_throw;
     d.optimizer_in_backward = o->optimizer_in_backward;
+    d.join_mid_step = o->join_mid_step;
     d.checkpoint_at_end = o->checkpoint_at_end;
     d.init_from = o->init_from;
     a->dump_weights = o->dump_weights;

@@ -77,6 +77,11 @@ case_ 3 1e-5 --optimizer adam --steps 0
 case_ 2 2e-2 --optimizer adamw --param-dtype bf16 --reduce-dtype bf16
 case_ 3 2e-2 --optimizer adam --param-dtype fp16 --layout fsdp1
 PSHARD_REMOTE=1 case_ 2 1e-5 --optimizer adam
+# A join in the middle of a step: each rank that runs out begins one more step, gathers its
+# first layer together with the others, and joins there; the rest of that step is averaged over
+# the ranks still running, exactly as in the reference where it had no such step.
+case_ 3 1e-5 --optimizer adam --join-mid-step
+case_ 2 1e-5 --optimizer sgd --lr 0.05 --momentum 0.9 --layout fsdp1 --join-mid-step
 # optimizer_in_backward: a joined rank's server applies the others' averaged update itself.
 case_ 3 1e-5 --optimizer adam --optimizer-in-backward
 
