@@ -62,6 +62,7 @@ typedef struct {
     int64_t checkpoint_every;
     int64_t checkpoint_keep;
     char *resume;
+    int64_t max_restarts;
 } run_opts_t;
 
 /* clang-format off */
@@ -103,6 +104,12 @@ static const ps_option_t options[] = {
     OPT("resume", "PSHARD_RESUME", PS_OPT_STRING, NULL,
         "restart from the newest committed checkpoint under this root (any world size)", resume,
         0, 0),
+    OPT("max-restarts", "PSHARD_MAX_RESTARTS", PS_OPT_INT, "0",
+        "when a trainer or server fails, stop everything and start it again up to this many "
+        "times (torchrun's --max-restarts), resuming from the newest checkpoint under "
+        "--checkpoint-dir (or --resume) when there is one; trainers see the attempt in "
+        "PSHARD_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT",
+        max_restarts, 0, 1000000),
 };
 
 /* One environment variable set in a trainer; both strings borrowed. */
@@ -168,6 +175,8 @@ typedef struct {
     int exit_code;   /* decided together with stop */
     bool force_kill; /* a second signal arrived: SIGKILL without grace */
     char tmpdir[PATH_MAX];
+    int64_t attempt;      /* 0, then 1.. after each restart */
+    const char *resume;   /* what the servers get as --resume in this attempt, or NULL */
     char coord_addr[300]; /* HOST:PORT trainers and servers use */
     char master_addr[256];
     int master_port;
@@ -881,9 +890,9 @@ static void run_start_servers(run_t *run, const char *bin)
             argv[a++] = "--checkpoint-dir";
             argv[a++] = run->opts->checkpoint_dir;
         }
-        if (run->opts->resume) {
+        if (run->resume) {
             argv[a++] = "--resume";
-            argv[a++] = run->opts->resume;
+            argv[a++] = (char *)run->resume;
         }
         argv[a++] = "--checkpoint-every";
         argv[a++] = every;
@@ -902,7 +911,10 @@ static void run_start_trainers(run_t *run, char *const argv[])
 {
     int n = (int)run->opts->nproc;
     for (int r = 0; r < n && run->stop == STOP_NONE; r++) {
-        char rank[16], world[16], mport[16], server[64];
+        char rank[16], world[16], mport[16], server[64], attempt[24], max_restarts[24];
+        ps_snprintf(attempt, sizeof(attempt), "%lld", (long long)run->attempt);
+        ps_snprintf(max_restarts, sizeof(max_restarts), "%lld",
+                    (long long)run->opts->max_restarts);
         ps_snprintf(rank, sizeof(rank), "%d", r);
         ps_snprintf(world, sizeof(world), "%d", n);
         ps_snprintf(mport, sizeof(mport), "%d", run->master_port);
@@ -918,12 +930,44 @@ static void run_start_trainers(run_t *run, char *const argv[])
             {"PSHARD_COORDINATOR", run->coord_addr},
             {"PSHARD_SERVER", server},
             {"PSHARD_LOG", run->opts->log},
+            {"PSHARD_RESTART_COUNT", attempt},
+            {"TORCHELASTIC_RESTART_COUNT", attempt},
+            {"TORCHELASTIC_MAX_RESTARTS", max_restarts},
             {"PSHARD_TOKEN_FILE", run->opts->token_file}, /* last: dropped when NULL */
         };
         size_t nenv = PS_ARRAY_LEN(env) - (run->opts->token_file ? 0 : 1);
         if (run_spawn(run, &run->trainers[r], argv[0], argv, env, nenv) != 0)
             run_set_stop(run, STOP_STARTUP, 1);
     }
+}
+
+/* After a failure, with restarts left: every process is gone; clears what the last attempt
+ * left (children, port files, the stop reason) so the next one starts like the first, from the
+ * newest checkpoint when there is a checkpoint root. */
+static void run_restart(run_t *run)
+{
+    run->attempt++;
+    const char *root = run->opts->resume ? run->opts->resume : run->opts->checkpoint_dir;
+    run->resume = root;
+    char from[PATH_MAX + 64];
+    if (root)
+        ps_snprintf(from, sizeof(from), "resuming from the newest checkpoint in %s", root);
+    else
+        ps_snprintf(from, sizeof(from), "from step 0 (no --checkpoint-dir to resume from)");
+    fprintf(stderr, RUN_PROG ": restart %lld of %lld: starting %s again, %s\n",
+            (long long)run->attempt, (long long)run->opts->max_restarts,
+            run->coord ? "the coordinator, shard servers and trainers"
+                       : "the shard servers and trainers",
+            from);
+    for (size_t i = 0; i < run->nchildren; i++) {
+        run_child_t *c = &run->children[i];
+        if (c->port_file[0])
+            unlink(c->port_file);
+        run_child_init(c, c->role, c->rank);
+    }
+    run->stop = STOP_NONE;
+    run->stop_signal = 0;
+    run->exit_code = 0;
 }
 
 /* Checks option values the config table cannot. Returns 0, or 2 after printing why. */
@@ -1091,30 +1135,37 @@ int main(int argc, char **argv)
         goto out;
     }
 
-    if (run.coord)
-        run_start_coordinator(&run, coord_bin);
-    if (run.stop == STOP_NONE)
-        run_start_servers(&run, server_bin);
-    if (run.stop == STOP_NONE)
-        run_start_trainers(&run, &argv[cmd]);
-    while (run.stop == STOP_NONE) {
-        bool all_done = true;
-        for (size_t r = 0; r < n && all_done; r++)
-            all_done = run.trainers[r].reaped;
-        if (all_done) {
-            run_set_stop(&run, STOP_DONE, 0);
-            break;
+    run.resume = o.resume;
+    for (;;) {
+        if (run.coord)
+            run_start_coordinator(&run, coord_bin);
+        if (run.stop == STOP_NONE)
+            run_start_servers(&run, server_bin);
+        if (run.stop == STOP_NONE)
+            run_start_trainers(&run, &argv[cmd]);
+        while (run.stop == STOP_NONE) {
+            bool all_done = true;
+            for (size_t r = 0; r < n && all_done; r++)
+                all_done = run.trainers[r].reaped;
+            if (all_done) {
+                run_set_stop(&run, STOP_DONE, 0);
+                break;
+            }
+            run_pump(&run, ps_now_ns() + 1000 * 1000000LL);
         }
-        run_pump(&run, ps_now_ns() + 1000 * 1000000LL);
-    }
 
-    /* Stop in dependency order: trainers first (with the signal pshardrun got, if any), then
-     * the servers (which leave the cluster), then the coordinator. */
-    run_stop_role(&run, ROLE_TRAINER, run.stop == STOP_SIGNAL ? run.stop_signal : SIGTERM);
-    run_stop_role(&run, ROLE_SERVER, SIGTERM);
-    run_stop_role(&run, ROLE_COORDINATOR, SIGTERM);
-    run_sweep(&run);
-    run_drain(&run);
+        /* Stop in dependency order: trainers first (with the signal pshardrun got, if any),
+         * then the servers (which leave the cluster), then the coordinator. */
+        run_stop_role(&run, ROLE_TRAINER, run.stop == STOP_SIGNAL ? run.stop_signal : SIGTERM);
+        run_stop_role(&run, ROLE_SERVER, SIGTERM);
+        run_stop_role(&run, ROLE_COORDINATOR, SIGTERM);
+        run_sweep(&run);
+        run_drain(&run);
+        bool failed = run.stop == STOP_TRAINER_FAILED || run.stop == STOP_SERVICE_DIED;
+        if (!failed || run.attempt >= o.max_restarts)
+            break;
+        run_restart(&run);
+    }
     exit_code = run.exit_code;
     if (run.stop == STOP_DONE) {
         for (size_t i = 0; i < run.nchildren; i++) {

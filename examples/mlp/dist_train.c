@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "pshard/ckpt.h"
 #include "pshard/log.h"
@@ -221,9 +222,17 @@ int mlp_dist_train(const mlp_dist_args_t *da)
     int64_t first = pshard_model_step(c);
     if (first > 0 && rank == printer)
         fprintf(out, "resumed at step %lld\n", (long long)first);
+    const char *attempt = getenv("PSHARD_RESTART_COUNT");
+    bool first_attempt = !attempt || !*attempt || strcmp(attempt, "0") == 0;
     for (int64_t s = first; s < my_steps; s++) {
         if (s == first + 1)
             t0 = ps_now_ns(); /* the first step includes connection warm-up */
+        if (da->fail_at_step == s + 1 && rank == da->fail_rank && first_attempt) {
+            fprintf(stderr, "pshard-mlp: rank %d: exiting before step %lld (--fail-at-step)\n",
+                    rank, (long long)s + 1);
+            fflush(out);
+            _exit(3); /* like a crash: no goodbye to the shard server */
+        }
         mlp_task_batch(task, a->data_seed, rank, s, a->batch, x, y);
         double l = NAN;
         pshard_status_t st = train_step(c, da, ws, x, y, tmp[0], tmp[1], tmp[2], tmp[3], &l);

@@ -50,6 +50,8 @@ typedef struct {
     bool join_throw;
     bool optimizer_in_backward;
     bool join_mid_step;
+    int64_t fail_at_step;
+    int64_t fail_rank;
     char *dump_weights;
     bool checkpoint_at_end;
     char *init_from;
@@ -109,6 +111,12 @@ static const ps_option_t options[] = {
         "with --uneven, a rank that runs out starts one more step, gathers its first layer and "
         "joins there (a join in the middle of a step)",
         join_mid_step, 0, 0),
+    OPT("fail-at-step", NULL, PS_OPT_INT, "0",
+        "fault injection for restart tests: on the first attempt (PSHARD_RESTART_COUNT unset or "
+        "0), rank --fail-rank exits with status 3 just before this step (0: never)",
+        fail_at_step, 0, 1000000000),
+    OPT("fail-rank", NULL, PS_OPT_INT, "0", "the rank --fail-at-step stops", fail_rank, 0,
+        1000000),
     OPT("optimizer-in-backward", NULL, PS_OPT_BOOL, "false",
         "shard servers update each layer at its reduce-scatter and keep no gradient "
         "accumulator (needs --max-grad-norm 0)",
@@ -265,6 +273,8 @@ static int run_distributed(const mlp_config_t *cfg, const mlp_opts_t *o)
     d.join_throw = o->join_throw;
     d.optimizer_in_backward = o->optimizer_in_backward;
     d.join_mid_step = o->join_mid_step;
+    d.fail_at_step = o->fail_at_step;
+    d.fail_rank = (int)o->fail_rank;
     d.checkpoint_at_end = o->checkpoint_at_end;
     d.init_from = o->init_from;
     a->dump_weights = o->dump_weights;

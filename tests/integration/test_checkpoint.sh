@@ -9,6 +9,8 @@
 #    state) equals the original element for element;
 #  - full export to safetensors, read back by Debian's /usr/bin/python3 (json + struct), equals
 #    the trainer's own final weights; --init-from imports it again;
+#  - pshardrun --max-restarts: a trainer that dies makes everything restart from the newest
+#    checkpoint, and the final weights equal the uninterrupted run bit for bit;
 #  - --checkpoint-keep, `pshardctl checkpoint save|list`, and a checkpoint dir that cannot be
 #    created (clear error, training stops, nothing damaged).
 # usage: test_checkpoint.sh PSHARDRUN PSHARD-MLP PSHARDCTL COORDINATOR
@@ -101,6 +103,31 @@ elif ! cmp -s "$work/ref.bin" "$work/resumed.bin"; then
   fail "final weights after crash + resume differ from the uninterrupted run"
 else
   echo "ok: resumed at step 10; final weights equal the uninterrupted run bit for bit"
+fi
+
+echo "== pshardrun --max-restarts: a trainer dies, everything restarts from the newest checkpoint"
+rm -rf "$work/ckr"
+if ! timeout 180 "$run" --nproc 2 --max-restarts 1 --checkpoint-dir "$work/ckr" \
+    --checkpoint-every 4 -- "$mlp" "${ARGS[@]}" --steps 20 --fail-at-step 15 --fail-rank 1 \
+    --dump-weights "$work/restarted.bin" > "$work/restart.txt" 2>&1; then
+  cat "$work/restart.txt"; fail "the run with a restart failed"
+elif ! grep -q "^pshardrun: restart 1 of 1: .*resuming from the newest checkpoint" "$work/restart.txt" ||
+     ! grep -q "rank 1: exiting before step 15" "$work/restart.txt" ||
+     ! grep -q "resumed at step 12" "$work/restart.txt"; then
+  cat "$work/restart.txt"; fail "no restart from step 12 after trainer 1 exited before step 15"
+elif ! cmp -s "$work/ref.bin" "$work/restarted.bin"; then
+  fail "final weights after a restart differ from the uninterrupted run"
+else
+  echo "ok: trainer 1 exited before step 15, the run restarted at step 12 and ended bit for bit like the uninterrupted one"
+fi
+echo "== without restarts left, the failure stands"
+if timeout 120 "$run" --nproc 2 --checkpoint-dir "$work/ckr0" --checkpoint-every 4 -- "$mlp" \
+    "${ARGS[@]}" --steps 20 --fail-at-step 3 > "$work/norestart.txt" 2>&1; then
+  fail "a run whose trainer exited 3 succeeded without --max-restarts"
+elif grep -q "restart 1" "$work/norestart.txt"; then
+  fail "pshardrun restarted without --max-restarts"
+else
+  echo "ok: no --max-restarts, no restart"
 fi
 
 echo "== a flipped byte is refused, naming the file"

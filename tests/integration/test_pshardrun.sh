@@ -218,6 +218,25 @@ grep -qE "^pshardrun: first failure: trainer 0 \(pid [0-9]+\) killed by signal 9
 check_nothing_left "$sig_pid" sig
 echo "PASS (4b) a trainer killed by SIGKILL is named as the first failure"
 
+# ---- (4c) --max-restarts 2 with a trainer that always fails: two restarts, each a fresh start
+# with the attempt in PSHARD_RESTART_COUNT, then pshardrun gives up with the trainer's status.
+start_bg restarts --nproc 2 --log info --max-restarts 2 -- sh -c \
+    'echo "attempt $PSHARD_RESTART_COUNT/$TORCHELASTIC_MAX_RESTARTS rank $RANK"; sleep 30 & echo "sleeper $!"; if [ "$RANK" = 0 ]; then exit 4; fi; wait'
+restarts_pid=$bg_pid
+wait_bg 60
+[ "$rc" -eq 4 ] || fail "(4c) pshardrun exited $rc, want the failing trainer's status 4"
+for a in 0 1 2; do
+    [ "$(grep -c "attempt $a/2 rank" "$work/restarts.out")" -eq 2 ] ||
+        fail "(4c) attempt $a did not start both trainers"
+done
+grep -q "attempt 3/" "$work/restarts.out" && fail "(4c) a third restart happened"
+[ "$(grep -c '^pshardrun: restart [12] of 2: ' "$work/restarts.err")" -eq 2 ] ||
+    fail "(4c) not exactly two restart lines"
+[ "$(grep -c 'first failure:' "$work/restarts.err")" -eq 3 ] ||
+    fail "(4c) not one first-failure line per attempt"
+check_nothing_left "$restarts_pid" restarts
+echo "PASS (4c) --max-restarts 2 restarted twice, then exited 4 with nothing left"
+
 # ---- (5) usage errors exit 2 without starting anything; --help and --version exit 0.
 expect_rc() {
     local want="$1"
