@@ -15,7 +15,7 @@
 #
 # Environment: BUILD_DIR (<repo>/build-bench), VENV (BUILD_DIR/torch-venv), TORCH=0 (skip the
 # PyTorch runs), TORCH_VERSION (2.15.0), REPEAT (3: step-time runs per configuration, the
-# median is reported), STEPS (200 timed steps per run), GATHER_ITERS (30), OUT (a directory for
+# median is reported), STEPS (200 timed steps per run), GATHER_ITERS (100), OUT (a directory for
 # the raw outputs; default a fresh temporary one, kept), SUMMARY_ONLY=1 (with OUT: only print
 # the summary of an earlier run). The machine should be otherwise idle: the load is printed.
 set -euo pipefail
@@ -56,7 +56,7 @@ TORCH="${TORCH:-1}"
 TORCH_VERSION="${TORCH_VERSION:-2.15.0}"
 REPEAT="${REPEAT:-3}"
 STEPS="${STEPS:-200}"
-GATHER_ITERS="${GATHER_ITERS:-30}"
+GATHER_ITERS="${GATHER_ITERS:-100}"
 OUT="${OUT:-$(mktemp -d /tmp/pshard-step-bench.XXXXXX)}"
 mkdir -p "$OUT"
 NCPU=$(getconf _NPROCESSORS_ONLN) # before OMP_NUM_THREADS=1, which nproc obeys
@@ -177,7 +177,7 @@ echo "# raw outputs in $OUT"
 # 1. Gather bandwidth.
 for n in 1 2; do
     log "gather bandwidth, $n rank(s)"
-    "$RUN" --nproc "$n" -- "$GATHER" --sizes 4K,16M,128M --warmup 3 --iters "$GATHER_ITERS" \
+    "$RUN" --nproc "$n" -- "$GATHER" --sizes 4K,16M,128M --warmup 5 --iters "$GATHER_ITERS" \
         >"$OUT/gather_n$n.txt" 2>&1 || { cat "$OUT/gather_n$n.txt" >&2; exit 1; }
     grep -v 'listening on' "$OUT/gather_n$n.txt" | sed 's/^\[trainer 0\] //'
 done
