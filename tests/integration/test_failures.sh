@@ -124,8 +124,11 @@ if want trainer-kill; then
 echo "== kill -9 of trainer 1 (lease ${LEASE_MS} ms, heartbeat ${HB_MS} ms)"
 start_cluster 3 100000000
 # While it trains, status shows each server's flight records labelled with step and tensor.
-"$ctl" --coordinator "$caddr" status > "$cw/status.txt" 2>&1 || true
-if grep -Eq "rank [0-9] (finished|is running|is stuck in) [a-z_]+ seq [0-9]+ \(step [0-9]+, [^)]+\)" "$cw/status.txt"; then
+labelled() {
+  "$ctl" --coordinator "$caddr" status > "$cw/status.txt" 2>&1 || true
+  grep -Eq "rank [0-9] (finished|is running|is stuck in) [a-z_]+ seq [0-9]+ \(step [0-9]+, [^)]+\)" "$cw/status.txt"
+}
+if wait_for 10 labelled; then
   echo "ok: $(grep -Em1 "seq [0-9]+ \(step [0-9]+, " "$cw/status.txt" | sed 's/^ *//')"
 else
   echo "FAIL: no flight record labelled 'step N, tensor' in pshardctl status:"; cat "$cw/status.txt"
