@@ -24,6 +24,7 @@ if [ "$quick" -eq 0 ]; then
   PSHARD_BUILD_DIR="$root/build-asan" PSHARD_BUILD_TYPE=Debug "$root/scripts/build.sh" \
     -DPSHARD_SANITIZE=ON
   export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+  export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/tests/support/lsan.supp:print_suppressions=0}
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
   (cd "$root/build-asan" && ctest --output-on-failure -j "$jobs" --timeout 900 -LE slow) || status=1
 fi
