@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "ps_coord_client.h"
 #include "ps_proc.h"
 #include "ps_test.h"
 #include "pshard/coordinator.pb-c.h"
@@ -79,18 +80,6 @@ static pshard_status_t do_heartbeat(ps_rpc_channel_t *ch, const char *id, char *
     return rc;
 }
 
-static Pshard__StatusResponse *get_status(ps_rpc_channel_t *ch)
-{
-    Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
-    ProtobufCMessage *resp = NULL;
-    char err[256] = "";
-    if (ps_rpc_unary(ch, "/pshard.Coordinator/Status", &req.base,
-                     &pshard__status_response__descriptor, &resp, 5000, 0, NULL, err,
-                     sizeof(err)) != PSHARD_OK)
-        return NULL;
-    return (Pshard__StatusResponse *)resp;
-}
-
 static const Pshard__Member *find_member(const Pshard__StatusResponse *st, const char *name)
 {
     for (size_t i = 0; i < st->n_members; i++) {
@@ -117,7 +106,7 @@ static void test_lease_expiry(void)
     uint64_t gen_after = 0;
     for (int i = 0; i < 50 && !evicted; i++) {
         CU_ASSERT(do_heartbeat(f.ch, a->member_id, err, sizeof(err)) == PSHARD_OK);
-        Pshard__StatusResponse *st = get_status(f.ch);
+        Pshard__StatusResponse *st = ps_coord_status(f.ch);
         CU_ASSERT_FATAL(st != NULL);
         evicted = find_member(st, "silent") == NULL;
         CU_ASSERT(find_member(st, "alive") != NULL);
@@ -233,7 +222,7 @@ static pshard_status_t store_set(ps_rpc_channel_t *ch, const char *key, const ch
 static bool wait_for_waiters(ps_rpc_channel_t *ch, uint64_t n)
 {
     for (int i = 0; i < 500; i++) {
-        Pshard__StatusResponse *st = get_status(ch);
+        Pshard__StatusResponse *st = ps_coord_status(ch);
         bool ok = st && st->store_waiters == n;
         if (st)
             protobuf_c_message_free_unpacked(&st->base, NULL);
@@ -285,7 +274,7 @@ static void test_rendezvous_min_max(void)
     CU_ASSERT(v->state == PSHARD__CLUSTER_STATE__FORMING);
     CU_ASSERT(v->rank == -1);
     protobuf_c_message_free_unpacked(&v->base, NULL);
-    Pshard__StatusResponse *st = get_status(f.ch);
+    Pshard__StatusResponse *st = ps_coord_status(f.ch);
     CU_ASSERT_FATAL(st != NULL);
     CU_ASSERT(st->state == PSHARD__CLUSTER_STATE__FORMING);
     CU_ASSERT(st->last_call_remaining_ms >= 0);
@@ -294,7 +283,7 @@ static void test_rendezvous_min_max(void)
     /* Heartbeats keep them alive while we poll for the cluster to form. */
     bool formed = false;
     for (int i = 0; i < 300 && !formed; i++) {
-        st = get_status(f.ch);
+        st = ps_coord_status(f.ch);
         CU_ASSERT_FATAL(st != NULL);
         formed = st->state == PSHARD__CLUSTER_STATE__FORMED;
         if (formed) {
@@ -326,7 +315,7 @@ static void test_reregister_keeps_rank(void)
         CU_ASSERT_FATAL(do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, names[i], &v[i]) ==
                         PSHARD_OK);
     CU_ASSERT_EQUAL(v[2]->state, PSHARD__CLUSTER_STATE__FORMED);
-    Pshard__StatusResponse *st = get_status(f.ch);
+    Pshard__StatusResponse *st = ps_coord_status(f.ch);
     CU_ASSERT_FATAL(st != NULL);
     CU_ASSERT_EQUAL(member_rank(st, "pshard-server-1"), 0);
     CU_ASSERT_EQUAL(member_rank(st, "pshard-server-2"), 1);

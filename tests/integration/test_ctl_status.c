@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ps_coord_client.h"
 #include "ps_proc.h"
 #include "ps_test.h"
 #include "pshard/coordinator.pb-c.h"
@@ -139,26 +140,6 @@ static void expect_contains(const char *text, const char *needle)
     }
 }
 
-static bool do_register(ps_rpc_channel_t *ch, Pshard__Role role, const char *name,
-                        const char *address, char *id, size_t idlen)
-{
-    Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
-    req.role = role;
-    req.name = (char *)name;
-    req.address = (char *)address;
-    ProtobufCMessage *resp = NULL;
-    char err[256] = "";
-    if (ps_rpc_unary(ch, "/pshard.Coordinator/Register", &req.base,
-                     &pshard__member_view__descriptor, &resp, 5000, 0, NULL, err,
-                     sizeof(err)) != PSHARD_OK) {
-        fprintf(stderr, "register %s: %s\n", name, err);
-        return false;
-    }
-    ps_strlcpy(id, ((Pshard__MemberView *)resp)->member_id, idlen);
-    protobuf_c_message_free_unpacked(resp, NULL);
-    return true;
-}
-
 static bool report_join(ps_rpc_channel_t *ch, const char *id, int rank, int phase, int64_t step,
                         bool throw_flag, int last_rank)
 {
@@ -237,10 +218,13 @@ static void test_status_joins_and_servers(void)
     snprintf(addr1, sizeof(addr1), "127.0.0.1:%d", hung_port);
     snprintf(addr2, sizeof(addr2), "127.0.0.1:%d", dead_port);
     char id0[64], id1[64], id2[64], idt[64];
-    CU_ASSERT_FATAL(do_register(ch, PSHARD__ROLE__SHARD_SERVER, "srv-0", addr0, id0, sizeof(id0)));
-    CU_ASSERT_FATAL(do_register(ch, PSHARD__ROLE__SHARD_SERVER, "srv-1", addr1, id1, sizeof(id1)));
-    CU_ASSERT_FATAL(do_register(ch, PSHARD__ROLE__SHARD_SERVER, "srv-2", addr2, id2, sizeof(id2)));
-    CU_ASSERT_FATAL(do_register(ch, PSHARD__ROLE__TRAINER, "trn-0", "", idt, sizeof(idt)));
+    CU_ASSERT_FATAL(
+        ps_coord_register(ch, PSHARD__ROLE__SHARD_SERVER, "srv-0", addr0, id0, sizeof(id0)));
+    CU_ASSERT_FATAL(
+        ps_coord_register(ch, PSHARD__ROLE__SHARD_SERVER, "srv-1", addr1, id1, sizeof(id1)));
+    CU_ASSERT_FATAL(
+        ps_coord_register(ch, PSHARD__ROLE__SHARD_SERVER, "srv-2", addr2, id2, sizeof(id2)));
+    CU_ASSERT_FATAL(ps_coord_register(ch, PSHARD__ROLE__TRAINER, "trn-0", "", idt, sizeof(idt)));
     CU_ASSERT_FATAL(report_join(ch, id1, 1, PSHARD__JOIN_PHASE__JOINED, 40, true, 0));
 
     char out_path[192], err_path[192];

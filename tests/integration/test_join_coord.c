@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ps_coord_client.h"
 #include "ps_proc.h"
 #include "ps_test.h"
 #include "pshard/coordinator.pb-c.h"
@@ -41,40 +42,6 @@ static ps_rpc_channel_t *channel(const char *target, const char *token)
     if (!ch)
         fprintf(stderr, "channel to %s: %s\n", target, err);
     return ch;
-}
-
-static bool do_register(ps_rpc_channel_t *ch, Pshard__Role role, const char *name, char *id,
-                        size_t idlen)
-{
-    Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
-    req.role = role;
-    req.name = (char *)name;
-    req.address = "127.0.0.1:1";
-    ProtobufCMessage *resp = NULL;
-    char err[256] = "";
-    if (ps_rpc_unary(ch, "/pshard.Coordinator/Register", &req.base,
-                     &pshard__member_view__descriptor, &resp, 5000, 0, NULL, err,
-                     sizeof(err)) != PSHARD_OK) {
-        fprintf(stderr, "register %s: %s\n", name, err);
-        return false;
-    }
-    ps_strlcpy(id, ((Pshard__MemberView *)resp)->member_id, idlen);
-    protobuf_c_message_free_unpacked(resp, NULL);
-    return true;
-}
-
-static Pshard__StatusResponse *get_status(ps_rpc_channel_t *ch)
-{
-    Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
-    ProtobufCMessage *resp = NULL;
-    char err[256] = "";
-    if (ps_rpc_unary(ch, "/pshard.Coordinator/Status", &req.base,
-                     &pshard__status_response__descriptor, &resp, 5000, 0, NULL, err,
-                     sizeof(err)) != PSHARD_OK) {
-        fprintf(stderr, "status: %s\n", err);
-        return NULL;
-    }
-    return (Pshard__StatusResponse *)resp;
 }
 
 /* Sends one ReportJoin; returns its status, with the gRPC code and the message. */
@@ -157,9 +124,12 @@ static int start(fixture_t *f)
     if (!f->ch)
         return -1;
     /* Ranks follow the names' natural order, not the order of registration. */
-    if (!do_register(f->ch, PSHARD__ROLE__SHARD_SERVER, "srv-1", f->id[1], sizeof(f->id[1])) ||
-        !do_register(f->ch, PSHARD__ROLE__SHARD_SERVER, "srv-0", f->id[0], sizeof(f->id[0])) ||
-        !do_register(f->ch, PSHARD__ROLE__TRAINER, "trn-0", f->id[2], sizeof(f->id[2])))
+    if (!ps_coord_register(f->ch, PSHARD__ROLE__SHARD_SERVER, "srv-1", "127.0.0.1:1", f->id[1],
+                           sizeof(f->id[1])) ||
+        !ps_coord_register(f->ch, PSHARD__ROLE__SHARD_SERVER, "srv-0", "127.0.0.1:1", f->id[0],
+                           sizeof(f->id[0])) ||
+        !ps_coord_register(f->ch, PSHARD__ROLE__TRAINER, "trn-0", "127.0.0.1:1", f->id[2],
+                           sizeof(f->id[2])))
         return -1;
     Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
     char err[256] = "";
@@ -209,7 +179,7 @@ static void test_join_status_and_watch(void)
 {
     fixture_t f;
     CU_ASSERT_FATAL(start(&f) == 0);
-    Pshard__StatusResponse *st = get_status(f.ch);
+    Pshard__StatusResponse *st = ps_coord_status(f.ch);
     CU_ASSERT_PTR_NOT_NULL_FATAL(st);
     uint64_t gen = st->generation;
     uint64_t formed_gen = st->formed_generation;
@@ -221,7 +191,7 @@ static void test_join_status_and_watch(void)
     static const int r1[] = {1};
     static const int64_t s40[] = {40};
     expect_event(next_event(&f), "join", gen, r1, s40, 1, -1);
-    st = get_status(f.ch);
+    st = ps_coord_status(f.ch);
     CU_ASSERT_PTR_NOT_NULL_FATAL(st);
     CU_ASSERT_EQUAL(st->generation, gen);
     CU_ASSERT_EQUAL_FATAL(st->n_joins, 1);
@@ -237,7 +207,7 @@ static void test_join_status_and_watch(void)
     static const int r01[] = {0, 1};
     static const int64_t s41_40[] = {41, 40};
     expect_event(next_event(&f), "join", gen, r01, s41_40, 2, -1);
-    st = get_status(f.ch);
+    st = ps_coord_status(f.ch);
     CU_ASSERT_PTR_NOT_NULL_FATAL(st);
     CU_ASSERT_EQUAL_FATAL(st->n_joins, 2);
     CU_ASSERT_EQUAL(st->joins[0]->rank, 0);
@@ -249,7 +219,7 @@ static void test_join_status_and_watch(void)
     CU_ASSERT_FATAL(report_ok(&f, 0, 0, PSHARD__JOIN_PHASE__JOINED, 41, true, 0));
     CU_ASSERT_FATAL(report_ok(&f, 0, 0, PSHARD__JOIN_PHASE__ALL_JOINED, 41, true, 1));
     expect_event(next_event(&f), "all joined", gen, NULL, NULL, 0, 1);
-    st = get_status(f.ch);
+    st = ps_coord_status(f.ch);
     CU_ASSERT_PTR_NOT_NULL_FATAL(st);
     CU_ASSERT_EQUAL(st->n_joins, 0);
     CU_ASSERT_EQUAL(st->last_joiner, 1);
@@ -262,7 +232,7 @@ static void test_join_status_and_watch(void)
     CU_ASSERT_FATAL(report_ok(&f, 1, 1, PSHARD__JOIN_PHASE__JOINED, 90, false, 0));
     static const int64_t s90[] = {90};
     expect_event(next_event(&f), "join", gen, r1, s90, 1, -1);
-    st = get_status(f.ch);
+    st = ps_coord_status(f.ch);
     CU_ASSERT_PTR_NOT_NULL_FATAL(st);
     CU_ASSERT_EQUAL(st->last_joiner, 1); /* until the next completion */
     CU_ASSERT_EQUAL(st->generation, gen);
@@ -285,7 +255,7 @@ static void test_join_bad_reports(void)
 {
     fixture_t f;
     CU_ASSERT_FATAL(start(&f) == 0);
-    Pshard__StatusResponse *st = get_status(f.ch);
+    Pshard__StatusResponse *st = ps_coord_status(f.ch);
     CU_ASSERT_PTR_NOT_NULL_FATAL(st);
     uint64_t gen = st->generation;
     protobuf_c_message_free_unpacked(&st->base, NULL);
@@ -317,8 +287,8 @@ static void test_join_bad_reports(void)
 
     /* A shard server that joins after the cluster formed is a standby with no rank. */
     char standby[64];
-    CU_ASSERT_FATAL(
-        do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "srv-2", standby, sizeof(standby)));
+    CU_ASSERT_FATAL(ps_coord_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "srv-2", "127.0.0.1:1",
+                                      standby, sizeof(standby)));
     Pshard__ClusterEvent *ev = next_event(&f); /* its registration bumps the generation */
     CU_ASSERT_PTR_NOT_NULL_FATAL(ev);
     CU_ASSERT(strstr(ev->reason, "srv-2") != NULL);
@@ -335,7 +305,7 @@ static void test_join_bad_reports(void)
     CU_ASSERT_EQUAL(ev->n_joins, 1);
     protobuf_c_message_free_unpacked(&ev->base, NULL);
 
-    st = get_status(f.ch);
+    st = ps_coord_status(f.ch);
     CU_ASSERT_PTR_NOT_NULL_FATAL(st);
     CU_ASSERT_EQUAL(st->generation, gen);
     CU_ASSERT_EQUAL(st->n_joins, 1);
@@ -361,7 +331,7 @@ static void test_join_reset_on_reform(void)
     CU_ASSERT_FATAL(report_ok(&f, 0, 0, PSHARD__JOIN_PHASE__JOINED, 5, false, 0));
     CU_ASSERT_FATAL(report_ok(&f, 0, 0, PSHARD__JOIN_PHASE__ALL_JOINED, 5, false, 0));
     CU_ASSERT_FATAL(report_ok(&f, 1, 1, PSHARD__JOIN_PHASE__JOINED, 8, false, 0));
-    Pshard__StatusResponse *st = get_status(f.ch);
+    Pshard__StatusResponse *st = ps_coord_status(f.ch);
     CU_ASSERT_PTR_NOT_NULL_FATAL(st);
     uint64_t formed_gen = st->formed_generation;
     CU_ASSERT_EQUAL(st->n_joins, 1);
@@ -376,7 +346,7 @@ static void test_join_reset_on_reform(void)
                                  &pshard__leave_response__descriptor, &resp, 5000, 0, NULL, err,
                                  sizeof(err)) == PSHARD_OK);
     protobuf_c_message_free_unpacked(resp, NULL);
-    st = get_status(f.ch);
+    st = ps_coord_status(f.ch);
     CU_ASSERT_PTR_NOT_NULL_FATAL(st);
     CU_ASSERT_EQUAL(st->state, PSHARD__CLUSTER_STATE__DEGRADED);
     CU_ASSERT_EQUAL(st->n_joins, 1);
@@ -386,9 +356,9 @@ static void test_join_reset_on_reform(void)
                    "unknown member id");
 
     /* srv-0 comes back: rank 0 again, the cluster re-forms, the join state starts afresh. */
-    CU_ASSERT_FATAL(
-        do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "srv-0", f.id[0], sizeof(f.id[0])));
-    st = get_status(f.ch);
+    CU_ASSERT_FATAL(ps_coord_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "srv-0", "127.0.0.1:1",
+                                      f.id[0], sizeof(f.id[0])));
+    st = ps_coord_status(f.ch);
     CU_ASSERT_PTR_NOT_NULL_FATAL(st);
     CU_ASSERT_EQUAL(st->state, PSHARD__CLUSTER_STATE__FORMED);
     CU_ASSERT(st->formed_generation > formed_gen);
