@@ -525,3 +525,27 @@ void pshard_coll_record_format(const pshard_comm_t *comm, const pshard_coll_reco
         break;
     }
 }
+
+#ifndef PSHARD_HAVE_NCCL
+/* Without CUDA the helpers of collectives.h only explain why they cannot help. */
+pshard_status_t pshard_cuda_check_device(int device, char *err, size_t errlen)
+{
+    return ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
+                   "CUDA device %d: this pshard was built without CUDA/NCCL", device);
+}
+
+pshard_status_t pshard_host_pin(int device, void *p, size_t bytes, char *err, size_t errlen)
+{
+    (void)device;
+    (void)p;
+    (void)bytes;
+    return ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
+                   "pinning host memory: this pshard was built without CUDA/NCCL");
+}
+
+void pshard_host_unpin(int device, void *p)
+{
+    (void)device;
+    (void)p;
+}
+#endif

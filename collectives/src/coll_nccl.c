@@ -16,6 +16,12 @@
  * averages from this backend may therefore differ in the last bits from tcp's, and between
  * world sizes or machines. fp32 differs only by summation order; int64 sums are exact.
  *
+ * Host buffers (pshard_comm_config_t.host_buffers): the engine copies the input to a device
+ * buffer it owns on its stream before the NCCL call, waits for NCCL to finish (abortable, as
+ * always), then copies the output back and waits for that copy; the device buffers grow to the
+ * largest operation and are reused. Only then does the request complete, so the caller's
+ * buffers are never touched afterwards, and a failed operation copies nothing back.
+ *
  * Test hook: PSHARD_NCCL_FORCE_GROUPED=1 (read at connect) makes all-gather and reduce-scatter
  * use their grouped per-rank form even when counts are equal, so a one-GPU test covers it. */
 #include <inttypes.h>
@@ -93,6 +99,9 @@ typedef struct nccl_engine {
     bool stream_created;
     int32_t *scratch; /* device memory: the barrier's one int */
     bool failed;      /* the NCCL communicator is gone; every request fails */
+    bool host_buffers; /* callers pass host memory: staged through d_send / d_recv */
+    void *d_send, *d_recv;
+    size_t d_send_cap, d_recv_cap;
 
     pthread_t thread;
     bool thread_started;
@@ -401,6 +410,90 @@ static pshard_status_t check_descriptor(nccl_engine_t *e, pshard_coll_req_t *req
                    inner_err);
 }
 
+/* Makes *buf hold at least bytes of device memory (engine thread). */
+static pshard_status_t ensure_device(void **buf, size_t *cap, size_t bytes, const char *what,
+                                     char *msg, size_t len)
+{
+    if (*cap >= bytes)
+        return PSHARD_OK;
+    cudaFree(*buf);
+    *buf = NULL;
+    *cap = 0;
+    cudaError_t ce = cudaMalloc(buf, bytes);
+    if (ce != cudaSuccess) {
+        *buf = NULL;
+        char w[128];
+        snprintf(w, sizeof(w), "nccl: cudaMalloc(%zu) for the %s staging buffer", bytes, what);
+        return cuda_errf(msg, len, ce, w);
+    }
+    *cap = bytes;
+    return PSHARD_OK;
+}
+
+/* Host-buffer mode: the bytes the operation reads from send and writes to recv on this rank. */
+static void staged_sizes(const nccl_engine_t *e, const coll_op_t *op, size_t *send_bytes,
+                         size_t *recv_bytes)
+{
+    const pshard_coll_args_t *a = &op->args;
+    int me = e->comm->rank, n = e->comm->world_size;
+    size_t es = pshard_dtype_size(a->dtype);
+    size_t total = op->displs[n] * es;
+    *send_bytes = *recv_bytes = 0;
+    switch (a->op) {
+    case PSHARD_COLL_ALL_GATHER:
+        *send_bytes = op->counts[me] * es;
+        *recv_bytes = total;
+        break;
+    case PSHARD_COLL_REDUCE_SCATTER:
+        *send_bytes = total;
+        *recv_bytes = op->counts[me] * es;
+        break;
+    case PSHARD_COLL_ALL_REDUCE:
+        *send_bytes = *recv_bytes = total;
+        break;
+    case PSHARD_COLL_BROADCAST:
+        *send_bytes = me == a->root ? total : 0;
+        *recv_bytes = total;
+        break;
+    case PSHARD_COLL_BARRIER:
+        break;
+    }
+}
+
+/* Host-buffer mode: copies the input to the device buffers on the engine's stream and points
+ * the operation at them (the NCCL calls that follow on the same stream see the copy). In-place
+ * forms need nothing special: input and output are separate device buffers. */
+static pshard_status_t stage_in(nccl_engine_t *e, coll_op_t *op, size_t send_bytes,
+                                size_t recv_bytes, char *msg, size_t len)
+{
+    PS_CHECK(
+        ensure_device(&e->d_send, &e->d_send_cap, send_bytes ? send_bytes : 1, "input", msg, len));
+    PS_CHECK(
+        ensure_device(&e->d_recv, &e->d_recv_cap, recv_bytes ? recv_bytes : 1, "output", msg, len));
+    if (send_bytes > 0) {
+        cudaError_t ce = cudaMemcpyAsync(e->d_send, op->args.send, send_bytes,
+                                         cudaMemcpyHostToDevice, e->stream);
+        if (ce != cudaSuccess)
+            return cuda_errf(msg, len, ce, "nccl: copying the host input to the device");
+    }
+    op->args.send = e->d_send;
+    op->args.recv = e->d_recv;
+    return PSHARD_OK;
+}
+
+/* Host-buffer mode, after NCCL finished: copies the output back to recv and waits for it. */
+static pshard_status_t stage_out(nccl_engine_t *e, pshard_coll_req_t *req, void *recv,
+                                 size_t recv_bytes, const char *name, char *msg, size_t len)
+{
+    if (recv_bytes == 0)
+        return PSHARD_OK;
+    cudaError_t ce =
+        cudaMemcpyAsync(recv, e->d_recv, recv_bytes, cudaMemcpyDeviceToHost, e->stream);
+    if (ce != cudaSuccess)
+        return cuda_errf(msg, len, ce, "nccl: copying the output back to host memory");
+    return wait_nccl(e, req, true, name, msg, len);
+}
+
 /* Runs one request: descriptor check, NCCL launch, completion on the stream. Any failure is
  * fatal for the communicator and NCCL is aborted before the request completes (the caller may
  * free its buffers then). Returns the outcome; msg holds the error. Engine thread. */
@@ -416,15 +509,39 @@ static pshard_status_t run_request(nccl_engine_t *e, pshard_coll_req_t *req, cha
     op_describe(e, op, label, name, sizeof(name));
     coll_record_waiting(c, op, -1);
 
-    pshard_status_t st = check_descriptor(e, req, label, name, msg, len);
-    if (st != PSHARD_OK) {
-        fail_comm(e, st, msg, false);
-        return st;
+    /* Staged before the descriptor check: a local failure (no device memory) then fails this
+     * communicator, which aborts the control path and releases the peers waiting in their
+     * check, instead of leaving them inside NCCL until the timeout. */
+    bool staged = e->host_buffers && !op->check_only && op->args.op != PSHARD_COLL_BARRIER;
+    const void *host_send = op->args.send;
+    void *host_recv = op->args.recv;
+    size_t send_bytes = 0, recv_bytes = 0;
+    pshard_status_t st = PSHARD_OK;
+    if (staged) {
+        staged_sizes(e, op, &send_bytes, &recv_bytes);
+        st = stage_in(e, op, send_bytes, recv_bytes, msg, len);
     }
-    if (!op->check_only) {
+    if (st == PSHARD_OK) {
+        st = check_descriptor(e, req, label, name, msg, len);
+        if (st != PSHARD_OK) {
+            if (staged) {
+                op->args.send = host_send;
+                op->args.recv = host_recv;
+            }
+            fail_comm(e, st, msg, false);
+            return st;
+        }
+    }
+    if (!op->check_only && st == PSHARD_OK) {
         st = launch(e, req, name, msg, len);
         if (st == PSHARD_OK)
             st = wait_nccl(e, req, true, name, msg, len);
+        if (st == PSHARD_OK && staged)
+            st = stage_out(e, req, host_recv, recv_bytes, name, msg, len);
+    }
+    if (staged) {
+        op->args.send = host_send;
+        op->args.recv = host_recv;
     }
     if (st != PSHARD_OK)
         fail_comm(e, st, msg, true);
@@ -488,6 +605,10 @@ static void release_device(nccl_engine_t *e)
         cudaFree(e->scratch);
         e->scratch = NULL;
     }
+    cudaFree(e->d_send);
+    cudaFree(e->d_recv);
+    e->d_send = e->d_recv = NULL;
+    e->d_send_cap = e->d_recv_cap = 0;
     if (e->stream_created) {
         cudaStreamDestroy(e->stream);
         e->stream_created = false;
@@ -652,6 +773,7 @@ static pshard_status_t nccl_connect(pshard_comm_t *comm, const pshard_comm_confi
         cfg->connect_timeout_ms ? cfg->connect_timeout_ms : DEFAULT_CONNECT_TIMEOUT_MS;
     const char *force = getenv("PSHARD_NCCL_FORCE_GROUPED");
     e->force_grouped = force && strcmp(force, "1") == 0;
+    e->host_buffers = cfg->host_buffers;
     pthread_mutex_init(&e->qmu, NULL);
     pthread_cond_init(&e->qcv, NULL);
     comm->impl = e;
@@ -773,6 +895,47 @@ static void nccl_destroy(pshard_comm_t *comm)
     pthread_mutex_destroy(&e->qmu);
     free(e);
     comm->impl = NULL;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* CUDA helpers of collectives.h                                                             */
+
+pshard_status_t pshard_cuda_check_device(int device, char *err, size_t errlen)
+{
+    int n = 0;
+    cudaError_t ce = cudaGetDeviceCount(&n);
+    if (ce != cudaSuccess)
+        return cuda_errf(err, errlen, ce, "no usable CUDA device: cudaGetDeviceCount");
+    if (device < 0 || device >= n)
+        return ps_errf(err, errlen, PSHARD_ERR_CUDA,
+                       "CUDA device %d does not exist: this machine has %d (0..%d)", device, n,
+                       n - 1);
+    return PSHARD_OK;
+}
+
+pshard_status_t pshard_host_pin(int device, void *p, size_t bytes, char *err, size_t errlen)
+{
+    if (!p || bytes == 0)
+        return PSHARD_OK;
+    cudaError_t ce = cudaSetDevice(device);
+    if (ce != cudaSuccess) {
+        char what[64];
+        snprintf(what, sizeof(what), "cudaSetDevice(%d)", device);
+        return cuda_errf(err, errlen, ce, what);
+    }
+    ce = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+    if (ce != cudaSuccess) {
+        char what[96];
+        snprintf(what, sizeof(what), "cudaHostRegister(%zu bytes)", bytes);
+        return cuda_errf(err, errlen, ce, what);
+    }
+    return PSHARD_OK;
+}
+
+void pshard_host_unpin(int device, void *p)
+{
+    if (p && cudaSetDevice(device) == cudaSuccess)
+        cudaHostUnregister(p);
 }
 
 const coll_backend_t coll_nccl_backend = {

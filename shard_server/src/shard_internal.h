@@ -19,6 +19,8 @@
 typedef struct {
     void *base;
     size_t bytes;
+    bool pinned;    /* page-locked for the GPU's copies (--backend nccl) */
+    int pin_device; /* the CUDA device current while pinning */
     char name[SHM_NAME_MAX + 2];
 } shm_map_t;
 
@@ -167,8 +169,13 @@ void *shard_setup_main(void *arg);
  * s->stop is set. */
 void *shard_watch_main(void *arg);
 
-/* Unmaps a region (shared or private) and clears it; an empty one is a no-op. */
+/* Unmaps a region (shared or private; unpinned first) and clears it; an empty one is a
+ * no-op. */
 void shard_unmap(shm_map_t *m);
+
+/* --backend nccl: page-locks a trainer region so the collectives' copies between it and the
+ * GPU run by DMA; a failure only costs speed and is logged. No-op for tcp. */
+void shard_pin_region(pshard_shard_server_t *s, shm_map_t *m);
 
 /* True when [offset, offset + len) lies inside m and offset is a multiple of align (0: any). */
 bool shard_in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t align);

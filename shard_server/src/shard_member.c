@@ -259,6 +259,7 @@ void *shard_setup_main(void *arg)
             .timeout_ms = s->cfg.coll_timeout_ms,
             .connect_timeout_ms = 120000,
             .device = s->cfg.device,
+            .host_buffers = true, /* shards and trainer regions live in host memory */
             .cancel = &s->stop_flag,
         };
         char err[1024] = "";

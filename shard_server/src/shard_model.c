@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "pshard/collectives.h"
 #include "pshard/util.h"
 
 #define HUGE_PAGE (2u << 20)
@@ -38,10 +39,51 @@ static void free_touched(void *p, size_t n)
         munmap(p, touched_len(n));
 }
 
+/* The storage arrays and their mapped lengths, for pinning (NULL entries are absent). */
+static size_t storage(shard_model_t *m, void **ptrs, size_t *lens)
+{
+    size_t bytes = m->shard_numel * sizeof(float);
+    void *all[5] = {m->master, m->grad, m->state0, m->state1, m->stage};
+    size_t sizes[5] = {bytes, bytes, bytes, bytes, m->max_piece * 4};
+    size_t n = 0;
+    for (size_t i = 0; i < 5; i++) {
+        if (all[i]) {
+            ptrs[n] = all[i];
+            lens[n++] = touched_len(sizes[i]);
+        }
+    }
+    return n;
+}
+
+pshard_status_t shard_model_pin(shard_model_t *m, int device, char *err, size_t errlen)
+{
+    void *ptrs[5];
+    size_t lens[5];
+    size_t n = storage(m, ptrs, lens);
+    for (size_t i = 0; i < n; i++) {
+        pshard_status_t rc = pshard_host_pin(device, ptrs[i], lens[i], err, errlen);
+        if (rc != PSHARD_OK) {
+            while (i-- > 0)
+                pshard_host_unpin(device, ptrs[i]);
+            return rc;
+        }
+    }
+    m->pinned = true;
+    m->pin_device = device;
+    return PSHARD_OK;
+}
+
 void shard_model_free(shard_model_t *m)
 {
     if (!m)
         return;
+    if (m->pinned) {
+        void *ptrs[5];
+        size_t lens[5];
+        size_t n = storage(m, ptrs, lens);
+        for (size_t i = 0; i < n; i++)
+            pshard_host_unpin(m->pin_device, ptrs[i]);
+    }
     if (m->params) {
         for (size_t i = 0; i < m->nparams; i++)
             free(m->params[i].name);

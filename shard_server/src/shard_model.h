@@ -47,6 +47,8 @@ typedef struct {
     int64_t step;
     uint64_t fingerprint;
     char *spec_text;    /* canonical text of the definition, compared across ranks */
+    bool pinned;        /* storage page-locked by shard_model_pin, on pin_device */
+    int pin_device;
 } shard_model_t;
 
 /* Builds the model from parameter names and shapes (copied). Validates everything a trainer
@@ -61,6 +63,11 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
                                    double max_grad_norm, bool in_backward,
                                    shard_model_t **out, char *err, size_t errlen);
 void shard_model_free(shard_model_t *m);
+
+/* Page-locks the storage (master, accumulator, state, staging buffer) for DMA to a GPU
+ * (--backend nccl --offload cpu); shard_model_free unpins it. All or nothing: on failure
+ * nothing stays pinned and err says why. */
+pshard_status_t shard_model_pin(shard_model_t *m, int device, char *err, size_t errlen);
 
 /* Compares this model's definition text with another rank's and, when they differ, writes a
  * message naming the first differing parameter into err and returns FAILED_PRECONDITION. */

@@ -52,9 +52,32 @@ static bool dtype_from_pb(Pshard__DType d, pshard_dtype_t *out)
 
 void shard_unmap(shm_map_t *m)
 {
+    if (m->pinned)
+        pshard_host_unpin(m->pin_device, m->base);
     if (m->base)
         munmap(m->base, m->bytes);
     memset(m, 0, sizeof(*m));
+}
+
+/* True when this server's collectives run on the GPU (host buffers staged by the backend). */
+static bool on_gpu(const pshard_shard_server_t *s)
+{
+    return strcmp(s->cfg.backend, "nccl") == 0;
+}
+
+void shard_pin_region(pshard_shard_server_t *s, shm_map_t *m)
+{
+    if (!on_gpu(s) || !m->base || m->pinned)
+        return;
+    char err[256] = "";
+    if (pshard_host_pin(s->cfg.device, m->base, m->bytes, err, sizeof(err)) == PSHARD_OK) {
+        m->pinned = true;
+        m->pin_device = s->cfg.device;
+    } else
+        PS_WARN(PS_SUB_SHARD,
+                "trainer region of %zu bytes stays pageable (copies to the GPU "
+                "are slower): %s",
+                m->bytes, err);
 }
 
 /* Maps a trainer's shared-memory object. The name must look like "/pshard-..." (letters,
@@ -197,6 +220,7 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         ps_rpc_call_fail(call, rc, "%s", err);
         return;
     }
+    shard_pin_region(s, &m);
     pthread_mutex_lock(&s->op_mu);
     shard_unmap(&s->scratch);
     shard_unmap(&s->model_shm);
@@ -342,8 +366,9 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
         /* This server is done with those trainer pages (the trainer discards them after
          * DefineModel): drop them from its own mapping now, so the definition's peak holds
          * one parameter's initial values, not all. Shared mappings only: the pages keep their
-         * contents, should another parameter's offsets overlap these. */
-        if (rc == PSHARD_OK && has_data && region->name[0]) {
+         * contents, should another parameter's offsets overlap these. Not when pinned: the
+         * pages stay resident for the GPU anyway. */
+        if (rc == PSHARD_OK && has_data && region->name[0] && !region->pinned) {
             size_t page = (size_t)sysconf(_SC_PAGESIZE);
             uintptr_t a0 = (uintptr_t)((const uint8_t *)region->base + req->init_offsets[p]);
             uintptr_t start = (a0 + page - 1) / page * page;
@@ -444,6 +469,12 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     rc = check_definitions(s, m, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
+    if (on_gpu(s)) {
+        shard_pin_region(s, &region);
+        if (shard_model_pin(m, s->cfg.device, err, sizeof(err)) != PSHARD_OK)
+            PS_WARN(PS_SUB_SHARD, "shard state stays pageable (copies to the GPU are slower): %s",
+                    err);
+    }
     rc = init_params(comm, m, req, &region, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
@@ -942,10 +973,20 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--offload must be none or cpu");
         return NULL;
     }
-    if (strcmp(backend, "nccl") == 0) {
+    if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0) {
         ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
-                "--backend nccl: GPU-resident shards are not implemented yet in the shard "
-                "server (the collectives' NCCL backend exists); use tcp");
+                "--backend nccl with --offload none would keep shards and optimizer state in "
+                "GPU memory, which this shard server does not do yet; run --backend nccl "
+                "--offload cpu (slices and optimizer state in pinned host memory, collectives "
+                "on the GPU through NCCL, like FSDP's CPUOffload)");
+        return NULL;
+    }
+    if (strcmp(backend, "nccl") == 0 &&
+        pshard_cuda_check_device(cfg->device, err, errlen) != PSHARD_OK) {
+        size_t used = strlen(err);
+        if (used + 1 < errlen)
+            snprintf(err + used, errlen - used, " (--backend nccl needs a GPU; --device %d)",
+                     cfg->device);
         return NULL;
     }
     pshard_shard_server_t *s = calloc(1, sizeof(*s));

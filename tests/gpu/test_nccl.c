@@ -37,6 +37,8 @@ typedef struct {
     const char *const *peers;
     unsigned seed; /* advanced identically on every rank: each check gets fresh data */
     int failures;
+    bool host;   /* buffers are host memory (the communicator's host_buffers mode) */
+    bool pinned; /* host buffers page-locked with pshard_host_pin */
 } rank_ctx_t;
 
 #define EXPECT(ctx, cond, ...)                                                                     \
@@ -121,23 +123,58 @@ static size_t make_counts(int world, bool per_rank, size_t count, size_t *counts
 /* ---------------------------------------------------------------------------------------- */
 /* Device helpers                                                                            */
 
+/* The test's buffers: device memory, or host memory (pageable or pinned) when the
+ * communicator runs in host_buffers mode; the same checks run on either. */
 static void *dev_alloc(rank_ctx_t *c, size_t bytes)
 {
+    if (!bytes)
+        bytes = 16;
+    if (c->host) {
+        void *h = malloc(bytes);
+        EXPECT(c, h != NULL, "malloc(%zu)", bytes);
+        if (h && c->pinned) {
+            char err[256] = "";
+            pshard_status_t st = pshard_host_pin(c->rank, h, bytes, err, sizeof(err));
+            EXPECT(c, st == PSHARD_OK, "pshard_host_pin(%zu): %s", bytes, err);
+        }
+        return h;
+    }
     void *p = NULL;
-    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 16);
+    cudaError_t e = cudaMalloc(&p, bytes);
     EXPECT(c, e == cudaSuccess, "cudaMalloc(%zu): %s", bytes, cudaGetErrorString(e));
     return e == cudaSuccess ? p : NULL;
+}
+
+static void buf_free(rank_ctx_t *c, void *p)
+{
+    if (!p)
+        return;
+    if (c->host) {
+        if (c->pinned)
+            pshard_host_unpin(c->rank, p);
+        free(p);
+        return;
+    }
+    cudaFree(p);
 }
 
 /* Fills with 0xff bytes (NaN in fp32 and bf16): whatever NCCL leaves unwritten fails. */
 static void dev_poison(rank_ctx_t *c, void *d, size_t bytes)
 {
+    if (c->host) {
+        memset(d, 0xff, bytes);
+        return;
+    }
     cudaError_t e = cudaMemset(d, 0xff, bytes);
     EXPECT(c, e == cudaSuccess, "cudaMemset: %s", cudaGetErrorString(e));
 }
 
 static void to_dev(rank_ctx_t *c, void *d, const void *h, size_t bytes)
 {
+    if (c->host) {
+        memcpy(d, h, bytes);
+        return;
+    }
     cudaError_t e = cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice);
     EXPECT(c, e == cudaSuccess, "cudaMemcpy to device: %s", cudaGetErrorString(e));
 }
@@ -145,6 +182,10 @@ static void to_dev(rank_ctx_t *c, void *d, const void *h, size_t bytes)
 static void *from_dev(rank_ctx_t *c, const void *d, size_t bytes)
 {
     void *h = malloc(bytes + 1);
+    if (c->host) {
+        memcpy(h, d, bytes);
+        return h;
+    }
     cudaError_t e = cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost);
     EXPECT(c, e == cudaSuccess, "cudaMemcpy from device: %s", cudaGetErrorString(e));
     return h;
@@ -153,6 +194,8 @@ static void *from_dev(rank_ctx_t *c, const void *d, size_t bytes)
 /* The backend's contract: inputs are complete on the device before the collective starts. */
 static void dev_sync(rank_ctx_t *c)
 {
+    if (c->host)
+        return;
     cudaError_t e = cudaDeviceSynchronize();
     EXPECT(c, e == cudaSuccess, "cudaDeviceSynchronize: %s", cudaGetErrorString(e));
 }
@@ -171,6 +214,7 @@ static pshard_comm_t *make_comm(rank_ctx_t *c, const char *name, int device)
     cfg.timeout_ms = 60000;
     cfg.connect_timeout_ms = 60000;
     cfg.device = device;
+    cfg.host_buffers = c->host;
     pshard_comm_t *comm = NULL;
     char err[1024] = "";
     pshard_status_t st = pshard_comm_create(&cfg, &comm, err, sizeof(err));
@@ -233,8 +277,8 @@ static void check_all_gather(rank_ctx_t *c, pshard_comm_t *comm, pshard_dtype_t 
     free(h_recv);
 out:
     free(h_send);
-    cudaFree(d_recv);
-    cudaFree(d_own);
+    buf_free(c, d_recv);
+    buf_free(c, d_own);
 }
 
 static void check_reduce_scatter(rank_ctx_t *c, pshard_comm_t *comm, pshard_dtype_t dt,
@@ -285,8 +329,8 @@ static void check_reduce_scatter(rank_ctx_t *c, pshard_comm_t *comm, pshard_dtyp
     free(h_recv);
 out:
     free(h_send);
-    cudaFree(d_send);
-    cudaFree(d_recv);
+    buf_free(c, d_send);
+    buf_free(c, d_recv);
 }
 
 static void check_all_reduce(rank_ctx_t *c, pshard_comm_t *comm, pshard_dtype_t dt,
@@ -336,8 +380,8 @@ static void check_all_reduce(rank_ctx_t *c, pshard_comm_t *comm, pshard_dtype_t 
     free(h_recv);
 out:
     free(h_send);
-    cudaFree(d_recv);
-    cudaFree(d_own);
+    buf_free(c, d_recv);
+    buf_free(c, d_own);
 }
 
 static void check_broadcast(rank_ctx_t *c, pshard_comm_t *comm, pshard_dtype_t dt, int root)
@@ -379,8 +423,8 @@ static void check_broadcast(rank_ctx_t *c, pshard_comm_t *comm, pshard_dtype_t d
     free(h_recv);
 out:
     free(h_send);
-    cudaFree(d_recv);
-    cudaFree(d_send);
+    buf_free(c, d_recv);
+    buf_free(c, d_send);
 }
 
 static void check_barrier_and_empty(rank_ctx_t *c, pshard_comm_t *comm)
@@ -465,6 +509,25 @@ static void test_world1_grouped_path(void)
     CU_ASSERT_EQUAL(c.failures, 0);
 }
 
+/* host_buffers: the same checks on host memory, which the backend stages through device
+ * buffers of its own; pageable and pinned. */
+static void test_world1_host_buffers(void)
+{
+    for (int pinned = 0; pinned < 2; pinned++) {
+        rank_ctx_t c = {.rank = 0,
+                        .world = 1,
+                        .peers = one_peer,
+                        .seed = 4000u + 500u * pinned,
+                        .host = true,
+                        .pinned = pinned};
+        pshard_comm_t *comm = make_comm(&c, pinned ? "gpu-w1-pinned" : "gpu-w1-host", 0);
+        if (comm)
+            run_all(&c, comm);
+        pshard_comm_destroy(comm);
+        CU_ASSERT_EQUAL(c.failures, 0);
+    }
+}
+
 static void test_world1_abort(void)
 {
     rank_ctx_t c = {.rank = 0, .world = 1, .peers = one_peer, .seed = 2000};
@@ -501,7 +564,7 @@ static void test_world1_abort(void)
         printf("  aborted operation ended with %s after %.3f s\n", pshard_status_name(st),
                waited_s);
     }
-    cudaFree(d_buf);
+    buf_free(&c, d_buf);
 
     /* Everything after the abort fails with the first error, naming the reason. */
     char err[1024] = "";
@@ -555,7 +618,7 @@ static void *rank_main(void *arg)
     pshard_comm_t *comm = make_comm(c, t->name, c->rank);
     if (!comm)
         return NULL;
-    if (strcmp(t->scenario, "all") == 0) {
+    if (strcmp(t->scenario, "all") == 0 || strcmp(t->scenario, "all-host") == 0) {
         run_all(c, comm);
     } else {
         /* desync: rank 0 reduces one element fewer than the others. */
@@ -578,7 +641,7 @@ static void *rank_main(void *arg)
                (double)(ps_now_ns() - t0) / 1e9);
         EXPECT(c, pshard_comm_error(comm, err, sizeof(err)) == PSHARD_ERR_DESYNC,
                "the desync is not sticky");
-        cudaFree(d);
+        buf_free(c, d);
     }
     pshard_comm_destroy(comm);
     return NULL;
@@ -618,7 +681,11 @@ static void run_multi(const char *scenario, const char *name)
     pthread_t tids[MAX_WORLD];
     for (int r = 0; r < world; r++) {
         threads[r] = (rank_thread_t){
-            .ctx = {.rank = r, .world = world, .peers = peers, .seed = 3000},
+            .ctx = {.rank = r,
+                    .world = world,
+                    .peers = peers,
+                    .seed = 3000,
+                    .host = strcmp(scenario, "all-host") == 0},
             .scenario = scenario,
             .name = name,
         };
@@ -639,6 +706,7 @@ static void test_multi_gpu_collectives(void)
         return;
     }
     run_multi("all", "gpu-multi");
+    run_multi("all-host", "gpu-multi-host");
 }
 
 static void test_multi_gpu_desync(void)
@@ -662,6 +730,7 @@ int main(void)
     static const ps_test_case_t cases[] = {
         {"world1_collectives", test_world1_collectives},
         {"world1_grouped_path", test_world1_grouped_path},
+        {"world1_host_buffers", test_world1_host_buffers},
         {"world1_abort", test_world1_abort},
         {"bad_device", test_bad_device},
         {"multi_gpu_collectives", test_multi_gpu_collectives},

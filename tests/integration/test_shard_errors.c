@@ -1262,13 +1262,16 @@ static void test_offload_and_backend_options(void)
     }
     CU_ASSERT(cluster_stop(&c));
 
-    /* --offload gpu and --backend nccl are refused at start with a message. */
+    /* Refused at start with a message: --offload gpu, GPU-resident shards (--backend nccl
+     * without --offload cpu), a CUDA device that is not there (on any machine: no GPU, or no
+     * device 1000), an unknown backend. */
     static const struct {
-        const char *flag, *value, *sub1, *sub2;
+        const char *flag, *value, *flag2, *value2, *sub1, *sub2;
     } refused[] = {
-        {"--offload", "gpu", "--offload", "none or cpu"},
-        {"--backend", "nccl", "nccl", "GPU-resident"},
-        {"--backend", "mpi", "--backend", "tcp or nccl"},
+        {"--offload", "gpu", NULL, NULL, "--offload", "none or cpu"},
+        {"--backend", "nccl", NULL, NULL, "GPU memory", "--offload cpu"},
+        {"--backend", "nccl", "--offload", "cpu", "--backend nccl needs a GPU", "--device 1000"},
+        {"--backend", "mpi", NULL, NULL, "--backend", "tcp or nccl"},
     };
     for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
         char dir[] = "/tmp/pshard-shard-errors-XXXXXX";
@@ -1285,6 +1288,10 @@ static void test_offload_and_backend_options(void)
                         port_file,
                         (char *)refused[i].flag,
                         (char *)refused[i].value,
+                        "--device",
+                        "1000",
+                        (char *)refused[i].flag2,
+                        (char *)refused[i].value2,
                         NULL};
         pid_t pid = ps_proc_spawn(argv, log);
         CU_ASSERT_FATAL(pid > 0);

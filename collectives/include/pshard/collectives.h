@@ -87,6 +87,10 @@ typedef struct {
     int64_t timeout_ms;       /* default per-operation timeout; 0 = 600000 (10 min) */
     int64_t connect_timeout_ms; /* bootstrap and handshakes; 0 = 60000 */
     int device;               /* nccl: CUDA device ordinal */
+    bool host_buffers;        /* nccl: the caller's buffers are host memory; the backend copies
+                                 them to and from device buffers it owns (grown to the largest
+                                 operation, then reused). Pinned memory (pshard_host_pin) copies
+                                 faster. tcp: buffers are host memory anyway; ignored */
     const volatile int *cancel; /* optional: when *cancel becomes non-zero, a connect in
                                    progress gives up with PSHARD_ERR_CANCELLED within ~200 ms */
     size_t flight_recorder_size; /* descriptors kept for status output; 0 = 64 */
@@ -170,6 +174,19 @@ void pshard_coll_record_format(const pshard_comm_t *comm, const pshard_coll_reco
                                char *buf, size_t len);
 
 const char *pshard_coll_op_name(pshard_coll_op_t op);
+
+/* CUDA helpers for owners of host buffers used with the nccl backend (host_buffers). All
+ * return PSHARD_ERR_UNIMPLEMENTED with a message when pshard was built without CUDA/NCCL.
+ * pshard_cuda_check_device: PSHARD_OK when device is a usable CUDA device ordinal, else
+ * PSHARD_ERR_CUDA naming what is missing (no driver, no device, ordinal out of range), so a
+ * program can refuse at start instead of failing later.
+ * pshard_host_pin: page-locks [p, p + bytes) (cudaHostRegister, portable to every device) so
+ * that copies to and from the device run by DMA; pshard_host_unpin undoes it (before the
+ * memory is unmapped or freed). Both make `device` the calling thread's current device, so
+ * that no context is created on another GPU. Thread-safe. */
+pshard_status_t pshard_cuda_check_device(int device, char *err, size_t errlen);
+pshard_status_t pshard_host_pin(int device, void *p, size_t bytes, char *err, size_t errlen);
+void pshard_host_unpin(int device, void *p);
 
 #ifdef __cplusplus
 }
