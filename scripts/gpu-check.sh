@@ -59,7 +59,7 @@ if ! cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DPSHARD_WITH_C
   say "RESULT: configure FAILED"
   exit 3
 fi
-grep "NCCL backend" "$build_dir/configure.log"
+grep -E "NCCL backend|CUDA kernels" "$build_dir/configure.log"
 if ! cmake --build "$build_dir" -j "$(nproc)" > "$build_dir/build.log" 2>&1; then
   tail -n 60 "$build_dir/build.log"
   say "RESULT: build FAILED"

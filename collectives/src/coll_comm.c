@@ -194,6 +194,10 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
                        n);
     if (a->timeout_ms < 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "timeout_ms is negative");
+    if ((a->send_device || a->recv_device) && c->backend->host_buffers)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%s: the %s backend cannot use device buffers", pshard_coll_op_name(a->op),
+                       c->backend->name);
     bool per_rank = a->op == PSHARD_COLL_ALL_GATHER || a->op == PSHARD_COLL_REDUCE_SCATTER;
     if (a->counts && !per_rank)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,

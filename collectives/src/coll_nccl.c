@@ -430,7 +430,8 @@ static pshard_status_t ensure_device(void **buf, size_t *cap, size_t bytes, cons
     return PSHARD_OK;
 }
 
-/* Host-buffer mode: the bytes the operation reads from send and writes to recv on this rank. */
+/* Host-buffer mode: the bytes the operation reads from send and writes to recv on this rank
+ * that need staging (none for a side the caller marked as device memory). */
 static void staged_sizes(const nccl_engine_t *e, const coll_op_t *op, size_t *send_bytes,
                          size_t *recv_bytes)
 {
@@ -458,6 +459,10 @@ static void staged_sizes(const nccl_engine_t *e, const coll_op_t *op, size_t *se
     case PSHARD_COLL_BARRIER:
         break;
     }
+    if (a->send_device)
+        *send_bytes = 0;
+    if (a->recv_device)
+        *recv_bytes = 0;
 }
 
 /* Host-buffer mode: copies the input to the device buffers on the engine's stream and points
@@ -476,8 +481,10 @@ static pshard_status_t stage_in(nccl_engine_t *e, coll_op_t *op, size_t send_byt
         if (ce != cudaSuccess)
             return cuda_errf(msg, len, ce, "nccl: copying the host input to the device");
     }
-    op->args.send = e->d_send;
-    op->args.recv = e->d_recv;
+    if (!op->args.send_device)
+        op->args.send = e->d_send;
+    if (!op->args.recv_device)
+        op->args.recv = e->d_recv;
     return PSHARD_OK;
 }
 

@@ -56,7 +56,7 @@ static const ps_option_t options[] = {
     OPT("backend", "PSHARD_BACKEND", PS_OPT_STRING, "tcp", "collectives backend: tcp or nccl",
         backend, 0, 0),
     OPT("offload", "PSHARD_OFFLOAD", PS_OPT_STRING, "none",
-        "where shards live: none (host memory with tcp; GPU memory with nccl, not built yet) or "
+        "where shards live: none (host memory with tcp; GPU memory with nccl) or "
         "cpu (host memory, pinned with nccl)",
         offload, 0, 0),
     OPT("data-host", "PSHARD_DATA_HOST", PS_OPT_STRING, "127.0.0.1",

@@ -8,9 +8,12 @@
  * vectoriser needs; the remainder (< OPT_BLOCK) runs through the same loops unvectorised. */
 #include "optim.h"
 
+#include "optim_elem.h"
+
 #include <assert.h>
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
 
 #define OPT_BLOCK 64
 /* Independent double accumulators in ps_sum_squares (two AVX registers' worth). */
@@ -160,17 +163,7 @@ static inline void adam_update(float *restrict p, const float *restrict d, const
 
 /* ---- one block ---- */
 
-typedef struct {
-    float neg_lr;              /* SGD: -lr */
-    float weight_decay;        /* L2 term added to the gradient (0: skipped) */
-    float momentum;            /* SGD */
-    float one_minus_dampening; /* SGD */
-    bool first_step;           /* SGD: initialise the momentum buffer */
-    bool nesterov;             /* SGD */
-    float decay_factor;        /* AdamW: 1 - lr * weight_decay */
-    float lerp_weight;         /* Adam(W): 1 - beta1 */
-    float beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size; /* Adam(W) */
-} step_scalars_t;
+typedef ps_optim_scalars_t step_scalars_t;
 
 static inline void sgd_block(const step_scalars_t *s, float *restrict p, const float *restrict g,
                              float *restrict buf, size_t len)
@@ -216,22 +209,43 @@ static inline void adam_block(const step_scalars_t *s, bool decoupled, float *re
                 len);
 }
 
+void ps_optim_step_scalars(const ps_optim_config_t *cfg, double lr, int64_t step,
+                           ps_optim_scalars_t *s)
+{
+    memset(s, 0, sizeof(*s));
+    s->kind = cfg->kind;
+    s->weight_decay = (float)cfg->weight_decay;
+    if (cfg->kind == PS_OPTIM_SGD) {
+        s->has_momentum = cfg->momentum != 0.0;
+        s->neg_lr = (float)-lr;
+        s->momentum = (float)cfg->momentum;
+        s->one_minus_dampening = (float)(1.0 - cfg->dampening);
+        s->first_step = step == 1;
+        s->nesterov = cfg->nesterov;
+        return;
+    }
+    double bias_correction1 = 1.0 - pow(cfg->beta1, (double)step);
+    double bias_correction2 = 1.0 - pow(cfg->beta2, (double)step);
+    s->decay_factor = (float)(1.0 - lr * cfg->weight_decay);
+    s->lerp_weight = (float)(1.0 - cfg->beta1);
+    s->beta2 = (float)cfg->beta2;
+    s->one_minus_beta2 = (float)(1.0 - cfg->beta2);
+    s->bc2_sqrt = (float)sqrt(bias_correction2);
+    s->eps = (float)cfg->eps;
+    s->neg_step_size = (float)-(lr / bias_correction1);
+}
+
 void ps_optim_step(const ps_optim_config_t *cfg, double lr, int64_t step, float *param,
                    const float *grad, float *state0, float *state1, size_t n)
 {
     assert(step >= 1);
-    step_scalars_t s = {0};
-    s.weight_decay = (float)cfg->weight_decay;
+    step_scalars_t s;
+    ps_optim_step_scalars(cfg, lr, step, &s);
     size_t full = n - n % OPT_BLOCK;
 
     if (cfg->kind == PS_OPTIM_SGD) {
-        float *buf = cfg->momentum != 0.0 ? state0 : NULL;
-        assert(!(cfg->momentum != 0.0) || state0);
-        s.neg_lr = (float)-lr;
-        s.momentum = (float)cfg->momentum;
-        s.one_minus_dampening = (float)(1.0 - cfg->dampening);
-        s.first_step = step == 1;
-        s.nesterov = cfg->nesterov;
+        float *buf = s.has_momentum ? state0 : NULL;
+        assert(!s.has_momentum || state0);
         for (size_t i = 0; i < full; i += OPT_BLOCK)
             sgd_block(&s, param + i, grad + i, buf ? buf + i : NULL, OPT_BLOCK);
         if (full < n)
@@ -241,15 +255,6 @@ void ps_optim_step(const ps_optim_config_t *cfg, double lr, int64_t step, float 
 
     assert(state0 && state1);
     bool decoupled = cfg->kind == PS_OPTIM_ADAMW;
-    double bias_correction1 = 1.0 - pow(cfg->beta1, (double)step);
-    double bias_correction2 = 1.0 - pow(cfg->beta2, (double)step);
-    s.decay_factor = (float)(1.0 - lr * cfg->weight_decay);
-    s.lerp_weight = (float)(1.0 - cfg->beta1);
-    s.beta2 = (float)cfg->beta2;
-    s.one_minus_beta2 = (float)(1.0 - cfg->beta2);
-    s.bc2_sqrt = (float)sqrt(bias_correction2);
-    s.eps = (float)cfg->eps;
-    s.neg_step_size = (float)-(lr / bias_correction1);
     for (size_t i = 0; i < full; i += OPT_BLOCK)
         adam_block(&s, decoupled, param + i, grad + i, state0 + i, state1 + i, OPT_BLOCK);
     if (full < n)

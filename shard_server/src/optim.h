@@ -44,6 +44,12 @@ int ps_optim_state_count(const ps_optim_config_t *cfg);
 void ps_optim_step(const ps_optim_config_t *cfg, double lr, int64_t step, float *param,
                    const float *grad, float *state0, float *state1, size_t n);
 
+/* The scalars of one step (lr overriding cfg->lr, step 1-based), as ps_optim_step computes
+ * them: for the element functions of optim_elem.h. */
+struct ps_optim_scalars;
+void ps_optim_step_scalars(const ps_optim_config_t *cfg, double lr, int64_t step,
+                           struct ps_optim_scalars *out);
+
 /* Sum of squares of n fp32 values, accumulated in double (for clip_grad_norm). */
 double ps_sum_squares(const float *x, size_t n);
 

@@ -21,6 +21,7 @@
 #include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
 
+#include "shard_cuda.h"
 #include "shard_internal.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -39,6 +40,60 @@ static int nsections(const shard_model_t *m)
 static float *section_ptr(shard_model_t *m, int k)
 {
     return k == 0 ? m->master : k == 1 ? m->state0 : m->state1;
+}
+
+/* The host arrays a checkpoint reads or writes, one per section: the model's own, or for
+ * GPU-resident shards zeroed host copies (filled from the device for a save; copied to the
+ * device once a load succeeded, so a failed load leaves the model as it was). */
+typedef struct {
+    float *sec[3];
+    bool copies;
+} ckpt_view_t;
+
+static void view_close(ckpt_view_t *v)
+{
+    if (v->copies)
+        for (int k = 0; k < 3; k++)
+            free(v->sec[k]);
+    memset(v, 0, sizeof(*v));
+}
+
+static pshard_status_t view_open(shard_model_t *m, bool from_device, ckpt_view_t *v, char *err,
+                                 size_t errlen)
+{
+    memset(v, 0, sizeof(*v));
+    size_t bytes = m->shard_numel * sizeof(float);
+    for (int k = 0; k < nsections(m); k++) {
+        if (!m->on_device) {
+            v->sec[k] = section_ptr(m, k);
+            continue;
+        }
+        v->copies = true;
+        v->sec[k] = calloc(m->shard_numel ? m->shard_numel : 1, sizeof(float));
+        if (!v->sec[k]) {
+            view_close(v);
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
+                           "no host memory for a %zu-byte copy of GPU shard state", bytes);
+        }
+        if (from_device) {
+            pshard_status_t rc =
+                shard_cuda_copy(m->device, v->sec[k], section_ptr(m, k), bytes, err, errlen);
+            if (rc != PSHARD_OK) {
+                view_close(v);
+                return rc;
+            }
+        }
+    }
+    return PSHARD_OK;
+}
+
+static pshard_status_t view_to_device(shard_model_t *m, const ckpt_view_t *v, char *err,
+                                      size_t errlen)
+{
+    for (int k = 0; v->copies && k < nsections(m); k++)
+        PS_CHECK(shard_cuda_copy(m->device, section_ptr(m, k), v->sec[k],
+                                 m->shard_numel * sizeof(float), err, errlen));
+    return PSHARD_OK;
 }
 
 /* All-gathers `words` int64 of every rank into out (world * words). */
@@ -121,8 +176,9 @@ static pshard_status_t write_all(int fd, const void *buf, size_t len, const char
 
 /* Writes this rank's shard file (temporary name, fsync, rename) and returns its size and
  * CRC-32C. A failure removes the temporary file. */
-static pshard_status_t write_shard(shard_model_t *m, const char *step_dir, const char *name,
-                                   uint64_t *bytes, uint32_t *crc, char *err, size_t errlen)
+static pshard_status_t write_shard(shard_model_t *m, const ckpt_view_t *v, const char *step_dir,
+                                   const char *name, uint64_t *bytes, uint32_t *crc, char *err,
+                                   size_t errlen)
 {
     char path[PATH_MAX + 80], tmp[PATH_MAX + 88];
     snprintf(path, sizeof(path), "%s/%s", step_dir, name);
@@ -133,7 +189,7 @@ static pshard_status_t write_shard(shard_model_t *m, const char *step_dir, const
     pshard_status_t rc = PSHARD_OK;
     uint32_t c = 0;
     for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
-        const uint8_t *p = (const uint8_t *)section_ptr(m, k);
+        const uint8_t *p = (const uint8_t *)v->sec[k];
         size_t left = m->shard_numel * sizeof(float);
         while (left > 0 && rc == PSHARD_OK) {
             size_t n = left < WRITE_CHUNK ? left : WRITE_CHUNK;
@@ -263,7 +319,11 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
         uint64_t bytes = 0;
         uint32_t crc = 0;
         ps_ckpt_shard_name(rank, world, name, sizeof(name));
-        local = write_shard(m, step_dir, name, &bytes, &crc, local_err, sizeof(local_err));
+        ckpt_view_t v;
+        local = view_open(m, true, &v, local_err, sizeof(local_err));
+        if (local == PSHARD_OK)
+            local = write_shard(m, &v, step_dir, name, &bytes, &crc, local_err, sizeof(local_err));
+        view_close(&v);
         mine[0] = local == PSHARD_OK;
         mine[1] = (int64_t)bytes;
         mine[2] = crc;
@@ -369,7 +429,7 @@ static pshard_status_t check_matches(const shard_model_t *m, const ps_ckpt_manif
 
 /* Reads file f, which holds exactly this rank's shard, straight into the model's sections,
  * checking its size and CRC-32C on the way. */
-static pshard_status_t read_own_file(shard_model_t *m, const char *step_dir,
+static pshard_status_t read_own_file(shard_model_t *m, const ckpt_view_t *v, const char *step_dir,
                                      const ps_ckpt_file_t *f, char *err, size_t errlen)
 {
     char path[PATH_MAX + 300];
@@ -388,7 +448,7 @@ static pshard_status_t read_own_file(shard_model_t *m, const char *step_dir,
     uint32_t crc = 0;
     pshard_status_t rc = PSHARD_OK;
     for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
-        uint8_t *p = (uint8_t *)section_ptr(m, k);
+        uint8_t *p = (uint8_t *)v->sec[k];
         size_t left = m->shard_numel * sizeof(float);
         while (left > 0) {
             ssize_t n = read(fd, p, left < WRITE_CHUNK ? left : WRITE_CHUNK);
@@ -444,7 +504,10 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
     /* Phase 1: the manifest, the model check, and this rank's share of the checksums. */
     ps_ckpt_manifest_t *man = NULL;
     int64_t bad_file = -1;
-    local = ps_ckpt_manifest_read(step_dir, &man, local_err, sizeof(local_err));
+    ckpt_view_t v;
+    local = view_open(m, false, &v, local_err, sizeof(local_err));
+    if (local == PSHARD_OK)
+        local = ps_ckpt_manifest_read(step_dir, &man, local_err, sizeof(local_err));
     if (local == PSHARD_OK)
         local = check_matches(m, man, step_dir, local_err, sizeof(local_err));
     /* Same world size and layout (the common restart): this rank's file is exactly its shard,
@@ -453,9 +516,9 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
                   man->layout == ps_layout_kind(m->layout) &&
                   man->files[rank].shard_numel == m->shard_numel;
     for (size_t f = (size_t)rank; local == PSHARD_OK && f < man->nfiles; f += (size_t)world) {
-        local = direct ? read_own_file(m, step_dir, &man->files[f], local_err, sizeof(local_err))
-                       : ps_ckpt_verify_file(step_dir, &man->files[f], local_err,
-                                             sizeof(local_err));
+        local = direct
+                    ? read_own_file(m, &v, step_dir, &man->files[f], local_err, sizeof(local_err))
+                    : ps_ckpt_verify_file(step_dir, &man->files[f], local_err, sizeof(local_err));
         if (local != PSHARD_OK)
             bad_file = (int64_t)f;
     }
@@ -463,6 +526,7 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
     int64_t *all = calloc((size_t)world * 2, sizeof(int64_t));
     if (!all) {
         ps_ckpt_manifest_free(man);
+        view_close(&v);
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     }
     pshard_status_t rc = gather_words(comm, mine, all, 2, "checkpoint verify", err, errlen);
@@ -481,9 +545,12 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
             size_t off = ps_layout_shard_offset(m->layout, p, rank);
             for (int k = 0; k < nsections(m) && local == PSHARD_OK; k++)
                 local = ps_ckpt_read_range(step_dir, man, k, (uint32_t)p, start, cnt,
-                                           section_ptr(m, k) + off, local_err,
-                                           sizeof(local_err));
+                                           v.sec[k] + off, local_err, sizeof(local_err));
         }
+        /* GPU-resident shards: the host copies go to the device before the verdict, so a
+         * failed copy is a failure every rank hears of. */
+        if (local == PSHARD_OK)
+            local = view_to_device(m, &v, local_err, sizeof(local_err));
         mine[0] = local == PSHARD_OK;
         rc = gather_words(comm, mine, all, 2, "checkpoint read", err, errlen);
         for (int r = 0; rc == PSHARD_OK && r < world && failed < 0; r++)
@@ -496,6 +563,7 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
     if (man && file_named >= 0 && (size_t)file_named < man->nfiles)
         ps_strlcpy(file_name, man->files[file_named].path, sizeof(file_name));
     ps_ckpt_manifest_free(man);
+    view_close(&v);
     free(all);
     if (rc != PSHARD_OK)
         return rc;

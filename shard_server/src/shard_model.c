@@ -10,6 +10,7 @@
 
 #include "pshard/collectives.h"
 #include "pshard/util.h"
+#include "shard_cuda.h"
 
 #define HUGE_PAGE (2u << 20)
 
@@ -57,6 +58,8 @@ static size_t storage(shard_model_t *m, void **ptrs, size_t *lens)
 
 pshard_status_t shard_model_pin(shard_model_t *m, int device, char *err, size_t errlen)
 {
+    if (m->on_device)
+        return PSHARD_OK; /* nothing of it is in host memory */
     void *ptrs[5];
     size_t lens[5];
     size_t n = storage(m, ptrs, lens);
@@ -91,14 +94,43 @@ void shard_model_free(shard_model_t *m)
     }
     ps_layout_destroy(m->layout);
     size_t bytes = m->shard_numel * sizeof(float);
-    free_touched(m->master, bytes);
-    free_touched(m->grad, bytes);
-    free_touched(m->state0, bytes);
-    free_touched(m->state1, bytes);
-    free_touched(m->stage, m->max_piece * 4);
+    if (m->on_device) {
+        float *arrays[4] = {m->master, m->grad, m->state0, m->state1};
+        for (int i = 0; i < 4; i++)
+            shard_cuda_free(m->device, arrays[i]);
+        shard_cuda_free(m->device, m->stage);
+    } else {
+        free_touched(m->master, bytes);
+        free_touched(m->grad, bytes);
+        free_touched(m->state0, bytes);
+        free_touched(m->state1, bytes);
+        free_touched(m->stage, m->max_piece * 4);
+    }
     free(m->reduced);
     free(m->spec_text);
     free(m);
+}
+
+/* GPU-resident storage: the same arrays in zeroed device memory. */
+static pshard_status_t alloc_on_device(shard_model_t *m, size_t bytes, bool in_backward, int nstate,
+                                       char *err, size_t errlen)
+{
+    void *p = NULL;
+    PS_CHECK(shard_cuda_alloc(m->device, bytes, &p, err, errlen));
+    m->master = p;
+    if (!in_backward) {
+        PS_CHECK(shard_cuda_alloc(m->device, bytes, &p, err, errlen));
+        m->grad = p;
+    }
+    if (nstate >= 1) {
+        PS_CHECK(shard_cuda_alloc(m->device, bytes, &p, err, errlen));
+        m->state0 = p;
+    }
+    if (nstate >= 2) {
+        PS_CHECK(shard_cuda_alloc(m->device, bytes, &p, err, errlen));
+        m->state1 = p;
+    }
+    return shard_cuda_alloc(m->device, m->max_piece * 4, &m->stage, err, errlen);
 }
 
 static int cmp_names(const void *a, const void *b)
@@ -147,7 +179,7 @@ static void format_param(const shard_param_t *p, char *buf, size_t len)
 pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
                                    const char *const *names, const int64_t *const *shapes,
                                    const size_t *ndims, const ps_optim_config_t *optim,
-                                   double max_grad_norm, bool in_backward,
+                                   double max_grad_norm, bool in_backward, int device,
                                    shard_model_t **out, char *err, size_t errlen)
 {
     *out = NULL;
@@ -256,18 +288,26 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
             m->max_piece = piece;
     }
     size_t bytes = m->shard_numel * sizeof(float);
-    m->master = alloc_touched(bytes);
+    int nstate = ps_optim_state_count(optim);
     /* In-backward updates need no accumulator, only a flag per parameter and step. */
     if (in_backward)
         m->reduced = calloc(nparams, 1);
-    else
-        m->grad = alloc_touched(bytes);
-    int nstate = ps_optim_state_count(optim);
-    if (nstate >= 1)
-        m->state0 = alloc_touched(bytes);
-    if (nstate >= 2)
-        m->state1 = alloc_touched(bytes);
-    m->stage = alloc_touched(m->max_piece * 4); /* widest staged type: fp32 */
+    if (device >= 0) {
+        m->on_device = true;
+        m->device = device;
+        rc = alloc_on_device(m, bytes, in_backward, nstate, err, errlen);
+        if (rc != PSHARD_OK)
+            goto fail;
+    } else {
+        m->master = alloc_touched(bytes);
+        if (!in_backward)
+            m->grad = alloc_touched(bytes);
+        if (nstate >= 1)
+            m->state0 = alloc_touched(bytes);
+        if (nstate >= 2)
+            m->state1 = alloc_touched(bytes);
+        m->stage = alloc_touched(m->max_piece * 4); /* widest staged type: fp32 */
+    }
     if (!m->master || (in_backward ? !m->reduced : !m->grad) || (nstate >= 1 && !m->state0) ||
         (nstate >= 2 && !m->state1) || !m->stage) {
         rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,

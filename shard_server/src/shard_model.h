@@ -31,10 +31,13 @@ typedef struct {
     size_t nparams;
     shard_param_t *params;
     size_t shard_numel; /* elements this rank owns */
-    float *master, *grad, *state0, *state1;
+    float *master, *grad, *state0, *state1; /* device memory when on_device */
+    bool on_device;     /* GPU-resident shards (--backend nccl --offload none) */
+    int device;         /* the CUDA device when on_device */
     size_t max_piece;   /* largest piece of one parameter on this rank */
     size_t max_numel;   /* largest full parameter */
-    void *stage;        /* max_piece fp32-sized elements: conversions, reduce output */
+    void *stage;        /* max_piece fp32-sized elements: conversions, reduce output (on
+                           the device too when on_device) */
     ps_optim_config_t optim;
     double max_grad_norm;
     /* optimizer_in_backward: grad is NULL; each parameter's slice is updated at its
@@ -55,12 +58,13 @@ typedef struct {
  * sends (names 1..255 printable bytes, 1..8 positive dims, element counts without overflow, at
  * most SHARD_MAX_PARAMS parameters, unique names, the optimizer config, no clipping with
  * in_backward); errors are
- * INVALID_ARGUMENT with a message naming the parameter. Allocates and pre-touches storage.
- * Free with shard_model_free. */
+ * INVALID_ARGUMENT with a message naming the parameter. Allocates and pre-touches storage:
+ * host memory when device < 0, else zeroed memory on that CUDA device (GPU-resident shards;
+ * errors then may be CUDA or UNIMPLEMENTED). Free with shard_model_free. */
 pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
                                    const char *const *names, const int64_t *const *shapes,
                                    const size_t *ndims, const ps_optim_config_t *optim,
-                                   double max_grad_norm, bool in_backward,
+                                   double max_grad_norm, bool in_backward, int device,
                                    shard_model_t **out, char *err, size_t errlen);
 void shard_model_free(shard_model_t *m);
 

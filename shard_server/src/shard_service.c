@@ -25,6 +25,7 @@
 #include "pshard/shard_server.h"
 #include "pshard/util.h"
 
+#include "shard_cuda.h"
 #include "shard_internal.h"
 
 /* ---------------------------------------------------------------------------------------- */
@@ -63,6 +64,12 @@ void shard_unmap(shm_map_t *m)
 static bool on_gpu(const pshard_shard_server_t *s)
 {
     return strcmp(s->cfg.backend, "nccl") == 0;
+}
+
+/* True when the shards live in GPU memory (--backend nccl --offload none). */
+static bool gpu_resident(const pshard_shard_server_t *s)
+{
+    return on_gpu(s) && strcmp(s->cfg.offload, "cpu") != 0;
 }
 
 void shard_pin_region(pshard_shard_server_t *s, shm_map_t *m)
@@ -360,8 +367,11 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
         if (rc == PSHARD_OK) {
             size_t off = ps_layout_piece_offset(m->layout, p, m->rank);
             size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
-            memcpy(m->master + ps_layout_shard_offset(m->layout, p, m->rank), src + off,
-                   cnt * sizeof(float));
+            float *dst = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
+            if (m->on_device)
+                rc = shard_cuda_copy(m->device, dst, src + off, cnt * sizeof(float), err, errlen);
+            else
+                memcpy(dst, src + off, cnt * sizeof(float));
         }
         /* This server is done with those trainer pages (the trainer discards them after
          * DefineModel): drop them from its own mapping now, so the definition's peak holds
@@ -461,9 +471,9 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         if (rc != PSHARD_OK)
             goto out;
     }
-    rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n,
-                            names, shapes, ndims, &oc, po ? po->max_grad_norm : 0,
-                            po && po->in_backward, &m, err, sizeof(err));
+    rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n, names,
+                            shapes, ndims, &oc, po ? po->max_grad_norm : 0, po && po->in_backward,
+                            gpu_resident(s) ? s->cfg.device : -1, &m, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
     rc = check_definitions(s, m, err, sizeof(err));
@@ -567,7 +577,10 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
     size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
     const void *send = mine;
     char label[64];
-    if (dt == PSHARD_BF16) {
+    if (m->on_device && dt != PSHARD_FP32) {
+        PS_CHECK(shard_cuda_convert(m->device, mine, m->stage, dt, cnt, err, errlen));
+        send = m->stage;
+    } else if (dt == PSHARD_BF16) {
         ps_convert_f32_to_bf16(mine, m->stage, cnt);
         send = m->stage;
     } else if (dt == PSHARD_FP16) {
@@ -578,12 +591,37 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
         .op = PSHARD_COLL_ALL_GATHER,
         .dtype = dt,
         .send = send,
+        .send_device = m->on_device,
         .recv = recv,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | p,
         .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
     };
     return pshard_coll_run(comm, &a, err, errlen);
+}
+
+/* GPU-resident shards: what shard_reduce_scatter_one does on the host after its collective,
+ * with the reduced slice in m->stage on the device; the same operations in the same order. */
+static pshard_status_t reduce_on_device(shard_model_t *m, uint32_t p, pshard_dtype_t dt, size_t cnt,
+                                        size_t off, bool all, float scale, char *err, size_t errlen)
+{
+    if (m->in_backward) {
+        bool scaled = !all || dt != PSHARD_FP32;
+        double sq = 0;
+        PS_CHECK(
+            shard_cuda_sum_squares(m->device, m->stage, dt, cnt, scaled, scale, &sq, err, errlen));
+        m->grad_sq += sq;
+        ps_optim_scalars_t sc;
+        ps_optim_step_scalars(&m->optim, m->cur_lr, m->step + 1, &sc);
+        PS_CHECK(shard_cuda_optim_step(m->device, &sc, m->master + off, m->stage, dt, scaled, scale,
+                                       m->state0 ? m->state0 + off : NULL,
+                                       m->state1 ? m->state1 + off : NULL, cnt, err, errlen));
+        m->reduced[p] = 1;
+        return PSHARD_OK;
+    }
+    bool scaled = dt != PSHARD_FP32 || !all;
+    return shard_cuda_accumulate(m->device, m->grad + off, m->stage, dt, cnt, scaled, scale, err,
+                                 errlen);
 }
 
 pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
@@ -609,12 +647,15 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
         .reduce = all ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
         .send = send,
         .recv = m->stage,
+        .recv_device = m->on_device,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
         .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
     };
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     float scale = all ? 1.0f : (float)(1.0 / (double)(active > 0 ? active : 1));
+    if (m->on_device)
+        return reduce_on_device(m, p, dt, cnt, off, all, scale, err, errlen);
     if (m->in_backward) {
         /* The averaged slice, in fp32 in the staging buffer (bf16 widened in place, from the
          * end, so no element is overwritten before it is read), updates the slice now. */
@@ -717,12 +758,39 @@ static void handle_reduce_scatter(ps_rpc_call_t *call, const ProtobufCMessage *r
               &out.base);
 }
 
+/* GPU-resident shards: clipping, the step count, the optimizer and zeroing the accumulator, as
+ * shard_run_step does them on the host. */
+static pshard_status_t step_on_device(pshard_shard_server_t *s, shard_model_t *m, double lr,
+                                      double norm, char *err, size_t errlen)
+{
+    if (m->max_grad_norm > 0) {
+        double coef = m->max_grad_norm / (norm + 1e-6);
+        if (coef < 1.0)
+            PS_CHECK(
+                shard_cuda_scale(m->device, m->grad, m->shard_numel, (float)coef, err, errlen));
+    }
+    ps_optim_scalars_t sc;
+    ps_optim_step_scalars(&m->optim, lr, m->step + 1, &sc);
+    PS_CHECK(shard_cuda_optim_step(m->device, &sc, m->master, m->grad, PSHARD_FP32, false, 1.0f,
+                                   m->state0, m->state1, m->shard_numel, err, errlen));
+    pthread_mutex_lock(&s->mu);
+    m->step++;
+    pthread_mutex_unlock(&s->mu);
+    return shard_cuda_zero(m->device, m->grad, m->shard_numel, err, errlen);
+}
+
 pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
                                double lr, int64_t ckpt_request, double *norm_out, char *err,
                                size_t errlen)
 {
     /* The global gradient norm: an all-reduce of the squared slice norms (clip_grad_norm). */
-    float sq = (float)(m->in_backward ? m->grad_sq : ps_sum_squares(m->grad, m->shard_numel));
+    double local_sq = m->grad_sq;
+    if (!m->in_backward && m->on_device)
+        PS_CHECK(shard_cuda_sum_squares(m->device, m->grad, PSHARD_FP32, m->shard_numel, false,
+                                        1.0f, &local_sq, err, errlen));
+    else if (!m->in_backward)
+        local_sq = ps_sum_squares(m->grad, m->shard_numel);
+    float sq = (float)local_sq;
     char label[64];
     pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32,
                             .reduce = PSHARD_REDUCE_SUM, .send = &sq, .recv = &sq, .count = 1,
@@ -742,17 +810,21 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
         *norm_out = norm;
         return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
     }
-    if (m->max_grad_norm > 0) {
-        double coef = m->max_grad_norm / (norm + 1e-6);
-        if (coef < 1.0)
-            ps_scale(m->grad, m->shard_numel, (float)coef);
+    if (m->on_device)
+        PS_CHECK(step_on_device(s, m, lr, norm, err, errlen));
+    else {
+        if (m->max_grad_norm > 0) {
+            double coef = m->max_grad_norm / (norm + 1e-6);
+            if (coef < 1.0)
+                ps_scale(m->grad, m->shard_numel, (float)coef);
+        }
+        pthread_mutex_lock(&s->mu);
+        m->step++;
+        pthread_mutex_unlock(&s->mu);
+        ps_optim_step(&m->optim, lr, m->step, m->master, m->grad, m->state0, m->state1,
+                      m->shard_numel);
+        memset(m->grad, 0, m->shard_numel * sizeof(float));
     }
-    pthread_mutex_lock(&s->mu);
-    m->step++;
-    pthread_mutex_unlock(&s->mu);
-    ps_optim_step(&m->optim, lr, m->step, m->master, m->grad, m->state0, m->state1,
-                  m->shard_numel);
-    memset(m->grad, 0, m->shard_numel * sizeof(float));
     *norm_out = norm;
     return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
 }
@@ -973,12 +1045,12 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--offload must be none or cpu");
         return NULL;
     }
-    if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0) {
+    if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0 && !shard_cuda_available()) {
         ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
-                "--backend nccl with --offload none would keep shards and optimizer state in "
-                "GPU memory, which this shard server does not do yet; run --backend nccl "
-                "--offload cpu (slices and optimizer state in pinned host memory, collectives "
-                "on the GPU through NCCL, like FSDP's CPUOffload)");
+                "--backend nccl with --offload none keeps shards and optimizer state in GPU "
+                "memory, but this pshard-server was built without nvcc (no CUDA kernels); run "
+                "--backend nccl --offload cpu (slices and optimizer state in pinned host "
+                "memory, collectives on the GPU through NCCL, like FSDP's CPUOffload)");
         return NULL;
     }
     if (strcmp(backend, "nccl") == 0 &&

@@ -1262,14 +1262,14 @@ static void test_offload_and_backend_options(void)
     }
     CU_ASSERT(cluster_stop(&c));
 
-    /* Refused at start with a message: --offload gpu, GPU-resident shards (--backend nccl
-     * without --offload cpu), a CUDA device that is not there (on any machine: no GPU, or no
-     * device 1000), an unknown backend. */
+    /* Refused at start with a message: --offload gpu, a CUDA device that is not there for
+     * --backend nccl with shards in GPU or host memory (on any machine: no GPU, or no device
+     * 1000), an unknown backend. */
     static const struct {
         const char *flag, *value, *flag2, *value2, *sub1, *sub2;
     } refused[] = {
         {"--offload", "gpu", NULL, NULL, "--offload", "none or cpu"},
-        {"--backend", "nccl", NULL, NULL, "GPU memory", "--offload cpu"},
+        {"--backend", "nccl", NULL, NULL, "--backend nccl needs a GPU", "--device 1000"},
         {"--backend", "nccl", "--offload", "cpu", "--backend nccl needs a GPU", "--device 1000"},
         {"--backend", "mpi", NULL, NULL, "--backend", "tcp or nccl"},
     };

@@ -65,6 +65,9 @@ typedef struct {
     int64_t timeout_ms;     /* 0: the communicator's default */
     const char *label;      /* optional text for the flight recorder ("step 12, fc3.weight");
                                copied; not compared */
+    bool send_device;       /* on a host_buffers communicator (nccl): send / recv is device
+                               memory after all, used as is (not staged). Refused on tcp */
+    bool recv_device;
 } pshard_coll_args_t;
 
 typedef struct {

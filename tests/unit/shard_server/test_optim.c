@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "optim.h"
+#include "optim_elem.h"
 #include "ps_test.h"
 
 #define N_ELEMS 203 /* three full 64-element blocks and a tail */
@@ -421,6 +422,61 @@ static void test_sum_squares_and_scale(void)
     CU_ASSERT(y[0] == x[0] * 0.25f);
 }
 
+/* The element functions the CUDA kernels run (optim_elem.h) give exactly ps_optim_step's bits
+ * over a 20-step trajectory, for every optimizer variant (both lerp forms, weight decay, first
+ * momentum step, nesterov). */
+static void elem_trajectory(const ps_optim_config_t *cfg, const char *what)
+{
+    static trajectory_t t;
+    run_trajectory(cfg, 0xfeedfacecafebeefull, &t);
+    static float p[N_ELEMS], s0[N_ELEMS], s1[N_ELEMS];
+    memcpy(p, t.init, sizeof p);
+    memset(s0, 0, sizeof s0);
+    memset(s1, 0, sizeof s1);
+    for (int64_t step = 1; step <= N_STEPS; step++) {
+        ps_optim_scalars_t sc;
+        ps_optim_step_scalars(cfg, lr_at(cfg, step), step, &sc);
+        for (size_t i = 0; i < N_ELEMS; i++) {
+            if (cfg->kind == PS_OPTIM_SGD)
+                ps_sgd_elem(&sc, &p[i], t.grads[step - 1][i], &s0[i]);
+            else
+                ps_adam_elem(&sc, &p[i], t.grads[step - 1][i], &s0[i], &s1[i]);
+        }
+    }
+    int bad = 0;
+    int nstate = ps_optim_state_count(cfg);
+    for (size_t i = 0; i < N_ELEMS; i++) {
+        bool same = memcmp(&p[i], &t.param[i], sizeof(float)) == 0 &&
+                    (nstate < 1 || memcmp(&s0[i], &t.state0[i], sizeof(float)) == 0) &&
+                    (nstate < 2 || memcmp(&s1[i], &t.state1[i], sizeof(float)) == 0);
+        if (!same && bad++ < 3)
+            fprintf(stderr, "%s: element %zu: element function %.9g, ps_optim_step %.9g\n", what, i,
+                    (double)p[i], (double)t.param[i]);
+    }
+    CU_ASSERT_EQUAL(bad, 0);
+}
+
+static void test_element_functions(void)
+{
+    ps_optim_config_t cfg = sgd_config(0, 0, false, 0);
+    elem_trajectory(&cfg, "sgd");
+    cfg = sgd_config(0, 0, false, 0.05);
+    elem_trajectory(&cfg, "sgd wd");
+    cfg = sgd_config(0.9, 0.3, false, 0.05);
+    elem_trajectory(&cfg, "sgd momentum dampening wd");
+    cfg = sgd_config(0.8, 0, true, 0.01);
+    elem_trajectory(&cfg, "sgd nesterov");
+    for (int kind = PS_OPTIM_ADAM; kind <= PS_OPTIM_ADAMW; kind++) {
+        ps_optim_defaults((ps_optim_kind_t)kind, &cfg);
+        cfg.lr = 0.01;
+        elem_trajectory(&cfg, kind == PS_OPTIM_ADAM ? "adam" : "adamw");
+        cfg.weight_decay = 0.1;
+        elem_trajectory(&cfg, kind == PS_OPTIM_ADAM ? "adam wd" : "adamw wd");
+        cfg.beta1 = 0.3; /* 1 - beta1 >= 0.5: the other lerp form */
+        elem_trajectory(&cfg, kind == PS_OPTIM_ADAM ? "adam small beta1" : "adamw small beta1");
+    }
+}
+
 /* ---- --dump: trajectories for torch_optim_check.py ---- */
 
 static void dump_floats(const char *tag, const float *x, size_t n)
@@ -488,6 +544,7 @@ int main(int argc, char **argv)
         {"validate", test_validate},
         {"state_count", test_state_count},
         {"sum_squares_and_scale", test_sum_squares_and_scale},
+        {"element_functions", test_element_functions},
         {NULL, NULL},
     };
     return ps_test_main("shard_optim", cases);

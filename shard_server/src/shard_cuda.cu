@@ -1,0 +1,274 @@
+// The CUDA kernels and device memory of GPU-resident shards; see shard_cuda.h. Each kernel is a
+// grid-stride loop over the elements calling the same per-element code as the CPU
+// (pshard/dtype_bits.h, optim_elem.h); compiled with -fmad=false so that fp32 results match
+// the CPU's bit for bit.
+#include "shard_cuda.h"
+
+#include <stdio.h>
+
+#include <cuda_runtime.h>
+
+#include "pshard/dtype_bits.h"
+
+#define THREADS 256
+#define MAX_BLOCKS 4096
+
+static cudaStream_t g_stream;
+static bool g_stream_ready;
+
+static pshard_status_t cuda_fail(char *err, size_t errlen, cudaError_t rc, const char *what)
+{
+    if (err && errlen > 0)
+        snprintf(err, errlen, "%s: %s (%s)", what, cudaGetErrorString(rc), cudaGetErrorName(rc));
+    return PSHARD_ERR_CUDA;
+}
+
+#define CU_TRY(call, what)                                                                         \
+    do {                                                                                           \
+        cudaError_t cu_try_rc_ = (call);                                                           \
+        if (cu_try_rc_ != cudaSuccess)                                                             \
+            return cuda_fail(err, errlen, cu_try_rc_, what);                                       \
+    } while (0)
+
+#define OK_OR_RETURN(expr)                                                                         \
+    do {                                                                                           \
+        pshard_status_t ok_or_return_rc_ = (expr);                                                 \
+        if (ok_or_return_rc_ != PSHARD_OK)                                                         \
+            return ok_or_return_rc_;                                                               \
+    } while (0)
+
+// Makes device current and the process's stream exist.
+static pshard_status_t begin(int device, char *err, size_t errlen)
+{
+    CU_TRY(cudaSetDevice(device), "cudaSetDevice");
+    if (!g_stream_ready) {
+        CU_TRY(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking), "cudaStreamCreate");
+        g_stream_ready = true;
+    }
+    return PSHARD_OK;
+}
+
+// Checks the launch and waits for the stream.
+static pshard_status_t finish(const char *what, char *err, size_t errlen)
+{
+    CU_TRY(cudaGetLastError(), what);
+    CU_TRY(cudaStreamSynchronize(g_stream), what);
+    return PSHARD_OK;
+}
+
+static unsigned blocks_for(size_t n)
+{
+    size_t b = (n + THREADS - 1) / THREADS;
+    if (b < 1)
+        b = 1;
+    return (unsigned)(b > MAX_BLOCKS ? MAX_BLOCKS : b);
+}
+
+#define FOR_EACH(i, n)                                                                             \
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                        \
+         i += (size_t)gridDim.x * blockDim.x)
+
+__device__ static inline float grad_at(const void *r, pshard_dtype_t dt, size_t i, bool scaled,
+                                       float scale)
+{
+    float v = dt == PSHARD_BF16 ? f32_from_bits(bf16_to_f32_bits(((const uint16_t *)r)[i]))
+                                : ((const float *)r)[i];
+    return scaled ? v * scale : v;
+}
+
+__global__ static void k_convert(const float *src, void *dst, pshard_dtype_t dt, size_t n)
+{
+    FOR_EACH(i, n)
+    {
+        uint32_t bits = f32_bits(src[i]);
+        if (dt == PSHARD_BF16)
+            ((uint16_t *)dst)[i] = f32_to_bf16_bits(bits);
+        else if (dt == PSHARD_FP16)
+            ((uint16_t *)dst)[i] = f32_to_f16_bits(bits);
+        else
+            ((float *)dst)[i] = src[i];
+    }
+}
+
+__global__ static void k_accumulate(float *acc, const void *r, pshard_dtype_t dt, size_t n,
+                                    bool scaled, float scale)
+{
+    FOR_EACH(i, n)
+    {
+        acc[i] += grad_at(r, dt, i, scaled, scale);
+    }
+}
+
+__global__ static void k_scale(float *x, size_t n, float factor)
+{
+    FOR_EACH(i, n)
+    {
+        x[i] = x[i] * factor;
+    }
+}
+
+__global__ static void k_zero(float *x, size_t n)
+{
+    FOR_EACH(i, n)
+    {
+        x[i] = 0.0f;
+    }
+}
+
+// Per-block sums in shared memory, one atomicAdd per block.
+__global__ static void k_sum_squares(const void *r, pshard_dtype_t dt, size_t n, bool scaled,
+                                     float scale, double *out)
+{
+    __shared__ double part[THREADS];
+    double acc = 0.0;
+    FOR_EACH(i, n)
+    {
+        double v = (double)grad_at(r, dt, i, scaled, scale);
+        acc += v * v;
+    }
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s)
+            part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        atomicAdd(out, part[0]);
+}
+
+__global__ static void k_optim(ps_optim_scalars_t sc, float *p, const void *r, pshard_dtype_t dt,
+                               bool scaled, float scale, float *s0, float *s1, size_t n)
+{
+    FOR_EACH(i, n)
+    {
+        float g = grad_at(r, dt, i, scaled, scale);
+        if (sc.kind == PS_OPTIM_SGD) {
+            float unused = 0.0f;
+            ps_sgd_elem(&sc, &p[i], g, sc.has_momentum ? &s0[i] : &unused);
+        } else {
+            ps_adam_elem(&sc, &p[i], g, &s0[i], &s1[i]);
+        }
+    }
+}
+
+extern "C" {
+
+bool shard_cuda_available(void)
+{
+    return true;
+}
+
+pshard_status_t shard_cuda_alloc(int device, size_t bytes, void **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    OK_OR_RETURN(begin(device, err, errlen));
+    void *p = NULL;
+    char what[96];
+    snprintf(what, sizeof(what), "cudaMalloc(%zu bytes) for shard state", bytes);
+    CU_TRY(cudaMalloc(&p, bytes ? bytes : 16), what);
+    cudaError_t rc = cudaMemsetAsync(p, 0, bytes ? bytes : 16, g_stream);
+    if (rc == cudaSuccess)
+        rc = cudaStreamSynchronize(g_stream);
+    if (rc != cudaSuccess) {
+        cudaFree(p);
+        return cuda_fail(err, errlen, rc, "zeroing shard state");
+    }
+    *out = p;
+    return PSHARD_OK;
+}
+
+void shard_cuda_free(int device, void *p)
+{
+    if (p && cudaSetDevice(device) == cudaSuccess)
+        cudaFree(p);
+}
+
+pshard_status_t shard_cuda_copy(int device, void *dst, const void *src, size_t bytes, char *err,
+                                size_t errlen)
+{
+    OK_OR_RETURN(begin(device, err, errlen));
+    if (bytes == 0)
+        return PSHARD_OK;
+    CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, g_stream), "cudaMemcpyAsync");
+    return finish("copying shard state", err, errlen);
+}
+
+pshard_status_t shard_cuda_zero(int device, float *x, size_t n, char *err, size_t errlen)
+{
+    OK_OR_RETURN(begin(device, err, errlen));
+    if (n == 0)
+        return PSHARD_OK;
+    k_zero<<<blocks_for(n), THREADS, 0, g_stream>>>(x, n);
+    return finish("zeroing gradients", err, errlen);
+}
+
+pshard_status_t shard_cuda_convert(int device, const float *src, void *dst, pshard_dtype_t dt,
+                                   size_t n, char *err, size_t errlen)
+{
+    OK_OR_RETURN(begin(device, err, errlen));
+    if (n == 0)
+        return PSHARD_OK;
+    k_convert<<<blocks_for(n), THREADS, 0, g_stream>>>(src, dst, dt, n);
+    return finish("converting a slice for a gather", err, errlen);
+}
+
+pshard_status_t shard_cuda_accumulate(int device, float *acc, const void *r, pshard_dtype_t dt,
+                                      size_t n, bool scaled, float scale, char *err, size_t errlen)
+{
+    OK_OR_RETURN(begin(device, err, errlen));
+    if (n == 0)
+        return PSHARD_OK;
+    k_accumulate<<<blocks_for(n), THREADS, 0, g_stream>>>(acc, r, dt, n, scaled, scale);
+    return finish("accumulating a gradient slice", err, errlen);
+}
+
+pshard_status_t shard_cuda_sum_squares(int device, const void *r, pshard_dtype_t dt, size_t n,
+                                       bool scaled, float scale, double *out, char *err,
+                                       size_t errlen)
+{
+    *out = 0.0;
+    OK_OR_RETURN(begin(device, err, errlen));
+    if (n == 0)
+        return PSHARD_OK;
+    double *d = NULL;
+    CU_TRY(cudaMallocAsync((void **)&d, sizeof(double), g_stream), "cudaMallocAsync (norm)");
+    cudaError_t rc = cudaMemsetAsync(d, 0, sizeof(double), g_stream);
+    if (rc == cudaSuccess) {
+        k_sum_squares<<<blocks_for(n), THREADS, 0, g_stream>>>(r, dt, n, scaled, scale, d);
+        rc = cudaGetLastError();
+    }
+    if (rc == cudaSuccess)
+        rc = cudaMemcpyAsync(out, d, sizeof(double), cudaMemcpyDeviceToHost, g_stream);
+    cudaFreeAsync(d, g_stream);
+    if (rc == cudaSuccess)
+        rc = cudaStreamSynchronize(g_stream);
+    if (rc != cudaSuccess)
+        return cuda_fail(err, errlen, rc, "the squared gradient norm");
+    return PSHARD_OK;
+}
+
+pshard_status_t shard_cuda_scale(int device, float *x, size_t n, float factor, char *err,
+                                 size_t errlen)
+{
+    OK_OR_RETURN(begin(device, err, errlen));
+    if (n == 0)
+        return PSHARD_OK;
+    k_scale<<<blocks_for(n), THREADS, 0, g_stream>>>(x, n, factor);
+    return finish("clipping gradients", err, errlen);
+}
+
+pshard_status_t shard_cuda_optim_step(int device, const ps_optim_scalars_t *sc, float *param,
+                                      const void *r, pshard_dtype_t dt, bool scaled, float scale,
+                                      float *state0, float *state1, size_t n, char *err,
+                                      size_t errlen)
+{
+    OK_OR_RETURN(begin(device, err, errlen));
+    if (n == 0)
+        return PSHARD_OK;
+    k_optim<<<blocks_for(n), THREADS, 0, g_stream>>>(*sc, param, r, dt, scaled, scale, state0,
+                                                     state1, n);
+    return finish("the optimizer step", err, errlen);
+}
+
+} // extern "C"
