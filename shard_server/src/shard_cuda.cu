@@ -15,6 +15,7 @@
 
 static cudaStream_t g_stream;
 static bool g_stream_ready;
+static double *g_norm; // device: the squared norm's accumulator
 
 static pshard_status_t cuda_fail(char *err, size_t errlen, cudaError_t rc, const char *what)
 {
@@ -231,20 +232,14 @@ pshard_status_t shard_cuda_sum_squares(int device, const void *r, pshard_dtype_t
     OK_OR_RETURN(begin(device, err, errlen));
     if (n == 0)
         return PSHARD_OK;
-    double *d = NULL;
-    CU_TRY(cudaMallocAsync((void **)&d, sizeof(double), g_stream), "cudaMallocAsync (norm)");
-    cudaError_t rc = cudaMemsetAsync(d, 0, sizeof(double), g_stream);
-    if (rc == cudaSuccess) {
-        k_sum_squares<<<blocks_for(n), THREADS, 0, g_stream>>>(r, dt, n, scaled, scale, d);
-        rc = cudaGetLastError();
-    }
-    if (rc == cudaSuccess)
-        rc = cudaMemcpyAsync(out, d, sizeof(double), cudaMemcpyDeviceToHost, g_stream);
-    cudaFreeAsync(d, g_stream);
-    if (rc == cudaSuccess)
-        rc = cudaStreamSynchronize(g_stream);
-    if (rc != cudaSuccess)
-        return cuda_fail(err, errlen, rc, "the squared gradient norm");
+    if (!g_norm)
+        CU_TRY(cudaMalloc((void **)&g_norm, sizeof(double)), "cudaMalloc (norm)");
+    CU_TRY(cudaMemsetAsync(g_norm, 0, sizeof(double), g_stream), "cudaMemsetAsync (norm)");
+    k_sum_squares<<<blocks_for(n), THREADS, 0, g_stream>>>(r, dt, n, scaled, scale, g_norm);
+    CU_TRY(cudaGetLastError(), "the squared gradient norm");
+    CU_TRY(cudaMemcpyAsync(out, g_norm, sizeof(double), cudaMemcpyDeviceToHost, g_stream),
+           "copying the squared gradient norm");
+    CU_TRY(cudaStreamSynchronize(g_stream), "the squared gradient norm");
     return PSHARD_OK;
 }
 
