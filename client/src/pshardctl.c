@@ -376,6 +376,8 @@ static void print_servers_table(FILE *out, const server_probe_t *probes, size_t 
                 r->attached ? "attached" : "not attached", r->generation);
         if (*r->backend)
             fprintf(out, ", %s", r->backend);
+        if (*r->placement)
+            fprintf(out, ", shards in %s", r->placement);
         if (r->rank != p->member->rank)
             fprintf(out, " (the server says it is rank %d)", r->rank);
         fputc('\n', out);
@@ -431,6 +433,8 @@ static void json_servers(FILE *out, const server_probe_t *probes, size_t n)
                 ",\"attached\":%s,\"generation\":%" PRIu64 ",\"backend\":",
                 r->rank, r->world_size, r->step, r->attached ? "true" : "false", r->generation);
         json_cstr(out, r->backend);
+        fputs(",\"placement\":", out);
+        json_cstr(out, r->placement);
         fputs(",\"stuck\":[", out);
         bool first = true;
         for (size_t k = 0; k < r->n_flight_records; k++) {

@@ -972,6 +972,12 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.name = (char *)s->cfg.name;
     out.backend = (char *)s->cfg.backend;
     out.offload = (char *)s->cfg.offload;
+    char placement[32];
+    if (gpu_resident(s))
+        snprintf(placement, sizeof(placement), "cuda:%d", s->cfg.device);
+    else
+        ps_strlcpy(placement, on_gpu(s) ? "host, pinned" : "host", sizeof(placement));
+    out.placement = placement;
     char *lines[32];
     char buf[32][256];
     size_t nl = 0;

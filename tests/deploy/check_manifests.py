@@ -671,7 +671,8 @@ def check_network_policy(docs, ctx):
 
 def check_overlay(docs, ctx):
     """cpu: the tcp backend and no GPU; gpu: one nvidia.com/gpu for each shard server, the
-    nccl backend with --offload cpu, a CUDA image; the coordinator never asks for a GPU."""
+    nccl backend with --offload none or cpu, a CUDA image; the coordinator never asks for a
+    GPU."""
     errors = []
     overlay = ctx["overlay"]
     for d, pod in pod_specs(docs):
@@ -688,12 +689,12 @@ def check_overlay(docs, ctx):
                         errors.append(f"{where}: nvidia.com/gpu limit is {gpus}, expected 1")
                     if backend != "nccl":
                         errors.append(f"{where}: backend {backend!r}, expected nccl")
-                    # pshard-server refuses nccl without --offload cpu (no GPU-resident
-                    # shards yet), so the pod would crash-loop.
+                    # pshard-server refuses any other placement, so the pod would crash-loop.
                     offload = effective(ctx["bins"][SERVER], "--offload", c,
                                         container_env(docs, d, c))
-                    if offload != "cpu":
-                        errors.append(f"{where}: offload {offload!r} with nccl, expected cpu")
+                    if offload not in ("none", "cpu"):
+                        errors.append(f"{where}: offload {offload!r}, expected none (GPU "
+                                      "memory) or cpu")
                     if "cuda" not in c.get("image", ""):
                         errors.append(f"{where}: image {c.get('image')!r} is not the CUDA image")
                 else:
@@ -864,9 +865,9 @@ def mutations(overlay):
             ("overlay", "gpu overlay on the tcp backend",
              lambda D: obj(D, "ConfigMap", "pshard-config")["data"].update(
                  {"PSHARD_BACKEND": "tcp"})),
-            ("overlay", "gpu overlay with GPU-resident shards",
+            ("overlay", "gpu overlay with an offload pshard-server refuses",
              lambda D: obj(D, "ConfigMap", "pshard-config")["data"].update(
-                 {"PSHARD_OFFLOAD": "none"})),
+                 {"PSHARD_OFFLOAD": "gpu"})),
         ]
     else:
         m += [

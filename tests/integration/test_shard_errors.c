@@ -1240,6 +1240,7 @@ static void test_offload_and_backend_options(void)
     CU_ASSERT_FATAL(st != NULL);
     CU_ASSERT_STRING_EQUAL(st->offload, "none");
     CU_ASSERT_STRING_EQUAL(st->backend, "tcp");
+    CU_ASSERT_STRING_EQUAL(st->placement, "host");
     protobuf_c_message_free_unpacked(&st->base, NULL);
 
     /* --offload cpu starts, reports "cpu" and trains. */
@@ -1252,6 +1253,7 @@ static void test_offload_and_backend_options(void)
         CU_ASSERT(st != NULL);
         if (st) {
             CU_ASSERT_STRING_EQUAL(st->offload, "cpu");
+            CU_ASSERT_STRING_EQUAL(st->placement, "host"); /* tcp: nothing to pin for */
             protobuf_c_message_free_unpacked(&st->base, NULL);
         }
         trainer_t t;
