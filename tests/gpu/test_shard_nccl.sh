@@ -24,19 +24,7 @@ fails=0
 
 case_() {
   local offload="$1" tol="$2"; shift 2
-  local args=(--steps 8 --batch 6 --widths 37,50 --input 19 --output 1 --seed 3 "$@")
-  echo "== nproc $nproc on GPUs, --offload $offload: ${args[*]}"
-  "$mlp" --local --world "$nproc" "${args[@]}" > "$work/local.txt"
-  if ! timeout 300 "$run" --nproc "$nproc" --backend nccl --offload "$offload" -- "$mlp" \
-      "${args[@]}" > "$work/dist.txt" 2>&1; then
-    echo "FAIL: pshardrun exited non-zero"; cat "$work/dist.txt"; fails=$((fails + 1)); return
-  fi
-  sed -n 's/^\[trainer 0\] //p' "$work/dist.txt" > "$work/dist0.txt"
-  if compare_losses "$work/local.txt" "$work/dist0.txt" "$tol" all; then
-    echo "ok: $(grep -c '^step' "$work/dist0.txt") steps match within $tol"
-  else
-    echo "FAIL"; paste "$work/local.txt" "$work/dist0.txt"; fails=$((fails + 1))
-  fi
+  mlp_case "$nproc" "$tol" --backend nccl --offload "$offload" -- "$@"
 }
 
 for offload in none cpu; do

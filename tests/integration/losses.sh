@@ -19,3 +19,28 @@ compare_losses() {
       exit bad
     }' "$1" "$2"
 }
+
+# mlp_case NPROC TOL [PSHARDRUN FLAGS...] -- [PSHARD-MLP ARGS...]: the core oracle for one
+# configuration: `$run --nproc NPROC FLAGS -- $mlp ARGS` must print rank 0's `step N loss X`
+# lines as `$mlp --local --world NPROC ARGS` does, within TOL relative, every step. Uses the
+# caller's run, mlp and work; counts a failure in fails. ARGS follow a small default model.
+mlp_case() {
+  local nproc="$1" tol="$2"; shift 2
+  local flags=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do flags+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  local args=(--steps 8 --batch 6 --widths 37,50 --input 19 --output 1 --seed 3 "$@")
+  echo "== nproc $nproc ${flags[*]}: ${args[*]}"
+  "$mlp" --local --world "$nproc" "${args[@]}" > "$work/local.txt"
+  if ! timeout 300 "$run" --nproc "$nproc" "${flags[@]}" -- "$mlp" "${args[@]}" \
+      > "$work/dist.txt" 2>&1; then
+    echo "FAIL: pshardrun exited non-zero"; cat "$work/dist.txt"; fails=$((fails + 1)); return
+  fi
+  # pshardrun prefixes rank 0's lines with "[trainer 0] ".
+  sed -n 's/^\[trainer 0\] //p' "$work/dist.txt" > "$work/dist0.txt"
+  if compare_losses "$work/local.txt" "$work/dist0.txt" "$tol" all; then
+    echo "ok: $(grep -c '^step' "$work/dist0.txt") steps match within $tol"
+  else
+    echo "FAIL"; paste "$work/local.txt" "$work/dist0.txt"; fails=$((fails + 1))
+  fi
+}

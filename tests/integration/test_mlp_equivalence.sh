@@ -18,19 +18,7 @@ fails=0
 
 case_() {
   local nproc="$1" tol="$2"; shift 2
-  local args=(--steps 8 --batch 6 --widths 37,50 --input 19 --output 1 --seed 3 "$@")
-  echo "== nproc $nproc: ${args[*]}"
-  "$mlp" --local --world "$nproc" "${args[@]}" > "$work/local.txt"
-  if ! timeout 120 "$run" --nproc "$nproc" -- "$mlp" "${args[@]}" > "$work/dist.txt" 2>&1; then
-    echo "FAIL: pshardrun exited non-zero"; cat "$work/dist.txt"; fails=$((fails + 1)); return
-  fi
-  # pshardrun prefixes rank 0's lines with "[trainer 0] ".
-  sed -n 's/^\[trainer 0\] //p' "$work/dist.txt" > "$work/dist0.txt"
-  if compare_losses "$work/local.txt" "$work/dist0.txt" "$tol"; then
-    echo "ok: $(grep -c '^step' "$work/dist0.txt") steps match within $tol"
-  else
-    echo "FAIL"; paste "$work/local.txt" "$work/dist0.txt"; fails=$((fails + 1))
-  fi
+  mlp_case "$nproc" "$tol" -- "$@"
 }
 
 case_ 1 1e-4 --optimizer adam
