@@ -42,58 +42,38 @@ static float *section_ptr(shard_model_t *m, int k)
     return k == 0 ? m->master : k == 1 ? m->state0 : m->state1;
 }
 
-/* The host arrays a checkpoint reads or writes, one per section: the model's own, or for
- * GPU-resident shards zeroed host copies (filled from the device for a save; copied to the
- * device once a load succeeded, so a failed load leaves the model as it was). */
+/* GPU-resident shards: a checkpoint streams through a host buffer of at most BOUNCE_BYTES (or
+ * one parameter piece, if larger), so no host copy of the whole shard state is needed;
+ * host-resident shards are read and written in place. */
+#define BOUNCE_BYTES (16u << 20)
+
 typedef struct {
-    float *sec[3];
-    bool copies;
-} ckpt_view_t;
+    uint8_t *buf; /* NULL for host-resident shards */
+    size_t cap;
+} bounce_t;
 
-static void view_close(ckpt_view_t *v)
+static pshard_status_t bounce_open(const shard_model_t *m, bounce_t *b, char *err, size_t errlen)
 {
-    if (v->copies)
-        for (int k = 0; k < 3; k++)
-            free(v->sec[k]);
-    memset(v, 0, sizeof(*v));
-}
-
-static pshard_status_t view_open(shard_model_t *m, bool from_device, ckpt_view_t *v, char *err,
-                                 size_t errlen)
-{
-    memset(v, 0, sizeof(*v));
-    size_t bytes = m->shard_numel * sizeof(float);
-    for (int k = 0; k < nsections(m); k++) {
-        if (!m->on_device) {
-            v->sec[k] = section_ptr(m, k);
-            continue;
-        }
-        v->copies = true;
-        v->sec[k] = calloc(m->shard_numel ? m->shard_numel : 1, sizeof(float));
-        if (!v->sec[k]) {
-            view_close(v);
-            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
-                           "no host memory for a %zu-byte copy of GPU shard state", bytes);
-        }
-        if (from_device) {
-            pshard_status_t rc =
-                shard_cuda_copy(m->device, v->sec[k], section_ptr(m, k), bytes, err, errlen);
-            if (rc != PSHARD_OK) {
-                view_close(v);
-                return rc;
-            }
-        }
-    }
+    memset(b, 0, sizeof(*b));
+    if (!m->on_device)
+        return PSHARD_OK;
+    size_t total = m->shard_numel * sizeof(float), piece = m->max_piece * sizeof(float);
+    b->cap = total < BOUNCE_BYTES ? total : BOUNCE_BYTES;
+    if (piece > b->cap)
+        b->cap = piece;
+    if (b->cap == 0)
+        b->cap = 1;
+    b->buf = malloc(b->cap);
+    if (!b->buf)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
+                       "no host memory for a %zu-byte checkpoint buffer", b->cap);
     return PSHARD_OK;
 }
 
-static pshard_status_t view_to_device(shard_model_t *m, const ckpt_view_t *v, char *err,
-                                      size_t errlen)
+static void bounce_close(bounce_t *b)
 {
-    for (int k = 0; v->copies && k < nsections(m); k++)
-        PS_CHECK(shard_cuda_copy(m->device, section_ptr(m, k), v->sec[k],
-                                 m->shard_numel * sizeof(float), err, errlen));
-    return PSHARD_OK;
+    free(b->buf);
+    memset(b, 0, sizeof(*b));
 }
 
 /* All-gathers `words` int64 of every rank into out (world * words). */
@@ -176,7 +156,7 @@ static pshard_status_t write_all(int fd, const void *buf, size_t len, const char
 
 /* Writes this rank's shard file (temporary name, fsync, rename) and returns its size and
  * CRC-32C. A failure removes the temporary file. */
-static pshard_status_t write_shard(shard_model_t *m, const ckpt_view_t *v, const char *step_dir,
+static pshard_status_t write_shard(shard_model_t *m, const bounce_t *b, const char *step_dir,
                                    const char *name, uint64_t *bytes, uint32_t *crc, char *err,
                                    size_t errlen)
 {
@@ -189,14 +169,24 @@ static pshard_status_t write_shard(shard_model_t *m, const ckpt_view_t *v, const
     pshard_status_t rc = PSHARD_OK;
     uint32_t c = 0;
     for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
-        const uint8_t *p = (const uint8_t *)v->sec[k];
-        size_t left = m->shard_numel * sizeof(float);
-        while (left > 0 && rc == PSHARD_OK) {
-            size_t n = left < WRITE_CHUNK ? left : WRITE_CHUNK;
-            c = ps_crc32c(c, p, n);
-            rc = write_all(fd, p, n, tmp, err, errlen);
-            p += n;
-            left -= n;
+        const uint8_t *sec = (const uint8_t *)section_ptr(m, k);
+        size_t total = m->shard_numel * sizeof(float);
+        /* Host shards: one pass over the section; GPU shards: a bounce buffer at a time. */
+        for (size_t done = 0; done < total && rc == PSHARD_OK;) {
+            size_t len = b->buf ? (total - done < b->cap ? total - done : b->cap) : total;
+            const uint8_t *p = sec + done;
+            if (b->buf) {
+                rc = shard_cuda_copy(m->device, b->buf, p, len, err, errlen);
+                p = b->buf;
+            }
+            for (size_t left = len; left > 0 && rc == PSHARD_OK;) {
+                size_t n = left < WRITE_CHUNK ? left : WRITE_CHUNK;
+                c = ps_crc32c(c, p, n);
+                rc = write_all(fd, p, n, tmp, err, errlen);
+                p += n;
+                left -= n;
+            }
+            done += len;
         }
     }
     if (rc == PSHARD_OK && fsync(fd) != 0)
@@ -319,11 +309,11 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
         uint64_t bytes = 0;
         uint32_t crc = 0;
         ps_ckpt_shard_name(rank, world, name, sizeof(name));
-        ckpt_view_t v;
-        local = view_open(m, true, &v, local_err, sizeof(local_err));
+        bounce_t b;
+        local = bounce_open(m, &b, local_err, sizeof(local_err));
         if (local == PSHARD_OK)
-            local = write_shard(m, &v, step_dir, name, &bytes, &crc, local_err, sizeof(local_err));
-        view_close(&v);
+            local = write_shard(m, &b, step_dir, name, &bytes, &crc, local_err, sizeof(local_err));
+        bounce_close(&b);
         mine[0] = local == PSHARD_OK;
         mine[1] = (int64_t)bytes;
         mine[2] = crc;
@@ -427,9 +417,9 @@ static pshard_status_t check_matches(const shard_model_t *m, const ps_ckpt_manif
     return PSHARD_OK;
 }
 
-/* Reads file f, which holds exactly this rank's shard, straight into the model's sections,
- * checking its size and CRC-32C on the way. */
-static pshard_status_t read_own_file(shard_model_t *m, const ckpt_view_t *v, const char *step_dir,
+/* Reads file f, which holds exactly this rank's shard, into the model's sections (GPU shards
+ * through the bounce buffer), checking its size and CRC-32C on the way. */
+static pshard_status_t read_own_file(shard_model_t *m, const bounce_t *b, const char *step_dir,
                                      const ps_ckpt_file_t *f, char *err, size_t errlen)
 {
     char path[PATH_MAX + 300];
@@ -448,21 +438,29 @@ static pshard_status_t read_own_file(shard_model_t *m, const ckpt_view_t *v, con
     uint32_t crc = 0;
     pshard_status_t rc = PSHARD_OK;
     for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
-        uint8_t *p = (uint8_t *)v->sec[k];
-        size_t left = m->shard_numel * sizeof(float);
-        while (left > 0) {
-            ssize_t n = read(fd, p, left < WRITE_CHUNK ? left : WRITE_CHUNK);
-            if (n < 0 && errno == EINTR)
-                continue;
-            if (n <= 0) {
-                rc = n < 0 ? sys_err(err, errlen, "cannot read", path)
-                           : ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s is truncated",
-                                     path);
-                break;
+        uint8_t *sec = (uint8_t *)section_ptr(m, k);
+        size_t total = m->shard_numel * sizeof(float);
+        /* Host shards: straight into the section; GPU shards: a bounce buffer at a time. */
+        for (size_t done = 0; done < total && rc == PSHARD_OK;) {
+            size_t len = b->buf ? (total - done < b->cap ? total - done : b->cap) : total;
+            uint8_t *p = b->buf ? b->buf : sec + done;
+            for (size_t left = len; left > 0;) {
+                ssize_t n = read(fd, p, left < WRITE_CHUNK ? left : WRITE_CHUNK);
+                if (n < 0 && errno == EINTR)
+                    continue;
+                if (n <= 0) {
+                    rc = n < 0 ? sys_err(err, errlen, "cannot read", path)
+                               : ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                                         "%s is truncated", path);
+                    break;
+                }
+                crc = ps_crc32c(crc, p, (size_t)n);
+                p += n;
+                left -= (size_t)n;
             }
-            crc = ps_crc32c(crc, p, (size_t)n);
-            p += n;
-            left -= (size_t)n;
+            if (rc == PSHARD_OK && b->buf)
+                rc = shard_cuda_copy(m->device, sec + done, b->buf, len, err, errlen);
+            done += len;
         }
     }
     close(fd);
@@ -504,8 +502,8 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
     /* Phase 1: the manifest, the model check, and this rank's share of the checksums. */
     ps_ckpt_manifest_t *man = NULL;
     int64_t bad_file = -1;
-    ckpt_view_t v;
-    local = view_open(m, false, &v, local_err, sizeof(local_err));
+    bounce_t b;
+    local = bounce_open(m, &b, local_err, sizeof(local_err));
     if (local == PSHARD_OK)
         local = ps_ckpt_manifest_read(step_dir, &man, local_err, sizeof(local_err));
     if (local == PSHARD_OK)
@@ -517,7 +515,7 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
                   man->files[rank].shard_numel == m->shard_numel;
     for (size_t f = (size_t)rank; local == PSHARD_OK && f < man->nfiles; f += (size_t)world) {
         local = direct
-                    ? read_own_file(m, &v, step_dir, &man->files[f], local_err, sizeof(local_err))
+                    ? read_own_file(m, &b, step_dir, &man->files[f], local_err, sizeof(local_err))
                     : ps_ckpt_verify_file(step_dir, &man->files[f], local_err, sizeof(local_err));
         if (local != PSHARD_OK)
             bad_file = (int64_t)f;
@@ -526,7 +524,7 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
     int64_t *all = calloc((size_t)world * 2, sizeof(int64_t));
     if (!all) {
         ps_ckpt_manifest_free(man);
-        view_close(&v);
+        bounce_close(&b);
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     }
     pshard_status_t rc = gather_words(comm, mine, all, 2, "checkpoint verify", err, errlen);
@@ -543,14 +541,16 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
                 continue;
             size_t start = ps_layout_piece_offset(m->layout, p, rank);
             size_t off = ps_layout_shard_offset(m->layout, p, rank);
-            for (int k = 0; k < nsections(m) && local == PSHARD_OK; k++)
-                local = ps_ckpt_read_range(step_dir, man, k, (uint32_t)p, start, cnt,
-                                           v.sec[k] + off, local_err, sizeof(local_err));
+            for (int k = 0; k < nsections(m) && local == PSHARD_OK; k++) {
+                /* GPU shards: the piece goes through the bounce buffer (it fits). */
+                float *dst = b.buf ? (float *)(void *)b.buf : section_ptr(m, k) + off;
+                local = ps_ckpt_read_range(step_dir, man, k, (uint32_t)p, start, cnt, dst,
+                                           local_err, sizeof(local_err));
+                if (local == PSHARD_OK && b.buf)
+                    local = shard_cuda_copy(m->device, section_ptr(m, k) + off, b.buf,
+                                            cnt * sizeof(float), local_err, sizeof(local_err));
+            }
         }
-        /* GPU-resident shards: the host copies go to the device before the verdict, so a
-         * failed copy is a failure every rank hears of. */
-        if (local == PSHARD_OK)
-            local = view_to_device(m, &v, local_err, sizeof(local_err));
         mine[0] = local == PSHARD_OK;
         rc = gather_words(comm, mine, all, 2, "checkpoint read", err, errlen);
         for (int r = 0; rc == PSHARD_OK && r < world && failed < 0; r++)
@@ -563,7 +563,7 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
     if (man && file_named >= 0 && (size_t)file_named < man->nfiles)
         ps_strlcpy(file_name, man->files[file_named].path, sizeof(file_name));
     ps_ckpt_manifest_free(man);
-    view_close(&v);
+    bounce_close(&b);
     free(all);
     if (rc != PSHARD_OK)
         return rc;
