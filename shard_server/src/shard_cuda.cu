@@ -1,14 +1,15 @@
-// The CUDA kernels and device memory of GPU-resident shards; see shard_cuda.h. Each kernel is a
-// grid-stride loop over the elements calling the same per-element code as the CPU
-// (pshard/dtype_bits.h, optim_elem.h); compiled with -fmad=false so that fp32 results match
-// the CPU's bit for bit.
+// The CUDA kernels and device memory of GPU-resident shards (shard_dev_cuda() of
+// shard_cuda.h). Each kernel is a grid-stride loop over the elements calling the
+// per-element code of shard_elem.h, which the host emulation runs too and which uses the
+// CPU optimizer's and conversions' own element functions; compiled with -fmad=false so that
+// fp32 results match the CPU's bit for bit.
 #include "shard_cuda.h"
 
 #include <stdio.h>
 
 #include <cuda_runtime.h>
 
-#include "pshard/dtype_bits.h"
+#include "shard_elem.h"
 
 #define THREADS 256
 #define MAX_BLOCKS 4096
@@ -69,25 +70,11 @@ static unsigned blocks_for(size_t n)
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                        \
          i += (size_t)gridDim.x * blockDim.x)
 
-__device__ static inline float grad_at(const void *r, pshard_dtype_t dt, size_t i, bool scaled,
-                                       float scale)
-{
-    float v = dt == PSHARD_BF16 ? f32_from_bits(bf16_to_f32_bits(((const uint16_t *)r)[i]))
-                                : ((const float *)r)[i];
-    return scaled ? v * scale : v;
-}
-
 __global__ static void k_convert(const float *src, void *dst, pshard_dtype_t dt, size_t n)
 {
     FOR_EACH(i, n)
     {
-        uint32_t bits = f32_bits(src[i]);
-        if (dt == PSHARD_BF16)
-            ((uint16_t *)dst)[i] = f32_to_bf16_bits(bits);
-        else if (dt == PSHARD_FP16)
-            ((uint16_t *)dst)[i] = f32_to_f16_bits(bits);
-        else
-            ((float *)dst)[i] = src[i];
+        shard_convert_at(src, dst, dt, i);
     }
 }
 
@@ -96,7 +83,7 @@ __global__ static void k_accumulate(float *acc, const void *r, pshard_dtype_t dt
 {
     FOR_EACH(i, n)
     {
-        acc[i] += grad_at(r, dt, i, scaled, scale);
+        acc[i] += shard_grad_at(r, dt, i, scaled, scale);
     }
 }
 
@@ -124,7 +111,7 @@ __global__ static void k_sum_squares(const void *r, pshard_dtype_t dt, size_t n,
     double acc = 0.0;
     FOR_EACH(i, n)
     {
-        double v = (double)grad_at(r, dt, i, scaled, scale);
+        double v = (double)shard_grad_at(r, dt, i, scaled, scale);
         acc += v * v;
     }
     part[threadIdx.x] = acc;
@@ -143,24 +130,11 @@ __global__ static void k_optim(ps_optim_scalars_t sc, float *p, const void *r, p
 {
     FOR_EACH(i, n)
     {
-        float g = grad_at(r, dt, i, scaled, scale);
-        if (sc.kind == PS_OPTIM_SGD) {
-            float unused = 0.0f;
-            ps_sgd_elem(&sc, &p[i], g, sc.has_momentum ? &s0[i] : &unused);
-        } else {
-            ps_adam_elem(&sc, &p[i], g, &s0[i], &s1[i]);
-        }
+        shard_optim_at(&sc, p, r, dt, scaled, scale, s0, s1, i);
     }
 }
 
-extern "C" {
-
-bool shard_cuda_available(void)
-{
-    return true;
-}
-
-pshard_status_t shard_cuda_alloc(int device, size_t bytes, void **out, char *err, size_t errlen)
+static pshard_status_t dev_alloc(int device, size_t bytes, void **out, char *err, size_t errlen)
 {
     *out = NULL;
     OK_OR_RETURN(begin(device, err, errlen));
@@ -179,13 +153,13 @@ pshard_status_t shard_cuda_alloc(int device, size_t bytes, void **out, char *err
     return PSHARD_OK;
 }
 
-void shard_cuda_free(int device, void *p)
+static void dev_free(int device, void *p)
 {
     if (p && cudaSetDevice(device) == cudaSuccess)
         cudaFree(p);
 }
 
-pshard_status_t shard_cuda_copy(int device, void *dst, const void *src, size_t bytes, char *err,
+static pshard_status_t dev_copy(int device, void *dst, const void *src, size_t bytes, char *err,
                                 size_t errlen)
 {
     OK_OR_RETURN(begin(device, err, errlen));
@@ -195,7 +169,7 @@ pshard_status_t shard_cuda_copy(int device, void *dst, const void *src, size_t b
     return finish("copying shard state", err, errlen);
 }
 
-pshard_status_t shard_cuda_zero(int device, float *x, size_t n, char *err, size_t errlen)
+static pshard_status_t dev_zero(int device, float *x, size_t n, char *err, size_t errlen)
 {
     OK_OR_RETURN(begin(device, err, errlen));
     if (n == 0)
@@ -204,7 +178,7 @@ pshard_status_t shard_cuda_zero(int device, float *x, size_t n, char *err, size_
     return finish("zeroing gradients", err, errlen);
 }
 
-pshard_status_t shard_cuda_convert(int device, const float *src, void *dst, pshard_dtype_t dt,
+static pshard_status_t dev_convert(int device, const float *src, void *dst, pshard_dtype_t dt,
                                    size_t n, char *err, size_t errlen)
 {
     OK_OR_RETURN(begin(device, err, errlen));
@@ -214,7 +188,7 @@ pshard_status_t shard_cuda_convert(int device, const float *src, void *dst, psha
     return finish("converting a slice for a gather", err, errlen);
 }
 
-pshard_status_t shard_cuda_accumulate(int device, float *acc, const void *r, pshard_dtype_t dt,
+static pshard_status_t dev_accumulate(int device, float *acc, const void *r, pshard_dtype_t dt,
                                       size_t n, bool scaled, float scale, char *err, size_t errlen)
 {
     OK_OR_RETURN(begin(device, err, errlen));
@@ -224,7 +198,7 @@ pshard_status_t shard_cuda_accumulate(int device, float *acc, const void *r, psh
     return finish("accumulating a gradient slice", err, errlen);
 }
 
-pshard_status_t shard_cuda_sum_squares(int device, const void *r, pshard_dtype_t dt, size_t n,
+static pshard_status_t dev_sum_squares(int device, const void *r, pshard_dtype_t dt, size_t n,
                                        bool scaled, float scale, double *out, char *err,
                                        size_t errlen)
 {
@@ -243,7 +217,7 @@ pshard_status_t shard_cuda_sum_squares(int device, const void *r, pshard_dtype_t
     return PSHARD_OK;
 }
 
-pshard_status_t shard_cuda_scale(int device, float *x, size_t n, float factor, char *err,
+static pshard_status_t dev_scale(int device, float *x, size_t n, float factor, char *err,
                                  size_t errlen)
 {
     OK_OR_RETURN(begin(device, err, errlen));
@@ -253,7 +227,7 @@ pshard_status_t shard_cuda_scale(int device, float *x, size_t n, float factor, c
     return finish("clipping gradients", err, errlen);
 }
 
-pshard_status_t shard_cuda_optim_step(int device, const ps_optim_scalars_t *sc, float *param,
+static pshard_status_t dev_optim_step(int device, const ps_optim_scalars_t *sc, float *param,
                                       const void *r, pshard_dtype_t dt, bool scaled, float scale,
                                       float *state0, float *state1, size_t n, char *err,
                                       size_t errlen)
@@ -266,4 +240,12 @@ pshard_status_t shard_cuda_optim_step(int device, const ps_optim_scalars_t *sc, 
     return finish("the optimizer step", err, errlen);
 }
 
-} // extern "C"
+static const shard_dev_ops_t cuda_ops = {
+    "cuda",      false,          dev_alloc,       dev_free,  dev_copy,       dev_zero,
+    dev_convert, dev_accumulate, dev_sum_squares, dev_scale, dev_optim_step,
+};
+
+extern "C" const shard_dev_ops_t *shard_dev_cuda(void)
+{
+    return &cuda_ops;
+}

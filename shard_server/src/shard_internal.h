@@ -26,6 +26,9 @@ typedef struct {
 
 struct pshard_shard_server {
     pshard_shard_server_config_t cfg;
+    /* GPU-resident shards: their operations (shard_cuda.h: the CUDA kernels, or the host
+     * emulation the tests use); NULL: shards in host memory. */
+    const struct shard_dev_ops *dev;
     char *strings[16]; /* owned copies of cfg strings */
     ps_rpc_server_t *srv;
     ps_rpc_channel_t *coord;

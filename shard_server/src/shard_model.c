@@ -97,8 +97,8 @@ void shard_model_free(shard_model_t *m)
     if (m->on_device) {
         float *arrays[4] = {m->master, m->grad, m->state0, m->state1};
         for (int i = 0; i < 4; i++)
-            shard_cuda_free(m->device, arrays[i]);
-        shard_cuda_free(m->device, m->stage);
+            m->dev->free_mem(m->device, arrays[i]);
+        m->dev->free_mem(m->device, m->stage);
     } else {
         free_touched(m->master, bytes);
         free_touched(m->grad, bytes);
@@ -116,21 +116,21 @@ static pshard_status_t alloc_on_device(shard_model_t *m, size_t bytes, bool in_b
                                        char *err, size_t errlen)
 {
     void *p = NULL;
-    PS_CHECK(shard_cuda_alloc(m->device, bytes, &p, err, errlen));
+    PS_CHECK(m->dev->alloc(m->device, bytes, &p, err, errlen));
     m->master = p;
     if (!in_backward) {
-        PS_CHECK(shard_cuda_alloc(m->device, bytes, &p, err, errlen));
+        PS_CHECK(m->dev->alloc(m->device, bytes, &p, err, errlen));
         m->grad = p;
     }
     if (nstate >= 1) {
-        PS_CHECK(shard_cuda_alloc(m->device, bytes, &p, err, errlen));
+        PS_CHECK(m->dev->alloc(m->device, bytes, &p, err, errlen));
         m->state0 = p;
     }
     if (nstate >= 2) {
-        PS_CHECK(shard_cuda_alloc(m->device, bytes, &p, err, errlen));
+        PS_CHECK(m->dev->alloc(m->device, bytes, &p, err, errlen));
         m->state1 = p;
     }
-    return shard_cuda_alloc(m->device, m->max_piece * 4, &m->stage, err, errlen);
+    return m->dev->alloc(m->device, m->max_piece * 4, &m->stage, err, errlen);
 }
 
 static int cmp_names(const void *a, const void *b)
@@ -179,8 +179,9 @@ static void format_param(const shard_param_t *p, char *buf, size_t len)
 pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
                                    const char *const *names, const int64_t *const *shapes,
                                    const size_t *ndims, const ps_optim_config_t *optim,
-                                   double max_grad_norm, bool in_backward, int device,
-                                   shard_model_t **out, char *err, size_t errlen)
+                                   double max_grad_norm, bool in_backward,
+                                   const struct shard_dev_ops *dev, int device, shard_model_t **out,
+                                   char *err, size_t errlen)
 {
     *out = NULL;
     if (nparams == 0)
@@ -292,8 +293,9 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     /* In-backward updates need no accumulator, only a flag per parameter and step. */
     if (in_backward)
         m->reduced = calloc(nparams, 1);
-    if (device >= 0) {
+    if (dev) {
         m->on_device = true;
+        m->dev = dev;
         m->device = device;
         rc = alloc_on_device(m, bytes, in_backward, nstate, err, errlen);
         if (rc != PSHARD_OK)

@@ -33,6 +33,7 @@ typedef struct {
     size_t shard_numel; /* elements this rank owns */
     float *master, *grad, *state0, *state1; /* device memory when on_device */
     bool on_device;     /* GPU-resident shards (--backend nccl --offload none) */
+    const struct shard_dev_ops *dev; /* their operations (shard_cuda.h) when on_device */
     int device;         /* the CUDA device when on_device */
     size_t max_piece;   /* largest piece of one parameter on this rank */
     size_t max_numel;   /* largest full parameter */
@@ -59,13 +60,14 @@ typedef struct {
  * most SHARD_MAX_PARAMS parameters, unique names, the optimizer config, no clipping with
  * in_backward); errors are
  * INVALID_ARGUMENT with a message naming the parameter. Allocates and pre-touches storage:
- * host memory when device < 0, else zeroed memory on that CUDA device (GPU-resident shards;
- * errors then may be CUDA or UNIMPLEMENTED). Free with shard_model_free. */
+ * host memory when dev is NULL, else zeroed memory of dev (shard_cuda.h) on CUDA device
+ * `device` (GPU-resident shards; errors then may be CUDA). Free with shard_model_free. */
 pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
                                    const char *const *names, const int64_t *const *shapes,
                                    const size_t *ndims, const ps_optim_config_t *optim,
-                                   double max_grad_norm, bool in_backward, int device,
-                                   shard_model_t **out, char *err, size_t errlen);
+                                   double max_grad_norm, bool in_backward,
+                                   const struct shard_dev_ops *dev, int device, shard_model_t **out,
+                                   char *err, size_t errlen);
 void shard_model_free(shard_model_t *m);
 
 /* Page-locks the storage (master, accumulator, state, staging buffer) for DMA to a GPU

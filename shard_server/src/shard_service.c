@@ -66,10 +66,11 @@ static bool on_gpu(const pshard_shard_server_t *s)
     return strcmp(s->cfg.backend, "nccl") == 0;
 }
 
-/* True when the shards live in GPU memory (--backend nccl --offload none). */
+/* True when the shards live in GPU memory (--backend nccl --offload none), or in the host
+ * memory standing in for it (PSHARD_TEST_EMULATE_DEVICE=1). */
 static bool gpu_resident(const pshard_shard_server_t *s)
 {
-    return on_gpu(s) && strcmp(s->cfg.offload, "cpu") != 0;
+    return s->dev != NULL;
 }
 
 void shard_pin_region(pshard_shard_server_t *s, shm_map_t *m)
@@ -369,7 +370,7 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
             size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
             float *dst = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
             if (m->on_device)
-                rc = shard_cuda_copy(m->device, dst, src + off, cnt * sizeof(float), err, errlen);
+                rc = m->dev->copy(m->device, dst, src + off, cnt * sizeof(float), err, errlen);
             else
                 memcpy(dst, src + off, cnt * sizeof(float));
         }
@@ -473,7 +474,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     }
     rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n, names,
                             shapes, ndims, &oc, po ? po->max_grad_norm : 0, po && po->in_backward,
-                            gpu_resident(s) ? s->cfg.device : -1, &m, err, sizeof(err));
+                            s->dev, s->cfg.device, &m, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
     rc = check_definitions(s, m, err, sizeof(err));
@@ -578,7 +579,7 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
     const void *send = mine;
     char label[64];
     if (m->on_device && dt != PSHARD_FP32) {
-        PS_CHECK(shard_cuda_convert(m->device, mine, m->stage, dt, cnt, err, errlen));
+        PS_CHECK(m->dev->convert(m->device, mine, m->stage, dt, cnt, err, errlen));
         send = m->stage;
     } else if (dt == PSHARD_BF16) {
         ps_convert_f32_to_bf16(mine, m->stage, cnt);
@@ -591,7 +592,7 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
         .op = PSHARD_COLL_ALL_GATHER,
         .dtype = dt,
         .send = send,
-        .send_device = m->on_device,
+        .send_device = m->on_device && !m->dev->host_memory,
         .recv = recv,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | p,
@@ -609,19 +610,19 @@ static pshard_status_t reduce_on_device(shard_model_t *m, uint32_t p, pshard_dty
         bool scaled = !all || dt != PSHARD_FP32;
         double sq = 0;
         PS_CHECK(
-            shard_cuda_sum_squares(m->device, m->stage, dt, cnt, scaled, scale, &sq, err, errlen));
+            m->dev->sum_squares(m->device, m->stage, dt, cnt, scaled, scale, &sq, err, errlen));
         m->grad_sq += sq;
         ps_optim_scalars_t sc;
         ps_optim_step_scalars(&m->optim, m->cur_lr, m->step + 1, &sc);
-        PS_CHECK(shard_cuda_optim_step(m->device, &sc, m->master + off, m->stage, dt, scaled, scale,
-                                       m->state0 ? m->state0 + off : NULL,
-                                       m->state1 ? m->state1 + off : NULL, cnt, err, errlen));
+        PS_CHECK(m->dev->optim_step(m->device, &sc, m->master + off, m->stage, dt, scaled, scale,
+                                    m->state0 ? m->state0 + off : NULL,
+                                    m->state1 ? m->state1 + off : NULL, cnt, err, errlen));
         m->reduced[p] = 1;
         return PSHARD_OK;
     }
     bool scaled = dt != PSHARD_FP32 || !all;
-    return shard_cuda_accumulate(m->device, m->grad + off, m->stage, dt, cnt, scaled, scale, err,
-                                 errlen);
+    return m->dev->accumulate(m->device, m->grad + off, m->stage, dt, cnt, scaled, scale, err,
+                              errlen);
 }
 
 pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
@@ -647,7 +648,7 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
         .reduce = all ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
         .send = send,
         .recv = m->stage,
-        .recv_device = m->on_device,
+        .recv_device = m->on_device && !m->dev->host_memory,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
         .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
@@ -766,17 +767,16 @@ static pshard_status_t step_on_device(pshard_shard_server_t *s, shard_model_t *m
     if (m->max_grad_norm > 0) {
         double coef = m->max_grad_norm / (norm + 1e-6);
         if (coef < 1.0)
-            PS_CHECK(
-                shard_cuda_scale(m->device, m->grad, m->shard_numel, (float)coef, err, errlen));
+            PS_CHECK(m->dev->scale(m->device, m->grad, m->shard_numel, (float)coef, err, errlen));
     }
     ps_optim_scalars_t sc;
     ps_optim_step_scalars(&m->optim, lr, m->step + 1, &sc);
-    PS_CHECK(shard_cuda_optim_step(m->device, &sc, m->master, m->grad, PSHARD_FP32, false, 1.0f,
-                                   m->state0, m->state1, m->shard_numel, err, errlen));
+    PS_CHECK(m->dev->optim_step(m->device, &sc, m->master, m->grad, PSHARD_FP32, false, 1.0f,
+                                m->state0, m->state1, m->shard_numel, err, errlen));
     pthread_mutex_lock(&s->mu);
     m->step++;
     pthread_mutex_unlock(&s->mu);
-    return shard_cuda_zero(m->device, m->grad, m->shard_numel, err, errlen);
+    return m->dev->zero(m->device, m->grad, m->shard_numel, err, errlen);
 }
 
 pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
@@ -786,8 +786,8 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
     /* The global gradient norm: an all-reduce of the squared slice norms (clip_grad_norm). */
     double local_sq = m->grad_sq;
     if (!m->in_backward && m->on_device)
-        PS_CHECK(shard_cuda_sum_squares(m->device, m->grad, PSHARD_FP32, m->shard_numel, false,
-                                        1.0f, &local_sq, err, errlen));
+        PS_CHECK(m->dev->sum_squares(m->device, m->grad, PSHARD_FP32, m->shard_numel, false, 1.0f,
+                                     &local_sq, err, errlen));
     else if (!m->in_backward)
         local_sq = ps_sum_squares(m->grad, m->shard_numel);
     float sq = (float)local_sq;
@@ -974,7 +974,8 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.offload = (char *)s->cfg.offload;
     char placement[32];
     if (gpu_resident(s))
-        snprintf(placement, sizeof(placement), "cuda:%d", s->cfg.device);
+        snprintf(placement, sizeof(placement), "%s:%d",
+                 s->dev->host_memory ? "emulated-cuda" : "cuda", s->cfg.device);
     else
         ps_strlcpy(placement, on_gpu(s) ? "host, pinned" : "host", sizeof(placement));
     out.placement = placement;
@@ -1051,7 +1052,9 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--offload must be none or cpu");
         return NULL;
     }
-    if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0 && !shard_cuda_available()) {
+    bool emulate = getenv("PSHARD_TEST_EMULATE_DEVICE") &&
+                   strcmp(getenv("PSHARD_TEST_EMULATE_DEVICE"), "1") == 0;
+    if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0 && !shard_dev_cuda()) {
         ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
                 "--backend nccl with --offload none keeps shards and optimizer state in GPU "
                 "memory, but this pshard-server was built without nvcc (no CUDA kernels); run "
@@ -1078,6 +1081,15 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     s->cfg.node = own(s, 4, cfg->node);
     s->cfg.backend = own(s, 5, backend);
     s->cfg.offload = own(s, 6, offload);
+    /* Shards in GPU memory: nccl without --offload cpu; the tests' host emulation of it: tcp
+     * without --offload cpu and PSHARD_TEST_EMULATE_DEVICE=1 (see shard_cuda.h). */
+    if (strcmp(offload, "cpu") != 0)
+        s->dev = strcmp(backend, "nccl") == 0 ? shard_dev_cuda()
+                 : emulate                    ? &shard_dev_emulated
+                                              : NULL;
+    if (s->dev && s->dev->host_memory)
+        PS_WARN(PS_SUB_SHARD, "PSHARD_TEST_EMULATE_DEVICE=1: shards in host memory standing in "
+                              "for GPU memory (a test mode)");
     s->cfg.data_host = own(s, 7, cfg->data_host);
     s->cfg.token = own(s, 8, cfg->token);
     s->cfg.checkpoint_dir = own(s, 9, cfg->checkpoint_dir);

@@ -169,6 +169,35 @@ reshard 3 1 fsdp2 fsdp2
 reshard 2 3 fsdp2 fsdp1
 reshard 3 2 fsdp1 fsdp2
 
+# GPU-resident shards in the tests' host emulation (PSHARD_TEST_EMULATE_DEVICE=1), whose
+# checkpoints stream through a 4 KiB bounce buffer (grown to the largest parameter piece, 18 KiB
+# here, so a rank's 25 KiB sections take two passes): a host save loads on them directly (same
+# world) and resharded (3 servers, fsdp1), and what they save loads back on host shards, all
+# to the same state.
+# emu_save EMULATE N LAYOUT FROM OUT: N servers (emulated or not) resume FROM (or start fresh,
+# training 6 steps, when FROM is -) and save step 6 under OUT.
+emu_save() {
+  local resume=()
+  [ "$4" != - ] && resume=(--resume "$4")
+  PSHARD_TEST_EMULATE_DEVICE="$1" timeout 120 "$run" --nproc "$2" "${resume[@]}" \
+    --checkpoint-dir "$5" -- "$mlp" "${ARGS[@]}" --widths 96,96 --input 32 --layout "$3" \
+    --steps 6 --checkpoint-at-end \
+    > "$5.txt" 2>&1 || { cat "$5.txt"; fail "$2 servers (emulated device: $1) failed"; }
+}
+echo "== GPU-resident shards (host emulation): checkpoints through the bounce buffer"
+e="$work/emu"
+emu_save 0 2 fsdp2 - "$e-host"
+emu_save 1 2 fsdp2 "$e-host" "$e-dev"
+emu_save 1 3 fsdp1 "$e-host" "$e-dev3"
+emu_save 0 2 fsdp2 "$e-dev" "$e-back"
+for d in "$e-dev" "$e-dev3" "$e-back"; do
+  if state_equal "$e-host/step-00000006" "$d/step-00000006"; then
+    echo "ok: ${d##*/}"
+  else
+    fail "${d##*/}: state differs from the host save"
+  fi
+done
+
 echo "== full export to safetensors, and import"
 if ! "$ctl" checkpoint export --format safetensors --checkpoint-dir "$work/ck" --step 20 \
     "$work/full.safetensors" > "$work/export.txt" 2>&1; then

@@ -38,6 +38,13 @@ PSHARD_REMOTE=1 case_ 2 1e-4 --optimizer sgd --reshard-after-forward=false
 case_ 3 1e-4 --optimizer adam --optimizer-in-backward
 case_ 2 1e-4 --optimizer sgd --lr 0.05 --momentum 0.9 --layout fsdp1 --optimizer-in-backward
 case_ 2 2e-2 --optimizer adamw --param-dtype bf16 --reduce-dtype bf16 --optimizer-in-backward
+# GPU-resident shards, with the tests' host emulation of the device (PSHARD_TEST_EMULATE_DEVICE:
+# the kernels' element functions on host memory): the server's device code paths, on a CPU.
+PSHARD_TEST_EMULATE_DEVICE=1 case_ 3 1e-4 --optimizer adam --max-grad-norm 1.0
+PSHARD_TEST_EMULATE_DEVICE=1 case_ 2 1e-4 --optimizer sgd --lr 0.05 --momentum 0.9 --layout fsdp1
+PSHARD_TEST_EMULATE_DEVICE=1 case_ 2 1e-4 --optimizer adamw --optimizer-in-backward
+PSHARD_TEST_EMULATE_DEVICE=1 PSHARD_REMOTE=1 case_ 2 1e-4 --optimizer adam
+PSHARD_TEST_EMULATE_DEVICE=1 case_ 2 2e-2 --optimizer adamw --param-dtype bf16 --reduce-dtype bf16
 echo "== optimizer_in_backward with clipping is refused"
 if timeout 120 "$run" --nproc 2 -- "$mlp" --steps 2 --optimizer-in-backward --max-grad-norm 1 \
     > "$work/clip.txt" 2>&1; then

@@ -1,26 +1,28 @@
-/* The shard server's CUDA kernels (shard_server/src/shard_cuda.h) against the CPU code they
- * mirror, bit for bit: conversions to bf16/fp16 (NaN, Inf, subnormals, ties included),
+/* The operations of GPU-resident shards (shard_server/src/shard_cuda.h) against the CPU code
+ * they mirror, bit for bit: conversions to bf16/fp16 (NaN, Inf, subnormals, ties included),
  * gradient accumulation from fp32 and bf16 with and without scaling, scaling, zeroing, the
  * optimizers over several steps (SGD plain/momentum/nesterov, Adam, AdamW with weight decay)
- * and the squared norm (to 1e-12 relative: the summation order differs). Exits 77 (skipped)
- * without a CUDA device. */
+ * and the squared norm (to 1e-12 relative: the summation order may differ).
+ * usage: unit_shard_dev emulated|cuda. "emulated" (a unit test) checks the host emulation,
+ * which runs the kernels' element functions; "cuda" (the gpu test gpu_kernels) checks the CUDA
+ * kernels on device 0 and exits 77 (skipped) without a CUDA device or without nvcc's kernels. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include <cuda_runtime_api.h>
-
 #include "optim.h"
 #include "optim_elem.h"
 #include "ps_test.h"
+#include "pshard/collectives.h"
 #include "pshard/dtype.h"
 #include "shard_cuda.h"
 
 #define N 100003 /* not a multiple of the block size */
 
 static uint64_t rng = 88172645463325252ull;
+static const shard_dev_ops_t *D; /* the implementation under test */
 
 static uint32_t next_u32(void)
 {
@@ -59,15 +61,15 @@ static void *dev_copy_of(const void *h, size_t bytes)
 {
     void *d = NULL;
     char err[256] = "";
-    CU_ASSERT_EQUAL_FATAL(shard_cuda_alloc(0, bytes, &d, err, sizeof(err)), PSHARD_OK);
-    CU_ASSERT_EQUAL_FATAL(shard_cuda_copy(0, d, h, bytes, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL_FATAL(D->alloc(0, bytes, &d, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL_FATAL(D->copy(0, d, h, bytes, err, sizeof(err)), PSHARD_OK);
     return d;
 }
 
 static void to_host(void *h, const void *d, size_t bytes)
 {
     char err[256] = "";
-    CU_ASSERT_EQUAL_FATAL(shard_cuda_copy(0, h, d, bytes, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL_FATAL(D->copy(0, h, d, bytes, err, sizeof(err)), PSHARD_OK);
 }
 
 static size_t count_diff(const void *a, const void *b, size_t n, size_t es)
@@ -87,14 +89,14 @@ static void test_convert(void)
     void *dx = dev_copy_of(x, sizeof(x));
     void *dy = NULL;
     char err[256] = "";
-    CU_ASSERT_EQUAL_FATAL(shard_cuda_alloc(0, sizeof(got), &dy, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL_FATAL(D->alloc(0, sizeof(got), &dy, err, sizeof(err)), PSHARD_OK);
     for (int k = 0; k < 2; k++) {
         pshard_dtype_t dt = k == 0 ? PSHARD_BF16 : PSHARD_FP16;
         if (dt == PSHARD_BF16)
             ps_convert_f32_to_bf16(x, want, N);
         else
             ps_convert_f32_to_f16(x, want, N);
-        CU_ASSERT_EQUAL(shard_cuda_convert(0, dx, dy, dt, N, err, sizeof(err)), PSHARD_OK);
+        CU_ASSERT_EQUAL(D->convert(0, dx, dy, dt, N, err, sizeof(err)), PSHARD_OK);
         to_host(got, dy, sizeof(got));
         size_t bad = count_diff(want, got, N, 2);
         if (bad)
@@ -102,8 +104,8 @@ static void test_convert(void)
                     bad, N);
         CU_ASSERT_EQUAL(bad, 0);
     }
-    shard_cuda_free(0, dx);
-    shard_cuda_free(0, dy);
+    D->free_mem(0, dx);
+    D->free_mem(0, dy);
 }
 
 static void test_accumulate_scale_zero(void)
@@ -126,7 +128,7 @@ static void test_accumulate_scale_zero(void)
         }
         float *da = dev_copy_of(acc, sizeof(acc));
         void *dr = dt == PSHARD_BF16 ? dev_copy_of(r16, sizeof(r16)) : dev_copy_of(r, sizeof(r));
-        CU_ASSERT_EQUAL(shard_cuda_accumulate(0, da, dr, dt, N, scaled, scale, err, sizeof(err)),
+        CU_ASSERT_EQUAL(D->accumulate(0, da, dr, dt, N, scaled, scale, err, sizeof(err)),
                         PSHARD_OK);
         to_host(got, da, sizeof(got));
         CU_ASSERT_EQUAL(count_diff(want, got, N, 4), 0);
@@ -136,24 +138,24 @@ static void test_accumulate_scale_zero(void)
             v = scaled ? v * scale : v;
             want_sq += (double)v * v;
         }
-        CU_ASSERT_EQUAL(shard_cuda_sum_squares(0, dr, dt, N, scaled, scale, &sq, err, sizeof(err)),
+        CU_ASSERT_EQUAL(D->sum_squares(0, dr, dt, N, scaled, scale, &sq, err, sizeof(err)),
                         PSHARD_OK);
         CU_ASSERT(fabs(sq - want_sq) <= 1e-12 * want_sq);
         if (k == 0) {
             memcpy(want, got, sizeof(want));
             ps_scale(want, N, 0.37f);
-            CU_ASSERT_EQUAL(shard_cuda_scale(0, da, N, 0.37f, err, sizeof(err)), PSHARD_OK);
+            CU_ASSERT_EQUAL(D->scale(0, da, N, 0.37f, err, sizeof(err)), PSHARD_OK);
             to_host(got, da, sizeof(got));
             CU_ASSERT_EQUAL(count_diff(want, got, N, 4), 0);
-            CU_ASSERT_EQUAL(shard_cuda_zero(0, da, N, err, sizeof(err)), PSHARD_OK);
+            CU_ASSERT_EQUAL(D->zero(0, da, N, err, sizeof(err)), PSHARD_OK);
             to_host(got, da, sizeof(got));
             size_t nonzero = 0;
             for (size_t i = 0; i < N; i++)
                 nonzero += got[i] != 0.0f;
             CU_ASSERT_EQUAL(nonzero, 0);
         }
-        shard_cuda_free(0, da);
-        shard_cuda_free(0, dr);
+        D->free_mem(0, da);
+        D->free_mem(0, dr);
     }
 }
 
@@ -178,11 +180,11 @@ static void optim_case(const ps_optim_config_t *cfg, const char *what)
         void *dg = dev_copy_of(g, sizeof(g));
         ps_optim_scalars_t sc;
         ps_optim_step_scalars(cfg, lr, step, &sc);
-        CU_ASSERT_EQUAL(shard_cuda_optim_step(0, &sc, dp, dg, PSHARD_FP32, false, 1.0f,
-                                              nstate > 0 ? ds0 : NULL, nstate > 1 ? ds1 : NULL, N,
-                                              err, sizeof(err)),
+        CU_ASSERT_EQUAL(D->optim_step(0, &sc, dp, dg, PSHARD_FP32, false, 1.0f,
+                                      nstate > 0 ? ds0 : NULL, nstate > 1 ? ds1 : NULL, N, err,
+                                      sizeof(err)),
                         PSHARD_OK);
-        shard_cuda_free(0, dg);
+        D->free_mem(0, dg);
     }
     to_host(gp, dp, sizeof(gp));
     to_host(gs0, ds0, sizeof(gs0));
@@ -192,9 +194,9 @@ static void optim_case(const ps_optim_config_t *cfg, const char *what)
     if (bad)
         fprintf(stderr, "%s: %zu values differ from the CPU\n", what, bad);
     CU_ASSERT_EQUAL(bad, 0);
-    shard_cuda_free(0, dp);
-    shard_cuda_free(0, ds0);
-    shard_cuda_free(0, ds1);
+    D->free_mem(0, dp);
+    D->free_mem(0, ds0);
+    D->free_mem(0, ds1);
 }
 
 static void test_optimizers(void)
@@ -219,13 +221,18 @@ static void test_optimizers(void)
     optim_case(&cfg, "adamw");
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
-    int n = 0;
-    cudaError_t e = cudaGetDeviceCount(&n);
-    if (!shard_cuda_available() || e != cudaSuccess || n < 1) {
-        printf("no CUDA device (or no kernels built): skipping the shard kernels test (%s)\n",
-               e != cudaSuccess ? cudaGetErrorString(e) : "no device or no kernels");
+    bool cuda = argc > 1 && strcmp(argv[1], "cuda") == 0;
+    if (!cuda && !(argc > 1 && strcmp(argv[1], "emulated") == 0)) {
+        fprintf(stderr, "usage: %s emulated|cuda\n", argv[0]);
+        return 2;
+    }
+    D = cuda ? shard_dev_cuda() : &shard_dev_emulated;
+    char err[256] = "";
+    if (cuda && (!D || pshard_cuda_check_device(0, err, sizeof(err)) != PSHARD_OK)) {
+        printf("no CUDA device or no kernels: skipping the shard kernels test (%s)\n",
+               D ? err : "built without nvcc");
         return 77;
     }
     static const ps_test_case_t cases[] = {
@@ -234,5 +241,5 @@ int main(void)
         {"optimizers", test_optimizers},
         {NULL, NULL},
     };
-    return ps_test_main("gpu_kernels", cases);
+    return ps_test_main(cuda ? "gpu_kernels" : "shard_dev_emulated", cases);
 }

@@ -1,0 +1,101 @@
+/* shard_dev_emulated (shard_cuda.h): the GPU-resident shard operations on host memory standing
+ * in for device memory, one loop over shard_elem.h's element functions per operation, exactly
+ * what each CUDA kernel's threads compute. For the CPU-only test suite: with it the shard
+ * server's GPU-resident code paths (device accumulator and optimizer, checkpoints through the
+ * bounce buffer, initial values copied in) run and are compared with the host path. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "pshard/util.h"
+#include "shard_cuda.h"
+#include "shard_elem.h"
+
+static pshard_status_t emu_alloc(int device, size_t bytes, void **out, char *err, size_t errlen)
+{
+    *out = calloc(1, bytes ? bytes : 16);
+    if (!*out)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
+                       "emulated device %d: cannot allocate %zu bytes", device, bytes);
+    return PSHARD_OK;
+}
+
+static void emu_free(int device, void *p)
+{
+    free(p);
+}
+
+static pshard_status_t emu_copy(int device, void *dst, const void *src, size_t bytes, char *err,
+                                size_t errlen)
+{
+    if (bytes)
+        memmove(dst, src, bytes);
+    return PSHARD_OK;
+}
+
+static pshard_status_t emu_zero(int device, float *x, size_t n, char *err, size_t errlen)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = 0.0f;
+    return PSHARD_OK;
+}
+
+static pshard_status_t emu_convert(int device, const float *src, void *dst, pshard_dtype_t dt,
+                                   size_t n, char *err, size_t errlen)
+{
+    for (size_t i = 0; i < n; i++)
+        shard_convert_at(src, dst, dt, i);
+    return PSHARD_OK;
+}
+
+static pshard_status_t emu_accumulate(int device, float *acc, const void *r, pshard_dtype_t dt,
+                                      size_t n, bool scaled, float scale, char *err, size_t errlen)
+{
+    for (size_t i = 0; i < n; i++)
+        acc[i] += shard_grad_at(r, dt, i, scaled, scale);
+    return PSHARD_OK;
+}
+
+static pshard_status_t emu_sum_squares(int device, const void *r, pshard_dtype_t dt, size_t n,
+                                       bool scaled, float scale, double *out, char *err,
+                                       size_t errlen)
+{
+    double acc = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double v = (double)shard_grad_at(r, dt, i, scaled, scale);
+        acc += v * v;
+    }
+    *out = acc;
+    return PSHARD_OK;
+}
+
+static pshard_status_t emu_scale(int device, float *x, size_t n, float factor, char *err,
+                                 size_t errlen)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = x[i] * factor;
+    return PSHARD_OK;
+}
+
+static pshard_status_t emu_optim_step(int device, const ps_optim_scalars_t *sc, float *param,
+                                      const void *r, pshard_dtype_t dt, bool scaled, float scale,
+                                      float *state0, float *state1, size_t n, char *err,
+                                      size_t errlen)
+{
+    for (size_t i = 0; i < n; i++)
+        shard_optim_at(sc, param, r, dt, scaled, scale, state0, state1, i);
+    return PSHARD_OK;
+}
+
+const shard_dev_ops_t shard_dev_emulated = {
+    .name = "emulated",
+    .host_memory = true,
+    .alloc = emu_alloc,
+    .free_mem = emu_free,
+    .copy = emu_copy,
+    .zero = emu_zero,
+    .convert = emu_convert,
+    .accumulate = emu_accumulate,
+    .sum_squares = emu_sum_squares,
+    .scale = emu_scale,
+    .optim_step = emu_optim_step,
+};
