@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include "pshard/util.h"
 #include "shard_elem.h"
 
 #define THREADS 256
@@ -30,13 +31,6 @@ static pshard_status_t cuda_fail(char *err, size_t errlen, cudaError_t rc, const
         cudaError_t cu_try_rc_ = (call);                                                           \
         if (cu_try_rc_ != cudaSuccess)                                                             \
             return cuda_fail(err, errlen, cu_try_rc_, what);                                       \
-    } while (0)
-
-#define OK_OR_RETURN(expr)                                                                         \
-    do {                                                                                           \
-        pshard_status_t ok_or_return_rc_ = (expr);                                                 \
-        if (ok_or_return_rc_ != PSHARD_OK)                                                         \
-            return ok_or_return_rc_;                                                               \
     } while (0)
 
 // Makes device current and the process's stream exist.
@@ -137,7 +131,7 @@ __global__ static void k_optim(ps_optim_scalars_t sc, float *p, const void *r, p
 static pshard_status_t dev_alloc(int device, size_t bytes, void **out, char *err, size_t errlen)
 {
     *out = NULL;
-    OK_OR_RETURN(begin(device, err, errlen));
+    PS_CHECK(begin(device, err, errlen));
     void *p = NULL;
     char what[96];
     snprintf(what, sizeof(what), "cudaMalloc(%zu bytes) for shard state", bytes);
@@ -162,7 +156,7 @@ static void dev_free(int device, void *p)
 static pshard_status_t dev_copy(int device, void *dst, const void *src, size_t bytes, char *err,
                                 size_t errlen)
 {
-    OK_OR_RETURN(begin(device, err, errlen));
+    PS_CHECK(begin(device, err, errlen));
     if (bytes == 0)
         return PSHARD_OK;
     CU_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, g_stream), "cudaMemcpyAsync");
@@ -171,7 +165,7 @@ static pshard_status_t dev_copy(int device, void *dst, const void *src, size_t b
 
 static pshard_status_t dev_zero(int device, float *x, size_t n, char *err, size_t errlen)
 {
-    OK_OR_RETURN(begin(device, err, errlen));
+    PS_CHECK(begin(device, err, errlen));
     if (n == 0)
         return PSHARD_OK;
     k_zero<<<blocks_for(n), THREADS, 0, g_stream>>>(x, n);
@@ -181,7 +175,7 @@ static pshard_status_t dev_zero(int device, float *x, size_t n, char *err, size_
 static pshard_status_t dev_convert(int device, const float *src, void *dst, pshard_dtype_t dt,
                                    size_t n, char *err, size_t errlen)
 {
-    OK_OR_RETURN(begin(device, err, errlen));
+    PS_CHECK(begin(device, err, errlen));
     if (n == 0)
         return PSHARD_OK;
     k_convert<<<blocks_for(n), THREADS, 0, g_stream>>>(src, dst, dt, n);
@@ -191,7 +185,7 @@ static pshard_status_t dev_convert(int device, const float *src, void *dst, psha
 static pshard_status_t dev_accumulate(int device, float *acc, const void *r, pshard_dtype_t dt,
                                       size_t n, bool scaled, float scale, char *err, size_t errlen)
 {
-    OK_OR_RETURN(begin(device, err, errlen));
+    PS_CHECK(begin(device, err, errlen));
     if (n == 0)
         return PSHARD_OK;
     k_accumulate<<<blocks_for(n), THREADS, 0, g_stream>>>(acc, r, dt, n, scaled, scale);
@@ -203,7 +197,7 @@ static pshard_status_t dev_sum_squares(int device, const void *r, pshard_dtype_t
                                        size_t errlen)
 {
     *out = 0.0;
-    OK_OR_RETURN(begin(device, err, errlen));
+    PS_CHECK(begin(device, err, errlen));
     if (n == 0)
         return PSHARD_OK;
     if (!g_norm)
@@ -220,7 +214,7 @@ static pshard_status_t dev_sum_squares(int device, const void *r, pshard_dtype_t
 static pshard_status_t dev_scale(int device, float *x, size_t n, float factor, char *err,
                                  size_t errlen)
 {
-    OK_OR_RETURN(begin(device, err, errlen));
+    PS_CHECK(begin(device, err, errlen));
     if (n == 0)
         return PSHARD_OK;
     k_scale<<<blocks_for(n), THREADS, 0, g_stream>>>(x, n, factor);
@@ -232,7 +226,7 @@ static pshard_status_t dev_optim_step(int device, const ps_optim_scalars_t *sc, 
                                       float *state0, float *state1, size_t n, char *err,
                                       size_t errlen)
 {
-    OK_OR_RETURN(begin(device, err, errlen));
+    PS_CHECK(begin(device, err, errlen));
     if (n == 0)
         return PSHARD_OK;
     k_optim<<<blocks_for(n), THREADS, 0, g_stream>>>(*sc, param, r, dt, scaled, scale, state0,
