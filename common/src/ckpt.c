@@ -810,7 +810,54 @@ void ps_ckpt_manifest_free(ps_ckpt_manifest_t *m)
         free(m->files[i].pieces);
     free(m->files);
     free(m->params);
+    free(m->by_param_start);
+    free(m->by_param);
     free(m);
+}
+
+/* The pieces of parameter `param`, in file order, into *refs (allocated) and *n. */
+static pshard_status_t collect_refs(const ps_ckpt_manifest_t *m, uint32_t param,
+                                    ps_ckpt_piece_ref_t **refs, size_t *n, char *err, size_t errlen)
+{
+    size_t count = 0;
+    for (size_t i = 0; i < m->nfiles; i++)
+        for (size_t j = 0; j < m->files[i].npieces; j++)
+            count += m->files[i].pieces[j].param == param;
+    *refs = calloc(count ? count : 1, sizeof(**refs));
+    if (!*refs)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    *n = 0;
+    for (size_t i = 0; i < m->nfiles; i++)
+        for (size_t j = 0; j < m->files[i].npieces; j++)
+            if (m->files[i].pieces[j].param == param)
+                (*refs)[(*n)++] = (ps_ckpt_piece_ref_t){i, j};
+    return PSHARD_OK;
+}
+
+/* Builds m->by_param (counting sort of every piece by parameter, file order kept). */
+static pshard_status_t index_by_param(ps_ckpt_manifest_t *m, char *err, size_t errlen)
+{
+    size_t total = 0;
+    for (size_t i = 0; i < m->nfiles; i++)
+        total += m->files[i].npieces;
+    m->by_param_start = calloc(m->nparams + 1, sizeof(size_t));
+    m->by_param = calloc(total ? total : 1, sizeof(ps_ckpt_piece_ref_t));
+    if (!m->by_param_start || !m->by_param)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    for (size_t i = 0; i < m->nfiles; i++)
+        for (size_t j = 0; j < m->files[i].npieces; j++)
+            m->by_param_start[m->files[i].pieces[j].param + 1]++;
+    for (size_t p = 0; p < m->nparams; p++)
+        m->by_param_start[p + 1] += m->by_param_start[p];
+    size_t *next = calloc(m->nparams ? m->nparams : 1, sizeof(size_t));
+    if (!next)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    memcpy(next, m->by_param_start, m->nparams * sizeof(size_t));
+    for (size_t i = 0; i < m->nfiles; i++)
+        for (size_t j = 0; j < m->files[i].npieces; j++)
+            m->by_param[next[m->files[i].pieces[j].param]++] = (ps_ckpt_piece_ref_t){i, j};
+    free(next);
+    return PSHARD_OK;
 }
 
 /* Sorts m->files by rank (ckpt_manifest_check made sure the ranks are 0..N-1, once each). */
@@ -878,6 +925,8 @@ pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t *
         rc = ckpt_manifest_check(m, why, sizeof(why));
     if (rc == PSHARD_OK)
         rc = sort_files_by_rank(m, why, sizeof(why));
+    if (rc == PSHARD_OK)
+        rc = index_by_param(m, why, sizeof(why));
     if (rc != PSHARD_OK) {
         ps_errf(err, errlen, rc, "%s: %s", path, why);
         goto out;
@@ -1152,47 +1201,60 @@ pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_
                        " elements)",
                        step_dir, start, start + count, m->params[param].name, numel);
     uint64_t end = start + count, covered = 0;
-    pshard_status_t rc = PSHARD_OK;
-    for (size_t i = 0; i < m->nfiles && covered < count && rc == PSHARD_OK; i++) {
-        const ps_ckpt_file_t *f = &m->files[i];
-        int fd = -1;
-        char path[PATH_MAX];
-        for (size_t j = 0; j < f->npieces && rc == PSHARD_OK; j++) {
-            const ps_ckpt_piece_t *pc = &f->pieces[j];
-            if (pc->param != param)
-                continue;
-            uint64_t lo = pc->start > start ? pc->start : start;
-            uint64_t hi = pc->start + pc->count < end ? pc->start + pc->count : end;
-            if (lo >= hi)
-                continue;
-            if (fd < 0) {
-                const char *why = plain_name_problem(f->path, sizeof(f->path));
-                if (why) {
-                    rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                                 "%s: shard file name \"%.*s\" %s", step_dir, 64, f->path, why);
-                    break;
-                }
-                ps_snprintf(path, sizeof(path), "%s/%s", step_dir, f->path);
-                fd = open(path, O_RDONLY | O_CLOEXEC);
-                if (fd < 0) {
-                    rc = ckpt_sys_err(err, errlen, "open", path);
-                    break;
-                }
-            }
-            uint64_t elem = (uint64_t)section * f->shard_numel + pc->offset + (lo - pc->start);
-            size_t want = (size_t)(hi - lo) * sizeof(float), got = 0;
-            rc = ckpt_pread_full(fd, out + (lo - start), want, elem * sizeof(float), &got, path,
-                                 err, errlen);
-            if (rc == PSHARD_OK && got < want)
-                rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                             "%s: truncated: needed bytes up to %" PRIu64
-                             ", the file ends at %" PRIu64,
-                             path, (elem + (hi - lo)) * sizeof(float), elem * sizeof(float) + got);
-            covered += hi - lo;
-        }
-        if (fd >= 0)
-            close(fd);
+    /* This parameter's pieces, from the manifest's index or, in a manifest put together by
+     * hand, found by a scan; in file order, so each file is opened once. */
+    const ps_ckpt_piece_ref_t *refs;
+    size_t nrefs;
+    ps_ckpt_piece_ref_t *own = NULL;
+    if (m->by_param) {
+        refs = m->by_param + m->by_param_start[param];
+        nrefs = m->by_param_start[param + 1] - m->by_param_start[param];
+    } else {
+        PS_CHECK(collect_refs(m, param, &own, &nrefs, err, errlen));
+        refs = own;
     }
+    pshard_status_t rc = PSHARD_OK;
+    int fd = -1;
+    size_t fd_file = SIZE_MAX;
+    char path[PATH_MAX] = "";
+    for (size_t r = 0; r < nrefs && covered < count && rc == PSHARD_OK; r++) {
+        const ps_ckpt_file_t *f = &m->files[refs[r].file];
+        const ps_ckpt_piece_t *pc = &f->pieces[refs[r].piece];
+        uint64_t lo = pc->start > start ? pc->start : start;
+        uint64_t hi = pc->start + pc->count < end ? pc->start + pc->count : end;
+        if (lo >= hi)
+            continue;
+        if (fd_file != refs[r].file) {
+            if (fd >= 0)
+                close(fd);
+            fd = -1;
+            fd_file = refs[r].file;
+            const char *why = plain_name_problem(f->path, sizeof(f->path));
+            if (why) {
+                rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                             "%s: shard file name \"%.*s\" %s", step_dir, 64, f->path, why);
+                break;
+            }
+            ps_snprintf(path, sizeof(path), "%s/%s", step_dir, f->path);
+            fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0) {
+                rc = ckpt_sys_err(err, errlen, "open", path);
+                break;
+            }
+        }
+        uint64_t elem = (uint64_t)section * f->shard_numel + pc->offset + (lo - pc->start);
+        size_t want = (size_t)(hi - lo) * sizeof(float), got = 0;
+        rc = ckpt_pread_full(fd, out + (lo - start), want, elem * sizeof(float), &got, path, err,
+                             errlen);
+        if (rc == PSHARD_OK && got < want)
+            rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                         "%s: truncated: needed bytes up to %" PRIu64 ", the file ends at %" PRIu64,
+                         path, (elem + (hi - lo)) * sizeof(float), elem * sizeof(float) + got);
+        covered += hi - lo;
+    }
+    if (fd >= 0)
+        close(fd);
+    free(own);
     if (rc == PSHARD_OK && covered != count)
         rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                      "%s: the pieces of parameter %s hold %" PRIu64 " of elements [%" PRIu64

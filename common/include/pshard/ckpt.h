@@ -81,6 +81,11 @@ typedef struct {
     bool nesterov;
 } ps_ckpt_optim_t;
 
+/* One piece of one file: files[file].pieces[piece]. */
+typedef struct {
+    size_t file, piece;
+} ps_ckpt_piece_ref_t;
+
 typedef struct {
     int64_t step;
     int world_size;
@@ -92,6 +97,11 @@ typedef struct {
     ps_ckpt_param_t *params;
     size_t nfiles;
     ps_ckpt_file_t *files;                      /* sorted by rank */
+    /* Built by ps_ckpt_manifest_read (NULL in a manifest put together by hand): the pieces of
+     * parameter p, in file order, are by_param[by_param_start[p] .. by_param_start[p + 1]), so
+     * ps_ckpt_read_range looks at those instead of every piece of every file. */
+    size_t *by_param_start;
+    ps_ckpt_piece_ref_t *by_param;
 } ps_ckpt_manifest_t;
 
 /* "ROOT/step-%08lld" into buf. Returns buf. */

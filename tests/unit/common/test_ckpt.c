@@ -382,6 +382,20 @@ static void test_manifest_roundtrip(void)
     CU_ASSERT_EQUAL(r->step, 40);
     CU_ASSERT_EQUAL(r->world_size, 2);
     CU_ASSERT_EQUAL(r->layout, PSHARD_LAYOUT_FSDP1);
+    /* The index by parameter lists exactly each parameter's pieces, in file order. */
+    CU_ASSERT_FATAL(r->by_param_start != NULL && r->by_param != NULL);
+    for (size_t p = 0; p < r->nparams; p++) {
+        size_t k = r->by_param_start[p];
+        for (size_t i = 0; i < r->nfiles; i++)
+            for (size_t j = 0; j < r->files[i].npieces; j++) {
+                if (r->files[i].pieces[j].param != p)
+                    continue;
+                CU_ASSERT(k < r->by_param_start[p + 1] && r->by_param[k].file == i &&
+                          r->by_param[k].piece == j);
+                k++;
+            }
+        CU_ASSERT_EQUAL(k, r->by_param_start[p + 1]);
+    }
     CU_ASSERT_STRING_EQUAL(r->optim.kind, "adamw");
     /* Exact: 17 significant digits read back to the same double. */
     CU_ASSERT(r->optim.lr == m.optim.lr);
