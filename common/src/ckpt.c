@@ -1203,8 +1203,8 @@ pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_
     uint64_t end = start + count, covered = 0;
     /* This parameter's pieces, from the manifest's index or, in a manifest put together by
      * hand, found by a scan; in file order, so each file is opened once. */
-    const ps_ckpt_piece_ref_t *refs;
-    size_t nrefs;
+    const ps_ckpt_piece_ref_t *refs = NULL;
+    size_t nrefs = 0;
     ps_ckpt_piece_ref_t *own = NULL;
     if (m->by_param) {
         refs = m->by_param + m->by_param_start[param];
