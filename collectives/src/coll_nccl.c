@@ -528,16 +528,10 @@ static pshard_status_t run_request(nccl_engine_t *e, pshard_coll_req_t *req, cha
         staged_sizes(e, op, &send_bytes, &recv_bytes);
         st = stage_in(e, op, send_bytes, recv_bytes, msg, len);
     }
+    bool log = true; /* the control path logs a failed descriptor check itself */
     if (st == PSHARD_OK) {
         st = check_descriptor(e, req, label, name, msg, len);
-        if (st != PSHARD_OK) {
-            if (staged) {
-                op->args.send = host_send;
-                op->args.recv = host_recv;
-            }
-            fail_comm(e, st, msg, false);
-            return st;
-        }
+        log = st == PSHARD_OK;
     }
     if (!op->check_only && st == PSHARD_OK) {
         st = launch(e, req, name, msg, len);
@@ -551,7 +545,7 @@ static pshard_status_t run_request(nccl_engine_t *e, pshard_coll_req_t *req, cha
         op->args.recv = host_recv;
     }
     if (st != PSHARD_OK)
-        fail_comm(e, st, msg, true);
+        fail_comm(e, st, msg, log);
     return st;
 }
 
