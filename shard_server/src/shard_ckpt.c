@@ -56,7 +56,7 @@ typedef struct {
 static pshard_status_t bounce_open(const shard_model_t *m, bounce_t *b, char *err, size_t errlen)
 {
     memset(b, 0, sizeof(*b));
-    if (!m->on_device)
+    if (!m->dev)
         return PSHARD_OK;
     size_t total = m->shard_numel * sizeof(float), piece = m->max_piece * sizeof(float);
     /* The tests' host emulation of a GPU takes a small buffer, so that their small models
@@ -78,6 +78,14 @@ static void bounce_close(bounce_t *b)
 {
     free(b->buf);
     memset(b, 0, sizeof(*b));
+}
+
+/* The bytes of a section to handle next from offset done of total: a bounce buffer's worth,
+ * or for host shards the whole rest. */
+static size_t bounce_chunk(const bounce_t *b, size_t done, size_t total)
+{
+    size_t left = total - done;
+    return b->buf && left > b->cap ? b->cap : left;
 }
 
 /* All-gathers `words` int64 of every rank into out (world * words). */
@@ -177,7 +185,7 @@ static pshard_status_t write_shard(shard_model_t *m, const bounce_t *b, const ch
         size_t total = m->shard_numel * sizeof(float);
         /* Host shards: one pass over the section; GPU shards: a bounce buffer at a time. */
         for (size_t done = 0; done < total && rc == PSHARD_OK;) {
-            size_t len = b->buf ? (total - done < b->cap ? total - done : b->cap) : total;
+            size_t len = bounce_chunk(b, done, total);
             const uint8_t *p = sec + done;
             if (b->buf) {
                 rc = m->dev->copy(m->device, b->buf, p, len, err, errlen);
@@ -446,7 +454,7 @@ static pshard_status_t read_own_file(shard_model_t *m, const bounce_t *b, const 
         size_t total = m->shard_numel * sizeof(float);
         /* Host shards: straight into the section; GPU shards: a bounce buffer at a time. */
         for (size_t done = 0; done < total && rc == PSHARD_OK;) {
-            size_t len = b->buf ? (total - done < b->cap ? total - done : b->cap) : total;
+            size_t len = bounce_chunk(b, done, total);
             uint8_t *p = b->buf ? b->buf : sec + done;
             for (size_t left = len; left > 0;) {
                 ssize_t n = read(fd, p, left < WRITE_CHUNK ? left : WRITE_CHUNK);

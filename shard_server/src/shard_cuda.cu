@@ -89,14 +89,6 @@ __global__ static void k_scale(float *x, size_t n, float factor)
     }
 }
 
-__global__ static void k_zero(float *x, size_t n)
-{
-    FOR_EACH(i, n)
-    {
-        x[i] = 0.0f;
-    }
-}
-
 // Per-block sums in shared memory, one atomicAdd per block.
 __global__ static void k_sum_squares(const void *r, pshard_dtype_t dt, size_t n, bool scaled,
                                      float scale, double *out)
@@ -166,9 +158,7 @@ static pshard_status_t dev_copy(int device, void *dst, const void *src, size_t b
 static pshard_status_t dev_zero(int device, float *x, size_t n, char *err, size_t errlen)
 {
     PS_CHECK(begin(device, err, errlen));
-    if (n == 0)
-        return PSHARD_OK;
-    k_zero<<<blocks_for(n), THREADS, 0, g_stream>>>(x, n);
+    CU_TRY(cudaMemsetAsync(x, 0, n * sizeof(float), g_stream), "zeroing gradients");
     return finish("zeroing gradients", err, errlen);
 }
 

@@ -34,8 +34,7 @@ static pshard_status_t emu_copy(int device, void *dst, const void *src, size_t b
 
 static pshard_status_t emu_zero(int device, float *x, size_t n, char *err, size_t errlen)
 {
-    for (size_t i = 0; i < n; i++)
-        x[i] = 0.0f;
+    memset(x, 0, n * sizeof(float));
     return PSHARD_OK;
 }
 

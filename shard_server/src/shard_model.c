@@ -58,7 +58,7 @@ static size_t storage(shard_model_t *m, void **ptrs, size_t *lens)
 
 pshard_status_t shard_model_pin(shard_model_t *m, int device, char *err, size_t errlen)
 {
-    if (m->on_device)
+    if (m->dev)
         return PSHARD_OK; /* nothing of it is in host memory */
     void *ptrs[5];
     size_t lens[5];
@@ -94,11 +94,10 @@ void shard_model_free(shard_model_t *m)
     }
     ps_layout_destroy(m->layout);
     size_t bytes = m->shard_numel * sizeof(float);
-    if (m->on_device) {
-        float *arrays[4] = {m->master, m->grad, m->state0, m->state1};
-        for (int i = 0; i < 4; i++)
+    if (m->dev) {
+        void *arrays[5] = {m->master, m->grad, m->state0, m->state1, m->stage};
+        for (int i = 0; i < 5; i++)
             m->dev->free_mem(m->device, arrays[i]);
-        m->dev->free_mem(m->device, m->stage);
     } else {
         free_touched(m->master, bytes);
         free_touched(m->grad, bytes);
@@ -294,7 +293,6 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     if (in_backward)
         m->reduced = calloc(nparams, 1);
     if (dev) {
-        m->on_device = true;
         m->dev = dev;
         m->device = device;
         rc = alloc_on_device(m, bytes, in_backward, nstate, err, errlen);

@@ -31,14 +31,15 @@ typedef struct {
     size_t nparams;
     shard_param_t *params;
     size_t shard_numel; /* elements this rank owns */
-    float *master, *grad, *state0, *state1; /* device memory when on_device */
-    bool on_device;     /* GPU-resident shards (--backend nccl --offload none) */
-    const struct shard_dev_ops *dev; /* their operations (shard_cuda.h) when on_device */
-    int device;         /* the CUDA device when on_device */
+    float *master, *grad, *state0, *state1; /* device memory when dev is set */
+    /* GPU-resident shards (--backend nccl --offload none): the operations on that memory
+     * (shard_cuda.h) and the CUDA device; NULL: host memory. */
+    const struct shard_dev_ops *dev;
+    int device;
     size_t max_piece;   /* largest piece of one parameter on this rank */
     size_t max_numel;   /* largest full parameter */
     void *stage;        /* max_piece fp32-sized elements: conversions, reduce output (on
-                           the device too when on_device) */
+                           the device too when dev is set) */
     ps_optim_config_t optim;
     double max_grad_norm;
     /* optimizer_in_backward: grad is NULL; each parameter's slice is updated at its

@@ -66,13 +66,6 @@ static bool on_gpu(const pshard_shard_server_t *s)
     return strcmp(s->cfg.backend, "nccl") == 0;
 }
 
-/* True when the shards live in GPU memory (--backend nccl --offload none), or in the host
- * memory standing in for it (PSHARD_TEST_EMULATE_DEVICE=1). */
-static bool gpu_resident(const pshard_shard_server_t *s)
-{
-    return s->dev != NULL;
-}
-
 void shard_pin_region(pshard_shard_server_t *s, shm_map_t *m)
 {
     if (!on_gpu(s) || !m->base || m->pinned)
@@ -369,7 +362,7 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
             size_t off = ps_layout_piece_offset(m->layout, p, m->rank);
             size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
             float *dst = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
-            if (m->on_device)
+            if (m->dev)
                 rc = m->dev->copy(m->device, dst, src + off, cnt * sizeof(float), err, errlen);
             else
                 memcpy(dst, src + off, cnt * sizeof(float));
@@ -578,7 +571,7 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
     size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
     const void *send = mine;
     char label[64];
-    if (m->on_device && dt != PSHARD_FP32) {
+    if (m->dev && dt != PSHARD_FP32) {
         PS_CHECK(m->dev->convert(m->device, mine, m->stage, dt, cnt, err, errlen));
         send = m->stage;
     } else if (dt == PSHARD_BF16) {
@@ -592,7 +585,7 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
         .op = PSHARD_COLL_ALL_GATHER,
         .dtype = dt,
         .send = send,
-        .send_device = m->on_device && !m->dev->host_memory,
+        .send_device = m->dev && !m->dev->host_memory,
         .recv = recv,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | p,
@@ -648,14 +641,14 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
         .reduce = all ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
         .send = send,
         .recv = m->stage,
-        .recv_device = m->on_device && !m->dev->host_memory,
+        .recv_device = m->dev && !m->dev->host_memory,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
         .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
     };
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     float scale = all ? 1.0f : (float)(1.0 / (double)(active > 0 ? active : 1));
-    if (m->on_device)
+    if (m->dev)
         return reduce_on_device(m, p, dt, cnt, off, all, scale, err, errlen);
     if (m->in_backward) {
         /* The averaged slice, in fp32 in the staging buffer (bf16 widened in place, from the
@@ -785,7 +778,7 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
 {
     /* The global gradient norm: an all-reduce of the squared slice norms (clip_grad_norm). */
     double local_sq = m->grad_sq;
-    if (!m->in_backward && m->on_device)
+    if (!m->in_backward && m->dev)
         PS_CHECK(m->dev->sum_squares(m->device, m->grad, PSHARD_FP32, m->shard_numel, false, 1.0f,
                                      &local_sq, err, errlen));
     else if (!m->in_backward)
@@ -810,7 +803,7 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
         *norm_out = norm;
         return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
     }
-    if (m->on_device)
+    if (m->dev)
         PS_CHECK(step_on_device(s, m, lr, norm, err, errlen));
     else {
         if (m->max_grad_norm > 0) {
@@ -973,7 +966,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.backend = (char *)s->cfg.backend;
     out.offload = (char *)s->cfg.offload;
     char placement[32];
-    if (gpu_resident(s))
+    if (s->dev)
         snprintf(placement, sizeof(placement), "%s:%d",
                  s->dev->host_memory ? "emulated-cuda" : "cuda", s->cfg.device);
     else
