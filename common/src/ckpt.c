@@ -815,48 +815,35 @@ void ps_ckpt_manifest_free(ps_ckpt_manifest_t *m)
     free(m);
 }
 
-/* The pieces of parameter `param`, in file order, into *refs (allocated) and *n. */
-static pshard_status_t collect_refs(const ps_ckpt_manifest_t *m, uint32_t param,
-                                    ps_ckpt_piece_ref_t **refs, size_t *n, char *err, size_t errlen)
-{
-    size_t count = 0;
-    for (size_t i = 0; i < m->nfiles; i++)
-        for (size_t j = 0; j < m->files[i].npieces; j++)
-            count += m->files[i].pieces[j].param == param;
-    *refs = calloc(count ? count : 1, sizeof(**refs));
-    if (!*refs)
-        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    *n = 0;
-    for (size_t i = 0; i < m->nfiles; i++)
-        for (size_t j = 0; j < m->files[i].npieces; j++)
-            if (m->files[i].pieces[j].param == param)
-                (*refs)[(*n)++] = (ps_ckpt_piece_ref_t){i, j};
-    return PSHARD_OK;
-}
-
-/* Builds m->by_param (counting sort of every piece by parameter, file order kept). */
-static pshard_status_t index_by_param(ps_ckpt_manifest_t *m, char *err, size_t errlen)
+/* Indexes every piece of m by parameter (counting sort, file order kept): the pieces of
+ * parameter p are (*refs)[(*start)[p] .. (*start)[p + 1]). Both arrays are allocated. */
+static pshard_status_t build_index(const ps_ckpt_manifest_t *m, size_t **start,
+                                   ps_ckpt_piece_ref_t **refs, char *err, size_t errlen)
 {
     size_t total = 0;
     for (size_t i = 0; i < m->nfiles; i++)
         total += m->files[i].npieces;
-    m->by_param_start = calloc(m->nparams + 1, sizeof(size_t));
-    m->by_param = calloc(total ? total : 1, sizeof(ps_ckpt_piece_ref_t));
-    if (!m->by_param_start || !m->by_param)
+    size_t *first = calloc(m->nparams + 1, sizeof(size_t));
+    size_t *next = calloc(m->nparams + 1, sizeof(size_t));
+    ps_ckpt_piece_ref_t *all = calloc(total ? total : 1, sizeof(*all));
+    if (!first || !next || !all) {
+        free(first);
+        free(next);
+        free(all);
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
     for (size_t i = 0; i < m->nfiles; i++)
         for (size_t j = 0; j < m->files[i].npieces; j++)
-            m->by_param_start[m->files[i].pieces[j].param + 1]++;
+            first[m->files[i].pieces[j].param + 1]++;
     for (size_t p = 0; p < m->nparams; p++)
-        m->by_param_start[p + 1] += m->by_param_start[p];
-    size_t *next = calloc(m->nparams ? m->nparams : 1, sizeof(size_t));
-    if (!next)
-        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    memcpy(next, m->by_param_start, m->nparams * sizeof(size_t));
+        first[p + 1] += first[p];
+    memcpy(next, first, (m->nparams + 1) * sizeof(size_t));
     for (size_t i = 0; i < m->nfiles; i++)
         for (size_t j = 0; j < m->files[i].npieces; j++)
-            m->by_param[next[m->files[i].pieces[j].param]++] = (ps_ckpt_piece_ref_t){i, j};
+            all[next[m->files[i].pieces[j].param]++] = (ps_ckpt_piece_ref_t){i, j};
     free(next);
+    *start = first;
+    *refs = all;
     return PSHARD_OK;
 }
 
@@ -926,7 +913,7 @@ pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t *
     if (rc == PSHARD_OK)
         rc = sort_files_by_rank(m, why, sizeof(why));
     if (rc == PSHARD_OK)
-        rc = index_by_param(m, why, sizeof(why));
+        rc = build_index(m, &m->by_param_start, &m->by_param, why, sizeof(why));
     if (rc != PSHARD_OK) {
         ps_errf(err, errlen, rc, "%s: %s", path, why);
         goto out;
@@ -1201,18 +1188,19 @@ pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_
                        " elements)",
                        step_dir, start, start + count, m->params[param].name, numel);
     uint64_t end = start + count, covered = 0;
-    /* This parameter's pieces, from the manifest's index or, in a manifest put together by
-     * hand, found by a scan; in file order, so each file is opened once. */
-    const ps_ckpt_piece_ref_t *refs = NULL;
-    size_t nrefs = 0;
+    /* This parameter's pieces, in file order (so each file is opened once), from the
+     * manifest's index; a manifest put together by hand has none, so one is built here. */
+    size_t *own_start = NULL;
     ps_ckpt_piece_ref_t *own = NULL;
-    if (m->by_param) {
-        refs = m->by_param + m->by_param_start[param];
-        nrefs = m->by_param_start[param + 1] - m->by_param_start[param];
-    } else {
-        PS_CHECK(collect_refs(m, param, &own, &nrefs, err, errlen));
-        refs = own;
+    const size_t *first = m->by_param_start;
+    const ps_ckpt_piece_ref_t *all = m->by_param;
+    if (!all) {
+        PS_CHECK(build_index(m, &own_start, &own, err, errlen));
+        first = own_start;
+        all = own;
     }
+    const ps_ckpt_piece_ref_t *refs = all + first[param];
+    size_t nrefs = first[param + 1] - first[param];
     pshard_status_t rc = PSHARD_OK;
     int fd = -1;
     size_t fd_file = SIZE_MAX;
@@ -1254,6 +1242,7 @@ pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_
     }
     if (fd >= 0)
         close(fd);
+    free(own_start);
     free(own);
     if (rc == PSHARD_OK && covered != count)
         rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
