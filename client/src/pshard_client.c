@@ -647,6 +647,53 @@ void pshard_model_config_default(pshard_model_config_t *mc, pshard_optimizer_t o
     mc->init_from_rank0 = true;
     mc->reshard_after_forward = true;
     mc->max_gathers_in_flight = 2;
+    mc->ngroups = 0; /* one group from the fields above */
+    mc->groups = NULL;
+    mc->param_groups = NULL;
+}
+
+/* Parameter groups as protobuf messages for DefineModel and Step (copies of the values).
+ * False when out of memory; pb_groups_free releases (also after a failure). */
+typedef struct {
+    Pshard__OptimizerGroup *msgs;
+    Pshard__OptimizerGroup **ptrs;
+    size_t n;
+} pb_groups_t;
+
+static void pb_groups_free(pb_groups_t *pg)
+{
+    free(pg->msgs);
+    free(pg->ptrs);
+    memset(pg, 0, sizeof(*pg));
+}
+
+static bool pb_groups_make(pb_groups_t *pg, const pshard_optim_group_t *g, size_t n)
+{
+    memset(pg, 0, sizeof(*pg));
+    if (n == 0)
+        return true;
+    pg->msgs = calloc(n, sizeof(*pg->msgs));
+    pg->ptrs = calloc(n, sizeof(*pg->ptrs));
+    if (!pg->msgs || !pg->ptrs) {
+        pb_groups_free(pg);
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        Pshard__OptimizerGroup *m = &pg->msgs[i];
+        pshard__optimizer_group__init(m);
+        m->lr = g[i].lr;
+        m->momentum = g[i].momentum;
+        m->dampening = g[i].dampening;
+        m->nesterov = g[i].nesterov;
+        m->weight_decay = g[i].weight_decay;
+        m->beta1 = g[i].beta1;
+        m->beta2 = g[i].beta2;
+        m->eps = g[i].eps;
+        m->frozen = g[i].frozen;
+        pg->ptrs[i] = m;
+    }
+    pg->n = n;
+    return true;
 }
 
 static size_t align_up(size_t x)
@@ -768,6 +815,11 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         return fail(c, PSHARD_ERR_INVALID_ARGUMENT, "reduce_dtype must be fp32 or bf16");
     if (mc->max_gathers_in_flight < 0)
         return fail(c, PSHARD_ERR_INVALID_ARGUMENT, "max_gathers_in_flight must be >= 0");
+    if (mc->ngroups > 0 && (!mc->groups || !mc->param_groups))
+        return fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                    "ngroups is %zu but groups or param_groups is NULL (param_groups needs one "
+                    "group index per parameter)",
+                    mc->ngroups);
     bool need_init = !mc->init_from_rank0 || c->rank == 0;
     if (need_init && !init)
         return fail(c, PSHARD_ERR_INVALID_ARGUMENT,
@@ -880,9 +932,20 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         req.n_init_offsets = nparams;
         req.init_offsets = init_offsets;
     }
+    pb_groups_t pg;
+    if (!pb_groups_make(&pg, mc->groups, mc->ngroups)) {
+        region_destroy(&model);
+        rc = fail(c, PSHARD_ERR_NO_MEMORY, "out of memory");
+        goto out;
+    }
+    req.n_groups = pg.n;
+    req.groups = pg.ptrs;
+    req.n_param_groups = mc->ngroups ? nparams : 0;
+    req.param_groups = (uint32_t *)mc->param_groups;
     ProtobufCMessage *dresp = NULL;
     rc = call(c, "DefineModel", &req.base, &pshard__define_model_response__descriptor, &dresp,
               err, sizeof(err));
+    pb_groups_free(&pg);
     if (rc != PSHARD_OK) {
         region_destroy(&model);
         fail(c, rc, "DefineModel: %s", err);
@@ -1319,14 +1382,23 @@ pshard_status_t pshard_forward_done(pshard_client_t *c, const size_t *ids, size_
     return c->reshard_after_forward ? pshard_reshard(c, ids, n) : PSHARD_OK;
 }
 
-pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double *grad_norm)
+/* What pshard_step and pshard_step_groups share: one Step with this step's lr (set_lr) or
+ * every group's hyperparameters (groups, ngroups > 0). */
+static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
+                                    const pshard_optim_group_t *groups, size_t ngroups,
+                                    int64_t *step, double *grad_norm)
 {
     Pshard__StepRequest req = PSHARD__STEP_REQUEST__INIT;
     req.session = c->session;
-    if (lr >= 0) {
+    if (set_lr) {
         req.lr = lr;
         req.set_lr = true;
     }
+    pb_groups_t pg;
+    if (!pb_groups_make(&pg, groups, ngroups))
+        return fail(c, PSHARD_ERR_NO_MEMORY, "out of memory");
+    req.n_groups = pg.n;
+    req.groups = pg.ptrs;
     ProtobufCMessage *resp = NULL;
     char err[1024] = "";
     /* Reductions issued before the step are part of it, so it waits for them. The step
@@ -1339,6 +1411,7 @@ pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double
     pthread_mutex_unlock(&c->mu);
     pshard_status_t rc =
         call(c, "Step", &req.base, &pshard__step_response__descriptor, &resp, err, sizeof(err));
+    pb_groups_free(&pg);
     if (rc != PSHARD_OK)
         return fail(c, rc, "Step: %s", err);
     Pshard__StepResponse *r = (Pshard__StepResponse *)resp;
@@ -1346,6 +1419,47 @@ pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double
         *step = r->step;
     if (grad_norm)
         *grad_norm = r->grad_norm;
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return PSHARD_OK;
+}
+
+pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double *grad_norm)
+{
+    return step_request(c, lr >= 0, lr, NULL, 0, step, grad_norm);
+}
+
+pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_t *groups,
+                                   size_t ngroups, int64_t *step, double *grad_norm)
+{
+    if (ngroups == 0 || !groups)
+        return fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                    "pshard_step_groups needs every group's hyperparameters (ngroups >= 1)");
+    return step_request(c, false, 0.0, groups, ngroups, step, grad_norm);
+}
+
+pshard_status_t pshard_clip_grad_norm(pshard_client_t *c, double max_norm, double norm_type,
+                                      double *total_norm)
+{
+    if (!c->nparams)
+        return fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
+    /* The reduce-scatters issued before are part of the gradients it clips. */
+    pthread_mutex_lock(&c->mu);
+    while (c->qhead || c->busy)
+        pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    Pshard__ClipGradNormRequest req = PSHARD__CLIP_GRAD_NORM_REQUEST__INIT;
+    req.session = c->session;
+    req.max_norm = max_norm;
+    req.norm_type = norm_type;
+    ProtobufCMessage *resp = NULL;
+    char err[1024] = "";
+    pshard_status_t rc = call(c, "ClipGradNorm", &req.base,
+                              &pshard__clip_grad_norm_response__descriptor, &resp, err,
+                              sizeof(err));
+    if (rc != PSHARD_OK)
+        return fail(c, rc, "ClipGradNorm: %s", err);
+    if (total_norm)
+        *total_norm = ((const Pshard__ClipGradNormResponse *)resp)->total_norm;
     protobuf_c_message_free_unpacked(resp, NULL);
     return PSHARD_OK;
 }

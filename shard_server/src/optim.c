@@ -279,6 +279,21 @@ double ps_sum_squares(const float *x, size_t n)
     return total;
 }
 
+float ps_max_abs(const float *x, size_t n)
+{
+    uint32_t top = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &x[i], sizeof(bits));
+        bits &= 0x7fffffffu;
+        if (bits > top)
+            top = bits;
+    }
+    float out;
+    memcpy(&out, &top, sizeof(out));
+    return out;
+}
+
 void ps_scale(float *x, size_t n, float scale)
 {
     size_t full = n - n % OPT_BLOCK;

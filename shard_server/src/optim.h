@@ -53,6 +53,11 @@ void ps_optim_step_scalars(const ps_optim_config_t *cfg, double lr, int64_t step
 /* Sum of squares of n fp32 values, accumulated in double (for clip_grad_norm). */
 double ps_sum_squares(const float *x, size_t n);
 
+/* The largest |x[i]| of n fp32 values (0 for n == 0), NaN when any is NaN, as torch's
+ * abs().max() (for clip_grad_norm with norm_type inf). Compared as the bits of |x[i]|, which
+ * order like the values and put NaN above infinity; the CUDA kernel does the same. */
+float ps_max_abs(const float *x, size_t n);
+
 /* x[i] *= scale. */
 void ps_scale(float *x, size_t n, float scale);
 

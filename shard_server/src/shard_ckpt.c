@@ -34,7 +34,7 @@
 
 static int nsections(const shard_model_t *m)
 {
-    return 1 + ps_optim_state_count(&m->optim);
+    return 1 + m->nstate;
 }
 
 static float *section_ptr(shard_model_t *m, int k)

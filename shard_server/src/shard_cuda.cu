@@ -18,6 +18,7 @@
 static cudaStream_t g_stream;
 static bool g_stream_ready;
 static double *g_norm; // device: the squared norm's accumulator
+static unsigned int *g_max; // device: the inf-norm's maximum (bits of a non-negative float)
 
 static pshard_status_t cuda_fail(char *err, size_t errlen, cudaError_t rc, const char *what)
 {
@@ -109,6 +110,27 @@ __global__ static void k_sum_squares(const void *r, pshard_dtype_t dt, size_t n,
     }
     if (threadIdx.x == 0)
         atomicAdd(out, part[0]);
+}
+
+// Per-block maxima of |x| as bits in shared memory, one atomicMax per block.
+__global__ static void k_max_abs(const float *x, size_t n, unsigned int *out)
+{
+    __shared__ unsigned int part[THREADS];
+    unsigned int top = 0;
+    FOR_EACH(i, n)
+    {
+        unsigned int bits = shard_abs_bits_at(x, i);
+        top = bits > top ? bits : top;
+    }
+    part[threadIdx.x] = top;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s && part[threadIdx.x + s] > part[threadIdx.x])
+            part[threadIdx.x] = part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        atomicMax(out, part[0]);
 }
 
 __global__ static void k_optim(ps_optim_scalars_t sc, float *p, const void *r, pshard_dtype_t dt,
@@ -224,9 +246,29 @@ static pshard_status_t dev_optim_step(int device, const ps_optim_scalars_t *sc, 
     return finish("the optimizer step", err, errlen);
 }
 
+static pshard_status_t dev_max_abs(int device, const float *x, size_t n, float *out, char *err,
+                                   size_t errlen)
+{
+    *out = 0.0f;
+    PS_CHECK(begin(device, err, errlen));
+    if (n == 0)
+        return PSHARD_OK;
+    if (!g_max)
+        CU_TRY(cudaMalloc((void **)&g_max, sizeof(unsigned int)), "cudaMalloc (max norm)");
+    CU_TRY(cudaMemsetAsync(g_max, 0, sizeof(unsigned int), g_stream), "cudaMemsetAsync (max norm)");
+    k_max_abs<<<blocks_for(n), THREADS, 0, g_stream>>>(x, n, g_max);
+    CU_TRY(cudaGetLastError(), "the gradients' largest magnitude");
+    unsigned int bits = 0;
+    CU_TRY(cudaMemcpyAsync(&bits, g_max, sizeof(bits), cudaMemcpyDeviceToHost, g_stream),
+           "copying the gradients' largest magnitude");
+    CU_TRY(cudaStreamSynchronize(g_stream), "the gradients' largest magnitude");
+    *out = f32_from_bits(bits);
+    return PSHARD_OK;
+}
+
 static const shard_dev_ops_t cuda_ops = {
     "cuda",      false,          dev_alloc,       dev_free,  dev_copy,       dev_zero,
-    dev_convert, dev_accumulate, dev_sum_squares, dev_scale, dev_optim_step,
+    dev_convert, dev_accumulate, dev_sum_squares, dev_scale, dev_optim_step, dev_max_abs,
 };
 
 extern "C" const shard_dev_ops_t *shard_dev_cuda(void)

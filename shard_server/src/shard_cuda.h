@@ -55,6 +55,10 @@ typedef struct shard_dev_ops {
     pshard_status_t (*optim_step)(int device, const ps_optim_scalars_t *sc, float *param,
                                   const void *r, pshard_dtype_t dt, bool scaled, float scale,
                                   float *state0, float *state1, size_t n, char *err, size_t errlen);
+    /* *out = the largest |x[i]| (0 for n == 0; NaN when any is NaN), as ps_max_abs: the
+     * inf-norm of clip_grad_norm. */
+    pshard_status_t (*max_abs)(int device, const float *x, size_t n, float *out, char *err,
+                               size_t errlen);
 } shard_dev_ops_t;
 
 /* The CUDA kernels, or NULL when pshard was built without nvcc. */

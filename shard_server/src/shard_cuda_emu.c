@@ -85,6 +85,18 @@ static pshard_status_t emu_optim_step(int device, const ps_optim_scalars_t *sc, 
     return PSHARD_OK;
 }
 
+static pshard_status_t emu_max_abs(int device, const float *x, size_t n, float *out, char *err,
+                                   size_t errlen)
+{
+    uint32_t top = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t bits = shard_abs_bits_at(x, i);
+        top = bits > top ? bits : top;
+    }
+    *out = f32_from_bits(top);
+    return PSHARD_OK;
+}
+
 const shard_dev_ops_t shard_dev_emulated = {
     .name = "emulated",
     .host_memory = true,
@@ -97,4 +109,5 @@ const shard_dev_ops_t shard_dev_emulated = {
     .sum_squares = emu_sum_squares,
     .scale = emu_scale,
     .optim_step = emu_optim_step,
+    .max_abs = emu_max_abs,
 };

@@ -22,6 +22,13 @@ PS_HD static inline float shard_grad_at(const void *r, pshard_dtype_t dt, size_t
     return scaled ? v * scale : v;
 }
 
+/* The bits of |x[i]|: unsigned integers that order like the magnitudes, NaN above infinity (the
+ * inf-norm's maximum is taken over them, so a NaN propagates as in torch). */
+PS_HD static inline uint32_t shard_abs_bits_at(const float *x, size_t i)
+{
+    return f32_bits(x[i]) & 0x7fffffffu;
+}
+
 /* dst[i] = src[i] in dt (bf16/fp16 rounded to nearest even; fp32 copied). */
 PS_HD static inline void shard_convert_at(const float *src, void *dst, pshard_dtype_t dt, size_t i)
 {

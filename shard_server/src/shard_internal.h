@@ -13,7 +13,7 @@
 #include "pshard/shard_server.h"
 #include "shard_model.h"
 
-#define NMETHODS 11
+#define NMETHODS 12
 #define SHM_NAME_MAX 200
 
 typedef struct {
@@ -58,6 +58,10 @@ struct pshard_shard_server {
     shm_map_t scratch, model_shm;
     shm_map_t pending_model; /* remote trainers: private model region filled before DefineModel */
     shard_model_t *model;
+    /* Definitions compared in comm generation define_generation (op_mu): each attempt
+     * publishes under its own number, so a retry after a refused definition never reads a
+     * peer's stale one. */
+    uint64_t define_attempts, define_generation;
 
     /* Join, guarded by op_mu (status reads the copies under mu). */
     bool joined;             /* this rank's trainer joined; Join shadows the others */
@@ -84,6 +88,7 @@ typedef enum {
     SHARD_SOP_STEP = 3,
     SHARD_SOP_COLLECTIVE = 4,
     SHARD_SOP_SAVE = 5,
+    SHARD_SOP_CLIP = 6,
 } shard_sop_kind_t;
 
 typedef struct {
@@ -91,7 +96,12 @@ typedef struct {
     pshard_dtype_t dtype;
     size_t nids;          /* gather / reduce-scatter: the parameters, in order */
     const uint32_t *ids;
-    double lr;            /* step */
+    double lr;            /* step: with set_lr, this step's lr for every group */
+    bool set_lr;
+    size_t nwords;        /* step: the groups' new hyperparameters (shard_groups_encode); 0: */
+    const int64_t *words; /* unchanged */
+    double max_norm;      /* clip: clip_grad_norm's arguments */
+    double norm_type;
     uint32_t coll_op;     /* collective: pshard_coll_op_t, element count, root, average */
     uint64_t count;
     int root;
@@ -115,8 +125,11 @@ const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, 
 /* The operations' cores, shared by the trainer-facing handlers and a joined rank shadowing
  * them (op_mu held). shard_gather_one all-gathers parameter p in dt into recv (full size);
  * shard_reduce_scatter_one reduce-scatters the full gradient send (dt) and adds this rank's
- * slice, averaged over active contributors, to the accumulator; shard_run_step clips and runs
- * the optimizer on every slice; shard_run_collective runs a plain collective (an average is
+ * slice, averaged over active contributors, to the accumulator; shard_run_step (shard_step.c)
+ * takes the step op's groups, clips and runs the optimizer on every trained slice, each with
+ * its group's hyperparameters; shard_run_clip (shard_step.c) is clip_grad_norm: the global
+ * norm of the trained accumulators (norm_type 2 or inf) into *total_norm, and with
+ * max_norm > 0 their scaling; shard_run_collective runs a plain collective (an average is
  * over the active ranks). */
 pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
                                  pshard_dtype_t dt, void *recv, char *err, size_t errlen);
@@ -124,8 +137,22 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
                                          pshard_dtype_t dt, const void *send, int active,
                                          char *err, size_t errlen);
 pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
-                               double lr, int64_t ckpt_request, double *norm, char *err,
-                               size_t errlen);
+                               const shard_sop_t *op, int64_t ckpt_request, double *norm,
+                               char *err, size_t errlen);
+pshard_status_t shard_run_clip(pshard_comm_t *comm, shard_model_t *m, double max_norm,
+                               double norm_type, double *total_norm, char *err, size_t errlen);
+
+/* Parameter groups from a request (n entries, kind the model's) into *out (NULL for n == 0;
+ * free it). Copies only: shard_model_create and shard_model_check_groups validate. Errors:
+ * INVALID_ARGUMENT over SHARD_MAX_GROUPS, NO_MEMORY. */
+struct Pshard__OptimizerGroup;
+pshard_status_t shard_groups_from_pb(struct Pshard__OptimizerGroup *const *pb, size_t n,
+                                     ps_optim_kind_t kind, shard_group_t **out, char *err,
+                                     size_t errlen);
+
+/* The Step and ClipGradNorm handlers (shard_step.c). */
+void shard_handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
+void shard_handle_clip_grad_norm(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
 pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,
                                      void *recv, int active, char *err, size_t errlen);
 

@@ -28,9 +28,9 @@ enum {
     W_SOP,
     W_DTYPE,
     W_NIDS,
-    W_ARG, /* lr bits (step) or collective op */
-    W_COUNT,
-    W_ROOT,
+    W_ARG, /* lr bits (step), max_norm bits (clip) or collective op */
+    W_COUNT, /* element count (collective), group words (step), norm_type bits (clip) */
+    W_ROOT,  /* root (collective), set_lr (step) */
     W_AVERAGE,
     W_THROW,
     W_STEP,
@@ -57,12 +57,15 @@ typedef struct {
     shard_sop_t op;     /* the agreed operation (ids point into ids_buf or the records) */
     uint32_t ids_buf_inline[REC_INLINE_IDS];
     uint32_t *ids_heap;
+    int64_t *words_heap; /* a step's groups, broadcast for joined ranks */
 } agreement_t;
 
 static void agreement_free(agreement_t *ag)
 {
     free(ag->ids_heap);
+    free(ag->words_heap);
     ag->ids_heap = NULL;
+    ag->words_heap = NULL;
 }
 
 static uint64_t ids_hash(const uint32_t *ids, size_t n)
@@ -73,6 +76,32 @@ static uint64_t ids_hash(const uint32_t *ids, size_t n)
         h *= 1099511628211ull;
     }
     return h;
+}
+
+/* A step's group words, hashed so that ranks stepping with different hyperparameters are a
+ * desync. */
+static uint64_t words_hash(const int64_t *w, size_t n)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) {
+        h ^= (uint64_t)w[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+static int64_t double_bits(double v)
+{
+    int64_t w;
+    memcpy(&w, &v, sizeof(w));
+    return w;
+}
+
+static double bits_double(int64_t w)
+{
+    double v;
+    memcpy(&v, &w, sizeof(v));
+    return v;
 }
 
 static void rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_flag, int64_t step,
@@ -88,17 +117,21 @@ static void rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_f
     r[W_SOP] = op->kind;
     r[W_DTYPE] = op->dtype;
     r[W_NIDS] = (int64_t)op->nids;
+    r[W_HASH] = (int64_t)ids_hash(op->ids, op->nids);
     if (op->kind == SHARD_SOP_STEP) {
-        uint64_t bits;
-        memcpy(&bits, &op->lr, sizeof(bits));
-        r[W_ARG] = (int64_t)bits;
+        r[W_ARG] = double_bits(op->lr);
+        r[W_COUNT] = (int64_t)op->nwords;
+        r[W_ROOT] = op->set_lr;
+        r[W_HASH] = (int64_t)words_hash(op->words, op->nwords);
+    } else if (op->kind == SHARD_SOP_CLIP) {
+        r[W_ARG] = double_bits(op->max_norm);
+        r[W_COUNT] = double_bits(op->norm_type);
     } else {
         r[W_ARG] = op->coll_op;
+        r[W_COUNT] = (int64_t)op->count;
+        r[W_ROOT] = op->root;
     }
-    r[W_COUNT] = (int64_t)op->count;
-    r[W_ROOT] = op->root;
     r[W_AVERAGE] = op->average;
-    r[W_HASH] = (int64_t)ids_hash(op->ids, op->nids);
     for (size_t i = 0; i < op->nids && i < REC_INLINE_IDS; i++)
         r[W_IDS + i] = op->ids[i];
 }
@@ -116,6 +149,8 @@ static const char *sop_name(int64_t k)
         return "collective";
     case SHARD_SOP_SAVE:
         return "checkpoint save";
+    case SHARD_SOP_CLIP:
+        return "clip_grad_norm";
     default:
         return "?";
     }
@@ -130,8 +165,38 @@ static void rec_format(const int64_t *r, char *buf, size_t len)
     else if (r[W_SOP] == SHARD_SOP_COLLECTIVE)
         snprintf(buf, len, "%s of %" PRId64 " %s", pshard_coll_op_name((pshard_coll_op_t)r[W_ARG]),
                  r[W_COUNT], pshard_dtype_name((pshard_dtype_t)r[W_DTYPE]));
+    else if (r[W_SOP] == SHARD_SOP_STEP)
+        snprintf(buf, len, "step (%s, %" PRId64 " group(s) of hyperparameters)",
+                 r[W_ROOT] ? "lr set" : "groups' lr", r[W_COUNT] / SHARD_GROUP_WORDS);
+    else if (r[W_SOP] == SHARD_SOP_CLIP)
+        snprintf(buf, len, "clip_grad_norm (max_norm %g, norm_type %g)", bits_double(r[W_ARG]),
+                 bits_double(r[W_COUNT]));
     else
         snprintf(buf, len, "%s", sop_name(r[W_SOP]));
+}
+
+/* Broadcasts the agreed step's group words from the first active rank when a joined rank
+ * needs them (every rank decides alike from the records); otherwise an active rank keeps its
+ * own (the hash comparison made them equal). */
+static pshard_status_t share_words(pshard_comm_t *comm, agreement_t *ag, int rank,
+                                   const shard_sop_t *mine, char *err, size_t errlen)
+{
+    shard_sop_t *op = &ag->op;
+    if (!ag->any_joined || ag->desync || ag->throw_rank >= 0) {
+        op->words = mine ? mine->words : NULL; /* only active ranks go on to use it */
+        return PSHARD_OK;
+    }
+    ag->words_heap = calloc(op->nwords, sizeof(int64_t));
+    if (!ag->words_heap)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    if (rank == ag->first_active)
+        memcpy(ag->words_heap, mine->words, op->nwords * sizeof(int64_t));
+    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64,
+                            .send = ag->words_heap, .recv = ag->words_heap, .count = op->nwords,
+                            .root = ag->first_active, .tag = AGREE_TAG + 2,
+                            .label = "agreement groups"};
+    op->words = ag->words_heap;
+    return pshard_coll_run(comm, &b, err, errlen);
 }
 
 /* Runs one agreement round: this rank's record is (kind, mine). On success *ag holds the
@@ -171,9 +236,13 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
         const int64_t *x = recs + (size_t)r * REC_WORDS;
         if (x[W_KIND] < REC_OP || x[W_KIND] > REC_JOINED ||
             (x[W_KIND] == REC_OP && (x[W_SOP] < SHARD_SOP_GATHER ||
-                                     x[W_SOP] > SHARD_SOP_SAVE || x[W_NIDS] < 0 ||
+                                     x[W_SOP] > SHARD_SOP_CLIP || x[W_NIDS] < 0 ||
                                      x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 ||
-                                     x[W_DTYPE] > PSHARD_INT64)))
+                                     x[W_DTYPE] > PSHARD_INT64 ||
+                                     (x[W_SOP] == SHARD_SOP_STEP &&
+                                      (x[W_COUNT] < 0 ||
+                                       x[W_COUNT] > SHARD_MAX_GROUPS * SHARD_GROUP_WORDS ||
+                                       x[W_COUNT] % SHARD_GROUP_WORDS != 0)))))
             return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
                            "rank %d sent a malformed agreement record (kind %" PRId64 ")", r,
                            x[W_KIND]);
@@ -219,15 +288,23 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
     op->kind = (shard_sop_kind_t)f[W_SOP];
     op->dtype = (pshard_dtype_t)f[W_DTYPE];
     op->nids = (size_t)f[W_NIDS];
+    op->average = f[W_AVERAGE] != 0;
     if (op->kind == SHARD_SOP_STEP) {
-        uint64_t bits = (uint64_t)f[W_ARG];
-        memcpy(&op->lr, &bits, sizeof(bits));
-    } else {
-        op->coll_op = (uint32_t)f[W_ARG];
+        op->lr = bits_double(f[W_ARG]);
+        op->nwords = (size_t)f[W_COUNT];
+        op->set_lr = f[W_ROOT] != 0;
+        if (op->nwords > 0)
+            return share_words(comm, ag, rank, mine, err, errlen);
+        return PSHARD_OK;
     }
+    if (op->kind == SHARD_SOP_CLIP) {
+        op->max_norm = bits_double(f[W_ARG]);
+        op->norm_type = bits_double(f[W_COUNT]);
+        return PSHARD_OK;
+    }
+    op->coll_op = (uint32_t)f[W_ARG];
     op->count = (uint64_t)f[W_COUNT];
     op->root = (int)f[W_ROOT];
-    op->average = f[W_AVERAGE] != 0;
     if (op->nids <= REC_INLINE_IDS) {
         for (size_t i = 0; i < op->nids; i++)
             ag->ids_buf_inline[i] = (uint32_t)f[W_IDS + i];
@@ -335,7 +412,9 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm,
         return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                        "the others run %s but no model is defined here", sop_name(op->kind));
     if (op->kind == SHARD_SOP_STEP)
-        return shard_run_step(s, comm, m, op->lr, ag->ckpt_request, &(double){0}, err, errlen);
+        return shard_run_step(s, comm, m, op, ag->ckpt_request, &(double){0}, err, errlen);
+    if (op->kind == SHARD_SOP_CLIP)
+        return shard_run_clip(comm, m, op->max_norm, op->norm_type, &(double){0}, err, errlen);
     if (op->kind == SHARD_SOP_SAVE) {
         char dir[512];
         return shard_ckpt_save(s, comm, m, dir, sizeof(dir), err, errlen);

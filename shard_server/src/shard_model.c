@@ -1,6 +1,7 @@
 /* A shard server's model state; see shard_model.h. */
 #include "shard_model.h"
 
+#include <assert.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -107,6 +108,8 @@ void shard_model_free(shard_model_t *m)
     }
     free(m->reduced);
     free(m->spec_text);
+    free(m->groups);
+    free(m->param_group);
     free(m);
 }
 
@@ -162,6 +165,73 @@ static int append(char **buf, size_t *len, size_t *cap, const char *fmt, ...)
     }
 }
 
+/* Validates one group's hyperparameters for kind by torch's rules; errors name the group. */
+static pshard_status_t check_group(ps_optim_kind_t kind, const shard_group_t *g, size_t index,
+                                   char *err, size_t errlen)
+{
+    ps_optim_config_t cfg = g->cfg;
+    cfg.kind = kind;
+    char why[256] = "";
+    if (ps_optim_validate(&cfg, why, sizeof(why)) != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "group %zu: %s", index, why);
+    return PSHARD_OK;
+}
+
+/* The model's groups: the given ones (kind from optim) or one from optim; each parameter's
+ * group; whether any is frozen; how many state arrays the optimizer needs (SGD: one when a
+ * trained group has momentum). Errors are INVALID_ARGUMENT naming the group or parameter. */
+static pshard_status_t setup_groups(shard_model_t *m, const ps_optim_config_t *optim, const shard_group_t *groups,
+                                    size_t ngroups, const uint32_t *param_groups,
+                                    size_t nparam_groups, char *err, size_t errlen)
+{
+    m->ngroups = ngroups ? ngroups : 1;
+    m->explicit_groups = ngroups > 0;
+    m->groups = calloc(m->ngroups, sizeof(*m->groups));
+    m->param_group = calloc(m->nparams, sizeof(*m->param_group));
+    if (!m->groups || !m->param_group)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    if (ngroups == 0) {
+        m->groups[0].cfg = *optim;
+    } else {
+        if (nparam_groups != m->nparams)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "param_groups has %zu entries for %zu parameters (one group index "
+                           "per parameter)",
+                           nparam_groups, m->nparams);
+        for (size_t g = 0; g < ngroups; g++) {
+            PS_CHECK(check_group(optim->kind, &groups[g], g, err, errlen));
+            m->groups[g] = groups[g];
+            m->groups[g].cfg.kind = optim->kind;
+            m->any_frozen = m->any_frozen || groups[g].frozen;
+        }
+        for (size_t p = 0; p < m->nparams; p++) {
+            if (param_groups[p] >= ngroups)
+                return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                               "parameter '%s' is assigned to group %" PRIu32
+                               ", but there are %zu groups",
+                               m->params[p].name, param_groups[p], ngroups);
+            m->param_group[p] = param_groups[p];
+        }
+    }
+    m->optim = m->groups[0].cfg;
+    m->nstate = optim->kind == PS_OPTIM_SGD ? 0 : 2;
+    for (size_t g = 0; g < m->ngroups && optim->kind == PS_OPTIM_SGD; g++)
+        if (!m->groups[g].frozen && m->groups[g].cfg.momentum != 0.0)
+            m->nstate = 1;
+    return PSHARD_OK;
+}
+
+/* Group g's line of the definition text (explicit groups only). */
+static int append_group(char **buf, size_t *len, size_t *cap, const shard_group_t *g, size_t i)
+{
+    const ps_optim_config_t *c = &g->cfg;
+    return append(buf, len, cap,
+                  "group %zu lr %.17g momentum %.17g dampening %.17g nesterov %d weight_decay "
+                  "%.17g betas %.17g %.17g eps %.17g%s\n",
+                  i, c->lr, c->momentum, c->dampening, (int)c->nesterov, c->weight_decay,
+                  c->beta1, c->beta2, c->eps, g->frozen ? " frozen" : "");
+}
+
 static void format_param(const shard_param_t *p, char *buf, size_t len)
 {
     size_t off = 0;
@@ -178,6 +248,8 @@ static void format_param(const shard_param_t *p, char *buf, size_t len)
 pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
                                    const char *const *names, const int64_t *const *shapes,
                                    const size_t *ndims, const ps_optim_config_t *optim,
+                                   const shard_group_t *groups, size_t ngroups,
+                                   const uint32_t *param_groups, size_t nparam_groups,
                                    double max_grad_norm, bool in_backward,
                                    const struct shard_dev_ops *dev, int device, shard_model_t **out,
                                    char *err, size_t errlen)
@@ -192,7 +264,14 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     if (layout != PSHARD_LAYOUT_FSDP2 && layout != PSHARD_LAYOUT_FSDP1)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown layout %d",
                        (int)layout);
-    if (ps_optim_validate(optim, err, errlen) != 0)
+    if (ngroups == 0 && nparam_groups != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "param_groups has %zu entries, but no groups are defined", nparam_groups);
+    if (ngroups > SHARD_MAX_GROUPS)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%zu parameter groups; the limit is %d", ngroups, SHARD_MAX_GROUPS);
+    /* With groups, only the kind of the model-wide config is used (setup_groups checks them). */
+    if (ngroups == 0 && ps_optim_validate(optim, err, errlen) != 0)
         return PSHARD_ERR_INVALID_ARGUMENT;
     if (!(max_grad_norm >= 0))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
@@ -210,7 +289,6 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     m->optim = *optim;
     m->max_grad_norm = max_grad_norm;
     m->in_backward = in_backward;
-    m->cur_lr = optim->lr;
     m->nparams = nparams;
     m->params = calloc(nparams, sizeof(*m->params));
     size_t *numel = calloc(nparams, sizeof(size_t));
@@ -270,6 +348,9 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
         if (n > m->max_numel)
             m->max_numel = n;
     }
+    rc = setup_groups(m, optim, groups, ngroups, param_groups, nparam_groups, err, errlen);
+    if (rc != PSHARD_OK)
+        goto fail;
     qsort(sorted, nparams, sizeof(char *), cmp_names);
     for (size_t i = 1; i < nparams; i++) {
         if (strcmp(sorted[i - 1], sorted[i]) == 0) {
@@ -288,7 +369,7 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
             m->max_piece = piece;
     }
     size_t bytes = m->shard_numel * sizeof(float);
-    int nstate = ps_optim_state_count(optim);
+    int nstate = m->nstate;
     /* In-backward updates need no accumulator, only a flag per parameter and step. */
     if (in_backward)
         m->reduced = calloc(nparams, 1);
@@ -320,16 +401,28 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     size_t cap = 256, len = 0;
     m->spec_text = malloc(cap);
     if (!m->spec_text ||
-        append(&m->spec_text, &len, &cap, "layout %s world %d optimizer %d%s\n",
+        append(&m->spec_text, &len, &cap, "layout %s world %d optimizer %d%s",
                layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1", world, (int)optim->kind,
-               in_backward ? " in_backward" : "") != 0) {
+               in_backward ? " in_backward" : "") != 0 ||
+        (m->explicit_groups &&
+         append(&m->spec_text, &len, &cap, " groups %zu", m->ngroups) != 0) ||
+        append(&m->spec_text, &len, &cap, "\n") != 0) {
         rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
         goto fail;
     }
     for (size_t i = 0; i < nparams; i++) {
         char line[600];
         format_param(&m->params[i], line, sizeof(line));
-        if (append(&m->spec_text, &len, &cap, "%s\n", line) != 0) {
+        char group[32] = "";
+        if (m->explicit_groups)
+            snprintf(group, sizeof(group), " group %" PRIu32, m->param_group[i]);
+        if (append(&m->spec_text, &len, &cap, "%s%s\n", line, group) != 0) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+            goto fail;
+        }
+    }
+    for (size_t g = 0; m->explicit_groups && g < m->ngroups; g++) {
+        if (append_group(&m->spec_text, &len, &cap, &m->groups[g], g) != 0) {
             rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
             goto fail;
         }
@@ -391,6 +484,12 @@ pshard_status_t shard_model_compare(const shard_model_t *m, const char *other, i
             return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                            "model definitions differ: rank %d has '%s', rank %d has '%s'",
                            m->rank, mine, other_rank, theirs);
+        if (i > m->nparams)
+            return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                           "model definitions differ in parameter group #%zu: rank %d defines "
+                           "%s, rank %d defines %s",
+                           i - 1 - m->nparams, m->rank, a ? mine : "nothing", other_rank,
+                           b ? theirs : "nothing");
         return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                        "model definitions differ at parameter #%zu: rank %d defines %s, rank %d "
                        "defines %s",
@@ -403,4 +502,117 @@ size_t shard_model_state_bytes(const shard_model_t *m)
 {
     size_t per = m->shard_numel * sizeof(float);
     return per * (1 + (m->grad ? 1 : 0) + (m->state0 ? 1 : 0) + (m->state1 ? 1 : 0));
+}
+
+bool shard_model_next_run(const shard_model_t *m, bool by_group, size_t *p, shard_run_t *run)
+{
+    size_t i = *p;
+    while (i < m->nparams && (ps_layout_counts(m->layout, i)[m->rank] == 0 ||
+                              m->groups[m->param_group[i]].frozen))
+        i++;
+    if (i >= m->nparams) {
+        *p = i;
+        return false;
+    }
+    run->group = m->param_group[i];
+    run->off = ps_layout_shard_offset(m->layout, i, m->rank);
+    size_t end = run->off + ps_layout_counts(m->layout, i)[m->rank];
+    for (i++; i < m->nparams; i++) {
+        size_t cnt = ps_layout_counts(m->layout, i)[m->rank];
+        if (cnt == 0)
+            continue;
+        uint32_t g = m->param_group[i];
+        if (m->groups[g].frozen || (by_group && g != run->group))
+            break;
+        /* A rank's pieces lie back to back in parameter order (layout.h). */
+        assert(ps_layout_shard_offset(m->layout, i, m->rank) == end);
+        end += cnt;
+    }
+    run->n = end - run->off;
+    *p = i;
+    return true;
+}
+
+pshard_status_t shard_model_check_groups(const shard_model_t *m, const shard_group_t *groups,
+                                         size_t n, char *err, size_t errlen)
+{
+    if (n != m->ngroups)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%zu parameter groups given; the model was defined with %zu (one entry "
+                       "per group, in the definition's order)",
+                       n, m->ngroups);
+    for (size_t g = 0; g < n; g++) {
+        PS_CHECK(check_group(m->optim.kind, &groups[g], g, err, errlen));
+        if (groups[g].frozen != m->groups[g].frozen)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "group %zu: frozen cannot change after the definition (it is %s); "
+                           "define the model again to change requires_grad",
+                           g, m->groups[g].frozen ? "frozen" : "trained");
+        if (m->optim.kind == PS_OPTIM_SGD && !groups[g].frozen &&
+            groups[g].cfg.momentum != 0.0 && !m->state0)
+            return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                           "group %zu: momentum %g needs SGD momentum buffers, which were not "
+                           "allocated because no trained group had momentum when the model was "
+                           "defined; define it with the momentum it will use",
+                           g, groups[g].cfg.momentum);
+    }
+    return PSHARD_OK;
+}
+
+void shard_model_set_groups(shard_model_t *m, const shard_group_t *groups)
+{
+    for (size_t g = 0; g < m->ngroups; g++) {
+        m->groups[g].cfg = groups[g].cfg;
+        m->groups[g].cfg.kind = m->optim.kind;
+    }
+}
+
+static int64_t double_word(double v)
+{
+    int64_t w;
+    memcpy(&w, &v, sizeof(w));
+    return w;
+}
+
+static double word_double(int64_t w)
+{
+    double v;
+    memcpy(&v, &w, sizeof(v));
+    return v;
+}
+
+void shard_groups_encode(const shard_group_t *groups, size_t n, int64_t *words)
+{
+    for (size_t g = 0; g < n; g++) {
+        const ps_optim_config_t *c = &groups[g].cfg;
+        int64_t *w = words + g * SHARD_GROUP_WORDS;
+        w[0] = double_word(c->lr);
+        w[1] = double_word(c->momentum);
+        w[2] = double_word(c->dampening);
+        w[3] = double_word(c->weight_decay);
+        w[4] = double_word(c->beta1);
+        w[5] = double_word(c->beta2);
+        w[6] = double_word(c->eps);
+        w[7] = c->nesterov;
+        w[8] = groups[g].frozen;
+    }
+}
+
+void shard_groups_decode(const int64_t *words, size_t n, ps_optim_kind_t kind,
+                         shard_group_t *groups)
+{
+    for (size_t g = 0; g < n; g++) {
+        const int64_t *w = words + g * SHARD_GROUP_WORDS;
+        ps_optim_config_t *c = &groups[g].cfg;
+        c->kind = kind;
+        c->lr = word_double(w[0]);
+        c->momentum = word_double(w[1]);
+        c->dampening = word_double(w[2]);
+        c->weight_decay = word_double(w[3]);
+        c->beta1 = word_double(w[4]);
+        c->beta2 = word_double(w[5]);
+        c->eps = word_double(w[6]);
+        c->nesterov = w[7] != 0;
+        groups[g].frozen = w[8] != 0;
+    }
 }

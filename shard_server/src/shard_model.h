@@ -17,6 +17,8 @@
 #define SHARD_MAX_PARAMS 100000
 #define SHARD_MAX_DIMS 8
 #define SHARD_NAME_MAX 255
+#define SHARD_MAX_GROUPS 1024
+#define SHARD_GROUP_WORDS 9 /* int64 words of one group in an agreement (shard_groups_encode) */
 
 typedef struct {
     char *name;
@@ -24,6 +26,21 @@ typedef struct {
     int64_t shape[SHARD_MAX_DIMS];
     size_t numel;
 } shard_param_t;
+
+/* One parameter group, torch.optim's param_groups entry: the hyperparameters of its parameters
+ * (cfg.kind is the model's) and whether they are frozen (requires_grad=False: gathered, never
+ * reduce-scattered, stepped or counted in a gradient norm). */
+typedef struct {
+    ps_optim_config_t cfg;
+    bool frozen;
+} shard_group_t;
+
+/* A run of this rank's shard, elements [off, off + n): the pieces of consecutive parameters
+ * (shard_model_next_run). */
+typedef struct {
+    size_t off, n;
+    uint32_t group; /* the group of the run's first parameter */
+} shard_run_t;
 
 typedef struct {
     int rank, world;
@@ -40,12 +57,22 @@ typedef struct {
     size_t max_numel;   /* largest full parameter */
     void *stage;        /* max_piece fp32-sized elements: conversions, reduce output (on
                            the device too when dev is set) */
-    ps_optim_config_t optim;
+    ps_optim_config_t optim; /* the kind, and group 0's hyperparameters at definition */
+    /* Parameter groups: ngroups >= 1 (one from the model-wide config when the definition gave
+     * none), param_group[p] the group of parameter p; groups[g].cfg changes with Step's groups. */
+    size_t ngroups;
+    shard_group_t *groups;
+    uint32_t *param_group;
+    bool explicit_groups; /* the definition gave groups (they are in spec_text) */
+    bool any_frozen;
+    int nstate;           /* fp32 state arrays per element (state0, state1) */
     double max_grad_norm;
     /* optimizer_in_backward: grad is NULL; each parameter's slice is updated at its
-     * reduce-scatter with cur_lr (set by the previous Step), reduced[p] marks the parameters
-     * reduced in this step, grad_sq sums their squares for the step's gradient norm. */
+     * reduce-scatter with its group's hyperparameters and, when cur_lr_set, the lr cur_lr
+     * (both set by the previous Step), reduced[p] marks the parameters reduced in this step,
+     * grad_sq sums their squares for the step's gradient norm. */
     bool in_backward;
+    bool cur_lr_set;
     double cur_lr;
     uint8_t *reduced;
     double grad_sq;
@@ -59,13 +86,20 @@ typedef struct {
 /* Builds the model from parameter names and shapes (copied). Validates everything a trainer
  * sends (names 1..255 printable bytes, 1..8 positive dims, element counts without overflow, at
  * most SHARD_MAX_PARAMS parameters, unique names, the optimizer config, no clipping with
- * in_backward); errors are
- * INVALID_ARGUMENT with a message naming the parameter. Allocates and pre-touches storage:
- * host memory when dev is NULL, else zeroed memory of dev (shard_cuda.h) on CUDA device
- * `device` (GPU-resident shards; errors then may be CUDA). Free with shard_model_free. */
+ * in_backward, and the groups: see below); errors are INVALID_ARGUMENT with a message naming
+ * the parameter or group. ngroups == 0: one group of optim's hyperparameters holds every
+ * parameter (groups and param_groups unused, nparam_groups must be 0); otherwise at most
+ * SHARD_MAX_GROUPS groups (copied; their cfg.kind is taken from optim, whose hyperparameters
+ * are then unused), each valid by torch's rules, and nparam_groups == nparams indices below
+ * ngroups. SGD momentum state exists when some group that is not frozen has momentum != 0.
+ * Allocates and pre-touches storage: host memory when dev is NULL, else zeroed memory of dev
+ * (shard_cuda.h) on CUDA device `device` (GPU-resident shards; errors then may be CUDA). Free
+ * with shard_model_free. */
 pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
                                    const char *const *names, const int64_t *const *shapes,
                                    const size_t *ndims, const ps_optim_config_t *optim,
+                                   const shard_group_t *groups, size_t ngroups,
+                                   const uint32_t *param_groups, size_t nparam_groups,
                                    double max_grad_norm, bool in_backward,
                                    const struct shard_dev_ops *dev, int device, shard_model_t **out,
                                    char *err, size_t errlen);
@@ -83,5 +117,28 @@ pshard_status_t shard_model_compare(const shard_model_t *m, const char *other_te
 
 /* Bytes of master + gradient accumulator (none in backward mode) + optimizer state. */
 size_t shard_model_state_bytes(const shard_model_t *m);
+
+/* The next run of trained (not frozen) parameters in this rank's shard, starting the search at
+ * parameter *p (0 for the first call; advanced past the run): with by_group, a maximal
+ * sequence of consecutive parameters of one group, else of consecutive trained parameters
+ * (a model without frozen parameters is then one run, the whole shard). Parameters with no
+ * elements on this rank neither end nor start a run. False when there is none left. */
+bool shard_model_next_run(const shard_model_t *m, bool by_group, size_t *p, shard_run_t *run);
+
+/* Checks n groups from a Step against m: n == m->ngroups, each valid for m's optimizer kind by
+ * torch's rules (INVALID_ARGUMENT naming the group), frozen as at definition, SGD momentum
+ * only where the state was allocated at definition (FAILED_PRECONDITION). */
+pshard_status_t shard_model_check_groups(const shard_model_t *m, const shard_group_t *groups,
+                                         size_t n, char *err, size_t errlen);
+
+/* Replaces every group's hyperparameters with those of groups (m->ngroups entries, checked by
+ * shard_model_check_groups). */
+void shard_model_set_groups(shard_model_t *m, const shard_group_t *groups);
+
+/* The groups as SHARD_GROUP_WORDS int64 words each (an agreement's payload), and back (kind
+ * from the model). */
+void shard_groups_encode(const shard_group_t *groups, size_t n, int64_t *words);
+void shard_groups_decode(const int64_t *words, size_t n, ps_optim_kind_t kind,
+                         shard_group_t *groups);
 
 #endif

@@ -257,9 +257,14 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
 static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_model_t *m,
                                          char *err, size_t errlen)
 {
+    if (s->define_generation != s->comm_generation) {
+        s->define_generation = s->comm_generation;
+        s->define_attempts = 0;
+    }
+    uint64_t attempt = ++s->define_attempts;
     char key[128];
-    snprintf(key, sizeof(key), "pshard/model/g%" PRIu64 "/rank/%d", s->comm_generation,
-             m->rank);
+    snprintf(key, sizeof(key), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
+             s->comm_generation, attempt, m->rank);
     Pshard__StoreSetRequest set = PSHARD__STORE_SET_REQUEST__INIT;
     set.key = key;
     set.value.data = (uint8_t *)m->spec_text;
@@ -280,8 +285,8 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
         if (r == m->rank)
             continue;
         char other[128];
-        snprintf(other, sizeof(other), "pshard/model/g%" PRIu64 "/rank/%d", s->comm_generation,
-                 r);
+        snprintf(other, sizeof(other), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
+                 s->comm_generation, attempt, r);
         char *keys[1] = {other};
         /* Wait in short slices so that a stopping server (or an aborted ring) does not sit
          * in a store wait for the whole collective timeout. */
@@ -399,6 +404,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     const int64_t **shapes = calloc(n ? n : 1, sizeof(int64_t *));
     size_t *ndims = calloc(n ? n : 1, sizeof(size_t));
     shard_model_t *m = NULL;
+    shard_group_t *groups = NULL;
     shm_map_t region = {0};
     if (!names || !shapes || !ndims) {
         rc = ps_errf(err, sizeof(err), PSHARD_ERR_NO_MEMORY, "out of memory");
@@ -465,9 +471,13 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         if (rc != PSHARD_OK)
             goto out;
     }
+    rc = shard_groups_from_pb(req->groups, req->n_groups, kind, &groups, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        goto out;
     rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n, names,
-                            shapes, ndims, &oc, po ? po->max_grad_norm : 0, po && po->in_backward,
-                            s->dev, s->cfg.device, &m, err, sizeof(err));
+                            shapes, ndims, &oc, groups, req->n_groups, req->param_groups,
+                            req->n_param_groups, po ? po->max_grad_norm : 0,
+                            po && po->in_backward, s->dev, s->cfg.device, &m, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
     rc = check_definitions(s, m, err, sizeof(err));
@@ -505,6 +515,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
 out:
     shard_unmap(&region);
     shard_model_free(m);
+    free(groups);
     free(names);
     free(shapes);
     free(ndims);
@@ -523,9 +534,11 @@ out:
     pthread_mutex_unlock(&s->op_mu);
 }
 
-/* Checks the tensor list of a Gather/ReduceScatter against the model and the region. */
+/* Checks the tensor list of a Gather/ReduceScatter against the model and the region; a
+ * reduce-scatter may not name a frozen parameter. Every rank checks its own request before the
+ * agreement, so ranks that ask alike refuse alike and none waits in a collective. */
 static bool tensors_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshard__TensorRef **t,
-                       size_t n, pshard_dtype_t dt)
+                       size_t n, pshard_dtype_t dt, bool reduce)
 {
     shard_model_t *m = s->model;
     if (!m) {
@@ -552,6 +565,15 @@ static bool tensors_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshard__Te
             return false;
         }
         const shard_param_t *p = &m->params[t[i]->param];
+        uint32_t group = m->param_group[t[i]->param];
+        if (reduce && m->groups[group].frozen) {
+            ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
+                             "'%s' is frozen (parameter group %" PRIu32 ", requires_grad=False): "
+                             "it is gathered but never reduce-scattered or stepped; leave it out "
+                             "of the reduce-scatter",
+                             p->name, group);
+            return false;
+        }
         if (!shard_in_region(&s->model_shm, t[i]->offset, (uint64_t)p->numel * es, es)) {
             ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
                              "buffer of '%s' (%zu x %s at offset %" PRIu64
@@ -597,7 +619,9 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
 /* GPU-resident shards: what shard_reduce_scatter_one does on the host after its collective,
  * with the reduced slice in m->stage on the device; the same operations in the same order. */
 static pshard_status_t reduce_on_device(shard_model_t *m, uint32_t p, pshard_dtype_t dt, size_t cnt,
-                                        size_t off, bool all, float scale, char *err, size_t errlen)
+                                        size_t off, bool all, float scale,
+                                        const ps_optim_config_t *cfg, double lr, char *err,
+                                        size_t errlen)
 {
     if (m->in_backward) {
         bool scaled = !all || dt != PSHARD_FP32;
@@ -606,7 +630,7 @@ static pshard_status_t reduce_on_device(shard_model_t *m, uint32_t p, pshard_dty
             m->dev->sum_squares(m->device, m->stage, dt, cnt, scaled, scale, &sq, err, errlen));
         m->grad_sq += sq;
         ps_optim_scalars_t sc;
-        ps_optim_step_scalars(&m->optim, m->cur_lr, m->step + 1, &sc);
+        ps_optim_step_scalars(cfg, lr, m->step + 1, &sc);
         PS_CHECK(m->dev->optim_step(m->device, &sc, m->master + off, m->stage, dt, scaled, scale,
                                     m->state0 ? m->state0 + off : NULL,
                                     m->state1 ? m->state1 + off : NULL, cnt, err, errlen));
@@ -648,8 +672,12 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
     };
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     float scale = all ? 1.0f : (float)(1.0 / (double)(active > 0 ? active : 1));
+    /* In backward: the parameter's group's hyperparameters, and the lr of the last Step if it
+     * set one. */
+    const ps_optim_config_t *cfg = &m->groups[m->param_group[p]].cfg;
+    double lr = m->cur_lr_set ? m->cur_lr : cfg->lr;
     if (m->dev)
-        return reduce_on_device(m, p, dt, cnt, off, all, scale, err, errlen);
+        return reduce_on_device(m, p, dt, cnt, off, all, scale, cfg, lr, err, errlen);
     if (m->in_backward) {
         /* The averaged slice, in fp32 in the staging buffer (bf16 widened in place, from the
          * end, so no element is overwritten before it is read), updates the slice now. */
@@ -663,7 +691,7 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
             for (size_t k = 0; k < cnt; k++)
                 r[k] *= scale;
         m->grad_sq += ps_sum_squares(r, cnt);
-        ps_optim_step(&m->optim, m->cur_lr, m->step + 1, m->master + off, r,
+        ps_optim_step(cfg, lr, m->step + 1, m->master + off, r,
                       m->state0 ? m->state0 + off : NULL, m->state1 ? m->state1 + off : NULL,
                       cnt);
         m->reduced[p] = 1;
@@ -704,7 +732,7 @@ static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather
         return;
     }
     pthread_mutex_lock(&s->op_mu);
-    if (!shard_session_ok(s, call, session) || !tensors_ok(s, call, tensors, n, dt)) {
+    if (!shard_session_ok(s, call, session) || !tensors_ok(s, call, tensors, n, dt, !gather)) {
         pthread_mutex_unlock(&s->op_mu);
         return;
     }
@@ -750,111 +778,6 @@ static void handle_reduce_scatter(ps_rpc_call_t *call, const ProtobufCMessage *r
     Pshard__ReduceScatterResponse out = PSHARD__REDUCE_SCATTER_RESPONSE__INIT;
     tensor_op(ctx, call, false, req->session, req->tensors, req->n_tensors, req->dtype,
               &out.base);
-}
-
-/* GPU-resident shards: clipping, the step count, the optimizer and zeroing the accumulator, as
- * shard_run_step does them on the host. */
-static pshard_status_t step_on_device(pshard_shard_server_t *s, shard_model_t *m, double lr,
-                                      double norm, char *err, size_t errlen)
-{
-    if (m->max_grad_norm > 0) {
-        double coef = m->max_grad_norm / (norm + 1e-6);
-        if (coef < 1.0)
-            PS_CHECK(m->dev->scale(m->device, m->grad, m->shard_numel, (float)coef, err, errlen));
-    }
-    ps_optim_scalars_t sc;
-    ps_optim_step_scalars(&m->optim, lr, m->step + 1, &sc);
-    PS_CHECK(m->dev->optim_step(m->device, &sc, m->master, m->grad, PSHARD_FP32, false, 1.0f,
-                                m->state0, m->state1, m->shard_numel, err, errlen));
-    pthread_mutex_lock(&s->mu);
-    m->step++;
-    pthread_mutex_unlock(&s->mu);
-    return m->dev->zero(m->device, m->grad, m->shard_numel, err, errlen);
-}
-
-pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
-                               double lr, int64_t ckpt_request, double *norm_out, char *err,
-                               size_t errlen)
-{
-    /* The global gradient norm: an all-reduce of the squared slice norms (clip_grad_norm). */
-    double local_sq = m->grad_sq;
-    if (!m->in_backward && m->dev)
-        PS_CHECK(m->dev->sum_squares(m->device, m->grad, PSHARD_FP32, m->shard_numel, false, 1.0f,
-                                     &local_sq, err, errlen));
-    else if (!m->in_backward)
-        local_sq = ps_sum_squares(m->grad, m->shard_numel);
-    float sq = (float)local_sq;
-    char label[64];
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32,
-                            .reduce = PSHARD_REDUCE_SUM, .send = &sq, .recv = &sq, .count = 1,
-                            .tag = ((uint64_t)m->step << 32) | 0x7fffffffu,
-                            .label = shard_op_label(m, "grad norm", label, sizeof(label))};
-    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-    double norm = sqrt((double)sq);
-    if (m->in_backward) {
-        /* The updates were applied at the reduce-scatters (a parameter without one this step
-         * is left alone, as torch skips a None grad); lr is for the next step's. */
-        pthread_mutex_lock(&s->mu);
-        m->step++;
-        pthread_mutex_unlock(&s->mu);
-        m->cur_lr = lr;
-        m->grad_sq = 0;
-        memset(m->reduced, 0, m->nparams);
-        *norm_out = norm;
-        return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
-    }
-    if (m->dev)
-        PS_CHECK(step_on_device(s, m, lr, norm, err, errlen));
-    else {
-        if (m->max_grad_norm > 0) {
-            double coef = m->max_grad_norm / (norm + 1e-6);
-            if (coef < 1.0)
-                ps_scale(m->grad, m->shard_numel, (float)coef);
-        }
-        pthread_mutex_lock(&s->mu);
-        m->step++;
-        pthread_mutex_unlock(&s->mu);
-        ps_optim_step(&m->optim, lr, m->step, m->master, m->grad, m->state0, m->state1,
-                      m->shard_numel);
-        memset(m->grad, 0, m->shard_numel * sizeof(float));
-    }
-    *norm_out = norm;
-    return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
-}
-
-static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
-{
-    pshard_shard_server_t *s = ctx;
-    const Pshard__StepRequest *req = (const Pshard__StepRequest *)request;
-    pshard_comm_t *comm = shard_op_begin(s, call, req->session, "no model is defined");
-    if (!comm)
-        return;
-    shard_model_t *m = s->model;
-    double lr = req->set_lr ? req->lr : m->optim.lr;
-    if (!(lr >= 0) || !isfinite(lr)) {
-        pthread_mutex_unlock(&s->op_mu);
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "learning rate %g is not >= 0", lr);
-        return;
-    }
-    char err[1024] = "";
-    shard_sop_t sop = {.kind = SHARD_SOP_STEP, .lr = lr};
-    int active = 0;
-    int64_t ckpt_request = 0;
-    double norm = 0;
-    pshard_status_t rc =
-        shard_agree_active(s, comm, &sop, &active, &ckpt_request, err, sizeof(err));
-    if (rc == PSHARD_OK)
-        rc = shard_run_step(s, comm, m, lr, ckpt_request, &norm, err, sizeof(err));
-    if (rc != PSHARD_OK) {
-        pthread_mutex_unlock(&s->op_mu);
-        ps_rpc_call_fail(call, rc, "%s", err);
-        return;
-    }
-    Pshard__StepResponse out = PSHARD__STEP_RESPONSE__INIT;
-    out.step = m->step;
-    out.grad_norm = norm;
-    ps_rpc_call_reply(call, &out.base);
-    pthread_mutex_unlock(&s->op_mu);
 }
 
 pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,
@@ -1119,13 +1042,15 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         {"DefineModel", &pshard__define_model_request__descriptor, handle_define},
         {"Gather", &pshard__gather_request__descriptor, handle_gather},
         {"ReduceScatter", &pshard__reduce_scatter_request__descriptor, handle_reduce_scatter},
-        {"Step", &pshard__step_request__descriptor, handle_step},
+        {"Step", &pshard__step_request__descriptor, shard_handle_step},
         {"Collective", &pshard__collective_request__descriptor, handle_collective},
         {"Status", &pshard__shard_status_request__descriptor, handle_status},
         {"ReadRegion", &pshard__region_read_request__descriptor, shard_handle_read_region},
         {"WriteRegion", &pshard__region_write_request__descriptor, shard_handle_write_region},
         {"Join", &pshard__join_request__descriptor, shard_handle_join},
         {"Checkpoint", &pshard__checkpoint_request__descriptor, shard_handle_checkpoint},
+        {"ClipGradNorm", &pshard__clip_grad_norm_request__descriptor,
+         shard_handle_clip_grad_norm},
     };
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);

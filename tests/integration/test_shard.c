@@ -2,7 +2,9 @@
  * processes per case; each trainer checks its gathered parameters against a single-process
  * reference every step. Cases cover 1-3 ranks, both layouts, SGD (momentum, nesterov), Adam and
  * AdamW with clipping, bf16 parameters, and a mismatched model definition that every rank must
- * refuse. argv: pshard-coordinator pshard-server shard_trainer. */
+ * refuse; and parameter groups (per-group and per-step hyperparameters, a frozen parameter,
+ * clip_grad_norm with norm 2 and inf, with a joined rank, in backward, on emulated GPU shards,
+ * through a checkpoint and resume). argv: pshard-coordinator pshard-server shard_trainer. */
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -18,9 +20,10 @@
 
 static const char *coord_bin, *server_bin, *trainer_bin;
 
-/* Runs one case; returns true when every trainer exited 0 and the servers stopped cleanly. */
-static bool run_case(int world, const char *layout, const char *opt, const char *dtype,
-                     const char *extra)
+/* Runs one case of `steps` steps, the servers started with server_extra (NULL-terminated, may
+ * be NULL); returns true when every trainer exited 0 and the servers stopped cleanly. */
+static bool run_case_with(int world, const char *layout, const char *opt, const char *dtype,
+                          const char *extra, const char *steps, const char *const *server_extra)
 {
     char world_s[16];
     snprintf(world_s, sizeof(world_s), "%d", world);
@@ -40,8 +43,10 @@ static bool run_case(int world, const char *layout, const char *opt, const char 
         snprintf(name, sizeof(name), "srv-%d", r);
         snprintf(port_file, sizeof(port_file), "%s/server-%d.port", dir, r);
         snprintf(log, sizeof(log), "%s/server-%d.log", dir, r);
-        char *argv[] = {(char *)server_bin, "--coordinator", target, "--name", name,
-                        "--port-file", port_file, "--coll-timeout-ms", "30000", NULL};
+        char *argv[16] = {(char *)server_bin, "--coordinator", target, "--name", name,
+                          "--port-file", port_file, "--coll-timeout-ms", "30000", NULL};
+        for (int i = 0, n = 9; server_extra && server_extra[i] && n < 15; i++, n++)
+            argv[n] = (char *)server_extra[i];
         servers[r] = ps_proc_spawn(argv, log);
     }
     for (int r = 0; r < world; r++) {
@@ -58,7 +63,7 @@ static bool run_case(int world, const char *layout, const char *opt, const char 
         char rank_s[16];
         snprintf(rank_s, sizeof(rank_s), "%d", r);
         char *argv[] = {(char *)trainer_bin, addr[r], rank_s, world_s, (char *)layout,
-                        (char *)opt, (char *)dtype, "12", (char *)extra, NULL};
+                        (char *)opt, (char *)dtype, (char *)steps, (char *)extra, NULL};
         trainers[r] = ps_proc_spawn(argv, NULL);
     }
     int64_t end = ps_now_ns() + 120 * 1000000000LL;
@@ -99,6 +104,12 @@ static bool run_case(int world, const char *layout, const char *opt, const char 
         rmdir(dir);
     }
     return ok;
+}
+
+static bool run_case(int world, const char *layout, const char *opt, const char *dtype,
+                     const char *extra)
+{
+    return run_case_with(world, layout, opt, dtype, extra, "12", NULL);
 }
 
 static void test_one_rank(void)
@@ -142,9 +153,63 @@ static void test_in_backward(void)
     CU_ASSERT(run_case(2, "fsdp1", "sgd", "bf16", "in_backward"));
 }
 
+/* Parameter groups: two trained groups with their own lr, weight decay, momentum or betas, all
+ * changed at every step, and a frozen parameter that never changes and whose reduce-scatter
+ * every rank refuses; clip_grad_norm (norm 2, inf, norm only) before each step. */
+static void test_groups(void)
+{
+    CU_ASSERT(run_case(1, "fsdp2", "adam", "fp32", "groups"));
+    CU_ASSERT(run_case(2, "fsdp2", "sgd", "fp32", "groups"));
+    CU_ASSERT(run_case(3, "fsdp1", "adamw", "fp32", "groups"));
+    CU_ASSERT(run_case(3, "fsdp2", "sgd", "bf16", "groups"));
+}
+
+/* The last rank joins before the last step: its server shadows the others' clip_grad_norm and
+ * their step with groups. */
+static void test_groups_join(void)
+{
+    CU_ASSERT(run_case(3, "fsdp2", "adam", "fp32", "groups_join"));
+    CU_ASSERT(run_case(2, "fsdp1", "sgd", "fp32", "groups_join"));
+}
+
+/* optimizer_in_backward with groups: each update uses its parameter's group (as the previous
+ * step left them); clip_grad_norm is refused. */
+static void test_groups_in_backward(void)
+{
+    CU_ASSERT(run_case(2, "fsdp2", "adamw", "fp32", "groups_in_backward"));
+    CU_ASSERT(run_case(3, "fsdp1", "sgd", "fp32", "groups_in_backward"));
+}
+
+/* GPU-resident shards in the tests' host emulation: the device's norms, scaling and
+ * per-group optimizer calls. */
+static void test_groups_emulated_device(void)
+{
+    setenv("PSHARD_TEST_EMULATE_DEVICE", "1", 1);
+    CU_ASSERT(run_case(3, "fsdp2", "adam", "fp32", "groups"));
+    CU_ASSERT(run_case(2, "fsdp1", "sgd", "fp32", "groups_join"));
+    unsetenv("PSHARD_TEST_EMULATE_DEVICE");
+}
+
+/* A checkpoint of a model with groups (master weights of the frozen parameter included)
+ * resumed in the other layout: the trainer replays its reference up to the restored step and
+ * trains on. */
+static void test_groups_checkpoint_resume(void)
+{
+    char dir[] = "/tmp/pshard-shard-ckpt-XXXXXX";
+    CU_ASSERT_FATAL(mkdtemp(dir) != NULL);
+    const char *save[] = {"--checkpoint-dir", dir, "--checkpoint-every", "4", NULL};
+    CU_ASSERT(run_case_with(2, "fsdp2", "adam", "fp32", "groups", "8", save));
+    const char *resume[] = {"--checkpoint-dir", dir, "--resume", dir, NULL};
+    CU_ASSERT(run_case_with(2, "fsdp1", "adam", "fp32", "groups", "12", resume));
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    CU_ASSERT(system(cmd) == 0);
+}
+
 static void test_mismatched_definition(void)
 {
     CU_ASSERT(run_case(2, "fsdp2", "sgd", "fp32", "mismatch"));
+    CU_ASSERT(run_case(2, "fsdp2", "sgd", "fp32", "groups_mismatch"));
 }
 
 int main(int argc, char **argv)
@@ -167,6 +232,11 @@ int main(int argc, char **argv)
         {"remote path (gRPC streaming, no shared memory)", test_remote_path},
         {"optimizer in backward", test_in_backward},
         {"mismatched model definitions are refused", test_mismatched_definition},
+        {"parameter groups, frozen parameter, clip_grad_norm", test_groups},
+        {"parameter groups with a joined rank", test_groups_join},
+        {"parameter groups in backward", test_groups_in_backward},
+        {"parameter groups on emulated GPU shards", test_groups_emulated_device},
+        {"parameter groups through a checkpoint and resume", test_groups_checkpoint_resume},
         {NULL, NULL},
     };
     return ps_test_main("sharded_training", cases);

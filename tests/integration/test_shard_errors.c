@@ -247,6 +247,33 @@ static res_t do_step(ps_rpc_channel_t *ch, const char *session, bool set_lr, dou
     return rpc(ch, "Step", &req.base, &pshard__step_response__descriptor, 10000);
 }
 
+static res_t do_clip(ps_rpc_channel_t *ch, const char *session, double max_norm,
+                     double norm_type)
+{
+    Pshard__ClipGradNormRequest req = PSHARD__CLIP_GRAD_NORM_REQUEST__INIT;
+    req.session = (char *)session;
+    req.max_norm = max_norm;
+    req.norm_type = norm_type;
+    return rpc(ch, "ClipGradNorm", &req.base, &pshard__clip_grad_norm_response__descriptor,
+               10000);
+}
+
+/* A Step carrying n groups (and, with set_lr, an lr too). */
+static res_t do_step_groups(ps_rpc_channel_t *ch, const char *session, Pshard__OptimizerGroup *g,
+                            size_t n, bool set_lr)
+{
+    Pshard__OptimizerGroup *gp[8];
+    for (size_t i = 0; i < n && i < 8; i++)
+        gp[i] = &g[i];
+    Pshard__StepRequest req = PSHARD__STEP_REQUEST__INIT;
+    req.session = (char *)session;
+    req.set_lr = set_lr;
+    req.lr = 0.1;
+    req.n_groups = n;
+    req.groups = gp;
+    return rpc(ch, "Step", &req.base, &pshard__step_response__descriptor, 10000);
+}
+
 static res_t do_coll(ps_rpc_channel_t *ch, const char *session, uint32_t op, int dtype,
                      uint64_t count, uint64_t send_off, uint64_t recv_off)
 {
@@ -335,6 +362,9 @@ typedef struct {
     char names[MAXP][300];
     Pshard__OptimizerConfig opt;
     uint64_t offsets[MAXP];
+    Pshard__OptimizerGroup groups[4];
+    Pshard__OptimizerGroup *gp[4];
+    uint32_t param_groups[MAXP];
 } define_t;
 
 /* A valid definition of the test model on `region` (SGD, lr 0.1, fsdp2, INIT_LOCAL). */
@@ -376,6 +406,29 @@ static res_t do_define(ps_rpc_channel_t *ch, const define_t *d, int64_t timeout_
 {
     return rpc(ch, "DefineModel", &d->req.base, &pshard__define_model_response__descriptor,
                timeout_ms);
+}
+
+/* The test model with two SGD groups: "w" in group 0 (lr 0.1, momentum 0.9 when momentum,
+ * else 0), "b" in group 1 (lr 0.5, frozen when frozen_b). */
+static void define_groups(define_t *d, const char *session, const shm_t *region, bool momentum,
+                          bool frozen_b)
+{
+    define_init(d, session, region);
+    d->opt.lr = -1; /* unused with groups */
+    for (int i = 0; i < 4; i++) {
+        pshard__optimizer_group__init(&d->groups[i]);
+        d->gp[i] = &d->groups[i];
+    }
+    d->groups[0].lr = 0.1;
+    d->groups[0].momentum = momentum ? 0.9 : 0.0;
+    d->groups[1].lr = 0.5;
+    d->groups[1].frozen = frozen_b;
+    d->req.n_groups = 2;
+    d->req.groups = d->gp;
+    d->param_groups[0] = 0;
+    d->param_groups[1] = 1;
+    d->req.n_param_groups = 2;
+    d->req.param_groups = d->param_groups;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -681,6 +734,7 @@ static void test_before_attach_and_define(void)
     EXPECT_ERR("ReduceScatter before Attach", do_rs1(ch, "", 0, OFF_GRAD_W, PSHARD__DTYPE__FP32),
                FP, "Attach");
     EXPECT_ERR("Step before Attach", do_step(ch, "", false, 0), FP, "Attach");
+    EXPECT_ERR("ClipGradNorm before Attach", do_clip(ch, "", 1.0, 2.0), FP, "Attach");
     EXPECT_ERR("Collective before Attach", do_coll(ch, "", 5, PSHARD__DTYPE__FP32, 0, 0, 0), FP,
                "Attach");
     shm_t region;
@@ -701,6 +755,8 @@ static void test_before_attach_and_define(void)
     EXPECT_ERR("ReduceScatter before DefineModel",
                do_rs1(ch, tr.session, 0, OFF_GRAD_W, PSHARD__DTYPE__FP32), FP, "DefineModel");
     EXPECT_ERR("Step before DefineModel", do_step(ch, tr.session, false, 0), FP,
+               "no model is defined");
+    EXPECT_ERR("ClipGradNorm before DefineModel", do_clip(ch, tr.session, 1.0, 2.0), FP,
                "no model is defined");
     CHECK_SERVING(ch, &tr); /* Status says attached; a plain collective already works */
     CU_ASSERT_FATAL(trainer_define(ch, &tr));
@@ -1134,6 +1190,302 @@ static void test_tensors_bad(void)
     CHECK_SERVING(ch, &tr);
 }
 
+typedef void (*groups_mut_fn)(define_t *d);
+
+static void gmut_index(define_t *d)
+{
+    d->param_groups[1] = 2;
+}
+static void gmut_index_max(define_t *d)
+{
+    d->param_groups[0] = UINT32_MAX;
+}
+static void gmut_short(define_t *d)
+{
+    d->req.n_param_groups = 1;
+}
+static void gmut_no_assignment(define_t *d)
+{
+    d->req.n_param_groups = 0;
+}
+static void gmut_assignment_only(define_t *d)
+{
+    d->req.n_groups = 0;
+}
+static void gmut_lr(define_t *d)
+{
+    d->groups[1].lr = -0.5;
+}
+static void gmut_nan_momentum(define_t *d)
+{
+    d->groups[0].momentum = NAN;
+}
+static void gmut_nesterov(define_t *d)
+{
+    d->groups[1].nesterov = true;
+}
+static void gmut_adam_beta(define_t *d)
+{
+    d->opt.kind = PSHARD__OPTIMIZER_KIND__ADAM;
+    d->groups[0].beta1 = 0.9;
+    d->groups[0].beta2 = 0.999;
+    d->groups[1].beta1 = 0.9;
+    d->groups[1].beta2 = 1.0;
+}
+
+/* Parameter groups: refused definitions, refused Steps (wrong count, frozen changed, lr and
+ * groups together, invalid values, momentum without buffers), the frozen parameter's
+ * ReduceScatter refused, and a frozen parameter that never changes while the other trains. */
+static void test_groups_bad(void)
+{
+    CU_ASSERT_FATAL(ensure_trainer());
+    ps_rpc_channel_t *ch = one.ch[0];
+    const pshard_status_t IA = PSHARD_ERR_INVALID_ARGUMENT, FP = PSHARD_ERR_FAILED_PRECONDITION;
+    const char *s = tr.session;
+    static const struct {
+        const char *what;
+        groups_mut_fn fn;
+        const char *sub;
+    } cases[] = {
+        {"group index out of range", gmut_index,
+         "parameter 'b' is assigned to group 2, but there are 2 groups"},
+        {"group index 2^32-1", gmut_index_max, "parameter 'w' is assigned to group 4294967295"},
+        {"param_groups too short", gmut_short, "param_groups has 1 entries for 2 parameters"},
+        {"groups without param_groups", gmut_no_assignment,
+         "param_groups has 0 entries for 2 parameters"},
+        {"param_groups without groups", gmut_assignment_only, "no groups are defined"},
+        {"a group's negative lr", gmut_lr, "group 1: Invalid learning rate"},
+        {"a group's NaN momentum", gmut_nan_momentum, "group 0: Invalid momentum"},
+        {"a group's nesterov without momentum", gmut_nesterov, "group 1: Nesterov"},
+        {"a group's beta2 = 1", gmut_adam_beta, "group 1: Invalid beta parameter at index 1"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        define_t d;
+        define_groups(&d, s, &tr.region, true, true);
+        cases[i].fn(&d);
+        char what[128];
+        snprintf(what, sizeof(what), "DefineModel, %s", cases[i].what);
+        EXPECT_ERR(what, do_define(ch, &d, 10000), IA, cases[i].sub);
+    }
+    /* 1025 groups: over the limit. */
+    {
+        size_t n = 1025;
+        Pshard__OptimizerGroup *g = calloc(n, sizeof(*g));
+        Pshard__OptimizerGroup **gp = calloc(n, sizeof(*gp));
+        CU_ASSERT_FATAL(g && gp);
+        for (size_t i = 0; i < n; i++) {
+            pshard__optimizer_group__init(&g[i]);
+            gp[i] = &g[i];
+        }
+        define_t d;
+        define_groups(&d, s, &tr.region, true, true);
+        d.req.n_groups = n;
+        d.req.groups = gp;
+        EXPECT_ERR("DefineModel, 1025 groups", do_define(ch, &d, 10000), IA,
+                   "1025 parameter groups; the limit is 1024");
+        free(gp);
+        free(g);
+    }
+    CHECK_SERVING(ch, &tr); /* the model defined before is untouched */
+
+    /* A model whose "b" is frozen. */
+    write_init(&tr.region);
+    define_t d;
+    define_groups(&d, s, &tr.region, true, true);
+    ProtobufCMessage *r = EXPECT_OK("DefineModel with groups", do_define(ch, &d, 10000));
+    CU_ASSERT_FATAL(r != NULL);
+    protobuf_c_message_free_unpacked(r, NULL);
+    tr.defined = false; /* not the standard model any more */
+    EXPECT_ERR("ReduceScatter of the frozen 'b'", do_rs1(ch, s, 1, OFF_GRAD_B, PSHARD__DTYPE__FP32),
+               FP, "'b' is frozen");
+    {
+        const uint32_t ps[2] = {0, 1};
+        const uint64_t ro[2] = {OFF_GRAD_W, OFF_GRAD_B};
+        EXPECT_ERR("ReduceScatter of 'w' and the frozen 'b'",
+                   do_tensors(ch, true, s, ps, ro, 2, PSHARD__DTYPE__FP32, 10000), FP,
+                   "'b' is frozen");
+    }
+    Pshard__OptimizerGroup g[3];
+    for (int i = 0; i < 3; i++) {
+        pshard__optimizer_group__init(&g[i]);
+        g[i].lr = 0.1;
+        g[i].momentum = 0.9;
+    }
+    g[1].frozen = true;
+    EXPECT_ERR("Step with 1 group of 2", do_step_groups(ch, s, g, 1, false), IA,
+               "1 parameter groups given; the model was defined with 2");
+    EXPECT_ERR("Step with 3 groups of 2", do_step_groups(ch, s, g, 3, false), IA,
+               "3 parameter groups given");
+    EXPECT_ERR("Step with groups and lr", do_step_groups(ch, s, g, 2, true), IA,
+               "either groups");
+    g[1].frozen = false;
+    EXPECT_ERR("Step unfreezing group 1", do_step_groups(ch, s, g, 2, false), IA,
+               "group 1: frozen cannot change");
+    g[1].frozen = true;
+    g[0].lr = -1;
+    EXPECT_ERR("Step with a negative group lr", do_step_groups(ch, s, g, 2, false), IA,
+               "group 0: Invalid learning rate");
+    g[0].lr = INFINITY;
+    g[0].momentum = -0.5;
+    EXPECT_ERR("Step with a negative group momentum", do_step_groups(ch, s, g, 2, false), IA,
+               "group 0: Invalid momentum");
+    g[0].momentum = 0.9;
+    g[0].lr = 0.1;
+    /* A training step: w moves by lr * 1 (first momentum step), b stays. */
+    write_grads(&tr.region, 1.0f);
+    r = EXPECT_OK("ReduceScatter of 'w'", do_rs1(ch, s, 0, OFF_GRAD_W, PSHARD__DTYPE__FP32));
+    if (r)
+        protobuf_c_message_free_unpacked(r, NULL);
+    g[1].lr = 100; /* a frozen group's hyperparameters may change: they are unused */
+    Pshard__StepResponse *st =
+        (Pshard__StepResponse *)EXPECT_OK("Step with groups", do_step_groups(ch, s, g, 2, false));
+    CU_ASSERT(st && st->step == 1 && fabs(st->grad_norm - sqrt((double)NW)) < 1e-6);
+    if (st)
+        protobuf_c_message_free_unpacked(&st->base, NULL);
+    const uint32_t ps[2] = {0, 1};
+    const uint64_t go[2] = {OFF_GATHER_W, OFF_GATHER_B};
+    r = EXPECT_OK("Gather", do_tensors(ch, false, s, ps, go, 2, PSHARD__DTYPE__FP32, 10000));
+    if (r)
+        protobuf_c_message_free_unpacked(r, NULL);
+    const float *w = (const float *)((uint8_t *)tr.region.base + OFF_GATHER_W);
+    const float *b = (const float *)((uint8_t *)tr.region.base + OFF_GATHER_B);
+    bool moved = true, frozen = true;
+    for (size_t i = 0; i < NW; i++)
+        moved = moved && fabsf(w[i] - (init_w(i) - 0.1f)) < 1e-6f;
+    for (size_t i = 0; i < NB; i++)
+        frozen = frozen && b[i] == init_b(i);
+    CU_ASSERT(moved);
+    CU_ASSERT(frozen);
+
+    /* SGD groups that all start without momentum have no momentum buffers to turn on. */
+    write_init(&tr.region);
+    define_groups(&d, s, &tr.region, false, false);
+    r = EXPECT_OK("DefineModel, no momentum", do_define(ch, &d, 10000));
+    if (r)
+        protobuf_c_message_free_unpacked(r, NULL);
+    g[1].frozen = false;
+    EXPECT_ERR("Step turning momentum on", do_step_groups(ch, s, g, 2, false), FP,
+               "momentum 0.9 needs SGD momentum buffers");
+    /* Frozen groups do not count: a frozen group with momentum allocates nothing. */
+    define_groups(&d, s, &tr.region, false, true);
+    d.groups[1].momentum = 0.9;
+    r = EXPECT_OK("DefineModel, momentum only in the frozen group", do_define(ch, &d, 10000));
+    if (r)
+        protobuf_c_message_free_unpacked(r, NULL);
+    g[1].frozen = true;
+    EXPECT_ERR("Step turning momentum on, frozen group with momentum",
+               do_step_groups(ch, s, g, 2, false), FP, "group 0: momentum 0.9 needs");
+    Pshard__ShardStatusResponse *status = get_status(ch);
+    CU_ASSERT(status && status->state_bytes == (NW + NB) * 4 * 2); /* master + grads only */
+    if (status)
+        protobuf_c_message_free_unpacked(&status->base, NULL);
+    CU_ASSERT(trainer_define(ch, &tr));
+    CHECK_SERVING(ch, &tr);
+}
+
+/* ClipGradNorm: refusals (norm_type, max_norm, order, in backward), then the norm and the
+ * clipped update against what they must be for known gradients, norm 2 and inf. */
+static void test_clip_grad_norm(void)
+{
+    CU_ASSERT_FATAL(ensure_trainer());
+    ps_rpc_channel_t *ch = one.ch[0];
+    const pshard_status_t IA = PSHARD_ERR_INVALID_ARGUMENT, FP = PSHARD_ERR_FAILED_PRECONDITION;
+    const char *s = tr.session;
+    EXPECT_ERR("ClipGradNorm, norm_type 3", do_clip(ch, s, 1.0, 3.0), IA,
+               "norm_type 3 is not supported");
+    EXPECT_ERR("ClipGradNorm, norm_type 1", do_clip(ch, s, 1.0, 1.0), IA, "2.0 or inf");
+    EXPECT_ERR("ClipGradNorm, norm_type -inf", do_clip(ch, s, 1.0, -INFINITY), IA, "norm_type");
+    EXPECT_ERR("ClipGradNorm, norm_type NaN", do_clip(ch, s, 1.0, NAN), IA, "norm_type");
+    EXPECT_ERR("ClipGradNorm, negative max_norm", do_clip(ch, s, -1.0, 2.0), IA,
+               "max_norm -1 must be >= 0");
+    EXPECT_ERR("ClipGradNorm, NaN max_norm", do_clip(ch, s, NAN, 2.0), IA, "max_norm");
+    EXPECT_ERR("ClipGradNorm, wrong session", do_clip(ch, "deadbeef", 1.0, 2.0), FP, "session");
+    CHECK_SERVING(ch, &tr);
+
+    /* Known gradients: w all 3, b all -4 (NW = 15, NB = 4): norm 2 is sqrt(15*9 + 4*16) and
+     * clipping to 1 scales them by (1 / (norm + 1e-6)) * 1 in fp32; then SGD lr 0.1 moves w
+     * by -0.1 * 3 * coef. */
+    float *gw = (float *)((uint8_t *)tr.region.base + OFF_GRAD_W);
+    float *gb = (float *)((uint8_t *)tr.region.base + OFF_GRAD_B);
+    for (size_t i = 0; i < NW; i++)
+        gw[i] = 3.0f;
+    for (size_t i = 0; i < NB; i++)
+        gb[i] = -4.0f;
+    const uint32_t ps[2] = {0, 1};
+    const uint64_t ro[2] = {OFF_GRAD_W, OFF_GRAD_B};
+    ProtobufCMessage *r =
+        EXPECT_OK("ReduceScatter", do_tensors(ch, true, s, ps, ro, 2, PSHARD__DTYPE__FP32, 10000));
+    if (r)
+        protobuf_c_message_free_unpacked(r, NULL);
+    double want2 = sqrt(15.0 * 9.0 + 4.0 * 16.0);
+    Pshard__ClipGradNormResponse *c =
+        (Pshard__ClipGradNormResponse *)EXPECT_OK("ClipGradNorm inf, norm only",
+                                                  do_clip(ch, s, 0.0, INFINITY));
+    CU_ASSERT(c && c->total_norm == 4.0);
+    if (c)
+        protobuf_c_message_free_unpacked(&c->base, NULL);
+    c = (Pshard__ClipGradNormResponse *)EXPECT_OK("ClipGradNorm 2 to 100 (no clipping)",
+                                                  do_clip(ch, s, 100.0, 2.0));
+    CU_ASSERT(c && c->total_norm == (double)(float)want2);
+    if (c)
+        protobuf_c_message_free_unpacked(&c->base, NULL);
+    c = (Pshard__ClipGradNormResponse *)EXPECT_OK("ClipGradNorm 2 to 1",
+                                                  do_clip(ch, s, 1.0, 2.0));
+    CU_ASSERT(c && c->total_norm == (double)(float)want2);
+    if (c)
+        protobuf_c_message_free_unpacked(&c->base, NULL);
+    float coef = (1.0f / ((float)want2 + 1e-6f)) * 1.0f;
+    /* Clipped: the norm is now about 1 and the largest magnitude 4 * coef, about 0.28; inf-norm
+     * clipping to 0.1 scales again by 0.1 / (4 * coef + 1e-6). */
+    c = (Pshard__ClipGradNormResponse *)EXPECT_OK("ClipGradNorm inf to 0.1",
+                                                  do_clip(ch, s, 0.1, INFINITY));
+    float inf_total = -4.0f * coef;
+    inf_total = fabsf(inf_total);
+    CU_ASSERT(c && c->total_norm == (double)inf_total);
+    if (c)
+        protobuf_c_message_free_unpacked(&c->base, NULL);
+    float coef2 = (1.0f / (inf_total + 1e-6f)) * 0.1f;
+    CU_ASSERT(coef2 < 1.0f);
+    Pshard__StepResponse *st =
+        (Pshard__StepResponse *)EXPECT_OK("Step after clipping", do_step(ch, s, false, 0));
+    float gw_final = 3.0f * coef * coef2, gb_final = -4.0f * coef * coef2;
+    double want_step_norm =
+        sqrt(15.0 * (double)gw_final * gw_final + 4.0 * (double)gb_final * gb_final);
+    CU_ASSERT(st && fabs(st->grad_norm - want_step_norm) < 1e-6);
+    if (st) {
+        tr.steps = st->step;
+        protobuf_c_message_free_unpacked(&st->base, NULL);
+    }
+    const uint64_t go[2] = {OFF_GATHER_W, OFF_GATHER_B};
+    r = EXPECT_OK("Gather", do_tensors(ch, false, s, ps, go, 2, PSHARD__DTYPE__FP32, 10000));
+    if (r)
+        protobuf_c_message_free_unpacked(r, NULL);
+    const float *w = (const float *)((uint8_t *)tr.region.base + OFF_GATHER_W);
+    const float *b = (const float *)((uint8_t *)tr.region.base + OFF_GATHER_B);
+    bool ok = true;
+    for (size_t i = 0; i < NW; i++)
+        ok = ok && w[i] == init_w(i) + (-0.1f) * gw_final;
+    for (size_t i = 0; i < NB; i++)
+        ok = ok && b[i] == init_b(i) + (-0.1f) * gb_final;
+    if (!ok)
+        fprintf(stderr, "  after clipping: w[0] = %.9g (want %.9g), b[0] = %.9g (want %.9g)\n",
+                (double)w[0], (double)(init_w(0) + (-0.1f) * gw_final), (double)b[0],
+                (double)(init_b(0) + (-0.1f) * gb_final));
+    CU_ASSERT(ok);
+
+    /* optimizer_in_backward keeps no accumulator: clipping is refused. */
+    write_init(&tr.region);
+    define_t d;
+    define_init(&d, s, &tr.region);
+    d.opt.in_backward = true;
+    r = EXPECT_OK("DefineModel in backward", do_define(ch, &d, 10000));
+    if (r)
+        protobuf_c_message_free_unpacked(r, NULL);
+    EXPECT_ERR("ClipGradNorm in backward", do_clip(ch, s, 1.0, 2.0), FP, "optimizer_in_backward");
+    CU_ASSERT(trainer_define(ch, &tr));
+    CHECK_SERVING(ch, &tr);
+}
+
 static void test_collective_bad(void)
 {
     CU_ASSERT_FATAL(ensure_trainer());
@@ -1173,7 +1525,7 @@ static void test_garbage(void)
         {"Attach", "AttachRequest"},      {"DefineModel", "DefineModelRequest"},
         {"Gather", "GatherRequest"},      {"ReduceScatter", "ReduceScatterRequest"},
         {"Step", "StepRequest"},          {"Collective", "CollectiveRequest"},
-        {"Status", "ShardStatusRequest"},
+        {"Status", "ShardStatusRequest"}, {"ClipGradNorm", "ClipGradNormRequest"},
     };
     static const struct {
         const char *what;
@@ -1667,6 +2019,8 @@ int main(int argc, char **argv)
         {"DefineModel: bad shapes, names, enums, optimizer, init offsets", test_define_bad},
         {"a refused DefineModel keeps the defined model", test_define_refused_keeps_state},
         {"Gather/ReduceScatter/Step: bad params, offsets, dtypes, lr", test_tensors_bad},
+        {"parameter groups: bad definitions and steps, frozen parameters", test_groups_bad},
+        {"ClipGradNorm: refusals, norm 2 and inf, the clipped step", test_clip_grad_norm},
         {"Collective: bad op, dtype, offsets", test_collective_bad},
         {"garbage bytes on each method, oversized request", test_garbage},
         {"ReadRegion/WriteRegion: oversized chunks, ranges, regions, sessions", test_region_bad},

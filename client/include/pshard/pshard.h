@@ -82,6 +82,16 @@ typedef enum {
     PSHARD_ADAMW = 2,
 } pshard_optimizer_t;
 
+/* One parameter group's hyperparameters (an entry of torch.optim's param_groups); the fields
+ * the optimizer does not use are ignored. Validated by torch's rules (lr, momentum, eps,
+ * weight_decay >= 0, 0 <= betas < 1, nesterov needs momentum > 0 and dampening 0). */
+typedef struct pshard_optim_group {
+    double lr, momentum, dampening, weight_decay, beta1, beta2, eps;
+    bool nesterov;
+    bool frozen; /* requires_grad=False: gathered, never reduce-scattered or stepped; its
+                    parameters count in no gradient norm and never change */
+} pshard_optim_group_t;
+
 typedef struct {
     pshard_layout_t layout;       /* FSDP2 (dim 0) or FSDP1 (flat) */
     pshard_dtype_t param_dtype;   /* what gather returns: fp32, bf16, fp16 */
@@ -110,10 +120,20 @@ typedef struct {
                                      parameter not reduce-scattered in a step is not updated;
                                      pshard_step ends the step and its lr applies to the next
                                      step's updates. Default false. */
+    /* Parameter groups (torch.optim's param_groups). ngroups == 0: one group with the
+     * hyperparameters above holds every parameter. Otherwise groups[0..ngroups) (at most
+     * 1024; copied, only their hyperparameters are used, `optimizer` still picks the kind)
+     * and param_groups[i] the group of parameter i (nparams entries, each < ngroups); the
+     * fields lr..nesterov above are then unused. Both are part of the definition every rank
+     * must pass alike. */
+    size_t ngroups;
+    const pshard_optim_group_t *groups;
+    const uint32_t *param_groups;
 } pshard_model_config_t;
 
 /* FSDP2 layout, fp32 params and reductions, torch.optim's defaults for `optimizer` (SGD
- * lr 1e-3), no clipping, init from rank 0, FULL_SHARD with at most 2 gathers in flight. */
+ * lr 1e-3), no clipping, init from rank 0, FULL_SHARD with at most 2 gathers in flight, one
+ * parameter group (ngroups 0, groups and param_groups NULL). */
 PSHARD_API void pshard_model_config_default(pshard_model_config_t *mc,
                                             pshard_optimizer_t optimizer);
 
@@ -196,11 +216,40 @@ PSHARD_API pshard_status_t pshard_reduce_scatter_start(pshard_client_t *c, const
 PSHARD_API pshard_status_t pshard_work_wait(pshard_work_t *work);
 
 /* Runs the optimizer on every shard (clipping first if configured). lr < 0 keeps the
- * configured rate. With optimizer_in_backward the updates were already applied at the
- * reduce-scatters: the step only counts them, and lr is the rate of the next step's. *step (may be NULL) gets the step number after the update, *grad_norm
- * (may be NULL) the global gradient norm before clipping. */
+ * configured rate (each group's own); lr >= 0 is this step's rate for every parameter group
+ * (the groups keep theirs for later steps). With optimizer_in_backward the updates were
+ * already applied at the reduce-scatters: the step only counts them, and lr is the rate of the
+ * next step's. *step (may be NULL) gets the step number after the update, *grad_norm (may be
+ * NULL) the global gradient norm before clipping (frozen parameters excluded). */
 PSHARD_API pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step,
                                        double *grad_norm);
+
+/* pshard_step with every parameter group's hyperparameters: groups[0..ngroups) replace the
+ * groups' hyperparameters for this step and the later ones (what torch's optimizer reads from
+ * param_groups at every step, so lr schedulers work, also ones that change momentum or betas);
+ * ngroups must be the definition's number of groups (one, the config's, when it gave none) and
+ * each group's frozen flag as defined. Every trainer passes the same values (else DESYNC).
+ * pshard_step(c, lr, ...) instead sets only this step's lr, for every group. Like pshard_step
+ * it waits for queued asynchronous work first and makes every gathered parameter sharded
+ * again. Errors: INVALID_ARGUMENT (wrong count, a value torch would refuse, frozen changed),
+ * FAILED_PRECONDITION (SGD momentum for a group when no trained group had momentum at
+ * definition: its buffers were not allocated), the collectives' own; the groups are copied.
+ * Not thread-safe (one thread per client). */
+PSHARD_API pshard_status_t pshard_step_groups(pshard_client_t *c,
+                                              const pshard_optim_group_t *groups,
+                                              size_t ngroups, int64_t *step, double *grad_norm);
+
+/* torch.nn.utils.clip_grad_norm_ on the shard servers, after backward and before the step:
+ * *total_norm (may be NULL) gets the fp32 norm of every rank's accumulated gradients (frozen
+ * parameters excluded) of type norm_type, 2.0 or INFINITY; with max_norm > 0 the accumulators
+ * are then multiplied by min(1, max_norm / (total_norm + 1e-6)) in fp32, as torch does;
+ * max_norm == 0 only computes the norm. Collective: every trainer calls it at the same point
+ * (ranks that joined take part by themselves). Waits for queued asynchronous reduce-scatters
+ * first. Errors: INVALID_ARGUMENT (another norm_type, max_norm < 0 or NaN),
+ * FAILED_PRECONDITION (no model, or optimizer_in_backward, which keeps no accumulator), the
+ * collectives' own. Not thread-safe (one thread per client). */
+PSHARD_API pshard_status_t pshard_clip_grad_norm(pshard_client_t *c, double max_norm,
+                                                 double norm_type, double *total_norm);
 
 typedef struct {
     bool enable;                     /* false: Join is off and pshard_join is an error (torch's

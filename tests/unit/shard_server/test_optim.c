@@ -2,7 +2,7 @@
  * of SGD (plain, weight decay, momentum, dampening, nesterov), Adam (with and without L2 weight
  * decay, both lerp forms) and AdamW compared against an independent double-precision
  * implementation of torch.optim's formulas, the first-step momentum initialisation, defaults,
- * validation messages, state counts, ps_sum_squares and ps_scale.
+ * validation messages, state counts, ps_sum_squares, ps_scale and ps_max_abs.
  * With `--dump` the program instead prints its trajectories for torch_optim_check.py, which
  * replays them with real torch.optim when PyTorch is installed. */
 #include <math.h>
@@ -393,6 +393,27 @@ static void test_state_count(void)
     CU_ASSERT_EQUAL(ps_optim_state_count(&cfg), 2);
 }
 
+/* The inf norm's largest magnitude: signs ignored, -0 is 0, infinities count, a NaN wins
+ * wherever it is (as torch's abs().max()), and no elements give 0. */
+static void test_max_abs(void)
+{
+    float x[9] = {0.5f, -3.25f, 2.0f, -0.0f, 1e-30f, 3.0f, -1.0f, 0.25f, 2.5f};
+    CU_ASSERT(ps_max_abs(x, 9) == 3.25f);
+    CU_ASSERT(ps_max_abs(x, 1) == 0.5f);
+    CU_ASSERT(ps_max_abs(x, 0) == 0.0f);
+    float z[2] = {-0.0f, 0.0f};
+    float zm = ps_max_abs(z, 2);
+    CU_ASSERT(zm == 0.0f && !signbit(zm));
+    x[6] = -INFINITY;
+    CU_ASSERT(isinf(ps_max_abs(x, 9)) && ps_max_abs(x, 9) > 0);
+    x[8] = NAN;
+    CU_ASSERT(isnan(ps_max_abs(x, 9)));
+    x[6] = -1.0f;
+    x[8] = 2.5f;
+    x[0] = -NAN;
+    CU_ASSERT(isnan(ps_max_abs(x, 9)));
+}
+
 static void test_sum_squares_and_scale(void)
 {
     enum { N = 1001 };
@@ -544,6 +565,7 @@ int main(int argc, char **argv)
         {"validate", test_validate},
         {"state_count", test_state_count},
         {"sum_squares_and_scale", test_sum_squares_and_scale},
+        {"max_abs", test_max_abs},
         {"element_functions", test_element_functions},
         {NULL, NULL},
     };

@@ -2,7 +2,8 @@
  * they mirror, bit for bit: conversions to bf16/fp16 (NaN, Inf, subnormals, ties included),
  * gradient accumulation from fp32 and bf16 with and without scaling, scaling, zeroing, the
  * optimizers over several steps (SGD plain/momentum/nesterov, Adam, AdamW with weight decay)
- * and the squared norm (to 1e-12 relative: the summation order may differ).
+ * the squared norm (to 1e-12 relative: the summation order may differ) and the largest
+ * magnitude (clip_grad_norm's inf norm: exactly ps_max_abs, NaN propagating).
  * usage: unit_shard_dev emulated|cuda. "emulated" (a unit test) checks the host emulation,
  * which runs the kernels' element functions; "cuda" (the gpu test gpu_kernels) checks the CUDA
  * kernels on device 0 and exits 77 (skipped) without a CUDA device or without nvcc's kernels. */
@@ -159,6 +160,31 @@ static void test_accumulate_scale_zero(void)
     }
 }
 
+/* The inf norm's largest |x|: equal to ps_max_abs on ordinary values, on values with an
+ * infinity, with a NaN (which wins, as in torch), and 0 for no elements. */
+static void test_max_abs(void)
+{
+    static float x[N];
+    for (size_t i = 0; i < N; i++)
+        x[i] = plain_float(0.0, 3.0);
+    x[N / 3] = -7.5f; /* the largest magnitude is a negative value */
+    char err[256] = "";
+    for (int k = 0; k < 3; k++) {
+        if (k == 1)
+            x[N - 1] = -INFINITY;
+        if (k == 2)
+            x[17] = NAN;
+        float want = ps_max_abs(x, N), got = -1.0f;
+        float *dx = dev_copy_of(x, sizeof(x));
+        CU_ASSERT_EQUAL(D->max_abs(0, dx, N, &got, err, sizeof(err)), PSHARD_OK);
+        CU_ASSERT(memcmp(&want, &got, sizeof(got)) == 0);
+        CU_ASSERT(k == 0 ? want == 7.5f : k == 1 ? isinf(want) : isnan(want));
+        CU_ASSERT_EQUAL(D->max_abs(0, dx, 0, &got, err, sizeof(err)), PSHARD_OK);
+        CU_ASSERT(got == 0.0f);
+        D->free_mem(0, dx);
+    }
+}
+
 /* Five steps of cfg on the CPU (ps_optim_step) and on the GPU; every array equal. */
 static void optim_case(const ps_optim_config_t *cfg, const char *what)
 {
@@ -239,6 +265,7 @@ int main(int argc, char **argv)
         {"convert", test_convert},
         {"accumulate_scale_zero", test_accumulate_scale_zero},
         {"optimizers", test_optimizers},
+        {"max_abs", test_max_abs},
         {NULL, NULL},
     };
     return ps_test_main(cuda ? "gpu_kernels" : "shard_dev_emulated", cases);
