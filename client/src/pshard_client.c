@@ -83,6 +83,9 @@ struct pshard_client {
     size_t nparams;
     size_t *numel;
     tensor_buf_t *pbuf, *gbuf;
+    /* stable_param_buffers: the fixed block of each parameter's full values, before the pool;
+     * NULL otherwise. */
+    size_t *stable_off;
     pshard_dtype_t param_dtype, reduce_dtype;
     int64_t model_step; /* from DefineModel: > 0 after a resume */
     bool reshard_after_forward;
@@ -770,17 +773,48 @@ static void buf_release(pshard_client_t *c, tensor_buf_t *b)
     b->state = BUF_NONE;
 }
 
+static void region_discard(region_t *r, size_t off, size_t len);
+
+/* Takes the block for parameter i's full values: its fixed block with stable_param_buffers,
+ * else one from the pool. False when the pool is full. */
+static bool param_take(pshard_client_t *c, size_t i, size_t bytes, size_t *off)
+{
+    if (!c->stable_off)
+        return pool_alloc(c, bytes, off);
+    *off = c->stable_off[i];
+    c->mem.in_use_bytes += align_up(bytes);
+    if (c->mem.in_use_bytes > c->mem.peak_in_use_bytes)
+        c->mem.peak_in_use_bytes = c->mem.in_use_bytes;
+    return true;
+}
+
+/* Reshards parameter i: its block goes back to the pool, or with stable_param_buffers its
+ * pages go back to the kernel (the addresses stay valid and read as zeros until the next
+ * gather writes them again). */
+static void param_release(pshard_client_t *c, size_t i)
+{
+    tensor_buf_t *b = &c->pbuf[i];
+    if (b->state != BUF_NONE && c->stable_off) {
+        c->mem.in_use_bytes -= align_up(b->bytes);
+        region_discard(&c->model, b->off, b->bytes);
+        b->state = BUF_NONE;
+    }
+    buf_release(c, b);
+}
+
 /* Frees every full parameter and gradient (a new model, or parameters stale after a step). */
 static void pool_reset_params(pshard_client_t *c)
 {
     for (size_t i = 0; i < c->nparams; i++)
         if (c->pbuf[i].state == BUF_READY)
-            buf_release(c, &c->pbuf[i]);
+            param_release(c, i);
 }
 
 static void model_free(pshard_client_t *c)
 {
     free(c->numel);
+    free(c->stable_off);
+    c->stable_off = NULL;
     free(c->pbuf);
     free(c->gbuf);
     free(c->holes);
@@ -838,13 +872,16 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     Pshard__ParamSpec **sptrs = calloc(nparams, sizeof(*sptrs));
     uint64_t *init_offsets = calloc(nparams, sizeof(uint64_t));
     pool_hole_t *holes = calloc(16, sizeof(pool_hole_t));
+    size_t *stable_off = mc->stable_param_buffers ? calloc(nparams, sizeof(size_t)) : NULL;
     pshard_status_t rc = PSHARD_OK;
-    if (!numel || !pbuf || !gbuf || !specs || !sptrs || !init_offsets || !holes) {
+    if (!numel || !pbuf || !gbuf || !specs || !sptrs || !init_offsets || !holes ||
+        (mc->stable_param_buffers && !stable_off)) {
         rc = fail(c, PSHARD_ERR_NO_MEMORY, "out of memory");
         goto out;
     }
     size_t ps = pshard_dtype_size(mc->param_dtype), gs = pshard_dtype_size(mc->reduce_dtype);
-    size_t all_bytes = 0, init_bytes = 0;
+    size_t all_bytes = 0, init_bytes = 0, stable_bytes = 0;
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
     for (size_t i = 0; i < nparams; i++) {
         if (params[i].ndim < 1 || params[i].ndim > 8 || !params[i].shape) {
             rc = fail(c, PSHARD_ERR_INVALID_ARGUMENT, "parameter #%zu (%s): ndim must be 1..8",
@@ -862,7 +899,16 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
             n *= (size_t)params[i].shape[d];
         }
         numel[i] = n;
-        all_bytes += align_up(n * ps) + align_up(n * gs);
+        if (stable_off) {
+            /* Page-aligned blocks of a page or more, so a reshard gives all their pages back. */
+            if (n * ps >= page)
+                stable_bytes = (stable_bytes + page - 1) / page * page;
+            stable_off[i] = stable_bytes;
+            stable_bytes += align_up(n * ps);
+            all_bytes += align_up(n * gs);
+        } else {
+            all_bytes += align_up(n * ps) + align_up(n * gs);
+        }
         init_offsets[i] = init_bytes;
         init_bytes = align_up(init_bytes + n * 4);
         pshard__param_spec__init(&specs[i]);
@@ -874,7 +920,8 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     /* Twice what everything needs at once, so first fit cannot fail for want of a hole; it
      * costs address space only, as pages are backed when first used. */
     size_t pool = mc->pool_bytes ? align_up(mc->pool_bytes) : 2 * all_bytes;
-    size_t bytes = pool > init_bytes ? pool : init_bytes;
+    stable_bytes = (stable_bytes + page - 1) / page * page;
+    size_t bytes = stable_bytes + pool > init_bytes ? stable_bytes + pool : init_bytes;
     region_t model = {0};
     char err[1024] = "";
     rc = region_create(&model, bytes, "model", c->cfg.remote, false, err, sizeof(err));
@@ -966,8 +1013,10 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     c->gbuf = gbuf;
     c->holes = holes;
     c->holes_cap = 16;
-    c->holes[0] = (pool_hole_t){0, pool};
+    c->holes[0] = (pool_hole_t){stable_bytes, pool};
     c->nholes = 1;
+    c->stable_off = stable_off;
+    stable_off = NULL;
     numel = NULL;
     pbuf = gbuf = NULL;
     holes = NULL;
@@ -983,6 +1032,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     pthread_mutex_unlock(&c->mu);
 out:
     free(numel);
+    free(stable_off);
     free(pbuf);
     free(gbuf);
     free(specs);
@@ -1032,6 +1082,16 @@ void *pshard_grad(pshard_client_t *c, size_t i)
     pthread_mutex_unlock(&c->mu);
     if (fresh)
         memset(p, 0, bytes);
+    return p;
+}
+
+void *pshard_param_buffer(pshard_client_t *c, size_t i)
+{
+    void *p = NULL;
+    pthread_mutex_lock(&c->mu);
+    if (c->stable_off && i < c->nparams)
+        p = (uint8_t *)c->model.base + c->stable_off[i];
+    pthread_mutex_unlock(&c->mu);
     return p;
 }
 
@@ -1127,7 +1187,7 @@ static void finish_buffers(pshard_client_t *c, pshard_work_t *w, pshard_status_t
             if (rc == PSHARD_OK)
                 c->pbuf[i].state = BUF_READY;
             else
-                buf_release(c, &c->pbuf[i]);
+                param_release(c, i);
         } else {
             buf_release(c, &c->gbuf[i]);
         }
@@ -1165,7 +1225,7 @@ static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const
                 continue;
             }
             size_t bytes = c->numel[i] * pshard_dtype_size(c->param_dtype), off;
-            while (!pool_alloc(c, bytes, &off)) {
+            while (!param_take(c, i, bytes, &off)) {
                 if (!c->qhead && !c->busy) {
                     size_t in_use = c->mem.in_use_bytes;
                     finish_buffers(c, w, PSHARD_ERR_ABORTED);
@@ -1312,6 +1372,16 @@ pshard_status_t pshard_work_wait(pshard_work_t *w)
     return rc;
 }
 
+bool pshard_work_test(pshard_work_t *w)
+{
+    if (!w)
+        return false;
+    pthread_mutex_lock(&w->c->mu);
+    bool done = w->done;
+    pthread_mutex_unlock(&w->c->mu);
+    return done;
+}
+
 /* A blocking operation runs on the caller's thread once everything issued before it finished:
  * handing it to the worker and waiting would only add two thread wake-ups. */
 static pshard_status_t run_inline(pshard_client_t *c, work_kind_t kind, const size_t *ids,
@@ -1372,7 +1442,7 @@ pshard_status_t pshard_reshard(pshard_client_t *c, const size_t *ids, size_t n)
     }
     if (rc == PSHARD_OK)
         for (size_t k = 0; k < count; k++)
-            buf_release(c, &c->pbuf[n ? ids[k] : k]);
+            param_release(c, n ? ids[k] : k);
     pthread_mutex_unlock(&c->mu);
     return rc;
 }

@@ -120,6 +120,13 @@ typedef struct {
                                      parameter not reduce-scattered in a step is not updated;
                                      pshard_step ends the step and its lr applies to the next
                                      step's updates. Default false. */
+    bool stable_param_buffers;    /* each parameter's full buffer has a fixed address for the
+                                     model's life (pshard_param_buffer), as FSDP2 keeps an
+                                     unsharded parameter's storage: a reshard gives its pages
+                                     back to the kernel (they read as zeros) and the next gather
+                                     writes the same addresses, so views a framework saved
+                                     stay valid. pool_bytes then sizes the gradients' pool
+                                     only. Default false: blocks come from the pool. */
     /* Parameter groups (torch.optim's param_groups). ngroups == 0: one group with the
      * hyperparameters above holds every parameter. Otherwise groups[0..ngroups) (at most
      * 1024; copied, only their hyperparameters are used, `optimizer` still picks the kind)
@@ -169,6 +176,11 @@ PSHARD_API void *pshard_param(pshard_client_t *c, size_t i);
  * for a bad i, while its reduce-scatter runs, or when the pool is full (pshard_last_error). */
 PSHARD_API void *pshard_grad(pshard_client_t *c, size_t i);
 PSHARD_API size_t pshard_param_numel(const pshard_client_t *c, size_t i);
+/* With stable_param_buffers: the fixed address of parameter i's full buffer (param_dtype),
+ * valid from pshard_define_model until the model is redefined or the client closed; its
+ * contents are the parameter's values only while it is gathered (pshard_param non-NULL), zeros
+ * otherwise. NULL without stable_param_buffers or for a bad i. Thread-safe. */
+PSHARD_API void *pshard_param_buffer(pshard_client_t *c, size_t i);
 
 /* Gathers the full values of parameters ids[0..n) (n == 0: all) into buffers taken from the
  * pool. A parameter that is already gathered (or being gathered) is skipped, which is how
@@ -212,6 +224,9 @@ PSHARD_API pshard_status_t pshard_gather_start(pshard_client_t *c, const size_t 
                                                pshard_work_t **work);
 PSHARD_API pshard_status_t pshard_reduce_scatter_start(pshard_client_t *c, const size_t *ids,
                                                        size_t n, pshard_work_t **work);
+/* True once the work has finished (successfully or not); pshard_work_wait then returns at
+ * once. Does not free the handle. False for NULL. Thread-safe. */
+PSHARD_API bool pshard_work_test(pshard_work_t *work);
 /* Waits for and frees a handle; returns its status (message via pshard_last_error). */
 PSHARD_API pshard_status_t pshard_work_wait(pshard_work_t *work);
 
