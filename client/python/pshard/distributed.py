@@ -1,0 +1,126 @@
+"""Collectives on torch tensors through this trainer's shard server, with torch.distributed's
+names: all_reduce, broadcast, all_gather_into_tensor, barrier. While some trainers have joined
+(pshard.torch.Join), their ranks contribute zeros and an average is over the others.
+
+Tensors must be on the CPU, of dtype float32, bfloat16, float16 or int64; non-contiguous
+tensors are handled through a contiguous copy. ``async_op=True`` runs the operation at once
+and returns a completed Work. Errors are pshard.Error subclasses (PeerLostError, TimeoutError,
+...) with pshard's message, or TypeError/ValueError for bad arguments.
+"""
+import enum
+
+import torch
+
+import pshard
+
+__all__ = ["ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor", "barrier",
+           "get_rank", "get_world_size"]
+
+get_rank = pshard.get_rank
+get_world_size = pshard.get_world_size
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+           torch.int64: "int64"}
+# Pieces of this many bytes at most go through the shard server's scratch region at once
+# (PSHARD_SCRATCH_BYTES, 16 MiB by default).
+_CHUNK_BYTES = 4 << 20
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+
+
+class _DoneWork:
+    """What async_op=True returns: the operation already ran."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _dtype_of(t, what):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, not {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what} is on {t.device}; pshard's collectives take CPU tensors")
+    try:
+        return _DTYPES[t.dtype]
+    except KeyError:
+        raise TypeError(f"{what} has dtype {t.dtype}; supported: float32, bfloat16, float16, "
+                        "int64") from None
+
+
+def _check(group):
+    pshard._no_group(group)
+    return pshard._get_client()
+
+
+def _flat_pieces(t):
+    """Contiguous 1-D pieces of t's elements (views of t when it is contiguous)."""
+    flat = t.view(-1)
+    step = max(1, _CHUNK_BYTES // max(1, t.element_size()))
+    return [flat[i:i + step] for i in range(0, flat.numel(), step)]
+
+
+def _in_place(tensor, fn):
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    for piece in _flat_pieces(work.detach()):
+        fn(piece)
+    if work is not tensor:
+        tensor.copy_(work)
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    """Sums (or averages, op=ReduceOp.AVG) tensor over all ranks, in place."""
+    c = _check(group)
+    dt = _dtype_of(tensor, "tensor")
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"op {op!r} is not supported; use ReduceOp.SUM or ReduceOp.AVG")
+    if op is ReduceOp.AVG and dt == "int64":
+        raise TypeError("ReduceOp.AVG needs a floating-point tensor")
+    _in_place(tensor, lambda piece: c.all_reduce(piece, dt, op is ReduceOp.AVG))
+    return _DoneWork() if async_op else None
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    """Copies rank src's tensor into every rank's tensor."""
+    c = _check(group)
+    dt = _dtype_of(tensor, "tensor")
+    _in_place(tensor, lambda piece: c.broadcast(piece, dt, int(src)))
+    return _DoneWork() if async_op else None
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    """Concatenates every rank's input_tensor (in rank order) into output_tensor, whose first
+    dimension (or element count) is world_size times the input's."""
+    c = _check(group)
+    dt = _dtype_of(input_tensor, "input_tensor")
+    if _dtype_of(output_tensor, "output_tensor") != dt:
+        raise TypeError("output_tensor and input_tensor must have the same dtype")
+    world = c.world_size
+    if output_tensor.numel() != world * input_tensor.numel():
+        raise ValueError(f"output_tensor has {output_tensor.numel()} elements; it needs "
+                         f"world_size ({world}) x {input_tensor.numel()}")
+    src = input_tensor.detach().contiguous().view(-1)
+    out = output_tensor if output_tensor.is_contiguous() else output_tensor.contiguous()
+    out_flat = out.detach().view(world, -1)
+    step = max(1, _CHUNK_BYTES // max(1, src.element_size() * (world + 1)))
+    for i in range(0, max(src.numel(), 1), step):
+        piece = src[i:i + step]
+        if piece.numel() == 0:
+            break
+        recv = torch.empty(world * piece.numel(), dtype=src.dtype)
+        c.all_gather(recv, piece, dt)
+        out_flat[:, i:i + piece.numel()].copy_(recv.view(world, -1))
+    if out is not output_tensor:
+        output_tensor.copy_(out)
+    return _DoneWork() if async_op else None
+
+
+def barrier(group=None, async_op=False, device_ids=None):
+    """Returns once every rank has entered the barrier."""
+    _check(group).barrier()
+    return _DoneWork() if async_op else None

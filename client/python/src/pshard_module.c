@@ -1,0 +1,1398 @@
+/* pshard._C: the CPython binding of libpshard. A Client is one trainer's connection to its shard
+ * server; Buffers are zero-copy views of the shared memory the server writes (exported through
+ * DLPack and the buffer protocol); Works are asynchronous gathers and reduce-scatters. Tensors
+ * coming in (initial values, collective buffers) are read through their __dlpack__ capsule, so
+ * no numpy or torch is needed here. Every blocking call releases the GIL; pshard statuses become
+ * exceptions of the classes below carrying pshard's message. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "pshard/pshard.h"
+
+/* ---- DLPack (the v0.8 / legacy ABI, from the DLPack specification) ----------------------- */
+
+typedef struct {
+    int32_t device_type; /* kDLCPU = 1, kDLCUDA = 2 */
+    int32_t device_id;
+} DLDevice;
+
+typedef struct {
+    uint8_t code; /* kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4 */
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} DLTensor;
+
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+#define DL_CPU 1
+#define DL_INT 0
+#define DL_FLOAT 2
+#define DL_BFLOAT 4
+
+/* ---- errors ------------------------------------------------------------------------------ */
+
+static PyObject *Error, *InvalidArgumentError, *OutOfMemoryError, *TimeoutErr, *PeerLostError,
+    *AbortedError, *DesyncError, *JoinedError, *NotFoundError, *FailedPreconditionError,
+    *UnavailableError;
+
+static const char *status_name(pshard_status_t st)
+{
+    switch (st) {
+#define PS_NAME_(name, value, msg)                                                                 \
+    case name:                                                                                     \
+        return #name;
+        PSHARD_STATUS_MAP(PS_NAME_)
+#undef PS_NAME_
+    }
+    return "PSHARD_ERR_UNKNOWN";
+}
+
+static PyObject *error_class(pshard_status_t st)
+{
+    switch (st) {
+    case PSHARD_ERR_INVALID_ARGUMENT:
+        return InvalidArgumentError;
+    case PSHARD_ERR_NO_MEMORY:
+    case PSHARD_ERR_RESOURCE_EXHAUSTED:
+        return OutOfMemoryError;
+    case PSHARD_ERR_TIMEOUT:
+        return TimeoutErr;
+    case PSHARD_ERR_PEER_LOST:
+        return PeerLostError;
+    case PSHARD_ERR_ABORTED:
+    case PSHARD_ERR_CANCELLED:
+        return AbortedError;
+    case PSHARD_ERR_DESYNC:
+        return DesyncError;
+    case PSHARD_ERR_JOINED:
+        return JoinedError;
+    case PSHARD_ERR_NOT_FOUND:
+        return NotFoundError;
+    case PSHARD_ERR_FAILED_PRECONDITION:
+        return FailedPreconditionError;
+    case PSHARD_ERR_UNAVAILABLE:
+    case PSHARD_ERR_RPC:
+        return UnavailableError;
+    default:
+        return Error;
+    }
+}
+
+/* Raises the exception of st with message msg; the instance carries .status (the enum name).
+ * Returns NULL for the caller to return. */
+static PyObject *raise_status(pshard_status_t st, const char *msg)
+{
+    PyObject *cls = error_class(st);
+    PyObject *exc = PyObject_CallFunction(cls, "s", msg && *msg ? msg : status_name(st));
+    if (!exc)
+        return NULL;
+    PyObject *name = PyUnicode_FromString(status_name(st));
+    if (name) {
+        PyObject_SetAttrString(exc, "status", name);
+        Py_DECREF(name);
+    }
+    PyErr_SetObject(cls, exc);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+/* ---- Client ------------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    pshard_client_t *c;
+    /* libpshard's client is used by one thread at a time: Python threads take turns here,
+     * with the GIL released. */
+    pthread_mutex_t op_mu;
+    pshard_dtype_t param_dtype, reduce_dtype;
+    size_t nparams;
+    PyObject *shapes; /* tuple of shape tuples of the defined model, or NULL */
+    bool closing;     /* close() was called while views of its memory were alive */
+    Py_ssize_t exports; /* live Buffers (and DLPack tensors) pointing into its memory */
+} ClientObject;
+
+static PyTypeObject ClientType, BufferType, WorkType;
+
+#define CLIENT_CALL(self, stmt)                                                                    \
+    do {                                                                                           \
+        Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&(self)->op_mu);                                 \
+        stmt;                                                                                      \
+        pthread_mutex_unlock(&(self)->op_mu);                                                      \
+        Py_END_ALLOW_THREADS                                                                       \
+    } while (0)
+
+static int client_ok(ClientObject *self)
+{
+    if (!self->c || self->closing) {
+        raise_status(PSHARD_ERR_FAILED_PRECONDITION,
+                     "the process group was destroyed (destroy_process_group) or never "
+                     "initialized");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *client_fail(ClientObject *self, pshard_status_t st)
+{
+    return raise_status(st, pshard_last_error(self->c));
+}
+
+static void client_really_close(ClientObject *self)
+{
+    if (self->c) {
+        pshard_client_t *c = self->c;
+        self->c = NULL;
+        Py_BEGIN_ALLOW_THREADS pshard_close(c);
+        Py_END_ALLOW_THREADS
+    }
+}
+
+static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"server", "token", "rank", "world_size", "timeout_ms",
+                             "connect_timeout_ms", NULL};
+    const char *server = NULL, *token = NULL;
+    int rank = -1, world = -1;
+    long long timeout_ms = 0, connect_ms = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zziiLL", kwlist, &server, &token, &rank, &world,
+                                     &timeout_ms, &connect_ms))
+        return -1;
+    if (self->c) {
+        PyErr_SetString(PyExc_RuntimeError, "Client is already connected");
+        return -1;
+    }
+    pshard_client_config_t cfg;
+    char err[1024] = "";
+    pshard_status_t st = pshard_client_config_from_env(&cfg, err, sizeof(err));
+    /* An explicit server stands in for a missing PSHARD_SERVER (the only error left then). */
+    if (st != PSHARD_OK && !(server && *server && !cfg.server)) {
+        raise_status(st, err);
+        return -1;
+    }
+    if (st != PSHARD_OK && cfg.server == NULL && strncmp(err, "PSHARD_SERVER", 13) != 0) {
+        raise_status(st, err);
+        return -1;
+    }
+    if (server && *server)
+        cfg.server = server;
+    if (token)
+        cfg.token = token;
+    if (rank >= 0)
+        cfg.rank = rank;
+    if (world > 0)
+        cfg.world_size = world;
+    if (timeout_ms > 0)
+        cfg.timeout_ms = timeout_ms;
+    if (connect_ms > 0)
+        cfg.connect_timeout_ms = connect_ms;
+    pshard_client_t *c = NULL;
+    Py_BEGIN_ALLOW_THREADS st = pshard_connect(&cfg, &c, err, sizeof(err));
+    Py_END_ALLOW_THREADS
+    if (st != PSHARD_OK) {
+        raise_status(st, err);
+        return -1;
+    }
+    self->c = c;
+    return 0;
+}
+
+static PyObject *Client_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    ClientObject *self = (ClientObject *)type->tp_alloc(type, 0);
+    if (self)
+        pthread_mutex_init(&self->op_mu, NULL);
+    return (PyObject *)self;
+}
+
+static void Client_dealloc(ClientObject *self)
+{
+    client_really_close(self);
+    Py_XDECREF(self->shapes);
+    pthread_mutex_destroy(&self->op_mu);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* close(): leaves the cluster. Views of the client's memory that are still alive keep it
+ * mapped until the last one is gone; every call fails from now on. */
+static PyObject *Client_close(ClientObject *self, PyObject *unused)
+{
+    self->closing = true;
+    if (self->exports == 0)
+        client_really_close(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Client_get_rank(ClientObject *self, void *unused)
+{
+    if (!client_ok(self))
+        return NULL;
+    return PyLong_FromLong(pshard_rank(self->c));
+}
+
+static PyObject *Client_get_world(ClientObject *self, void *unused)
+{
+    if (!client_ok(self))
+        return NULL;
+    return PyLong_FromLong(pshard_world_size(self->c));
+}
+
+static PyObject *Client_get_model_step(ClientObject *self, void *unused)
+{
+    if (!client_ok(self))
+        return NULL;
+    return PyLong_FromLongLong(pshard_model_step(self->c));
+}
+
+/* ---- incoming tensors (DLPack consumer) -------------------------------------------------- */
+
+typedef struct {
+    PyObject *capsule;
+    DLManagedTensor *mt;
+    void *data;
+    size_t numel;
+} dl_in_t;
+
+static int dl_dtype_is(const DLDataType *t, pshard_dtype_t want)
+{
+    if (t->lanes != 1)
+        return 0;
+    switch (want) {
+    case PSHARD_FP32:
+        return t->code == DL_FLOAT && t->bits == 32;
+    case PSHARD_FP16:
+        return t->code == DL_FLOAT && t->bits == 16;
+    case PSHARD_BF16:
+        return t->code == DL_BFLOAT && t->bits == 16;
+    case PSHARD_INT64:
+        return t->code == DL_INT && t->bits == 64;
+    }
+    return 0;
+}
+
+/* Reads a tensor through obj.__dlpack__(): it must be on the CPU, contiguous and of dtype
+ * want. On success in->data points at its first element until dl_release. what names the
+ * argument in errors. Returns 0, or -1 with an exception set. */
+static int dl_acquire(PyObject *obj, pshard_dtype_t want, const char *what, dl_in_t *in)
+{
+    memset(in, 0, sizeof(*in));
+    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    if (!cap) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s: expected a tensor (an object with __dlpack__), "
+                                          "got %s",
+                         what, Py_TYPE(obj)->tp_name);
+        }
+        return -1;
+    }
+    DLManagedTensor *mt = PyCapsule_GetPointer(cap, "dltensor");
+    if (!mt) {
+        Py_DECREF(cap);
+        return -1;
+    }
+    /* From here on the capsule is ours: mark it used so its destructor leaves it to us. */
+    PyCapsule_SetName(cap, "used_dltensor");
+    in->capsule = cap;
+    in->mt = mt;
+    const DLTensor *t = &mt->dl_tensor;
+    const char *bad = NULL;
+    if (t->device.device_type != DL_CPU)
+        bad = "must be on the CPU";
+    else if (!dl_dtype_is(&t->dtype, want))
+        bad = want == PSHARD_FP32   ? "must be float32"
+              : want == PSHARD_BF16 ? "must be bfloat16"
+              : want == PSHARD_FP16 ? "must be float16"
+                                    : "must be int64";
+    size_t numel = 1;
+    if (!bad) {
+        int64_t expect = 1;
+        for (int d = t->ndim - 1; d >= 0; d--) {
+            if (t->shape[d] < 0) {
+                bad = "has a negative dimension";
+                break;
+            }
+            if (t->strides && t->shape[d] > 1 && t->strides[d] != expect) {
+                bad = "must be contiguous";
+                break;
+            }
+            expect *= t->shape[d];
+            numel *= (size_t)t->shape[d];
+        }
+    }
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "%s %s", what, bad);
+        if (mt->deleter)
+            mt->deleter(mt);
+        Py_DECREF(cap);
+        memset(in, 0, sizeof(*in));
+        return -1;
+    }
+    in->data = (uint8_t *)t->data + t->byte_offset;
+    in->numel = numel;
+    return 0;
+}
+
+static void dl_release(dl_in_t *in)
+{
+    if (in->mt && in->mt->deleter)
+        in->mt->deleter(in->mt);
+    Py_XDECREF(in->capsule);
+    memset(in, 0, sizeof(*in));
+}
+
+static int parse_dtype(PyObject *o, pshard_dtype_t *out)
+{
+    if (!PyUnicode_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "dtype must be a string (fp32, bf16, fp16, int64)");
+        return 0;
+    }
+    const char *s = PyUnicode_AsUTF8(o);
+    if (!s || pshard_dtype_parse(s, out) != 0) {
+        PyErr_Format(PyExc_ValueError, "unknown dtype %R (fp32, bf16, fp16, int64)", o);
+        return 0;
+    }
+    return 1;
+}
+
+/* ---- define_model ------------------------------------------------------------------------ */
+
+static int dict_double(PyObject *d, const char *key, double *out)
+{
+    PyObject *v = PyDict_GetItemString(d, key);
+    if (!v)
+        return 0;
+    double x = PyFloat_AsDouble(v);
+    if (x == -1.0 && PyErr_Occurred())
+        return -1;
+    *out = x;
+    return 0;
+}
+
+static int dict_bool(PyObject *d, const char *key, bool *out)
+{
+    PyObject *v = PyDict_GetItemString(d, key);
+    if (!v)
+        return 0;
+    int t = PyObject_IsTrue(v);
+    if (t < 0)
+        return -1;
+    *out = t != 0;
+    return 0;
+}
+
+/* Fills a group from a dict of torch's names (lr, momentum, dampening, nesterov,
+ * weight_decay, betas, eps, frozen); missing keys keep *g. Returns 0 or -1 (exception). */
+static int group_from_dict(PyObject *d, pshard_optim_group_t *g)
+{
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "an optimizer group must be a dict");
+        return -1;
+    }
+    if (dict_double(d, "lr", &g->lr) || dict_double(d, "momentum", &g->momentum) ||
+        dict_double(d, "dampening", &g->dampening) ||
+        dict_double(d, "weight_decay", &g->weight_decay) || dict_double(d, "eps", &g->eps) ||
+        dict_bool(d, "nesterov", &g->nesterov) || dict_bool(d, "frozen", &g->frozen))
+        return -1;
+    PyObject *betas = PyDict_GetItemString(d, "betas");
+    if (betas) {
+        if (!PyArg_ParseTuple(betas, "dd;betas must be a pair of floats", &g->beta1, &g->beta2))
+            return -1;
+    }
+    return 0;
+}
+
+static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"names",          "shapes",
+                             "init",           "optimizer",
+                             "groups",         "param_groups",
+                             "layout",         "param_dtype",
+                             "reduce_dtype",   "reshard_after_forward",
+                             "max_gathers_in_flight", "max_grad_norm",
+                             "init_from_rank0", NULL};
+    PyObject *names, *shapes, *init = Py_None, *groups = Py_None, *pgroups = Py_None;
+    const char *optimizer = "sgd", *layout = "fsdp2";
+    PyObject *pdt = NULL, *rdt = NULL;
+    int reshard = 1, max_inflight = 2, from_rank0 = 1;
+    double max_grad_norm = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OsOOsOOpidp", kwlist, &names, &shapes, &init,
+                                     &optimizer, &groups, &pgroups, &layout, &pdt, &rdt,
+                                     &reshard, &max_inflight, &max_grad_norm, &from_rank0))
+        return NULL;
+    if (!client_ok(self))
+        return NULL;
+    if (self->exports > 0)
+        return raise_status(PSHARD_ERR_FAILED_PRECONDITION,
+                            "the model is already defined and views of its parameters are "
+                            "alive; a client defines one model");
+    pshard_optimizer_t kind;
+    if (strcmp(optimizer, "sgd") == 0)
+        kind = PSHARD_SGD;
+    else if (strcmp(optimizer, "adam") == 0)
+        kind = PSHARD_ADAM;
+    else if (strcmp(optimizer, "adamw") == 0)
+        kind = PSHARD_ADAMW;
+    else
+        return PyErr_Format(PyExc_ValueError, "optimizer must be sgd, adam or adamw, not '%s'",
+                            optimizer);
+    pshard_model_config_t mc;
+    pshard_model_config_default(&mc, kind);
+    if (strcmp(layout, "fsdp2") == 0)
+        mc.layout = PSHARD_LAYOUT_FSDP2;
+    else if (strcmp(layout, "fsdp1") == 0)
+        mc.layout = PSHARD_LAYOUT_FSDP1;
+    else
+        return PyErr_Format(PyExc_ValueError, "layout must be fsdp2 or fsdp1, not '%s'", layout);
+    if (pdt && pdt != Py_None && !parse_dtype(pdt, &mc.param_dtype))
+        return NULL;
+    mc.reduce_dtype = mc.param_dtype == PSHARD_BF16 ? PSHARD_BF16 : PSHARD_FP32;
+    if (rdt && rdt != Py_None && !parse_dtype(rdt, &mc.reduce_dtype))
+        return NULL;
+    mc.reshard_after_forward = reshard != 0;
+    mc.max_gathers_in_flight = max_inflight;
+    mc.max_grad_norm = max_grad_norm;
+    mc.init_from_rank0 = from_rank0 != 0;
+    mc.stable_param_buffers = true;
+
+    PyObject *nseq = PySequence_Fast(names, "names must be a sequence of str");
+    PyObject *sseq = nseq ? PySequence_Fast(shapes, "shapes must be a sequence") : NULL;
+    PyObject *iseq = NULL, *gseq = NULL, *pgseq = NULL, *shape_tuples = NULL;
+    pshard_param_t *params = NULL;
+    int64_t *dims = NULL;
+    const float **initp = NULL;
+    dl_in_t *ins = NULL;
+    pshard_optim_group_t *garr = NULL;
+    uint32_t *pg = NULL;
+    PyObject *result = NULL;
+    size_t n = 0;
+    if (!sseq)
+        goto out;
+    n = (size_t)PySequence_Fast_GET_SIZE(nseq);
+    if ((size_t)PySequence_Fast_GET_SIZE(sseq) != n) {
+        PyErr_SetString(PyExc_ValueError, "names and shapes differ in length");
+        goto out;
+    }
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "the model has no parameters");
+        goto out;
+    }
+    params = PyMem_Calloc(n, sizeof(*params));
+    dims = PyMem_Calloc(n * 8, sizeof(int64_t));
+    shape_tuples = PyTuple_New((Py_ssize_t)n);
+    if (!params || !dims || !shape_tuples) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        PyObject *nm = PySequence_Fast_GET_ITEM(nseq, i);
+        params[i].name = PyUnicode_Check(nm) ? PyUnicode_AsUTF8(nm) : NULL;
+        if (!params[i].name) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "parameter #%zu: the name must be a str", i);
+            goto out;
+        }
+        PyObject *sh = PySequence_Fast(PySequence_Fast_GET_ITEM(sseq, i),
+                                       "a shape must be a sequence of ints");
+        if (!sh)
+            goto out;
+        Py_ssize_t nd = PySequence_Fast_GET_SIZE(sh);
+        if (nd < 1 || nd > 8) {
+            Py_DECREF(sh);
+            PyErr_Format(PyExc_ValueError,
+                         "parameter '%s' has %zd dimensions; pshard shards tensors of 1 to 8 "
+                         "dimensions",
+                         params[i].name, nd);
+            goto out;
+        }
+        PyObject *tup = PyTuple_New(nd);
+        if (!tup) {
+            Py_DECREF(sh);
+            goto out;
+        }
+        for (Py_ssize_t d = 0; d < nd; d++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(sh, d);
+            long long v = PyLong_AsLongLong(item);
+            if (v == -1 && PyErr_Occurred()) {
+                Py_DECREF(sh);
+                Py_DECREF(tup);
+                goto out;
+            }
+            dims[i * 8 + (size_t)d] = v;
+            Py_INCREF(item);
+            PyTuple_SET_ITEM(tup, d, item);
+        }
+        Py_DECREF(sh);
+        PyTuple_SET_ITEM(shape_tuples, (Py_ssize_t)i, tup);
+        params[i].ndim = (int)nd;
+        params[i].shape = &dims[i * 8];
+    }
+    if (init != Py_None) {
+        iseq = PySequence_Fast(init, "init must be a sequence of tensors or None");
+        if (!iseq)
+            goto out;
+        if ((size_t)PySequence_Fast_GET_SIZE(iseq) != n) {
+            PyErr_SetString(PyExc_ValueError, "init and names differ in length");
+            goto out;
+        }
+        ins = PyMem_Calloc(n, sizeof(*ins));
+        initp = PyMem_Calloc(n, sizeof(*initp));
+        if (!ins || !initp) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        for (size_t i = 0; i < n; i++) {
+            char what[320];
+            PyOS_snprintf(what, sizeof(what), "initial value of '%s'", params[i].name);
+            if (dl_acquire(PySequence_Fast_GET_ITEM(iseq, i), PSHARD_FP32, what, &ins[i]) != 0)
+                goto out;
+            size_t want = 1;
+            for (int d = 0; d < params[i].ndim; d++)
+                want *= (size_t)(params[i].shape[d] > 0 ? params[i].shape[d] : 0);
+            if (ins[i].numel != want) {
+                PyErr_Format(PyExc_ValueError, "%s has %zu elements, the shape says %zu", what,
+                             ins[i].numel, want);
+                goto out;
+            }
+            initp[i] = ins[i].data;
+        }
+    }
+    if (groups != Py_None) {
+        gseq = PySequence_Fast(groups, "groups must be a sequence of dicts");
+        pgseq = gseq ? PySequence_Fast(pgroups, "param_groups must be a sequence of ints")
+                     : NULL;
+        if (!pgseq)
+            goto out;
+        size_t ng = (size_t)PySequence_Fast_GET_SIZE(gseq);
+        if (ng == 0 || (size_t)PySequence_Fast_GET_SIZE(pgseq) != n) {
+            PyErr_SetString(PyExc_ValueError,
+                            "groups must not be empty and param_groups must name one group per "
+                            "parameter");
+            goto out;
+        }
+        garr = PyMem_Calloc(ng, sizeof(*garr));
+        pg = PyMem_Calloc(n, sizeof(*pg));
+        if (!garr || !pg) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        for (size_t g = 0; g < ng; g++) {
+            garr[g] = (pshard_optim_group_t){.lr = mc.lr, .momentum = mc.momentum,
+                                             .dampening = mc.dampening,
+                                             .weight_decay = mc.weight_decay,
+                                             .beta1 = mc.beta1, .beta2 = mc.beta2,
+                                             .eps = mc.eps, .nesterov = mc.nesterov};
+            if (group_from_dict(PySequence_Fast_GET_ITEM(gseq, g), &garr[g]) != 0)
+                goto out;
+        }
+        for (size_t i = 0; i < n; i++) {
+            long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(pgseq, i));
+            if (v == -1 && PyErr_Occurred())
+                goto out;
+            if (v < 0 || (size_t)v >= ng) {
+                PyErr_Format(PyExc_ValueError, "parameter '%s' is in group %ld of %zu",
+                             params[i].name, v, ng);
+                goto out;
+            }
+            pg[i] = (uint32_t)v;
+        }
+        /* Group 0 also fills the model-wide fields (single-group servers read those). */
+        mc.lr = garr[0].lr;
+        mc.momentum = garr[0].momentum;
+        mc.dampening = garr[0].dampening;
+        mc.weight_decay = garr[0].weight_decay;
+        mc.beta1 = garr[0].beta1;
+        mc.beta2 = garr[0].beta2;
+        mc.eps = garr[0].eps;
+        mc.nesterov = garr[0].nesterov;
+        mc.ngroups = ng;
+        mc.groups = garr;
+        mc.param_groups = pg;
+    }
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_define_model(self->c, params, n, &mc,
+                                               initp ? (const float *const *)initp : NULL));
+    if (st != PSHARD_OK) {
+        client_fail(self, st);
+        goto out;
+    }
+    self->param_dtype = mc.param_dtype;
+    self->reduce_dtype = mc.reduce_dtype;
+    self->nparams = n;
+    Py_XSETREF(self->shapes, shape_tuples);
+    shape_tuples = NULL;
+    result = PyLong_FromLongLong(pshard_model_step(self->c));
+out:
+    if (ins)
+        for (size_t i = 0; i < n; i++)
+            dl_release(&ins[i]);
+    PyMem_Free(ins);
+    PyMem_Free(initp);
+    PyMem_Free(params);
+    PyMem_Free(dims);
+    PyMem_Free(garr);
+    PyMem_Free(pg);
+    Py_XDECREF(shape_tuples);
+    Py_XDECREF(nseq);
+    Py_XDECREF(sseq);
+    Py_XDECREF(iseq);
+    Py_XDECREF(gseq);
+    Py_XDECREF(pgseq);
+    return result;
+}
+
+/* ---- Buffer: a view of the client's shared memory ---------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    ClientObject *owner; /* keeps the mapping alive */
+    void *data;
+    size_t nbytes;
+    pshard_dtype_t dtype;
+    int ndim;
+    int64_t shape[8];
+    Py_ssize_t pyshape[8], pystrides[8];
+} BufferObject;
+
+static void export_release(ClientObject *owner)
+{
+    owner->exports--;
+    if (owner->exports == 0 && owner->closing)
+        client_really_close(owner);
+}
+
+static PyObject *buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype,
+                            PyObject *shape)
+{
+    BufferObject *b = PyObject_New(BufferObject, &BufferType);
+    if (!b)
+        return NULL;
+    b->owner = owner;
+    Py_INCREF(owner);
+    owner->exports++;
+    b->data = data;
+    b->dtype = dtype;
+    b->ndim = (int)PyTuple_GET_SIZE(shape);
+    size_t n = 1;
+    for (int d = 0; d < b->ndim; d++) {
+        b->shape[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+        n *= (size_t)b->shape[d];
+    }
+    b->nbytes = n * pshard_dtype_size(dtype);
+    return (PyObject *)b;
+}
+
+static void Buffer_dealloc(BufferObject *b)
+{
+    ClientObject *owner = b->owner;
+    export_release(owner);
+    Py_DECREF(owner);
+    PyObject_Free(b);
+}
+
+typedef struct {
+    DLManagedTensor mt;
+    int64_t shape[8];
+    PyObject *buffer; /* the Buffer, kept alive by the consumer's tensor */
+} dl_out_t;
+
+static void dl_out_deleter(DLManagedTensor *mt)
+{
+    dl_out_t *o = (dl_out_t *)mt;
+    /* Called when the consumer frees its tensor, from whatever thread that is. */
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_DECREF(o->buffer);
+    PyMem_RawFree(o);
+    PyGILState_Release(g);
+}
+
+static void dl_capsule_destructor(PyObject *cap)
+{
+    /* Still named "dltensor": never consumed, so the producer frees it. */
+    if (PyCapsule_IsValid(cap, "dltensor")) {
+        DLManagedTensor *mt = PyCapsule_GetPointer(cap, "dltensor");
+        if (mt && mt->deleter)
+            mt->deleter(mt);
+    }
+}
+
+static PyObject *Buffer_dlpack(BufferObject *b, PyObject *args, PyObject *kw)
+{
+    /* stream, max_version, dl_device and copy are accepted and need nothing on the CPU; the
+     * capsule is the legacy (unversioned) one, which consumers accept. */
+    PyObject *copy = kw ? PyDict_GetItemString(kw, "copy") : NULL;
+    if (copy && PyObject_IsTrue(copy) == 1)
+        return PyErr_Format(PyExc_BufferError, "pshard buffers are views; copy=True is not "
+                                               "supported");
+    dl_out_t *o = PyMem_RawCalloc(1, sizeof(*o));
+    if (!o)
+        return PyErr_NoMemory();
+    DLTensor *t = &o->mt.dl_tensor;
+    t->data = b->data;
+    t->device.device_type = DL_CPU;
+    t->ndim = b->ndim;
+    switch (b->dtype) {
+    case PSHARD_FP32:
+        t->dtype = (DLDataType){DL_FLOAT, 32, 1};
+        break;
+    case PSHARD_BF16:
+        t->dtype = (DLDataType){DL_BFLOAT, 16, 1};
+        break;
+    case PSHARD_FP16:
+        t->dtype = (DLDataType){DL_FLOAT, 16, 1};
+        break;
+    case PSHARD_INT64:
+        t->dtype = (DLDataType){DL_INT, 64, 1};
+        break;
+    }
+    memcpy(o->shape, b->shape, sizeof(o->shape));
+    t->shape = o->shape;
+    t->strides = NULL; /* compact row-major */
+    o->buffer = (PyObject *)b;
+    Py_INCREF(b);
+    o->mt.manager_ctx = o;
+    o->mt.deleter = dl_out_deleter;
+    PyObject *cap = PyCapsule_New(&o->mt, "dltensor", dl_capsule_destructor);
+    if (!cap) {
+        Py_DECREF(b);
+        PyMem_RawFree(o);
+    }
+    return cap;
+}
+
+static PyObject *Buffer_dlpack_device(BufferObject *b, PyObject *unused)
+{
+    return Py_BuildValue("(ii)", DL_CPU, 0);
+}
+
+static PyObject *Buffer_get_nbytes(BufferObject *b, void *unused)
+{
+    return PyLong_FromSize_t(b->nbytes);
+}
+
+static PyObject *Buffer_get_address(BufferObject *b, void *unused)
+{
+    return PyLong_FromVoidPtr(b->data);
+}
+
+static int Buffer_getbuffer(BufferObject *b, Py_buffer *view, int flags)
+{
+    static char fmt_f[] = "f", fmt_e[] = "e", fmt_q[] = "q", fmt_h[] = "H";
+    size_t item = pshard_dtype_size(b->dtype);
+    view->obj = (PyObject *)b;
+    Py_INCREF(b);
+    view->buf = b->data;
+    view->len = (Py_ssize_t)b->nbytes;
+    view->readonly = 0;
+    view->itemsize = (Py_ssize_t)item;
+    view->format = NULL;
+    if (flags & PyBUF_FORMAT)
+        view->format = b->dtype == PSHARD_FP32   ? fmt_f
+                       : b->dtype == PSHARD_FP16 ? fmt_e
+                       : b->dtype == PSHARD_INT64 ? fmt_q
+                                                  : fmt_h; /* bf16: raw 16-bit words */
+    view->ndim = b->ndim;
+    Py_ssize_t stride = (Py_ssize_t)item;
+    for (int d = b->ndim - 1; d >= 0; d--) {
+        b->pyshape[d] = (Py_ssize_t)b->shape[d];
+        b->pystrides[d] = stride;
+        stride *= (Py_ssize_t)b->shape[d];
+    }
+    view->shape = (flags & PyBUF_ND) == PyBUF_ND ? b->pyshape : NULL;
+    view->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES ? b->pystrides : NULL;
+    view->suboffsets = NULL;
+    view->internal = NULL;
+    return 0;
+}
+
+static PyBufferProcs Buffer_as_buffer = {(getbufferproc)Buffer_getbuffer, NULL};
+
+static PyMethodDef Buffer_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))Buffer_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "DLPack capsule of this view (CPU); the tensor made from it keeps the memory alive."},
+    {"__dlpack_device__", (PyCFunction)Buffer_dlpack_device, METH_NOARGS, "(kDLCPU, 0)"},
+    {NULL}};
+
+static PyGetSetDef Buffer_getset[] = {
+    {"nbytes", (getter)Buffer_get_nbytes, NULL, "size in bytes", NULL},
+    {"address", (getter)Buffer_get_address, NULL, "address of the first byte", NULL},
+    {NULL}};
+
+static PyTypeObject BufferType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pshard._C.Buffer",
+    .tp_basicsize = sizeof(BufferObject),
+    .tp_dealloc = (destructor)Buffer_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A view of shared memory owned by a pshard client (DLPack and buffer protocol).",
+    .tp_methods = Buffer_methods,
+    .tp_getset = Buffer_getset,
+    .tp_as_buffer = &Buffer_as_buffer,
+};
+
+static int check_param(ClientObject *self, Py_ssize_t i)
+{
+    if (!client_ok(self))
+        return 0;
+    if (!self->shapes)
+        return (raise_status(PSHARD_ERR_FAILED_PRECONDITION, "no model is defined"), 0);
+    if (i < 0 || (size_t)i >= self->nparams) {
+        PyErr_Format(PyExc_IndexError, "parameter #%zd: the model has %zu", i, self->nparams);
+        return 0;
+    }
+    return 1;
+}
+
+/* param_buffer(i): the fixed full buffer of parameter i (param_dtype, its shape). */
+static PyObject *Client_param_buffer(ClientObject *self, PyObject *arg)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (!check_param(self, i))
+        return NULL;
+    void *p = pshard_param_buffer(self->c, (size_t)i);
+    if (!p)
+        return raise_status(PSHARD_ERR_INTERNAL, "the model has no stable parameter buffers");
+    return buffer_new(self, p, self->param_dtype, PyTuple_GET_ITEM(self->shapes, i));
+}
+
+/* grad(i): the full gradient buffer of parameter i (reduce_dtype, zero-filled when first
+ * handed out), valid until its reduce-scatter finishes. */
+static PyObject *Client_grad(ClientObject *self, PyObject *arg)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (!check_param(self, i))
+        return NULL;
+    void *p;
+    CLIENT_CALL(self, p = pshard_grad(self->c, (size_t)i));
+    if (!p)
+        return raise_status(PSHARD_ERR_NO_MEMORY, pshard_last_error(self->c));
+    return buffer_new(self, p, self->reduce_dtype, PyTuple_GET_ITEM(self->shapes, i));
+}
+
+static PyObject *Client_is_gathered(ClientObject *self, PyObject *arg)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (!check_param(self, i))
+        return NULL;
+    return PyBool_FromLong(pshard_param(self->c, (size_t)i) != NULL);
+}
+
+/* ---- ids and works ----------------------------------------------------------------------- */
+
+/* Converts a sequence of parameter indices (None or empty: all) into a new array. */
+static int parse_ids(ClientObject *self, PyObject *o, size_t **ids, size_t *n)
+{
+    *ids = NULL;
+    *n = 0;
+    if (o == Py_None)
+        return 1;
+    PyObject *seq = PySequence_Fast(o, "ids must be a sequence of parameter indices");
+    if (!seq)
+        return 0;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    *ids = PyMem_Calloc(len ? (size_t)len : 1, sizeof(size_t));
+    if (!*ids) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return 0;
+    }
+    for (Py_ssize_t k = 0; k < len; k++) {
+        Py_ssize_t v = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, k));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            PyMem_Free(*ids);
+            *ids = NULL;
+            return 0;
+        }
+        if (v < 0 || (size_t)v >= self->nparams) {
+            Py_DECREF(seq);
+            PyMem_Free(*ids);
+            *ids = NULL;
+            PyErr_Format(PyExc_IndexError, "parameter #%zd: the model has %zu", v,
+                         self->nparams);
+            return 0;
+        }
+        (*ids)[k] = (size_t)v;
+    }
+    *n = (size_t)len;
+    Py_DECREF(seq);
+    return 1;
+}
+
+typedef struct {
+    PyObject_HEAD
+    ClientObject *owner;
+    pshard_work_t *w; /* NULL once waited */
+    pshard_status_t status;
+    char error[1024];
+} WorkObject;
+
+typedef pshard_status_t (*start_fn)(pshard_client_t *, const size_t *, size_t,
+                                    pshard_work_t **);
+typedef pshard_status_t (*sync_fn)(pshard_client_t *, const size_t *, size_t);
+
+static PyObject *ids_call(ClientObject *self, PyObject *arg, sync_fn fn)
+{
+    if (!client_ok(self))
+        return NULL;
+    size_t *ids, n;
+    if (!parse_ids(self, arg, &ids, &n))
+        return NULL;
+    if (ids && n == 0) { /* an empty list means nothing, not "all" */
+        PyMem_Free(ids);
+        Py_RETURN_NONE;
+    }
+    pshard_status_t st;
+    CLIENT_CALL(self, st = fn(self->c, ids, n));
+    PyMem_Free(ids);
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ids_start(ClientObject *self, PyObject *arg, start_fn fn)
+{
+    if (!client_ok(self))
+        return NULL;
+    size_t *ids, n;
+    if (!parse_ids(self, arg, &ids, &n))
+        return NULL;
+    WorkObject *w = PyObject_New(WorkObject, &WorkType);
+    if (!w) {
+        PyMem_Free(ids);
+        return NULL;
+    }
+    w->owner = self;
+    Py_INCREF(self);
+    w->w = NULL;
+    w->status = PSHARD_OK;
+    w->error[0] = '\0';
+    if (ids && n == 0) {
+        PyMem_Free(ids);
+        return (PyObject *)w;
+    }
+    pshard_status_t st;
+    pshard_work_t *work = NULL;
+    CLIENT_CALL(self, st = fn(self->c, ids, n, &work));
+    PyMem_Free(ids);
+    if (st != PSHARD_OK) {
+        Py_DECREF(w);
+        return client_fail(self, st);
+    }
+    w->w = work;
+    return (PyObject *)w;
+}
+
+static PyObject *Client_gather(ClientObject *self, PyObject *a)
+{
+    return ids_call(self, a, pshard_gather);
+}
+static PyObject *Client_reduce_scatter(ClientObject *self, PyObject *a)
+{
+    return ids_call(self, a, pshard_reduce_scatter);
+}
+static PyObject *Client_reshard(ClientObject *self, PyObject *a)
+{
+    return ids_call(self, a, pshard_reshard);
+}
+static PyObject *Client_gather_start(ClientObject *self, PyObject *a)
+{
+    return ids_start(self, a, pshard_gather_start);
+}
+static PyObject *Client_reduce_scatter_start(ClientObject *self, PyObject *a)
+{
+    return ids_start(self, a, pshard_reduce_scatter_start);
+}
+
+/* Waits for the work (GIL released) and keeps its outcome; idempotent. */
+static void work_finish(WorkObject *w)
+{
+    if (!w->w)
+        return;
+    pshard_work_t *work = w->w;
+    w->w = NULL;
+    pshard_status_t st;
+    Py_BEGIN_ALLOW_THREADS st = pshard_work_wait(work);
+    Py_END_ALLOW_THREADS
+    w->status = st;
+    if (st != PSHARD_OK && w->owner->c)
+        PyOS_snprintf(w->error, sizeof(w->error), "%s", pshard_last_error(w->owner->c));
+}
+
+static PyObject *Work_wait(WorkObject *w, PyObject *unused)
+{
+    work_finish(w);
+    if (w->status != PSHARD_OK)
+        return raise_status(w->status, w->error);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Work_is_completed(WorkObject *w, PyObject *unused)
+{
+    return PyBool_FromLong(!w->w || pshard_work_test(w->w));
+}
+
+static void Work_dealloc(WorkObject *w)
+{
+    work_finish(w); /* a handle is freed only by waiting for it */
+    Py_DECREF(w->owner);
+    PyObject_Free(w);
+}
+
+static PyMethodDef Work_methods[] = {
+    {"wait", (PyCFunction)Work_wait, METH_NOARGS,
+     "Blocks until the operation finished; raises its error. Returns True."},
+    {"is_completed", (PyCFunction)Work_is_completed, METH_NOARGS,
+     "True once the operation finished (wait() then returns at once)."},
+    {NULL}};
+
+static PyTypeObject WorkType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pshard._C.Work",
+    .tp_basicsize = sizeof(WorkObject),
+    .tp_dealloc = (destructor)Work_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "An asynchronous gather or reduce-scatter (torch.distributed's Work).",
+    .tp_methods = Work_methods,
+};
+
+/* ---- step, clipping, join, checkpoints --------------------------------------------------- */
+
+static PyObject *Client_step(ClientObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"groups", "lr", NULL};
+    PyObject *groups = Py_None;
+    double lr = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Od", kwlist, &groups, &lr))
+        return NULL;
+    if (!client_ok(self))
+        return NULL;
+    int64_t step = 0;
+    double norm = 0;
+    pshard_status_t st;
+    if (groups == Py_None) {
+        CLIENT_CALL(self, st = pshard_step(self->c, lr, &step, &norm));
+    } else {
+        PyObject *seq = PySequence_Fast(groups, "groups must be a sequence of dicts");
+        if (!seq)
+            return NULL;
+        size_t ng = (size_t)PySequence_Fast_GET_SIZE(seq);
+        pshard_optim_group_t *g = PyMem_Calloc(ng ? ng : 1, sizeof(*g));
+        if (!g) {
+            Py_DECREF(seq);
+            return PyErr_NoMemory();
+        }
+        for (size_t k = 0; k < ng; k++) {
+            if (group_from_dict(PySequence_Fast_GET_ITEM(seq, k), &g[k]) != 0) {
+                PyMem_Free(g);
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        Py_DECREF(seq);
+        CLIENT_CALL(self, st = pshard_step_groups(self->c, g, ng, &step, &norm));
+        PyMem_Free(g);
+    }
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    return Py_BuildValue("(Ld)", (long long)step, norm);
+}
+
+static PyObject *Client_clip_grad_norm(ClientObject *self, PyObject *args)
+{
+    double max_norm, norm_type = 2.0;
+    if (!PyArg_ParseTuple(args, "d|d", &max_norm, &norm_type))
+        return NULL;
+    if (!client_ok(self))
+        return NULL;
+    double total = 0;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_clip_grad_norm(self->c, max_norm, norm_type, &total));
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    return PyFloat_FromDouble(total);
+}
+
+static PyObject *Client_join(ClientObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"enable", "throw_on_early_termination", NULL};
+    int enable = 1, throw_early = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|pp", kwlist, &enable, &throw_early))
+        return NULL;
+    if (!client_ok(self))
+        return NULL;
+    pshard_join_options_t o = {.enable = enable != 0,
+                               .throw_on_early_termination = throw_early != 0};
+    pshard_join_result_t r;
+    memset(&r, 0, sizeof(r));
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_join(self->c, &o, &r));
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    return Py_BuildValue("{s:O,s:i,s:L,s:K}", "is_last_joiner", r.is_last_joiner ? Py_True
+                                                                                 : Py_False,
+                         "last_rank", r.last_rank, "step", (long long)r.step, "shadowed_ops",
+                         (unsigned long long)r.shadowed_ops);
+}
+
+static PyObject *Client_checkpoint_save(ClientObject *self, PyObject *unused)
+{
+    if (!client_ok(self))
+        return NULL;
+    int64_t step = 0;
+    char dir[4096] = "";
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_checkpoint_save(self->c, &step, dir, sizeof(dir)));
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    return Py_BuildValue("(Ls)", (long long)step, dir);
+}
+
+static PyObject *Client_memory_stats(ClientObject *self, PyObject *unused)
+{
+    if (!client_ok(self))
+        return NULL;
+    pshard_memory_stats_t m;
+    pshard_memory_stats(self->c, &m);
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:K,s:K,s:i}", "pool_bytes", (Py_ssize_t)m.pool_bytes,
+                         "in_use_bytes", (Py_ssize_t)m.in_use_bytes, "peak_in_use_bytes",
+                         (Py_ssize_t)m.peak_in_use_bytes, "touched_bytes",
+                         (Py_ssize_t)m.touched_bytes, "params_gathered",
+                         (unsigned long long)m.params_gathered, "params_skipped",
+                         (unsigned long long)m.params_skipped, "peak_gathers_in_flight",
+                         m.peak_gathers_in_flight);
+}
+
+/* ---- plain collectives on tensors -------------------------------------------------------- */
+
+static PyObject *Client_all_reduce(ClientObject *self, PyObject *args)
+{
+    PyObject *t, *dt;
+    int average = 0;
+    if (!PyArg_ParseTuple(args, "OO|p", &t, &dt, &average))
+        return NULL;
+    pshard_dtype_t dtype;
+    if (!client_ok(self) || !parse_dtype(dt, &dtype))
+        return NULL;
+    dl_in_t in;
+    if (dl_acquire(t, dtype, "all_reduce tensor", &in) != 0)
+        return NULL;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_all_reduce(self->c, in.data, in.numel, dtype, average != 0));
+    dl_release(&in);
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Client_broadcast(ClientObject *self, PyObject *args)
+{
+    PyObject *t, *dt;
+    int root;
+    if (!PyArg_ParseTuple(args, "OOi", &t, &dt, &root))
+        return NULL;
+    pshard_dtype_t dtype;
+    if (!client_ok(self) || !parse_dtype(dt, &dtype))
+        return NULL;
+    if (root < 0 || root >= pshard_world_size(self->c))
+        return PyErr_Format(PyExc_ValueError, "src %d is not a rank (world size %d)", root,
+                            pshard_world_size(self->c));
+    dl_in_t in;
+    if (dl_acquire(t, dtype, "broadcast tensor", &in) != 0)
+        return NULL;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_broadcast(self->c, in.data, in.numel, dtype, root));
+    dl_release(&in);
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Client_all_gather(ClientObject *self, PyObject *args)
+{
+    PyObject *out, *t, *dt;
+    if (!PyArg_ParseTuple(args, "OOO", &out, &t, &dt))
+        return NULL;
+    pshard_dtype_t dtype;
+    if (!client_ok(self) || !parse_dtype(dt, &dtype))
+        return NULL;
+    dl_in_t src, dst;
+    if (dl_acquire(t, dtype, "all_gather input", &src) != 0)
+        return NULL;
+    if (dl_acquire(out, dtype, "all_gather output", &dst) != 0) {
+        dl_release(&src);
+        return NULL;
+    }
+    size_t world = (size_t)pshard_world_size(self->c);
+    if (dst.numel != src.numel * world) {
+        PyErr_Format(PyExc_ValueError,
+                     "the output has %zu elements; world size %zu times the input's %zu is %zu",
+                     dst.numel, world, src.numel, src.numel * world);
+        dl_release(&src);
+        dl_release(&dst);
+        return NULL;
+    }
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_all_gather(self->c, src.data, dst.data, src.numel, dtype));
+    dl_release(&src);
+    dl_release(&dst);
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Client_barrier(ClientObject *self, PyObject *unused)
+{
+    if (!client_ok(self))
+        return NULL;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_barrier(self->c));
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Client_methods[] = {
+    {"close", (PyCFunction)Client_close, METH_NOARGS, "Leaves the cluster."},
+    {"define_model", (PyCFunction)(void (*)(void))Client_define_model,
+     METH_VARARGS | METH_KEYWORDS,
+     "define_model(names, shapes, init=None, optimizer='sgd', groups=None, param_groups=None, "
+     "layout='fsdp2', param_dtype=None, reduce_dtype=None, reshard_after_forward=True, "
+     "max_gathers_in_flight=2, max_grad_norm=0.0, init_from_rank0=True) -> resumed step"},
+    {"param_buffer", (PyCFunction)Client_param_buffer, METH_O,
+     "The fixed full buffer of parameter i (valid contents only while gathered)."},
+    {"grad", (PyCFunction)Client_grad, METH_O, "The full gradient buffer of parameter i."},
+    {"is_gathered", (PyCFunction)Client_is_gathered, METH_O, "Whether parameter i is gathered."},
+    {"gather", (PyCFunction)Client_gather, METH_O, "Gathers ids (None: all)."},
+    {"gather_start", (PyCFunction)Client_gather_start, METH_O, "Asynchronous gather -> Work."},
+    {"reduce_scatter", (PyCFunction)Client_reduce_scatter, METH_O,
+     "Reduce-scatters the gradients of ids (None: all handed out)."},
+    {"reduce_scatter_start", (PyCFunction)Client_reduce_scatter_start, METH_O,
+     "Asynchronous reduce-scatter -> Work."},
+    {"reshard", (PyCFunction)Client_reshard, METH_O, "Frees the full buffers of ids."},
+    {"step", (PyCFunction)(void (*)(void))Client_step, METH_VARARGS | METH_KEYWORDS,
+     "step(groups=None, lr=-1) -> (step, grad_norm)"},
+    {"clip_grad_norm", (PyCFunction)Client_clip_grad_norm, METH_VARARGS,
+     "clip_grad_norm(max_norm, norm_type=2.0) -> total norm"},
+    {"join", (PyCFunction)(void (*)(void))Client_join, METH_VARARGS | METH_KEYWORDS,
+     "join(enable=True, throw_on_early_termination=False) -> dict"},
+    {"checkpoint_save", (PyCFunction)Client_checkpoint_save, METH_NOARGS, "-> (step, dir)"},
+    {"memory_stats", (PyCFunction)Client_memory_stats, METH_NOARGS, "-> dict"},
+    {"all_reduce", (PyCFunction)Client_all_reduce, METH_VARARGS,
+     "all_reduce(tensor, dtype, average=False), in place"},
+    {"broadcast", (PyCFunction)Client_broadcast, METH_VARARGS, "broadcast(tensor, dtype, src)"},
+    {"all_gather", (PyCFunction)Client_all_gather, METH_VARARGS,
+     "all_gather(output, input, dtype)"},
+    {"barrier", (PyCFunction)Client_barrier, METH_NOARGS, "barrier()"},
+    {NULL}};
+
+static PyGetSetDef Client_getset[] = {
+    {"rank", (getter)Client_get_rank, NULL, "this trainer's rank", NULL},
+    {"world_size", (getter)Client_get_world, NULL, "the number of shard servers", NULL},
+    {"model_step", (getter)Client_get_model_step, NULL,
+     "optimizer steps the defined model has taken (> 0 after a resume)", NULL},
+    {NULL}};
+
+static PyTypeObject ClientType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pshard._C.Client",
+    .tp_basicsize = sizeof(ClientObject),
+    .tp_dealloc = (destructor)Client_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Client(server=None, token=None, rank=-1, world_size=-1, timeout_ms=0, "
+              "connect_timeout_ms=0): one trainer's connection to its shard server (defaults "
+              "from RANK, WORLD_SIZE, PSHARD_SERVER, PSHARD_TOKEN_FILE).",
+    .tp_methods = Client_methods,
+    .tp_getset = Client_getset,
+    .tp_init = (initproc)Client_init,
+    .tp_new = Client_new,
+};
+
+/* ---- module ------------------------------------------------------------------------------ */
+
+static int add_error(PyObject *m, PyObject **slot, const char *name, PyObject *extra_base,
+                     const char *doc)
+{
+    char full[128];
+    PyOS_snprintf(full, sizeof(full), "pshard.%s", name);
+    PyObject *bases = extra_base ? PyTuple_Pack(2, Error, extra_base) : PyTuple_Pack(1, Error);
+    if (!bases)
+        return -1;
+    *slot = PyErr_NewExceptionWithDoc(full, doc, bases, NULL);
+    Py_DECREF(bases);
+    if (!*slot)
+        return -1;
+    Py_INCREF(*slot);
+    return PyModule_AddObject(m, name, *slot);
+}
+
+static struct PyModuleDef pshard_module = {PyModuleDef_HEAD_INIT, "pshard._C",
+                                           "CPython binding of libpshard.", -1, NULL};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    PyObject *m = PyModule_Create(&pshard_module);
+    if (!m)
+        return NULL;
+    if (PyType_Ready(&ClientType) < 0 || PyType_Ready(&BufferType) < 0 ||
+        PyType_Ready(&WorkType) < 0)
+        goto fail;
+    Error = PyErr_NewExceptionWithDoc("pshard.Error",
+                                      "A pshard operation failed; .status names pshard's status.",
+                                      PyExc_RuntimeError, NULL);
+    if (!Error)
+        goto fail;
+    Py_INCREF(Error);
+    if (PyModule_AddObject(m, "Error", Error) < 0 ||
+        add_error(m, &InvalidArgumentError, "InvalidArgumentError", PyExc_ValueError,
+                  "An argument was refused.") ||
+        add_error(m, &OutOfMemoryError, "OutOfMemoryError", PyExc_MemoryError,
+                  "Memory (or the shared-memory pool) ran out.") ||
+        add_error(m, &TimeoutErr, "TimeoutError", PyExc_TimeoutError,
+                  "An operation timed out; the message names the rank that did not answer.") ||
+        add_error(m, &PeerLostError, "PeerLostError", NULL,
+                  "A rank (trainer or shard server) was lost; the message names it.") ||
+        add_error(m, &AbortedError, "AbortedError", NULL, "The operation was aborted.") ||
+        add_error(m, &DesyncError, "DesyncError", NULL,
+                  "Ranks ran different collectives; the message names both.") ||
+        add_error(m, &JoinedError, "JoinedError", NULL,
+                  "Another rank joined with throw_on_early_termination; the message names it.") ||
+        add_error(m, &NotFoundError, "NotFoundError", PyExc_LookupError, "Not found.") ||
+        add_error(m, &FailedPreconditionError, "FailedPreconditionError", NULL,
+                  "The operation is not possible in the current state.") ||
+        add_error(m, &UnavailableError, "UnavailableError", PyExc_ConnectionError,
+                  "A pshard service could not be reached."))
+        goto fail;
+    Py_INCREF(&ClientType);
+    Py_INCREF(&BufferType);
+    Py_INCREF(&WorkType);
+    if (PyModule_AddObject(m, "Client", (PyObject *)&ClientType) < 0 ||
+        PyModule_AddObject(m, "Buffer", (PyObject *)&BufferType) < 0 ||
+        PyModule_AddObject(m, "Work", (PyObject *)&WorkType) < 0)
+        goto fail;
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Makes the Python virtual environment with torch (scripts/torch-venv.sh, reused when it is
+# already there) and installs the pshard package from this checkout into it with pip: its
+# extension module and the pshard programs (pshardrun, pshard-server, ...) are built by the
+# project's CMake through scikit-build-core (an incremental build under
+# client/python/build/). Prints the venv's path on its last line.
+#
+# Usage: scripts/pshard-venv.sh [VENV_DIR]   (default: build/torch-venv)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv_dir="${1:-$root/build/torch-venv}"
+"$root/scripts/torch-venv.sh" "$venv_dir" >&2
+exec 9>"${venv_dir}.lock"
+flock 9
+log="${venv_dir}.pshard.log"
+if ! "$venv_dir/bin/python" -m pip install --disable-pip-version-check --no-input -q \
+        --no-build-isolation "$root/client/python" >"$log" 2>&1; then
+    tail -40 "$log" >&2
+    echo "pshard-venv: pip install ./client/python failed (whole log: $log)" >&2
+    exit 1
+fi
+(cd / && "$venv_dir/bin/python" -c 'import pshard, pshard.torch, pshard.distributed') || {
+    echo "pshard-venv: pshard does not import in $venv_dir" >&2
+    exit 1
+}
+echo "$venv_dir"
