@@ -1,0 +1,111 @@
+"""Runs worker.py under the pshardrun of the virtual environment the tests run in (the one
+pip installed pshard into), on ephemeral loopback ports, and reads back what each rank wrote."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+BIN = os.path.dirname(sys.executable)
+
+
+def pshardrun(nproc, script, args, *, timeout=300, extra=(), env=None):
+    """Runs pshardrun --nproc N -- python script args...; returns the CompletedProcess."""
+    cmd = [os.path.join(BIN, "pshardrun"), "--nproc", str(nproc), *extra, "--",
+           sys.executable, script, *args]
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    if env:
+        e.update(env)
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout, env=e, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def train(tmp_path):
+    """train(cfg, world) -> (results per rank, final state dict or None, output)."""
+    def run(cfg, world, *, expect_ok=True, extra=(), timeout=300, env=None):
+        out = tmp_path / f"run-{world}-{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        cfgfile = out / "cfg.json"
+        cfgfile.write_text(json.dumps(cfg))
+        p = pshardrun(world, os.path.join(HERE, "worker.py"), [str(cfgfile), str(out)],
+                      extra=extra, timeout=timeout, env=env)
+        if expect_ok:
+            assert p.returncode == 0, p.stdout[-6000:]
+        results = []
+        for r in range(world):
+            f = out / f"rank-{r}.json"
+            results.append(json.loads(f.read_text()) if f.exists() else None)
+        final = None
+        if (out / "final.pt").exists():
+            import torch
+            final = torch.load(out / "final.pt")
+        return results, final, p.stdout
+    return run
+
+
+class Cluster:
+    """A coordinator and N shard servers started by hand (not by pshardrun, which stops every
+    trainer when one dies), on ephemeral loopback ports; trainers are started with
+    trainer_env(rank). stop() kills what it started, by PID."""
+
+    def __init__(self, tmp, n, lease_ms=2000, heartbeat_ms=500):
+        import time
+        self.n, self.tmp, self.procs = n, tmp, []
+        self.lease_ms = lease_ms
+        self._start([os.path.join(BIN, "pshard-coordinator"), "--listen", "127.0.0.1:0",
+                     "--port-file", str(tmp / "coord.port"), "--world-size", str(n),
+                     "--lease-ms", str(lease_ms), "--heartbeat-ms", str(heartbeat_ms)],
+                    tmp / "coord.log")
+        self.coord = "127.0.0.1:" + self._port(tmp / "coord.port")
+        for r in range(n):
+            self._start([os.path.join(BIN, "pshard-server"), "--coordinator", self.coord,
+                         "--listen", "127.0.0.1:0", "--port-file", str(tmp / f"s{r}.port"),
+                         "--name", f"pshard-server-{r}"], tmp / f"s{r}.log")
+        self.servers = ["127.0.0.1:" + self._port(tmp / f"s{r}.port") for r in range(n)]
+        del time
+
+    def _start(self, cmd, log):
+        with open(log, "ab") as f:
+            self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL))
+
+    def _port(self, path, timeout=20.0):
+        import time
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists() and path.read_text().strip():
+                return path.read_text().strip()
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{p.args[0]} exited with {p.returncode}")
+            time.sleep(0.02)
+        raise TimeoutError(f"no port in {path} after {timeout} s")
+
+    def trainer_env(self, rank):
+        return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.n), LOCAL_RANK=str(rank),
+                    PSHARD_SERVER=self.servers[rank], PSHARD_COORDINATOR=self.coord,
+                    OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = []
+
+    def make(n, **kw):
+        c = Cluster(tmp_path, n, **kw)
+        made.append(c)
+        return c
+    yield make
+    for c in made:
+        c.stop()

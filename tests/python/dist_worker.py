@@ -1,0 +1,93 @@
+"""Trainer for test_distributed.py: pshard.distributed's collectives against the values every
+rank can compute itself (each rank's data comes from a seed). Writes OUTDIR/rank-R.json with
+the checks that failed (none expected)."""
+import json
+import os
+import sys
+
+import torch
+
+import pshard
+import pshard.distributed as dist
+
+torch.set_num_threads(1)
+
+
+def data(rank, n, dtype, salt):
+    g = torch.Generator().manual_seed(rank * 7 + salt)
+    if dtype == torch.int64:
+        return torch.randint(-1000, 1000, (n,), generator=g)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def main():
+    out = sys.argv[1]
+    pshard.init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failed = []
+
+    def expect(name, ok):
+        if not ok:
+            failed.append(name)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        # 0, 1, a prime, and more than one 4 MiB piece (2.5M fp32 elements).
+        for n in (0, 1, 97, 2_500_001 if dtype == torch.float32 else 1001):
+            salt = n % 1000
+            t = data(rank, n, dtype, salt)
+            want = sum(data(r, n, torch.float64 if dtype.is_floating_point else dtype, salt)
+                       .to(torch.float64) for r in range(world))
+            x = t.clone()
+            dist.all_reduce(x)
+            tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3,
+                   torch.int64: 0}[dtype]
+            expect(f"all_reduce {dtype} {n}", torch.allclose(x.double(), want, rtol=tol,
+                                                             atol=tol * world))
+            if dtype.is_floating_point:
+                x = t.clone()
+                dist.all_reduce(x, op=dist.ReduceOp.AVG)
+                expect(f"avg {dtype} {n}", torch.allclose(x.double(), want / world, rtol=tol,
+                                                          atol=tol))
+            for src in range(world):
+                x = t.clone()
+                dist.broadcast(x, src)
+                expect(f"broadcast {dtype} {n} {src}", torch.equal(x, data(src, n, dtype, salt)))
+            o = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(o, t)
+            expect(f"all_gather {dtype} {n}",
+                   torch.equal(o, torch.cat([data(r, n, dtype, salt) for r in range(world)])))
+    # Non-contiguous in place; 2-D all_gather output.
+    m = data(rank, 60, torch.float32, 5).view(6, 10)
+    tv = m.t()
+    dist.all_reduce(tv)
+    want = sum(data(r, 60, torch.float32, 5).view(6, 10) for r in range(world))
+    expect("non-contiguous", torch.allclose(m, want, rtol=1e-5, atol=1e-5))
+    o = torch.empty(world, 3)
+    dist.all_gather_into_tensor(o, torch.full((3,), float(rank)))
+    expect("2-d gather", torch.equal(o, torch.arange(world, dtype=torch.float32)[:, None]
+                                     .expand(world, 3)))
+    dist.barrier()
+    # Bad arguments: clear errors, and the group keeps working.
+    for name, fn, exc in [
+        ("fp64", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.float64)), TypeError),
+        ("list", lambda: dist.all_reduce([1.0]), TypeError),
+        ("src", lambda: dist.broadcast(torch.zeros(2), world), ValueError),
+        ("size", lambda: dist.all_gather_into_tensor(torch.zeros(1), torch.zeros(2)),
+         ValueError),
+        ("op", lambda: dist.all_reduce(torch.zeros(2), op="max"), ValueError),
+        ("group", lambda: dist.all_reduce(torch.zeros(2), group=object()), ValueError),
+    ]:
+        try:
+            fn()
+            failed.append(f"{name} was accepted")
+        except exc:
+            pass
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    expect("after errors", torch.equal(x, torch.full((4,), float(world))))
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump({"failed": failed}, f)
+    pshard.destroy_process_group()
+
+
+main()

@@ -1,0 +1,46 @@
+"""FULL_SHARD holds only the units in flight; parameters are views of shared memory."""
+import json
+import os
+
+import pytest
+
+from conftest import HERE, pshardrun
+
+
+def run(tmp_path, mode):
+    out = tmp_path / mode
+    out.mkdir()
+    p = pshardrun(2, os.path.join(HERE, "mem_worker.py"), [mode, str(out)])
+    assert p.returncode == 0, p.stdout[-4000:]
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mem")
+    return run(tmp, "full"), run(tmp, "grad_op")
+
+
+def test_full_shard_holds_only_units_in_flight(both):
+    full, grad_op = both
+    for r in full:
+        blk, root = r["block_bytes"], r["root_bytes"]
+        total = root + 8 * blk
+        peak = r["stats"]["peak_in_use_bytes"]
+        # The root unit, the unit running, the one prefetched and one more in the gather
+        # bound (max 2 in flight), each with its gradient at most; far from all 8 blocks.
+        bound = 2 * (root + 3 * blk) + 4096
+        assert peak <= bound, (peak, bound, total)
+        assert peak < total, (peak, total)
+        assert r["stats"]["peak_gathers_in_flight"] <= 2
+    for r in grad_op:
+        # SHARD_GRAD_OP keeps every unit gathered through backward.
+        assert r["stats"]["peak_in_use_bytes"] >= r["root_bytes"] + 8 * r["block_bytes"]
+
+
+def test_parameters_are_views_of_shared_memory(both):
+    for r in both[0] + both[1]:
+        # Every parameter's storage is its fixed shared-memory buffer, the same every step:
+        # gathers write in place, nothing is copied into torch-owned memory.
+        for addrs in r["addrs"]:
+            assert addrs == r["buffers"]
