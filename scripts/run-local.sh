@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# The main job on a fresh Debian 12 machine: install what is missing, build, start a local
-# coordinator, train the example MLP sharded over four shard servers with pshardrun (the loss
-# must fall), print `pshardctl status`, then stop everything that was started.
+# The main job on a fresh Debian 12 machine: install what is missing, build, make the Python
+# virtual environment (PyPI's torch and the pshard package from this checkout; reused on
+# re-runs), start a local coordinator, train the PyTorch example (a Hugging Face GPT-2 causal
+# LM, built in code, byte-level on the Python standard library's sources) sharded over two
+# shard servers with pshardrun (the loss must fall), print `pshardctl status`, then stop
+# everything that was started. `--mlp` trains the C example MLP over four servers instead.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+example=lm
+for a in "$@"; do
+  case "$a" in
+    --mlp) example=mlp ;;
+    *) echo "usage: $0 [--mlp]" >&2; exit 2 ;;
+  esac
+done
 "$root/scripts/install-deps.sh"
 PSHARD_BUILD_DIR="$root/build" "$root/scripts/build.sh" > /dev/null
 
@@ -26,7 +36,14 @@ wait_for() {
   done
 }
 
-world=${WORLD_SIZE:-4}
+if [ "$example" = lm ]; then
+  world=${WORLD_SIZE:-2}
+  venv=$("$root/scripts/pshard-venv.sh" "$root/build/torch-venv" | tail -1)
+  run=("$venv/bin/pshardrun")
+else
+  world=${WORLD_SIZE:-4}
+  run=("$bin/client/pshardrun")
+fi
 "$bin/coordinator/pshard-coordinator" --listen 127.0.0.1:0 --port-file "$work/port" \
   --world-size "$world" > "$work/coordinator.out" 2> "$work/coordinator.log" &
 pids+=($!)
@@ -36,11 +53,18 @@ ctl=("$bin/client/pshardctl" --coordinator "$coord")
 wait_for "${ctl[*]} health" 10
 echo "coordinator: $(cat "$work/coordinator.out")"
 
-# Train the example MLP (4 hidden layers of 1024) sharded over $world shard servers, one thread
-# per rank, like torchrun would launch it.
-export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
-"$bin/client/pshardrun" --nproc "$world" --coordinator "$coord" -- \
-  "$bin/examples/pshard-mlp" --steps "${STEPS:-30}" --batch 32 --widths 1024,1024,1024,1024 \
-  --optimizer adam --print-every 5
+# One thread per rank, like torchrun would launch it.
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [ "$example" = lm ]; then
+  # GPT-2, 4 layers of d_model 256, sequences of 128 bytes, 8 per rank and step; FSDP2's
+  # fully_shard per block and on the root, AdamW on the shard servers.
+  "${run[@]}" --nproc "$world" --coordinator "$coord" -- \
+    "$venv/bin/python" "$root/examples/torch/train_lm.py" --steps "${STEPS:-30}" --print-every 5
+else
+  # The C example: an MLP with 4 hidden layers of 1024.
+  "${run[@]}" --nproc "$world" --coordinator "$coord" -- \
+    "$bin/examples/pshard-mlp" --steps "${STEPS:-30}" --batch 32 --widths 1024,1024,1024,1024 \
+    --optimizer adam --print-every 5
+fi
 echo
 "${ctl[@]}" status

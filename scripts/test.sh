@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh Debian 12 machine: installs what is missing, builds, runs
-# every CTest suite, then builds again with AddressSanitizer+UBSan and runs the suite there.
-# --quick skips the sanitizer pass.
+# every CTest suite (the Python ones, label python, in a venv with PyPI's torch and the pshard
+# package pip-installed from this checkout), then builds again with AddressSanitizer+UBSan
+# and runs the C suites there. --quick skips the sanitizer pass.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 quick=0
@@ -26,6 +27,6 @@ if [ "$quick" -eq 0 ]; then
   export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
   export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/tests/support/lsan.supp:print_suppressions=0}
   export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-  (cd "$root/build-asan" && ctest --output-on-failure -j "$jobs" --timeout 900 -LE slow) || status=1
+  (cd "$root/build-asan" && ctest --output-on-failure -j "$jobs" --timeout 900 -LE 'slow|python') || status=1
 fi
 exit $status
