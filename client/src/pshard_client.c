@@ -32,6 +32,8 @@ typedef struct {
     size_t bytes;
     char name[64]; /* "" for a private region (remote trainers) */
     bool linked;   /* the name is still in /dev/shm (until the server has mapped it) */
+    int fd;        /* the shared-memory file, kept open to map parts of it again; with has_fd */
+    bool has_fd;
 } region_t;
 
 #define CHUNK (1u << 20)
@@ -84,8 +86,13 @@ struct pshard_client {
     size_t *numel;
     tensor_buf_t *pbuf, *gbuf;
     /* stable_param_buffers: the fixed block of each parameter's full values, before the pool;
-     * NULL otherwise. */
+     * NULL otherwise. With shared memory, a parameter of a page or more is remapped: while
+     * gathered, its fixed addresses show a block of the pool (mmap MAP_FIXED of that part of
+     * the region's file), and when resharded they show its own never-written pages again, so
+     * its pool pages are reused by the next gather without page faults or zeroing. */
     size_t *stable_off;
+    bool remap;
+    size_t page;
     pshard_dtype_t param_dtype, reduce_dtype;
     int64_t model_step; /* from DefineModel: > 0 after a resume */
     bool reshard_after_forward;
@@ -151,7 +158,7 @@ int pshard_world_size(const pshard_client_t *c)
 /* A region of bytes, shared with the server unless remote; touch backs every page now (the
  * scratch region), otherwise pages are backed as they are first used (the model's pool). */
 static pshard_status_t region_create(region_t *r, size_t bytes, const char *what, bool remote,
-                                     bool touch, char *err, size_t errlen)
+                                     bool touch, bool keep_fd, char *err, size_t errlen)
 {
     if (remote) {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -182,12 +189,15 @@ static pshard_status_t region_create(region_t *r, size_t bytes, const char *what
                        r->name, bytes, strerror(e));
     }
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
+    if (p == MAP_FAILED || !keep_fd)
+        close(fd);
     if (p == MAP_FAILED) {
         shm_unlink(r->name);
         return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "mmap %s: %s", r->name, strerror(errno));
     }
     r->linked = true;
+    r->fd = fd;
+    r->has_fd = keep_fd;
     /* Touch every page now, not inside the first operation. */
     if (touch)
         memset(p, 0, bytes);
@@ -210,6 +220,8 @@ static void region_destroy(region_t *r)
 {
     if (r->base)
         munmap(r->base, r->bytes);
+    if (r->has_fd)
+        close(r->fd);
     region_unlink(r);
     memset(r, 0, sizeof(*r));
 }
@@ -533,8 +545,8 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
         rc = PSHARD_ERR_INVALID_ARGUMENT;
         goto fail;
     }
-    rc = region_create(&c->scratch, c->cfg.scratch_bytes, "scratch", c->cfg.remote, true, err,
-                       errlen);
+    rc = region_create(&c->scratch, c->cfg.scratch_bytes, "scratch", c->cfg.remote, true, false,
+                       err, errlen);
     if (rc != PSHARD_OK)
         goto fail;
     /* Attach, retrying while the cluster forms (UNAVAILABLE) until the connect timeout. */
@@ -706,21 +718,54 @@ static size_t align_up(size_t x)
 
 /* ---- the pool (callers hold c->mu) ------------------------------------------------------ */
 
+static bool holes_reserve(pshard_client_t *c)
+{
+    if (c->nholes < c->holes_cap)
+        return true;
+    size_t cap = c->holes_cap ? 2 * c->holes_cap : 16;
+    pool_hole_t *nh = realloc(c->holes, cap * sizeof(pool_hole_t));
+    if (!nh)
+        return false;
+    c->holes = nh;
+    c->holes_cap = cap;
+    return true;
+}
+
 /* First fit from the low end, so that the pages in use stay at the start of the region and
- * a repeating pattern of gathers and reshards reuses the same (already backed) blocks. */
-static bool pool_alloc(pshard_client_t *c, size_t bytes, size_t *off)
+ * a repeating pattern of gathers and reshards reuses the same (already backed) blocks. The
+ * block starts at a multiple of align (ALIGN, or the page size for a block that is mapped
+ * again elsewhere); a hole cut in two needs a new entry in the list, and without memory for
+ * it that hole is passed over. */
+static bool pool_alloc_at(pshard_client_t *c, size_t bytes, size_t align, size_t *off)
 {
     bytes = align_up(bytes ? bytes : 1);
     for (size_t h = 0; h < c->nholes; h++) {
-        if (c->holes[h].bytes < bytes)
+        size_t start = (c->holes[h].off + align - 1) / align * align;
+        size_t lead = start - c->holes[h].off;
+        if (c->holes[h].bytes < lead || c->holes[h].bytes - lead < bytes)
             continue;
-        *off = c->holes[h].off;
-        c->holes[h].off += bytes;
-        c->holes[h].bytes -= bytes;
-        if (c->holes[h].bytes == 0) {
-            memmove(&c->holes[h], &c->holes[h + 1], (c->nholes - h - 1) * sizeof(pool_hole_t));
-            c->nholes--;
+        if (lead > 0 && c->holes[h].bytes - lead > bytes) {
+            /* [hole.off, start) stays a hole and the rest after the block becomes one. */
+            if (!holes_reserve(c))
+                continue;
+            memmove(&c->holes[h + 2], &c->holes[h + 1],
+                    (c->nholes - h - 1) * sizeof(pool_hole_t));
+            c->holes[h + 1] =
+                (pool_hole_t){start + bytes, c->holes[h].bytes - lead - bytes};
+            c->holes[h].bytes = lead;
+            c->nholes++;
+        } else if (lead > 0) {
+            c->holes[h].bytes = lead; /* the block ends the hole */
+        } else {
+            c->holes[h].off += bytes;
+            c->holes[h].bytes -= bytes;
+            if (c->holes[h].bytes == 0) {
+                memmove(&c->holes[h], &c->holes[h + 1],
+                        (c->nholes - h - 1) * sizeof(pool_hole_t));
+                c->nholes--;
+            }
         }
+        *off = start;
         c->mem.in_use_bytes += bytes;
         if (c->mem.in_use_bytes > c->mem.peak_in_use_bytes)
             c->mem.peak_in_use_bytes = c->mem.in_use_bytes;
@@ -729,6 +774,11 @@ static bool pool_alloc(pshard_client_t *c, size_t bytes, size_t *off)
         return true;
     }
     return false;
+}
+
+static bool pool_alloc(pshard_client_t *c, size_t bytes, size_t *off)
+{
+    return pool_alloc_at(c, bytes, ALIGN, off);
 }
 
 /* Returns a block and merges it with its neighbours. Fails only without memory for the list
@@ -752,14 +802,8 @@ static void pool_free(pshard_client_t *c, size_t off, size_t bytes)
         c->holes[h].off = off;
         c->holes[h].bytes += bytes;
     } else {
-        if (c->nholes == c->holes_cap) {
-            size_t cap = c->holes_cap ? 2 * c->holes_cap : 16;
-            pool_hole_t *nh = realloc(c->holes, cap * sizeof(pool_hole_t));
-            if (!nh)
-                return;
-            c->holes = nh;
-            c->holes_cap = cap;
-        }
+        if (!holes_reserve(c))
+            return;
         memmove(&c->holes[h + 1], &c->holes[h], (c->nholes - h) * sizeof(pool_hole_t));
         c->holes[h] = (pool_hole_t){off, bytes};
         c->nholes++;
@@ -775,28 +819,78 @@ static void buf_release(pshard_client_t *c, tensor_buf_t *b)
 
 static void region_discard(region_t *r, size_t off, size_t len);
 
-/* Takes the block for parameter i's full values: its fixed block with stable_param_buffers,
- * else one from the pool. False when the pool is full. */
-static bool param_take(pshard_client_t *c, size_t i, size_t bytes, size_t *off)
+static size_t page_up(const pshard_client_t *c, size_t x)
+{
+    return (x + c->page - 1) / c->page * c->page;
+}
+
+/* Whether parameter i's fixed addresses are remapped to pool blocks (see stable_off). */
+static bool param_remapped(const pshard_client_t *c, size_t i)
+{
+    return c->remap && c->numel[i] * pshard_dtype_size(c->param_dtype) >= c->page;
+}
+
+/* Points the len bytes at parameter i's fixed address at the region's file from file_off. */
+static bool param_map(pshard_client_t *c, size_t i, size_t file_off, size_t len, bool populate)
+{
+    void *want = (uint8_t *)c->model.base + c->stable_off[i];
+    void *p = mmap(want, len, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0), c->model.fd,
+                   (off_t)file_off);
+    return p == want;
+}
+
+/* Takes the block for parameter i's full values: its fixed block with stable_param_buffers
+ * (for a remapped parameter, a pool block mapped at its fixed address), else one from the
+ * pool. 1: taken; 0: the pool is full; -1: failed (the error is set). */
+static int param_take(pshard_client_t *c, size_t i, size_t bytes, size_t *off)
 {
     if (!c->stable_off)
-        return pool_alloc(c, bytes, off);
+        return pool_alloc(c, bytes, off) ? 1 : 0;
+    if (param_remapped(c, i)) {
+        size_t len = page_up(c, bytes);
+        if (!pool_alloc_at(c, len, c->page, off))
+            return 0;
+        if (!param_map(c, i, *off, len, true)) {
+            int e = errno;
+            /* Whatever the failed call left at the fixed address, put its own pages back
+             * before the block can go to another parameter. */
+            if (param_map(c, i, c->stable_off[i], len, false))
+                pool_free(c, *off, len);
+            fail(c, PSHARD_ERR_NO_MEMORY, "cannot map parameter #%zu's %zu-byte block: %s", i,
+                 len, strerror(e));
+            return -1;
+        }
+        return 1;
+    }
     *off = c->stable_off[i];
     c->mem.in_use_bytes += align_up(bytes);
     if (c->mem.in_use_bytes > c->mem.peak_in_use_bytes)
         c->mem.peak_in_use_bytes = c->mem.in_use_bytes;
-    return true;
+    return 1;
 }
 
 /* Reshards parameter i: its block goes back to the pool, or with stable_param_buffers its
- * pages go back to the kernel (the addresses stay valid and read as zeros until the next
- * gather writes them again). */
+ * addresses stay valid and read as zeros until the next gather writes them again (a remapped
+ * parameter's show its own unwritten pages again, its pool block is kept backed for the next
+ * gather; another one's pages go back to the kernel). */
 static void param_release(pshard_client_t *c, size_t i)
 {
     tensor_buf_t *b = &c->pbuf[i];
-    if (b->state != BUF_NONE && c->stable_off) {
+    if (b->state != BUF_NONE && c->stable_off && param_remapped(c, i)) {
+        size_t len = page_up(c, b->bytes);
+        if (param_map(c, i, c->stable_off[i], len, false))
+            pool_free(c, b->off, len);
+        else /* still shown at the fixed address: never hand it to another parameter */
+            PS_WARN(PS_SUB_CLIENT,
+                    "cannot map parameter #%zu's own pages back (%s): its %zu-byte pool block "
+                    "stays out of the pool",
+                    i, strerror(errno), len);
+        b->state = BUF_NONE;
+    } else if (b->state != BUF_NONE && c->stable_off) {
         c->mem.in_use_bytes -= align_up(b->bytes);
-        region_discard(&c->model, b->off, b->bytes);
+        /* A block of a page or more owns whole pages, its last one included. */
+        region_discard(&c->model, b->off, b->bytes >= c->page ? page_up(c, b->bytes) : b->bytes);
         b->state = BUF_NONE;
     }
     buf_release(c, b);
@@ -873,6 +967,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     uint64_t *init_offsets = calloc(nparams, sizeof(uint64_t));
     pool_hole_t *holes = calloc(16, sizeof(pool_hole_t));
     size_t *stable_off = mc->stable_param_buffers ? calloc(nparams, sizeof(size_t)) : NULL;
+    bool remap = mc->stable_param_buffers && !c->cfg.remote;
     pshard_status_t rc = PSHARD_OK;
     if (!numel || !pbuf || !gbuf || !specs || !sptrs || !init_offsets || !holes ||
         (mc->stable_param_buffers && !stable_off)) {
@@ -900,11 +995,18 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         }
         numel[i] = n;
         if (stable_off) {
-            /* Page-aligned blocks of a page or more, so a reshard gives all their pages back. */
-            if (n * ps >= page)
+            /* Blocks of a page or more take whole pages of their own, so that a reshard gives
+             * all their pages back, or they can be remapped (see stable_off). */
+            if (n * ps >= page) {
                 stable_bytes = (stable_bytes + page - 1) / page * page;
-            stable_off[i] = stable_bytes;
-            stable_bytes += align_up(n * ps);
+                stable_off[i] = stable_bytes;
+                stable_bytes += (n * ps + page - 1) / page * page;
+                if (remap)
+                    all_bytes += (n * ps + page - 1) / page * page + page;
+            } else {
+                stable_off[i] = stable_bytes;
+                stable_bytes += align_up(n * ps);
+            }
             all_bytes += align_up(n * gs);
         } else {
             all_bytes += align_up(n * ps) + align_up(n * gs);
@@ -924,7 +1026,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     size_t bytes = stable_bytes + pool > init_bytes ? stable_bytes + pool : init_bytes;
     region_t model = {0};
     char err[1024] = "";
-    rc = region_create(&model, bytes, "model", c->cfg.remote, false, err, sizeof(err));
+    rc = region_create(&model, bytes, "model", c->cfg.remote, false, remap, err, sizeof(err));
     if (rc != PSHARD_OK) {
         fail(c, rc, "%s", err);
         goto out;
@@ -1002,8 +1104,12 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     protobuf_c_message_free_unpacked(dresp, NULL);
     region_unlink(&model);
     /* The initial values are consumed: their pages go back (in both processes). */
-    if (need_init)
-        region_discard(&model, 0, init_bytes);
+    if (need_init) {
+        /* Up to the end of the last page: nothing else is in use yet, and a fixed buffer in
+         * that page must read as zeros until its first gather. */
+        size_t end = (init_bytes + page - 1) / page * page;
+        region_discard(&model, 0, end < model.bytes ? end : model.bytes);
+    }
     pthread_mutex_lock(&c->mu);
     region_destroy(&c->model);
     model_free(c);
@@ -1016,6 +1122,8 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     c->holes[0] = (pool_hole_t){stable_bytes, pool};
     c->nholes = 1;
     c->stable_off = stable_off;
+    c->remap = remap;
+    c->page = page;
     stable_off = NULL;
     numel = NULL;
     pbuf = gbuf = NULL;
@@ -1047,7 +1155,7 @@ void *pshard_param(pshard_client_t *c, size_t i)
     void *p = NULL;
     pthread_mutex_lock(&c->mu);
     if (i < c->nparams && c->pbuf[i].state == BUF_READY)
-        p = (uint8_t *)c->model.base + c->pbuf[i].off;
+        p = (uint8_t *)c->model.base + (c->stable_off ? c->stable_off[i] : c->pbuf[i].off);
     pthread_mutex_unlock(&c->mu);
     return p;
 }
@@ -1225,7 +1333,8 @@ static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const
                 continue;
             }
             size_t bytes = c->numel[i] * pshard_dtype_size(c->param_dtype), off;
-            while (!param_take(c, i, bytes, &off)) {
+            int took;
+            while ((took = param_take(c, i, bytes, &off)) == 0) {
                 if (!c->qhead && !c->busy) {
                     size_t in_use = c->mem.in_use_bytes;
                     finish_buffers(c, w, PSHARD_ERR_ABORTED);
@@ -1237,6 +1346,13 @@ static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const
                                 c->mem.pool_bytes, bytes, i, in_use);
                 }
                 pthread_cond_wait(&c->cv, &c->mu);
+            }
+            if (took < 0) {
+                char why[sizeof(c->last_error)];
+                ps_strlcpy(why, c->last_error, sizeof(why));
+                finish_buffers(c, w, PSHARD_ERR_ABORTED);
+                w->n = 0;
+                return fail(c, PSHARD_ERR_NO_MEMORY, "%s", why);
             }
             c->pbuf[i] = (tensor_buf_t){BUF_PENDING, off, bytes};
             c->mem.params_gathered++;
@@ -1418,7 +1534,19 @@ static pshard_status_t run_inline(pshard_client_t *c, work_kind_t kind, const si
 
 pshard_status_t pshard_gather(pshard_client_t *c, const size_t *ids, size_t n)
 {
-    return run_inline(c, WORK_GATHER, ids, n);
+    /* Parameters an earlier gather brought in need nothing: return without queueing behind
+     * the reduce-scatters in flight (backward gathers a unit it prefetched while the unit
+     * after it is being reduced). */
+    pthread_mutex_lock(&c->mu);
+    bool all_ready = c->nparams > 0;
+    for (size_t k = 0; k < (n ? n : c->nparams) && all_ready; k++) {
+        size_t i = n ? ids[k] : k;
+        all_ready = i < c->nparams && c->pbuf[i].state == BUF_READY;
+    }
+    if (all_ready)
+        c->mem.params_skipped += n ? n : c->nparams;
+    pthread_mutex_unlock(&c->mu);
+    return all_ready ? PSHARD_OK : run_inline(c, WORK_GATHER, ids, n);
 }
 
 pshard_status_t pshard_reduce_scatter(pshard_client_t *c, const size_t *ids, size_t n)

@@ -7,6 +7,9 @@
  * The modes groups, groups_join and groups_in_backward train with parameter groups instead
  * (run_groups below): per-group hyperparameters changed at every step, a frozen parameter,
  * clip_grad_norm, and in groups_join a rank that joins before the last step.
+ * With PSHARD_STABLE=1 the model uses stable_param_buffers and conv.c has 600 rows (19 KiB, more
+ * than a page: remapped between the pool and its fixed address on the shared-memory path); each
+ * gathered parameter must then sit at its fixed address and read as zeros once resharded.
  * usage: shard_trainer SERVER RANK WORLD LAYOUT(fsdp2|fsdp1) OPT(sgd|adam|adamw) DTYPE(fp32|bf16)
  *        STEPS [mismatch|in_backward|groups|groups_join|groups_in_backward|groups_mismatch] */
 #include <dirent.h>
@@ -22,7 +25,7 @@
 
 #define NP 4
 
-static const int64_t shapes[NP][3] = {{7, 3, 0}, {2, 0, 0}, {16, 4, 2}, {1, 0, 0}};
+static int64_t shapes[NP][3] = {{7, 3, 0}, {2, 0, 0}, {16, 4, 2}, {1, 0, 0}};
 static const int ndims[NP] = {2, 1, 3, 1};
 static const char *const names[NP] = {"layer.a", "bias.b", "conv.c", "scale.d"};
 
@@ -425,6 +428,10 @@ int main(int argc, char **argv)
     bool mismatch = argc > 8 && strcmp(argv[8], "mismatch") == 0;
     bool in_backward = argc > 8 && strcmp(argv[8], "in_backward") == 0;
     bool groups = argc > 8 && strncmp(argv[8], "groups", 6) == 0;
+    const char *stable_env = getenv("PSHARD_STABLE");
+    bool stable = stable_env && strcmp(stable_env, "1") == 0;
+    if (stable)
+        shapes[2][0] = 600;
 
     const char *remote = getenv("PSHARD_REMOTE");
     pshard_client_config_t cfg = {.server = argv[1], .rank = rank, .world_size = world,
@@ -463,6 +470,7 @@ int main(int argc, char **argv)
     mc.max_grad_norm = in_backward ? 0 : 0.5; /* in-backward updates cannot clip */
     mc.optimizer_in_backward = in_backward;
     mc.max_gathers_in_flight = 1; /* odd steps issue two gathers: the second must wait */
+    mc.stable_param_buffers = stable;
     pshard_param_t params[NP];
     atexit(free_arrays);
     for (int p = 0; p < NP; p++) {
@@ -547,6 +555,11 @@ int main(int argc, char **argv)
         for (int p = 0; p < NP; p++) {
             size_t n = numel_of(p);
             const void *g = pshard_param(c, (size_t)p);
+            if (stable && g != pshard_param_buffer(c, (size_t)p)) {
+                fprintf(stderr, "rank %d step %d: %s is gathered at %p, not at its fixed "
+                        "address %p\n", rank, step, names[p], g, pshard_param_buffer(c, (size_t)p));
+                return 1;
+            }
             for (size_t i = 0; i < n; i++) {
                 float got = dt == PSHARD_BF16 ? ps_bf16_to_f32(((const uint16_t *)g)[i])
                                               : ((const float *)g)[i];
@@ -605,7 +618,22 @@ int main(int argc, char **argv)
             fprintf(stderr, "rank %d: step: %s\n", rank, pshard_last_error(c));
             return 1;
         }
-        /* The step made every full copy stale: they are freed. */
+        /* The step made every full copy stale: they are freed; a fixed buffer of whole pages
+         * reads as zeros (its own pages, not the pool block the next gather reuses). */
+        for (int p = 0; p < NP && stable; p++) {
+            size_t bytes = numel_of(p) * (dt == PSHARD_BF16 ? 2 : 4);
+            const uint8_t *b = pshard_param_buffer(c, (size_t)p);
+            if (bytes < (size_t)sysconf(_SC_PAGESIZE))
+                continue;
+            for (size_t k = 0; k < bytes; k++) {
+                if (b[k] != 0) {
+                    fprintf(stderr, "rank %d step %d: resharded %s reads %u at byte %zu\n", rank,
+                            step, names[p], b[k], k);
+                    failures++;
+                    break;
+                }
+            }
+        }
         for (int p = 0; p < NP; p++) {
             if (pshard_param(c, (size_t)p) || pshard_grad(c, (size_t)p) == NULL) {
                 fprintf(stderr, "rank %d: after the step parameter %d is still gathered, or "

@@ -145,6 +145,19 @@ static void test_remote_path(void)
     unsetenv("PSHARD_REMOTE");
 }
 
+/* stable_param_buffers: each parameter's full buffer at a fixed address (what torch needs);
+ * on the shared-memory path a buffer of whole pages shows a pool block while gathered. */
+static void test_stable_buffers(void)
+{
+    setenv("PSHARD_STABLE", "1", 1);
+    CU_ASSERT(run_case(2, "fsdp2", "adam", "fp32", ""));
+    CU_ASSERT(run_case(3, "fsdp2", "sgd", "bf16", ""));
+    setenv("PSHARD_REMOTE", "1", 1);
+    CU_ASSERT(run_case(2, "fsdp2", "adam", "fp32", ""));
+    unsetenv("PSHARD_REMOTE");
+    unsetenv("PSHARD_STABLE");
+}
+
 /* optimizer_in_backward: updates at the reduce-scatters, no accumulator; a second
  * reduce-scatter of a parameter in one step is refused. */
 static void test_in_backward(void)
@@ -230,6 +243,7 @@ int main(int argc, char **argv)
         {"2 ranks, fsdp1, sgd", test_two_ranks_sgd_fsdp1},
         {"3 ranks, bf16 params, adamw", test_bf16_params},
         {"remote path (gRPC streaming, no shared memory)", test_remote_path},
+        {"stable parameter buffers (remapped pool blocks)", test_stable_buffers},
         {"optimizer in backward", test_in_backward},
         {"mismatched model definitions are refused", test_mismatched_definition},
         {"parameter groups, frozen parameter, clip_grad_norm", test_groups},
