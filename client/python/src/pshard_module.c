@@ -54,18 +54,6 @@ static PyObject *Error, *InvalidArgumentError, *OutOfMemoryError, *TimeoutErr, *
     *AbortedError, *DesyncError, *JoinedError, *NotFoundError, *FailedPreconditionError,
     *UnavailableError;
 
-static const char *status_name(pshard_status_t st)
-{
-    switch (st) {
-#define PS_NAME_(name, value, msg)                                                                 \
-    case name:                                                                                     \
-        return #name;
-        PSHARD_STATUS_MAP(PS_NAME_)
-#undef PS_NAME_
-    }
-    return "PSHARD_ERR_UNKNOWN";
-}
-
 static PyObject *error_class(pshard_status_t st)
 {
     switch (st) {
@@ -102,10 +90,10 @@ static PyObject *error_class(pshard_status_t st)
 static PyObject *raise_status(pshard_status_t st, const char *msg)
 {
     PyObject *cls = error_class(st);
-    PyObject *exc = PyObject_CallFunction(cls, "s", msg && *msg ? msg : status_name(st));
+    PyObject *exc = PyObject_CallFunction(cls, "s", msg && *msg ? msg : pshard_status_name(st));
     if (!exc)
         return NULL;
-    PyObject *name = PyUnicode_FromString(status_name(st));
+    PyObject *name = PyUnicode_FromString(pshard_status_name(st));
     if (name) {
         PyObject_SetAttrString(exc, "status", name);
         Py_DECREF(name);

@@ -578,17 +578,24 @@ def _pre_backward(u):
         # Autograd accumulates straight into the shared-memory gradient buffers.
         for i in u.grad_ids:
             p = model.params[i]
-            view = model.grad_views.get(i)
-            if view is None:
-                view = torch.from_dlpack(model.client.grad(i))
-                model.grad_views[i] = view
-                if p.grad is not None:
-                    view.copy_(p.grad)
-            elif p.grad is None:
-                view.zero_()  # the caller dropped the accumulated gradient (zero_grad)
+            view, fresh = _grad_view(model, i)
+            if p.grad is None:
+                if not fresh:
+                    view.zero_()  # the caller dropped the accumulated gradient (zero_grad)
             elif p.grad is not view:
                 view.copy_(p.grad)
             p.grad = view
+
+
+def _grad_view(model, i):
+    """(the torch view of parameter i's shared-memory gradient buffer, whether it was just
+    made): made once per reduction and dropped when the reduce-scatter starts."""
+    view = model.grad_views.get(i)
+    if view is not None:
+        return view, False
+    view = torch.from_dlpack(model.client.grad(i))
+    model.grad_views[i] = view
+    return view, True
 
 
 def _make_grad_hook(u, i):
@@ -607,10 +614,7 @@ def _post_backward(u):
     if model.param_dtype != model.reduce_dtype:
         for i in u.grad_ids:
             p = model.params[i]
-            view = model.grad_views.get(i)
-            if view is None:
-                view = torch.from_dlpack(model.client.grad(i))
-                model.grad_views[i] = view
+            view, _ = _grad_view(model, i)
             if p.grad is not None:
                 view.add_(p.grad)
                 p.grad = None
