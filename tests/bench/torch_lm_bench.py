@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""One rank of run-torch-bench.sh: the example LM (examples/torch/train_lm.py's model, text and
+batches) trained for --warmup + --steps steps with AdamW (two param groups), one torch thread,
+in one of four modes:
+
+  local   one process, plain torch.optim.AdamW, no communication (the yardstick of overhead)
+  ddp     torch DistributedDataParallel on gloo (launch with torchrun --nproc-per-node N)
+  fsdp2   torch fully_shard per GPT-2 block and on the root, gloo on a CPU DeviceMesh (torchrun)
+  pshard  pshard.torch.fully_shard per block and on the root, pshard.torch.optim.AdamW, the
+          optimizer on the shard servers (launch with pshardrun --nproc N)
+
+Each rank prints one line that run-torch-bench.sh reads:
+  bench MODE rank R world N step_ms X loss Y vmhwm_kb H [server_vmhwm_kb S server_shmem_kb M]
+step_ms is this rank's mean over the timed steps (the script takes the slowest rank); vmhwm_kb
+is this process's peak RSS; in pshard mode the server_* fields are the peak RSS of this rank's
+own shard server (found as pshardrun names it) and that server's shared-memory RSS, the pages of
+the trainer's model region which both processes map and /proc counts in each.
+When the installed torch cannot run the mode, rank 0 prints
+  bench MODE rank 0 world N unsupported: REASON
+and the exit status is 0.
+"""
+import argparse
+import os
+import sys
+import time
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "examples", "torch"))
+import train_lm  # noqa: E402
+
+
+def status_kb(path, keys):
+    """The given fields (kB) of a /proc/PID/status file; missing ones are 0."""
+    out = dict.fromkeys(keys, 0)
+    try:
+        with open(path) as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in out:
+                    out[k] = int(v.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+def own_server_status(rank):
+    """VmHWM and RssShmem of this rank's shard server: pshardrun (our parent) starts it with
+    --name pshardrun-<its pid>-<rank>. None when it is not found (another launcher)."""
+    want = f"pshardrun-{os.getppid()}-{rank}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if want in argv and any(a.endswith(b"pshard-server") for a in argv[:1]):
+            return status_kb(f"/proc/{pid}/status", ("VmHWM", "RssShmem"))
+    return None
+
+
+def fsdp2_fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def setup(args):
+    """(rank, world, model, optimizer, all_reduce_max(float) -> float, finish())."""
+    model = train_lm.build_model(args)
+    if args.mode == "pshard":
+        import pshard
+        import pshard.torch as pt
+        import pshard.distributed as pd
+        pshard.init_process_group()
+        rank, world = pshard.get_rank(), pshard.get_world_size()
+        for block in model.transformer.h:
+            pt.fully_shard(block)
+        pt.fully_shard(model)
+        opt = pt.optim.AdamW(train_lm.param_groups(model, args.weight_decay), lr=args.lr,
+                             betas=(0.9, 0.95))
+
+        def barrier():
+            pd.barrier()
+        return rank, world, model, opt, barrier, pshard.destroy_process_group
+    if args.mode == "local":
+        opt = torch.optim.AdamW(train_lm.param_groups(model, args.weight_decay), lr=args.lr,
+                                betas=(0.9, 0.95))
+        return 0, 1, model, opt, lambda: None, lambda: None
+    import torch.distributed as dist
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        fully_shard = fsdp2_fully_shard()
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    inner = model.module if args.mode == "ddp" else model
+    opt = torch.optim.AdamW(train_lm.param_groups(inner, args.weight_decay), lr=args.lr,
+                            betas=(0.9, 0.95))
+    return rank, world, model, opt, dist.barrier, dist.destroy_process_group
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", required=True, choices=["local", "ddp", "fsdp2", "pshard"])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text-bytes", type=int, default=2 << 20)
+    args = ap.parse_args()
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
+        ap.error("--steps and --batch must be positive, --warmup not negative")
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    try:
+        rank, world, model, opt, barrier, finish = setup(args)
+    except Exception as e:  # noqa: BLE001 - report what this torch cannot do, then stop
+        if args.mode in ("ddp", "fsdp2"):
+            if os.environ.get("RANK", "0") == "0":
+                print(f"bench {args.mode} rank 0 world {os.environ.get('WORLD_SIZE', '?')} "
+                      f"unsupported: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+                      flush=True)
+            return 0
+        raise
+    # The local yardstick trains on rank 0's batches; each distributed rank on its own part.
+    text = train_lm.load_text(args.text_bytes)
+    data_world = max(world, 2)
+    t0, loss = None, float("nan")
+    for s in range(args.warmup + args.steps):
+        if s == args.warmup:
+            barrier()
+            t0 = time.perf_counter()
+        x = train_lm.batch_at(text, rank, data_world, s, args)
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = out.loss.detach()
+    loss = float(loss)  # the step's work is done once its loss is read
+    elapsed = time.perf_counter() - t0
+    fields = [f"bench {args.mode} rank {rank} world {world}",
+              f"step_ms {elapsed * 1000.0 / args.steps:.3f} loss {loss:.5f}",
+              f"vmhwm_kb {status_kb('/proc/self/status', ('VmHWM',))['VmHWM']}"]
+    if args.mode == "pshard":
+        srv = own_server_status(rank)
+        if srv is not None:
+            fields.append(f"server_vmhwm_kb {srv['VmHWM']} server_shmem_kb {srv['RssShmem']}")
+    print(" ".join(fields), flush=True)
+    barrier()
+    del model, opt
+    finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
