@@ -387,6 +387,14 @@ static void rs_process(engine_t *e, phase_t *ph)
     }
 }
 
+static void *alloc_touched(size_t n)
+{
+    void *p = malloc(n);
+    if (p)
+        memset(p, 0, n); /* first touch now, not on the hot path */
+    return p;
+}
+
 /* Builds the block lists of a phase. kind AG: out blocks rank, rank-1, ...; in blocks rank-1,
  * ...; RS: out rank-1, rank-2, ...; in rank-2, ..., rank. bytes[] are per-chunk sizes. */
 static pshard_status_t setup_ring_phase(engine_t *e, phase_t *ph, phase_kind_t kind,
@@ -424,6 +432,14 @@ static pshard_status_t setup_ring_phase(engine_t *e, phase_t *ph, phase_kind_t k
         ph->slice = slice;
         ph->rounds = (longest + slice - 1) / slice;
         ph->conv_round = SIZE_MAX;
+        pshard_dtype_t dt = e->req->op.args.dtype;
+        if (coll_acc_dtype(dt) != dt && !e->t.conv) {
+            /* The fp32 staging of half-type inputs, made by the first operation that needs it
+             * (an fp32-only job never pays its 4 MiB). */
+            e->t.conv = alloc_touched(e->t.conv_cap);
+            if (!e->t.conv)
+                return PSHARD_ERR_NO_MEMORY;
+        }
         rs_cur_init(e, ph, &ph->o, true);
         rs_cur_init(e, ph, &ph->fw, false);
         rs_cur_init(e, ph, &ph->pr, false);
@@ -1118,14 +1134,6 @@ static void wake(engine_t *e)
 /* ---------------------------------------------------------------------------------------- */
 /* Backend entry points                                                                      */
 
-static void *alloc_touched(size_t n)
-{
-    void *p = malloc(n);
-    if (p)
-        memset(p, 0, n); /* first touch now, not on the hot path */
-    return p;
-}
-
 static pshard_status_t tcp_connect(pshard_comm_t *comm, const pshard_comm_config_t *cfg,
                                    char *err, size_t errlen)
 {
@@ -1164,9 +1172,8 @@ static pshard_status_t tcp_connect(pshard_comm_t *comm, const pshard_comm_config
         t->ring_cap = RING_CAP;
         t->conv_cap = CONV_CAP;
         t->ring = alloc_touched(t->ring_cap);
-        t->conv = alloc_touched(t->conv_cap);
         t->barrier_buf = calloc((size_t)t->n, sizeof(uint64_t));
-        if (!t->ring || !t->conv || !t->barrier_buf) {
+        if (!t->ring || !t->barrier_buf) {
             rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
             goto fail;
         }
