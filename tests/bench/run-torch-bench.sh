@@ -5,15 +5,17 @@
 # repetition so drifting load hits all alike):
 #   small: 4 layers, d_model 256, 4 heads, seq 128, batch 8 per rank
 #   large: 8 layers, d_model 512, 8 heads, seq 128, batch 8 per rank
-# Modes (tests/bench/torch_lm_bench.py): local (one process, no communication), torch DDP and
-# torch FSDP2 (fully_shard per block + root) on gloo under torchrun, pshard (pshard.torch
-# fully_shard per block + root, the optimizer on the shard servers) under pshardrun.
+# Modes (tests/bench/torch_lm_bench.py): local (one process, no communication), local2 (two
+# independent local processes at once: the floor that two ranks sharing this machine's CPUs and
+# memory bandwidth cannot go below without any communication), torch DDP and torch FSDP2
+# (fully_shard per block + root) on gloo under torchrun, pshard (pshard.torch fully_shard per
+# block + root, the optimizer on the shard servers) under pshardrun.
 # Reports, per model: step time (median over repetitions of the slowest rank's mean), each
-# distributed mode's overhead over local, and peak memory per rank: the trainer's VmHWM; for
-# pshard also trainer + its own shard server, counted twice (plain sum of the two VmHWMs) and
-# with the model region's shared pages, mapped by both, counted once (minus the server's
-# RssShmem). Targets: pshard step <= 0.8x FSDP2's and <= 1.0x DDP's; pshard per-rank memory
-# <= FSDP2's; pshard's overhead over local against FSDP2's.
+# distributed mode's overhead over local and over local2, and peak memory per rank: the
+# trainer's VmHWM; for pshard also trainer + its own shard server, counted twice (plain sum of
+# the two VmHWMs) and with the model region's shared pages, mapped by both, counted once (minus
+# the server's RssShmem). Targets: pshard step <= 0.8x FSDP2's and <= 1.0x DDP's; pshard
+# per-rank memory <= FSDP2's; pshard's overhead over local against FSDP2's.
 #
 # Environment: VENV (<repo>/build/torch-venv, made by scripts/pshard-venv.sh, which also builds
 # and installs pshard into it), REPEAT (3), SMALL_STEPS (20), LARGE_STEPS (8), WARMUP (3),
@@ -54,6 +56,15 @@ run_one() {
     local cmd
     case "$mode" in
     local) cmd=("$PY" "$BENCH" --mode local "${flags[@]}") ;;
+    local2) # two at once; both outputs in one file, the slowest counts
+        local pid
+        timeout 1800 "$PY" "$BENCH" --mode local "${flags[@]}" >"$f.a" 2>&1 &
+        pid=$!
+        timeout 1800 "$PY" "$BENCH" --mode local "${flags[@]}" >"$f.b" 2>&1 ||
+            echo "($model $mode run $rep failed: see $f.b)" >&2
+        wait "$pid" || echo "($model $mode run $rep failed: see $f.a)" >&2
+        cat "$f.a" "$f.b" >"$f" && rm -f "$f.a" "$f.b"
+        return ;;
     ddp | fsdp2) cmd=("$VENV/bin/torchrun" --standalone --nproc-per-node 2 "$BENCH" --mode "$mode" "${flags[@]}") ;;
     pshard) cmd=("$VENV/bin/pshardrun" --nproc 2 -- "$PY" "$BENCH" --mode pshard "${flags[@]}") ;;
     esac
@@ -68,7 +79,7 @@ if [ "${SUMMARY_ONLY:-0}" != 1 ]; then
     echo "# torch $("$PY" -c 'import torch; print(torch.__version__)'), raw outputs in $OUT"
     for rep in $(seq "$REPEAT"); do
         for model in $MODELS; do
-            for mode in local ddp fsdp2 pshard; do
+            for mode in local local2 ddp fsdp2 pshard; do
                 log "$model $mode, repetition $rep of $REPEAT"
                 run_one "$model" "$mode" "$rep"
             done
@@ -88,6 +99,9 @@ per_run() { # file field -> value (kB or ms), empty if none
             else if (want == "trainer") x = v["vmhwm_kb"]
             else if (want == "sum" && ("server_vmhwm_kb" in v)) x = v["vmhwm_kb"] + v["server_vmhwm_kb"]
             else if (want == "dedup" && ("server_vmhwm_kb" in v)) x = v["vmhwm_kb"] + v["server_vmhwm_kb"] - v["server_shmem_kb"]
+            else if (want == "pss" && ("server_pss_kb" in v)) x = v["vmhwm_kb"] + v["server_pss_kb"] - v["server_pss_shmem_kb"]
+            else if (want == "pool_peak" && ("pool_peak_kb" in v)) x = v["pool_peak_kb"]
+            else if (want == "pool_touched" && ("pool_touched_kb" in v)) x = v["pool_touched_kb"]
             if (x != "" && (best == "" || x + 0 > best + 0)) best = x
             delete v }
         END { if (best != "") print best }'
@@ -113,10 +127,14 @@ grep -h 'unsupported' "$OUT"/*_r1.txt 2>/dev/null | sed 's/^/# /' | head -4 || t
 row "measure" "pshard" "reference" "ratio" "target" "met"
 for model in $MODELS; do
     l=$(stat "$model" local step_ms)
+    l2=$(stat "$model" local2 step_ms)
     d=$(stat "$model" ddp step_ms)
     f=$(stat "$model" fsdp2 step_ms)
     p=$(stat "$model" pshard step_ms)
     row "$model: step ms, local (no communication)" "-" "${l:-n/a}" "-" "(report)" "-"
+    row "$model: step ms, local2 (2 processes, no comm.)" "-" "${l2:-n/a}" "-" "(report)" "-"
+    r=$(ratio "$l2" "$f")
+    row "$model:   local2 vs torch FSDP2 (the floor)" "${l2:-n/a}" "${f:-n/a}" "$r" "(report)" "-"
     r=$(ratio "$p" "$f")
     row "$model: step ms, pshard vs torch FSDP2" "${p:-n/a}" "${f:-n/a}" "$r" "<= 0.80" "$(verdict "$r" 0.80)"
     r=$(ratio "$p" "$d")
@@ -127,6 +145,11 @@ for model in $MODELS; do
     r=$(ratio "$po" "$fo")
     row "$model: overhead ms over local, pshard vs FSDP2" "$po" "$fo" "$r" "<= 1.00" "$(verdict "$r" 1.00)"
     row "$model: overhead ms over local, pshard vs DDP" "$po" "$dd" "$(ratio "$po" "$dd")" "(report)" "-"
+    po2=$(diff_ms "$p" "$l2")
+    fo2=$(diff_ms "$f" "$l2")
+    dd2=$(diff_ms "$d" "$l2")
+    row "$model: overhead ms over local2, pshard vs FSDP2" "$po2" "$fo2" "$(ratio "$po2" "$fo2")" "(report)" "-"
+    row "$model: overhead ms over local2, pshard vs DDP" "$po2" "$dd2" "$(ratio "$po2" "$dd2")" "(report)" "-"
     ft=$(stat "$model" fsdp2 trainer)
     dt=$(stat "$model" ddp trainer)
     lt=$(stat "$model" local trainer)
@@ -138,7 +161,12 @@ for model in $MODELS; do
     r=$(ratio "$pd" "$ft")
     row "$model: peak MiB/rank, trainer+server vs FSDP2" "$(mib "$pd")" "$(mib "$ft")" "$r" "<= 1.00" "$(verdict "$r" 1.00)"
     row "$model:   same, shared pages counted twice" "$(mib "$ps")" "$(mib "$ft")" "$(ratio "$ps" "$ft")" "(report)" "-"
+    pp=$(stat "$model" pshard pss)
+    row "$model:   same, server's share of shared libs" "$(mib "$pp")" "$(mib "$ft")" "$(ratio "$pp" "$ft")" "(report)" "-"
+    row "$model: pshard pool MiB, peak held / ever touched" "$(mib "$(stat "$model" pshard pool_peak)")" "$(mib "$(stat "$model" pshard pool_touched)")" "-" "(report)" "-"
     row "$model: peak MiB/rank, trainer+server vs DDP" "$(mib "$pd")" "$(mib "$dt")" "$(ratio "$pd" "$dt")" "(report)" "-"
 done
 echo "# trainer+server = the trainer's VmHWM + its shard server's VmHWM - the server's RssShmem"
-echo "# (the trainer's model region, mapped by both; /proc counts it in each)"
+echo "# (the trainer's model region, mapped by both; /proc counts it in each). \"server's share\":"
+echo "# the trainer's VmHWM + the server's Pss - its Pss_Shmem at the end (its steady state): pages"
+echo "# of libraries shared with other processes count in proportion, as smem(8) counts them"

@@ -35,7 +35,7 @@ import train_lm  # noqa: E402
 
 
 def status_kb(path, keys):
-    """The given fields (kB) of a /proc/PID/status file; missing ones are 0."""
+    """The given fields (kB) of a /proc/PID/status or smaps_rollup file; missing ones are 0."""
     out = dict.fromkeys(keys, 0)
     try:
         with open(path) as f:
@@ -61,7 +61,9 @@ def own_server_status(rank):
         except OSError:
             continue
         if want in argv and any(a.endswith(b"pshard-server") for a in argv[:1]):
-            return status_kb(f"/proc/{pid}/status", ("VmHWM", "RssShmem"))
+            out = status_kb(f"/proc/{pid}/status", ("VmHWM", "RssShmem"))
+            out.update(status_kb(f"/proc/{pid}/smaps_rollup", ("Pss", "Pss_Shmem")))
+            return out
     return None
 
 
@@ -168,7 +170,13 @@ def main():
     if args.mode == "pshard":
         srv = own_server_status(rank)
         if srv is not None:
-            fields.append(f"server_vmhwm_kb {srv['VmHWM']} server_shmem_kb {srv['RssShmem']}")
+            fields.append(f"server_vmhwm_kb {srv['VmHWM']} server_shmem_kb {srv['RssShmem']} "
+                          f"server_pss_kb {srv.get('Pss', 0)} "
+                          f"server_pss_shmem_kb {srv.get('Pss_Shmem', 0)}")
+        import pshard.torch as pt
+        st = pt.memory_stats()
+        fields.append(f"pool_peak_kb {st['peak_in_use_bytes'] // 1024} "
+                      f"pool_touched_kb {st['touched_bytes'] // 1024}")
     print(" ".join(fields), flush=True)
     barrier()
     del model, opt
