@@ -62,6 +62,7 @@ typedef struct {
     int64_t checkpoint_every;
     int64_t checkpoint_keep;
     char *resume;
+    bool resume_allow_fresh;
     int64_t max_restarts;
 } run_opts_t;
 
@@ -104,6 +105,10 @@ static const ps_option_t options[] = {
     OPT("resume", "PSHARD_RESUME", PS_OPT_STRING, NULL,
         "restart from the newest committed checkpoint under this root (any world size)", resume,
         0, 0),
+    OPT("resume-allow-fresh", "PSHARD_RESUME_ALLOW_FRESH", PS_OPT_BOOL, "false",
+        "when every checkpoint under the root is refused (corrupt, a link, another step), "
+        "start from the initial values with a warning instead of failing",
+        resume_allow_fresh, 0, 0),
     OPT("max-restarts", "PSHARD_MAX_RESTARTS", PS_OPT_INT, "0",
         "when a trainer or server fails, stop everything and start it again up to this many "
         "times (torchrun's --max-restarts), resuming from the newest checkpoint under "
@@ -893,6 +898,8 @@ static void run_start_servers(run_t *run, const char *bin)
         if (run->resume) {
             argv[a++] = "--resume";
             argv[a++] = (char *)run->resume;
+            if (run->opts->resume_allow_fresh)
+                argv[a++] = "--resume-allow-fresh";
         }
         argv[a++] = "--checkpoint-every";
         argv[a++] = every;

@@ -503,7 +503,14 @@ pshard_status_t ps_ckpt_manifest_write(const char *step_dir, const ps_ckpt_manif
                        "refusing to write %s: %zu bytes is more than a manifest may have", path,
                        b.len);
     }
-    rc = ckpt_write_file_atomic(path, b.data, b.len, err, errlen);
+    int dfd;
+    rc = ps_ckpt_dir_open(step_dir, false, &dfd, err, errlen);
+    if (rc == PSHARD_ERR_NOT_FOUND)
+        rc = PSHARD_ERR_SYSTEM; /* writing: a missing directory is the system's problem */
+    if (rc == PSHARD_OK) {
+        rc = ps_ckpt_write_file(dfd, PS_CKPT_MANIFEST, path, b.data, b.len, err, errlen);
+        close(dfd);
+    }
     free(b.data);
     return rc;
 }
@@ -867,33 +874,30 @@ pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t *
     char path[PATH_MAX];
     if (ps_snprintf(path, sizeof(path), "%s/%s", step_dir, PS_CKPT_MANIFEST) != 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "path too long: %s", step_dir);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        if (errno == ENOENT || errno == ENOTDIR)
-            return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND,
-                           "%s: no %s (not a committed checkpoint)", step_dir, PS_CKPT_MANIFEST);
-        return ckpt_sys_err(err, errlen, "open", path);
+    int dfd, fd = -1;
+    uint64_t fsize = 0;
+    char open_err[PATH_MAX + 128] = "";
+    pshard_status_t rc = ps_ckpt_dir_open(step_dir, false, &dfd, open_err, sizeof(open_err));
+    if (rc == PSHARD_OK) {
+        rc = ps_ckpt_file_open(dfd, PS_CKPT_MANIFEST, path, false, &fd, &fsize, open_err,
+                               sizeof(open_err));
+        close(dfd);
     }
-    pshard_status_t rc = PSHARD_OK;
+    if (rc == PSHARD_ERR_NOT_FOUND)
+        return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND,
+                       "%s: no %s (not a committed checkpoint)", step_dir, PS_CKPT_MANIFEST);
+    if (rc != PSHARD_OK)
+        return ps_errf(err, errlen, rc, "%s", open_err);
     char *data = NULL, why[600] = "";
     ckpt_json_doc_t doc = {0};
     ps_ckpt_manifest_t *m = NULL;
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        rc = ckpt_sys_err(err, errlen, "stat", path);
-        goto out;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: not a regular file", path);
-        goto out;
-    }
-    if ((uint64_t)st.st_size > MANIFEST_MAX_BYTES) {
+    if (fsize > MANIFEST_MAX_BYTES) {
         rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                     "%s: %lld bytes is more than the %u MiB a manifest may have", path,
-                     (long long)st.st_size, MANIFEST_MAX_BYTES >> 20);
+                     "%s: %" PRIu64 " bytes is more than the %u MiB a manifest may have", path,
+                     fsize, MANIFEST_MAX_BYTES >> 20);
         goto out;
     }
-    size_t size = (size_t)st.st_size, got = 0;
+    size_t size = (size_t)fsize, got = 0;
     data = malloc(size ? size : 1);
     if (!data) {
         rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory reading %s", path);
@@ -936,10 +940,31 @@ static int cmp_i64(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* Appends one refusal to refused (NULL: none kept), "; "-separated, as far as it fits. */
+static void add_refusal(char *refused, size_t len, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void add_refusal(char *refused, size_t len, const char *fmt, ...)
+{
+    if (!refused || len == 0)
+        return;
+    size_t used = strlen(refused);
+    if (used > 0 && used + 2 < len) {
+        memcpy(refused + used, "; ", 3);
+        used += 2;
+    }
+    if (used + 1 >= len)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(refused + used, len - used, fmt, ap);
+    va_end(ap);
+}
+
 /* Steps of the step directories under root (committed or not), ascending. A missing root
- * gives none. */
-static pshard_status_t scan_step_dirs(const char *root, int64_t **steps, size_t *n, char *err,
-                                      size_t errlen)
+ * gives none. Entries named like step directories that are links or not directories are
+ * skipped (the first is described in refused when it is not NULL and still empty). */
+static pshard_status_t scan_step_dirs(const char *root, int64_t **steps, size_t *n,
+                                      char *refused, size_t refusedlen, char *err, size_t errlen)
 {
     *steps = NULL;
     *n = 0;
@@ -957,8 +982,21 @@ static pshard_status_t scan_step_dirs(const char *root, int64_t **steps, size_t 
         int64_t step;
         if (!parse_step_name(e->d_name, &step))
             continue;
-        if (e->d_type != DT_DIR && e->d_type != DT_UNKNOWN && e->d_type != DT_LNK)
+        struct stat st;
+        bool is_dir = e->d_type == DT_DIR;
+        if (e->d_type == DT_UNKNOWN || e->d_type == DT_LNK)
+            is_dir = fstatat(dirfd(dir), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                     S_ISDIR(st.st_mode);
+        if (!is_dir) {
+            add_refusal(refused, refusedlen, "%s/%s is %s", root, e->d_name,
+                        e->d_type == DT_LNK ? "a symbolic link (never followed)"
+                                            : "not a directory");
+            if (e->d_type == DT_LNK)
+                PS_WARN(PS_SUB_MAIN, "ignoring %s/%s: a symbolic link (pshard does not follow "
+                        "links inside a checkpoint root)", root, e->d_name);
+            errno = 0;
             continue;
+        }
         if (*n == cap) {
             size_t ncap = cap ? cap * 2 : 16;
             int64_t *s = realloc(*steps, ncap * sizeof(*s));
@@ -986,13 +1024,16 @@ static pshard_status_t scan_step_dirs(const char *root, int64_t **steps, size_t 
     return PSHARD_OK;
 }
 
-pshard_status_t ps_ckpt_list(const char *root, int64_t **steps, size_t *n, char *err, size_t errlen)
+pshard_status_t ps_ckpt_list(const char *root, int64_t **steps, size_t *n, char *refused,
+                             size_t refusedlen, char *err, size_t errlen)
 {
     int64_t *all = NULL;
     size_t nall = 0, kept = 0;
     *steps = NULL;
     *n = 0;
-    PS_CHECK(scan_step_dirs(root, &all, &nall, err, errlen));
+    if (refused && refusedlen)
+        refused[0] = '\0';
+    PS_CHECK(scan_step_dirs(root, &all, &nall, refused, refusedlen, err, errlen));
     for (size_t i = 0; i < nall; i++) {
         char dir[PATH_MAX], why[768] = "";
         ps_ckpt_step_dir(root, all[i], dir, sizeof(dir));
@@ -1002,6 +1043,7 @@ pshard_status_t ps_ckpt_list(const char *root, int64_t **steps, size_t *n, char 
             continue; /* a save that never committed */
         if (rc == PSHARD_ERR_INVALID_ARGUMENT) {
             PS_WARN(PS_SUB_MAIN, "ignoring %s: %s", dir, why);
+            add_refusal(refused, refusedlen, "%s", why);
             continue;
         }
         if (rc != PSHARD_OK) {
@@ -1009,8 +1051,11 @@ pshard_status_t ps_ckpt_list(const char *root, int64_t **steps, size_t *n, char 
             return ps_errf(err, errlen, rc, "%s", why);
         }
         bool same_step = m->step == all[i];
-        if (!same_step)
+        if (!same_step) {
             PS_WARN(PS_SUB_MAIN, "ignoring %s: its manifest says step %" PRId64, dir, m->step);
+            add_refusal(refused, refusedlen, "%s: its manifest says step %" PRId64, dir,
+                        m->step);
+        }
         ps_ckpt_manifest_free(m);
         if (same_step)
             all[kept++] = all[i];
@@ -1024,37 +1069,69 @@ pshard_status_t ps_ckpt_list(const char *root, int64_t **steps, size_t *n, char 
     return PSHARD_OK;
 }
 
-/* Removes one step directory: the manifest first (synced, so the step is no longer committed
- * even after a crash), then every file, then the directory. */
-static pshard_status_t remove_step_dir(const char *dir, char *err, size_t errlen)
+/* Removes one step directory `name` of root (descriptor rfd): the manifest first (synced, so
+ * the step is no longer committed even after a crash), then the files pshard writes there,
+ * then the directory. A link is never followed and nothing pshard did not write is removed:
+ * a directory that holds anything else stays, with a warning. */
+static pshard_status_t remove_step_dir(int rfd, const char *root, const char *name, char *err,
+                                       size_t errlen)
 {
-    char path[PATH_MAX];
-    ps_snprintf(path, sizeof(path), "%s/%s", dir, PS_CKPT_MANIFEST);
-    if (unlink(path) != 0 && errno != ENOENT)
-        return ckpt_sys_err(err, errlen, "remove", path);
-    DIR *d = opendir(dir);
-    if (!d) {
+    char dir[PATH_MAX];
+    ps_snprintf(dir, sizeof(dir), "%s/%s", root, name);
+    int dfd = openat(rfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dfd < 0) {
         if (errno == ENOENT)
             return PSHARD_OK;
-        return ckpt_sys_err(err, errlen, "list", dir);
-    }
-    if (fsync(dirfd(d)) != 0 && errno != EINVAL) {
-        pshard_status_t rc = ckpt_sys_err(err, errlen, "sync the directory", dir);
-        closedir(d);
-        return rc;
+        if (errno == ELOOP || errno == ENOTDIR) {
+            PS_WARN(PS_SUB_MAIN, "not pruning %s: not a directory (links are never followed)",
+                    dir);
+            return PSHARD_OK;
+        }
+        return ckpt_sys_err(err, errlen, "open the directory", dir);
     }
     pshard_status_t rc = PSHARD_OK;
+    struct stat st;
+    if (fstatat(dfd, PS_CKPT_MANIFEST, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+        unlinkat(dfd, PS_CKPT_MANIFEST, 0) != 0 && errno != ENOENT) {
+        rc = ckpt_sys_err(err, errlen, "remove the manifest of", dir);
+        close(dfd);
+        return rc;
+    }
+    if (fsync(dfd) != 0 && errno != EINVAL) {
+        rc = ckpt_sys_err(err, errlen, "sync the directory", dir);
+        close(dfd);
+        return rc;
+    }
+    DIR *d = fdopendir(dfd);
+    if (!d) {
+        rc = ckpt_sys_err(err, errlen, "list", dir);
+        close(dfd);
+        return rc;
+    }
+    char foreign[256] = "";
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
         if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
             continue;
+        bool regular = fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                       S_ISREG(st.st_mode);
+        if (!regular || !ps_ckpt_is_own_file(e->d_name)) {
+            if (!foreign[0])
+                ps_strlcpy(foreign, e->d_name, sizeof(foreign));
+            continue;
+        }
         if (unlinkat(dirfd(d), e->d_name, 0) != 0 && errno != ENOENT && rc == PSHARD_OK) {
+            char path[PATH_MAX];
             ps_snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
             rc = ckpt_sys_err(err, errlen, "remove", path);
         }
     }
     closedir(d);
-    if (rc == PSHARD_OK && rmdir(dir) != 0 && errno != ENOENT)
+    if (foreign[0]) {
+        PS_WARN(PS_SUB_MAIN, "kept %s: it holds '%s', which pshard did not write", dir, foreign);
+        return rc;
+    }
+    if (rc == PSHARD_OK && unlinkat(rfd, name, AT_REMOVEDIR) != 0 && errno != ENOENT)
         rc = ckpt_sys_err(err, errlen, "remove", dir);
     return rc;
 }
@@ -1066,8 +1143,11 @@ pshard_status_t ps_ckpt_prune(const char *root, int keep, char *err, size_t errl
                        keep);
     int64_t *committed = NULL, *all = NULL;
     size_t ncommitted = 0, nall = 0;
-    PS_CHECK(ps_ckpt_list(root, &committed, &ncommitted, err, errlen));
-    pshard_status_t rc = scan_step_dirs(root, &all, &nall, err, errlen);
+    PS_CHECK(ps_ckpt_list(root, &committed, &ncommitted, NULL, 0, err, errlen));
+    pshard_status_t rc = scan_step_dirs(root, &all, &nall, NULL, 0, err, errlen);
+    int rfd = -1;
+    if (rc == PSHARD_OK && ncommitted > 0)
+        rc = ps_ckpt_dir_open(root, true, &rfd, err, errlen);
     if (rc != PSHARD_OK || ncommitted == 0) {
         free(committed);
         free(all);
@@ -1076,9 +1156,10 @@ pshard_status_t ps_ckpt_prune(const char *root, int keep, char *err, size_t errl
     int64_t newest = committed[ncommitted - 1];
     char dir[PATH_MAX];
     /* Older committed checkpoints beyond the newest `keep`, oldest first. */
+    char name[32];
     for (size_t i = 0; i + (size_t)keep < ncommitted; i++) {
-        ps_ckpt_step_dir(root, committed[i], dir, sizeof(dir));
-        pshard_status_t r = remove_step_dir(dir, err, errlen);
+        snprintf(name, sizeof(name), "step-%08lld", (long long)committed[i]);
+        pshard_status_t r = remove_step_dir(rfd, root, name, err, errlen);
         if (rc == PSHARD_OK)
             rc = r;
     }
@@ -1092,16 +1173,35 @@ pshard_status_t ps_ckpt_prune(const char *root, int keep, char *err, size_t errl
         struct stat st;
         if (lstat(man, &st) == 0 || errno != ENOENT)
             continue;
-        pshard_status_t r = remove_step_dir(dir, err, errlen);
+        snprintf(name, sizeof(name), "step-%08lld", (long long)all[i]);
+        pshard_status_t r = remove_step_dir(rfd, root, name, err, errlen);
         if (rc == PSHARD_OK)
             rc = r;
     }
+    close(rfd);
     free(committed);
     free(all);
     return rc;
 }
 
 /* ---- Shard files --------------------------------------------------------------------------- */
+
+/* Opens file `name` of the step directory dir as ps_ckpt_file_open does (no links, regular
+ * files only); st (may be NULL) gets its size in st_size. */
+static pshard_status_t ckpt_open_in_dir(const char *dir, const char *name, const char *shown,
+                                        int *fd, struct stat *st, char *err, size_t errlen)
+{
+    int dfd;
+    PS_CHECK(ps_ckpt_dir_open(dir, false, &dfd, err, errlen));
+    uint64_t size = 0;
+    pshard_status_t rc = ps_ckpt_file_open(dfd, name, shown, false, fd, &size, err, errlen);
+    close(dfd);
+    if (rc == PSHARD_OK && st) {
+        memset(st, 0, sizeof(*st));
+        st->st_size = (off_t)size;
+    }
+    return rc;
+}
 
 pshard_status_t ps_ckpt_verify_file(const char *step_dir, const ps_ckpt_file_t *f, char *err,
                                     size_t errlen)
@@ -1113,19 +1213,11 @@ pshard_status_t ps_ckpt_verify_file(const char *step_dir, const ps_ckpt_file_t *
     char path[PATH_MAX];
     if (ps_snprintf(path, sizeof(path), "%s/%s", step_dir, f->path) != 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "path too long: %s", step_dir);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        if (errno == ENOENT)
-            return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "%s: missing", path);
-        return ckpt_sys_err(err, errlen, "open", path);
-    }
-    pshard_status_t rc = PSHARD_OK;
+    int fd;
     struct stat st;
+    PS_CHECK(ckpt_open_in_dir(step_dir, f->path, path, &fd, &st, err, errlen));
+    pshard_status_t rc = PSHARD_OK;
     uint8_t *buf = NULL;
-    if (fstat(fd, &st) != 0) {
-        rc = ckpt_sys_err(err, errlen, "stat", path);
-        goto out;
-    }
     if ((uint64_t)st.st_size < f->bytes) {
         rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                      "%s: truncated: %lld of %" PRIu64 " bytes", path, (long long)st.st_size,
@@ -1224,11 +1316,9 @@ pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_
                 break;
             }
             ps_snprintf(path, sizeof(path), "%s/%s", step_dir, f->path);
-            fd = open(path, O_RDONLY | O_CLOEXEC);
-            if (fd < 0) {
-                rc = ckpt_sys_err(err, errlen, "open", path);
+            rc = ckpt_open_in_dir(step_dir, f->path, path, &fd, NULL, err, errlen);
+            if (rc != PSHARD_OK)
                 break;
-            }
         }
         uint64_t elem = (uint64_t)section * f->shard_numel + pc->offset + (lo - pc->start);
         size_t want = (size_t)(hi - lo) * sizeof(float), got = 0;

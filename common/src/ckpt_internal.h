@@ -137,24 +137,6 @@ void ckpt_buf_double(ckpt_buf_t *b, double v);
 
 /* ---- Files ------------------------------------------------------------------------------ */
 
-/* Writes data[0..len) to path atomically: a temporary file in the same directory, fsync,
- * rename over path, fsync of the directory. A failure removes the temporary file and leaves
- * any previous file at path as it was. Errors: SYSTEM with the path and strerror in err. */
-pshard_status_t ckpt_write_file_atomic(const char *path, const void *data, size_t len, char *err,
-                                       size_t errlen);
-
-/* Opens a temporary file beside final_path (same directory, mode 0644) for an atomic write;
- * its name goes to tmp and its descriptor to *fd. Errors: SYSTEM (naming final_path),
- * INVALID_ARGUMENT (path too long). */
-pshard_status_t ckpt_open_temp(const char *final_path, char *tmp, size_t tmplen, int *fd, char *err,
-                               size_t errlen);
-
-/* Finishes an atomic write begun with ckpt_open_temp: fsync and close fd, rename tmp to
- * final_path, fsync the directory. On any failure (and whenever ok is false) the temporary
- * file is removed; fd is closed either way. Errors: SYSTEM. */
-pshard_status_t ckpt_commit_temp(int fd, const char *tmp, const char *final_path, bool ok,
-                                 char *err, size_t errlen);
-
 /* write(2) of all len bytes, retrying on EINTR and short writes. Errors: SYSTEM naming path. */
 pshard_status_t ckpt_write_all(int fd, const void *buf, size_t len, const char *path, char *err,
                                size_t errlen);

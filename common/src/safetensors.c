@@ -100,13 +100,33 @@ pshard_status_t ps_safetensors_export(const char *step_dir, const ps_ckpt_manife
                        "%s: a header of %zu bytes is beyond safetensors' limit of %u", out_path,
                        header.len, ST_MAX_HEADER);
     }
-    char tmp[PATH_MAX + 32];
-    int fd;
-    rc = ckpt_open_temp(out_path, tmp, sizeof(tmp), &fd, err, errlen);
+    /* The output is the caller's own path (links followed, as cp does); only the file itself
+     * is written under a fresh temporary name and renamed into place. */
+    char dir[PATH_MAX];
+    const char *slash = strrchr(out_path, '/');
+    const char *base = slash ? slash + 1 : out_path;
+    if (!*base || ps_snprintf(dir, sizeof(dir), "%.*s", slash ? (int)(slash - out_path) : 1,
+                              slash ? (slash == out_path ? "/" : out_path) : ".") != 0) {
+        free(header.data);
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%s: not a file path (or too long)", out_path);
+    }
+    int dfd;
+    ps_ckpt_out_t o;
+    char dir_err[PATH_MAX + 128] = "";
+    rc = ps_ckpt_dir_open(dir, true, &dfd, dir_err, sizeof(dir_err));
+    if (rc != PSHARD_OK)
+        rc = ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot write %s: %s", out_path, dir_err);
+    if (rc == PSHARD_OK) {
+        rc = ps_ckpt_out_open(dfd, base, out_path, &o, err, errlen);
+        if (rc != PSHARD_OK)
+            close(dfd);
+    }
     if (rc != PSHARD_OK) {
         free(header.data);
         return rc;
     }
+    int fd = o.fd;
     float *f32 = malloc(ST_CHUNK_ELEMS * sizeof(float));
     uint16_t *b16 = dtype == PSHARD_BF16 ? malloc(ST_CHUNK_ELEMS * sizeof(uint16_t)) : NULL;
     if (!f32 || (dtype == PSHARD_BF16 && !b16)) {
@@ -139,7 +159,8 @@ out:
     free(f32);
     free(b16);
     free(header.data);
-    pshard_status_t rc2 = ckpt_commit_temp(fd, tmp, out_path, rc == PSHARD_OK, err, errlen);
+    pshard_status_t rc2 = ps_ckpt_out_commit(&o, rc == PSHARD_OK, err, errlen);
+    close(dfd);
     return rc != PSHARD_OK ? rc : rc2;
 }
 
@@ -297,19 +318,14 @@ static pshard_status_t check_header(const ckpt_json_doc_t *d, uint64_t data_len,
 pshard_status_t ps_safetensors_read(const char *path, const char *name, int ndim,
                                     const int64_t *shape, float *out, char *err, size_t errlen)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return ckpt_sys_err(err, errlen, "open", path);
+    int fd;
+    uint64_t size = 0;
+    /* A FIFO or device is refused here rather than waited on. */
+    PS_CHECK(ps_ckpt_file_open(AT_FDCWD, path, path, true, &fd, &size, err, errlen));
     pshard_status_t rc = PSHARD_OK;
     char *header = NULL, why[600] = "";
     void *buf = NULL;
     ckpt_json_doc_t doc = {0};
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        rc = ckpt_sys_err(err, errlen, "stat", path);
-        goto out;
-    }
-    uint64_t size = (uint64_t)st.st_size;
     uint8_t len8[8];
     size_t got = 0;
     PS_CHECK_GOTO(ckpt_pread_full(fd, len8, sizeof(len8), 0, &got, path, err, errlen), rc, out);

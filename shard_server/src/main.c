@@ -35,6 +35,8 @@ typedef struct {
     int64_t checkpoint_every;
     int64_t checkpoint_keep;
     char *resume;
+    bool resume_allow_fresh;
+    int64_t max_model_memory;
 } server_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
@@ -86,6 +88,15 @@ static const ps_option_t options[] = {
         "committed checkpoints kept, newest first", checkpoint_keep, 1, 1000000),
     OPT("resume", "PSHARD_RESUME", PS_OPT_STRING, NULL,
         "restore the newest committed checkpoint under this root (any world size)", resume, 0, 0),
+    OPT("resume-allow-fresh", "PSHARD_RESUME_ALLOW_FRESH", PS_OPT_BOOL, "false",
+        "with --resume: start from the initial values when every checkpoint there is refused "
+        "(default: fail, naming what was refused)",
+        resume_allow_fresh, 0, 0),
+    OPT("max-model-memory", "PSHARD_MAX_MODEL_MEMORY", PS_OPT_INT, "0",
+        "bytes one model may take on this server (shards, optimizer states, its region); a "
+        "larger DefineModel is refused before anything is allocated (0: the machine's memory "
+        "or the cgroup's limit)",
+        max_model_memory, 0, INT64_MAX),
 };
 
 int main(int argc, char **argv)
@@ -118,9 +129,9 @@ int main(int argc, char **argv)
         goto out;
     }
     if (o.token_file) {
-        token = ps_read_file(o.token_file, true, 4096, NULL, err, sizeof(err));
-        if (!token || !*token) {
-            fprintf(stderr, "pshard-server: --token-file: %s\n", token ? "empty" : err);
+        token = ps_read_token(o.token_file, err, sizeof(err));
+        if (!token) {
+            fprintf(stderr, "pshard-server: --token-file: %s\n", err);
             rc = 2;
             goto out;
         }
@@ -146,6 +157,8 @@ int main(int argc, char **argv)
         .checkpoint_every = o.checkpoint_every,
         .checkpoint_keep = o.checkpoint_keep,
         .resume = o.resume,
+        .resume_allow_fresh = o.resume_allow_fresh,
+        .max_model_memory = o.max_model_memory,
     };
     srv = pshard_shard_server_start(&cfg, err, sizeof(err));
     if (!srv) {

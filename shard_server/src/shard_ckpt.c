@@ -128,56 +128,16 @@ static pshard_status_t sys_err(char *err, size_t errlen, const char *what, const
     return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "%s %s: %s", what, path, strerror(e));
 }
 
-/* mkdir -p for the checkpoint root, then the step directory. */
-static pshard_status_t make_dirs(const char *root, const char *step_dir, char *err, size_t errlen)
+/* Writes this rank's shard file into the step directory dfd (a fresh O_EXCL temporary, fsync,
+ * rename) and returns its size and CRC-32C. A failure removes the temporary file. */
+static pshard_status_t write_shard(shard_model_t *m, const bounce_t *b, int dfd,
+                                   const char *step_dir, const char *name, uint64_t *bytes,
+                                   uint32_t *crc, char *err, size_t errlen)
 {
-    char path[PATH_MAX];
-    if (strlen(root) >= sizeof(path))
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "checkpoint path too long");
-    memcpy(path, root, strlen(root) + 1);
-    for (char *p = path + 1; *p; p++) {
-        if (*p != '/')
-            continue;
-        *p = '\0';
-        if (mkdir(path, 0755) != 0 && errno != EEXIST)
-            return sys_err(err, errlen, "cannot create", path);
-        *p = '/';
-    }
-    if (mkdir(path, 0755) != 0 && errno != EEXIST)
-        return sys_err(err, errlen, "cannot create", path);
-    if (mkdir(step_dir, 0755) != 0 && errno != EEXIST)
-        return sys_err(err, errlen, "cannot create", step_dir);
-    return PSHARD_OK;
-}
-
-static pshard_status_t write_all(int fd, const void *buf, size_t len, const char *path,
-                                 char *err, size_t errlen)
-{
-    const uint8_t *p = buf;
-    while (len > 0) {
-        ssize_t n = write(fd, p, len);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0)
-            return sys_err(err, errlen, "cannot write", path);
-        p += n;
-        len -= (size_t)n;
-    }
-    return PSHARD_OK;
-}
-
-/* Writes this rank's shard file (temporary name, fsync, rename) and returns its size and
- * CRC-32C. A failure removes the temporary file. */
-static pshard_status_t write_shard(shard_model_t *m, const bounce_t *b, const char *step_dir,
-                                   const char *name, uint64_t *bytes, uint32_t *crc, char *err,
-                                   size_t errlen)
-{
-    char path[PATH_MAX + 80], tmp[PATH_MAX + 88];
+    char path[PATH_MAX + 80];
     snprintf(path, sizeof(path), "%s/%s", step_dir, name);
-    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0)
-        return sys_err(err, errlen, "cannot create", tmp);
+    ps_ckpt_out_t out;
+    PS_CHECK(ps_ckpt_out_open(dfd, name, path, &out, err, errlen));
     pshard_status_t rc = PSHARD_OK;
     uint32_t c = 0;
     for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
@@ -194,23 +154,18 @@ static pshard_status_t write_shard(shard_model_t *m, const bounce_t *b, const ch
             for (size_t left = len; left > 0 && rc == PSHARD_OK;) {
                 size_t n = left < WRITE_CHUNK ? left : WRITE_CHUNK;
                 c = ps_crc32c(c, p, n);
-                rc = write_all(fd, p, n, tmp, err, errlen);
+                rc = ps_ckpt_out_write(&out, p, n, err, errlen);
                 p += n;
                 left -= n;
             }
             done += len;
         }
     }
-    if (rc == PSHARD_OK && fsync(fd) != 0)
-        rc = sys_err(err, errlen, "cannot sync", tmp);
-    if (close(fd) != 0 && rc == PSHARD_OK)
-        rc = sys_err(err, errlen, "cannot close", tmp);
-    if (rc == PSHARD_OK && rename(tmp, path) != 0)
-        rc = sys_err(err, errlen, "cannot rename to", path);
-    if (rc != PSHARD_OK) {
-        unlink(tmp);
+    pshard_status_t rc2 = ps_ckpt_out_commit(&out, rc == PSHARD_OK, err, errlen);
+    if (rc == PSHARD_OK)
+        rc = rc2;
+    if (rc != PSHARD_OK)
         return rc;
-    }
     *bytes = (uint64_t)nsections(m) * m->shard_numel * sizeof(float);
     *crc = c;
     return PSHARD_OK;
@@ -303,15 +258,16 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
     char step_dir[PATH_MAX], name[64], local_err[512] = "";
     pshard_status_t local = PSHARD_OK;
     bool committed = false;
+    int dfd = -1;
     if (!root || !*root) {
         local = ps_errf(local_err, sizeof(local_err), PSHARD_ERR_FAILED_PRECONDITION,
                         "no --checkpoint-dir is configured on rank %d", rank);
     } else {
         ps_ckpt_step_dir(root, m->step, step_dir, sizeof(step_dir));
-        local = make_dirs(root, step_dir, local_err, sizeof(local_err));
-        char man_path[PATH_MAX + 32];
-        snprintf(man_path, sizeof(man_path), "%s/%s", step_dir, PS_CKPT_MANIFEST);
-        committed = local == PSHARD_OK && access(man_path, F_OK) == 0;
+        local = ps_ckpt_step_dir_make(root, m->step, &dfd, local_err, sizeof(local_err));
+        struct stat st;
+        committed = local == PSHARD_OK &&
+                    fstatat(dfd, PS_CKPT_MANIFEST, &st, AT_SYMLINK_NOFOLLOW) == 0;
     }
     int64_t t0 = ps_now_ns();
     /* Phase 1: every rank writes its shard (unless this step is committed already: saving the
@@ -324,7 +280,8 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
         bounce_t b;
         local = bounce_open(m, &b, local_err, sizeof(local_err));
         if (local == PSHARD_OK)
-            local = write_shard(m, &b, step_dir, name, &bytes, &crc, local_err, sizeof(local_err));
+            local = write_shard(m, &b, dfd, step_dir, name, &bytes, &crc, local_err,
+                                sizeof(local_err));
         bounce_close(&b);
         mine[0] = local == PSHARD_OK;
         mine[1] = (int64_t)bytes;
@@ -332,6 +289,8 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
     }
     if (committed)
         mine[0] = 2;
+    if (dfd >= 0)
+        close(dfd);
     int64_t *all = calloc((size_t)world * 3, sizeof(int64_t));
     if (!all)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
@@ -436,19 +395,20 @@ static pshard_status_t read_own_file(shard_model_t *m, const bounce_t *b, const 
 {
     char path[PATH_MAX + 300];
     snprintf(path, sizeof(path), "%s/%s", step_dir, f->path);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return errno == ENOENT ? ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "%s is missing", path)
-                               : sys_err(err, errlen, "cannot open", path);
-    struct stat st;
-    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != f->bytes) {
+    int dfd, fd = -1;
+    uint64_t size = 0;
+    PS_CHECK(ps_ckpt_dir_open(step_dir, false, &dfd, err, errlen));
+    pshard_status_t rc = ps_ckpt_file_open(dfd, f->path, path, false, &fd, &size, err, errlen);
+    close(dfd);
+    if (rc != PSHARD_OK)
+        return rc;
+    if (size != f->bytes) {
         close(fd);
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s is truncated or padded: %lld of %llu bytes", path,
-                       (long long)st.st_size, (unsigned long long)f->bytes);
+                       "%s is truncated or padded: %llu of %llu bytes", path,
+                       (unsigned long long)size, (unsigned long long)f->bytes);
     }
     uint32_t crc = 0;
-    pshard_status_t rc = PSHARD_OK;
     for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
         uint8_t *sec = (uint8_t *)section_ptr(m, k);
         size_t total = m->shard_numel * sizeof(float);
@@ -492,20 +452,45 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
     char local_err[512] = "";
     pshard_status_t local = PSHARD_OK;
     /* Rank 0 picks the step (the newest committed), so all restore the same one. */
+    /* -1: nothing there, start fresh; -2: nothing loadable, and something was refused (or the
+     * root could not be listed): an error, unless --resume-allow-fresh. */
     int64_t pick[1] = {-1};
+    char refused[768] = "";
     if (rank == 0) {
         int64_t *steps = NULL;
         size_t n = 0;
-        if (ps_ckpt_list(root, &steps, &n, local_err, sizeof(local_err)) == PSHARD_OK && n > 0)
+        pshard_status_t lr =
+            ps_ckpt_list(root, &steps, &n, refused, sizeof(refused), local_err, sizeof(local_err));
+        if (lr == PSHARD_OK && n > 0)
             pick[0] = steps[n - 1];
-        else if (local_err[0])
-            PS_WARN(PS_SUB_SHARD, "listing checkpoints in %s: %s", root, local_err);
+        else if (lr != PSHARD_OK)
+            ps_strlcpy(refused, local_err, sizeof(refused));
+        if (pick[0] < 0 && refused[0]) {
+            if (s->cfg.resume_allow_fresh)
+                PS_WARN(PS_SUB_SHARD, "no loadable checkpoint under %s (%s): starting fresh, as "
+                        "--resume-allow-fresh says", root, refused);
+            else
+                pick[0] = -2;
+        }
         free(steps);
         local_err[0] = '\0';
     }
     PS_CHECK(broadcast_words(comm, pick, 1, "checkpoint pick", err, errlen));
+    if (pick[0] == -2) {
+        /* Every rank's trainer gets rank 0's reasons, whichever reports first. */
+        int64_t words[sizeof(refused) / 8];
+        memcpy(words, refused, sizeof(words));
+        PS_CHECK(broadcast_words(comm, words, PS_ARRAY_LEN(words), "checkpoint refusals", err,
+                                 errlen));
+        memcpy(refused, words, sizeof(words));
+        refused[sizeof(refused) - 1] = '\0';
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "nothing to resume from in %s: %s (--resume-allow-fresh starts from "
+                       "the initial values instead)",
+                       root, refused);
+    }
     if (pick[0] < 0) {
-        PS_INFO(PS_SUB_SHARD, "no committed checkpoint under %s: starting fresh", root);
+        PS_INFO(PS_SUB_SHARD, "no checkpoint under %s yet: starting fresh", root);
         return PSHARD_OK;
     }
     char step_dir[PATH_MAX];

@@ -57,6 +57,7 @@ struct pshard_shard_server {
     char session[40];
     shm_map_t scratch, model_shm;
     shm_map_t pending_model; /* remote trainers: private model region filled before DefineModel */
+    uint64_t max_model_bytes; /* --max-model-memory, or what this machine / cgroup has */
     shard_model_t *model;
     /* Definitions compared in comm generation define_generation (op_mu): each attempt
      * publishes under its own number, so a retry after a refused definition never reads a

@@ -251,8 +251,8 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
                                    const shard_group_t *groups, size_t ngroups,
                                    const uint32_t *param_groups, size_t nparam_groups,
                                    double max_grad_norm, bool in_backward,
-                                   const struct shard_dev_ops *dev, int device, shard_model_t **out,
-                                   char *err, size_t errlen)
+                                   const struct shard_dev_ops *dev, int device, uint64_t max_bytes,
+                                   shard_model_t **out, char *err, size_t errlen)
 {
     *out = NULL;
     if (nparams == 0)
@@ -370,6 +370,19 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     }
     size_t bytes = m->shard_numel * sizeof(float);
     int nstate = m->nstate;
+    /* What the definition will hold on this rank, checked before any of it is allocated. */
+    uint64_t need = 0, sections = (uint64_t)(1 + !in_backward + nstate);
+    if (__builtin_mul_overflow((uint64_t)bytes, sections, &need) ||
+        __builtin_add_overflow(need, (uint64_t)m->max_piece * 4, &need) ||
+        __builtin_add_overflow(need, (uint64_t)m->max_numel * 4, &need))
+        need = UINT64_MAX;
+    if (max_bytes > 0 && need > max_bytes) {
+        rc = ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                     "this model needs %.1f MiB of shard state on rank %d; this shard server may "
+                     "use %.1f MiB for one (--max-model-memory)",
+                     (double)need / 1048576.0, rank, (double)max_bytes / 1048576.0);
+        goto fail;
+    }
     /* In-backward updates need no accumulator, only a flag per parameter and step. */
     if (in_backward)
         m->reduced = calloc(nparams, 1);

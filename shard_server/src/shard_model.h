@@ -93,16 +93,18 @@ typedef struct {
  * are then unused), each valid by torch's rules, and nparam_groups == nparams indices below
  * ngroups. SGD momentum state exists when some group that is not frozen has momentum != 0.
  * Allocates and pre-touches storage: host memory when dev is NULL, else zeroed memory of dev
- * (shard_cuda.h) on CUDA device `device` (GPU-resident shards; errors then may be CUDA). Free
- * with shard_model_free. */
+ * (shard_cuda.h) on CUDA device `device` (GPU-resident shards; errors then may be CUDA).
+ * max_bytes > 0: a model whose state on this rank (shard sections, staging, and one full
+ * parameter for the initial broadcast) would need more is refused with RESOURCE_EXHAUSTED
+ * before anything of that size is allocated. Free with shard_model_free. */
 pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
                                    const char *const *names, const int64_t *const *shapes,
                                    const size_t *ndims, const ps_optim_config_t *optim,
                                    const shard_group_t *groups, size_t ngroups,
                                    const uint32_t *param_groups, size_t nparam_groups,
                                    double max_grad_norm, bool in_backward,
-                                   const struct shard_dev_ops *dev, int device, shard_model_t **out,
-                                   char *err, size_t errlen);
+                                   const struct shard_dev_ops *dev, int device, uint64_t max_bytes,
+                                   shard_model_t **out, char *err, size_t errlen);
 void shard_model_free(shard_model_t *m);
 
 /* Page-locks the storage (master, accumulator, state, staging buffer) for DMA to a GPU

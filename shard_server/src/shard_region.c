@@ -91,6 +91,12 @@ void shard_handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *requ
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
                          "a chunk of %zu bytes exceeds the %u-byte limit", req->data.len,
                          CHUNK_MAX);
+    } else if (req->region == PSHARD__REGION__MODEL && req->region_bytes &&
+               s->max_model_bytes > 0 && req->region_bytes > s->max_model_bytes) {
+        ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                         "a model region of %" PRIu64 " bytes is more than this shard server may "
+                         "hold (%" PRIu64 " bytes, --max-model-memory)",
+                         req->region_bytes, s->max_model_bytes);
     } else if (req->region == PSHARD__REGION__MODEL && req->region_bytes) {
         /* Before DefineModel: the private model region being filled. */
         if (s->pending_model.bytes != req->region_bytes) {

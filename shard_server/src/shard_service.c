@@ -326,6 +326,40 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
     return PSHARD_OK;
 }
 
+/* Everything about the initial values that can be checked from the request alone, before
+ * anything is allocated for the model: one offset per parameter where this rank reads initial
+ * values, each inside the region of region_bytes. Definitions shard_model_create refuses
+ * anyway (too many parameters, bad shapes) are left to it: it names the problem better. */
+static pshard_status_t check_init_offsets(const Pshard__DefineModelRequest *req,
+                                          uint64_t region_bytes, int rank, char *err,
+                                          size_t errlen)
+{
+    bool has_data = req->init != PSHARD__INIT_MODE__INIT_FROM_RANK0 || rank == 0;
+    if (!has_data || req->n_params == 0 || req->n_params > SHARD_MAX_PARAMS)
+        return PSHARD_OK;
+    if (req->n_init_offsets != req->n_params)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "init_offsets has %zu entries for %zu parameters", req->n_init_offsets,
+                       req->n_params);
+    for (size_t i = 0; i < req->n_params; i++) {
+        const Pshard__ParamSpec *p = req->params[i];
+        uint64_t numel = 1;
+        bool valid = p->n_shape > 0 && p->n_shape <= SHARD_MAX_DIMS;
+        for (size_t d = 0; d < p->n_shape && valid; d++)
+            valid = p->shape[d] > 0 && (uint64_t)p->shape[d] <= (1ull << 40) &&
+                    !__builtin_mul_overflow(numel, (uint64_t)p->shape[d], &numel);
+        uint64_t end;
+        if (valid && (__builtin_mul_overflow(numel, 4, &end) ||
+                      __builtin_add_overflow(end, req->init_offsets[i], &end) ||
+                      end > region_bytes || req->init_offsets[i] % 4 != 0))
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "init values of '%.255s' lie outside the model region (offset %" PRIu64
+                           ", %" PRIu64 " elements, region %" PRIu64 " bytes)",
+                           p->name ? p->name : "", req->init_offsets[i], numel, region_bytes);
+    }
+    return PSHARD_OK;
+}
+
 static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
                                    const Pshard__DefineModelRequest *req, const shm_map_t *region,
                                    char *err, size_t errlen)
@@ -453,6 +487,13 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
                      (int)req->init);
         goto out;
     }
+    if (s->max_model_bytes > 0 && req->shm_bytes > s->max_model_bytes) {
+        rc = ps_errf(err, sizeof(err), PSHARD_ERR_RESOURCE_EXHAUSTED,
+                     "a model region of %" PRIu64 " bytes is more than this shard server may "
+                     "hold (%" PRIu64 " bytes, --max-model-memory)",
+                     req->shm_bytes, s->max_model_bytes);
+        goto out;
+    }
     /* Map the region before allocating shard state, and adopt both only when everything
      * succeeded: a refused definition leaves the previous model and region in place. */
     if (!req->shm_name || !req->shm_name[0]) {
@@ -471,13 +512,17 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         if (rc != PSHARD_OK)
             goto out;
     }
+    rc = check_init_offsets(req, region.bytes, pshard_comm_rank(comm), err, sizeof(err));
+    if (rc != PSHARD_OK)
+        goto out;
     rc = shard_groups_from_pb(req->groups, req->n_groups, kind, &groups, err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
     rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n, names,
                             shapes, ndims, &oc, groups, req->n_groups, req->param_groups,
                             req->n_param_groups, po ? po->max_grad_norm : 0,
-                            po && po->in_backward, s->dev, s->cfg.device, &m, err, sizeof(err));
+                            po && po->in_backward, s->dev, s->cfg.device, s->max_model_bytes, &m,
+                            err, sizeof(err));
     if (rc != PSHARD_OK)
         goto out;
     rc = check_definitions(s, m, err, sizeof(err));
@@ -950,6 +995,22 @@ pshard_status_t pshard_shard_server_error(const pshard_shard_server_t *s, char *
     return st;
 }
 
+/* What one model may take by default: the machine's memory, or the cgroup v2 limit of this
+ * process (a container's) when that is smaller. 0 when neither is known (no cap). */
+static uint64_t machine_memory(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    uint64_t mem = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+    FILE *f = fopen("/sys/fs/cgroup/memory.max", "re");
+    if (f) {
+        unsigned long long lim;
+        if (fscanf(f, "%llu", &lim) == 1 && lim > 0 && (mem == 0 || lim < mem))
+            mem = lim; /* "max" (no limit) does not parse */
+        fclose(f);
+    }
+    return mem;
+}
+
 pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_config_t *cfg,
                                                  char *err, size_t errlen)
 {
@@ -1010,6 +1071,8 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     s->cfg.token = own(s, 8, cfg->token);
     s->cfg.checkpoint_dir = own(s, 9, cfg->checkpoint_dir);
     s->cfg.resume = own(s, 10, cfg->resume);
+    s->max_model_bytes = cfg->max_model_memory > 0 ? (uint64_t)cfg->max_model_memory
+                                                   : machine_memory();
     if (s->cfg.checkpoint_keep <= 0)
         s->cfg.checkpoint_keep = 3;
     s->rank = -1;

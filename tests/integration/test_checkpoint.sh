@@ -3,7 +3,8 @@
 #  - crash safety: a shard server killed (-9) after the shard files of step 15 are written but
 #    before its manifest is committed leaves step 10 as the newest checkpoint; resuming from it
 #    gives final weights equal to an uninterrupted run bit for bit (fp32);
-#  - a flipped byte in a shard file is refused, naming the file;
+#  - a flipped byte in a shard file is refused, naming the file; a --resume whose checkpoints
+#    are all refused (a corrupt manifest, a link) fails naming them, unless --resume-allow-fresh;
 #  - resharding: checkpoints saved with N servers load on M (4->3, 2->5, 3->1, and fsdp2 ->
 #    fsdp1): the state saved again right after loading (master weights and every optimizer
 #    state) equals the original element for element;
@@ -144,6 +145,29 @@ elif ! grep -q "shard-00001-of-00002.bin" "$work/flip.txt"; then
 else
   echo "ok: $(grep -m1 -o 'shard-00001-of-00002.bin[^"]*' "$work/flip.txt" | head -c 160)"
 fi
+
+echo "== --resume whose only checkpoints are refused fails, naming them"
+mkdir -p "$work/refused" && cp -r "$work/ck/step-00000010" "$work/refused/step-00000010"
+head -c 40 "$work/ck/step-00000010/manifest.json" > "$work/refused/step-00000010/manifest.json"
+ln -s "$work/ck/step-00000010" "$work/refused/step-00000020"
+if timeout 120 "$run" --nproc 2 --resume "$work/refused" -- "$mlp" "${ARGS[@]}" --steps 4 \
+    > "$work/refused.txt" 2>&1; then
+  fail "a resume with nothing loadable trained from the start (exit 0)"
+elif ! grep -q "nothing to resume from in .*refused" "$work/refused.txt"; then
+  cat "$work/refused.txt"; fail "the error does not say that nothing was loadable"
+else
+  echo "ok: $(grep -m1 -o 'nothing to resume from[^"]*' "$work/refused.txt" | head -c 220)"
+fi
+if ! timeout 120 "$run" --nproc 2 --resume "$work/refused" --resume-allow-fresh -- "$mlp" \
+    "${ARGS[@]}" --steps 4 > "$work/fresh.txt" 2>&1; then
+  cat "$work/fresh.txt"; fail "--resume-allow-fresh did not start fresh"
+elif grep -q "resumed at step" "$work/fresh.txt"; then
+  fail "--resume-allow-fresh resumed from a refused checkpoint"
+else
+  echo "ok: --resume-allow-fresh starts from the initial values"
+fi
+[ -L "$work/refused/step-00000020" ] && [ -f "$work/ck/step-00000010/manifest.json" ] ||
+  fail "the link in the root or what it points to was touched"
 
 # reshard N M LAYOUT_FROM LAYOUT_TO: save at step 6 on N servers, load on M and save again.
 reshard() {

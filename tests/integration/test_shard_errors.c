@@ -1037,7 +1037,7 @@ static void test_define_bad(void)
         {"a negative dimension", mut_negative_dim, IA, "dimension 0 is -4"},
         {"overflowing shape", mut_overflow, IA, "fit in memory"},
         {"INT64_MAX dimension", mut_huge_dim, IA, "fit in memory"},
-        {"too large to allocate", mut_too_large, PSHARD_ERR_NO_MEMORY, "cannot allocate"},
+        {"too large for the region", mut_too_large, IA, "'w' lie outside the model region"},
         {"unknown optimizer", mut_optimizer_enum, IA, "unknown optimizer 7"},
         {"unknown layout", mut_layout_enum, IA, "unknown layout 5"},
         {"negative lr", mut_negative_lr, IA, "learning rate"},
@@ -1101,6 +1101,83 @@ static void test_define_bad(void)
     }
     /* The model defined before is intact and still served. */
     CHECK_SERVING(ch, &tr);
+}
+
+static long vmhwm_kb(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "re");
+    long kb = -1;
+    while (f && fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmHWM: %ld", &kb) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return kb;
+}
+
+/* A definition is validated before anything of its size is allocated: a 2^27-element parameter
+ * with a bad init offset is refused without the server touching its 1.5 GB of state, and a
+ * model (or region) larger than --max-model-memory is refused by size. */
+static void test_define_memory(void)
+{
+    CU_ASSERT_FATAL(ensure_trainer());
+    long before = vmhwm_kb(one.servers[0]);
+    define_t d;
+    define_init(&d, tr.session, &tr.region);
+    d.shapes[0][0] = 1ll << 27;
+    d.ps[0].n_shape = 1;
+    d.offsets[0] = 64; /* 512 MiB of values cannot lie in a 1 KiB region */
+    EXPECT_ERR("DefineModel, 2^27 elements outside the region", do_define(one.ch[0], &d, 20000),
+               PSHARD_ERR_INVALID_ARGUMENT, "init values of 'w' lie outside the model region");
+    long after = vmhwm_kb(one.servers[0]);
+    if (after - before > 32 * 1024)
+        fprintf(stderr, "\n  the refused DefineModel grew the server's VmHWM from %ld to %ld kB\n",
+                before, after);
+    CU_ASSERT(before > 0 && after - before <= 32 * 1024);
+    CHECK_SERVING(one.ch[0], &tr);
+
+    cluster_t c;
+    const char *args[] = {"--max-model-memory", "65536", NULL};
+    bool up = cluster_start(&c, 1, args);
+    CU_ASSERT_FATAL(up);
+    trainer_t t;
+    memset(&t, 0, sizeof(t));
+    CU_ASSERT_FATAL(trainer_attach(c.ch[0], &t, 0, NULL));
+    shm_t big;
+    CU_ASSERT_FATAL(shm_make(&big, 65536));
+    /* Adam on 4096 elements: 4 sections of 16 KiB, staging and one full parameter = 96 KiB. */
+    define_init(&d, t.session, &big);
+    d.opt.kind = PSHARD__OPTIMIZER_KIND__ADAM;
+    d.opt.beta1 = 0.9;
+    d.opt.beta2 = 0.999;
+    d.opt.eps = 1e-8;
+    d.opt.lr = 1e-3;
+    d.shapes[0][0] = 4096;
+    d.ps[0].n_shape = 1;
+    d.offsets[0] = 0;
+    d.offsets[1] = 4096 * 4;
+    EXPECT_ERR("DefineModel beyond --max-model-memory", do_define(c.ch[0], &d, 20000),
+               PSHARD_ERR_RESOURCE_EXHAUSTED, "--max-model-memory");
+    /* 2048 elements with SGD fit: 2 sections of 8 KiB, staging and one parameter = 32 KiB. */
+    d.opt.kind = PSHARD__OPTIMIZER_KIND__SGD;
+    d.opt.lr = 0.1;
+    d.shapes[0][0] = 2048;
+    d.offsets[1] = 2048 * 4;
+    ProtobufCMessage *r = EXPECT_OK("DefineModel within --max-model-memory",
+                                    do_define(c.ch[0], &d, 20000));
+    if (r)
+        protobuf_c_message_free_unpacked(r, NULL);
+    shm_t huge;
+    CU_ASSERT_FATAL(shm_make(&huge, 65536 * 2));
+    define_init(&d, t.session, &huge);
+    EXPECT_ERR("DefineModel, a region beyond --max-model-memory", do_define(c.ch[0], &d, 20000),
+               PSHARD_ERR_RESOURCE_EXHAUSTED, "model region of 131072 bytes");
+    shm_drop(&huge);
+    shm_drop(&big);
+    trainer_free(&t);
+    CU_ASSERT(cluster_stop(&c));
 }
 
 /* A DefineModel that is refused must not change what the attached trainer has: here the
@@ -2018,6 +2095,8 @@ int main(int argc, char **argv)
         {"Attach: bad shm names and sizes, wrong rank", test_attach_bad},
         {"DefineModel: bad shapes, names, enums, optimizer, init offsets", test_define_bad},
         {"a refused DefineModel keeps the defined model", test_define_refused_keeps_state},
+        {"DefineModel: validated before allocating, capped by --max-model-memory",
+         test_define_memory},
         {"Gather/ReduceScatter/Step: bad params, offsets, dtypes, lr", test_tensors_bad},
         {"parameter groups: bad definitions and steps, frozen parameters", test_groups_bad},
         {"ClipGradNorm: refusals, norm 2 and inf, the clipped step", test_clip_grad_norm},

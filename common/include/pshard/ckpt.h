@@ -38,6 +38,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <limits.h>
 #include <stdint.h>
 
 #include "pshard/dtype.h"
@@ -128,9 +129,11 @@ void ps_ckpt_manifest_free(ps_ckpt_manifest_t *m);
 
 /* Committed checkpoints under root (directories "step-N" holding a manifest that parses),
  * ascending by step: *steps is malloc'd (free()), *n its length; a missing root is zero
- * checkpoints, not an error. */
-pshard_status_t ps_ckpt_list(const char *root, int64_t **steps, size_t *n, char *err,
-                             size_t errlen);
+ * checkpoints, not an error. Step directories that are refused (a link, a manifest that does
+ * not parse or names another step) are left out with a warning; refused gets every refusal,
+ * "; "-separated as far as they fit ("" when none; refused may be NULL). */
+pshard_status_t ps_ckpt_list(const char *root, int64_t **steps, size_t *n, char *refused,
+                             size_t refusedlen, char *err, size_t errlen);
 
 /* Checks file f of the checkpoint in step_dir: it exists, has f->bytes bytes and its CRC-32C
  * is f->crc32c. Errors: NOT_FOUND, INVALID_ARGUMENT ("truncated: N of M bytes", "checksum
@@ -150,6 +153,59 @@ pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_
  * directories without a manifest older than the newest committed one. The manifest is removed
  * first so a half-removed checkpoint is never seen as committed. Errors: SYSTEM. */
 pshard_status_t ps_ckpt_prune(const char *root, int keep, char *err, size_t errlen);
+
+/* ---- Files inside a checkpoint root ------------------------------------------------------
+ * A checkpoint root is untrusted: pshard never follows a symbolic link inside it and never
+ * blocks opening one of its files. Step directories and their files are opened relative to a
+ * directory descriptor with O_NOFOLLOW (a link is refused, never followed), files with
+ * O_NONBLOCK and checked to be regular files before anything is read (a FIFO or device is
+ * refused), new files are written under a fresh O_EXCL temporary name and renamed into place,
+ * and pruning removes only regular files of the names pshard writes. The root's own path may
+ * hold links (an operator's mount point). */
+
+/* Opens directory dir (O_DIRECTORY; with !follow a link as its last component is refused).
+ * Errors: NOT_FOUND (ENOENT), INVALID_ARGUMENT (a link), SYSTEM; messages name dir. */
+pshard_status_t ps_ckpt_dir_open(const char *dir, bool follow, int *dfd, char *err,
+                                 size_t errlen);
+
+/* Opens name in directory dfd (AT_FDCWD for a path) for reading: regular files only, never
+ * waiting on a FIFO, O_NOFOLLOW unless follow; *size (may be NULL) gets its size. shown is the
+ * path messages use. Errors: NOT_FOUND ("missing"), INVALID_ARGUMENT (a link, not a regular
+ * file), SYSTEM. */
+pshard_status_t ps_ckpt_file_open(int dfd, const char *name, const char *shown, bool follow,
+                                  int *fd, uint64_t *size, char *err, size_t errlen);
+
+/* Creates root (with missing parents) and its directory for step, and opens that (*dfd). An
+ * existing step directory is reused; one that is a link or not a directory is refused
+ * (INVALID_ARGUMENT). Errors also SYSTEM. */
+pshard_status_t ps_ckpt_step_dir_make(const char *root, int64_t step, int *dfd, char *err,
+                                      size_t errlen);
+
+/* An atomic write of file `name` in directory dfd (borrowed; it must outlive the write). */
+typedef struct {
+    int dfd, fd;
+    char tmp[300];  /* the temporary's name in dfd */
+    char name[256]; /* the final name */
+    char shown[PATH_MAX];
+} ps_ckpt_out_t;
+
+/* Creates a fresh temporary ".NAME.tmp-<random>" in dfd with O_EXCL (mode 0644). Errors:
+ * SYSTEM, INVALID_ARGUMENT (name too long). */
+pshard_status_t ps_ckpt_out_open(int dfd, const char *name, const char *shown, ps_ckpt_out_t *o,
+                                 char *err, size_t errlen);
+/* Appends len bytes (retrying short writes). Errors: SYSTEM naming the file. */
+pshard_status_t ps_ckpt_out_write(ps_ckpt_out_t *o, const void *buf, size_t len, char *err,
+                                  size_t errlen);
+/* ok: fsync, rename over name, fsync the directory. !ok, or any failure: the temporary is
+ * removed and an existing file of that name is untouched. Closes the temporary either way. */
+pshard_status_t ps_ckpt_out_commit(ps_ckpt_out_t *o, bool ok, char *err, size_t errlen);
+/* The three above for a whole buffer. */
+pshard_status_t ps_ckpt_write_file(int dfd, const char *name, const char *shown,
+                                   const void *data, size_t len, char *err, size_t errlen);
+
+/* Whether name is one pshard writes in a step directory (the manifest, a shard file, or a
+ * temporary of either): what pruning may remove. */
+bool ps_ckpt_is_own_file(const char *name);
 
 /* safetensors (8-byte little-endian header length, JSON header, raw little-endian data):
  * writes the master weights (section 0) of every parameter of the checkpoint in step_dir as

@@ -5,6 +5,7 @@
 #ifndef PSHARD_SHARD_SERVER_H
 #define PSHARD_SHARD_SERVER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -33,6 +34,12 @@ typedef struct {
     int64_t checkpoint_keep;  /* committed checkpoints kept (newest); 0 = 3 */
     const char *resume;       /* restore the newest committed checkpoint under this root when
                                  the model is defined (any world size, either layout); NULL */
+    bool resume_allow_fresh;
+    int64_t max_model_memory; /* bytes one model's state may take on this server (shards,
+                                 optimizer states, its region); 0 = the machine's memory or
+                                 the cgroup's limit, whichever is smaller */  /* with resume: when every checkpoint there is refused (corrupt,
+                                 a link, another step), start from the initial values with a
+                                 warning instead of failing DefineModel */
 } pshard_shard_server_config_t;
 
 /* Starts serving trainers at once (health "pshard.ShardServer" is NOT_SERVING until the

@@ -960,7 +960,7 @@ static void test_list_and_prune(void)
     size_t n = 99;
     /* A missing root holds no checkpoints. */
     snprintf(path, sizeof(path), "%s/none", root);
-    CU_ASSERT_EQUAL(ps_ckpt_list(path, &steps, &n, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(ps_ckpt_list(path, &steps, &n, NULL, 0, err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_EQUAL(n, 0);
     free(steps);
     CU_ASSERT_EQUAL(ps_ckpt_prune(path, 2, err, sizeof(err)), PSHARD_OK);
@@ -990,14 +990,14 @@ static void test_list_and_prune(void)
     write_manifest_text(dir, "{\"format\": \"pshard-checkpoint\"}");
 
     ps_log_set_level(PS_LOG_ERROR); /* listing warns about step 12's manifest */
-    CU_ASSERT_EQUAL_FATAL(ps_ckpt_list(root, &steps, &n, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL_FATAL(ps_ckpt_list(root, &steps, &n, NULL, 0, err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_EQUAL_FATAL(n, 4);
     CU_ASSERT(steps[0] == 5 && steps[1] == 10 && steps[2] == 15 && steps[3] == 20);
     free(steps);
 
     CU_ASSERT_EQUAL(ps_ckpt_prune(root, 0, err, sizeof(err)), PSHARD_ERR_INVALID_ARGUMENT);
     CU_ASSERT_EQUAL(ps_ckpt_prune(root, 2, err, sizeof(err)), PSHARD_OK);
-    CU_ASSERT_EQUAL_FATAL(ps_ckpt_list(root, &steps, &n, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL_FATAL(ps_ckpt_list(root, &steps, &n, NULL, 0, err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_EQUAL_FATAL(n, 2);
     CU_ASSERT(steps[0] == 15 && steps[1] == 20);
     free(steps);
@@ -1010,6 +1010,199 @@ static void test_list_and_prune(void)
     CU_ASSERT_EQUAL(ps_ckpt_prune(root, 5, err, sizeof(err)), PSHARD_OK);
     CU_ASSERT(exists(root, "step-00000015/manifest.json"));
     ps_log_set_level(PS_LOG_WARN);
+    rm_rf(root);
+}
+
+/* ---- an untrusted checkpoint root --------------------------------------------------------- */
+
+static bool file_has(const char *path, const char *text)
+{
+    char buf[64] = "";
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return false;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    return strcmp(buf, text) == 0;
+}
+
+static bool is_link(const char *path)
+{
+    struct stat st;
+    return lstat(path, &st) == 0 && S_ISLNK(st.st_mode);
+}
+
+/* Links inside the root are never followed: not by pruning, listing, making a step directory
+ * or writing a file over a planted link. */
+static void test_root_links(void)
+{
+    char root[64], victim[64], dir[160], err[512] = "", path[300], target[300];
+    make_tmpdir(root, sizeof(root));
+    make_tmpdir(victim, sizeof(victim));
+    const char *names[] = {"keep.txt", "manifest.json", "shard-00000-of-00002.bin",
+                           ".manifest.json.tmp-abcdef"};
+    for (size_t i = 0; i < 4; i++) {
+        snprintf(path, sizeof(path), "%s/%s", victim, names[i]);
+        write_text(path, "victim", 6);
+    }
+    ps_ckpt_manifest_t m;
+    for (int64_t st = 10; st <= 20; st += 10) {
+        build_ckpt(root, st, PSHARD_LAYOUT_FSDP2, 2, 1, &m, dir, sizeof(dir));
+        manifest_release(&m);
+    }
+    /* step-1 and step-15 are links to the victim directory (older than the newest). */
+    snprintf(path, sizeof(path), "%s/step-00000001", root);
+    CU_ASSERT_EQUAL_FATAL(symlink(victim, path), 0);
+    snprintf(path, sizeof(path), "%s/step-00000015", root);
+    CU_ASSERT_EQUAL_FATAL(symlink(victim, path), 0);
+
+    ps_log_set_level(PS_LOG_ERROR);
+    int64_t *steps = NULL;
+    size_t n = 0;
+    char refused[512] = "x";
+    CU_ASSERT_EQUAL_FATAL(ps_ckpt_list(root, &steps, &n, refused, sizeof(refused), err,
+                                       sizeof(err)),
+                          PSHARD_OK);
+    CU_ASSERT(n == 2 && steps[0] == 10 && steps[1] == 20);
+    CU_ASSERT_PTR_NOT_NULL(strstr(refused, "symbolic link"));
+    free(steps);
+    CU_ASSERT_EQUAL(ps_ckpt_prune(root, 1, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT(!exists(root, "step-00000010"));
+    for (size_t i = 0; i < 4; i++) {
+        snprintf(path, sizeof(path), "%s/%s", victim, names[i]);
+        CU_ASSERT(file_has(path, "victim"));
+    }
+    snprintf(path, sizeof(path), "%s/step-00000001", root);
+    CU_ASSERT(is_link(path)); /* left alone */
+
+    /* A step directory that is a link is refused, not written through. */
+    int dfd = -1;
+    snprintf(path, sizeof(path), "%s/step-00000030", root);
+    CU_ASSERT_EQUAL_FATAL(symlink(victim, path), 0);
+    CU_ASSERT_EQUAL(ps_ckpt_step_dir_make(root, 30, &dfd, err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "symbolic link"));
+    CU_ASSERT_EQUAL(dfd, -1);
+    err[0] = '\0';
+    ps_ckpt_manifest_t *r = NULL;
+    ps_ckpt_step_dir(root, 30, dir, sizeof(dir));
+    CU_ASSERT_EQUAL(ps_ckpt_manifest_read(dir, &r, err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NULL(r);
+    err[0] = '\0';
+
+    /* A file planted as a link at the final name: the write replaces the link itself. */
+    CU_ASSERT_EQUAL_FATAL(ps_ckpt_step_dir_make(root, 40, &dfd, err, sizeof(err)), PSHARD_OK);
+    snprintf(target, sizeof(target), "%s/keep.txt", victim);
+    snprintf(path, sizeof(path), "%s/step-00000040/shard-00000-of-00001.bin", root);
+    CU_ASSERT_EQUAL_FATAL(symlink(target, path), 0);
+    CU_ASSERT_EQUAL(ps_ckpt_write_file(dfd, "shard-00000-of-00001.bin", path, "data", 4, err,
+                                       sizeof(err)),
+                    PSHARD_OK);
+    CU_ASSERT(!is_link(path) && file_has(path, "data"));
+    CU_ASSERT(file_has(target, "victim"));
+    /* Reading a link inside the root is refused, and names it. */
+    snprintf(path, sizeof(path), "%s/step-00000040/other.bin", root);
+    CU_ASSERT_EQUAL_FATAL(symlink(target, path), 0);
+    int fd = -1;
+    CU_ASSERT_EQUAL(ps_ckpt_file_open(dfd, "other.bin", path, false, &fd, NULL, err,
+                                      sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "symbolic link"));
+    CU_ASSERT_EQUAL(fd, -1);
+    close(dfd);
+    ps_log_set_level(PS_LOG_WARN);
+    rm_rf(root);
+    rm_rf(victim);
+}
+
+/* Pruning removes only the regular files pshard writes; a step directory holding anything
+ * else stays (uncommitted), with that file. */
+static void test_prune_foreign_files(void)
+{
+    char root[64], dir[160], err[512] = "", path[300];
+    make_tmpdir(root, sizeof(root));
+    ps_ckpt_manifest_t m;
+    build_ckpt(root, 40, PSHARD_LAYOUT_FSDP2, 2, 1, &m, dir, sizeof(dir));
+    manifest_release(&m);
+    snprintf(path, sizeof(path), "%s/notes.txt", dir);
+    write_text(path, "mine", 4);
+    snprintf(path, sizeof(path), "%s/.shard-00001-of-00002.bin.tmp-0123456789ab", dir);
+    write_text(path, "tmp", 3);
+    build_ckpt(root, 45, PSHARD_LAYOUT_FSDP2, 2, 1, &m, dir, sizeof(dir));
+    manifest_release(&m);
+    ps_log_set_level(PS_LOG_ERROR);
+    CU_ASSERT_EQUAL(ps_ckpt_prune(root, 1, err, sizeof(err)), PSHARD_OK);
+    ps_log_set_level(PS_LOG_WARN);
+    CU_ASSERT(exists(root, "step-00000040/notes.txt"));
+    CU_ASSERT(!exists(root, "step-00000040/manifest.json"));
+    CU_ASSERT(!exists(root, "step-00000040/shard-00000-of-00002.bin"));
+    CU_ASSERT(!exists(root, "step-00000040/.shard-00001-of-00002.bin.tmp-0123456789ab"));
+    CU_ASSERT(exists(root, "step-00000045/manifest.json"));
+
+    CU_ASSERT(ps_ckpt_is_own_file("manifest.json"));
+    CU_ASSERT(ps_ckpt_is_own_file("shard-00003-of-00004.bin"));
+    CU_ASSERT(ps_ckpt_is_own_file("shard-00003-of-00004.bin.tmp"));
+    CU_ASSERT(ps_ckpt_is_own_file(".manifest.json.tmp-Ab12Cd"));
+    CU_ASSERT(!ps_ckpt_is_own_file("notes.tmp"));
+    CU_ASSERT(!ps_ckpt_is_own_file(".notes.tmp-0123456789ab"));
+    CU_ASSERT(!ps_ckpt_is_own_file("shard-1-of-2.bin.bak"));
+    CU_ASSERT(!ps_ckpt_is_own_file(".manifest.json.tmp-../x"));
+    rm_rf(root);
+}
+
+/* A FIFO (no writer ever comes) as a manifest, a shard file or a safetensors file is refused
+ * at once instead of blocking the reader forever. */
+static void test_fifo_refused(void)
+{
+    char root[64], dir[160], err[512] = "", path[300];
+    make_tmpdir(root, sizeof(root));
+    ps_ckpt_manifest_t m;
+    build_ckpt(root, 50, PSHARD_LAYOUT_FSDP2, 2, 1, &m, dir, sizeof(dir));
+    ps_ckpt_manifest_t *r = NULL;
+    CU_ASSERT_EQUAL_FATAL(ps_ckpt_manifest_read(dir, &r, err, sizeof(err)), PSHARD_OK);
+    alarm(30); /* a regression hangs: let SIGALRM fail the suite instead */
+    snprintf(path, sizeof(path), "%s/%.64s", dir, r->files[0].path);
+    unlink(path);
+    CU_ASSERT_EQUAL_FATAL(mkfifo(path, 0644), 0);
+    CU_ASSERT_EQUAL(ps_ckpt_verify_file(dir, &r->files[0], err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "FIFO"));
+    float out[4];
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(ps_ckpt_read_range(dir, r, 0, 0, 0, 1, out, err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "FIFO"));
+    ps_ckpt_manifest_free(r);
+    r = NULL;
+    snprintf(path, sizeof(path), "%s/manifest.json", dir);
+    unlink(path);
+    CU_ASSERT_EQUAL_FATAL(mkfifo(path, 0644), 0);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(ps_ckpt_manifest_read(dir, &r, err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "FIFO"));
+    int64_t *steps = NULL;
+    size_t n = 9;
+    char refused[512] = "";
+    ps_log_set_level(PS_LOG_ERROR);
+    CU_ASSERT_EQUAL(ps_ckpt_list(root, &steps, &n, refused, sizeof(refused), err, sizeof(err)),
+                    PSHARD_OK);
+    ps_log_set_level(PS_LOG_WARN);
+    CU_ASSERT_EQUAL(n, 0);
+    CU_ASSERT_PTR_NOT_NULL(strstr(refused, "FIFO"));
+    free(steps);
+    snprintf(path, sizeof(path), "%s/model.safetensors", root);
+    CU_ASSERT_EQUAL_FATAL(mkfifo(path, 0644), 0);
+    float v[6];
+    const int64_t shape[2] = {2, 3};
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(ps_safetensors_read(path, "t", 2, shape, v, err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "FIFO"));
+    alarm(0);
+    manifest_release(&m);
     rm_rf(root);
 }
 
@@ -1288,6 +1481,9 @@ int main(void)
         {"read_range across files: fsdp2 rows and fsdp1 flat", test_read_range_layouts},
         {"read_range: scattered pieces out of order", test_read_range_scattered},
         {"list and prune", test_list_and_prune},
+        {"links inside the root are never followed", test_root_links},
+        {"prune removes only what pshard writes", test_prune_foreign_files},
+        {"a FIFO as manifest, shard or safetensors file is refused", test_fifo_refused},
         {"safetensors export fp32 and bf16", test_safetensors_export},
         {"malformed safetensors files", test_safetensors_malformed},
         {NULL, NULL},
