@@ -531,7 +531,7 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
     } else {
         const char *tf = getenv("PSHARD_TOKEN_FILE");
         if (tf && *tf) {
-            c->token = ps_read_file(tf, true, 4096, NULL, err, errlen);
+            c->token = ps_read_token(tf, err, errlen); /* PSHARD_TOKEN_FILE */
             if (!c->token) {
                 rc = PSHARD_ERR_INVALID_ARGUMENT;
                 goto fail;

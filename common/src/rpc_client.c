@@ -97,6 +97,106 @@ char *ps_read_file(const char *path, bool strip, size_t max_bytes, size_t *len, 
     return buf;
 }
 
+static bool pb_varint(const uint8_t **p, size_t *n, uint64_t *v)
+{
+    *v = 0;
+    for (int shift = 0; shift < 64 && *n > 0; shift += 7) {
+        uint8_t b = **p;
+        (*p)++;
+        (*n)--;
+        *v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80))
+            return true;
+    }
+    return false;
+}
+
+/* Walks the wire encoding of one message of type d; false (with *field) at the first string
+ * field whose bytes hold a NUL. Malformed input returns true: protobuf-c refuses it next. */
+static bool pb_walk(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, int depth,
+                    const char **field)
+{
+    while (n > 0) {
+        uint64_t key, len;
+        if (!pb_varint(&p, &n, &key))
+            return true;
+        switch (key & 7) {
+        case 0:
+            if (!pb_varint(&p, &n, &len))
+                return true;
+            break;
+        case 1:
+        case 5: {
+            size_t w = (key & 7) == 1 ? 8 : 4;
+            if (n < w)
+                return true;
+            p += w;
+            n -= w;
+            break;
+        }
+        case 2: {
+            if (!pb_varint(&p, &n, &len) || len > n)
+                return true;
+            const ProtobufCFieldDescriptor *f =
+                key >> 3 <= UINT32_MAX
+                    ? protobuf_c_message_descriptor_get_field(d, (unsigned)(key >> 3))
+                    : NULL;
+            if (f && f->type == PROTOBUF_C_TYPE_STRING && memchr(p, 0, (size_t)len)) {
+                *field = f->name;
+                return false;
+            }
+            if (f && f->type == PROTOBUF_C_TYPE_MESSAGE && depth < 64 &&
+                !pb_walk(f->descriptor, p, (size_t)len, depth + 1, field))
+                return false;
+            p += len;
+            n -= (size_t)len;
+            break;
+        }
+        default:
+            return true;
+        }
+    }
+    return true;
+}
+
+bool ps_pb_strings_nul_free(const ProtobufCMessageDescriptor *d, const uint8_t *data, size_t len,
+                            const char **field)
+{
+    *field = NULL;
+    return pb_walk(d, data, len, 0, field);
+}
+
+const char *ps_token_problem(const char *token, size_t len)
+{
+    if (strlen(token) != len)
+        return "holds a NUL byte";
+    if (len < PS_TOKEN_MIN_BYTES)
+        return "is shorter than 16 bytes";
+    for (size_t i = 0; i < len; i++)
+        if ((unsigned char)token[i] < 0x21 || (unsigned char)token[i] > 0x7e)
+            return "holds a byte a client cannot send as 'authorization: Bearer' (a space, "
+                   "newline, control or non-ASCII byte)";
+    if (strncmp(token, PS_TOKEN_PLACEHOLDER, strlen(PS_TOKEN_PLACEHOLDER)) == 0)
+        return "is the placeholder shipped in deploy/k8s/base/secrets/cluster-token";
+    return NULL;
+}
+
+char *ps_read_token(const char *path, char *err, size_t errlen)
+{
+    size_t n = 0;
+    char *t = ps_read_file(path, true, 4096, &n, err, errlen);
+    if (!t)
+        return NULL;
+    const char *why = n == 0 ? "is empty" : ps_token_problem(t, n);
+    if (why) {
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "the cluster token in %s %s; %s", path,
+                why, PS_TOKEN_HOWTO);
+        free(t);
+        return NULL;
+    }
+    return t;
+}
+
 ps_rpc_channel_t *ps_rpc_channel_create(const ps_rpc_channel_config_t *cfg, char *err,
                                         size_t errlen)
 {

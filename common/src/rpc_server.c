@@ -614,15 +614,28 @@ static void on_recv(ps_rpc_call_t *c, bool success)
     } else {
         grpc_byte_buffer_reader reader;
         ProtobufCMessage *req = NULL;
+        const char *nul_in = NULL;
         if (grpc_byte_buffer_reader_init(&reader, bb)) {
             grpc_slice s = grpc_byte_buffer_reader_readall(&reader);
             grpc_byte_buffer_reader_destroy(&reader);
-            req = protobuf_c_message_unpack(c->method->m.request_desc, NULL,
-                                            GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+            const char *nul_field = NULL;
+            if (!ps_pb_strings_nul_free(c->method->m.request_desc, GRPC_SLICE_START_PTR(s),
+                                        GRPC_SLICE_LENGTH(s), &nul_field))
+                nul_in = nul_field;
+            else
+                req = protobuf_c_message_unpack(c->method->m.request_desc, NULL,
+                                                GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
             grpc_slice_unref(s);
         }
         grpc_byte_buffer_destroy(bb);
-        if (!req) {
+        if (nul_in) {
+            /* C strings end at a NUL: "a\0x" and "a\0y" would be one key, name or token. */
+            char msg[512];
+            snprintf(msg, sizeof(msg), "request to %s: field '%s' holds a NUL byte", c->path,
+                     nul_in);
+            atomic_fetch_add(&c->method->calls, 1);
+            finalize(c, GRPC_STATUS_INVALID_ARGUMENT, msg, NULL);
+        } else if (!req) {
             char msg[512];
             snprintf(msg, sizeof(msg), "request to %s is not a valid %s message", c->path,
                      c->method->m.request_desc->name);
@@ -800,6 +813,12 @@ ps_rpc_server_t *ps_rpc_server_create(const ps_rpc_server_config_t *cfg, char *e
     srv->n_workers = cfg->worker_threads > 0 ? cfg->worker_threads : 4;
     srv->n_cq_threads = cfg->cq_threads > 0 ? cfg->cq_threads : 1;
     if (cfg->token && *cfg->token) {
+        const char *why = ps_token_problem(cfg->token, strlen(cfg->token));
+        if (why) {
+            ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "the cluster token %s; %s", why,
+                    PS_TOKEN_HOWTO);
+            goto fail;
+        }
         srv->token = strdup(cfg->token);
         srv->token_len = strlen(cfg->token);
     }

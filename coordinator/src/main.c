@@ -149,10 +149,9 @@ int main(int argc, char **argv)
         goto out;
     }
     if (o.token_file) {
-        token = ps_read_file(o.token_file, true, 4096, NULL, err, sizeof(err));
-        if (!token || !*token) {
-            fprintf(stderr, "pshard-coordinator: --token-file: %s\n",
-                    token ? "the file is empty" : err);
+        token = ps_read_token(o.token_file, err, sizeof(err));
+        if (!token) {
+            fprintf(stderr, "pshard-coordinator: --token-file: %s\n", err);
             exit_code = 2;
             goto out;
         }

@@ -26,7 +26,7 @@
 #include "pshard/util.h"
 
 #define MAX_WORLD 8
-#define TOKEN "gpu-test-token"
+#define TOKEN "gpu-test-token-0123"
 
 static int g_devices;
 

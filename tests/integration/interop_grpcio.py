@@ -466,6 +466,18 @@ class BadInputTest(CoordinatorTest):
                             contains="is not a valid pshard.StoreSetRequest message")
         self.assertAlive(c)
 
+    def test_nul_in_strings(self):
+        # C strings end at a NUL: "a\0x" and "a\0y" must not become one key "a".
+        c = self.start_coordinator()
+        c.call("StoreSet", key="a", value=b"plain")
+        for key in ("a\x00x", "a\x00y", "\x00"):
+            self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT, c.call, "StoreSet", key=key,
+                                value=b"clobber", contains="field 'key' holds a NUL byte")
+        self.assertEqual(c.call("StoreGet", key="a").value, b"plain")
+        self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT, c.register, "srv\x00-1",
+                            contains="field 'name' holds a NUL byte")
+        self.assertAlive(c)
+
     def test_unknown_method(self):
         c = self.start_coordinator()
         self.assertRpcError(grpc.StatusCode.UNIMPLEMENTED, c.raw, "/pshard.Coordinator/Nope",
@@ -485,7 +497,7 @@ class BadInputTest(CoordinatorTest):
         self.assertEqual(len(c.call("StoreGet", key="small").value), 60000)
 
     def test_token_required(self):
-        c = self.start_coordinator(token="s3cret-token")
+        c = self.start_coordinator(token="s3cret-token-0123456")
         for md in ((), (("authorization", "Bearer wrong-token"),),
                    (("authorization", "s3cret-token"),)):
             self.assertRpcError(grpc.StatusCode.UNAUTHENTICATED, c.call, "Status", metadata=md,

@@ -463,6 +463,53 @@ static void test_bad_flags(void)
     CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
+/* Tokens a cluster must not run with: the coordinator refuses them at start (exit 2), saying
+ * what is wrong and how to make one. */
+static void test_bad_tokens(void)
+{
+    static const struct {
+        const char *text;
+        size_t len;
+        const char *why;
+    } cases[] = {
+        {"REPLACE-ME-with-a-random-token-see-README-Deploy\n", 49, "placeholder"},
+        {"x\n", 2, "shorter than 16 bytes"},
+        {"0123456789abcde\n", 16, "shorter than 16 bytes"},
+        {"a token with spaces in it\n", 26, "cannot send"},
+        {"0123456789abcdef\x01xyz\n", 21, "cannot send"},
+        {"0123456789abcdef\xc3\xa9xyz", 21, "cannot send"},
+        {"abc\0" "0123456789abcdefgh\n", 23, "NUL byte"},
+        {"\n\n", 2, "empty"},
+    };
+    char dir[] = "/tmp/pshard-token-test-XXXXXX";
+    CU_ASSERT_PTR_NOT_NULL_FATAL(mkdtemp(dir));
+    char tok[64], log[64];
+    snprintf(tok, sizeof(tok), "%s/token", dir);
+    snprintf(log, sizeof(log), "%s/log", dir);
+    for (size_t i = 0; i < PS_ARRAY_LEN(cases); i++) {
+        FILE *f = fopen(tok, "wb");
+        CU_ASSERT_PTR_NOT_NULL_FATAL(f);
+        CU_ASSERT_EQUAL(fwrite(cases[i].text, 1, cases[i].len, f), cases[i].len);
+        fclose(f);
+        char *argv[] = {(char *)coordinator_bin, "--listen", "127.0.0.1:0", "--token-file", tok,
+                        NULL};
+        pid_t pid = ps_proc_spawn(argv, log);
+        int status = 0;
+        waitpid(pid, &status, 0);
+        CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 2);
+        char err[256] = "";
+        char *out = ps_read_file(log, false, 1 << 16, NULL, err, sizeof(err));
+        bool named = out && strstr(out, cases[i].why) && strstr(out, "head -c 32 /dev/urandom");
+        if (!named)
+            fprintf(stderr, "\n  token case %zu: %s\n", i, out ? out : err);
+        CU_ASSERT(named);
+        free(out);
+    }
+    unlink(tok);
+    unlink(log);
+    rmdir(dir);
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -480,6 +527,7 @@ int main(int argc, char **argv)
         {"graceful shutdown with open streams", test_graceful_shutdown},
         {"idempotent calls retry while unavailable", test_idempotent_retry},
         {"bad flags exit 2", test_bad_flags},
+        {"placeholder, short and unsendable tokens are refused", test_bad_tokens},
         {NULL, NULL},
     };
     return ps_test_main("coordinator_integration", cases);

@@ -24,7 +24,7 @@
 #include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
 
-#define TOKEN "ctl-test-token"
+#define TOKEN "ctl-test-token-0123"
 
 static const char *coordinator_bin;
 static const char *ctl_bin;
@@ -302,8 +302,9 @@ static void test_status_joins_and_servers(void)
     /* All joined: the table empties and the last joiner shows. */
     CU_ASSERT_FATAL(report_join(ch, id0, 0, PSHARD__JOIN_PHASE__JOINED, 41, false, 0));
     CU_ASSERT_FATAL(report_join(ch, id0, 0, PSHARD__JOIN_PHASE__ALL_JOINED, 41, false, 0));
-    const char *quick_args[] = {"--coordinator",       target, "--token-file", token_path,
-                                "--server-timeout-ms", "0",    "status",       NULL};
+    /* Global options after the command, as git and kubectl take them, and "=value" too. */
+    const char *quick_args[] = {"status", "--coordinator", target, "--token-file", token_path,
+                                "--server-timeout-ms=0", NULL};
     rc = run_ctl(quick_args, out_path, err_path, 20000, &elapsed);
     CU_ASSERT_EQUAL(rc, 0);
     out = slurp(out_path);
@@ -311,6 +312,22 @@ static void test_status_joins_and_servers(void)
     expect_contains(out, "last joiner  rank 0\n");
     CU_ASSERT(strstr(out, "shard servers (") == NULL); /* --server-timeout-ms 0: not asked */
     free(out);
+
+    const char *late_json[] = {"--coordinator", target, "status", "--token-file", token_path,
+                               "--json", "--server-timeout-ms", "0", NULL};
+    rc = run_ctl(late_json, out_path, err_path, 20000, &elapsed);
+    CU_ASSERT_EQUAL(rc, 0);
+    out = slurp(out_path);
+    expect_contains(out, "\"last_joiner\":0");
+    free(out);
+    /* An unknown option is named. */
+    const char *bogus[] = {"--coordinator", target, "--token-file", token_path, "status",
+                           "--bogus", NULL};
+    rc = run_ctl(bogus, out_path, err_path, 20000, &elapsed);
+    CU_ASSERT_EQUAL(rc, 2);
+    char *berr = slurp(err_path);
+    expect_contains(berr, "status: unknown option '--bogus'");
+    free(berr);
 
     /* Without the token the coordinator refuses: exit 2 with the reason on stderr. */
     const char *anon_args[] = {"--coordinator", target, "status", NULL};

@@ -16,7 +16,7 @@
 #include "pshard/rpc.h"
 #include "pshard/util.h"
 
-#define TOKEN "join-test-token"
+#define TOKEN "join-test-token-0123"
 /* gRPC status codes the tests expect (grpc_status_code values). */
 #define GRPC_INVALID_ARGUMENT 3
 #define GRPC_NOT_FOUND 5

@@ -197,6 +197,25 @@ pshard_status_t ps_rpc_stream_next(ps_rpc_stream_t *st, const ProtobufCMessageDe
 /* Cancels (if still open) and frees the stream. NULL is a no-op. */
 void ps_rpc_stream_close(ps_rpc_stream_t *st);
 
+/* Whether every string field of the message data[0..len) of type d (nested messages
+ * included) is free of NUL bytes; else false with *field naming the first that is not. C
+ * strings end at a NUL, so such a string would silently mean its prefix (two store keys
+ * "a\0x" and "a\0y" one key): the server refuses such requests before unpacking them. */
+bool ps_pb_strings_nul_free(const ProtobufCMessageDescriptor *d, const uint8_t *data, size_t len,
+                            const char **field);
+
+/* Cluster tokens: at least PS_TOKEN_MIN_BYTES bytes of printable ASCII without spaces (what a
+ * client can send in "authorization: Bearer TOKEN"), and not the placeholder the Kubernetes
+ * base ships. ps_token_problem says what is wrong with token[0..len) ("is shorter than 16
+ * bytes", ...) or returns NULL. ps_read_token reads one from a file (trailing newlines
+ * stripped), refusing a bad one: NULL with "the cluster token in PATH <problem>; make one
+ * with ..." in err. */
+#define PS_TOKEN_MIN_BYTES 16
+#define PS_TOKEN_PLACEHOLDER "REPLACE-ME"
+#define PS_TOKEN_HOWTO "make one with: head -c 32 /dev/urandom | base64 > FILE"
+const char *ps_token_problem(const char *token, size_t len);
+char *ps_read_token(const char *path, char *err, size_t errlen);
+
 /* Reads a whole small file (TLS material, tokens) into a malloc'd NUL-terminated buffer.
  * Trailing newlines are stripped when strip is true. NULL with a message naming the path. */
 char *ps_read_file(const char *path, bool strip, size_t max_bytes, size_t *len, char *err,
