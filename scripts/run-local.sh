@@ -58,13 +58,30 @@ export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} OMP_NUM_THREADS=${OMP_NUM
 if [ "$example" = lm ]; then
   # GPT-2, 4 layers of d_model 256, sequences of 128 bytes, 8 per rank and step; FSDP2's
   # fully_shard per block and on the root, AdamW on the shard servers.
-  "${run[@]}" --nproc "$world" --coordinator "$coord" -- \
-    "$venv/bin/python" "$root/examples/torch/train_lm.py" --steps "${STEPS:-30}" --print-every 5
+  job=("${run[@]}" --nproc "$world" --coordinator "$coord" -- \
+    "$venv/bin/python" "$root/examples/torch/train_lm.py" --steps "${STEPS:-30}" --print-every 5)
 else
   # The C example: an MLP with 4 hidden layers of 1024.
-  "${run[@]}" --nproc "$world" --coordinator "$coord" -- \
+  job=("${run[@]}" --nproc "$world" --coordinator "$coord" -- \
     "$bin/examples/pshard-mlp" --steps "${STEPS:-30}" --batch 32 --widths 1024,1024,1024,1024 \
-    --optimizer adam --print-every 5
+    --optimizer adam --print-every 5)
 fi
-echo
-"${ctl[@]}" status
+"${job[@]}" &
+job_pid=$!
+pids+=("$job_pid")
+# While it trains (a shard server has applied a few steps), show what the cluster looks like.
+shown=0
+while kill -0 "$job_pid" 2>/dev/null; do
+  if "${ctl[@]}" status --json 2>/dev/null | grep -q '"step":\([3-9]\|[1-9][0-9]\)'; then
+    echo; echo "== pshardctl status, while the job runs"
+    "${ctl[@]}" status || true
+    echo
+    shown=1
+    break
+  fi
+  sleep 0.2
+done
+rc=0
+wait "$job_pid" || rc=$?
+[ "$shown" = 1 ] || { echo; echo "(the job ended before a status was taken)"; }
+exit "$rc"

@@ -973,7 +973,7 @@ static int cmd_checkpoint_list(int argc, char **argv)
         fail("checkpoint list needs --checkpoint-dir DIR (or PSHARD_CHECKPOINT_DIR)");
         goto out;
     }
-    if (ps_ckpt_list(c.checkpoint_dir, &steps, &n, err, sizeof(err)) != PSHARD_OK) {
+    if (ps_ckpt_list(c.checkpoint_dir, &steps, &n, NULL, 0, err, sizeof(err)) != PSHARD_OK) {
         fail("checkpoint list: %s", err);
         goto out;
     }
@@ -1122,7 +1122,7 @@ static int cmd_checkpoint_export(int argc, char **argv)
         fail("checkpoint export needs --checkpoint-dir DIR (or PSHARD_CHECKPOINT_DIR)");
         goto out;
     }
-    if (ps_ckpt_list(c.checkpoint_dir, &steps, &n, err, sizeof(err)) != PSHARD_OK) {
+    if (ps_ckpt_list(c.checkpoint_dir, &steps, &n, NULL, 0, err, sizeof(err)) != PSHARD_OK) {
         fail("checkpoint export: %s", err);
         goto out;
     }
@@ -1303,9 +1303,94 @@ static int cmd_checkpoint(int argc, char **argv)
     return fail("checkpoint: unknown subcommand '%s' (list, export or save)", argv[0]);
 }
 
+/* The option of table t that arg ("--flag" or "--flag=value") names, or NULL. */
+static const ps_option_t *option_named(const ps_option_t *t, size_t n, const char *arg)
+{
+    if (strncmp(arg, "--", 2) != 0)
+        return NULL;
+    const char *name = arg + 2, *eq = strchr(name, '=');
+    size_t len = eq ? (size_t)(eq - name) : strlen(name);
+    for (size_t i = 0; i < n; i++)
+        if (strlen(t[i].flag) == len && strncmp(t[i].flag, name, len) == 0)
+            return &t[i];
+    return NULL;
+}
+
+/* The options of a command's own table (they win over a global option of the same name, as
+ * `checkpoint save --timeout-ms`); NULL when the command has none. */
+static const ps_option_t *command_options(const char *cmd, const char *sub, size_t *n)
+{
+    *n = 0;
+    if (cmd && strcmp(cmd, "register") == 0) {
+        *n = PS_ARRAY_LEN(reg_options);
+        return reg_options;
+    }
+    if (!cmd || strcmp(cmd, "checkpoint") != 0 || !sub)
+        return NULL;
+    if (strcmp(sub, "list") == 0) {
+        *n = PS_ARRAY_LEN(ckpt_list_options);
+        return ckpt_list_options;
+    }
+    if (strcmp(sub, "export") == 0) {
+        *n = PS_ARRAY_LEN(ckpt_export_options);
+        return ckpt_export_options;
+    }
+    if (strcmp(sub, "save") == 0) {
+        *n = PS_ARRAY_LEN(ckpt_save_options);
+        return ckpt_save_options;
+    }
+    return NULL;
+}
+
+/* Global options may come anywhere on the line, as git and kubectl take them (`pshardctl
+ * status --json`): this puts every one found after the command in front of it (with its value
+ * when that is the next word), unless the command's own table has an option of that name, and
+ * stops at "--". out and rest hold argc + 1 entries each; returns out's count. */
+static int hoist_global_options(int argc, char **argv, char **out, char **rest)
+{
+    int n = 0, nrest = 0;
+    const char *cmd = NULL, *sub = NULL;
+    out[n++] = argv[0];
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--") == 0) {
+            while (i < argc)
+                rest[nrest++] = argv[i++];
+            break;
+        }
+        size_t nown = 0;
+        const ps_option_t *own = command_options(cmd, sub, &nown);
+        const ps_option_t *g = option_named(global_options, PS_ARRAY_LEN(global_options), a);
+        if (g && !(own && option_named(own, nown, a))) {
+            out[n++] = argv[i];
+            if (g->type != PS_OPT_BOOL && !strchr(a, '=') && i + 1 < argc)
+                out[n++] = argv[++i];
+            continue;
+        }
+        if (a[0] != '-') {
+            if (!cmd)
+                cmd = a;
+            else if (!sub && strcmp(cmd, "checkpoint") == 0)
+                sub = a;
+        }
+        rest[nrest++] = argv[i];
+    }
+    for (int k = 0; k < nrest; k++)
+        out[n++] = rest[k];
+    out[n] = NULL;
+    return n;
+}
+
 int main(int argc, char **argv)
 {
     ps_log_init("pshardctl");
+    char **hoisted = calloc((size_t)argc * 2 + 2, sizeof(char *));
+    if (!hoisted) {
+        fputs("pshardctl: out of memory\n", stderr);
+        return EXIT_ERROR;
+    }
+    argc = hoist_global_options(argc, argv, hoisted, hoisted + argc + 1);
+    argv = hoisted;
     ps_config_result_t res;
     char err[1024] = "";
     int rc = EXIT_ERROR;
@@ -1345,7 +1430,7 @@ int main(int argc, char **argv)
         opts.coordinator = strdup(default_target);
     }
     if (opts.token_file) {
-        cluster_token = ps_read_file(opts.token_file, true, 4096, NULL, err, sizeof(err));
+        cluster_token = ps_read_token(opts.token_file, err, sizeof(err));
         if (!cluster_token) {
             fail("--token-file: %s", err);
             goto out;
@@ -1365,9 +1450,12 @@ int main(int argc, char **argv)
         fail("%s", err);
         goto out;
     }
-    if (strcmp(cmd, "status") == 0 && cargc == 0)
+    if ((strcmp(cmd, "status") == 0 || strcmp(cmd, "members") == 0) && cargc > 0)
+        rc = fail("%s: unknown %s '%s' (see --help)", cmd,
+                  cargv[0][0] == '-' ? "option" : "argument", cargv[0]);
+    else if (strcmp(cmd, "status") == 0)
         rc = cmd_status(false);
-    else if (strcmp(cmd, "members") == 0 && cargc == 0)
+    else if (strcmp(cmd, "members") == 0)
         rc = cmd_status(true);
     else if (strcmp(cmd, "health") == 0)
         rc = cmd_health(cargc, cargv);
@@ -1380,10 +1468,11 @@ int main(int argc, char **argv)
     else if (strcmp(cmd, "checkpoint") == 0)
         rc = cmd_checkpoint(cargc, cargv);
     else
-        rc = fail("unknown command or arguments: '%s' (see --help)", cmd);
+        rc = fail("unknown command '%s' (see --help)", cmd);
 out:
     ps_rpc_channel_destroy(channel);
     free(cluster_token);
     ps_config_free(global_options, PS_ARRAY_LEN(global_options), &opts);
+    free(hoisted);
     return rc;
 }
