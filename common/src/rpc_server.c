@@ -42,6 +42,7 @@ typedef struct {
 typedef struct send_item {
     struct send_item *next;
     grpc_byte_buffer *bb;
+    size_t bytes;
 } send_item_t;
 
 struct ps_rpc_call {
@@ -60,6 +61,10 @@ struct ps_rpc_call {
     bool send_in_flight;
     atomic_bool cancelled;     /* the client went away or a batch failed */
     send_item_t *sendq_head, *sendq_tail;
+    size_t queued_bytes;       /* queued and in flight: bounded by the server's stream cap */
+    size_t send_bytes;         /* of send_bb */
+    bool recv_paused;          /* bidi: the next request is read once every reply is sent */
+    pthread_cond_t writable;   /* queued_bytes fell, or the call ended */
     grpc_byte_buffer *send_bb; /* the message being written */
     grpc_byte_buffer *final_bb;
     grpc_status_code final_code;
@@ -94,6 +99,7 @@ struct ps_rpc_server {
     char *token;
     size_t token_len;
     int64_t max_message_bytes;
+    size_t max_stream_queue; /* bytes one call may have queued for sending */
 
     method_entry_t *methods;
     size_t nmethods, cap_methods;
@@ -142,6 +148,7 @@ static ps_rpc_call_t *call_alloc(ps_rpc_server_t *srv)
     grpc_call_details_init(&c->details);
     grpc_metadata_array_init(&c->md);
     pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->writable, NULL);
     c->refs = 1;
     c->t_new = (rpc_tag_t){TAG_NEW, c};
     c->t_recv = (rpc_tag_t){TAG_RECV, c};
@@ -187,6 +194,7 @@ static void call_free(ps_rpc_call_t *c)
     free(c->identity);
     free(c->path);
     pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->writable);
     pthread_mutex_lock(&srv->mu);
     if (c->live_prev)
         c->live_prev->live_next = c->live_next;
@@ -237,6 +245,7 @@ static void finalize(ps_rpc_call_t *c, grpc_status_code code, const char *msg,
         return;
     }
     c->finishing = true;
+    pthread_cond_broadcast(&c->writable);
     c->final_code = code;
     c->final_bb = reply;
     if (msg && *msg) {
@@ -299,6 +308,7 @@ static void start_next_send_locked(ps_rpc_call_t *c)
     if (!c->sendq_head)
         c->sendq_tail = NULL;
     c->send_bb = it->bb;
+    c->send_bytes = it->bytes;
     free(it);
     grpc_op ops[2];
     size_t n = 0;
@@ -349,22 +359,54 @@ void ps_rpc_call_fail(ps_rpc_call_t *call, pshard_status_t status, const char *f
     finalize(call, code, msg, NULL);
 }
 
-pshard_status_t ps_rpc_call_send(ps_rpc_call_t *call, const ProtobufCMessage *msg)
+struct ps_rpc_packed {
+    grpc_byte_buffer *bb;
+    size_t bytes;
+};
+
+ps_rpc_packed_t *ps_rpc_pack(const ProtobufCMessage *msg)
 {
-    if (atomic_load(&call->cancelled))
-        return PSHARD_ERR_CANCELLED;
+    ps_rpc_packed_t *p = malloc(sizeof(*p));
+    if (!p)
+        return NULL;
+    p->bytes = protobuf_c_message_get_packed_size(msg);
+    p->bb = pack_message(msg);
+    return p;
+}
+
+void ps_rpc_packed_free(ps_rpc_packed_t *p)
+{
+    if (!p)
+        return;
+    grpc_byte_buffer_destroy(p->bb);
+    free(p);
+}
+
+/* Queues bb (owned) of `bytes` on the call, unless the call ended or its queue is over the
+ * server's cap (the first message always fits). */
+static pshard_status_t queue_send(ps_rpc_call_t *call, grpc_byte_buffer *bb, size_t bytes)
+{
     send_item_t *it = malloc(sizeof(*it));
-    if (!it)
+    if (!it) {
+        grpc_byte_buffer_destroy(bb);
         return PSHARD_ERR_NO_MEMORY;
+    }
     it->next = NULL;
-    it->bb = pack_message(msg);
+    it->bb = bb;
+    it->bytes = bytes;
     pthread_mutex_lock(&call->mu);
-    if (call->finishing || atomic_load(&call->cancelled)) {
+    pshard_status_t rc = PSHARD_OK;
+    if (call->finishing || atomic_load(&call->cancelled))
+        rc = PSHARD_ERR_CANCELLED;
+    else if (call->queued_bytes > 0 && call->queued_bytes + bytes > call->srv->max_stream_queue)
+        rc = PSHARD_ERR_RESOURCE_EXHAUSTED;
+    if (rc != PSHARD_OK) {
         pthread_mutex_unlock(&call->mu);
         grpc_byte_buffer_destroy(it->bb);
         free(it);
-        return PSHARD_ERR_CANCELLED;
+        return rc;
     }
+    call->queued_bytes += bytes;
     if (call->sendq_tail)
         call->sendq_tail->next = it;
     else
@@ -374,6 +416,54 @@ pshard_status_t ps_rpc_call_send(ps_rpc_call_t *call, const ProtobufCMessage *ms
         start_next_send_locked(call);
     pthread_mutex_unlock(&call->mu);
     return PSHARD_OK;
+}
+
+pshard_status_t ps_rpc_call_send(ps_rpc_call_t *call, const ProtobufCMessage *msg)
+{
+    if (atomic_load(&call->cancelled))
+        return PSHARD_ERR_CANCELLED;
+    return queue_send(call, pack_message(msg), protobuf_c_message_get_packed_size(msg));
+}
+
+pshard_status_t ps_rpc_call_send_packed(ps_rpc_call_t *call, const ps_rpc_packed_t *msg)
+{
+    if (atomic_load(&call->cancelled))
+        return PSHARD_ERR_CANCELLED;
+    grpc_byte_buffer *bb = grpc_byte_buffer_copy(msg->bb); /* shares the slices */
+    return bb ? queue_send(call, bb, msg->bytes) : PSHARD_ERR_NO_MEMORY;
+}
+
+pshard_status_t ps_rpc_call_wait_writable(ps_rpc_call_t *call, int64_t deadline_ns)
+{
+    pthread_mutex_lock(&call->mu);
+    pshard_status_t rc = PSHARD_OK;
+    for (;;) {
+        if (call->finishing || atomic_load(&call->cancelled)) {
+            rc = PSHARD_ERR_CANCELLED;
+            break;
+        }
+        if (call->queued_bytes <= call->srv->max_stream_queue / 2)
+            break;
+        int64_t now = ps_now_ns();
+        if (now >= deadline_ns) {
+            rc = PSHARD_ERR_TIMEOUT;
+            break;
+        }
+        /* The wait wakes on every completed send; a slice keeps the deadline honest. */
+        int64_t until = deadline_ns - now > 200000000LL ? now + 200000000LL : deadline_ns;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t add = until - now;
+        ts.tv_sec += (time_t)(add / 1000000000LL);
+        ts.tv_nsec += (long)(add % 1000000000LL);
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&call->writable, &call->mu, &ts);
+    }
+    pthread_mutex_unlock(&call->mu);
+    return rc;
 }
 
 void ps_rpc_call_finish(ps_rpc_call_t *call)
@@ -451,9 +541,15 @@ static void run_handler(ps_rpc_call_t *c, ProtobufCMessage *req)
     m->handler(c, req, m->ctx);
     protobuf_c_message_free_unpacked(req, NULL);
     if (bidi) {
+        /* A client that does not read its replies must not make the server queue them
+         * without bound: the next request is read only once every reply is sent. */
         pthread_mutex_lock(&c->mu);
-        if (!c->finishing && !atomic_load(&c->cancelled))
-            start_recv_locked(c);
+        if (!c->finishing && !atomic_load(&c->cancelled)) {
+            if (c->send_in_flight || c->sendq_head)
+                c->recv_paused = true;
+            else
+                start_recv_locked(c);
+        }
         pthread_mutex_unlock(&c->mu);
         call_unref(c);
     }
@@ -655,6 +751,7 @@ static void on_close(ps_rpc_call_t *c)
     pthread_mutex_lock(&c->mu);
     if (c->close_cancelled) {
         atomic_store(&c->cancelled, true);
+        pthread_cond_broadcast(&c->writable);
         if (!c->finishing) {
             fn = c->cancel_fn;
             arg = c->cancel_arg;
@@ -674,14 +771,29 @@ static void on_send(ps_rpc_call_t *c, bool success)
         grpc_byte_buffer_destroy(c->send_bb);
         c->send_bb = NULL;
     }
+    c->queued_bytes -= c->send_bytes;
+    c->send_bytes = 0;
     c->send_in_flight = false;
     if (!success)
         atomic_store(&c->cancelled, true);
+    pthread_cond_broadcast(&c->writable);
+    bool end_paused = false;
     if (c->sendq_head && !atomic_load(&c->cancelled))
         start_next_send_locked(c);
     else if (c->finishing)
         start_final_locked(c);
+    else if (c->recv_paused) {
+        /* Every reply is out: read the next request; or the client went away while this
+         * bidi call waited for that, and no receive is pending to notice: end it here. */
+        c->recv_paused = false;
+        if (atomic_load(&c->cancelled))
+            end_paused = true;
+        else
+            start_recv_locked(c);
+    }
     pthread_mutex_unlock(&c->mu);
+    if (end_paused)
+        finalize(c, GRPC_STATUS_CANCELLED, "call cancelled", NULL);
     call_unref(c);
 }
 
@@ -810,6 +922,8 @@ ps_rpc_server_t *ps_rpc_server_create(const ps_rpc_server_config_t *cfg, char *e
     pthread_cond_init(&srv->work_cv, NULL);
     srv->shutdown_tag = (rpc_tag_t){TAG_SHUTDOWN, NULL};
     srv->max_message_bytes = cfg->max_message_bytes > 0 ? cfg->max_message_bytes : (4 << 20);
+    srv->max_stream_queue = cfg->max_stream_queue_bytes > 0 ? (size_t)cfg->max_stream_queue_bytes
+                                                            : (8u << 20);
     srv->n_workers = cfg->worker_threads > 0 ? cfg->worker_threads : 4;
     srv->n_cq_threads = cfg->cq_threads > 0 ? cfg->cq_threads : 1;
     if (cfg->token && *cfg->token) {

@@ -180,8 +180,25 @@ static void send_event_locked(pshard_coordinator_t *c, ps_rpc_call_t *only, uint
         if (only) {
             ps_rpc_call_send(only, &ev.base);
         } else {
-            for (stream_entry_t *w = c->watchers; w; w = w->next)
-                ps_rpc_call_send(w->call, &ev.base);
+            /* Packed once for every watcher. One that has not read what is queued for it
+             * already is dropped, told to watch again (its first event is the whole current
+             * state), instead of growing the coordinator without bound. */
+            ps_rpc_packed_t *packed = ps_rpc_pack(&ev.base);
+            for (stream_entry_t **pp = &c->watchers; packed && *pp;) {
+                stream_entry_t *w = *pp;
+                if (ps_rpc_call_send_packed(w->call, packed) == PSHARD_ERR_RESOURCE_EXHAUSTED) {
+                    *pp = w->next;
+                    PS_WARN(PS_SUB_COORD, "dropping a Watch from %s: it does not read its "
+                            "events", ps_rpc_call_peer(w->call));
+                    ps_rpc_call_fail(w->call, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                                     "this Watch fell too far behind (it does not read its "
+                                     "events); watch again for the current state");
+                    free(w);
+                    continue;
+                }
+                pp = &w->next;
+            }
+            ps_rpc_packed_free(packed);
         }
     }
     free(items);

@@ -46,34 +46,63 @@ static shm_map_t *region_of(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshar
 }
 
 #define CHUNK_MAX (1u << 20)
+#define READ_STALL_NS (60LL * 1000000000LL) /* ReadRegion: a client that reads nothing this long */
 
 void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
     pshard_shard_server_t *s = ctx;
     const Pshard__RegionReadRequest *req = (const Pshard__RegionReadRequest *)request;
-    pthread_mutex_lock(&s->op_mu);
-    shm_map_t *m = NULL;
-    if (shard_session_ok(s, call, req->session) && (m = region_of(s, call, req->region)) != NULL &&
-        !shard_in_region(m, req->offset, req->length, 0)) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                         "%" PRIu64 " bytes at offset %" PRIu64 " lie outside the %zu-byte region",
-                         req->length, req->offset, m->bytes);
-        m = NULL;
-    }
-    if (m) {
-        /* Chunks are copied into the call's send queue, so the region may change after. */
-        for (uint64_t off = 0; off < req->length; off += CHUNK_MAX) {
-            uint64_t n = req->length - off < CHUNK_MAX ? req->length - off : CHUNK_MAX;
-            Pshard__DataChunk c = PSHARD__DATA_CHUNK__INIT;
-            c.offset = req->offset + off;
-            c.data.data = (uint8_t *)m->base + req->offset + off;
-            c.data.len = (size_t)n;
-            if (ps_rpc_call_send(call, &c.base) != PSHARD_OK)
-                break;
+    /* Chunks go out at the pace the client reads them (a bounded send queue), each copied
+     * under op_mu after checking again that the session and the range are still valid; a
+     * client that reads nothing for READ_STALL_NS is dropped. */
+    int64_t deadline = ps_rpc_call_deadline_ns(call);
+    for (uint64_t off = 0;; off += CHUNK_MAX) {
+        if (off > 0) {
+            int64_t until = ps_now_ns() + READ_STALL_NS;
+            pshard_status_t w = ps_rpc_call_wait_writable(call, until < deadline ? until : deadline);
+            if (w == PSHARD_ERR_TIMEOUT) {
+                ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                                 "ReadRegion: the client read nothing for %lld s",
+                                 (long long)(READ_STALL_NS / 1000000000LL));
+                return;
+            }
+            if (w != PSHARD_OK)
+                return; /* the client went away: the call is ending */
         }
-        ps_rpc_call_finish(call);
+        pthread_mutex_lock(&s->op_mu);
+        shm_map_t *m = NULL;
+        if (!shard_session_ok(s, call, req->session) ||
+            (m = region_of(s, call, req->region)) == NULL) {
+            pthread_mutex_unlock(&s->op_mu);
+            return; /* failed with the reason (a new session since the first chunk, say) */
+        }
+        if (!shard_in_region(m, req->offset, req->length, 0)) {
+            ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
+                             "%" PRIu64 " bytes at offset %" PRIu64
+                             " lie outside the %zu-byte region",
+                             req->length, req->offset, m->bytes);
+            pthread_mutex_unlock(&s->op_mu);
+            return;
+        }
+        if (off >= req->length) {
+            ps_rpc_call_finish(call);
+            pthread_mutex_unlock(&s->op_mu);
+            return;
+        }
+        uint64_t n = req->length - off < CHUNK_MAX ? req->length - off : CHUNK_MAX;
+        Pshard__DataChunk c = PSHARD__DATA_CHUNK__INIT;
+        c.offset = req->offset + off;
+        c.data.data = (uint8_t *)m->base + req->offset + off;
+        c.data.len = (size_t)n;
+        pshard_status_t rc = ps_rpc_call_send(call, &c.base);
+        pthread_mutex_unlock(&s->op_mu);
+        if (rc == PSHARD_ERR_CANCELLED)
+            return;
+        if (rc != PSHARD_OK) {
+            ps_rpc_call_fail(call, rc, "ReadRegion: cannot queue a chunk");
+            return;
+        }
     }
-    pthread_mutex_unlock(&s->op_mu);
 }
 
 void shard_handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)

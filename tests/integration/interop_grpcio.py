@@ -688,6 +688,83 @@ class StoreTest(CoordinatorTest):
         self.assertEqual(c.call("StoreGet", key="leader").value, b"bob")
 
 
+# ---------------------------------------------------------------------------------------------
+# Memory stays bounded for clients that do not read
+
+
+def rss_kb(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS for pid %d" % pid)
+
+
+class UnreadStreamsTest(CoordinatorTest):
+
+    def test_reflection_requests_without_reading_replies(self):
+        # Before the bound: ~165,000 unread 20-byte requests grew a server by 700+ MiB.
+        c = self.start_coordinator()
+        req_cls = message_factory.GetMessageClass(
+            c.pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionRequest"))
+        one = req_cls(list_services="*").SerializeToString()
+        sent = [0]
+        stop = threading.Event()
+
+        def requests():
+            while not stop.is_set() and sent[0] < 200000:
+                sent[0] += 1
+                yield one
+
+        before = rss_kb(c.proc.pid)
+        fn = c.channel(separate=True).stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
+        call = fn(requests(), timeout=60)  # never read
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and sent[0] < 200000:
+            time.sleep(0.2)
+        grown = rss_kb(c.proc.pid) - before
+        stop.set()
+        call.cancel()
+        print("reflection: %d requests offered, coordinator RSS +%d kB" % (sent[0], grown),
+              file=sys.stderr)
+        self.assertLess(grown, 8 * 1024, "%d requests grew the coordinator by %d kB"
+                        % (sent[0], grown))
+        self.assertAlive(c)
+
+    def test_watch_streams_that_never_read(self):
+        # Before the bound: 50 unread Watch streams and 425 long registrations took the
+        # coordinator from 54 to 843 MiB.
+        c = self.start_coordinator("--world-size", "1000")
+        watch_cls = message_factory.GetMessageClass(
+            c.pool.FindMessageTypeByName("pshard.WatchRequest"))
+        calls = []
+        for _ in range(20):
+            fn = c.channel(separate=True).unary_stream("/pshard.Coordinator/Watch")
+            calls.append(fn(watch_cls().SerializeToString(), timeout=60,
+                            metadata=c.metadata()))
+        before = rss_kb(c.proc.pid)
+        for i in range(300):
+            c.register("srv-%04d-%s" % (i, "x" * 200), address="127.0.0.1:%d" % (1000 + i),
+                       node="n" * 200, device="d" * 200)
+        grown = rss_kb(c.proc.pid) - before
+        print("watch: 20 unread streams, 300 registrations, coordinator RSS +%d kB" % grown,
+              file=sys.stderr)
+        self.assertLess(grown, 256 * 1024)
+        self.assertAlive(c)
+        # A dropped watcher learns why.
+        dropped = 0
+        for call in calls:
+            try:
+                for _ in call:
+                    pass
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "watch again" in e.details():
+                    dropped += 1
+            call.cancel()
+        self.assertGreater(dropped, 0)
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2 or not os.access(sys.argv[1], os.X_OK):
         sys.exit("usage: %s PATH/TO/pshard-coordinator [unittest options]" % sys.argv[0])

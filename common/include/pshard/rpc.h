@@ -49,6 +49,8 @@ typedef struct {
     const char *tls_client_ca_file; /* PEM CA; when set, clients must present a cert it signed */
     const char *token;              /* cluster token; NULL or "" = no token check */
     int64_t max_message_bytes;      /* receive limit; <= 0 means 4 MiB */
+    int64_t max_stream_queue_bytes; /* what one call may have queued for sending (a client that
+                                       does not read); <= 0 means 8 MiB */
     int worker_threads;             /* for handlers without PS_RPC_INLINE; <= 0 means 4 */
     int cq_threads;                 /* completion-queue threads; <= 0 means 1 */
 } ps_rpc_server_config_t;
@@ -100,8 +102,25 @@ void ps_rpc_call_fail(ps_rpc_call_t *call, pshard_status_t status, const char *f
     __attribute__((format(printf, 3, 4)));
 
 /* Queues one message on a streaming call (sent in order, one write at a time). Returns
- * PSHARD_ERR_CANCELLED when the client has gone or the call is finishing. Thread-safe. */
+ * PSHARD_ERR_CANCELLED when the client has gone or the call is finishing, and
+ * PSHARD_ERR_RESOURCE_EXHAUSTED (nothing queued) when the call already has
+ * max_stream_queue_bytes queued that the client has not read: memory per stream is bounded,
+ * and the caller decides (drop, tell the client to resync, or wait with
+ * ps_rpc_call_wait_writable). A bidi stream's next request is read only once every reply to
+ * the previous ones is sent. Thread-safe. */
 pshard_status_t ps_rpc_call_send(ps_rpc_call_t *call, const ProtobufCMessage *msg);
+
+/* One message packed once for many streams (a Watch event to every watcher): the slices are
+ * shared, not copied, per call. */
+typedef struct ps_rpc_packed ps_rpc_packed_t;
+ps_rpc_packed_t *ps_rpc_pack(const ProtobufCMessage *msg);
+pshard_status_t ps_rpc_call_send_packed(ps_rpc_call_t *call, const ps_rpc_packed_t *msg);
+void ps_rpc_packed_free(ps_rpc_packed_t *msg);
+
+/* Blocks until the call has at most half its cap queued (PSHARD_OK), it ended
+ * (PSHARD_ERR_CANCELLED) or deadline_ns (ps_now_ns clock) passed (PSHARD_ERR_TIMEOUT).
+ * For a handler that streams much (ReadRegion) at the pace the client reads. */
+pshard_status_t ps_rpc_call_wait_writable(ps_rpc_call_t *call, int64_t deadline_ns);
 
 /* Ends a streaming call with OK after the queued messages. The call must not be used after. */
 void ps_rpc_call_finish(ps_rpc_call_t *call);
