@@ -561,6 +561,9 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
         req.shm_name = c->scratch.name;
         req.shm_bytes = c->scratch.bytes;
         req.trainer_name = tname;
+        char member[32];
+        snprintf(member, sizeof(member), "trainer-%d", cfg->rank); /* as lease_register names it */
+        req.member_name = member;
         ProtobufCMessage *resp = NULL;
         char e[1024] = "";
         rc = call(c, "Attach", &req.base, &pshard__attach_response__descriptor, &resp, e,

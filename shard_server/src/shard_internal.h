@@ -55,6 +55,8 @@ struct pshard_shard_server {
     /* Trainer state, guarded by op_mu (one operation at a time). */
     pthread_mutex_t op_mu;
     char session[40];
+    char trainer_name[128]; /* the attached trainer's coordinator member name (Attach's
+                               member_name; under mu) */
     shm_map_t scratch, model_shm;
     shm_map_t pending_model; /* remote trainers: private model region filled before DefineModel */
     uint64_t max_model_bytes; /* --max-model-memory, or what this machine / cgroup has */

@@ -289,9 +289,11 @@ typedef struct {
     int role, rank;
 } known_member_t;
 
-/* Handles one ClusterEvent: an eviction of a ranked shard server or of a trainer fails this
- * rank's collectives with PEER_LOST naming it. The coordinator words evictions as
- * "member NAME lease expired" (coord_state.c). */
+/* Handles one ClusterEvent: an eviction of a ranked shard server, or of the trainer attached
+ * to this server, fails this rank's collectives with PEER_LOST naming it; the other ranks
+ * learn of a trainer's loss through the ring (the abort travels with its reason). Any other
+ * trainer member (a monitoring tool, `pshardctl register`, another job's) is not this job's
+ * business. The coordinator words evictions as "member NAME lease expired" (coord_state.c). */
 static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEvent *ev,
                              known_member_t **known, size_t *nknown)
 {
@@ -311,8 +313,9 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         pthread_mutex_lock(&s->mu);
         pshard_comm_t *comm = s->comm;
         int64_t lease = s->lease_ms;
+        bool ours = s->session[0] && strcmp(s->trainer_name, name) == 0;
         pthread_mutex_unlock(&s->mu);
-        bool matters = who && (who->role == PSHARD__ROLE__TRAINER ||
+        bool matters = who && ((who->role == PSHARD__ROLE__TRAINER && ours) ||
                                (who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0));
         if (matters && comm && pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
             char msg[512];

@@ -238,6 +238,8 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         snprintf(session + 2 * i, 3, "%02x", rnd[i]);
     pthread_mutex_lock(&s->mu);
     memcpy(s->session, session, sizeof(session));
+    ps_strlcpy(s->trainer_name, req->member_name ? req->member_name : "",
+               sizeof(s->trainer_name));
     pthread_mutex_unlock(&s->mu);
     Pshard__AttachResponse out = PSHARD__ATTACH_RESPONSE__INIT;
     out.session = s->session;

@@ -134,6 +134,22 @@ else
   echo "FAIL: no flight record labelled 'step N, tensor' in pshardctl status:"; cat "$cw/status.txt"
   fails=$((fails + 1))
 fi
+# A trainer member that is not attached to this job's servers (a monitoring tool, a second
+# job) lets its lease lapse: the job must not notice.
+"$ctl" --coordinator "$caddr" register --role trainer --name stray-monitor > "$cw/stray.txt" 2>&1 ||
+  { echo "FAIL: could not register a stray trainer:"; cat "$cw/stray.txt"; fails=$((fails + 1)); }
+evicted() { "$ctl" --coordinator "$caddr" members 2>/dev/null | grep -q stray-monitor && return 1; return 0; }
+wait_for 20 evicted || { echo "FAIL: the stray trainer was never evicted"; fails=$((fails + 1)); }
+before=$(grep -c '^step' "$cw/t0.out")
+wait_for 20 steps_printed "$cw/t0.out" $((before + 3)) || true
+alive=1
+for r in 0 1 2; do gone "${tpid[$r]}" && alive=0; done
+if [ "$alive" = 1 ] && [ "$(grep -c '^step' "$cw/t0.out")" -gt "$before" ]; then
+  echo "ok: a stray trainer's lapsed lease left the job training"
+else
+  echo "FAIL: a stray trainer's lapsed lease stopped the job:"; tail -3 "$cw"/t*.err
+  fails=$((fails + 1))
+fi
 t0=$(now_ms)
 kill -9 "${tpid[1]}"
 expect_failures "$t0" "trainer-1" 0 2
