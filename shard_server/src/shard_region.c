@@ -66,8 +66,10 @@ void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *reque
                                  (long long)(READ_STALL_NS / 1000000000LL));
                 return;
             }
-            if (w != PSHARD_OK)
-                return; /* the client went away: the call is ending */
+            if (w != PSHARD_OK) {
+                ps_rpc_call_finish(call); /* the client went away: end the call */
+                return;
+            }
         }
         pthread_mutex_lock(&s->op_mu);
         shm_map_t *m = NULL;
@@ -96,8 +98,10 @@ void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *reque
         c.data.len = (size_t)n;
         pshard_status_t rc = ps_rpc_call_send(call, &c.base);
         pthread_mutex_unlock(&s->op_mu);
-        if (rc == PSHARD_ERR_CANCELLED)
+        if (rc == PSHARD_ERR_CANCELLED) {
+            ps_rpc_call_finish(call);
             return;
+        }
         if (rc != PSHARD_OK) {
             ps_rpc_call_fail(call, rc, "ReadRegion: cannot queue a chunk");
             return;

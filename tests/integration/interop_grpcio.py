@@ -700,7 +700,20 @@ def rss_kb(pid):
     raise AssertionError("no VmRSS for pid %d" % pid)
 
 
+def under_asan(pid):
+    """AddressSanitizer keeps freed memory in quarantine: RSS says nothing about bounds there."""
+    with open("/proc/%d/maps" % pid) as f:
+        return "libasan" in f.read()
+
+
 class UnreadStreamsTest(CoordinatorTest):
+
+    def assertGrowthBelow(self, c, grown_kb, limit_kb, what):
+        # Under ASan the flows still run, but freed memory sits in quarantine: no bound to see.
+        if under_asan(c.proc.pid):
+            print("(AddressSanitizer build: RSS bound not checked)", file=sys.stderr)
+            return
+        self.assertLess(grown_kb, limit_kb, what)
 
     def test_reflection_requests_without_reading_replies(self):
         # Before the bound: ~165,000 unread 20-byte requests grew a server by 700+ MiB.
@@ -728,8 +741,8 @@ class UnreadStreamsTest(CoordinatorTest):
         call.cancel()
         print("reflection: %d requests offered, coordinator RSS +%d kB" % (sent[0], grown),
               file=sys.stderr)
-        self.assertLess(grown, 8 * 1024, "%d requests grew the coordinator by %d kB"
-                        % (sent[0], grown))
+        self.assertGrowthBelow(c, grown, 8 * 1024, "%d requests grew the coordinator by %d kB"
+                               % (sent[0], grown))
         self.assertAlive(c)
 
     def test_watch_streams_that_never_read(self):
@@ -750,7 +763,7 @@ class UnreadStreamsTest(CoordinatorTest):
         grown = rss_kb(c.proc.pid) - before
         print("watch: 20 unread streams, 300 registrations, coordinator RSS +%d kB" % grown,
               file=sys.stderr)
-        self.assertLess(grown, 256 * 1024)
+        self.assertGrowthBelow(c, grown, 256 * 1024, "the coordinator grew by %d kB" % grown)
         self.assertAlive(c)
         # A dropped watcher learns why.
         dropped = 0
