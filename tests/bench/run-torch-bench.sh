@@ -163,7 +163,7 @@ for model in $MODELS; do
     row "$model:   same, shared pages counted twice" "$(mib "$ps")" "$(mib "$ft")" "$(ratio "$ps" "$ft")" "(report)" "-"
     pp=$(stat "$model" pshard pss)
     row "$model:   same, server's share of shared libs" "$(mib "$pp")" "$(mib "$ft")" "$(ratio "$pp" "$ft")" "(report)" "-"
-    row "$model: pshard pool MiB, peak held / ever touched" "$(mib "$(stat "$model" pshard pool_peak)")" "$(mib "$(stat "$model" pshard pool_touched)")" "-" "(report)" "-"
+    row "$model: pshard pool MiB, peak held / high-water offset" "$(mib "$(stat "$model" pshard pool_peak)")" "$(mib "$(stat "$model" pshard pool_touched)")" "-" "(report)" "-"
     row "$model: peak MiB/rank, trainer+server vs DDP" "$(mib "$pd")" "$(mib "$dt")" "$(ratio "$pd" "$dt")" "(report)" "-"
 done
 echo "# trainer+server = the trainer's VmHWM + its shard server's VmHWM - the server's RssShmem"

@@ -207,7 +207,9 @@ typedef struct {
     size_t pool_bytes;          /* the model region's size */
     size_t in_use_bytes;        /* full parameters and gradients held now */
     size_t peak_in_use_bytes;   /* the most held at once since pshard_define_model */
-    size_t touched_bytes;       /* the pool's high-water mark: what was ever backed by pages */
+    size_t touched_bytes;       /* the pool's high-water offset in the model region (with stable
+                                   buffers this counts their own pages below the pool, which
+                                   are never backed: it is not resident memory) */
     uint64_t params_gathered;   /* parameters moved by gathers */
     uint64_t params_skipped;    /* parameters a gather found already gathered */
     int peak_gathers_in_flight; /* the most asynchronous gathers unfinished at once */
