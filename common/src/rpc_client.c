@@ -1,6 +1,10 @@
 /* The gRPC client runtime: channels (plaintext, TLS, mTLS, cluster token), blocking unary
  * calls with deadlines and retries for idempotent calls, and server-streaming reads with a
  * per-read wait. Each call uses its own pluck completion queue, so any thread may call. */
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,9 +50,25 @@ struct ps_rpc_stream {
 char *ps_read_file(const char *path, bool strip, size_t max_bytes, size_t *len, char *err,
                    size_t errlen)
 {
-    FILE *f = fopen(path, "rb");
+    /* O_NONBLOCK, then S_ISREG: a FIFO or device given as a token or TLS file is refused
+     * instead of blocking the process at start. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) {
+        ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot open %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    int fl = fcntl(fd, F_GETFL);
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || fl < 0 ||
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s is not a regular file", path);
+        close(fd);
+        return NULL;
+    }
+    FILE *f = fdopen(fd, "rb");
     if (!f) {
         ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot open %s: %s", path, strerror(errno));
+        close(fd);
         return NULL;
     }
     size_t cap = 4096, n = 0;

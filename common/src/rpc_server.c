@@ -325,9 +325,12 @@ static void start_next_send_locked(ps_rpc_call_t *c)
     start_batch_locked(c, ops, n, &c->t_send);
 }
 
-static grpc_byte_buffer *pack_message(const ProtobufCMessage *msg)
+/* The packed message; *bytes (may be NULL) gets its size. */
+static grpc_byte_buffer *pack_message(const ProtobufCMessage *msg, size_t *bytes)
 {
     size_t len = protobuf_c_message_get_packed_size(msg);
+    if (bytes)
+        *bytes = len;
     grpc_slice s = grpc_slice_malloc(len);
     protobuf_c_message_pack(msg, GRPC_SLICE_START_PTR(s));
     grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
@@ -340,7 +343,7 @@ static grpc_byte_buffer *pack_message(const ProtobufCMessage *msg)
 
 void ps_rpc_call_reply(ps_rpc_call_t *call, const ProtobufCMessage *response)
 {
-    finalize(call, GRPC_STATUS_OK, NULL, pack_message(response));
+    finalize(call, GRPC_STATUS_OK, NULL, pack_message(response, NULL));
 }
 
 void ps_rpc_call_fail(ps_rpc_call_t *call, pshard_status_t status, const char *fmt, ...)
@@ -359,6 +362,20 @@ void ps_rpc_call_fail(ps_rpc_call_t *call, pshard_status_t status, const char *f
     finalize(call, code, msg, NULL);
 }
 
+/* CLOCK_REALTIME now + ns, for pthread_cond_timedwait. */
+static struct timespec realtime_in(int64_t ns)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += (time_t)(ns / 1000000000LL);
+    ts.tv_nsec += (long)(ns % 1000000000LL);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
+}
+
 struct ps_rpc_packed {
     grpc_byte_buffer *bb;
     size_t bytes;
@@ -369,8 +386,7 @@ ps_rpc_packed_t *ps_rpc_pack(const ProtobufCMessage *msg)
     ps_rpc_packed_t *p = malloc(sizeof(*p));
     if (!p)
         return NULL;
-    p->bytes = protobuf_c_message_get_packed_size(msg);
-    p->bb = pack_message(msg);
+    p->bb = pack_message(msg, &p->bytes);
     return p;
 }
 
@@ -422,7 +438,9 @@ pshard_status_t ps_rpc_call_send(ps_rpc_call_t *call, const ProtobufCMessage *ms
 {
     if (atomic_load(&call->cancelled))
         return PSHARD_ERR_CANCELLED;
-    return queue_send(call, pack_message(msg), protobuf_c_message_get_packed_size(msg));
+    size_t bytes;
+    grpc_byte_buffer *bb = pack_message(msg, &bytes);
+    return queue_send(call, bb, bytes);
 }
 
 pshard_status_t ps_rpc_call_send_packed(ps_rpc_call_t *call, const ps_rpc_packed_t *msg)
@@ -450,16 +468,8 @@ pshard_status_t ps_rpc_call_wait_writable(ps_rpc_call_t *call, int64_t deadline_
             break;
         }
         /* The wait wakes on every completed send; a slice keeps the deadline honest. */
-        int64_t until = deadline_ns - now > 200000000LL ? now + 200000000LL : deadline_ns;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        int64_t add = until - now;
-        ts.tv_sec += (time_t)(add / 1000000000LL);
-        ts.tv_nsec += (long)(add % 1000000000LL);
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = realtime_in(deadline_ns - now < 200000000LL ? deadline_ns - now
+                                                                         : 200000000LL);
         pthread_cond_timedwait(&call->writable, &call->mu, &ts);
     }
     pthread_mutex_unlock(&call->mu);
@@ -1089,13 +1099,7 @@ void ps_rpc_server_shutdown(ps_rpc_server_t *srv)
     int64_t give_up_ns = ps_now_ns() + 10 * 1000000000LL;
     pthread_mutex_lock(&srv->mu);
     while (!srv->shutdown_notified || srv->nlive > 0) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 50 * 1000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
+        struct timespec ts = realtime_in(50 * 1000000LL);
         pthread_cond_timedwait(&srv->cv, &srv->mu, &ts);
         if (ps_now_ns() > give_up_ns) {
             PS_ERROR(PS_SUB_RPC, "shutdown: %zu calls were never finished; exiting anyway",

@@ -10,6 +10,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -505,6 +506,27 @@ static void test_bad_tokens(void)
         CU_ASSERT(named);
         free(out);
     }
+    /* A FIFO as the token file is refused at once, not waited on. */
+    unlink(tok);
+    CU_ASSERT_EQUAL_FATAL(mkfifo(tok, 0600), 0);
+    char *fargv[] = {(char *)coordinator_bin, "--listen", "127.0.0.1:0", "--token-file", tok,
+                     NULL};
+    pid_t pid = ps_proc_spawn(fargv, log);
+    int status = 0;
+    for (int i = 0; i < 500 && waitpid(pid, &status, WNOHANG) == 0; i++) {
+        struct timespec ts = {0, 20 * 1000000};
+        nanosleep(&ts, NULL);
+    }
+    if (waitpid(pid, &status, WNOHANG) == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        CU_FAIL("the coordinator waited on a FIFO token file");
+    } else {
+        CU_ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 2);
+    }
+    char *out = ps_read_file(log, false, 1 << 16, NULL, NULL, 0);
+    CU_ASSERT(out && strstr(out, "not a regular file"));
+    free(out);
     unlink(tok);
     unlink(log);
     rmdir(dir);
