@@ -224,6 +224,11 @@ bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char 
 pshard_comm_t *shard_op_begin(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session,
                               const char *needs_model);
 
+/* PSHARD_OK when a model region of bytes fits this server's --max-model-memory, else
+ * RESOURCE_EXHAUSTED saying so (shard_region.c). */
+pshard_status_t shard_region_size_ok(const pshard_shard_server_t *s, uint64_t bytes, char *err,
+                                     size_t errlen);
+
 /* Anonymous memory of bytes for a remote trainer's region (shard_region.c). */
 pshard_status_t shard_alloc_private(uint64_t bytes, shm_map_t *out, char *err, size_t errlen);
 

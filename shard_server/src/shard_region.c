@@ -48,6 +48,17 @@ static shm_map_t *region_of(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshar
 #define CHUNK_MAX (1u << 20)
 #define READ_STALL_NS (60LL * 1000000000LL) /* ReadRegion: a client that reads nothing this long */
 
+pshard_status_t shard_region_size_ok(const pshard_shard_server_t *s, uint64_t bytes, char *err,
+                                     size_t errlen)
+{
+    if (s->max_model_bytes == 0 || bytes <= s->max_model_bytes)
+        return PSHARD_OK;
+    return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                   "a model region of %" PRIu64 " bytes is more than this shard server may hold "
+                   "(%" PRIu64 " bytes, --max-model-memory)",
+                   bytes, s->max_model_bytes);
+}
+
 void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
     pshard_shard_server_t *s = ctx;
@@ -125,11 +136,8 @@ void shard_handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *requ
                          "a chunk of %zu bytes exceeds the %u-byte limit", req->data.len,
                          CHUNK_MAX);
     } else if (req->region == PSHARD__REGION__MODEL && req->region_bytes &&
-               s->max_model_bytes > 0 && req->region_bytes > s->max_model_bytes) {
-        ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED,
-                         "a model region of %" PRIu64 " bytes is more than this shard server may "
-                         "hold (%" PRIu64 " bytes, --max-model-memory)",
-                         req->region_bytes, s->max_model_bytes);
+               shard_region_size_ok(s, req->region_bytes, err, sizeof(err)) != PSHARD_OK) {
+        ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED, "%s", err);
     } else if (req->region == PSHARD__REGION__MODEL && req->region_bytes) {
         /* Before DefineModel: the private model region being filled. */
         if (s->pending_model.bytes != req->region_bytes) {

@@ -366,12 +366,9 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
                                    const Pshard__DefineModelRequest *req, const shm_map_t *region,
                                    char *err, size_t errlen)
 {
+    /* check_init_offsets validated every offset this rank reads, before the model existed. */
     bool from_rank0 = req->init == PSHARD__INIT_MODE__INIT_FROM_RANK0;
     bool has_data = !from_rank0 || m->rank == 0;
-    if (has_data && req->n_init_offsets != m->nparams)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "init_offsets has %zu entries for %zu parameters", req->n_init_offsets,
-                       m->nparams);
     float *full = NULL;
     if (from_rank0 && m->world > 1) {
         full = malloc(m->max_numel * sizeof(float) + 1);
@@ -382,16 +379,8 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
     for (size_t p = 0; p < m->nparams && rc == PSHARD_OK; p++) {
         size_t numel = m->params[p].numel;
         const float *src = NULL;
-        if (has_data) {
-            uint64_t off = req->init_offsets[p];
-            if (!shard_in_region(region, off, (uint64_t)numel * 4, 4)) {
-                rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                             "init values of '%s' lie outside the model region",
-                             m->params[p].name);
-                break;
-            }
-            src = (const float *)((uint8_t *)region->base + off);
-        }
+        if (has_data)
+            src = (const float *)((uint8_t *)region->base + req->init_offsets[p]);
         if (from_rank0 && m->world > 1) {
             pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_FP32, .root = 0,
                                     .send = src, .recv = full, .count = numel,
@@ -489,13 +478,9 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
                      (int)req->init);
         goto out;
     }
-    if (s->max_model_bytes > 0 && req->shm_bytes > s->max_model_bytes) {
-        rc = ps_errf(err, sizeof(err), PSHARD_ERR_RESOURCE_EXHAUSTED,
-                     "a model region of %" PRIu64 " bytes is more than this shard server may "
-                     "hold (%" PRIu64 " bytes, --max-model-memory)",
-                     req->shm_bytes, s->max_model_bytes);
+    rc = shard_region_size_ok(s, req->shm_bytes, err, sizeof(err));
+    if (rc != PSHARD_OK)
         goto out;
-    }
     /* Map the region before allocating shard state, and adopt both only when everything
      * succeeded: a refused definition leaves the previous model and region in place. */
     if (!req->shm_name || !req->shm_name[0]) {
