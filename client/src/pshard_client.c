@@ -107,6 +107,7 @@ struct pshard_client {
     ps_rpc_channel_t *coord;
     char coord_addr[256];
     char member_id[64];
+    char lease_key[64]; /* the secret Register returned, for Heartbeat and Leave */
     int64_t heartbeat_ms;
     pthread_t lease_thread;
     bool lease_started;
@@ -378,6 +379,11 @@ static pshard_status_t lease_register(pshard_client_t *c, char *err, size_t errl
     req.address = c->server;
     req.node = host;
     req.device = device;
+    char key[64];
+    pthread_mutex_lock(&c->mu);
+    ps_strlcpy(key, c->lease_key, sizeof(key)); /* ours from before, if any: takes over */
+    pthread_mutex_unlock(&c->mu);
+    req.lease_key = key;
     ProtobufCMessage *resp = NULL;
     PS_CHECK(ps_rpc_unary(c->coord, "/pshard.Coordinator/Register", &req.base,
                           &pshard__member_view__descriptor, &resp, 5000, PS_RPC_IDEMPOTENT, NULL,
@@ -385,6 +391,7 @@ static pshard_status_t lease_register(pshard_client_t *c, char *err, size_t errl
     Pshard__MemberView *v = (Pshard__MemberView *)resp;
     pthread_mutex_lock(&c->mu);
     ps_strlcpy(c->member_id, v->member_id, sizeof(c->member_id));
+    ps_strlcpy(c->lease_key, v->lease_key ? v->lease_key : "", sizeof(c->lease_key));
     c->heartbeat_ms = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
     pthread_mutex_unlock(&c->mu);
     protobuf_c_message_free_unpacked(resp, NULL);
@@ -442,8 +449,9 @@ static void *lease_main(void *arg)
         }
         if (c->stop)
             break;
-        char id[64];
+        char id[64], key[64];
         ps_strlcpy(id, c->member_id, sizeof(id));
+        ps_strlcpy(key, c->lease_key, sizeof(key));
         pthread_mutex_unlock(&c->mu);
         char err[512] = "";
         pshard_status_t rc;
@@ -452,6 +460,7 @@ static void *lease_main(void *arg)
         } else {
             Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
             req.member_id = id;
+            req.lease_key = key;
             ProtobufCMessage *resp = NULL;
             rc = ps_rpc_unary(c->coord, "/pshard.Coordinator/Heartbeat", &req.base,
                               &pshard__member_view__descriptor, &resp, 2000, 0, NULL, err,
@@ -495,13 +504,20 @@ static void lease_start(pshard_client_t *c, const char *reported)
                                   .tls_ca_file = ca && *ca ? ca : NULL};
     char err[512] = "";
     c->coord = ps_rpc_channel_create(&cc, err, sizeof(err));
-    if (!c->coord || lease_register(c, err, sizeof(err)) != PSHARD_OK) {
+    pshard_status_t rc = c->coord ? lease_register(c, err, sizeof(err)) : PSHARD_ERR_UNAVAILABLE;
+    if (rc == PSHARD_ERR_ALREADY_EXISTS) {
+        /* A previous incarnation of this rank (a restarted trainer) still holds the name:
+         * the lease thread registers once that lease has lapsed. */
+        PS_WARN(PS_SUB_CLIENT, "trainer lease with %s: %s; registering when it lapses",
+                c->coord_addr, err);
+        c->heartbeat_ms = 1000;
+    } else if (rc != PSHARD_OK) {
         PS_WARN(PS_SUB_CLIENT, "cannot register the trainer with coordinator %s: %s; a lost "
                                "trainer will only be noticed by the collectives' timeout",
                 c->coord_addr, err);
         return;
     }
-    c->lease_ok = true;
+    c->lease_ok = rc == PSHARD_OK;
     if (pthread_create(&c->lease_thread, NULL, lease_main, c) == 0)
         c->lease_started = true;
 }
@@ -628,6 +644,7 @@ void pshard_close(pshard_client_t *c)
     if (c->coord && c->member_id[0] && c->lease_ok) {
         Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
         lv.member_id = c->member_id;
+        lv.lease_key = c->lease_key;
         ProtobufCMessage *resp = NULL;
         char err[256] = "";
         if (ps_rpc_unary(c->coord, "/pshard.Coordinator/Leave", &lv.base,

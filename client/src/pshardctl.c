@@ -793,8 +793,9 @@ static int cmd_register(int argc, char **argv)
         EXIT_OK)
         goto out;
     Pshard__MemberView *v = (Pshard__MemberView *)msg;
-    char member_id[64];
+    char member_id[64], lease_key[64];
     ps_strlcpy(member_id, v->member_id, sizeof(member_id));
+    ps_strlcpy(lease_key, v->lease_key ? v->lease_key : "", sizeof(lease_key));
     int64_t heartbeat_ms = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
     printf("registered %s as %s (rank %d, generation %" PRIu64 ", %s)\n", r.name, member_id,
            v->rank, v->generation, state_name(v->state));
@@ -811,6 +812,7 @@ static int cmd_register(int argc, char **argv)
             break;
         Pshard__HeartbeatRequest hb = PSHARD__HEARTBEAT_REQUEST__INIT;
         hb.member_id = member_id;
+        hb.lease_key = lease_key;
         if (call("Heartbeat", &hb.base, &pshard__member_view__descriptor, &msg, PS_RPC_IDEMPOTENT,
                  opts.timeout_ms) != EXIT_OK) {
             rc = EXIT_ERROR;
@@ -820,6 +822,7 @@ static int cmd_register(int argc, char **argv)
     }
     Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
     lv.member_id = member_id;
+    lv.lease_key = lease_key;
     if (call("Leave", &lv.base, &pshard__leave_response__descriptor, &msg, PS_RPC_IDEMPOTENT,
              opts.timeout_ms) == EXIT_OK)
         protobuf_c_message_free_unpacked(msg, NULL);

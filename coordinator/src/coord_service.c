@@ -73,6 +73,7 @@ static void view_to_pb(const coord_member_view_t *v, Pshard__MemberView *out)
 {
     pshard__member_view__init(out);
     out->member_id = (char *)v->member_id;
+    out->lease_key = (char *)v->lease_key; /* "" except in Register's answer */
     out->generation = v->generation;
     out->rank = v->rank;
     out->world_size = v->world_size;
@@ -297,7 +298,8 @@ static void handle_register(ps_rpc_call_t *call, const ProtobufCMessage *request
     coord_member_view_t view;
     pthread_mutex_lock(&c->mu);
     pshard_status_t rc = coord_state_register(c->state, role, req->name, req->address, req->node,
-                                              req->device, ps_now_ns(), &view, err, sizeof(err));
+                                              req->device, req->lease_key, ps_now_ns(), &view, err,
+                                              sizeof(err));
     flush_events_locked(c);
     pthread_mutex_unlock(&c->mu);
     if (rc == PSHARD_OK)
@@ -314,7 +316,8 @@ static void handle_heartbeat(ps_rpc_call_t *call, const ProtobufCMessage *reques
     coord_member_view_t view;
     pthread_mutex_lock(&c->mu);
     pshard_status_t rc =
-        coord_state_heartbeat(c->state, req->member_id, ps_now_ns(), &view, err, sizeof(err));
+        coord_state_heartbeat(c->state, req->member_id, req->lease_key, ps_now_ns(), &view, err,
+                              sizeof(err));
     pthread_mutex_unlock(&c->mu);
     reply_view(call, rc, &view, err);
 }
@@ -325,7 +328,8 @@ static void handle_leave(ps_rpc_call_t *call, const ProtobufCMessage *request, v
     const Pshard__LeaveRequest *req = (const Pshard__LeaveRequest *)request;
     char err[512] = "";
     pthread_mutex_lock(&c->mu);
-    pshard_status_t rc = coord_state_leave(c->state, req->member_id, ps_now_ns(), err, sizeof(err));
+    pshard_status_t rc = coord_state_leave(c->state, req->member_id, req->lease_key, ps_now_ns(),
+                                           err, sizeof(err));
     uint64_t gen = coord_state_generation(c->state);
     flush_events_locked(c);
     pthread_mutex_unlock(&c->mu);
@@ -350,6 +354,7 @@ static void handle_report_join(ps_rpc_call_t *call, const ProtobufCMessage *requ
     const Pshard__JoinReport *req = (const Pshard__JoinReport *)request;
     coord_join_report_t report = {
         .member_id = req->member_id,
+        .lease_key = req->lease_key,
         .rank = req->rank,
         .phase = req->phase == PSHARD__JOIN_PHASE__JOINED       ? COORD_JOIN_PHASE_JOINED
                  : req->phase == PSHARD__JOIN_PHASE__ALL_JOINED ? COORD_JOIN_PHASE_ALL_JOINED

@@ -514,6 +514,42 @@ static pshard_status_t unknown_id(const char *member_id, char *err, size_t errle
                    member_id);
 }
 
+/* Compares two keys in time independent of where they differ; false for a missing key or one
+ * of the wrong length. */
+static bool key_matches(const char *given, const char *key)
+{
+    if (!given || strnlen(given, COORD_KEY_LEN + 1) != COORD_KEY_LEN)
+        return false;
+    unsigned char diff = 0;
+    for (size_t i = 0; i < COORD_KEY_LEN; i++)
+        diff |= (unsigned char)(given[i] ^ key[i]);
+    return diff == 0;
+}
+
+/* Finds the member that member_id names and checks that the caller holds its lease key: the
+ * id alone is public (Status and Watch show it). Returns the index, or -1 with err set. */
+static long find_keyed(const coord_state_t *st, const char *member_id, const char *lease_key,
+                       pshard_status_t *rc, char *err, size_t errlen)
+{
+    *rc = check_member_id(member_id, err, errlen);
+    if (*rc != PSHARD_OK)
+        return -1;
+    long i = find_by_id(st, member_id);
+    if (i < 0) {
+        *rc = unknown_id(member_id, err, errlen);
+        return -1;
+    }
+    if (!key_matches(lease_key, st->members[i].lease_key)) {
+        *rc = ps_errf(err, errlen, PSHARD_ERR_PERMISSION,
+                      "%s for member %s (%s): only the member itself may renew, end or report "
+                      "for its lease, with the lease_key its Register returned",
+                      lease_key && lease_key[0] ? "wrong lease key" : "no lease key", member_id,
+                      st->members[i].name);
+        return -1;
+    }
+    return i;
+}
+
 /* ---- public API ------------------------------------------------------------------------- */
 
 coord_state_t *coord_state_create(const coord_state_config_t *cfg, int64_t now_ns,
@@ -554,8 +590,8 @@ void coord_state_destroy(coord_state_t *st)
 
 pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const char *name,
                                      const char *address, const char *node, const char *device,
-                                     int64_t now_ns, coord_member_view_t *out, char *err,
-                                     size_t errlen)
+                                     const char *lease_key, int64_t now_ns,
+                                     coord_member_view_t *out, char *err, size_t errlen)
 {
     if (role != COORD_ROLE_SHARD_SERVER && role != COORD_ROLE_TRAINER)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
@@ -566,6 +602,17 @@ pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const
     PS_CHECK(check_field("device", device, err, errlen));
 
     long old = find_by_name(st, role, name);
+    if (old >= 0 && now_ns <= st->members[old].lease_deadline_ns &&
+        !key_matches(lease_key, st->members[old].lease_key)) {
+        int64_t left = (st->members[old].lease_deadline_ns - now_ns + NS_PER_MS - 1) / NS_PER_MS;
+        return ps_errf(err, errlen, PSHARD_ERR_ALREADY_EXISTS,
+                       "%s '%s' is held by a live member (%s) whose lease lapses in %lld ms "
+                       "unless it renews it; a restarted member registers again once it has "
+                       "lapsed%s",
+                       coord_role_name(role), name, st->members[old].member_id, (long long)left,
+                       lease_key && lease_key[0] ? " (the lease key given is not that member's)"
+                                                 : "");
+    }
     if (old < 0 && st->nmembers >= COORD_MAX_MEMBERS)
         return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
                        "the coordinator already has %d members; the limit is %d", (int)st->nmembers,
@@ -573,8 +620,8 @@ pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const
     if (reserve_member(st) != PSHARD_OK)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory registering %s", name);
 
-    unsigned char id_bytes[16];
-    if (random_bytes(id_bytes, 8) != 0)
+    unsigned char id_bytes[16], key_bytes[COORD_KEY_LEN / 2];
+    if (random_bytes(id_bytes, 8) != 0 || random_bytes(key_bytes, sizeof(key_bytes)) != 0)
         return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot read random bytes for a member id");
     uint64_t tail = (st->id_counter++) ^ st->id_secret;
     for (int i = 0; i < 8; i++)
@@ -583,6 +630,7 @@ pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const
     coord_member_t m;
     memset(&m, 0, sizeof(m));
     hex_encode(id_bytes, sizeof(id_bytes), m.member_id);
+    hex_encode(key_bytes, sizeof(key_bytes), m.lease_key);
     m.role = role;
     ps_strlcpy(m.name, name, sizeof(m.name));
     ps_strlcpy(m.address, address ? address : "", sizeof(m.address));
@@ -640,16 +688,19 @@ pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const
     /* Forming may have assigned ranks; look the member up again by id. */
     long idx = find_by_id(st, m.member_id);
     fill_view(st, &st->members[idx], out);
+    if (out)
+        memcpy(out->lease_key, m.lease_key, sizeof(out->lease_key));
     return PSHARD_OK;
 }
 
-pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id, int64_t now_ns,
+pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id,
+                                      const char *lease_key, int64_t now_ns,
                                       coord_member_view_t *out, char *err, size_t errlen)
 {
-    PS_CHECK(check_member_id(member_id, err, errlen));
-    long i = find_by_id(st, member_id);
+    pshard_status_t rc;
+    long i = find_keyed(st, member_id, lease_key, &rc, err, errlen);
     if (i < 0)
-        return unknown_id(member_id, err, errlen);
+        return rc;
     coord_member_t *m = &st->members[i];
     m->last_heartbeat_ns = now_ns;
     m->lease_deadline_ns = add_ms_saturating(now_ns, st->cfg.lease_ms);
@@ -657,13 +708,14 @@ pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id, 
     return PSHARD_OK;
 }
 
-pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id, int64_t now_ns,
-                                  char *err, size_t errlen)
+pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id,
+                                  const char *lease_key, int64_t now_ns, char *err,
+                                  size_t errlen)
 {
-    PS_CHECK(check_member_id(member_id, err, errlen));
-    long i = find_by_id(st, member_id);
+    pshard_status_t rc;
+    long i = find_keyed(st, member_id, lease_key, &rc, err, errlen);
     if (i < 0)
-        return unknown_id(member_id, err, errlen);
+        return rc;
     drop_member(st, (size_t)i, "left", now_ns);
     return PSHARD_OK;
 }
@@ -768,13 +820,13 @@ pshard_status_t coord_state_report_join(coord_state_t *st, const coord_join_repo
     if (report->phase != COORD_JOIN_PHASE_JOINED && report->phase != COORD_JOIN_PHASE_ALL_JOINED)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "join phase must be JOINED (1) or ALL_JOINED (2), got %d", report->phase);
-    PS_CHECK(check_member_id(report->member_id, err, errlen));
     if (report->step < 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "join step is %lld; it must be 0 or more", (long long)report->step);
-    long i = find_by_id(st, report->member_id);
+    pshard_status_t rc;
+    long i = find_keyed(st, report->member_id, report->lease_key, &rc, err, errlen);
     if (i < 0)
-        return unknown_id(report->member_id, err, errlen);
+        return rc;
     const coord_member_t *m = &st->members[i];
     if (m->role != COORD_ROLE_SHARD_SERVER)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
@@ -911,6 +963,8 @@ coord_snapshot_t *coord_state_snapshot(const coord_state_t *st, int64_t now_ns)
     }
     if (st->nmembers)
         memcpy(snap->members, st->members, st->nmembers * sizeof(*snap->members));
+    for (size_t i = 0; i < st->nmembers; i++) /* a snapshot is for showing: no secrets */
+        memset(snap->members[i].lease_key, 0, sizeof(snap->members[i].lease_key));
     snap->nmembers = st->nmembers;
     qsort(snap->members, snap->nmembers, sizeof(*snap->members), cmp_snapshot);
     snap->generation = st->generation;

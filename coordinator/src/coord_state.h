@@ -14,6 +14,7 @@
 #define COORD_NAME_MAX 253  /* like a DNS name; longer names are refused */
 #define COORD_FIELD_MAX 255 /* address, node, device */
 #define COORD_ID_LEN 32     /* member ids are 32 lowercase hex chars */
+#define COORD_KEY_LEN 32    /* lease keys too: 16 random bytes, hex */
 #define COORD_MAX_MEMBERS 65536
 
 typedef enum {
@@ -38,6 +39,7 @@ typedef struct {
 
 typedef struct {
     char member_id[COORD_ID_LEN + 1];
+    char lease_key[COORD_KEY_LEN + 1]; /* the member's secret; blank in snapshots */
     coord_role_t role;
     char name[COORD_NAME_MAX + 1];
     char address[COORD_FIELD_MAX + 1];
@@ -53,6 +55,7 @@ typedef struct {
 /* What a member learns from Register and Heartbeat. */
 typedef struct {
     char member_id[COORD_ID_LEN + 1];
+    char lease_key[COORD_KEY_LEN + 1]; /* set by register only; "" from heartbeat */
     uint64_t generation;
     int rank;       /* -1 until the cluster formed (or for standby/trainer members) */
     int world_size; /* 0 until formed */
@@ -72,6 +75,7 @@ typedef enum {
 /* One report, as the service decoded it from the wire (strings borrowed). */
 typedef struct {
     const char *member_id; /* the reporting shard server */
+    const char *lease_key; /* its lease key */
     int rank;              /* the rank it says it holds */
     int phase;             /* a coord_join_phase_t; anything else is refused */
     int64_t step;          /* optimizer steps taken when it joined, >= 0 */
@@ -130,8 +134,11 @@ void coord_state_destroy(coord_state_t *st);
 
 /* Registers a member. name must be 1..COORD_NAME_MAX printable ASCII bytes without spaces;
  * address/node/device at most COORD_FIELD_MAX printable bytes (may be empty); role must be
- * shard server or trainer. If a live member already has this name (a restarted pod), that
- * old incarnation is replaced: the new one gets a new member id and the old rank back.
+ * shard server or trainer. A member with this name whose lease is still running keeps it:
+ * the call fails with PSHARD_ERR_ALREADY_EXISTS (the message says when the lease lapses)
+ * unless lease_key is that member's key. Otherwise (a restarted pod, its old lease lapsed, or
+ * the member re-registering itself) the old incarnation is replaced: the new one gets a new
+ * member id and key and the old rank back.
  * A shard server whose name held rank r in a formed cluster that lost it also gets rank r
  * back (state returns to FORMED when every rank is held again). A shard server with a new
  * name takes the lowest vacant rank in a degraded cluster, or waits as a standby (rank -1)
@@ -139,19 +146,22 @@ void coord_state_destroy(coord_state_t *st);
  * the field), PSHARD_ERR_RESOURCE_EXHAUSTED past COORD_MAX_MEMBERS. */
 pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const char *name,
                                      const char *address, const char *node, const char *device,
-                                     int64_t now_ns, coord_member_view_t *out, char *err,
-                                     size_t errlen);
+                                     const char *lease_key, int64_t now_ns,
+                                     coord_member_view_t *out, char *err, size_t errlen);
 
-/* Renews a member's lease. Errors: PSHARD_ERR_NOT_FOUND for an unknown or evicted id (the
- * message tells the member to register again), PSHARD_ERR_INVALID_ARGUMENT for a malformed
- * id. Does not bump the generation. */
-pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id, int64_t now_ns,
+/* Renews a member's lease; lease_key must be the one its Register returned. Errors:
+ * PSHARD_ERR_NOT_FOUND for an unknown or evicted id (the message tells the member to register
+ * again), PSHARD_ERR_INVALID_ARGUMENT for a malformed id, PSHARD_ERR_PERMISSION for a
+ * missing or wrong key. Does not bump the generation. */
+pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id,
+                                      const char *lease_key, int64_t now_ns,
                                       coord_member_view_t *out, char *err, size_t errlen);
 
-/* Removes a member at its own request; bumps the generation. A ranked shard server leaving a
- * formed cluster makes it DEGRADED. Errors: PSHARD_ERR_NOT_FOUND. */
-pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id, int64_t now_ns,
-                                  char *err, size_t errlen);
+/* Removes a member at its own request (lease_key as for heartbeat); bumps the generation. A
+ * ranked shard server leaving a formed cluster makes it DEGRADED. Errors: as heartbeat's. */
+pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id,
+                                  const char *lease_key, int64_t now_ns, char *err,
+                                  size_t errlen);
 
 /* Advances time: evicts members whose lease lapsed (one bump per eviction, reason names the
  * member), forms the cluster when the last call expires. Returns how many changes happened. */
@@ -167,7 +177,8 @@ int64_t coord_state_next_deadline_ns(const coord_state_t *st);
  * bump the generation and never call on_change; *change (required) tells the caller whether
  * to push a Watch event. The table and the last joiner are reset whenever the cluster
  * (re)forms, since every rank restarts its training then.
- * Errors (nothing changes): PSHARD_ERR_INVALID_ARGUMENT for a malformed member id, a phase
+ * Errors (nothing changes): PSHARD_ERR_PERMISSION for a missing or wrong lease key;
+ * PSHARD_ERR_INVALID_ARGUMENT for a malformed member id, a phase
  * other than JOINED/ALL_JOINED, a negative step, a trainer reporting, a rank that is not the
  * member's own, or a last_rank outside 0..world_size-1; PSHARD_ERR_NOT_FOUND for an unknown
  * member id; PSHARD_ERR_FAILED_PRECONDITION for a shard server that holds no rank (the

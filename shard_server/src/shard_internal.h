@@ -43,6 +43,7 @@ struct pshard_shard_server {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     char member_id[64];
+    char lease_key[64]; /* the secret Register returned: Heartbeat/Leave/ReportJoin need it */
     int rank, world;
     uint64_t generation, formed_generation, comm_generation;
     int64_t heartbeat_ms;

@@ -445,12 +445,14 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm,
 static void report_join(pshard_shard_server_t *s, Pshard__JoinPhase phase, int rank, int64_t step,
                         bool throw_flag, int last_rank)
 {
-    char id[64];
+    char id[64], key[64];
     pthread_mutex_lock(&s->mu);
     ps_strlcpy(id, s->member_id, sizeof(id));
+    ps_strlcpy(key, s->lease_key, sizeof(key));
     pthread_mutex_unlock(&s->mu);
     Pshard__JoinReport req = PSHARD__JOIN_REPORT__INIT;
     req.member_id = id;
+    req.lease_key = key;
     req.rank = rank;
     req.phase = phase;
     req.step = step;

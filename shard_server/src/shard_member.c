@@ -39,6 +39,11 @@ static pshard_status_t do_register(pshard_shard_server_t *s, char *err, size_t e
     req.address = s->advertise;
     req.node = (char *)(s->cfg.node ? s->cfg.node : "");
     req.device = (char *)(strcmp(s->cfg.backend, "nccl") == 0 ? "cuda" : "cpu");
+    char key[64];
+    pthread_mutex_lock(&s->mu);
+    ps_strlcpy(key, s->lease_key, sizeof(key)); /* ours from before, if any: takes over */
+    pthread_mutex_unlock(&s->mu);
+    req.lease_key = key;
     ProtobufCMessage *resp = NULL;
     pshard_status_t rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/Register", &req.base,
                                       &pshard__member_view__descriptor, &resp, 5000, 0, NULL, err,
@@ -48,6 +53,7 @@ static pshard_status_t do_register(pshard_shard_server_t *s, char *err, size_t e
     Pshard__MemberView *v = (Pshard__MemberView *)resp;
     pthread_mutex_lock(&s->mu);
     ps_strlcpy(s->member_id, v->member_id, sizeof(s->member_id));
+    ps_strlcpy(s->lease_key, v->lease_key ? v->lease_key : "", sizeof(s->lease_key));
     s->heartbeat_ms = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
     pthread_mutex_unlock(&s->mu);
     protobuf_c_message_free_unpacked(resp, NULL);
@@ -133,12 +139,14 @@ void *shard_heartbeat_main(void *arg)
             backoff = 100;
         }
         Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
-        char id[64];
+        char id[64], key[64];
         pthread_mutex_lock(&s->mu);
         ps_strlcpy(id, s->member_id, sizeof(id));
+        ps_strlcpy(key, s->lease_key, sizeof(key));
         int64_t every = s->heartbeat_ms;
         pthread_mutex_unlock(&s->mu);
         req.member_id = id;
+        req.lease_key = key;
         ProtobufCMessage *resp = NULL;
         pshard_status_t rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/Heartbeat", &req.base,
                                           &pshard__member_view__descriptor, &resp, every * 2, 0,

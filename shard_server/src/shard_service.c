@@ -1164,6 +1164,7 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     if (s->coord && s->member_id[0]) {
         Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
         lv.member_id = s->member_id;
+        lv.lease_key = s->lease_key;
         ProtobufCMessage *resp = NULL;
         char err[256] = "";
         if (ps_rpc_unary(s->coord, "/pshard.Coordinator/Leave", &lv.base,

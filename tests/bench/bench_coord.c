@@ -428,7 +428,7 @@ typedef struct {
     bool registered;
     bool busy;       /* a heartbeat is in flight (paced mode) */
     int64_t owed_ns; /* paced mode: the slot it missed while busy, or 0 */
-    char member_id[64];
+    char member_id[64], lease_key[64];
     grpc_slice id_request; /* packed HeartbeatRequest, once registered */
 
     grpc_call *call;
@@ -581,11 +581,14 @@ static void on_registered(member_t *m)
         grpc_slice_unref(s);
     }
     if (!view || !view->member_id || !view->member_id[0] ||
-        ps_strlcpy(m->member_id, view->member_id, sizeof(m->member_id)) != 0) {
+        ps_strlcpy(m->member_id, view->member_id, sizeof(m->member_id)) != 0 ||
+        ps_strlcpy(m->lease_key, view->lease_key ? view->lease_key : "",
+                   sizeof(m->lease_key)) != 0) {
         record_error(m->owner, "Register", m, "reply is not a MemberView with a member id");
     } else {
         Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
         req.member_id = m->member_id;
+        req.lease_key = m->lease_key;
         m->id_request = pack_slice(&req.base);
         m->registered = true;
     }
@@ -742,7 +745,8 @@ static void *client_phase_main(void *arg)
             started = start_call(m, CALL_REGISTER, s, now);
             grpc_slice_unref(s);
         } else if (m->registered) {
-            /* A LeaveRequest has the same wire form as a HeartbeatRequest: {member_id = 1}. */
+            /* A LeaveRequest has the same wire form as a HeartbeatRequest: {member_id = 1,
+             * lease_key = 2}. */
             started = start_call(m, CALL_LEAVE, m->id_request, now);
         }
         if (started)

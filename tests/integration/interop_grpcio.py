@@ -384,7 +384,7 @@ class CoordinatorMethodsTest(CoordinatorTest):
         self.assertGreater(second.generation, first.generation)
         self.assertEqual(second.world_size, 2)
         self.assertEqual(c.state_name(second.state), "FORMED")
-        beat = c.call("Heartbeat", member_id=first.member_id)
+        beat = c.call("Heartbeat", member_id=first.member_id, lease_key=first.lease_key)
         self.assertEqual(beat.member_id, first.member_id)
         self.assertEqual(beat.world_size, 2)
         self.assertEqual(c.state_name(beat.state), "FORMED")
@@ -441,11 +441,12 @@ class CoordinatorMethodsTest(CoordinatorTest):
     def test_leave(self):
         c = self.start_coordinator("--world-size", "2")
         a = c.register("leaver")
-        left = c.call("Leave", member_id=a.member_id)
+        left = c.call("Leave", member_id=a.member_id, lease_key=a.lease_key)
         self.assertGreater(left.generation, a.generation)
         self.assertEqual(list(c.call("Status").members), [])
         self.assertRpcError(grpc.StatusCode.NOT_FOUND, c.call, "Heartbeat",
-                            member_id=a.member_id, contains="unknown member id")
+                            member_id=a.member_id, lease_key=a.lease_key,
+                            contains="unknown member id")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,13 +540,23 @@ class BadInputTest(CoordinatorTest):
 
     def test_heartbeat_unknown_member(self):
         c = self.start_coordinator()
-        real = c.register("known").member_id
+        known = c.register("known")
+        real = known.member_id
         unknown = "0123456789abcdef0123456789abcdef"
         self.assertNotEqual(unknown, real)
         self.assertRpcError(grpc.StatusCode.NOT_FOUND, c.call, "Heartbeat", member_id=unknown,
                             contains=("unknown member id", unknown))
         self.assertAlive(c)
-        self.assertEqual(c.call("Heartbeat", member_id=real).member_id, real)
+        self.assertEqual(c.call("Heartbeat", member_id=real, lease_key=known.lease_key).member_id,
+                         real)
+        # The id alone is no credential: Status and Watch publish it.
+        self.assertRpcError(grpc.StatusCode.PERMISSION_DENIED, c.call, "Heartbeat",
+                            member_id=real, contains="no lease key")
+        self.assertRpcError(grpc.StatusCode.PERMISSION_DENIED, c.call, "Leave", member_id=real,
+                            lease_key="0" * 32, contains="wrong lease key")
+        status = c.call("Status")
+        self.assertEqual([m.member_id for m in status.members], [real])
+        self.assertNotIn(known.lease_key.encode(), status.SerializeToString())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,7 +595,7 @@ class WatchTest(CoordinatorTest):
             while not stop.is_set():
                 try:
                     c.call("Heartbeat", channel=beat_channel, member_id=keeper.member_id,
-                           timeout=2)
+                           lease_key=keeper.lease_key, timeout=2)
                     now = time.monotonic()
                     beats["max_gap"] = max(beats["max_gap"], now - beats["last_ok"])
                     beats["last_ok"] = now
@@ -613,7 +624,8 @@ class WatchTest(CoordinatorTest):
         if beats["max_gap"] < 0.2:  # well inside the 300 ms lease
             self.assertIn("keeper", names, "a member that kept heartbeating was evicted")
         self.assertRpcError(grpc.StatusCode.NOT_FOUND, c.call, "Heartbeat",
-                            member_id=doomed.member_id, contains="unknown member id")
+                            member_id=doomed.member_id, lease_key=doomed.lease_key,
+                            contains="unknown member id")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,24 +54,35 @@ static void sleep_ms(int ms)
     nanosleep(&ts, NULL);
 }
 
-static pshard_status_t do_register(ps_rpc_channel_t *ch, Pshard__Role role, const char *name,
-                                   Pshard__MemberView **view)
+static pshard_status_t do_register_key(ps_rpc_channel_t *ch, Pshard__Role role,
+                                       const char *name, const char *key,
+                                       Pshard__MemberView **view, char *err, size_t errlen)
 {
     Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
     req.role = role;
     req.name = (char *)name;
     req.address = "127.0.0.1:1";
-    char err[256] = "";
+    req.lease_key = (char *)(key ? key : "");
     return ps_rpc_unary(ch, "/pshard.Coordinator/Register", &req.base,
                         &pshard__member_view__descriptor, (ProtobufCMessage **)view, 5000, 0,
-                        NULL, err, sizeof(err));
+                        NULL, err, errlen);
 }
 
-static pshard_status_t do_heartbeat(ps_rpc_channel_t *ch, const char *id, char *err,
-                                    size_t errlen)
+static pshard_status_t do_register(ps_rpc_channel_t *ch, Pshard__Role role, const char *name,
+                                   Pshard__MemberView **view)
+{
+    char err[256] = "";
+    return do_register_key(ch, role, name, NULL, view, err, sizeof(err));
+}
+
+/* Heartbeats as the member `v` describes (its id and lease key); key overrides the key when
+ * not NULL. */
+static pshard_status_t do_heartbeat_key(ps_rpc_channel_t *ch, const Pshard__MemberView *v,
+                                        const char *key, char *err, size_t errlen)
 {
     Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
-    req.member_id = (char *)id;
+    req.member_id = v->member_id;
+    req.lease_key = (char *)(key ? key : v->lease_key);
     ProtobufCMessage *resp = NULL;
     pshard_status_t rc = ps_rpc_unary(ch, "/pshard.Coordinator/Heartbeat", &req.base,
                                       &pshard__member_view__descriptor, &resp, 5000, 0, NULL, err,
@@ -79,6 +90,12 @@ static pshard_status_t do_heartbeat(ps_rpc_channel_t *ch, const char *id, char *
     if (resp)
         protobuf_c_message_free_unpacked(resp, NULL);
     return rc;
+}
+
+static pshard_status_t do_heartbeat(ps_rpc_channel_t *ch, const Pshard__MemberView *v, char *err,
+                                    size_t errlen)
+{
+    return do_heartbeat_key(ch, v, NULL, err, errlen);
 }
 
 static const Pshard__Member *find_member(const Pshard__StatusResponse *st, const char *name)
@@ -106,7 +123,7 @@ static void test_lease_expiry(void)
     bool evicted = false;
     uint64_t gen_after = 0;
     for (int i = 0; i < 50 && !evicted; i++) {
-        CU_ASSERT(do_heartbeat(f.ch, a->member_id, err, sizeof(err)) == PSHARD_OK);
+        CU_ASSERT(do_heartbeat(f.ch, a, err, sizeof(err)) == PSHARD_OK);
         Pshard__StatusResponse *st = ps_coord_status(f.ch);
         CU_ASSERT_FATAL(st != NULL);
         evicted = find_member(st, "silent") == NULL;
@@ -118,7 +135,7 @@ static void test_lease_expiry(void)
     CU_ASSERT(evicted);
     CU_ASSERT(gen_after > gen_before);
     err[0] = '\0';
-    CU_ASSERT(do_heartbeat(f.ch, b->member_id, err, sizeof(err)) == PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT(do_heartbeat(f.ch, b, err, sizeof(err)) == PSHARD_ERR_NOT_FOUND);
     CU_ASSERT(strstr(err, "register again") != NULL);
     protobuf_c_message_free_unpacked(&a->base, NULL);
     protobuf_c_message_free_unpacked(&b->base, NULL);
@@ -322,15 +339,36 @@ static void test_reregister_keeps_rank(void)
     CU_ASSERT_EQUAL(member_rank(st, "pshard-server-2"), 1);
     CU_ASSERT_EQUAL(member_rank(st, "pshard-server-10"), 2);
     protobuf_c_message_free_unpacked(&st->base, NULL);
+    /* Its id is public (Status shows it) but is no credential: a heartbeat without the key,
+     * or with another member's, is refused, and a Register under its live name by anyone
+     * without its key is refused too, leaving rank 1 where it is. */
+    char err[256] = "";
+    CU_ASSERT_EQUAL(do_heartbeat_key(f.ch, v[1], "", err, sizeof(err)), PSHARD_ERR_PERMISSION);
+    CU_ASSERT(strstr(err, "no lease key") != NULL);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(do_heartbeat_key(f.ch, v[1], v[0]->lease_key, err, sizeof(err)),
+                    PSHARD_ERR_PERMISSION);
     Pshard__MemberView *again = NULL;
-    CU_ASSERT_FATAL(do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "pshard-server-2", &again) ==
-                    PSHARD_OK);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(do_register_key(f.ch, PSHARD__ROLE__SHARD_SERVER, "pshard-server-2", NULL,
+                                    &again, err, sizeof(err)),
+                    PSHARD_ERR_ALREADY_EXISTS);
+    CU_ASSERT(strstr(err, "held by a live member") != NULL);
+    st = ps_coord_status(f.ch);
+    CU_ASSERT_FATAL(st != NULL);
+    CU_ASSERT_EQUAL(st->state, PSHARD__CLUSTER_STATE__FORMED);
+    const Pshard__Member *m = find_member(st, "pshard-server-2");
+    CU_ASSERT(m && strcmp(m->member_id, v[1]->member_id) == 0);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    /* The member itself (with its key) re-registers: a new incarnation, same rank. */
+    err[0] = '\0';
+    CU_ASSERT_FATAL(do_register_key(f.ch, PSHARD__ROLE__SHARD_SERVER, "pshard-server-2",
+                                    v[1]->lease_key, &again, err, sizeof(err)) == PSHARD_OK);
     CU_ASSERT_EQUAL(again->rank, 1);
     CU_ASSERT(strcmp(again->member_id, v[1]->member_id) != 0);
     CU_ASSERT(again->generation > v[2]->generation);
-    char err[256] = "";
-    CU_ASSERT_EQUAL(do_heartbeat(f.ch, v[1]->member_id, err, sizeof(err)), PSHARD_ERR_NOT_FOUND);
-    CU_ASSERT_EQUAL(do_heartbeat(f.ch, again->member_id, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(do_heartbeat(f.ch, v[1], err, sizeof(err)), PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_EQUAL(do_heartbeat(f.ch, again, err, sizeof(err)), PSHARD_OK);
     protobuf_c_message_free_unpacked(&again->base, NULL);
     for (int i = 0; i < 3; i++)
         protobuf_c_message_free_unpacked(&v[i]->base, NULL);

@@ -146,6 +146,7 @@ static bool report_join(ps_rpc_channel_t *ch, const char *id, int rank, int phas
 {
     Pshard__JoinReport req = PSHARD__JOIN_REPORT__INIT;
     req.member_id = (char *)id;
+    req.lease_key = (char *)ps_coord_lease_key(id);
     req.rank = rank;
     req.phase = (Pshard__JoinPhase)phase;
     req.step = step;

@@ -51,6 +51,7 @@ static pshard_status_t report_join(ps_rpc_channel_t *ch, const char *member_id, 
 {
     Pshard__JoinReport req = PSHARD__JOIN_REPORT__INIT;
     req.member_id = (char *)member_id;
+    req.lease_key = (char *)ps_coord_lease_key(member_id);
     req.rank = rank;
     req.phase = (Pshard__JoinPhase)phase;
     req.step = step;
@@ -340,6 +341,7 @@ static void test_join_reset_on_reform(void)
 
     Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
     lv.member_id = f.id[0];
+    lv.lease_key = (char *)ps_coord_lease_key(f.id[0]);
     ProtobufCMessage *resp = NULL;
     char err[256] = "";
     CU_ASSERT_FATAL(ps_rpc_unary(f.ch, "/pshard.Coordinator/Leave", &lv.base,

@@ -1,8 +1,28 @@
 #include "ps_coord_client.h"
 
+#include <pthread.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "pshard/util.h"
+
+enum { KEPT = 256 };
+static struct {
+    char id[64], key[64];
+} kept[KEPT];
+static size_t nkept;
+static pthread_mutex_t kept_mu = PTHREAD_MUTEX_INITIALIZER;
+
+const char *ps_coord_lease_key(const char *member_id)
+{
+    const char *key = "";
+    pthread_mutex_lock(&kept_mu);
+    for (size_t i = 0; member_id && i < nkept && i < KEPT; i++)
+        if (strcmp(kept[i].id, member_id) == 0)
+            key = kept[i].key;
+    pthread_mutex_unlock(&kept_mu);
+    return key;
+}
 
 bool ps_coord_register(ps_rpc_channel_t *ch, Pshard__Role role, const char *name,
                        const char *address, char *id, size_t idlen)
@@ -19,7 +39,13 @@ bool ps_coord_register(ps_rpc_channel_t *ch, Pshard__Role role, const char *name
         fprintf(stderr, "register %s: %s\n", name, err);
         return false;
     }
-    ps_strlcpy(id, ((Pshard__MemberView *)resp)->member_id, idlen);
+    const Pshard__MemberView *v = (const Pshard__MemberView *)resp;
+    ps_strlcpy(id, v->member_id, idlen);
+    pthread_mutex_lock(&kept_mu);
+    size_t at = nkept++ % KEPT;
+    ps_strlcpy(kept[at].id, v->member_id, sizeof(kept[at].id));
+    ps_strlcpy(kept[at].key, v->lease_key ? v->lease_key : "", sizeof(kept[at].key));
+    pthread_mutex_unlock(&kept_mu);
     protobuf_c_message_free_unpacked(resp, NULL);
     return true;
 }

@@ -46,25 +46,53 @@ static coord_state_t *make_state(int min_nodes, int max_nodes, int64_t last_call
     return st;
 }
 
-/* Registers a member that must succeed; returns its view. */
-static coord_member_view_t reg(coord_state_t *st, coord_role_t role, const char *name,
-                               int64_t now_ns)
+/* Every lease key reg_as was given, by member id, so the join-report helpers can send the
+ * reporting member's key (the tests name members by id there). */
+enum { MAX_KEYED = 256 };
+static struct {
+    char id[COORD_ID_LEN + 1], key[COORD_KEY_LEN + 1];
+} keyed[MAX_KEYED];
+static size_t nkeyed;
+
+static const char *key_of(const char *member_id)
+{
+    for (size_t i = 0; member_id && i < nkeyed && i < MAX_KEYED; i++)
+        if (strcmp(keyed[i].id, member_id) == 0)
+            return keyed[i].key;
+    return NULL;
+}
+
+/* Registers a member that must succeed, with a lease key (NULL: none); returns its view. */
+static coord_member_view_t reg_as(coord_state_t *st, coord_role_t role, const char *name,
+                                  const char *key, int64_t now_ns)
 {
     coord_member_view_t v;
     char err[256] = "";
     pshard_status_t rc = coord_state_register(st, role, name, "10.0.0.1:7000", "node-a", "cuda:0",
-                                              now_ns, &v, err, sizeof(err));
+                                              key, now_ns, &v, err, sizeof(err));
     CU_ASSERT_EQUAL(rc, PSHARD_OK);
+    if (rc == PSHARD_OK) {
+        size_t at = nkeyed++ % MAX_KEYED; /* a ring: the newest registrations */
+        memcpy(keyed[at].id, v.member_id, sizeof(keyed[at].id));
+        memcpy(keyed[at].key, v.lease_key, sizeof(keyed[at].key));
+    }
     if (rc != PSHARD_OK)
         fprintf(stderr, "register %s: %s\n", name, err);
     return v;
 }
 
-static int rank_of(coord_state_t *st, const char *id, int64_t now_ns)
+static coord_member_view_t reg(coord_state_t *st, coord_role_t role, const char *name,
+                               int64_t now_ns)
+{
+    return reg_as(st, role, name, NULL, now_ns);
+}
+
+static int rank_of(coord_state_t *st, const coord_member_view_t *m, int64_t now_ns)
 {
     coord_member_view_t v;
     char err[256] = "";
-    pshard_status_t rc = coord_state_heartbeat(st, id, now_ns, &v, err, sizeof(err));
+    pshard_status_t rc =
+        coord_state_heartbeat(st, m->member_id, m->lease_key, now_ns, &v, err, sizeof(err));
     CU_ASSERT_EQUAL(rc, PSHARD_OK);
     return rc == PSHARD_OK ? v.rank : -2;
 }
@@ -132,7 +160,7 @@ static void test_register_heartbeat_lease_expiry(void)
     /* A heartbeat renews the lease and never bumps the generation. */
     coord_member_view_t hb;
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, MS(3000), &hb, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, v.lease_key, MS(3000), &hb, err, sizeof(err)),
                     PSHARD_OK);
     CU_ASSERT_EQUAL(hb.generation, 2);
     CU_ASSERT_STRING_EQUAL(hb.member_id, v.member_id);
@@ -154,7 +182,7 @@ static void test_register_heartbeat_lease_expiry(void)
     coord_snapshot_free(snap);
 
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, MS(8002), &hb, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, v.lease_key, MS(8002), &hb, err, sizeof(err)),
                     PSHARD_ERR_NOT_FOUND);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, v.member_id));
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "register again"));
@@ -172,8 +200,8 @@ static void test_ids_unique_and_never_reused(void)
         snprintf(name, sizeof(name), "m%d", i);
         coord_member_view_t v = reg(st, SRV, name, MS(i));
         memcpy(ids[i], v.member_id, sizeof(ids[i]));
-        /* Re-registering the same name replaces it with a fresh id. */
-        v = reg(st, SRV, name, MS(i));
+        /* Re-registering the same name (with its key) replaces it with a fresh id. */
+        v = reg_as(st, SRV, name, v.lease_key, MS(i));
         memcpy(ids[N + i], v.member_id, sizeof(ids[i]));
     }
     for (int i = 0; i < 2 * N; i++) {
@@ -220,7 +248,7 @@ static void test_fixed_size_natural_order(void)
             int want = strcmp(arrival[round][i], "s1") == 0   ? 0
                        : strcmp(arrival[round][i], "s2") == 0 ? 1
                                                               : 2;
-            CU_ASSERT_EQUAL(rank_of(st, v[i].member_id, MS(3)), want);
+            CU_ASSERT_EQUAL(rank_of(st, &v[i], MS(3)), want);
         }
         CU_ASSERT_EQUAL(v[2].rank, round == 0 ? 0 : 2);
         static const char *const names[] = {"s1", "s2", "s10"};
@@ -309,7 +337,7 @@ static void test_last_call_cancelled_below_min(void)
     coord_member_view_t b = reg(st, SRV, "b", MS(0));
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(1000));
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_leave(st, b.member_id, MS(500), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, b.member_id, b.lease_key, MS(500), err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_TRUE(last_reason_is("member b left"));
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5000) + 1);
     coord_snapshot_t *snap = coord_state_snapshot(st, MS(600));
@@ -334,12 +362,12 @@ static void test_last_call_eviction_below_min_cancels(void)
     reg(st, SRV, "b", MS(0));
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5000) + 1);
     char err[64] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, MS(4000), NULL, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, a.lease_key, MS(4000), NULL, err, sizeof(err)),
                     PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_tick(st, MS(5000) + 1), 1); /* b lapses */
     CU_ASSERT_TRUE(last_reason_is("member b lease expired"));
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(9000) + 1); /* timer gone */
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, MS(8000), NULL, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, a.lease_key, MS(8000), NULL, err, sizeof(err)),
                     PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_tick(st, MS(10000)), 0);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
@@ -379,8 +407,9 @@ static void test_reregister_live_keeps_rank(void)
     coord_member_view_t v[3];
     coord_state_t *st = formed_three(v);
     uint64_t gen = coord_state_generation(st);
-    coord_member_view_t again = reg(st, SRV, "s2", MS(100));
+    coord_member_view_t again = reg_as(st, SRV, "s2", v[1].lease_key, MS(100));
     CU_ASSERT_STRING_NOT_EQUAL(again.member_id, v[1].member_id);
+    CU_ASSERT_STRING_NOT_EQUAL(again.lease_key, v[1].lease_key);
     CU_ASSERT_EQUAL(again.rank, 1);
     CU_ASSERT_EQUAL(again.state, COORD_CLUSTER_FORMED);
     CU_ASSERT_EQUAL(coord_state_generation(st), gen + 1);
@@ -388,9 +417,9 @@ static void test_reregister_live_keeps_rank(void)
 
     coord_member_view_t hb;
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, MS(200), &hb, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, v[1].lease_key, MS(200), &hb, err, sizeof(err)),
                     PSHARD_ERR_NOT_FOUND);
-    CU_ASSERT_EQUAL(rank_of(st, again.member_id, MS(200)), 1);
+    CU_ASSERT_EQUAL(rank_of(st, &again, MS(200)), 1);
     static const char *const names[] = {"s1", "s2", "s10"};
     static const int ranks[] = {0, 1, 2};
     expect_snapshot(st, MS(200), names, ranks, 3);
@@ -409,8 +438,8 @@ static void test_evicted_rank_returns_and_reforms(void)
     CU_ASSERT(tr.generation > gen);
     gen = coord_state_generation(st);
     /* s1 and s10 keep heartbeating; s2 goes silent. */
-    CU_ASSERT_EQUAL(rank_of(st, v[0].member_id, MS(4000)), 0);
-    CU_ASSERT_EQUAL(rank_of(st, v[2].member_id, MS(4000)), 2);
+    CU_ASSERT_EQUAL(rank_of(st, &v[0], MS(4000)), 0);
+    CU_ASSERT_EQUAL(rank_of(st, &v[2], MS(4000)), 2);
     CU_ASSERT_EQUAL(coord_state_tick(st, MS(5000) + 1), 2);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
     CU_ASSERT_EQUAL(coord_state_generation(st), gen + 2);
@@ -435,7 +464,7 @@ static void test_evicted_rank_returns_and_reforms(void)
     CU_ASSERT_EQUAL(coord_state_generation(st), gen + 4);
     coord_member_view_t again;
     char err[64] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, back.member_id, MS(6001), &again, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, back.member_id, back.lease_key, MS(6001), &again, err, sizeof(err)),
                     PSHARD_OK);
     CU_ASSERT_EQUAL(again.formed_generation, gen + 4);
     coord_state_destroy(st);
@@ -446,10 +475,10 @@ static void test_degraded_new_name_takes_lowest_vacant(void)
     coord_member_view_t v[3];
     coord_state_t *st = formed_three(v);
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[2].member_id, MS(10), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[2].member_id, v[2].lease_key, MS(10), err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
     CU_ASSERT_STRING_EQUAL(changes.reason[changes.n - 2], "member s10 left");
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, MS(20), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, v[1].lease_key, MS(20), err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_TRUE(last_reason_is("member s2 left")); /* already degraded: one bump */
     coord_snapshot_t *snap = coord_state_snapshot(st, MS(20));
     CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 1 (was s2), rank 2 (was s10)");
@@ -474,7 +503,7 @@ static void test_degraded_new_name_takes_lowest_vacant(void)
     static const int ranks[] = {0, 1, 2, -1};
     expect_snapshot(st, MS(50), names, ranks, 4);
 
-    CU_ASSERT_EQUAL(coord_state_leave(st, x.member_id, MS(60), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, x.member_id, x.lease_key, MS(60), err, sizeof(err)), PSHARD_OK);
     snap = coord_state_snapshot(st, MS(60));
     CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 1 (was x)");
     coord_snapshot_free(snap);
@@ -489,8 +518,8 @@ static void test_degraded_returning_names_get_their_own_ranks(void)
     coord_member_view_t v[3];
     coord_state_t *st = formed_three(v);
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, MS(10), err, sizeof(err)), PSHARD_OK);
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[2].member_id, MS(10), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, v[0].lease_key, MS(10), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[2].member_id, v[2].lease_key, MS(10), err, sizeof(err)), PSHARD_OK);
     coord_snapshot_t *snap = coord_state_snapshot(st, MS(10));
     CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 0 (was s1), rank 2 (was s10)");
     coord_snapshot_free(snap);
@@ -513,23 +542,101 @@ static void test_leave(void)
     CU_ASSERT_EQUAL(t.rank, -1);
     uint64_t gen = coord_state_generation(st);
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_leave(st, t.member_id, MS(1), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, t.member_id, t.lease_key, MS(1), err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_generation(st), gen + 1);
     CU_ASSERT_TRUE(last_reason_is("member t0 left"));
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
 
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, MS(2), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, v[0].lease_key, MS(2), err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
     CU_ASSERT_EQUAL(coord_state_generation(st), gen + 3);
 
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, MS(3), err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, v[0].lease_key, MS(3), err, sizeof(err)),
                     PSHARD_ERR_NOT_FOUND);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "unknown member id"));
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_leave(st, "xyz", MS(3), err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_leave(st, "xyz", NULL, MS(3), err, sizeof(err)),
                     PSHARD_ERR_INVALID_ARGUMENT);
     CU_ASSERT_EQUAL(coord_state_generation(st), gen + 3);
+    coord_state_destroy(st);
+}
+
+/* The member id is public (Status and Watch show it); the lease key is the credential. A
+ * stranger who knows a live member's id or name can neither renew, end nor report for its
+ * lease, nor take its name (and rank) until that lease has lapsed. */
+static void test_lease_key_is_the_credential(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    CU_ASSERT_EQUAL(strlen(v[1].lease_key), COORD_KEY_LEN);
+    CU_ASSERT_STRING_NOT_EQUAL(v[1].lease_key, v[1].member_id);
+    CU_ASSERT_STRING_NOT_EQUAL(v[1].lease_key, v[2].lease_key);
+    uint64_t gen = coord_state_generation(st);
+    char err[512] = "";
+    coord_member_view_t out;
+
+    /* Heartbeat and Leave with the id alone, or with another member's key: refused. */
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, NULL, MS(100), &out, err,
+                                          sizeof(err)),
+                    PSHARD_ERR_PERMISSION);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "no lease key"));
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, v[2].lease_key, MS(100), &out, err,
+                                          sizeof(err)),
+                    PSHARD_ERR_PERMISSION);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "wrong lease key"));
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, "short", MS(100), &out, err,
+                                          sizeof(err)),
+                    PSHARD_ERR_PERMISSION);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, "", MS(100), err, sizeof(err)),
+                    PSHARD_ERR_PERMISSION);
+    coord_join_report_t r = {.member_id = v[1].member_id, .lease_key = v[0].lease_key,
+                             .rank = 1, .phase = COORD_JOIN_PHASE_JOINED, .step = 1};
+    coord_join_change_t change;
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_report_join(st, &r, MS(100), &change, err, sizeof(err)),
+                    PSHARD_ERR_PERMISSION);
+    CU_ASSERT_EQUAL(change, COORD_JOIN_UNCHANGED);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen);
+
+    /* A refused heartbeat renewed nothing: s2 (which stops heartbeating) lapses on time. */
+    CU_ASSERT_EQUAL(rank_of(st, &v[0], MS(4000)), 0);
+    CU_ASSERT_EQUAL(rank_of(st, &v[2], MS(4000)), 2);
+
+    /* Its name is not for the taking while the lease runs, with no key or a wrong one. */
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_register(st, SRV, "s2", "10.9.9.9:1", "", "", NULL, MS(4500),
+                                         &out, err, sizeof(err)),
+                    PSHARD_ERR_ALREADY_EXISTS);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "lapses in 500 ms"));
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_register(st, SRV, "s2", "10.9.9.9:1", "", "", v[0].lease_key,
+                                         MS(4500), &out, err, sizeof(err)),
+                    PSHARD_ERR_ALREADY_EXISTS);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen);
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(4500));
+    CU_ASSERT_EQUAL(snap->nmembers, 3);
+    for (size_t i = 0; i < snap->nmembers; i++) {
+        CU_ASSERT_STRING_EQUAL(snap->members[i].lease_key, ""); /* never shown */
+        if (strcmp(snap->members[i].name, "s2") == 0)
+            CU_ASSERT_STRING_EQUAL(snap->members[i].address, "10.0.0.1:7000");
+    }
+    coord_snapshot_free(snap);
+
+    /* Once the lease has lapsed (even before a tick evicted it), a restart takes it over. */
+    coord_member_view_t back = reg(st, SRV, "s2", MS(5001));
+    CU_ASSERT_EQUAL(back.rank, 1);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, v[1].lease_key, MS(5002), &out,
+                                          err, sizeof(err)),
+                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_EQUAL(rank_of(st, &back, MS(5002)), 1);
     coord_state_destroy(st);
 }
 
@@ -544,7 +651,7 @@ static void test_trainers_and_names_per_role(void)
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
     reg(st, SRV, "s1", MS(0));
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
-    CU_ASSERT_EQUAL(rank_of(st, tb.member_id, MS(1)), -1);
+    CU_ASSERT_EQUAL(rank_of(st, &tb, MS(1)), -1);
     static const char *const names[] = {"s1", "t10", "t2", "t10"};
     static const int ranks[] = {0, 1, -1, -1};
     expect_snapshot(st, MS(1), names, ranks, 4);
@@ -556,12 +663,12 @@ static void test_trainers_and_names_per_role(void)
     CU_ASSERT_EQUAL(snap->shard_servers, 2);
     coord_snapshot_free(snap);
 
-    /* Re-registering trainer t10 replaces only the trainer. */
-    coord_member_view_t tb2 = reg(st, TRN, "t10", MS(2));
+    /* Re-registering trainer t10 (with its key) replaces only the trainer. */
+    coord_member_view_t tb2 = reg_as(st, TRN, "t10", tb.lease_key, MS(2));
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, tb.member_id, MS(3), NULL, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, tb.member_id, tb.lease_key, MS(3), NULL, err, sizeof(err)),
                     PSHARD_ERR_NOT_FOUND);
-    CU_ASSERT_EQUAL(rank_of(st, tb2.member_id, MS(3)), -1);
+    CU_ASSERT_EQUAL(rank_of(st, &tb2, MS(3)), -1);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
     snap = coord_state_snapshot(st, MS(3));
     CU_ASSERT_EQUAL(snap->nmembers, 4);
@@ -576,7 +683,7 @@ static void expect_register_error(coord_state_t *st, coord_role_t role, const ch
     char err[512] = "";
     coord_member_view_t v;
     pshard_status_t rc =
-        coord_state_register(st, role, name, address, "node", "dev", MS(0), &v, err, sizeof(err));
+        coord_state_register(st, role, name, address, "node", "dev", NULL, MS(0), &v, err, sizeof(err));
     CU_ASSERT_EQUAL(rc, PSHARD_ERR_INVALID_ARGUMENT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, want));
     if (!strstr(err, want))
@@ -614,9 +721,9 @@ static void test_validation(void)
     coord_member_view_t v;
     char err[256] = "";
     CU_ASSERT_EQUAL(
-        coord_state_register(st, SRV, long_name, long_addr, NULL, "", MS(0), &v, err, sizeof(err)),
+        coord_state_register(st, SRV, long_name, long_addr, NULL, "", NULL, MS(0), &v, err, sizeof(err)),
         PSHARD_OK);
-    CU_ASSERT_EQUAL(coord_state_register(st, TRN, "t", "host with spaces:1", "", NULL, MS(0), &v,
+    CU_ASSERT_EQUAL(coord_state_register(st, TRN, "t", "host with spaces:1", "", NULL, NULL, MS(0), &v,
                                          err, sizeof(err)),
                     PSHARD_OK);
 
@@ -630,15 +737,15 @@ static void test_validation(void)
     };
     for (size_t i = 0; i < sizeof(bad_ids) / sizeof(bad_ids[0]); i++) {
         err[0] = '\0';
-        CU_ASSERT_EQUAL(coord_state_heartbeat(st, bad_ids[i], MS(1), NULL, err, sizeof(err)),
+        CU_ASSERT_EQUAL(coord_state_heartbeat(st, bad_ids[i], NULL, MS(1), NULL, err, sizeof(err)),
                         PSHARD_ERR_INVALID_ARGUMENT);
         CU_ASSERT_PTR_NOT_NULL(strstr(err, "member id"));
     }
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, NULL, MS(1), NULL, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, NULL, NULL, MS(1), NULL, err, sizeof(err)),
                     PSHARD_ERR_INVALID_ARGUMENT);
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, "0123456789abcdef0123456789abcdef", MS(1), NULL, err,
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, "0123456789abcdef0123456789abcdef", NULL, MS(1), NULL, err,
                                           sizeof(err)),
                     PSHARD_ERR_NOT_FOUND);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "unknown member id 0123456789abcdef0123456789abcdef"));
@@ -662,7 +769,7 @@ static void test_next_deadline(void)
     CU_ASSERT_TRUE(last_reason_is("member t lease expired"));
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(6000) + 1);
     char err[64] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, MS(6000), NULL, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, a.lease_key, MS(6000), NULL, err, sizeof(err)),
                     PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(7000) + 1); /* b's lease */
     coord_state_destroy(st);
@@ -674,7 +781,7 @@ static void test_snapshot_content(void)
     coord_member_view_t v;
     char err[256] = "";
     CU_ASSERT_EQUAL(coord_state_register(st, SRV, "srv-b", "10.0.0.2:7000", "node-2", "cuda:1",
-                                         MS(100), &v, err, sizeof(err)),
+                                         NULL, MS(100), &v, err, sizeof(err)),
                     PSHARD_OK);
     reg(st, TRN, "trainer-0", MS(150));
 
@@ -706,7 +813,7 @@ static void test_snapshot_content(void)
     coord_snapshot_free(snap);
     coord_snapshot_free(NULL);
 
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, MS(900), NULL, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, v.lease_key, MS(900), NULL, err, sizeof(err)),
                     PSHARD_OK);
     snap = coord_state_snapshot(st, MS(900));
     CU_ASSERT_EQUAL(snap->members[0].last_heartbeat_ns, MS(900));
@@ -743,17 +850,18 @@ static void test_many_members_index(void)
 {
     enum { N = 3000 };
     coord_state_t *st = make_state(N + 1, N + 1, 0);
-    static char ids[N][COORD_ID_LEN + 1];
+    static char ids[N][COORD_ID_LEN + 1], keys[N][COORD_KEY_LEN + 1];
     for (int i = 0; i < N; i++) {
         char name[16];
         snprintf(name, sizeof(name), "m%d", i);
         coord_member_view_t v = reg(st, i % 2 ? TRN : SRV, name, MS(0));
         memcpy(ids[i], v.member_id, sizeof(ids[i]));
+        memcpy(keys[i], v.lease_key, sizeof(keys[i]));
     }
     char err[256];
     for (int i = 0; i < N; i += 3) {
         err[0] = '\0';
-        CU_ASSERT_EQUAL(coord_state_leave(st, ids[i], MS(1), err, sizeof(err)), PSHARD_OK);
+        CU_ASSERT_EQUAL(coord_state_leave(st, ids[i], keys[i], MS(1), err, sizeof(err)), PSHARD_OK);
     }
     /* Members 1, 4, 7, ... heartbeat; the rest lapse at once. */
     int ok = 0, missing = 0;
@@ -763,7 +871,7 @@ static void test_many_members_index(void)
                 continue;
             err[0] = '\0';
             pshard_status_t rc =
-                coord_state_heartbeat(st, ids[i], MS(1000), NULL, err, sizeof(err));
+                coord_state_heartbeat(st, ids[i], keys[i], MS(1000), NULL, err, sizeof(err));
             if (i % 3 == 0)
                 missing += rc == PSHARD_ERR_NOT_FOUND;
             else
@@ -778,7 +886,7 @@ static void test_many_members_index(void)
     coord_snapshot_free(snap);
     for (int i = 0; i < N; i++) {
         err[0] = '\0';
-        pshard_status_t rc = coord_state_heartbeat(st, ids[i], MS(5002), NULL, err, sizeof(err));
+        pshard_status_t rc = coord_state_heartbeat(st, ids[i], keys[i], MS(5002), NULL, err, sizeof(err));
         CU_ASSERT_EQUAL(rc, i % 3 == 1 ? PSHARD_OK : PSHARD_ERR_NOT_FOUND);
     }
     coord_state_destroy(st);
@@ -792,6 +900,7 @@ static pshard_status_t report(coord_state_t *st, const char *member_id, int rank
                               coord_join_change_t *change, char *err, size_t errlen)
 {
     coord_join_report_t r = {.member_id = member_id,
+                             .lease_key = key_of(member_id),
                              .rank = rank,
                              .phase = phase,
                              .step = step,
@@ -965,7 +1074,7 @@ static void test_join_cleared_on_reform(void)
     uint64_t formed_gen = snap->formed_generation;
     coord_snapshot_free(snap);
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, MS(5), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, v[1].lease_key, MS(5), err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
     expect_joins(st, ranks, steps, 2, 0);
     /* The old incarnation cannot report any more. */
@@ -1049,6 +1158,7 @@ int main(void)
         {"last call cancelled below min (eviction)", test_last_call_eviction_below_min_cancels},
         {"standby beyond max", test_standby_beyond_max},
         {"re-register live member keeps rank", test_reregister_live_keeps_rank},
+        {"lease key is the credential, not the member id", test_lease_key_is_the_credential},
         {"evicted rank returns and cluster re-forms", test_evicted_rank_returns_and_reforms},
         {"degraded: new name takes lowest vacant rank", test_degraded_new_name_takes_lowest_vacant},
         {"degraded: returning names get their own ranks",
