@@ -106,6 +106,7 @@ struct pshard_client {
      * thread, so a trainer that dies or hangs is evicted and its peers stop waiting. */
     ps_rpc_channel_t *coord;
     char coord_addr[256];
+    char job[72]; /* the job on the coordinator, from Attach ("" for the default job) */
     char member_id[64];
     char lease_key[64]; /* the secret Register returned, for Heartbeat and Leave */
     int64_t heartbeat_ms;
@@ -501,7 +502,8 @@ static void lease_start(pshard_client_t *c, const char *reported)
     ps_strlcpy(c->coord_addr, addr, sizeof(c->coord_addr));
     const char *ca = getenv("PSHARD_COORDINATOR_CA");
     ps_rpc_channel_config_t cc = {.target = c->coord_addr, .token = c->token,
-                                  .tls_ca_file = ca && *ca ? ca : NULL};
+                                  .tls_ca_file = ca && *ca ? ca : NULL,
+                                  .job = c->job[0] ? c->job : NULL};
     char err[512] = "";
     c->coord = ps_rpc_channel_create(&cc, err, sizeof(err));
     pshard_status_t rc = c->coord ? lease_register(c, err, sizeof(err)) : PSHARD_ERR_UNAVAILABLE;
@@ -592,6 +594,7 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
             c->world = a->world_size;
             ps_strlcpy(c->coord_addr, a->coordinator ? a->coordinator : "",
                        sizeof(c->coord_addr));
+            ps_strlcpy(c->job, a->job ? a->job : "", sizeof(c->job));
             protobuf_c_message_free_unpacked(resp, NULL);
             break;
         }

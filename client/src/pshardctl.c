@@ -42,6 +42,7 @@ typedef struct {
     char *tls_cert;
     char *tls_key;
     char *tls_server_name;
+    char *job;
     int64_t timeout_ms;
     int64_t server_timeout_ms;
     bool json;
@@ -65,6 +66,10 @@ static const ps_option_t global_options[] = {
     GOPT("tls-server-name", "PSHARD_TLS_SERVER_NAME", PS_OPT_STRING, NULL,
          "name the server certificate must carry, if not the address's host", tls_server_name, 0,
          0),
+    GOPT("job", "PSHARD_JOB", PS_OPT_STRING, NULL,
+         "the job to look at or act in (torchrun's --rdzv-id; default: the coordinator's "
+         "job \"default\")",
+         job, 0, 0),
     GOPT("timeout-ms", "PSHARD_TIMEOUT_MS", PS_OPT_INT, "5000", "deadline of each call",
          timeout_ms, 1, 86400000),
     GOPT("server-timeout-ms", "PSHARD_SERVER_TIMEOUT_MS", PS_OPT_INT, "2000",
@@ -81,6 +86,7 @@ static const char usage_text[] =
     "  health [SERVICE]            health of the coordinator or of SERVICE (e.g. pshard.Cluster)\n"
     "  store get KEY               print a store value\n"
     "  store set KEY VALUE         set a store value\n"
+    "  store delete KEY            delete a store value (torch's delete_key)\n"
     "  store add KEY DELTA         add to an integer value and print the result\n"
     "  store wait KEY...           wait until every KEY exists (--timeout-ms bounds it)\n"
     "  watch [--count N]           print cluster changes as they happen\n"
@@ -481,6 +487,19 @@ static int cmd_status(bool members_only)
         } else {
             printf("{\"version\":");
             json_cstr(stdout, st->version);
+            fputs(",\"job\":", stdout);
+            json_cstr(stdout, st->job);
+            fputs(",\"jobs\":[", stdout);
+            for (size_t i = 0; i < st->n_jobs; i++) {
+                const Pshard__JobSummary *j = st->jobs[i];
+                fputs(i ? ",{\"job\":" : "{\"job\":", stdout);
+                json_cstr(stdout, j->job);
+                printf(",\"state\":\"%s\",\"generation\":%" PRIu64 ",\"world_size\":%d,"
+                       "\"members\":%u,\"store_keys\":%" PRIu64 ",\"idle_ms\":%" PRId64 "}",
+                       state_name(j->state), j->generation, j->world_size, j->members,
+                       j->store_keys, j->idle_ms);
+            }
+            fputc(']', stdout);
             printf(",\"generation\":%" PRIu64 ",\"formed_generation\":%" PRIu64
                    ",\"state\":\"%s\",\"world_size\":%d,"
                    "\"min_nodes\":%d,\"max_nodes\":%d,\"awaiting\":",
@@ -516,6 +535,8 @@ static int cmd_status(bool members_only)
         if (!members_only) {
             printf("coordinator  %s (pshard %s, up %" PRId64 " s)\n", opts.coordinator, st->version,
                    st->uptime_ms / 1000);
+            printf("job          %s%s\n", st->job,
+                   st->n_jobs > 1 ? "" : " (the only one on this coordinator)");
             printf("cluster      %s, generation %" PRIu64 "\n", state_name(st->state),
                    st->generation);
             if (st->min_nodes == st->max_nodes)
@@ -530,6 +551,19 @@ static int cmd_status(bool members_only)
             printf("store        %" PRIu64 " keys, %" PRIu64 " waiting\n", st->store_keys,
                    st->store_waiters);
             print_joins_table(stdout, st);
+            if (st->n_jobs > 1) {
+                printf("jobs         %zu on this coordinator (unused ones end after %" PRId64
+                       " s)\n",
+                       st->n_jobs, st->job_linger_ms / 1000);
+                printf("  %-24s %-9s %10s %6s %7s %6s\n", "JOB", "STATE", "GENERATION", "WORLD",
+                       "MEMBERS", "KEYS");
+                for (size_t i = 0; i < st->n_jobs; i++) {
+                    const Pshard__JobSummary *j = st->jobs[i];
+                    printf("  %-24s %-9s %10" PRIu64 " %6d %7u %6" PRIu64 "%s\n", j->job,
+                           state_name(j->state), j->generation, j->world_size, j->members,
+                           j->store_keys, strcmp(j->job, st->job) == 0 ? "  <- this one" : "");
+                }
+            }
             fputc('\n', stdout);
         }
         print_members_table(stdout, st->members, st->n_members);
@@ -620,6 +654,18 @@ static int cmd_store(int argc, char **argv)
                   PS_RPC_IDEMPOTENT, opts.timeout_ms);
         if (rc != EXIT_OK)
             return rc;
+    } else if (strcmp(sub, "delete") == 0 && argc == 2) {
+        Pshard__StoreDeleteRequest req = PSHARD__STORE_DELETE_REQUEST__INIT;
+        req.key = argv[1];
+        rc = call("StoreDelete", &req.base, &pshard__store_delete_response__descriptor, &msg, 0,
+                  opts.timeout_ms);
+        if (rc != EXIT_OK)
+            return rc;
+        bool deleted = ((Pshard__StoreDeleteResponse *)msg)->deleted;
+        if (opts.json)
+            printf("{\"deleted\":%s}\n", deleted ? "true" : "false");
+        else
+            printf("%s\n", deleted ? "deleted" : "not set");
     } else if (strcmp(sub, "add") == 0 && argc == 3) {
         Pshard__StoreAddRequest req = PSHARD__STORE_ADD_REQUEST__INIT;
         req.key = argv[1];
@@ -1447,6 +1493,7 @@ int main(int argc, char **argv)
         .tls_server_name = opts.tls_server_name,
         .token = cluster_token,
         .max_message_bytes = 64 << 20,
+        .job = opts.job,
     };
     channel = ps_rpc_channel_create(&ccfg, err, sizeof(err));
     if (!channel) {

@@ -10,6 +10,7 @@
  * shard server or the coordinator died unexpectedly or could not be started; 2 for usage
  * errors. Trainers run with stdin from /dev/null. */
 #include <dirent.h>
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -25,6 +26,7 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "pshard/config.h"
@@ -64,6 +66,7 @@ typedef struct {
     char *resume;
     bool resume_allow_fresh;
     int64_t max_restarts;
+    char *rdzv_id;
 } run_opts_t;
 
 /* clang-format off */
@@ -109,6 +112,11 @@ static const ps_option_t options[] = {
         "when every checkpoint under the root is refused (corrupt, a link, another step), "
         "start from the initial values with a warning instead of failing",
         resume_allow_fresh, 0, 0),
+    OPT("rdzv-id", "PSHARD_JOB", PS_OPT_STRING, NULL,
+        "job id on the coordinator (torchrun's --rdzv-id): this job's members, ranks and store "
+        "keys are its own, so jobs sharing a --coordinator never meet (default: a fresh id per "
+        "run with --coordinator, the coordinator's default job without)",
+        rdzv_id, 0, 0),
     OPT("max-restarts", "PSHARD_MAX_RESTARTS", PS_OPT_INT, "0",
         "when a trainer or server fails, stop everything and start it again up to this many "
         "times (torchrun's --max-restarts), resuming from the newest checkpoint under "
@@ -183,6 +191,7 @@ typedef struct {
     int64_t attempt;      /* 0, then 1.. after each restart */
     const char *resume;   /* what the servers get as --resume in this attempt, or NULL */
     char coord_addr[300]; /* HOST:PORT trainers and servers use */
+    char job[72];         /* the job id servers get (--job), or "" for the default job */
     char master_addr[256];
     int master_port;
 } run_t;
@@ -877,6 +886,10 @@ static void run_start_servers(run_t *run, const char *bin)
         argv[a++] = c->port_file;
         argv[a++] = "--name";
         argv[a++] = name;
+        if (run->job[0]) {
+            argv[a++] = "--job";
+            argv[a++] = run->job;
+        }
         argv[a++] = "--backend";
         argv[a++] = run->opts->backend;
         argv[a++] = "--offload";
@@ -937,6 +950,8 @@ static void run_start_trainers(run_t *run, char *const argv[])
             {"PSHARD_COORDINATOR", run->coord_addr},
             {"PSHARD_SERVER", server},
             {"PSHARD_LOG", run->opts->log},
+            {"PSHARD_JOB", run->job},
+            {"TORCHELASTIC_RUN_ID", run->job[0] ? run->job : "none"},
             {"PSHARD_RESTART_COUNT", attempt},
             {"TORCHELASTIC_RESTART_COUNT", attempt},
             {"TORCHELASTIC_MAX_RESTARTS", max_restarts},
@@ -1005,6 +1020,34 @@ static int run_check_opts(run_t *run, const run_opts_t *o)
     if (o->coordinator && o->lease_ms > 0)
         fprintf(stderr, RUN_PROG ": --lease-ms is ignored with --coordinator (the running "
                                  "coordinator's lease applies)\n");
+    if (o->rdzv_id) {
+        size_t len = strlen(o->rdzv_id);
+        bool ok = len >= 1 && len <= 64;
+        for (size_t i = 0; ok && i < len; i++)
+            ok = isalnum((unsigned char)o->rdzv_id[i]) || strchr("._-", o->rdzv_id[i]);
+        if (!ok) {
+            fprintf(stderr, RUN_PROG ": --rdzv-id '%s' must be 1 to 64 of A-Z a-z 0-9 . _ -\n",
+                    o->rdzv_id);
+            return 2;
+        }
+        ps_strlcpy(run->job, o->rdzv_id, sizeof(run->job));
+    } else if (o->coordinator) {
+        /* A coordinator others may use too: a job of our own, never one that ran before. */
+        char host[64] = "host";
+        gethostname(host, sizeof(host) - 1);
+        host[sizeof(host) - 1] = '\0';
+        for (char *h = host; *h; h++)
+            if (!isalnum((unsigned char)*h) && *h != '-')
+                *h = '-';
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ps_snprintf(run->job, sizeof(run->job), "pshardrun-%.24s-%d-%llx", host, (int)getpid(),
+                    (unsigned long long)ts.tv_sec * 1000000ull +
+                        (unsigned long long)ts.tv_nsec / 1000);
+    }
+    if (run->job[0] && !o->rdzv_id)
+        fprintf(stderr, RUN_PROG ": job %s on coordinator %s (pshardctl --job %s status)\n",
+                run->job, o->coordinator, run->job);
     return 0;
 }
 

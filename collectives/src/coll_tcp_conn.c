@@ -398,7 +398,8 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
                                           const char *my_addr, char *next_addr, size_t len,
                                           int64_t deadline, char *err, size_t errlen)
 {
-    ps_rpc_channel_config_t ccfg = {.target = cfg->coordinator, .token = cfg->token};
+    ps_rpc_channel_config_t ccfg = {.target = cfg->coordinator, .token = cfg->token,
+                                    .job = cfg->job};
     ps_rpc_channel_t *ch = ps_rpc_channel_create(&ccfg, err, errlen);
     if (!ch)
         return PSHARD_ERR_INVALID_ARGUMENT;

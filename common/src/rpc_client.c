@@ -31,6 +31,7 @@ typedef struct active_call {
 struct ps_rpc_channel {
     grpc_channel *channel;
     char *auth_value; /* "Bearer TOKEN" or NULL */
+    char *job;        /* sent as "pshard-job" on every call, or NULL */
     char *target;
     pthread_mutex_t mu; /* guards active */
     active_call_t *active;
@@ -217,6 +218,23 @@ char *ps_read_token(const char *path, char *err, size_t errlen)
     return t;
 }
 
+/* The metadata every call on ch sends: the cluster token and the job it belongs to. Values
+ * are copied slices: the caller unrefs them once its batch has started. */
+static size_t call_metadata(const ps_rpc_channel_t *ch, grpc_metadata md[2])
+{
+    size_t n = 0;
+    memset(md, 0, 2 * sizeof(*md));
+    if (ch->auth_value) {
+        md[n].key = grpc_slice_from_static_string("authorization");
+        md[n++].value = grpc_slice_from_copied_string(ch->auth_value);
+    }
+    if (ch->job) {
+        md[n].key = grpc_slice_from_static_string(PS_RPC_JOB_HEADER);
+        md[n++].value = grpc_slice_from_copied_string(ch->job);
+    }
+    return n;
+}
+
 ps_rpc_channel_t *ps_rpc_channel_create(const ps_rpc_channel_config_t *cfg, char *err,
                                         size_t errlen)
 {
@@ -238,6 +256,8 @@ ps_rpc_channel_t *ps_rpc_channel_create(const ps_rpc_channel_config_t *cfg, char
         if (ch->auth_value)
             snprintf(ch->auth_value, n, "Bearer %s", cfg->token);
     }
+    if (cfg->job && *cfg->job)
+        ch->job = strdup(cfg->job);
     grpc_channel_credentials *creds = NULL;
     if (cfg->tls_ca_file || cfg->tls_cert_file) {
         char *ca = NULL, *cert = NULL, *key = NULL;
@@ -304,6 +324,7 @@ void ps_rpc_channel_destroy(ps_rpc_channel_t *ch)
     if (ch->channel)
         grpc_channel_destroy(ch->channel);
     free(ch->auth_value);
+    free(ch->job);
     free(ch->target);
     pthread_mutex_destroy(&ch->mu);
     free(ch);
@@ -383,14 +404,8 @@ static pshard_status_t unary_once(ps_rpc_channel_t *ch, const char *path, grpc_s
     me.next = ch->active;
     ch->active = &me;
     pthread_mutex_unlock(&ch->mu);
-    grpc_metadata md;
-    memset(&md, 0, sizeof(md));
-    size_t nmd = 0;
-    if (ch->auth_value) {
-        md.key = grpc_slice_from_static_string("authorization");
-        md.value = grpc_slice_from_static_string(ch->auth_value);
-        nmd = 1;
-    }
+    grpc_metadata md[2];
+    size_t nmd = call_metadata(ch, md);
     grpc_byte_buffer *send_bb = grpc_raw_byte_buffer_create(&request, 1);
     grpc_byte_buffer *recv_bb = NULL;
     grpc_metadata_array initial_md, trailing_md;
@@ -403,7 +418,7 @@ static pshard_status_t unary_once(ps_rpc_channel_t *ch, const char *path, grpc_s
     memset(ops, 0, sizeof(ops));
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
     ops[0].data.send_initial_metadata.count = nmd;
-    ops[0].data.send_initial_metadata.metadata = nmd ? &md : NULL;
+    ops[0].data.send_initial_metadata.metadata = nmd ? md : NULL;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = send_bb;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -418,7 +433,10 @@ static pshard_status_t unary_once(ps_rpc_channel_t *ch, const char *path, grpc_s
 
     int tag = 0;
     pshard_status_t rc = PSHARD_OK;
-    if (grpc_call_start_batch(call, ops, 6, &tag, NULL) != GRPC_CALL_OK) {
+    grpc_call_error started = grpc_call_start_batch(call, ops, 6, &tag, NULL);
+    for (size_t i = 0; i < nmd; i++)
+        grpc_slice_unref(md[i].value);
+    if (started != GRPC_CALL_OK) {
         rc = ps_errf(err, errlen, PSHARD_ERR_INTERNAL, "cannot start a call to %s", path);
     } else {
         grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
@@ -563,25 +581,19 @@ ps_rpc_stream_t *ps_rpc_stream_open(ps_rpc_channel_t *ch, const char *path,
     st->send_bb = grpc_raw_byte_buffer_create(&s, 1);
     grpc_slice_unref(s);
 
-    grpc_metadata md;
-    memset(&md, 0, sizeof(md));
-    size_t nmd = 0;
-    if (ch->auth_value) {
-        md.key = grpc_slice_from_static_string("authorization");
-        md.value = grpc_slice_from_copied_string(ch->auth_value);
-        nmd = 1;
-    }
+    grpc_metadata md[2];
+    size_t nmd = call_metadata(ch, md);
     grpc_op ops[3];
     memset(ops, 0, sizeof(ops));
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
     ops[0].data.send_initial_metadata.count = nmd;
-    ops[0].data.send_initial_metadata.metadata = nmd ? &md : NULL;
+    ops[0].data.send_initial_metadata.metadata = nmd ? md : NULL;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = st->send_bb;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
     grpc_call_error e1 = grpc_call_start_batch(st->call, ops, 3, &st->tag_send, NULL);
-    if (nmd)
-        grpc_slice_unref(md.value);
+    for (size_t i = 0; i < nmd; i++)
+        grpc_slice_unref(md[i].value);
     st->send_pending = e1 == GRPC_CALL_OK;
 
     grpc_op sop;

@@ -504,6 +504,18 @@ int64_t ps_rpc_call_deadline_ns(const ps_rpc_call_t *call)
     return call->deadline_ns;
 }
 
+const char *ps_rpc_call_header(const ps_rpc_call_t *call, const char *key, size_t *len)
+{
+    for (size_t i = 0; i < call->md.count; i++) {
+        if (grpc_slice_str_cmp(call->md.metadata[i].key, key) == 0) {
+            *len = GRPC_SLICE_LENGTH(call->md.metadata[i].value);
+            return (const char *)GRPC_SLICE_START_PTR(call->md.metadata[i].value);
+        }
+    }
+    *len = 0;
+    return NULL;
+}
+
 const char *ps_rpc_call_method(const ps_rpc_call_t *call)
 {
     return call->path;

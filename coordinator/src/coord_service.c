@@ -1,8 +1,10 @@
 /* The coordinator's gRPC service: handlers that translate between protobuf messages and the
  * membership state, the Join table and the store, a Watch stream of cluster changes, deferred
  * StoreWait replies, and a ticker thread that expires leases, forms the cluster after the last
- * call and times out store waits. One mutex guards the state, the store and the lists of open
- * streams. */
+ * call, times out store waits and ends jobs nobody uses any more. Every call belongs to one
+ * job (the "pshard-job" request header, torchrun's --rdzv-id; "default" without it): each job
+ * has its own membership state, generation, store, watchers and waits, so one job's members
+ * never affect another's. One mutex guards all jobs and the lists of open streams. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +20,9 @@
 #include "pshard/util.h"
 
 #define MAX_PENDING_EVENTS 64
+#define DEFAULT_JOB "default"
+#define JOB_NAME_MAX 64
+#define MAX_JOBS 1024
 #define WAIT_MAX_MS (24LL * 3600 * 1000)
 #define TICK_MAX_NS (100 * 1000000LL)
 
@@ -33,6 +38,20 @@ typedef struct {
     int last_joiner; /* ClusterEvent.last_joiner: set for "all joined", else -1 */
 } pending_event_t;
 
+/* One job: its own membership, store and streams. */
+typedef struct coord_job {
+    struct coord_job *next;
+    pshard_coordinator_t *c;
+    char name[JOB_NAME_MAX + 1];
+    coord_state_t *state;
+    coord_store_t *store;
+    stream_entry_t *watchers;
+    stream_entry_t *waits;
+    pending_event_t events[MAX_PENDING_EVENTS];
+    size_t nevents;
+    int64_t idle_since_ns; /* when it was last seen unused (no members, watchers or waits) */
+} coord_job_t;
+
 struct pshard_coordinator {
     pshard_coordinator_config_t cfg;
     ps_rpc_server_t *srv;
@@ -40,17 +59,14 @@ struct pshard_coordinator {
 
     pthread_mutex_t mu;
     pthread_cond_t tick_cv;
-    coord_state_t *state;
-    coord_store_t *store;
-    stream_entry_t *watchers;
-    stream_entry_t *waits;
-    pending_event_t events[MAX_PENDING_EVENTS];
-    size_t nevents;
+    coord_job_t *jobs; /* the default job first, always there */
+    size_t njobs;
+    coord_store_usage_t store_usage; /* every job's store counts against one limit */
     bool stopping;
     bool ticker_started;
     pthread_t ticker;
-    ps_rpc_method_t methods[11]; /* borrowed by the server for its whole life */
-    char paths[11][64];
+    ps_rpc_method_t methods[12]; /* borrowed by the server for its whole life */
+    char paths[12][64];
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -129,7 +145,7 @@ static void joins_to_pb(const coord_snapshot_t *snap, int64_t now_ns, Pshard__Jo
 /* Watch                                                                                     */
 
 /* Queues one Watch event (sent by flush_events_locked). Under c->mu. */
-static void queue_event_locked(pshard_coordinator_t *c, uint64_t generation, const char *reason,
+static void queue_event_locked(coord_job_t *c, uint64_t generation, const char *reason,
                                int last_joiner)
 {
     if (c->nevents == MAX_PENDING_EVENTS) {
@@ -147,14 +163,15 @@ static void queue_event_locked(pshard_coordinator_t *c, uint64_t generation, con
  * under c->mu. */
 static void on_state_change(void *arg, uint64_t generation, const char *reason)
 {
-    pshard_coordinator_t *c = arg;
-    PS_INFO(PS_SUB_COORD, "generation %llu: %s", (unsigned long long)generation, reason);
-    queue_event_locked(c, generation, reason, -1);
+    coord_job_t *j = arg;
+    PS_INFO(PS_SUB_COORD, "job %s generation %llu: %s", j->name, (unsigned long long)generation,
+            reason);
+    queue_event_locked(j, generation, reason, -1);
 }
 
 /* Sends one ClusterEvent with the current membership and join table to `only` (or every
  * watcher if NULL). last_joiner goes out as is (-1 unless the event is "all joined"). */
-static void send_event_locked(pshard_coordinator_t *c, ps_rpc_call_t *only, uint64_t generation,
+static void send_event_locked(coord_job_t *c, ps_rpc_call_t *only, uint64_t generation,
                               const char *reason, int last_joiner)
 {
     int64_t now = ps_now_ns();
@@ -209,8 +226,9 @@ static void send_event_locked(pshard_coordinator_t *c, ps_rpc_call_t *only, uint
     coord_snapshot_free(snap);
 }
 
-/* Pushes the changes recorded by on_state_change and updates the readiness health status. */
-static void flush_events_locked(pshard_coordinator_t *c)
+/* Pushes the changes recorded by on_state_change; the default job's state is the readiness
+ * health status "pshard.Cluster". */
+static void flush_events_locked(coord_job_t *c)
 {
     if (c->nevents == 0)
         return;
@@ -220,8 +238,133 @@ static void flush_events_locked(pshard_coordinator_t *c)
                               c->events[i].last_joiner);
     }
     c->nevents = 0;
-    bool formed = coord_state_cluster_state(c->state) == COORD_CLUSTER_FORMED;
-    ps_rpc_server_set_health(c->srv, "pshard.Cluster", formed ? 1 : 2);
+    if (c == c->c->jobs) {
+        bool formed = coord_state_cluster_state(c->state) == COORD_CLUSTER_FORMED;
+        ps_rpc_server_set_health(c->c->srv, "pshard.Cluster", formed ? 1 : 2);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Jobs                                                                                      */
+
+static coord_job_t *job_create_locked(pshard_coordinator_t *c, const char *name, size_t len)
+{
+    coord_job_t *j = calloc(1, sizeof(*j));
+    if (!j)
+        return NULL;
+    j->c = c;
+    memcpy(j->name, name, len);
+    j->name[len] = '\0';
+    coord_state_config_t scfg = {c->cfg.lease_ms, c->cfg.heartbeat_ms, c->cfg.min_nodes,
+                                 c->cfg.max_nodes, c->cfg.last_call_ms};
+    j->state = coord_state_create(&scfg, ps_now_ns(), on_state_change, j);
+    j->store = coord_store_create_shared(&c->store_usage);
+    if (!j->state || !j->store) {
+        coord_state_destroy(j->state);
+        coord_store_destroy(j->store);
+        free(j);
+        return NULL;
+    }
+    j->idle_since_ns = ps_now_ns();
+    return j;
+}
+
+static void job_destroy(coord_job_t *j)
+{
+    coord_store_destroy(j->store);
+    coord_state_destroy(j->state);
+    free(j);
+}
+
+/* A job nobody uses: no members, no open Watch, no pending StoreWait. */
+static bool job_unused(const coord_job_t *j)
+{
+    return !j->watchers && !j->waits && coord_state_member_count(j->state) == 0;
+}
+
+/* Ends one unused job (never the default one): its store keys go with it. */
+static void job_end_locked(pshard_coordinator_t *c, coord_job_t *j, const char *why)
+{
+    for (coord_job_t **pp = &c->jobs; *pp; pp = &(*pp)->next) {
+        if (*pp == j) {
+            *pp = j->next;
+            c->njobs--;
+            PS_INFO(PS_SUB_COORD, "job %s ended (%s); %zu store key%s removed", j->name, why,
+                    coord_store_num_keys(j->store),
+                    coord_store_num_keys(j->store) == 1 ? "" : "s");
+            job_destroy(j);
+            return;
+        }
+    }
+}
+
+static bool job_name_ok(const char *name, size_t len)
+{
+    if (len == 0 || len > JOB_NAME_MAX)
+        return false;
+    for (size_t i = 0; i < len; i++) {
+        char ch = name[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+              ch == '-' || ch == '_' || ch == '.'))
+            return false;
+    }
+    return true;
+}
+
+/* The job a call belongs to (its "pshard-job" header; the default job without one), made when
+ * create is set and it does not exist yet. NULL with *rc and err set on a malformed name, an
+ * unknown job (create unset: PSHARD_ERR_NOT_FOUND) or too many jobs. Under c->mu. */
+static coord_job_t *job_of_call_locked(pshard_coordinator_t *c, const ps_rpc_call_t *call,
+                                       bool create, pshard_status_t *rc, char *err,
+                                       size_t errlen)
+{
+    size_t len = 0;
+    const char *name = ps_rpc_call_header(call, PS_RPC_JOB_HEADER, &len);
+    if (!name) {
+        name = DEFAULT_JOB;
+        len = strlen(DEFAULT_JOB);
+    }
+    if (!job_name_ok(name, len)) {
+        *rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                      "job id in the '%s' header must be 1 to %d of A-Z a-z 0-9 . _ - (got %zu "
+                      "bytes)",
+                      PS_RPC_JOB_HEADER, JOB_NAME_MAX, len);
+        return NULL;
+    }
+    for (coord_job_t *j = c->jobs; j; j = j->next)
+        if (strlen(j->name) == len && memcmp(j->name, name, len) == 0)
+            return j;
+    if (!create) {
+        *rc = ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "job %.*s has no members and no keys",
+                      (int)len, name);
+        return NULL;
+    }
+    if (c->njobs >= MAX_JOBS) {
+        /* Make room by ending the unused job idle longest, if there is one. */
+        coord_job_t *oldest = NULL;
+        for (coord_job_t *j = c->jobs->next; j; j = j->next)
+            if (job_unused(j) && (!oldest || j->idle_since_ns < oldest->idle_since_ns))
+                oldest = j;
+        if (!oldest) {
+            *rc = ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                          "the coordinator already serves %d jobs in use; the limit is %d",
+                          (int)c->njobs, MAX_JOBS);
+            return NULL;
+        }
+        job_end_locked(c, oldest, "room for a new job");
+    }
+    coord_job_t *j = job_create_locked(c, name, len);
+    if (!j) {
+        *rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory making job %.*s",
+                      (int)len, name);
+        return NULL;
+    }
+    /* After the default job, which stays first. */
+    j->next = c->jobs->next;
+    c->jobs->next = j;
+    c->njobs++;
+    PS_INFO(PS_SUB_COORD, "job %s started", j->name);
+    return j;
 }
 
 static stream_entry_t *take_entry_locked(stream_entry_t **list, ps_rpc_call_t *call)
@@ -240,7 +383,9 @@ static void watch_cancelled(void *arg, ps_rpc_call_t *call)
 {
     pshard_coordinator_t *c = arg;
     pthread_mutex_lock(&c->mu);
-    stream_entry_t *e = take_entry_locked(&c->watchers, call);
+    stream_entry_t *e = NULL;
+    for (coord_job_t *j = c->jobs; j && !e; j = j->next)
+        e = take_entry_locked(&j->watchers, call);
     pthread_mutex_unlock(&c->mu);
     if (e) {
         ps_rpc_call_finish(call);
@@ -258,22 +403,35 @@ static void handle_watch(ps_rpc_call_t *call, const ProtobufCMessage *request, v
         return;
     }
     e->call = call;
+    char err[512] = "";
+    pshard_status_t rc = PSHARD_ERR_UNAVAILABLE;
     pthread_mutex_lock(&c->mu);
-    if (c->stopping) {
+    coord_job_t *j = c->stopping ? NULL : job_of_call_locked(c, call, true, &rc, err, sizeof(err));
+    if (!j) {
         pthread_mutex_unlock(&c->mu);
         free(e);
-        ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE, "the coordinator is shutting down");
+        ps_rpc_call_fail(call, rc, "%s", c->stopping ? "the coordinator is shutting down" : err);
         return;
     }
-    send_event_locked(c, call, 0, "current state", -1);
-    e->next = c->watchers;
-    c->watchers = e;
+    send_event_locked(j, call, 0, "current state", -1);
+    e->next = j->watchers;
+    j->watchers = e;
     pthread_mutex_unlock(&c->mu);
     ps_rpc_call_on_cancel(call, watch_cancelled, c);
 }
 
 /* ---------------------------------------------------------------------------------------- */
 /* Membership                                                                                */
+
+/* A member of a job the coordinator does not know (never started, or ended): register again,
+ * as after an eviction. */
+static pshard_status_t unknown_member(const char *member_id, char *err, size_t errlen)
+{
+    err[0] = '\0';
+    return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND,
+                   "unknown member id %s: it was evicted or never registered; register again",
+                   member_id ? member_id : "");
+}
 
 static void reply_view(ps_rpc_call_t *call, pshard_status_t rc, const coord_member_view_t *view,
                        const char *err)
@@ -296,15 +454,26 @@ static void handle_register(ps_rpc_call_t *call, const ProtobufCMessage *request
                                                               : COORD_ROLE_UNSPECIFIED;
     char err[512] = "";
     coord_member_view_t view;
+    pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
-    pshard_status_t rc = coord_state_register(c->state, role, req->name, req->address, req->node,
-                                              req->device, req->lease_key, ps_now_ns(), &view, err,
-                                              sizeof(err));
-    flush_events_locked(c);
+    coord_job_t *j = job_of_call_locked(c, call, true, &rc, err, sizeof(err));
+    size_t members = 0;
+    for (coord_job_t *k = c->jobs; k; k = k->next)
+        members += coord_state_member_count(k->state);
+    if (j && members >= COORD_MAX_MEMBERS)
+        rc = ps_errf(err, sizeof(err), PSHARD_ERR_RESOURCE_EXHAUSTED,
+                     "the coordinator already has %zu members in %zu jobs; the limit is %d",
+                     members, c->njobs, COORD_MAX_MEMBERS);
+    else if (j)
+        rc = coord_state_register(j->state, role, req->name, req->address, req->node,
+                                  req->device, req->lease_key, ps_now_ns(), &view, err,
+                                  sizeof(err));
+    if (j)
+        flush_events_locked(j);
     pthread_mutex_unlock(&c->mu);
     if (rc == PSHARD_OK)
-        PS_INFO(PS_SUB_COORD, "registered %s '%s' from %s as %s", coord_role_name(role),
-                req->name, ps_rpc_call_peer(call), view.member_id);
+        PS_INFO(PS_SUB_COORD, "job %s: registered %s '%s' from %s as %s", j->name,
+                coord_role_name(role), req->name, ps_rpc_call_peer(call), view.member_id);
     reply_view(call, rc, &view, err);
 }
 
@@ -314,10 +483,14 @@ static void handle_heartbeat(ps_rpc_call_t *call, const ProtobufCMessage *reques
     const Pshard__HeartbeatRequest *req = (const Pshard__HeartbeatRequest *)request;
     char err[512] = "";
     coord_member_view_t view;
+    pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
-    pshard_status_t rc =
-        coord_state_heartbeat(c->state, req->member_id, req->lease_key, ps_now_ns(), &view, err,
-                              sizeof(err));
+    coord_job_t *j = job_of_call_locked(c, call, false, &rc, err, sizeof(err));
+    if (j)
+        rc = coord_state_heartbeat(j->state, req->member_id, req->lease_key, ps_now_ns(), &view,
+                                   err, sizeof(err));
+    else if (rc == PSHARD_ERR_NOT_FOUND)
+        rc = unknown_member(req->member_id, err, sizeof(err));
     pthread_mutex_unlock(&c->mu);
     reply_view(call, rc, &view, err);
 }
@@ -327,11 +500,18 @@ static void handle_leave(ps_rpc_call_t *call, const ProtobufCMessage *request, v
     pshard_coordinator_t *c = ctx;
     const Pshard__LeaveRequest *req = (const Pshard__LeaveRequest *)request;
     char err[512] = "";
+    pshard_status_t rc = PSHARD_OK;
+    uint64_t gen = 0;
     pthread_mutex_lock(&c->mu);
-    pshard_status_t rc = coord_state_leave(c->state, req->member_id, req->lease_key, ps_now_ns(),
-                                           err, sizeof(err));
-    uint64_t gen = coord_state_generation(c->state);
-    flush_events_locked(c);
+    coord_job_t *j = job_of_call_locked(c, call, false, &rc, err, sizeof(err));
+    if (j) {
+        rc = coord_state_leave(j->state, req->member_id, req->lease_key, ps_now_ns(), err,
+                               sizeof(err));
+        gen = coord_state_generation(j->state);
+        flush_events_locked(j);
+    } else if (rc == PSHARD_ERR_NOT_FOUND) {
+        rc = unknown_member(req->member_id, err, sizeof(err));
+    }
     pthread_mutex_unlock(&c->mu);
     if (rc != PSHARD_OK) {
         ps_rpc_call_fail(call, rc, "%s", err);
@@ -365,15 +545,20 @@ static void handle_report_join(ps_rpc_call_t *call, const ProtobufCMessage *requ
     };
     char err[512] = "";
     coord_join_change_t change = COORD_JOIN_UNCHANGED;
+    pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
-    pshard_status_t rc =
-        coord_state_report_join(c->state, &report, ps_now_ns(), &change, err, sizeof(err));
-    if (change != COORD_JOIN_UNCHANGED) {
+    coord_job_t *j = job_of_call_locked(c, call, false, &rc, err, sizeof(err));
+    if (j)
+        rc = coord_state_report_join(j->state, &report, ps_now_ns(), &change, err, sizeof(err));
+    else if (rc == PSHARD_ERR_NOT_FOUND)
+        rc = unknown_member(req->member_id, err, sizeof(err));
+    if (j && change != COORD_JOIN_UNCHANGED) {
         bool all = change == COORD_JOIN_ALL_JOINED;
-        queue_event_locked(c, coord_state_generation(c->state), all ? "all joined" : "join",
-                           all ? coord_state_last_joiner(c->state) : -1);
+        queue_event_locked(j, coord_state_generation(j->state), all ? "all joined" : "join",
+                           all ? coord_state_last_joiner(j->state) : -1);
     }
-    flush_events_locked(c);
+    if (j)
+        flush_events_locked(j);
     pthread_mutex_unlock(&c->mu);
     if (rc != PSHARD_OK) {
         PS_INFO(PS_SUB_COORD, "join report from %s refused: %s", ps_rpc_call_peer(call), err);
@@ -392,9 +577,12 @@ static void handle_store_set(ps_rpc_call_t *call, const ProtobufCMessage *reques
     pshard_coordinator_t *c = ctx;
     const Pshard__StoreSetRequest *req = (const Pshard__StoreSetRequest *)request;
     char err[512] = "";
+    pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
-    pshard_status_t rc = coord_store_set(c->store, req->key, req->value.data, req->value.len, err,
-                                         sizeof(err));
+    coord_job_t *j = job_of_call_locked(c, call, true, &rc, err, sizeof(err));
+    if (j)
+        rc = coord_store_set(j->store, req->key, req->value.data, req->value.len, err,
+                             sizeof(err));
     pthread_mutex_unlock(&c->mu);
     if (rc != PSHARD_OK) {
         ps_rpc_call_fail(call, rc, "%s", err);
@@ -411,8 +599,11 @@ static void handle_store_get(ps_rpc_call_t *call, const ProtobufCMessage *reques
     char err[512] = "";
     const uint8_t *value = NULL;
     size_t len = 0;
+    pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
-    pshard_status_t rc = coord_store_get(c->store, req->key, &value, &len, err, sizeof(err));
+    coord_job_t *j = job_of_call_locked(c, call, false, &rc, err, sizeof(err));
+    if (j)
+        rc = coord_store_get(j->store, req->key, &value, &len, err, sizeof(err));
     if (rc == PSHARD_OK) {
         /* Reply under the lock: the value points into the store. */
         Pshard__StoreGetResponse out = PSHARD__STORE_GET_RESPONSE__INIT;
@@ -433,11 +624,13 @@ static void handle_store_cas(ps_rpc_call_t *call, const ProtobufCMessage *reques
     const uint8_t *value = NULL;
     size_t len = 0;
     int swapped = 0;
+    pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
-    pshard_status_t rc = coord_store_compare_set(c->store, req->key, req->expected.data,
-                                                 req->expected.len, req->desired.data,
-                                                 req->desired.len, &swapped, &value, &len, err,
-                                                 sizeof(err));
+    coord_job_t *j = job_of_call_locked(c, call, true, &rc, err, sizeof(err));
+    if (j)
+        rc = coord_store_compare_set(j->store, req->key, req->expected.data, req->expected.len,
+                                     req->desired.data, req->desired.len, &swapped, &value, &len,
+                                     err, sizeof(err));
     if (rc == PSHARD_OK) {
         Pshard__StoreCompareSetResponse out = PSHARD__STORE_COMPARE_SET_RESPONSE__INIT;
         out.swapped = swapped != 0;
@@ -456,8 +649,11 @@ static void handle_store_add(ps_rpc_call_t *call, const ProtobufCMessage *reques
     const Pshard__StoreAddRequest *req = (const Pshard__StoreAddRequest *)request;
     char err[512] = "";
     int64_t result = 0;
+    pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
-    pshard_status_t rc = coord_store_add(c->store, req->key, req->delta, &result, err, sizeof(err));
+    coord_job_t *j = job_of_call_locked(c, call, true, &rc, err, sizeof(err));
+    if (j)
+        rc = coord_store_add(j->store, req->key, req->delta, &result, err, sizeof(err));
     pthread_mutex_unlock(&c->mu);
     if (rc != PSHARD_OK) {
         ps_rpc_call_fail(call, rc, "%s", err);
@@ -468,14 +664,35 @@ static void handle_store_add(ps_rpc_call_t *call, const ProtobufCMessage *reques
     ps_rpc_call_reply(call, &out.base);
 }
 
+static void handle_store_delete(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_coordinator_t *c = ctx;
+    const Pshard__StoreDeleteRequest *req = (const Pshard__StoreDeleteRequest *)request;
+    char err[512] = "";
+    pshard_status_t rc = PSHARD_OK;
+    pthread_mutex_lock(&c->mu);
+    coord_job_t *j = job_of_call_locked(c, call, false, &rc, err, sizeof(err));
+    if (j)
+        rc = coord_store_delete(j->store, req->key, err, sizeof(err));
+    pthread_mutex_unlock(&c->mu);
+    if (rc != PSHARD_OK && rc != PSHARD_ERR_NOT_FOUND) {
+        ps_rpc_call_fail(call, rc, "%s", err);
+        return;
+    }
+    Pshard__StoreDeleteResponse out = PSHARD__STORE_DELETE_RESPONSE__INIT;
+    out.deleted = rc == PSHARD_OK;
+    ps_rpc_call_reply(call, &out.base);
+}
+
 /* Runs under c->mu, from whichever store call completed the wait. */
 static void store_wait_done(void *arg, pshard_status_t status, const uint8_t *const *values,
                             const size_t *lens, size_t nkeys, const char *missing)
 {
     stream_entry_t *e = arg;
     ps_rpc_call_t *call = e->call;
-    pshard_coordinator_t *c = (pshard_coordinator_t *)e->next; /* see handle_store_wait */
-    stream_entry_t *mine = take_entry_locked(&c->waits, call);
+    coord_job_t *j = (coord_job_t *)e->next; /* see handle_store_wait */
+    pshard_coordinator_t *c = j->c;
+    stream_entry_t *mine = take_entry_locked(&j->waits, call);
     free(mine);
     if (status == PSHARD_OK) {
         ProtobufCBinaryData *vals = calloc(nkeys ? nkeys : 1, sizeof(*vals));
@@ -506,13 +723,16 @@ static void store_wait_cancelled(void *arg, ps_rpc_call_t *call)
 {
     pshard_coordinator_t *c = arg;
     pthread_mutex_lock(&c->mu);
-    for (stream_entry_t *w = c->waits; w; w = w->next) {
-        if (w->call == call) {
-            /* Fires store_wait_done with CANCELLED, which unlinks and finishes the call. */
-            coord_store_cancel_wait(c->store, w->wait_id);
-            break;
+    for (coord_job_t *j = c->jobs; j; j = j->next) {
+        for (stream_entry_t *w = j->waits; w; w = w->next) {
+            if (w->call == call) {
+                /* Fires store_wait_done with CANCELLED, which unlinks and finishes the call. */
+                coord_store_cancel_wait(j->store, w->wait_id);
+                goto out;
+            }
         }
     }
+out:
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -533,8 +753,8 @@ static void handle_store_wait(ps_rpc_call_t *call, const ProtobufCMessage *reque
     if (call_deadline < deadline)
         deadline = call_deadline;
 
-    /* The completion context: `call` plus the coordinator smuggled in `next` until the entry
-     * is linked into c->waits (a separate entry, so the list never aliases the context). */
+    /* The completion context: `call` plus its job smuggled in `next` (the entry linked into
+     * the job's waits is a separate one, so the list never aliases the context). */
     stream_entry_t *done_ctx = calloc(1, sizeof(*done_ctx));
     stream_entry_t *entry = calloc(1, sizeof(*entry));
     if (!done_ctx || !entry) {
@@ -544,25 +764,26 @@ static void handle_store_wait(ps_rpc_call_t *call, const ProtobufCMessage *reque
         return;
     }
     done_ctx->call = call;
-    done_ctx->next = (stream_entry_t *)c;
     entry->call = call;
     char err[512] = "";
+    pshard_status_t rc = PSHARD_ERR_UNAVAILABLE;
     pthread_mutex_lock(&c->mu);
-    if (c->stopping) {
+    coord_job_t *j = c->stopping ? NULL : job_of_call_locked(c, call, true, &rc, err, sizeof(err));
+    if (!j) {
         pthread_mutex_unlock(&c->mu);
         free(done_ctx);
         free(entry);
-        ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE, "the coordinator is shutting down");
+        ps_rpc_call_fail(call, rc, "%s", c->stopping ? "the coordinator is shutting down" : err);
         return;
     }
+    done_ctx->next = (stream_entry_t *)j;
     /* Link first: the callback may run inside coord_store_wait when the keys already exist. */
-    entry->next = c->waits;
-    c->waits = entry;
-    pshard_status_t rc =
-        coord_store_wait(c->store, (const char *const *)req->keys, req->n_keys, deadline,
-                         store_wait_done, done_ctx, &entry->wait_id, err, sizeof(err));
+    entry->next = j->waits;
+    j->waits = entry;
+    rc = coord_store_wait(j->store, (const char *const *)req->keys, req->n_keys, deadline,
+                          store_wait_done, done_ctx, &entry->wait_id, err, sizeof(err));
     if (rc != PSHARD_OK) {
-        free(take_entry_locked(&c->waits, call));
+        free(take_entry_locked(&j->waits, call));
         free(done_ctx);
     } else {
         pthread_cond_signal(&c->tick_cv);
@@ -597,15 +818,64 @@ static void collect_counter(void *arg, const char *path, uint64_t calls, uint64_
     cs->ptrs[cs->n++] = m;
 }
 
+/* Fills one JobSummary for Status. Under c->mu. */
+static void job_summary_locked(const coord_job_t *j, int64_t now, Pshard__JobSummary *out)
+{
+    pshard__job_summary__init(out);
+    out->job = (char *)j->name; /* jobs live until the ticker ends them, under c->mu: see below */
+    out->state = state_to_pb(coord_state_cluster_state(j->state));
+    out->generation = coord_state_generation(j->state);
+    out->world_size = coord_state_world_size(j->state);
+    out->members = (uint32_t)coord_state_member_count(j->state);
+    out->store_keys = coord_store_num_keys(j->store);
+    out->idle_ms = job_unused(j) ? (now - j->idle_since_ns) / 1000000 : 0;
+}
+
 static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
     pshard_coordinator_t *c = ctx;
     (void)request;
     int64_t now = ps_now_ns();
+    char err[512] = "", jobname[JOB_NAME_MAX + 1] = DEFAULT_JOB;
+    pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
-    coord_snapshot_t *snap = coord_state_snapshot(c->state, now);
-    size_t keys = coord_store_num_keys(c->store);
-    size_t waiters = coord_store_num_waiters(c->store);
+    coord_job_t *j = job_of_call_locked(c, call, false, &rc, err, sizeof(err));
+    if (!j && rc != PSHARD_ERR_NOT_FOUND) {
+        pthread_mutex_unlock(&c->mu);
+        ps_rpc_call_fail(call, rc, "%s", err);
+        return;
+    }
+    /* A job that does not exist (yet, or any more) shows as an empty forming one. */
+    coord_snapshot_t *snap = j ? coord_state_snapshot(j->state, now) : calloc(1, sizeof(*snap));
+    if (snap && !j) {
+        size_t len = 0;
+        const char *name = ps_rpc_call_header(call, PS_RPC_JOB_HEADER, &len);
+        snprintf(jobname, sizeof(jobname), "%.*s", (int)len, name ? name : "");
+        snap->state = COORD_CLUSTER_FORMING;
+        snap->min_nodes = c->cfg.min_nodes;
+        snap->max_nodes = c->cfg.max_nodes;
+        snap->last_call_remaining_ms = -1;
+        snap->last_joiner = -1;
+        snprintf(snap->awaiting, sizeof(snap->awaiting), "job %s: no member has registered",
+                 jobname);
+    } else if (j) {
+        ps_strlcpy(jobname, j->name, sizeof(jobname));
+    }
+    size_t keys = j ? coord_store_num_keys(j->store) : 0;
+    size_t waiters = j ? coord_store_num_waiters(j->store) : 0;
+    size_t njobs = c->njobs;
+    Pshard__JobSummary *jitems_all = calloc(njobs + 1, sizeof(*jitems_all));
+    Pshard__JobSummary **jptrs_all = calloc(njobs + 1, sizeof(*jptrs_all));
+    char(*jnames)[JOB_NAME_MAX + 1] = calloc(njobs + 1, sizeof(*jnames));
+    if (jitems_all && jptrs_all && jnames) {
+        size_t i = 0;
+        for (coord_job_t *k = c->jobs; k && i < njobs; k = k->next, i++) {
+            job_summary_locked(k, now, &jitems_all[i]);
+            ps_strlcpy(jnames[i], k->name, sizeof(jnames[i])); /* the reply goes out unlocked */
+            jitems_all[i].job = jnames[i];
+            jptrs_all[i] = &jitems_all[i];
+        }
+    }
     pthread_mutex_unlock(&c->mu);
     counters_t cs = {0};
     cs.cap = 64;
@@ -615,7 +885,8 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     Pshard__Member **ptrs = snap ? calloc(snap->nmembers + 1, sizeof(*ptrs)) : NULL;
     Pshard__JoinEntry *jitems = snap ? calloc(snap->njoins + 1, sizeof(*jitems)) : NULL;
     Pshard__JoinEntry **jptrs = snap ? calloc(snap->njoins + 1, sizeof(*jptrs)) : NULL;
-    if (!snap || !cs.items || !cs.ptrs || !items || !ptrs || !jitems || !jptrs) {
+    if (!snap || !cs.items || !cs.ptrs || !items || !ptrs || !jitems || !jptrs || !jitems_all ||
+        !jptrs_all || !jnames) {
         ps_rpc_call_fail(call, PSHARD_ERR_NO_MEMORY, "out of memory building status");
     } else {
         ps_rpc_server_counters(c->srv, collect_counter, &cs);
@@ -643,8 +914,15 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         out.n_joins = snap->njoins;
         out.joins = jptrs;
         out.last_joiner = snap->last_joiner;
+        out.job = jobname;
+        out.n_jobs = njobs;
+        out.jobs = jptrs_all;
+        out.job_linger_ms = c->cfg.job_linger_ms;
         ps_rpc_call_reply(call, &out.base);
     }
+    free(jitems_all);
+    free(jptrs_all);
+    free(jnames);
     free(items);
     free(ptrs);
     free(jitems);
@@ -663,13 +941,25 @@ static void *ticker_main(void *arg)
     pthread_mutex_lock(&c->mu);
     while (!c->stopping) {
         int64_t now = ps_now_ns();
-        coord_state_tick(c->state, now);
-        coord_store_tick(c->store, now);
-        flush_events_locked(c);
-        int64_t next = coord_state_next_deadline_ns(c->state);
-        int64_t next_store = coord_store_next_deadline_ns(c->store);
-        if (next_store < next)
-            next = next_store;
+        int64_t next = INT64_MAX;
+        for (coord_job_t *j = c->jobs, *after; j; j = after) {
+            after = j->next;
+            coord_state_tick(j->state, now);
+            coord_store_tick(j->store, now);
+            flush_events_locked(j);
+            if (!job_unused(j)) {
+                j->idle_since_ns = now;
+            } else if (j != c->jobs && now - j->idle_since_ns >= c->cfg.job_linger_ms * 1000000) {
+                job_end_locked(c, j, "unused");
+                continue;
+            }
+            int64_t t = coord_state_next_deadline_ns(j->state);
+            int64_t ts = coord_store_next_deadline_ns(j->store);
+            if (ts < t)
+                t = ts;
+            if (t < next)
+                next = t;
+        }
         if (next > now + TICK_MAX_NS)
             next = now + TICK_MAX_NS;
         if (next <= now)
@@ -692,10 +982,17 @@ static void on_server_shutdown(void *arg)
     pthread_mutex_lock(&c->mu);
     c->stopping = true;
     pthread_cond_broadcast(&c->tick_cv);
-    stream_entry_t *watchers = c->watchers;
-    c->watchers = NULL;
-    while (c->waits)
-        coord_store_cancel_wait(c->store, c->waits->wait_id);
+    stream_entry_t *watchers = NULL;
+    for (coord_job_t *j = c->jobs; j; j = j->next) {
+        while (j->watchers) {
+            stream_entry_t *w = j->watchers;
+            j->watchers = w->next;
+            w->next = watchers;
+            watchers = w;
+        }
+        while (j->waits)
+            coord_store_cancel_wait(j->store, j->waits->wait_id);
+    }
     pthread_mutex_unlock(&c->mu);
     while (watchers) {
         stream_entry_t *next = watchers->next;
@@ -735,11 +1032,11 @@ pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t
     pthread_cond_init(&c->tick_cv, &ca);
     pthread_condattr_destroy(&ca);
 
-    coord_state_config_t scfg = {cfg->lease_ms, cfg->heartbeat_ms, cfg->min_nodes, cfg->max_nodes,
-                                 cfg->last_call_ms};
-    c->state = coord_state_create(&scfg, c->started_ns, on_state_change, c);
-    c->store = coord_store_create();
-    if (!c->state || !c->store) {
+    if (c->cfg.job_linger_ms <= 0)
+        c->cfg.job_linger_ms = 300000;
+    c->jobs = job_create_locked(c, DEFAULT_JOB, strlen(DEFAULT_JOB));
+    c->njobs = c->jobs ? 1 : 0;
+    if (!c->jobs) {
         ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                 "invalid coordinator settings (lease %lld ms, heartbeat %lld ms, nodes %d:%d, "
                 "last call %lld ms)",
@@ -748,7 +1045,6 @@ pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t
         pshard_coordinator_stop(c);
         return NULL;
     }
-    c->nevents = 0;
 
     ps_rpc_server_config_t rcfg = {
         .listen = cfg->listen,
@@ -781,6 +1077,8 @@ pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t
         {"StoreCompareSet", &pshard__store_compare_set_request__descriptor, handle_store_cas,
          PS_RPC_INLINE},
         {"StoreAdd", &pshard__store_add_request__descriptor, handle_store_add, PS_RPC_INLINE},
+        {"StoreDelete", &pshard__store_delete_request__descriptor, handle_store_delete,
+         PS_RPC_INLINE},
         {"ReportJoin", &pshard__join_report__descriptor, handle_report_join, PS_RPC_INLINE},
         /* Status builds a large message: keep it off the completion-queue thread. */
         {"Status", &pshard__status_request__descriptor, handle_status, 0},
@@ -802,7 +1100,7 @@ pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t
     ps_rpc_server_set_health(c->srv, "pshard.Coordinator", 1);
     ps_rpc_server_set_health(c->srv, "pshard.Cluster", 2);
     pthread_mutex_lock(&c->mu);
-    flush_events_locked(c);
+    flush_events_locked(c->jobs);
     pthread_mutex_unlock(&c->mu);
     if (pthread_create(&c->ticker, NULL, ticker_main, c) == 0)
         c->ticker_started = true;
@@ -821,8 +1119,11 @@ void pshard_coordinator_stop(pshard_coordinator_t *c)
     pthread_mutex_unlock(&c->mu);
     if (c->ticker_started)
         pthread_join(c->ticker, NULL);
-    coord_store_destroy(c->store);
-    coord_state_destroy(c->state);
+    while (c->jobs) {
+        coord_job_t *j = c->jobs;
+        c->jobs = j->next;
+        job_destroy(j);
+    }
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->tick_cv);
     free(c);

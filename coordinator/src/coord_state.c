@@ -888,6 +888,16 @@ int coord_state_last_joiner(const coord_state_t *st)
     return st->last_joiner;
 }
 
+size_t coord_state_member_count(const coord_state_t *st)
+{
+    return st->nmembers;
+}
+
+int coord_state_world_size(const coord_state_t *st)
+{
+    return st->world_size;
+}
+
 uint64_t coord_state_generation(const coord_state_t *st)
 {
     return st->generation;

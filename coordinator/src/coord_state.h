@@ -191,6 +191,8 @@ pshard_status_t coord_state_report_join(coord_state_t *st, const coord_join_repo
 int coord_state_last_joiner(const coord_state_t *st);
 
 uint64_t coord_state_generation(const coord_state_t *st);
+size_t coord_state_member_count(const coord_state_t *st);
+int coord_state_world_size(const coord_state_t *st); /* 0 until formed */
 coord_cluster_state_t coord_state_cluster_state(const coord_state_t *st);
 
 /* Returns a malloc'd snapshot (free with coord_snapshot_free), or NULL when out of memory. */

@@ -4,6 +4,7 @@
 #include "coord_store.h"
 
 #include <stdbool.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +43,8 @@ struct coord_store {
     size_t cap;
     size_t nkeys;
     uint64_t bytes; /* sum of key and value lengths */
+    coord_store_usage_t own;
+    coord_store_usage_t *use; /* &own, or the usage shared with other stores */
 
     waiter_t **waiters; /* pending, sorted by id (ids only grow, so appending keeps order) */
     size_t nwaiters, waiters_cap;
@@ -275,6 +278,23 @@ static long find_waiter(const coord_store_t *store, uint64_t id)
 
 /* Stores a copy of value under key (already validated, klen its length), creating the entry
  * if needed, and fires waiters the creation satisfied. *out (may be NULL) gets the entry. */
+/* A store that is full is an error for the caller to act on, never one to retry. */
+static pshard_status_t full(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static pshard_status_t full(char *err, size_t errlen, const char *fmt, ...)
+{
+    char what[160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof(what), fmt, ap);
+    va_end(ap);
+    return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                   "the coordinator's store is full: it %s; delete keys that are no longer "
+                   "needed (StoreDelete, torch's delete_key) or let finished jobs end (their "
+                   "keys go with them)",
+                   what);
+}
+
 static pshard_status_t put(coord_store_t *store, const char *key, size_t klen, uint64_t hash,
                            const uint8_t *value, size_t len, entry_t **out, char *err,
                            size_t errlen)
@@ -289,34 +309,32 @@ static pshard_status_t put(coord_store_t *store, const char *key, size_t klen, u
     size_t pos = probe(store, key, klen, hash);
     entry_t *e = store->table[pos];
     if (e) {
-        uint64_t bytes = store->bytes - e->len + len;
-        if (bytes > COORD_STORE_MAX_BYTES) {
+        uint64_t total = store->use->bytes - e->len + len;
+        if (total > COORD_STORE_MAX_BYTES) {
             free(copy);
-            return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
-                           "the store would hold %llu bytes; the limit is %llu",
-                           (unsigned long long)bytes, (unsigned long long)COORD_STORE_MAX_BYTES);
+            return full(err, errlen, "would hold %llu bytes; the limit is %llu",
+                        (unsigned long long)total, (unsigned long long)COORD_STORE_MAX_BYTES);
         }
         free(e->value);
         e->value = copy;
+        store->bytes = store->bytes - e->len + len;
+        store->use->bytes = total;
         e->len = len;
-        store->bytes = bytes;
         if (out)
             *out = e;
         return PSHARD_OK; /* the key existed already, so no waiter can newly be satisfied */
     }
 
     pshard_status_t rc = PSHARD_OK;
-    uint64_t bytes = store->bytes + klen + len;
-    if (store->nkeys >= COORD_STORE_MAX_KEYS) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
-                     "the store holds %zu keys; the limit is %d", store->nkeys,
-                     COORD_STORE_MAX_KEYS);
+    uint64_t total = store->use->bytes + klen + len;
+    if (store->use->keys >= COORD_STORE_MAX_KEYS) {
+        rc = full(err, errlen, "holds %zu keys; the limit is %d", store->use->keys,
+                  COORD_STORE_MAX_KEYS);
         goto fail;
     }
-    if (bytes > COORD_STORE_MAX_BYTES) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
-                     "the store would hold %llu bytes; the limit is %llu",
-                     (unsigned long long)bytes, (unsigned long long)COORD_STORE_MAX_BYTES);
+    if (total > COORD_STORE_MAX_BYTES) {
+        rc = full(err, errlen, "would hold %llu bytes; the limit is %llu",
+                  (unsigned long long)total, (unsigned long long)COORD_STORE_MAX_BYTES);
         goto fail;
     }
     if ((store->nkeys + 1) * 2 > store->cap) {
@@ -342,7 +360,9 @@ static pshard_status_t put(coord_store_t *store, const char *key, size_t klen, u
     e->len = len;
     store->table[pos] = e;
     store->nkeys++;
-    store->bytes = bytes;
+    store->bytes += klen + len;
+    store->use->keys++;
+    store->use->bytes = total;
     if (out)
         *out = e;
     notify_created(store, key, hash);
@@ -357,9 +377,15 @@ fail:
 
 coord_store_t *coord_store_create(void)
 {
+    return coord_store_create_shared(NULL);
+}
+
+coord_store_t *coord_store_create_shared(coord_store_usage_t *usage)
+{
     coord_store_t *store = calloc(1, sizeof(*store));
     if (!store)
         return NULL;
+    store->use = usage ? usage : &store->own;
     store->cap = 64;
     store->table = calloc(store->cap, sizeof(*store->table));
     if (!store->table) {
@@ -386,6 +412,8 @@ void coord_store_destroy(coord_store_t *store)
     free(pending);
     for (size_t i = 0; i < store->cap; i++)
         free_entry(store->table[i]);
+    store->use->keys -= store->nkeys;
+    store->use->bytes -= store->bytes;
     free(store->table);
     free(store);
 }
@@ -500,6 +528,8 @@ pshard_status_t coord_store_delete(coord_store_t *store, const char *key, char *
                        KEY_ARGS(key, klen));
     store->bytes -= e->key_len + e->len;
     store->nkeys--;
+    store->use->bytes -= e->key_len + e->len;
+    store->use->keys--;
     remove_slot(store, pos);
     free_entry(e);
     return PSHARD_OK;

@@ -19,6 +19,14 @@
 
 typedef struct coord_store coord_store_t;
 
+/* Keys and bytes that several stores share one limit for (COORD_STORE_MAX_KEYS and
+ * COORD_STORE_MAX_BYTES): a coordinator gives each job a store, and all of them together stay
+ * within the limits. */
+typedef struct {
+    size_t keys;
+    uint64_t bytes;
+} coord_store_usage_t;
+
 /* Outcome of a wait, delivered exactly once per waiter. On PSHARD_OK, values[i]/lens[i] are the
  * current values of the waited keys in request order; they point into the store and are valid
  * only during the callback. On PSHARD_ERR_TIMEOUT, values is NULL and missing names the first
@@ -29,6 +37,10 @@ typedef void (*coord_store_wait_fn)(void *arg, pshard_status_t status, const uin
 
 /* Creates an empty store; NULL when out of memory. */
 coord_store_t *coord_store_create(void);
+
+/* The same, counting its keys and bytes in *usage (which must outlive the store) against the
+ * limits shared with every other store made with it. Destroying the store gives them back. */
+coord_store_t *coord_store_create_shared(coord_store_usage_t *usage);
 
 /* Cancels every pending waiter (callback with PSHARD_ERR_CANCELLED) and frees the store. NULL
  * is a no-op. */
@@ -63,7 +75,7 @@ pshard_status_t coord_store_compare_set(coord_store_t *store, const char *key,
 pshard_status_t coord_store_add(coord_store_t *store, const char *key, int64_t delta,
                                 int64_t *result, char *err, size_t errlen);
 
-/* Deletes key. Returns PSHARD_OK or NOT_FOUND. */
+/* Deletes key (torch's delete_key). Returns PSHARD_OK or NOT_FOUND. */
 pshard_status_t coord_store_delete(coord_store_t *store, const char *key, char *err,
                                    size_t errlen);
 

@@ -26,6 +26,7 @@ typedef struct {
     int64_t heartbeat_ms;
     int64_t max_message_bytes;
     int64_t store_wait_ms;
+    int64_t job_linger_ms;
     int64_t threads;
     char *log;
 } coord_opts_t;
@@ -62,6 +63,10 @@ static const ps_option_t options[] = {
         "largest request accepted", max_message_bytes, 4096, 1073741824),
     OPT("store-wait-ms", "PSHARD_STORE_WAIT_MS", PS_OPT_INT, "300000",
         "default timeout of a store wait that names none", store_wait_ms, 1, 86400000),
+    OPT("job-linger-ms", "PSHARD_JOB_LINGER_MS", PS_OPT_INT, "300000",
+        "a job (other than \"default\") with no members, Watch or StoreWait for this long "
+        "ends, and its store keys with it",
+        job_linger_ms, 1, 86400000),
     OPT("threads", "PSHARD_THREADS", PS_OPT_INT, "4", "worker threads for slow handlers", threads,
         1, 256),
     OPT("log", "PSHARD_LOG", PS_OPT_STRING, "warn", "log level: error|warn|info|debug|trace", log,
@@ -169,6 +174,7 @@ int main(int argc, char **argv)
         .heartbeat_ms = o.heartbeat_ms,
         .max_message_bytes = o.max_message_bytes,
         .store_wait_default_ms = o.store_wait_ms,
+        .job_linger_ms = o.job_linger_ms,
         .worker_threads = (int)o.threads,
     };
     coord = pshard_coordinator_start(&cfg, err, sizeof(err));

@@ -18,6 +18,7 @@ typedef struct {
     char *advertise;
     char *port_file;
     char *name;
+    char *job;
     char *node;
     char *backend;
     char *offload;
@@ -53,6 +54,10 @@ static const ps_option_t options[] = {
         "write the bound port to this file once serving", port_file, 0, 0),
     OPT("name", "PSHARD_NAME,POD_NAME,HOSTNAME", PS_OPT_STRING, NULL,
         "stable member name; a restart under the same name gets its rank back", name, 0, 0),
+    OPT("job", "PSHARD_JOB", PS_OPT_STRING, NULL,
+        "job id on the coordinator (torchrun's --rdzv-id): members, ranks and store keys are "
+        "the job's own (default: the coordinator's job \"default\")",
+        job, 0, 0),
     OPT("node", "PSHARD_NODE,NODE_NAME", PS_OPT_STRING, NULL, "node name shown in status", node, 0,
         0),
     OPT("backend", "PSHARD_BACKEND", PS_OPT_STRING, "tcp", "collectives backend: tcp or nccl",
@@ -138,6 +143,7 @@ int main(int argc, char **argv)
     }
     pshard_shard_server_config_t cfg = {
         .coordinator = o.coordinator,
+        .job = o.job,
         .listen = o.listen,
         .advertise = o.advertise,
         .name = o.name,

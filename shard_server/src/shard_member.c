@@ -261,6 +261,7 @@ void *shard_setup_main(void *arg)
             .backend = s->cfg.backend,
             .name = "shard",
             .coordinator = s->cfg.coordinator,
+            .job = s->cfg.job,
             .listen_host = s->cfg.data_host ? s->cfg.data_host : "127.0.0.1",
             .token = s->cfg.token,
             .generation = gen,
@@ -273,6 +274,14 @@ void *shard_setup_main(void *arg)
         char err[1024] = "";
         pshard_comm_t *comm = NULL;
         pshard_status_t rc = pshard_comm_create(&cc, &comm, err, sizeof(err));
+        if (rc == PSHARD_ERR_RESOURCE_EXHAUSTED) {
+            /* The coordinator's store is full: retrying cannot help, the job must be told. */
+            char msg[1200];
+            snprintf(msg, sizeof(msg), "cannot build the communicator (rank %d of %d): %s",
+                     rank, world, err);
+            shard_set_fatal(s, rc, msg);
+            break;
+        }
         if (rc != PSHARD_OK) {
             PS_WARN(PS_SUB_SHARD, "cannot build the communicator (rank %d of %d): %s; retrying",
                     rank, world, err);

@@ -249,6 +249,7 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.backend = (char *)s->cfg.backend;
     out.offload = (char *)s->cfg.offload;
     out.coordinator = (char *)s->cfg.coordinator;
+    out.job = (char *)(s->cfg.job ? s->cfg.job : "");
     PS_INFO(PS_SUB_SHARD, "trainer '%s' attached (%" PRIu64 " bytes of scratch)",
             req->trainer_name, req->shm_bytes);
     ps_rpc_call_reply(call, &out.base);
@@ -1058,6 +1059,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     s->cfg.token = own(s, 8, cfg->token);
     s->cfg.checkpoint_dir = own(s, 9, cfg->checkpoint_dir);
     s->cfg.resume = own(s, 10, cfg->resume);
+    s->cfg.job = own(s, 11, cfg->job);
     s->max_model_bytes = cfg->max_model_memory > 0 ? (uint64_t)cfg->max_model_memory
                                                    : machine_memory();
     if (s->cfg.checkpoint_keep <= 0)
@@ -1126,7 +1128,8 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
 
     ps_rpc_channel_config_t ccfg = {.target = cfg->coordinator,
                                     .token = cfg->token,
-                                    .tls_ca_file = cfg->coord_tls_ca_file};
+                                    .tls_ca_file = cfg->coord_tls_ca_file,
+                                    .job = cfg->job};
     s->coord = ps_rpc_channel_create(&ccfg, err, errlen);
     if (!s->coord) {
         pshard_shard_server_stop(s);

@@ -312,7 +312,8 @@ class ReflectionTest(CoordinatorTest):
         self.assertEqual(
             sorted(m.name for m in svc.methods),
             sorted(["Register", "Heartbeat", "Leave", "Watch", "StoreSet", "StoreGet",
-                    "StoreWait", "StoreCompareSet", "StoreAdd", "Status", "ReportJoin"]))
+                    "StoreWait", "StoreCompareSet", "StoreAdd", "StoreDelete", "Status",
+                    "ReportJoin"]))
         register = c.pool.FindMethodByName("pshard.Coordinator.Register")
         self.assertEqual(register.input_type.full_name, "pshard.RegisterRequest")
         self.assertEqual(register.output_type.full_name, "pshard.MemberView")
@@ -557,6 +558,40 @@ class BadInputTest(CoordinatorTest):
         status = c.call("Status")
         self.assertEqual([m.member_id for m in status.members], [real])
         self.assertNotIn(known.lease_key.encode(), status.SerializeToString())
+
+
+    def test_jobs_are_apart(self):
+        """The pshard-job header scopes a call to one job (torchrun's --rdzv-id), as grpcurl -H
+        sends it: members, ranks, generations and the store are each job's own."""
+        c = self.start_coordinator("--world-size", "1")
+
+        def job(name):
+            return c.metadata() + (("pshard-job", name),)
+
+        a = c.call("Register", metadata=job("job-a"), role=1, name="srv", address="127.0.0.1:1")
+        b = c.call("Register", metadata=job("job-b"), role=1, name="srv", address="127.0.0.1:2")
+        self.assertEqual((a.rank, b.rank), (0, 0), "the same name forms rank 0 in each job")
+        self.assertEqual(a.generation, b.generation, "each job counts its own generations")
+        st_a = c.call("Status", metadata=job("job-a"))
+        self.assertEqual(st_a.job, "job-a")
+        self.assertEqual([m.member_id for m in st_a.members], [a.member_id])
+        # The default job first, then the others newest first.
+        self.assertEqual([j.job for j in st_a.jobs], ["default", "job-b", "job-a"])
+        self.assertEqual(list(c.call("Status").members), [], "the default job has no members")
+        # A member is known only in its own job.
+        self.assertRpcError(grpc.StatusCode.NOT_FOUND, c.call, "Heartbeat", metadata=job("job-b"),
+                            member_id=a.member_id, lease_key=a.lease_key,
+                            contains="unknown member id")
+        c.call("Heartbeat", metadata=job("job-a"), member_id=a.member_id, lease_key=a.lease_key)
+        c.call("StoreSet", metadata=job("job-a"), key="k", value=b"a")
+        self.assertRpcError(grpc.StatusCode.NOT_FOUND, c.call, "StoreGet", metadata=job("job-b"),
+                            key="k")
+        self.assertEqual(c.call("StoreGet", metadata=job("job-a"), key="k").value, b"a")
+        self.assertTrue(c.call("StoreDelete", metadata=job("job-a"), key="k").deleted)
+        self.assertFalse(c.call("StoreDelete", metadata=job("job-a"), key="k").deleted)
+        self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT, c.call, "Status",
+                            metadata=job("no spaces"), contains="job id")
+        self.assertAlive(c)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -272,10 +272,12 @@ echo "== pshardctl checkpoint save, online"
 bg+=($!)
 for _ in $(seq 1 500); do [ -s "$work/coord.port" ] && break; sleep 0.02; done
 caddr="127.0.0.1:$(cat "$work/coord.port")"
-timeout 300 "$run" --nproc 2 --coordinator "$caddr" --checkpoint-dir "$work/online" -- "$mlp" \
+# A shared coordinator: the job's id (torchrun's --rdzv-id) names it for pshardctl.
+timeout 300 "$run" --nproc 2 --coordinator "$caddr" --rdzv-id online-job \
+  --checkpoint-dir "$work/online" -- "$mlp" \
   "${ARGS[@]}" --steps 3000 --print-every 0 > "$work/online.txt" 2>&1 &
 bg+=($!)
-if out=$("$ctl" --coordinator "$caddr" checkpoint save --timeout-ms 60000 2>&1) &&
+if out=$("$ctl" --coordinator "$caddr" --job online-job checkpoint save --timeout-ms 60000 2>&1) &&
    echo "$out" | grep -q "checkpoint saved: step [0-9]* in .*online/step-"; then
   echo "ok: $out"
   if ! "$ctl" checkpoint list --verify --checkpoint-dir "$work/online" > "$work/online-list.txt" 2>&1; then

@@ -81,6 +81,8 @@ typedef struct {
     const char *coordinator;  /* else: coordinator "host:port"; each rank publishes its
                                  address under a generation-scoped store key and waits for the
                                  others */
+    const char *job;          /* with coordinator: the job its store keys belong to (NULL:
+                                 the coordinator's default job) */
     const char *listen_host;  /* with coordinator: interface to listen on (default 127.0.0.1);
                                  port chosen by the kernel */
     const char *advertise_host; /* host peers dial (default listen_host) */

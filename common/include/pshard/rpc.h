@@ -136,6 +136,10 @@ bool ps_rpc_call_is_cancelled(const ps_rpc_call_t *call);
 /* The call's deadline on the ps_now_ns() clock, or INT64_MAX when the client set none. */
 int64_t ps_rpc_call_deadline_ns(const ps_rpc_call_t *call);
 
+/* The value of request header `key` (lowercase) as a length-counted string (*len set; NOT
+ * NUL-terminated), or NULL when the client sent none. Valid for the call's life. */
+const char *ps_rpc_call_header(const ps_rpc_call_t *call, const char *key, size_t *len);
+
 /* The method path, e.g. "/pshard.Coordinator/Register". Valid for the call's life. */
 const char *ps_rpc_call_method(const ps_rpc_call_t *call);
 
@@ -167,7 +171,12 @@ typedef struct {
     const char *token;           /* sent as "authorization: Bearer TOKEN"; NULL = none */
     int64_t max_message_bytes;   /* receive limit; <= 0 means 4 MiB */
     bool own_connection;         /* do not share the TCP connection with other channels */
+    const char *job;             /* sent as PS_RPC_JOB_HEADER on every call; NULL = none (the
+                                    coordinator's default job) */
 } ps_rpc_channel_config_t;
+
+/* The request header that scopes a coordinator call to one job (torchrun's --rdzv-id). */
+#define PS_RPC_JOB_HEADER "pshard-job"
 
 /* Call flags. */
 #define PS_RPC_IDEMPOTENT 0x1u /* retry with backoff on UNAVAILABLE until the deadline */

@@ -22,6 +22,8 @@ typedef struct {
     int64_t lease_ms, heartbeat_ms;
     int64_t max_message_bytes;
     int64_t store_wait_default_ms;  /* StoreWait with timeout 0 waits this long */
+    int64_t job_linger_ms;          /* an unused job other than "default" ends after this
+                                       (<= 0: 300000) */
     int worker_threads;
 } pshard_coordinator_config_t;
 

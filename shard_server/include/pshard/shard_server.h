@@ -15,6 +15,8 @@ typedef struct pshard_shard_server pshard_shard_server_t;
 
 typedef struct {
     const char *coordinator;  /* "HOST:PORT" of the coordinator */
+    const char *job;          /* the job on the coordinator (torchrun's --rdzv-id); NULL: the
+                                 coordinator's default job */
     const char *listen;       /* "HOST:PORT" for trainers; port 0 picks one */
     const char *advertise;    /* address registered with the coordinator (default: listen) */
     const char *name;         /* member name (stable across restarts, e.g. the pod name) */

@@ -656,6 +656,48 @@ static void test_key_count_limit(void)
 }
 
 /* Deleting many keys keeps every other key reachable (backward-shift deletion). */
+/* Stores made with one usage (a coordinator's jobs) share the key limit: filling it from two
+ * stores refuses the next key in either, with a message that says what to do, and ending one
+ * store (a job that ended) gives its keys back. */
+static void test_shared_usage(void)
+{
+    coord_store_usage_t usage = {0};
+    coord_store_t *a = coord_store_create_shared(&usage);
+    coord_store_t *b = coord_store_create_shared(&usage);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(a);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(b);
+    char key[32], err[512] = "";
+    for (int i = 0; i < COORD_STORE_MAX_KEYS; i++) {
+        snprintf(key, sizeof(key), "key/%d", i);
+        CU_ASSERT_EQUAL_FATAL(coord_store_set(i % 2 ? a : b, key, (const uint8_t *)"v", 1, err,
+                                              sizeof(err)),
+                              PSHARD_OK);
+    }
+    CU_ASSERT_EQUAL(usage.keys, COORD_STORE_MAX_KEYS);
+    CU_ASSERT_EQUAL(coord_store_num_keys(a) + coord_store_num_keys(b), COORD_STORE_MAX_KEYS);
+    CU_ASSERT_EQUAL(coord_store_set(a, "one-more", (const uint8_t *)"v", 1, err, sizeof(err)),
+                    PSHARD_ERR_RESOURCE_EXHAUSTED);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "store is full"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "delete_key"));
+    /* Overwriting a key needs no new room. */
+    CU_ASSERT_EQUAL(coord_store_set(a, "key/1", (const uint8_t *)"w", 1, err, sizeof(err)),
+                    PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_store_delete(b, "key/0", err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(usage.keys, COORD_STORE_MAX_KEYS - 1);
+    CU_ASSERT_EQUAL(coord_store_set(a, "one-more", (const uint8_t *)"v", 1, err, sizeof(err)),
+                    PSHARD_OK);
+    size_t in_b = coord_store_num_keys(b);
+    uint64_t bytes_before = usage.bytes;
+    coord_store_destroy(b);
+    CU_ASSERT_EQUAL(usage.keys, COORD_STORE_MAX_KEYS - in_b);
+    CU_ASSERT(usage.bytes < bytes_before);
+    CU_ASSERT_EQUAL(coord_store_set(a, "after", (const uint8_t *)"v", 1, err, sizeof(err)),
+                    PSHARD_OK);
+    coord_store_destroy(a);
+    CU_ASSERT_EQUAL(usage.keys, 0);
+    CU_ASSERT_EQUAL(usage.bytes, 0);
+}
+
 static void test_delete_keeps_others_reachable(void)
 {
     coord_store_t *st = coord_store_create();
@@ -726,6 +768,7 @@ int main(void)
         {"waiter limit", test_waiter_limit},
         {"key count limit", test_key_count_limit},
         {"delete keeps other keys reachable", test_delete_keeps_others_reachable},
+        {"stores sharing one usage share the limits", test_shared_usage},
         {"byte limit", test_byte_limit},
         {NULL, NULL},
     };
