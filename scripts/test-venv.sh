@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (once) the Python virtual environment the integration tests run in: grpcio with
-# health checking and reflection, which Debian does not package. Safe to run concurrently
+# health checking and reflection, and prometheus-client (whose parser reads /metrics in
+# metrics_test.py), which Debian does not package. Safe to run concurrently
 # (flock) and quick when the environment already matches (a stamp file).
 #
 # Usage: scripts/test-venv.sh [VENV_DIR]   (default: build/.venv)
@@ -18,6 +19,7 @@ packages=(
     "grpcio-health-checking==1.85.1"
     "grpcio-reflection==1.85.1"
     "protobuf==7.36.2"
+    "prometheus-client==0.26.0"
 )
 
 if [[ ! -x "$python" ]]; then
@@ -36,6 +38,21 @@ stamp="$venv_dir/.pshard-stamp"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$stamp_text" && -x "$venv_dir/bin/python" ]]; then
     echo "test-venv: $venv_dir is ready ($stamp_text)"
     exit 0
+fi
+
+# A venv made from an older package list: install what changed into it (pip keeps what already
+# matches) instead of making it anew under a test that may be using it.
+if [[ -f "$venv_dir/pyvenv.cfg" && -x "$venv_dir/bin/python" && -f "$stamp" &&
+      "$(head -c 64 "$stamp")" == "$("$python" --version 2>&1)"* ]]; then
+    echo "test-venv: updating $venv_dir"
+    if "$venv_dir/bin/python" -m pip install --disable-pip-version-check --no-input -q \
+            "${packages[@]}" &&
+        "$venv_dir/bin/python" -c 'import grpc, grpc_health.v1, grpc_reflection.v1alpha, google.protobuf, prometheus_client.parser'; then
+        printf '%s\n' "$stamp_text" >"$stamp"
+        echo "test-venv: $venv_dir is ready ($stamp_text)"
+        exit 0
+    fi
+    echo "test-venv: updating $venv_dir failed; making it anew" >&2
 fi
 
 # Replace only what is a virtual environment (or nothing): never wipe an unrelated folder.
@@ -59,6 +76,6 @@ if ! "$venv_dir/bin/python" -m pip install --disable-pip-version-check --no-inpu
     exit 1
 fi
 
-"$venv_dir/bin/python" -c 'import grpc, grpc_health.v1, grpc_reflection.v1alpha, google.protobuf'
+"$venv_dir/bin/python" -c 'import grpc, grpc_health.v1, grpc_reflection.v1alpha, google.protobuf, prometheus_client.parser'
 printf '%s\n' "$stamp_text" >"$stamp"
 echo "test-venv: $venv_dir is ready ($stamp_text)"

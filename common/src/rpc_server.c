@@ -90,6 +90,7 @@ struct ps_rpc_call {
     struct ps_rpc_call *live_prev, *live_next;
     struct ps_rpc_call *work_next;
     ProtobufCMessage *pending_req; /* request waiting for a worker */
+    int64_t queued_ns;             /* when it was queued for a worker (ps_now_ns) */
 };
 
 struct ps_rpc_server {
@@ -112,6 +113,8 @@ struct ps_rpc_server {
     pthread_mutex_t work_mu;
     pthread_cond_t work_cv;
     ps_rpc_call_t *work_head, *work_tail;
+    size_t work_queued; /* calls in the work queue (work_mu) */
+    int work_busy;      /* workers running a handler (work_mu) */
     bool work_stop;
 
     pthread_mutex_t mu;
@@ -592,10 +595,15 @@ static void *worker_main(void *arg)
         srv->work_head = c->work_next;
         if (!srv->work_head)
             srv->work_tail = NULL;
+        srv->work_queued--;
+        srv->work_busy++;
         pthread_mutex_unlock(&srv->work_mu);
         ProtobufCMessage *req = c->pending_req;
         c->pending_req = NULL;
         run_handler(c, req);
+        pthread_mutex_lock(&srv->work_mu);
+        srv->work_busy--;
+        pthread_mutex_unlock(&srv->work_mu);
     }
 }
 
@@ -609,7 +617,9 @@ static void dispatch(ps_rpc_call_t *c, ProtobufCMessage *req)
     ps_rpc_server_t *srv = c->srv;
     c->pending_req = req;
     c->work_next = NULL;
+    c->queued_ns = ps_now_ns();
     pthread_mutex_lock(&srv->work_mu);
+    srv->work_queued++;
     if (srv->work_tail)
         srv->work_tail->work_next = c;
     else
@@ -1086,6 +1096,17 @@ void ps_rpc_server_counters(ps_rpc_server_t *srv,
     for (size_t i = 0; i < srv->nmethods; i++)
         fn(arg, srv->methods[i].m.path, atomic_load(&srv->methods[i].calls),
            atomic_load(&srv->methods[i].errors));
+}
+
+void ps_rpc_server_load(ps_rpc_server_t *srv, ps_rpc_load_t *out)
+{
+    int64_t now = ps_now_ns();
+    pthread_mutex_lock(&srv->work_mu);
+    out->workers = srv->n_workers;
+    out->busy = srv->work_busy;
+    out->queued = srv->work_queued;
+    out->oldest_wait_ns = srv->work_head ? now - srv->work_head->queued_ns : 0;
+    pthread_mutex_unlock(&srv->work_mu);
 }
 
 void ps_rpc_server_shutdown(ps_rpc_server_t *srv)

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "coord_metrics.h"
 #include "coord_state.h"
 #include "coord_store.h"
 #include "pshard/coordinator.h"
@@ -1127,4 +1128,34 @@ void pshard_coordinator_stop(pshard_coordinator_t *c)
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->tick_cv);
     free(c);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Metrics (coord_metrics.h)                                                                 */
+
+void coord_service_metrics_view(pshard_coordinator_t *c,
+                                void (*fn)(void *arg, const coord_metrics_view_t *view),
+                                void *arg)
+{
+    coord_metrics_view_t v = {0};
+    v.now_ns = ps_now_ns();
+    v.started_ns = c->started_ns;
+    v.lease_ms = c->cfg.lease_ms;
+    v.srv = c->srv;
+    pthread_mutex_lock(&c->mu);
+    coord_metrics_job_t *jobs = calloc(c->njobs ? c->njobs : 1, sizeof(*jobs));
+    size_t n = 0;
+    for (coord_job_t *j = c->jobs; j && jobs && n < c->njobs; j = j->next, n++) {
+        ps_strlcpy(jobs[n].job, j->name, sizeof(jobs[n].job));
+        jobs[n].snap = coord_state_snapshot(j->state, v.now_ns);
+        jobs[n].store_keys = coord_store_num_keys(j->store);
+        jobs[n].store_waiters = coord_store_num_waiters(j->store);
+    }
+    pthread_mutex_unlock(&c->mu);
+    v.jobs = jobs;
+    v.njobs = jobs ? n : 0;
+    fn(arg, &v);
+    for (size_t i = 0; i < v.njobs; i++)
+        coord_snapshot_free((coord_snapshot_t *)jobs[i].snap);
+    free(jobs);
 }

@@ -7,8 +7,10 @@
 #include <unistd.h>
 
 #include "pshard/config.h"
+#include "coord_metrics.h"
 #include "pshard/coordinator.h"
 #include "pshard/log.h"
+#include "pshard/metrics.h"
 #include "pshard/rpc.h"
 #include "pshard/util.h"
 
@@ -29,6 +31,8 @@ typedef struct {
     int64_t job_linger_ms;
     int64_t threads;
     char *log;
+    char *metrics_listen;
+    char *metrics_port_file;
 } coord_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
@@ -71,6 +75,12 @@ static const ps_option_t options[] = {
         1, 256),
     OPT("log", "PSHARD_LOG", PS_OPT_STRING, "warn", "log level: error|warn|info|debug|trace", log,
         0, 0),
+    OPT("metrics-listen", "PSHARD_METRICS_LISTEN", PS_OPT_STRING, NULL,
+        "serve Prometheus metrics at http://HOST:PORT/metrics; port 0 picks a free port "
+        "(default: no metrics listener)",
+        metrics_listen, 0, 0),
+    OPT("metrics-port-file", "PSHARD_METRICS_PORT_FILE", PS_OPT_STRING, NULL,
+        "write the bound metrics port to this file once serving", metrics_port_file, 0, 0),
 };
 
 /* Parses "MIN:MAX" (or "N") into min/max. */
@@ -106,6 +116,7 @@ int main(int argc, char **argv)
     char err[512] = "";
     int exit_code = 0;
     pshard_coordinator_t *coord = NULL;
+    ps_metrics_server_t *metrics = NULL;
     char *token = NULL;
     int start = ps_config_main(options, PS_ARRAY_LEN(options), argc, argv, &o, &res,
                                "pshard-coordinator", "[OPTIONS]",
@@ -183,6 +194,20 @@ int main(int argc, char **argv)
         exit_code = 1;
         goto out;
     }
+    if (o.metrics_listen && *o.metrics_listen) {
+        metrics = coord_metrics_start(coord, o.metrics_listen, err, sizeof(err));
+        if (!metrics) {
+            fprintf(stderr, "pshard-coordinator: %s\n", err);
+            exit_code = 1;
+            goto out;
+        }
+        /* Before the gRPC port file: a script that waits for that one then finds this one. */
+        if (ps_announce_metrics("pshard-coordinator", o.metrics_listen,
+                                ps_metrics_server_port(metrics), o.metrics_port_file) != 0) {
+            exit_code = 1;
+            goto out;
+        }
+    }
     int port = pshard_coordinator_port(coord);
     if (ps_announce_listening("pshard-coordinator", o.listen, port, o.port_file) != 0) {
         exit_code = 1;
@@ -195,6 +220,8 @@ int main(int argc, char **argv)
     PS_INFO(PS_SUB_MAIN, "signal %d: shutting down", sig);
 
 out:
+    /* Scrapes read the coordinator: stop them first. */
+    ps_metrics_server_stop(metrics);
     pshard_coordinator_stop(coord);
     free(token);
     ps_config_free(options, PS_ARRAY_LEN(options), &o);

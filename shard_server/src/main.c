@@ -8,6 +8,7 @@
 
 #include "pshard/config.h"
 #include "pshard/log.h"
+#include "pshard/metrics.h"
 #include "pshard/rpc.h"
 #include "pshard/shard_server.h"
 #include "pshard/util.h"
@@ -38,6 +39,8 @@ typedef struct {
     char *resume;
     bool resume_allow_fresh;
     int64_t max_model_memory;
+    char *metrics_listen;
+    char *metrics_port_file;
 } server_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
@@ -102,6 +105,12 @@ static const ps_option_t options[] = {
         "larger DefineModel is refused before anything is allocated (0: the machine's memory "
         "or the cgroup's limit)",
         max_model_memory, 0, INT64_MAX),
+    OPT("metrics-listen", "PSHARD_METRICS_LISTEN", PS_OPT_STRING, NULL,
+        "serve Prometheus metrics at http://HOST:PORT/metrics; port 0 picks a free port "
+        "(default: no metrics listener)",
+        metrics_listen, 0, 0),
+    OPT("metrics-port-file", "PSHARD_METRICS_PORT_FILE", PS_OPT_STRING, NULL,
+        "write the bound metrics port to this file once serving", metrics_port_file, 0, 0),
 };
 
 int main(int argc, char **argv)
@@ -165,11 +174,19 @@ int main(int argc, char **argv)
         .resume = o.resume,
         .resume_allow_fresh = o.resume_allow_fresh,
         .max_model_memory = o.max_model_memory,
+        .metrics_listen = o.metrics_listen,
     };
     srv = pshard_shard_server_start(&cfg, err, sizeof(err));
     if (!srv) {
         fprintf(stderr, "pshard-server: %s\n", err);
         rc = strstr(err, "--") ? 2 : 1;
+        goto out;
+    }
+    /* The metrics port first: a script that waits for the gRPC port file then finds it. */
+    if (o.metrics_listen &&
+        ps_announce_metrics("pshard-server", o.metrics_listen,
+                            pshard_shard_server_metrics_port(srv), o.metrics_port_file) != 0) {
+        rc = 1;
         goto out;
     }
     if (ps_announce_listening("pshard-server", o.listen, pshard_shard_server_port(srv),

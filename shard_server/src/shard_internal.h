@@ -11,6 +11,7 @@
 #include "pshard/collectives.h"
 #include "pshard/rpc.h"
 #include "pshard/shard_server.h"
+#include "shard_metrics.h"
 #include "shard_model.h"
 
 #define NMETHODS 12
@@ -82,6 +83,16 @@ struct pshard_shard_server {
 
     ps_rpc_method_t methods[NMETHODS];
     char paths[NMETHODS][64];
+
+    /* Statistics and health (shard_metrics.c): atomics, never behind op_mu. */
+    int64_t started_ns;
+    shard_op_stats_t op_stats[SHARD_OPK_COUNT];
+    atomic_int serving;           /* what "pshard.ShardServer" reports: 1 SERVING, 2 NOT */
+    pthread_mutex_t health_mu;    /* serializes shard_health_update's evaluate-and-set */
+    char health_reason[256];      /* why NOT_SERVING, "" when serving (health_mu) */
+    pthread_t monitor_thread;
+    bool monitor_started;
+    struct ps_metrics_server *metrics; /* --metrics-listen, or NULL */
 };
 
 

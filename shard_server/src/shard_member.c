@@ -244,7 +244,7 @@ void *shard_setup_main(void *arg)
             PS_WARN(PS_SUB_SHARD, "cluster re-formed (generation %" PRIu64 "); rebuilding the "
                                   "communicator",
                     gen);
-            ps_rpc_server_set_health(s->srv, "pshard.ShardServer", 2);
+            shard_health_update(s); /* s->comm is NULL now: NOT_SERVING */
             /* Abort first, without op_mu: a trainer operation may hold it inside a collective
              * of the old ring, and only the abort releases it. */
             if (pshard_comm_error(old, NULL, 0) == PSHARD_OK)
@@ -293,7 +293,7 @@ void *shard_setup_main(void *arg)
         s->comm_generation = gen;
         pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
-        ps_rpc_server_set_health(s->srv, "pshard.ShardServer", 1);
+        shard_health_update(s); /* SERVING unless another reason holds */
         PS_INFO(PS_SUB_SHARD, "rank %d of %d ready (generation %" PRIu64 ")", rank, world, gen);
     }
     return NULL;

@@ -20,6 +20,7 @@
 #include "pshard/collectives.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/log.h"
+#include "pshard/metrics.h"
 #include "pshard/rpc.h"
 #include "pshard/shard.pb-c.h"
 #include "pshard/shard_server.h"
@@ -781,6 +782,10 @@ static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather
         ids[i] = tensors[i]->param;
     shard_sop_t sop = {.kind = gather ? SHARD_SOP_GATHER : SHARD_SOP_REDUCE_SCATTER,
                        .dtype = dt, .nids = n, .ids = ids};
+    int64_t start_ns = ps_now_ns();
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n; i++)
+        bytes += (uint64_t)s->model->params[tensors[i]->param].numel * pshard_dtype_size(dt);
     int active = 0;
     rc = shard_agree_active(s, comm, &sop, &active, NULL, err, sizeof(err));
     free(ids);
@@ -791,6 +796,8 @@ static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather
                     : shard_reduce_scatter_one(comm, m, tensors[i]->param, dt, buf, active, err,
                                                sizeof(err));
     }
+    shard_stats_record(s, gather ? SHARD_OPK_GATHER : SHARD_OPK_REDUCE_SCATTER, start_ns, bytes,
+                       rc == PSHARD_OK);
     if (rc != PSHARD_OK)
         ps_rpc_call_fail(call, rc, "%s", err);
     else
@@ -891,10 +898,13 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
     shard_sop_t sop = {.kind = SHARD_SOP_COLLECTIVE, .dtype = dt, .coll_op = req->op,
                        .count = req->count, .root = req->root, .average = req->reduce != 0};
     int active = 0;
+    int64_t start_ns = ps_now_ns();
     pshard_status_t rc = shard_agree_active(s, comm, &sop, &active, NULL, err, sizeof(err));
     if (rc == PSHARD_OK)
         rc = shard_run_collective(comm, &sop, base + req->send_offset, base + req->recv_offset,
                                   active, err, sizeof(err));
+    shard_stats_record(s, shard_opk_of_coll(req->op), start_ns,
+                       req->op == PSHARD_COLL_BARRIER ? 0 : send_bytes, rc == PSHARD_OK);
     pthread_mutex_unlock(&s->op_mu);
     if (rc != PSHARD_OK) {
         ps_rpc_call_fail(call, rc, "%s", err);
@@ -904,20 +914,14 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
     ps_rpc_call_reply(call, &out.base);
 }
 
+/* Status runs inline on the completion-queue thread (PS_RPC_INLINE), so it answers even when
+ * every worker is held by a trainer operation blocked in a collective: it reads copies under
+ * s->mu, which is only ever held briefly, and never takes op_mu. */
 static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
     pshard_shard_server_t *s = ctx;
     (void)request;
     Pshard__ShardStatusResponse out = PSHARD__SHARD_STATUS_RESPONSE__INIT;
-    pthread_mutex_lock(&s->mu);
-    pshard_comm_t *comm = s->comm;
-    out.rank = s->rank;
-    out.world_size = s->world;
-    out.generation = s->comm_generation;
-    out.joined = s->joined;
-    out.joined_step = s->joined_step;
-    out.shadowed_ops = s->shadowed_ops;
-    pthread_mutex_unlock(&s->mu);
     out.name = (char *)s->cfg.name;
     out.backend = (char *)s->cfg.backend;
     out.offload = (char *)s->cfg.offload;
@@ -931,6 +935,16 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     char *lines[32];
     char buf[32][256];
     size_t nl = 0;
+    /* One hold of s->mu for the whole snapshot: the setup thread swaps s->comm under it before
+     * it destroys an old ring, so the flight records are read from a live communicator. */
+    pthread_mutex_lock(&s->mu);
+    pshard_comm_t *comm = s->comm;
+    out.rank = s->rank;
+    out.world_size = s->world;
+    out.generation = s->comm_generation;
+    out.joined = s->joined;
+    out.joined_step = s->joined_step;
+    out.shadowed_ops = s->shadowed_ops;
     if (comm) {
         pshard_coll_record_t recs[32];
         size_t n = pshard_comm_flight_records(comm, recs, 32);
@@ -942,8 +956,6 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     }
     out.n_flight_records = nl;
     out.flight_records = lines;
-    /* Read under s->mu, not op_mu: status must answer while a collective hangs. */
-    pthread_mutex_lock(&s->mu);
     shard_model_t *m = s->model;
     out.attached = s->session[0] != 0;
     if (m) {
@@ -969,6 +981,11 @@ static const char *own(pshard_shard_server_t *s, int slot, const char *v)
 int pshard_shard_server_port(const pshard_shard_server_t *s)
 {
     return ps_rpc_server_port(s->srv);
+}
+
+int pshard_shard_server_metrics_port(const pshard_shard_server_t *s)
+{
+    return s->metrics ? ps_metrics_server_port(s->metrics) : 0;
 }
 
 pshard_status_t pshard_shard_server_error(const pshard_shard_server_t *s, char *err,
@@ -1068,7 +1085,10 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->op_mu, NULL);
+    pthread_mutex_init(&s->health_mu, NULL);
     atomic_init(&s->stop, false);
+    atomic_init(&s->serving, 2);
+    s->started_ns = ps_now_ns();
 
     ps_rpc_server_config_t rcfg = {
         .listen = cfg->listen,
@@ -1106,7 +1126,10 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     };
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);
-        unsigned flags = table[i].fn == shard_handle_read_region ? PS_RPC_STREAM : 0;
+        /* Status must answer while trainer operations hold every worker: inline. */
+        unsigned flags = table[i].fn == shard_handle_read_region ? PS_RPC_STREAM
+                         : table[i].fn == handle_status          ? PS_RPC_INLINE
+                                                                 : 0;
         s->methods[i] = (ps_rpc_method_t){s->paths[i], table[i].desc, table[i].fn, flags, s};
     }
     ps_rpc_server_add_methods(s->srv, s->methods, NMETHODS);
@@ -1141,6 +1164,16 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         s->setup_started = true;
     if (pthread_create(&s->watch_thread, NULL, shard_watch_main, s) == 0)
         s->watch_started = true;
+    if (pthread_create(&s->monitor_thread, NULL, shard_monitor_main, s) == 0)
+        s->monitor_started = true;
+    if (cfg->metrics_listen && *cfg->metrics_listen) {
+        s->metrics = ps_metrics_server_start(cfg->metrics_listen, shard_metrics_collect, s, err,
+                                             errlen);
+        if (!s->metrics) {
+            pshard_shard_server_stop(s);
+            return NULL;
+        }
+    }
     return s;
 }
 
@@ -1163,6 +1196,10 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
         pthread_join(s->hb_thread, NULL);
     if (s->watch_started)
         pthread_join(s->watch_thread, NULL);
+    if (s->monitor_started)
+        pthread_join(s->monitor_thread, NULL);
+    /* Scrapes read the RPC server's counters: end them first. */
+    ps_metrics_server_stop(s->metrics);
     ps_rpc_server_destroy(s->srv);
     if (s->coord && s->member_id[0]) {
         Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
@@ -1187,5 +1224,6 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->op_mu);
+    pthread_mutex_destroy(&s->health_mu);
     free(s);
 }

@@ -257,6 +257,7 @@ static bool agree_and_run(pshard_shard_server_t *s, ps_rpc_call_t *call, pshard_
     char err[1024] = "";
     int active = 0;
     int64_t ckpt_request = 0;
+    int64_t start_ns = ps_now_ns();
     pshard_status_t rc =
         shard_agree_active(s, comm, sop, &active, &ckpt_request, err, sizeof(err));
     if (rc == PSHARD_OK)
@@ -264,6 +265,8 @@ static bool agree_and_run(pshard_shard_server_t *s, ps_rpc_call_t *call, pshard_
                  ? shard_run_step(s, comm, s->model, sop, ckpt_request, norm, err, sizeof(err))
                  : shard_run_clip(comm, s->model, sop->max_norm, sop->norm_type, norm, err,
                                   sizeof(err));
+    shard_stats_record(s, sop->kind == SHARD_SOP_STEP ? SHARD_OPK_STEP : SHARD_OPK_CLIP_GRAD_NORM,
+                       start_ns, 0, rc == PSHARD_OK);
     if (rc != PSHARD_OK)
         ps_rpc_call_fail(call, rc, "%s", err);
     return rc == PSHARD_OK;

@@ -15,3 +15,10 @@ add_test(NAME tls
                  $<TARGET_FILE:pshard-coordinator>)
 set_tests_properties(interop_grpcio tls PROPERTIES FIXTURES_REQUIRED venv LABELS integration
                      TIMEOUT 300 ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")
+
+# /metrics of the coordinator and the shard servers, parsed by PyPI's prometheus_client.
+add_test(NAME metrics
+         COMMAND ${PSHARD_TEST_VENV}/bin/python ${CMAKE_CURRENT_SOURCE_DIR}/metrics_test.py
+                 $<TARGET_FILE:pshard-coordinator> $<TARGET_FILE:pshard-server>)
+set_tests_properties(metrics PROPERTIES FIXTURES_REQUIRED venv LABELS integration TIMEOUT 300
+                     ENVIRONMENT "PYTHONDONTWRITEBYTECODE=1")

@@ -84,6 +84,18 @@ void ps_rpc_server_counters(ps_rpc_server_t *srv,
                                        uint64_t errors),
                             void *arg);
 
+/* The worker pool's load right now: its size, how many workers run a handler, how many calls
+ * wait for a worker, and how long the oldest of those has waited (0 when none waits). A call
+ * waits only when every worker is busy, so a long wait means the pool is saturated (trainer
+ * operations blocked in collectives, for instance). Thread-safe. */
+typedef struct {
+    int workers;
+    int busy;
+    size_t queued;
+    int64_t oldest_wait_ns;
+} ps_rpc_load_t;
+void ps_rpc_server_load(ps_rpc_server_t *srv, ps_rpc_load_t *out);
+
 /* Graceful shutdown: health NOT_SERVING, stop accepting calls, cancel open calls and streams,
  * run the shutdown hook, wait until every call is released, stop the threads. Blocks.
  * Idempotent. Thread-safe, but not from a handler. */

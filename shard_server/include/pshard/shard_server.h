@@ -42,6 +42,8 @@ typedef struct {
                                  the cgroup's limit, whichever is smaller */  /* with resume: when every checkpoint there is refused (corrupt,
                                  a link, another step), start from the initial values with a
                                  warning instead of failing DefineModel */
+    const char *metrics_listen; /* "HOST:PORT" for Prometheus' /metrics (port 0 picks one);
+                                   NULL: no metrics listener */
 } pshard_shard_server_config_t;
 
 /* Starts serving trainers at once (health "pshard.ShardServer" is NOT_SERVING until the
@@ -52,6 +54,9 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
                                                  char *err, size_t errlen);
 
 int pshard_shard_server_port(const pshard_shard_server_t *s);
+
+/* The bound port of the metrics listener, or 0 without --metrics-listen. Thread-safe. */
+int pshard_shard_server_metrics_port(const pshard_shard_server_t *s);
 
 /* Fatal background error (lost coordinator, communicator failure at set-up), or PSHARD_OK. */
 pshard_status_t pshard_shard_server_error(const pshard_shard_server_t *s, char *err,
