@@ -598,7 +598,10 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
             protobuf_c_message_free_unpacked(resp, NULL);
             break;
         }
-        if (rc != PSHARD_ERR_UNAVAILABLE || ps_now_ns() > give_up) {
+        /* ALREADY_EXISTS: the previous trainer of this rank (one that was restarted) still
+         * holds the session until its lease lapses. */
+        if ((rc != PSHARD_ERR_UNAVAILABLE && rc != PSHARD_ERR_ALREADY_EXISTS) ||
+            ps_now_ns() > give_up) {
             ps_errf(err, errlen, rc, "attaching to shard server %s: %s", c->server, e);
             goto fail;
         }

@@ -59,6 +59,9 @@ struct pshard_shard_server {
     char session[40];
     char trainer_name[128]; /* the attached trainer's coordinator member name (Attach's
                                member_name; under mu) */
+    bool trainer_seen;      /* the coordinator's membership (Watch) holds a live trainer
+                               member of that name (mu) */
+    int64_t attached_ns;    /* when the session began (mu) */
     shm_map_t scratch, model_shm;
     shm_map_t pending_model; /* remote trainers: private model region filled before DefineModel */
     uint64_t max_model_bytes; /* --max-model-memory, or what this machine / cgroup has */

@@ -362,6 +362,15 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
     free(*known);
     *known = next;
     *nknown = ev->n_members;
+    /* Whether the attached trainer still holds its lease: Attach refuses a second trainer
+     * while it does. */
+    pthread_mutex_lock(&s->mu);
+    bool seen = false;
+    for (size_t i = 0; i < ev->n_members && s->trainer_name[0]; i++)
+        if (next[i].role == PSHARD__ROLE__TRAINER && strcmp(next[i].name, s->trainer_name) == 0)
+            seen = true;
+    s->trainer_seen = seen;
+    pthread_mutex_unlock(&s->mu);
 }
 
 void *shard_watch_main(void *arg)

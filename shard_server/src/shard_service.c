@@ -199,6 +199,26 @@ bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char 
 /* ---------------------------------------------------------------------------------------- */
 /* Trainer RPCs                                                                              */
 
+/* True (with the reason in err) while the rank's session belongs to a trainer that is alive:
+ * the coordinator's membership holds its lease (member trainer-R). Another Attach must not take
+ * the rank from it; a trainer that left, or whose lease lapsed (it died or hangs), frees it. A
+ * trainer without a lease (no coordinator) can be replaced, as before. */
+static bool session_held_by_live_trainer(pshard_shard_server_t *s, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&s->mu);
+    int64_t lease_ms = s->lease_ms > 0 ? s->lease_ms : 5000;
+    bool held = s->session[0] && s->trainer_seen;
+    if (held)
+        snprintf(err, errlen,
+                 "rank %d is attached to a live trainer (%s, attached %lld ms ago, its "
+                 "coordinator lease is live); a second trainer cannot take it over. A restarted "
+                 "trainer attaches once the old one's lease (%lld ms) has lapsed",
+                 s->rank, s->trainer_name, (long long)((ps_now_ns() - s->attached_ns) / 1000000),
+                 (long long)lease_ms);
+    pthread_mutex_unlock(&s->mu);
+    return held;
+}
+
 static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
     pshard_shard_server_t *s = ctx;
@@ -214,6 +234,10 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         return;
     }
     char err[512] = "";
+    if (session_held_by_live_trainer(s, err, sizeof(err))) {
+        ps_rpc_call_fail(call, PSHARD_ERR_ALREADY_EXISTS, "%s", err);
+        return;
+    }
     shm_map_t m = {0};
     bool remote = !req->shm_name || !req->shm_name[0];
     pshard_status_t rc = remote ? shard_alloc_private(req->shm_bytes, &m, err, sizeof(err))
@@ -224,6 +248,13 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     }
     shard_pin_region(s, &m);
     pthread_mutex_lock(&s->op_mu);
+    /* Again under op_mu, which every Attach takes: two at once cannot both pass. */
+    if (session_held_by_live_trainer(s, err, sizeof(err))) {
+        pthread_mutex_unlock(&s->op_mu);
+        shard_unmap(&m);
+        ps_rpc_call_fail(call, PSHARD_ERR_ALREADY_EXISTS, "%s", err);
+        return;
+    }
     shard_unmap(&s->scratch);
     shard_unmap(&s->model_shm);
     shard_unmap(&s->pending_model);
@@ -241,6 +272,8 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     memcpy(s->session, session, sizeof(session));
     ps_strlcpy(s->trainer_name, req->member_name ? req->member_name : "",
                sizeof(s->trainer_name));
+    s->trainer_seen = false; /* until the coordinator shows its lease */
+    s->attached_ns = ps_now_ns();
     pthread_mutex_unlock(&s->mu);
     Pshard__AttachResponse out = PSHARD__ATTACH_RESPONSE__INIT;
     out.session = s->session;

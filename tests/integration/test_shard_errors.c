@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "grpc/health/v1/health.pb-c.h"
+#include "ps_coord_client.h"
 #include "ps_proc.h"
 #include "ps_test.h"
 #include "pshard/rpc.h"
@@ -584,6 +585,7 @@ typedef struct {
     pid_t servers[2];
     char dir[64];
     char addr[2][64];
+    char target[64]; /* the coordinator */
     ps_rpc_channel_t *ch[2];
     int rank_of[2]; /* rank of servers[i] */
 } cluster_t;
@@ -601,6 +603,7 @@ static bool cluster_start(cluster_t *c, int world, const char *const *server_ext
     c->coord = ps_proc_start_coordinator(coord_bin, cargs, target, sizeof(target));
     if (c->coord < 0)
         return false;
+    ps_strlcpy(c->target, target, sizeof(c->target));
     ps_strlcpy(c->dir, "/tmp/pshard-shard-errors-XXXXXX", sizeof(c->dir));
     if (!mkdtemp(c->dir))
         return false;
@@ -799,6 +802,77 @@ static void test_wrong_session(void)
     EXPECT_ERR("Step with the replaced session", do_step(ch, old, false, 0), FP, "session");
     CU_ASSERT_FATAL(trainer_define(ch, &tr));
     CHECK_SERVING(ch, &tr);
+}
+
+static res_t do_attach_as(ps_rpc_channel_t *ch, const char *member, const char *trainer,
+                          const char *shm, uint64_t bytes)
+{
+    Pshard__AttachRequest req = PSHARD__ATTACH_REQUEST__INIT;
+    req.rank = 0;
+    req.shm_name = (char *)shm;
+    req.shm_bytes = bytes;
+    req.trainer_name = (char *)trainer;
+    req.member_name = (char *)member;
+    return rpc(ch, "Attach", &req.base, &pshard__attach_response__descriptor, 10000);
+}
+
+/* Attach from a second token holder must not take a rank from a running trainer (it used to
+ * replace the session and kill the job): refused while the coordinator holds the attached
+ * trainer's lease, allowed once that trainer has left. */
+static void test_attach_refused_while_trainer_lives(void)
+{
+    cluster_t c;
+    CU_ASSERT_FATAL(cluster_start(&c, 1, NULL));
+    shm_t a, b;
+    CU_ASSERT_FATAL(shm_make(&a, 4096) && shm_make(&b, 4096));
+    res_t r = do_attach_as(c.ch[0], "trainer-0", "first", a.name, 4096);
+    CU_ASSERT_EQUAL_FATAL(r.rc, PSHARD_OK);
+    protobuf_c_message_free_unpacked(r.resp, NULL);
+    /* The first trainer's lease, as libpshard registers it. */
+    char err[256] = "", id[64];
+    ps_rpc_channel_config_t cc = {.target = c.target};
+    ps_rpc_channel_t *coord = ps_rpc_channel_create(&cc, err, sizeof(err));
+    CU_ASSERT_FATAL(coord && ps_coord_register(coord, PSHARD__ROLE__TRAINER, "trainer-0", "", id,
+                                               sizeof(id)));
+    /* Once the server has seen that lease (on Watch), a second Attach is refused. */
+    int64_t end = ps_now_ns() + 10 * 1000000000LL;
+    do {
+        r = do_attach_as(c.ch[0], "trainer-0", "second", b.name, 4096);
+        if (r.rc == PSHARD_OK)
+            protobuf_c_message_free_unpacked(r.resp, NULL);
+        if (r.rc == PSHARD_ERR_ALREADY_EXISTS)
+            break;
+        sleep_ms(50);
+    } while (ps_now_ns() < end);
+    CU_ASSERT_EQUAL(r.rc, PSHARD_ERR_ALREADY_EXISTS);
+    CU_ASSERT_PTR_NOT_NULL(strstr(r.err, "attached to a live trainer (trainer-0"));
+    if (r.rc != PSHARD_ERR_ALREADY_EXISTS)
+        fprintf(stderr, "  second Attach: %s (%s)\n", pshard_status_name(r.rc), r.err);
+    /* The first trainer leaves: the rank is free for the next one. */
+    Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
+    lv.member_id = id;
+    lv.lease_key = (char *)ps_coord_lease_key(id);
+    ProtobufCMessage *resp = NULL;
+    CU_ASSERT_EQUAL(ps_rpc_unary(coord, "/pshard.Coordinator/Leave", &lv.base,
+                                 &pshard__leave_response__descriptor, &resp, 5000, 0, NULL, err,
+                                 sizeof(err)),
+                    PSHARD_OK);
+    if (resp)
+        protobuf_c_message_free_unpacked(resp, NULL);
+    end = ps_now_ns() + 10 * 1000000000LL;
+    do {
+        r = do_attach_as(c.ch[0], "trainer-0", "second", b.name, 4096);
+        if (r.rc == PSHARD_OK)
+            break;
+        sleep_ms(50);
+    } while (ps_now_ns() < end);
+    CU_ASSERT_EQUAL(r.rc, PSHARD_OK);
+    if (r.rc == PSHARD_OK)
+        protobuf_c_message_free_unpacked(r.resp, NULL);
+    ps_rpc_channel_destroy(coord);
+    shm_drop(&a);
+    shm_drop(&b);
+    CU_ASSERT(cluster_stop(&c));
 }
 
 static void test_attach_bad(void)
@@ -2170,6 +2244,7 @@ int main(int argc, char **argv)
         {"calls before Attach and before DefineModel", test_before_attach_and_define},
         {"wrong or replaced session", test_wrong_session},
         {"Attach: bad shm names and sizes, wrong rank", test_attach_bad},
+        {"Attach: refused while a live trainer holds the rank", test_attach_refused_while_trainer_lives},
         {"DefineModel: bad shapes, names, enums, optimizer, init offsets", test_define_bad},
         {"a refused DefineModel keeps the defined model", test_define_refused_keeps_state},
         {"DefineModel: validated before allocating, capped by --max-model-memory",
