@@ -503,7 +503,8 @@ static void lease_start(pshard_client_t *c, const char *reported)
     const char *ca = getenv("PSHARD_COORDINATOR_CA");
     ps_rpc_channel_config_t cc = {.target = c->coord_addr, .token = c->token,
                                   .tls_ca_file = ca && *ca ? ca : NULL,
-                                  .job = c->job[0] ? c->job : NULL};
+                                  .job = c->job[0] ? c->job : NULL,
+                                  .max_message_bytes = 64 << 20}; /* a large job's Status */
     char err[512] = "";
     c->coord = ps_rpc_channel_create(&cc, err, sizeof(err));
     pshard_status_t rc = c->coord ? lease_register(c, err, sizeof(err)) : PSHARD_ERR_UNAVAILABLE;

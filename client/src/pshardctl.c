@@ -720,10 +720,11 @@ static void print_event(const Pshard__ClusterEvent *ev)
         }
         fputs("],\"joins\":", stdout);
         json_joins(stdout, ev->joins, ev->n_joins);
-        printf(",\"last_joiner\":%d}\n", ev->last_joiner);
+        printf(",\"last_joiner\":%d,\"members_omitted\":%u}\n", ev->last_joiner,
+               ev->members_omitted);
     } else {
         printf("generation %" PRIu64 "  %-8s  %zu members  %s", ev->generation,
-               state_name(ev->state), ev->n_members, ev->reason);
+               state_name(ev->state), ev->n_members + ev->members_omitted, ev->reason);
         if (ev->last_joiner >= 0)
             printf(" (last joiner rank %d)", ev->last_joiner);
         for (size_t i = 0; i < ev->n_joins; i++)

@@ -21,6 +21,10 @@
 #include "pshard/util.h"
 
 #define MAX_PENDING_EVENTS 64
+/* Every Watch event fits in what any gRPC client receives by default (4 MiB), with room to
+ * spare: a job too large for that gets its members listed up to the limit (ranked shard
+ * servers first) and the count of those left out. */
+#define WATCH_EVENT_MAX_BYTES ((size_t)4 * 1024 * 1024 - 64 * 1024)
 #define DEFAULT_JOB "default"
 #define JOB_NAME_MAX 64
 #define MAX_JOBS 1024
@@ -172,6 +176,33 @@ static void on_state_change(void *arg, uint64_t generation, const char *reason)
 
 /* Sends one ClusterEvent with the current membership and join table to `only` (or every
  * watcher if NULL). last_joiner goes out as is (-1 unless the event is "all joined"). */
+static size_t varint_bytes(size_t v)
+{
+    size_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+/* How many of ev's members fit in WATCH_EVENT_MAX_BYTES with everything else it carries. */
+static size_t members_that_fit(Pshard__ClusterEvent *ev)
+{
+    size_t all = ev->n_members;
+    ev->n_members = 0;
+    size_t size = protobuf_c_message_get_packed_size(&ev->base);
+    ev->n_members = all;
+    size_t n = 0;
+    for (; n < all; n++) {
+        size_t m = protobuf_c_message_get_packed_size(&ev->members[n]->base);
+        size += 1 + varint_bytes(m) + m; /* tag of field 5, length, the member */
+        if (size > WATCH_EVENT_MAX_BYTES)
+            break;
+    }
+    return n;
+}
+
 static void send_event_locked(coord_job_t *c, ps_rpc_call_t *only, uint64_t generation,
                               const char *reason, int last_joiner)
 {
@@ -196,6 +227,11 @@ static void send_event_locked(coord_job_t *c, ps_rpc_call_t *only, uint64_t gene
         ev.n_joins = snap->njoins;
         ev.joins = jptrs;
         ev.last_joiner = last_joiner;
+        size_t fit = members_that_fit(&ev);
+        if (fit < ev.n_members) {
+            ev.members_omitted = (uint32_t)(ev.n_members - fit);
+            ev.n_members = fit;
+        }
         if (only) {
             ps_rpc_call_send(only, &ev.base);
         } else {

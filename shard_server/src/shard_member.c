@@ -332,11 +332,13 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         int64_t lease = s->lease_ms;
         bool ours = s->session[0] && strcmp(s->trainer_name, name) == 0;
         pthread_mutex_unlock(&s->mu);
-        bool matters = who && ((who->role == PSHARD__ROLE__TRAINER && ours) ||
-                               (who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0));
+        /* Our own trainer is known by name: a job too large for one event may have left it
+         * out of the member lists (members_omitted). */
+        bool trainer = ours && (!who || who->role == PSHARD__ROLE__TRAINER);
+        bool matters = trainer || (who && who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0);
         if (matters && comm && pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
             char msg[512];
-            if (who->role == PSHARD__ROLE__TRAINER)
+            if (trainer)
                 snprintf(msg, sizeof(msg),
                          "trainer %s was evicted: no heartbeat within its %lld ms lease (it "
                          "died, hangs or is cut off); rank %d stops its collectives",
@@ -369,8 +371,13 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
     for (size_t i = 0; i < ev->n_members && s->trainer_name[0]; i++)
         if (next[i].role == PSHARD__ROLE__TRAINER && strcmp(next[i].name, s->trainer_name) == 0)
             seen = true;
-    s->trainer_seen = seen;
+    /* A list cut short says nothing about those it left out. */
+    if (seen || ev->members_omitted == 0)
+        s->trainer_seen = seen;
     pthread_mutex_unlock(&s->mu);
+    if (ev->members_omitted > 0)
+        PS_DEBUG(PS_SUB_SHARD, "Watch event lists %zu members, %u more left out (a large job)",
+                 ev->n_members, ev->members_omitted);
 }
 
 void *shard_watch_main(void *arg)
@@ -378,6 +385,7 @@ void *shard_watch_main(void *arg)
     pshard_shard_server_t *s = arg;
     known_member_t *known = NULL;
     size_t nknown = 0;
+    int fails = 0; /* Watch streams in a row that ended without delivering an event */
     while (!atomic_load(&s->stop)) {
         if (!s->member_id[0]) {
             sleep_ms(50);
@@ -385,13 +393,10 @@ void *shard_watch_main(void *arg)
         }
         Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
         char err[512] = "";
+        bool got = false;
         ps_rpc_stream_t *st = ps_rpc_stream_open(s->coord, "/pshard.Coordinator/Watch", &req.base,
                                                  24LL * 3600 * 1000, err, sizeof(err));
-        if (!st) {
-            sleep_ms(200);
-            continue;
-        }
-        while (!atomic_load(&s->stop)) {
+        while (st && !atomic_load(&s->stop)) {
             ProtobufCMessage *msg = NULL;
             err[0] = '\0';
             pshard_status_t rc = ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg,
@@ -400,10 +405,22 @@ void *shard_watch_main(void *arg)
                 continue;
             if (rc != PSHARD_OK || !msg)
                 break; /* the coordinator went away or ended the stream: open a new one */
+            got = true;
+            fails = 0;
             on_cluster_event(s, (const Pshard__ClusterEvent *)msg, &known, &nknown);
             protobuf_c_message_free_unpacked(msg, NULL);
         }
-        ps_rpc_stream_close(st);
+        if (st)
+            ps_rpc_stream_close(st);
+        /* Failure detection must not switch off silently: a Watch that keeps failing (not a
+         * coordinator that merely restarts, which answers again within a few tries) is an
+         * error, said again every 50 tries. */
+        if (!got && !atomic_load(&s->stop) && (++fails == 5 || fails % 50 == 0))
+            PS_ERROR(PS_SUB_SHARD,
+                     "cannot follow the coordinator's Watch (%d tries in a row): %s; until it "
+                     "works, a lost peer or trainer reaches rank %d only through the ring's own "
+                     "timeouts and the lease check",
+                     fails, err[0] ? err : "the stream ended", s->rank);
         for (int t = 0; t < 10 && !atomic_load(&s->stop); t++)
             sleep_ms(20);
     }

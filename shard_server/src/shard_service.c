@@ -1185,7 +1185,9 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     ps_rpc_channel_config_t ccfg = {.target = cfg->coordinator,
                                     .token = cfg->token,
                                     .tls_ca_file = cfg->coord_tls_ca_file,
-                                    .job = cfg->job};
+                                    .job = cfg->job,
+                                    /* Status of a large job is larger than 4 MiB */
+                                    .max_message_bytes = 64 << 20};
     s->coord = ps_rpc_channel_create(&ccfg, err, errlen);
     if (!s->coord) {
         pshard_shard_server_stop(s);

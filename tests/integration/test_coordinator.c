@@ -183,6 +183,91 @@ static void test_watch_sees_generation(void)
     CU_ASSERT(stop(&f) == 0);
 }
 
+/* A job whose member list packs to more than what a client receives (4 MiB: 4,300 members
+ * with the longest fields make ~4.7 MB) still has a Watch: its events list the members that
+ * fit, ranked shard servers first, and count the others. Before, every watcher's stream failed
+ * on each event (message larger than the receiver's limit), and evictions never arrived. */
+static void test_watch_event_fits_the_limit(void)
+{
+    fixture_t f;
+    const char *args[] = {"--world-size", "1", "--lease-ms", "600000", NULL};
+    CU_ASSERT_FATAL(start(&f, args) == 0);
+    enum { N = 4300 };
+    char name[254], field[256];
+    memset(field, 'f', 255);
+    field[255] = '\0';
+    int registered = 0;
+    for (int i = 0; i < N; i++) {
+        memset(name, 'n', 253);
+        name[253] = '\0';
+        snprintf(name, sizeof(name), "trainer-%06d", i);
+        name[strlen(name)] = 'n'; /* keep it 253 bytes long */
+        name[253] = '\0';
+        Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
+        req.role = PSHARD__ROLE__TRAINER;
+        req.name = name;
+        req.address = field;
+        req.node = field;
+        req.device = field;
+        ProtobufCMessage *resp = NULL;
+        char err[256] = "";
+        if (ps_rpc_unary(f.ch, "/pshard.Coordinator/Register", &req.base,
+                         &pshard__member_view__descriptor, &resp, 5000, 0, NULL, err,
+                         sizeof(err)) == PSHARD_OK)
+            registered++;
+        else
+            fprintf(stderr, "register %d: %s\n", i, err);
+        if (resp)
+            protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    CU_ASSERT_EQUAL_FATAL(registered, N);
+    /* A watcher with the default 4 MiB receive limit. */
+    char err[256] = "";
+    ps_rpc_channel_config_t cfg = {.target = f.target, .own_connection = true};
+    ps_rpc_channel_t *small = ps_rpc_channel_create(&cfg, err, sizeof(err));
+    CU_ASSERT_FATAL(small != NULL);
+    Pshard__WatchRequest wreq = PSHARD__WATCH_REQUEST__INIT;
+    ps_rpc_stream_t *st = ps_rpc_stream_open(small, "/pshard.Coordinator/Watch", &wreq.base,
+                                             30000, err, sizeof(err));
+    CU_ASSERT_FATAL(st != NULL);
+    ProtobufCMessage *msg = NULL;
+    pshard_status_t rc =
+        ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 10000, NULL, err,
+                           sizeof(err));
+    CU_ASSERT_EQUAL(rc, PSHARD_OK);
+    if (rc != PSHARD_OK)
+        fprintf(stderr, "first Watch event: %s\n", err);
+    CU_ASSERT_FATAL(msg != NULL);
+    Pshard__ClusterEvent *ev = (Pshard__ClusterEvent *)msg;
+    CU_ASSERT(ev->members_omitted > 0);
+    CU_ASSERT_EQUAL(ev->n_members + ev->members_omitted, (size_t)N);
+    CU_ASSERT(protobuf_c_message_get_packed_size(msg) <= 4u * 1024 * 1024);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    /* The next change arrives too, and a ranked shard server heads the list. */
+    Pshard__MemberView *v = NULL;
+    CU_ASSERT_FATAL(do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, "srv", &v) == PSHARD_OK);
+    protobuf_c_message_free_unpacked(&v->base, NULL);
+    bool seen = false;
+    for (int i = 0; i < 5 && !seen; i++) {
+        msg = NULL;
+        rc = ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 10000, NULL, err,
+                                sizeof(err));
+        CU_ASSERT_EQUAL_FATAL(rc, PSHARD_OK);
+        ev = (Pshard__ClusterEvent *)msg;
+        if (ev->state == PSHARD__CLUSTER_STATE__FORMED) {
+            seen = true;
+            CU_ASSERT(ev->n_members > 0 && strcmp(ev->members[0]->name, "srv") == 0 &&
+                      ev->members[0]->rank == 0);
+            CU_ASSERT_EQUAL(ev->n_members + ev->members_omitted, (size_t)N + 1);
+        }
+        protobuf_c_message_free_unpacked(msg, NULL);
+    }
+    CU_ASSERT(seen);
+    ps_rpc_stream_close(st);
+    ps_rpc_channel_destroy(small);
+    CU_ASSERT(stop(&f) == 0);
+}
+
 typedef struct {
     const char *target;
     pshard_status_t rc;
@@ -581,6 +666,7 @@ int main(int argc, char **argv)
     static const ps_test_case_t cases[] = {
         {"lease expiry evicts a silent member", test_lease_expiry},
         {"watch sees a new generation", test_watch_sees_generation},
+        {"watch events of a huge job fit the receive limit", test_watch_event_fits_the_limit},
         {"store wait released by another client", test_store_wait_released},
         {"rendezvous min:max with last call", test_rendezvous_min_max},
         {"re-register keeps the rank", test_reregister_keeps_rank},
