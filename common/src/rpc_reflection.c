@@ -185,6 +185,16 @@ static void mark_deps(const ps_reflection_t *r, size_t f, char *marked)
     }
 }
 
+/* Sends one answer; one the server's send budgets refuse (a client that reads none of its
+ * answers, on a connection with many such streams) ends the stream with the reason, so the
+ * client is never left waiting for an answer that was dropped. */
+static void reply(ps_rpc_call_t *call, const ProtobufCMessage *msg)
+{
+    if (ps_rpc_call_send(call, msg) == PSHARD_ERR_RESOURCE_EXHAUSTED)
+        ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                         "too many reflection answers unread on this connection");
+}
+
 static void send_error(ps_rpc_call_t *call, Grpc__Reflection__V1alpha__ServerReflectionResponse *resp,
                        int code, const char *msg)
 {
@@ -194,7 +204,7 @@ static void send_error(ps_rpc_call_t *call, Grpc__Reflection__V1alpha__ServerRef
     resp->message_response_case =
         GRPC__REFLECTION__V1ALPHA__SERVER_REFLECTION_RESPONSE__MESSAGE_RESPONSE_ERROR_RESPONSE;
     resp->error_response = &er;
-    ps_rpc_call_send(call, &resp->base);
+    reply(call, &resp->base);
 }
 
 static void send_files(const ps_reflection_t *r, ps_rpc_call_t *call,
@@ -224,7 +234,7 @@ static void send_files(const ps_reflection_t *r, ps_rpc_call_t *call,
     resp->message_response_case =
         GRPC__REFLECTION__V1ALPHA__SERVER_REFLECTION_RESPONSE__MESSAGE_RESPONSE_FILE_DESCRIPTOR_RESPONSE;
     resp->file_descriptor_response = &fdr;
-    ps_rpc_call_send(call, &resp->base);
+    reply(call, &resp->base);
     free(marked);
     free(list);
 }
@@ -275,7 +285,7 @@ static void reflection_info(ps_rpc_call_t *call, const ProtobufCMessage *request
         resp.message_response_case =
             GRPC__REFLECTION__V1ALPHA__SERVER_REFLECTION_RESPONSE__MESSAGE_RESPONSE_LIST_SERVICES_RESPONSE;
         resp.list_services_response = &list;
-        ps_rpc_call_send(call, &resp.base);
+        reply(call, &resp.base);
         free(items);
         free(ptrs);
         return;
@@ -316,7 +326,7 @@ static void reflection_info(ps_rpc_call_t *call, const ProtobufCMessage *request
         resp.message_response_case =
             GRPC__REFLECTION__V1ALPHA__SERVER_REFLECTION_RESPONSE__MESSAGE_RESPONSE_ALL_EXTENSION_NUMBERS_RESPONSE;
         resp.all_extension_numbers_response = &en;
-        ps_rpc_call_send(call, &resp.base);
+        reply(call, &resp.base);
         return;
     }
     default:

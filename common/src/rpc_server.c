@@ -39,6 +39,14 @@ typedef struct {
     atomic_uint_least64_t errors;
 } method_entry_t;
 
+/* Reply bytes queued on the calls of one connection (its peer address names it). */
+typedef struct peer_acct {
+    struct peer_acct *next;
+    char *peer;
+    size_t bytes;
+    int refs; /* calls on it */
+} peer_acct_t;
+
 typedef struct send_item {
     struct send_item *next;
     grpc_byte_buffer *bb;
@@ -63,6 +71,7 @@ struct ps_rpc_call {
     send_item_t *sendq_head, *sendq_tail;
     size_t queued_bytes;       /* queued and in flight: bounded by the server's stream cap */
     size_t send_bytes;         /* of send_bb */
+    peer_acct_t *acct;         /* its connection's share of the server's send budget */
     bool recv_paused;          /* bidi: the next request is read once every reply is sent */
     pthread_cond_t writable;   /* queued_bytes fell, or the call ended */
     grpc_byte_buffer *send_bb; /* the message being written */
@@ -101,6 +110,11 @@ struct ps_rpc_server {
     size_t token_len;
     int64_t max_message_bytes;
     size_t max_stream_queue; /* bytes one call may have queued for sending */
+    size_t max_conn_queue;   /* ... all calls of one connection together */
+    size_t max_total_queue;  /* ... all calls of the server together */
+    pthread_mutex_t acct_mu; /* peers and queued_total; taken inside a call's mu */
+    peer_acct_t *peers;
+    size_t queued_total;
 
     method_entry_t *methods;
     size_t nmethods, cap_methods;
@@ -134,6 +148,12 @@ struct ps_rpc_server {
     ps_reflection_t *reflection;
     ps_rpc_method_t builtin[4];
 };
+
+static void acct_get(ps_rpc_call_t *c);
+static void acct_put(ps_rpc_call_t *c);
+static bool acct_take(ps_rpc_call_t *c, size_t bytes);
+static void acct_release(ps_rpc_call_t *c, size_t bytes);
+static bool acct_room(ps_rpc_call_t *c);
 
 static void start_final_locked(ps_rpc_call_t *c);
 static void start_next_send_locked(ps_rpc_call_t *c);
@@ -192,6 +212,8 @@ static void call_free(ps_rpc_call_t *c)
         free(it);
         it = next;
     }
+    acct_release(c, c->queued_bytes);
+    acct_put(c);
     if (c->peer)
         gpr_free(c->peer);
     free(c->identity);
@@ -401,8 +423,103 @@ void ps_rpc_packed_free(ps_rpc_packed_t *p)
     free(p);
 }
 
+/* The per-connection and per-server send budgets. A connection's calls together may have
+ * max_conn_queue bytes of replies queued, the server's max_total_queue; a message that would
+ * pass either is refused (RESOURCE_EXHAUSTED to the handler), unless nothing at all is queued
+ * on that connection (so one large message still goes out). */
+static void acct_get(ps_rpc_call_t *c)
+{
+    ps_rpc_server_t *srv = c->srv;
+    const char *peer = c->peer ? c->peer : "?";
+    pthread_mutex_lock(&srv->acct_mu);
+    peer_acct_t *a = srv->peers;
+    while (a && strcmp(a->peer, peer) != 0)
+        a = a->next;
+    if (!a) {
+        a = calloc(1, sizeof(*a));
+        if (a && !(a->peer = strdup(peer))) {
+            free(a);
+            a = NULL;
+        }
+        if (a) {
+            a->next = srv->peers;
+            srv->peers = a;
+        }
+    }
+    if (a)
+        a->refs++;
+    c->acct = a;
+    pthread_mutex_unlock(&srv->acct_mu);
+}
+
+static void acct_put(ps_rpc_call_t *c)
+{
+    ps_rpc_server_t *srv = c->srv;
+    if (!c->acct)
+        return;
+    pthread_mutex_lock(&srv->acct_mu);
+    if (--c->acct->refs == 0) {
+        for (peer_acct_t **pp = &srv->peers; *pp; pp = &(*pp)->next) {
+            if (*pp == c->acct) {
+                *pp = c->acct->next;
+                break;
+            }
+        }
+        free(c->acct->peer);
+        free(c->acct);
+    }
+    c->acct = NULL;
+    pthread_mutex_unlock(&srv->acct_mu);
+}
+
+static bool acct_take(ps_rpc_call_t *c, size_t bytes)
+{
+    ps_rpc_server_t *srv = c->srv;
+    if (!c->acct)
+        return false; /* out of memory when the call arrived: it may not queue anything */
+    pthread_mutex_lock(&srv->acct_mu);
+    bool ok = c->acct->bytes == 0 ||
+              (c->acct->bytes + bytes <= srv->max_conn_queue &&
+               srv->queued_total + bytes <= srv->max_total_queue);
+    if (ok) {
+        c->acct->bytes += bytes;
+        srv->queued_total += bytes;
+    } else {
+        PS_DEBUG(PS_SUB_RPC, "%s: refused %zu more reply bytes to %s (%zu queued on its "
+                 "connection, %zu in the server)", c->path, bytes, c->acct->peer,
+                 c->acct->bytes, srv->queued_total);
+    }
+    pthread_mutex_unlock(&srv->acct_mu);
+    return ok;
+}
+
+static void acct_release(ps_rpc_call_t *c, size_t bytes)
+{
+    ps_rpc_server_t *srv = c->srv;
+    if (!c->acct || bytes == 0)
+        return;
+    pthread_mutex_lock(&srv->acct_mu);
+    c->acct->bytes -= bytes;
+    srv->queued_total -= bytes;
+    pthread_mutex_unlock(&srv->acct_mu);
+}
+
+/* Room for a reader to go on: its connection and the server are at most half full. */
+static bool acct_room(ps_rpc_call_t *c)
+{
+    ps_rpc_server_t *srv = c->srv;
+    if (!c->acct)
+        return true;
+    pthread_mutex_lock(&srv->acct_mu);
+    bool room = c->acct->bytes <= srv->max_conn_queue / 2 &&
+                srv->queued_total <= srv->max_total_queue / 2;
+    pthread_mutex_unlock(&srv->acct_mu);
+    return room;
+}
+
 /* Queues bb (owned) of `bytes` on the call, unless the call ended or its queue is over the
- * server's cap (the first message always fits). */
+ * server's cap (the first message always fits), or its connection's or the server's send
+ * budget would be passed. */
 static pshard_status_t queue_send(ps_rpc_call_t *call, grpc_byte_buffer *bb, size_t bytes)
 {
     send_item_t *it = malloc(sizeof(*it));
@@ -418,6 +535,8 @@ static pshard_status_t queue_send(ps_rpc_call_t *call, grpc_byte_buffer *bb, siz
     if (call->finishing || atomic_load(&call->cancelled))
         rc = PSHARD_ERR_CANCELLED;
     else if (call->queued_bytes > 0 && call->queued_bytes + bytes > call->srv->max_stream_queue)
+        rc = PSHARD_ERR_RESOURCE_EXHAUSTED;
+    else if (!acct_take(call, bytes))
         rc = PSHARD_ERR_RESOURCE_EXHAUSTED;
     if (rc != PSHARD_OK) {
         pthread_mutex_unlock(&call->mu);
@@ -463,7 +582,7 @@ pshard_status_t ps_rpc_call_wait_writable(ps_rpc_call_t *call, int64_t deadline_
             rc = PSHARD_ERR_CANCELLED;
             break;
         }
-        if (call->queued_bytes <= call->srv->max_stream_queue / 2)
+        if (call->queued_bytes <= call->srv->max_stream_queue / 2 && acct_room(call))
             break;
         int64_t now = ps_now_ns();
         if (now >= deadline_ns) {
@@ -686,6 +805,7 @@ static void on_new(ps_rpc_call_t *c, bool success)
     c->path = strndup((const char *)GRPC_SLICE_START_PTR(c->details.method),
                       GRPC_SLICE_LENGTH(c->details.method));
     c->peer = grpc_call_get_peer(c->call);
+    acct_get(c);
     if (gpr_time_cmp(c->details.deadline, gpr_inf_future(c->details.deadline.clock_type)) != 0) {
         gpr_timespec now = gpr_now(c->details.deadline.clock_type);
         gpr_timespec left = gpr_time_sub(c->details.deadline, now);
@@ -804,6 +924,7 @@ static void on_send(ps_rpc_call_t *c, bool success)
         c->send_bb = NULL;
     }
     c->queued_bytes -= c->send_bytes;
+    acct_release(c, c->send_bytes);
     c->send_bytes = 0;
     c->send_in_flight = false;
     if (!success)
@@ -952,10 +1073,15 @@ ps_rpc_server_t *ps_rpc_server_create(const ps_rpc_server_config_t *cfg, char *e
     pthread_cond_init(&srv->cv, NULL);
     pthread_mutex_init(&srv->work_mu, NULL);
     pthread_cond_init(&srv->work_cv, NULL);
+    pthread_mutex_init(&srv->acct_mu, NULL);
     srv->shutdown_tag = (rpc_tag_t){TAG_SHUTDOWN, NULL};
     srv->max_message_bytes = cfg->max_message_bytes > 0 ? cfg->max_message_bytes : (4 << 20);
     srv->max_stream_queue = cfg->max_stream_queue_bytes > 0 ? (size_t)cfg->max_stream_queue_bytes
                                                             : (8u << 20);
+    srv->max_conn_queue = cfg->max_conn_queue_bytes > 0 ? (size_t)cfg->max_conn_queue_bytes
+                                                        : 4 * srv->max_stream_queue;
+    srv->max_total_queue = cfg->max_total_queue_bytes > 0 ? (size_t)cfg->max_total_queue_bytes
+                                                          : 32 * srv->max_stream_queue;
     srv->n_workers = cfg->worker_threads > 0 ? cfg->worker_threads : 4;
     srv->n_cq_threads = cfg->cq_threads > 0 ? cfg->cq_threads : 1;
     if (cfg->token && *cfg->token) {
@@ -1185,6 +1311,7 @@ void ps_rpc_server_destroy(ps_rpc_server_t *srv)
     pthread_mutex_destroy(&srv->mu);
     pthread_cond_destroy(&srv->cv);
     pthread_mutex_destroy(&srv->work_mu);
+    pthread_mutex_destroy(&srv->acct_mu);
     pthread_cond_destroy(&srv->work_cv);
     free(srv);
     grpc_shutdown();

@@ -51,6 +51,9 @@ typedef struct {
     int64_t max_message_bytes;      /* receive limit; <= 0 means 4 MiB */
     int64_t max_stream_queue_bytes; /* what one call may have queued for sending (a client that
                                        does not read); <= 0 means 8 MiB */
+    int64_t max_conn_queue_bytes;   /* ... all calls of one connection together; <= 0 means 4
+                                       times max_stream_queue_bytes */
+    int64_t max_total_queue_bytes;  /* ... all calls of the server; <= 0 means 32 times */
     int worker_threads;             /* for handlers without PS_RPC_INLINE; <= 0 means 4 */
     int cq_threads;                 /* completion-queue threads; <= 0 means 1 */
 } ps_rpc_server_config_t;
