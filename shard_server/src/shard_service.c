@@ -295,6 +295,23 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
                                          char *err, size_t errlen)
 {
     if (s->define_generation != s->comm_generation) {
+        /* A new ring: nobody reads this rank's definitions of the old generation any more
+         * (every rank of this ring has left that one), so they leave the store. */
+        for (uint64_t a = 1; a <= s->define_attempts; a++) {
+            char old[128];
+            snprintf(old, sizeof(old), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
+                     s->define_generation, a, m->rank);
+            Pshard__StoreDeleteRequest del = PSHARD__STORE_DELETE_REQUEST__INIT;
+            del.key = old;
+            ProtobufCMessage *dresp = NULL;
+            char derr[256] = "";
+            if (ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreDelete", &del.base,
+                             &pshard__store_delete_response__descriptor, &dresp, 2000, 0, NULL,
+                             derr, sizeof(derr)) != PSHARD_OK)
+                PS_DEBUG(PS_SUB_SHARD, "could not delete %s: %s", old, derr);
+            if (dresp)
+                protobuf_c_message_free_unpacked(dresp, NULL);
+        }
         s->define_generation = s->comm_generation;
         s->define_attempts = 0;
     }
