@@ -90,6 +90,7 @@ struct pshard_shard_server {
     /* Statistics and health (shard_metrics.c): atomics, never behind op_mu. */
     int64_t started_ns;
     shard_op_stats_t op_stats[SHARD_OPK_COUNT];
+    atomic_int region_reads;      /* ReadRegion calls running (shard_region.c) */
     atomic_int serving;           /* what "pshard.ShardServer" reports: 1 SERVING, 2 NOT */
     pthread_mutex_t health_mu;    /* serializes shard_health_update's evaluate-and-set */
     char health_reason[256];      /* why NOT_SERVING, "" when serving (health_mu) */

@@ -59,16 +59,16 @@ pshard_status_t shard_region_size_ok(const pshard_shard_server_t *s, uint64_t by
                    bytes, s->max_model_bytes);
 }
 
-void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+static void read_region(pshard_shard_server_t *s, ps_rpc_call_t *call,
+                        const Pshard__RegionReadRequest *req)
 {
-    pshard_shard_server_t *s = ctx;
-    const Pshard__RegionReadRequest *req = (const Pshard__RegionReadRequest *)request;
     /* Chunks go out at the pace the client reads them (a bounded send queue), each copied
      * under op_mu after checking again that the session and the range are still valid; a
      * client that reads nothing for READ_STALL_NS is dropped. */
     int64_t deadline = ps_rpc_call_deadline_ns(call);
+    bool wait = false; /* the last chunk was queued, or refused for want of room */
     for (uint64_t off = 0;; off += CHUNK_MAX) {
-        if (off > 0) {
+        if (wait) {
             int64_t until = ps_now_ns() + READ_STALL_NS;
             pshard_status_t w = ps_rpc_call_wait_writable(call, until < deadline ? until : deadline);
             if (w == PSHARD_ERR_TIMEOUT) {
@@ -109,6 +109,13 @@ void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *reque
         c.data.len = (size_t)n;
         pshard_status_t rc = ps_rpc_call_send(call, &c.base);
         pthread_mutex_unlock(&s->op_mu);
+        wait = true;
+        if (rc == PSHARD_ERR_RESOURCE_EXHAUSTED) {
+            /* Its connection's (or the server's) send budget is full for now: wait for room
+             * and send this chunk again. */
+            off -= CHUNK_MAX;
+            continue;
+        }
         if (rc == PSHARD_ERR_CANCELLED) {
             ps_rpc_call_finish(call);
             return;
@@ -118,6 +125,29 @@ void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *reque
             return;
         }
     }
+}
+
+/* A ReadRegion waits for its reader while it holds a worker of the RPC pool: so that slow or
+ * stalled readers cannot take every worker from the trainer's operations, at most all but two
+ * of them read regions at once (at least one). */
+void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    ps_rpc_load_t load;
+    ps_rpc_server_load(s->srv, &load);
+    int limit = load.workers > 2 ? load.workers - 2 : 1;
+    int now = atomic_fetch_add(&s->region_reads, 1);
+    if (now >= limit) {
+        atomic_fetch_sub(&s->region_reads, 1);
+        ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                         "ReadRegion: %d region reads are in progress, the most this server "
+                         "runs at once (its other workers stay for trainer operations); retry "
+                         "when one has finished",
+                         now);
+        return;
+    }
+    read_region(s, call, (const Pshard__RegionReadRequest *)request);
+    atomic_fetch_sub(&s->region_reads, 1);
 }
 
 void shard_handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)

@@ -1138,6 +1138,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     pthread_mutex_init(&s->health_mu, NULL);
     atomic_init(&s->stop, false);
     atomic_init(&s->serving, 2);
+    atomic_init(&s->region_reads, 0);
     s->started_ns = ps_now_ns();
 
     ps_rpc_server_config_t rcfg = {
