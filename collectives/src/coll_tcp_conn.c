@@ -10,6 +10,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,8 +23,6 @@
 #include "pshard/log.h"
 #include "pshard/rpc.h"
 #include "pshard/util.h"
-
-#define STRAY_READ_MS 5000
 
 static int split_host_port(const char *addr, char *host, size_t hostlen, char *port,
                            size_t portlen)
@@ -166,49 +165,132 @@ static void send_reject(int fd, const char *reason)
     send_frame(fd, COLL_FRAME_REJECT, buf, n, ps_now_ns() + 1000000000LL);
 }
 
-/* Acceptor side of one connection. Returns PSHARD_OK when it is the authenticated previous
- * rank; otherwise the connection was refused (reason in err). */
-static pshard_status_t accept_handshake(tcp_t *t, int fd, const char *peer, char *err,
-                                        size_t errlen)
-{
-    int64_t deadline = ps_now_ns() + (int64_t)STRAY_READ_MS * 1000000;
-    uint8_t buf[COLL_FRAME_MAX_CONTROL];
+/* The acceptor serves every connection that arrives while the ring links at once, each as a
+ * small state machine on one poll loop: a stranger that connects and says nothing (or half a
+ * frame) holds a slot until its own deadline, never the real previous rank's turn. Slots are
+ * bounded; when all are taken the oldest is dropped for the newcomer, so a flood of stalled
+ * connections costs each of them its slot, not the ring its link. */
+#define HS_SLOTS 32
+#define HS_MS 5000 /* to send HELLO and AUTH, from the connection's arrival */
+
+typedef struct {
+    int fd; /* -1: free */
+    int64_t deadline;
+    uint64_t seq; /* arrival order */
+    bool authing; /* CHALLENGE sent; reading AUTH */
+    size_t got;   /* bytes of the current frame read, header first */
+    uint8_t hdr[COLL_FRAME_HEADER_SIZE];
     coll_frame_header_t h;
-    PS_CHECK(recv_frame(fd, &h, buf, deadline, err, errlen));
-    if (h.type != COLL_FRAME_HELLO)
-        return ps_errf(err, errlen, PSHARD_ERR_PERMISSION, "expected HELLO, got frame type %u",
-                       h.type);
+    uint8_t buf[COLL_FRAME_MAX_CONTROL];
     coll_hello_t hello;
-    PS_CHECK(coll_hello_decode(buf, h.len, &hello, err, errlen));
-    pshard_status_t rc = coll_hello_check(&hello, t->comm->generation, (uint32_t)t->n,
-                                          (uint32_t)t->rank, t->comm->name, err, errlen);
-    if (rc != PSHARD_OK) {
-        send_reject(fd, err);
-        return rc;
-    }
     coll_challenge_t ch;
-    coll_random_nonce(ch.nonce);
-    coll_handshake_mac(t->key, t->keylen, 'A', &hello, ch.nonce, ch.mac);
-    size_t n = coll_challenge_encode(&ch, buf, sizeof(buf));
-    if (send_frame(fd, COLL_FRAME_CHALLENGE, buf, n, deadline) != 0)
-        return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST, "%s went away", peer);
-    PS_CHECK(recv_frame(fd, &h, buf, deadline, err, errlen));
-    if (h.type != COLL_FRAME_AUTH)
-        return ps_errf(err, errlen, PSHARD_ERR_PERMISSION, "expected AUTH, got frame type %u",
-                       h.type);
-    coll_auth_t auth;
-    PS_CHECK(coll_auth_decode(buf, h.len, &auth, err, errlen));
-    uint8_t expect[COLL_MAC_SIZE];
-    coll_handshake_mac(t->key, t->keylen, 'C', &hello, ch.nonce, expect);
-    if (!coll_mac_equal(expect, auth.mac)) {
-        send_reject(fd, "wrong cluster token");
-        return ps_errf(err, errlen, PSHARD_ERR_PERMISSION,
-                       "%s claims rank %u but does not know the cluster token", peer,
-                       hello.from_rank);
+    char peer[96];
+} hs_t;
+
+static void hs_drop(hs_t *s, const char *why)
+{
+    if (why)
+        PS_WARN(PS_SUB_COLL, "refused a ring connection from %s: %s", s->peer, why);
+    close(s->fd);
+    s->fd = -1;
+}
+
+/* Reads what has arrived of the current frame: 1 when it is complete, 0 for more to come,
+ * -1 on error (reason in err). */
+static int hs_read(hs_t *s, char *err, size_t errlen)
+{
+    for (;;) {
+        if (s->got >= COLL_FRAME_HEADER_SIZE && s->got == COLL_FRAME_HEADER_SIZE + s->h.len)
+            return 1;
+        uint8_t *dst = s->got < COLL_FRAME_HEADER_SIZE
+                           ? s->hdr + s->got
+                           : s->buf + (s->got - COLL_FRAME_HEADER_SIZE);
+        size_t want = s->got < COLL_FRAME_HEADER_SIZE
+                          ? COLL_FRAME_HEADER_SIZE - s->got
+                          : COLL_FRAME_HEADER_SIZE + s->h.len - s->got;
+        ssize_t n = read(s->fd, dst, want);
+        if (n == 0) {
+            snprintf(err, errlen, "closed the connection");
+            return -1;
+        }
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return 0;
+            snprintf(err, errlen, "%s", strerror(errno));
+            return -1;
+        }
+        s->got += (size_t)n;
+        if (s->got == COLL_FRAME_HEADER_SIZE) {
+            if (coll_frame_header_decode(s->hdr, &s->h, err, errlen) != PSHARD_OK)
+                return -1;
+            if (s->h.type == COLL_FRAME_DATA || s->h.len > COLL_FRAME_MAX_CONTROL) {
+                snprintf(err, errlen, "unexpected frame type %u during the handshake",
+                         s->h.type);
+                return -1;
+            }
+        }
     }
-    if (send_frame(fd, COLL_FRAME_ACCEPT, NULL, 0, deadline) != 0)
-        return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST, "%s went away", peer);
-    return PSHARD_OK;
+}
+
+/* Sends a handshake frame without waiting: a fresh socket's send buffer holds it, and a peer
+ * that has not read a few hundred bytes is not worth waiting for. */
+static int hs_send(hs_t *s, uint8_t type, const uint8_t *payload, size_t len)
+{
+    return send_frame(s->fd, type, payload, len, ps_now_ns());
+}
+
+/* Advances one connection on a complete frame: 1 when it is the authenticated previous rank,
+ * 0 to read on, -1 refused (reason in err). */
+static int hs_step(tcp_t *t, hs_t *s, char *err, size_t errlen)
+{
+    uint8_t out[COLL_FRAME_MAX_CONTROL];
+    if (!s->authing) {
+        if (s->h.type != COLL_FRAME_HELLO) {
+            snprintf(err, errlen, "expected HELLO, got frame type %u", s->h.type);
+            return -1;
+        }
+        if (coll_hello_decode(s->buf, s->h.len, &s->hello, err, errlen) != PSHARD_OK)
+            return -1;
+        if (coll_hello_check(&s->hello, t->comm->generation, (uint32_t)t->n,
+                             (uint32_t)t->rank, t->comm->name, err, errlen) != PSHARD_OK) {
+            size_t n = coll_reject_encode(err, out, sizeof(out));
+            hs_send(s, COLL_FRAME_REJECT, out, n);
+            return -1;
+        }
+        coll_random_nonce(s->ch.nonce);
+        coll_handshake_mac(t->key, t->keylen, 'A', &s->hello, s->ch.nonce, s->ch.mac);
+        size_t n = coll_challenge_encode(&s->ch, out, sizeof(out));
+        if (hs_send(s, COLL_FRAME_CHALLENGE, out, n) != 0) {
+            snprintf(err, errlen, "went away");
+            return -1;
+        }
+        s->authing = true;
+        s->got = 0;
+        return 0;
+    }
+    if (s->h.type != COLL_FRAME_AUTH) {
+        snprintf(err, errlen, "expected AUTH, got frame type %u", s->h.type);
+        return -1;
+    }
+    coll_auth_t auth;
+    if (coll_auth_decode(s->buf, s->h.len, &auth, err, errlen) != PSHARD_OK)
+        return -1;
+    uint8_t expect[COLL_MAC_SIZE];
+    coll_handshake_mac(t->key, t->keylen, 'C', &s->hello, s->ch.nonce, expect);
+    if (!coll_mac_equal(expect, auth.mac)) {
+        size_t n = coll_reject_encode("wrong cluster token", out, sizeof(out));
+        hs_send(s, COLL_FRAME_REJECT, out, n);
+        snprintf(err, errlen, "claims rank %u but does not know the cluster token",
+                 s->hello.from_rank);
+        return -1;
+    }
+    if (hs_send(s, COLL_FRAME_ACCEPT, NULL, 0) != 0) {
+        snprintf(err, errlen, "went away");
+        return -1;
+    }
+    return 1;
 }
 
 typedef struct {
@@ -219,6 +301,39 @@ typedef struct {
     char err[512];
 } acceptor_t;
 
+/* Takes one waiting connection into a slot (when all are taken, the oldest one's). */
+static void hs_admit(tcp_t *t, hs_t *slots, uint64_t *seq)
+{
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof(ss);
+    int fd = accept(t->listen_fd, (struct sockaddr *)&ss, &sl);
+    if (fd < 0)
+        return;
+    hs_t *s = NULL;
+    for (int i = 0; i < HS_SLOTS && !s; i++)
+        s = slots[i].fd < 0 ? &slots[i] : NULL;
+    if (!s) {
+        /* The oldest that has not yet said a valid HELLO goes first. */
+        for (int i = 0; i < HS_SLOTS; i++) {
+            hs_t *c = &slots[i];
+            if (!s || (s->authing && !c->authing) ||
+                (s->authing == c->authing && c->seq < s->seq))
+                s = c;
+        }
+        hs_drop(s, "still not authenticated while more connections came");
+    }
+    memset(s, 0, offsetof(hs_t, buf));
+    s->fd = fd;
+    s->seq = ++*seq;
+    s->deadline = ps_now_ns() + (int64_t)HS_MS * 1000000;
+    ps_strlcpy(s->peer, "?", sizeof(s->peer));
+    char host[64] = "", port[16] = "";
+    if (getnameinfo((struct sockaddr *)&ss, sl, host, sizeof(host), port, sizeof(port),
+                    NI_NUMERICHOST | NI_NUMERICSERV) == 0)
+        snprintf(s->peer, sizeof(s->peer), "%s:%s", host, port);
+    set_nonblocking(fd, true);
+}
+
 static void *acceptor_main(void *arg)
 {
     acceptor_t *a = arg;
@@ -226,31 +341,60 @@ static void *acceptor_main(void *arg)
     tl_cancel = t->cancel;
     a->rc = PSHARD_ERR_TIMEOUT;
     snprintf(a->err, sizeof(a->err), "rank %d never connected to rank %d", t->prev, t->rank);
-    while (ps_now_ns() < a->deadline && !cancelled()) {
-        struct pollfd pfd = {t->listen_fd, POLLIN, 0};
-        int r = poll(&pfd, 1, remaining_ms(a->deadline) < 200 ? remaining_ms(a->deadline) : 200);
-        if (r <= 0)
-            continue;
-        struct sockaddr_storage ss;
-        socklen_t sl = sizeof(ss);
-        int fd = accept(t->listen_fd, (struct sockaddr *)&ss, &sl);
-        if (fd < 0)
-            continue;
-        char peer[96] = "?";
-        char host[64] = "", port[16] = "";
-        if (getnameinfo((struct sockaddr *)&ss, sl, host, sizeof(host), port, sizeof(port),
-                        NI_NUMERICHOST | NI_NUMERICSERV) == 0)
-            snprintf(peer, sizeof(peer), "%s:%s", host, port);
-        set_nonblocking(fd, false);
-        char err[512] = "";
-        if (accept_handshake(t, fd, peer, err, sizeof(err)) == PSHARD_OK) {
-            a->fd = fd;
-            a->rc = PSHARD_OK;
-            return NULL;
-        }
-        PS_WARN(PS_SUB_COLL, "refused a ring connection from %s: %s", peer, err);
-        close(fd);
+    hs_t *slots = calloc(HS_SLOTS, sizeof(*slots));
+    if (!slots) {
+        a->rc = PSHARD_ERR_NO_MEMORY;
+        snprintf(a->err, sizeof(a->err), "out of memory");
+        return NULL;
     }
+    for (int i = 0; i < HS_SLOTS; i++)
+        slots[i].fd = -1;
+    uint64_t seq = 0;
+    struct pollfd pfd[HS_SLOTS + 1];
+    int who[HS_SLOTS + 1];
+    while (a->fd < 0 && ps_now_ns() < a->deadline && !cancelled()) {
+        int64_t wake = a->deadline, now = ps_now_ns();
+        int n = 0;
+        pfd[n++] = (struct pollfd){t->listen_fd, POLLIN, 0};
+        for (int i = 0; i < HS_SLOTS; i++) {
+            if (slots[i].fd < 0)
+                continue;
+            if (slots[i].deadline <= now) {
+                hs_drop(&slots[i], "did not authenticate in time");
+                continue;
+            }
+            wake = slots[i].deadline < wake ? slots[i].deadline : wake;
+            who[n] = i;
+            pfd[n++] = (struct pollfd){slots[i].fd, POLLIN, 0};
+        }
+        int ms = remaining_ms(wake);
+        if (poll(pfd, (nfds_t)n, ms < 200 ? ms : 200) <= 0)
+            continue;
+        for (int k = 1; k < n && a->fd < 0; k++) {
+            if (!pfd[k].revents)
+                continue;
+            hs_t *s = &slots[who[k]];
+            char err[512] = "";
+            int r = hs_read(s, err, sizeof(err));
+            if (r > 0)
+                r = hs_step(t, s, err, sizeof(err));
+            if (r < 0) {
+                hs_drop(s, err);
+            } else if (r > 0) {
+                set_nonblocking(s->fd, false);
+                a->fd = s->fd;
+                a->rc = PSHARD_OK;
+                s->fd = -1;
+            }
+        }
+        if (a->fd < 0 && (pfd[0].revents & POLLIN))
+            hs_admit(t, slots, &seq);
+    }
+    for (int i = 0; i < HS_SLOTS; i++) {
+        if (slots[i].fd >= 0)
+            hs_drop(&slots[i], NULL);
+    }
+    free(slots);
     return NULL;
 }
 

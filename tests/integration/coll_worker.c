@@ -1,7 +1,8 @@
 /* One rank of a collectives test: joins a communicator through a real coordinator's store and
  * runs a scenario. Inputs come from a PRNG seeded by (case, rank), so every rank can compute
  * the reference result of every operation by itself and check its own output; exit 0 means
- * every check passed. Scenarios: correctness, big, desync, kill, abort, timeout, impostor. */
+ * every check passed. Scenarios: correctness, big, desync, kill, abort, timeout, impostor,
+ * besieged. */
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -612,6 +613,53 @@ static int scenario_impostor(const char *what)
     return g_failures ? 1 : 0;
 }
 
+/* Explicit peers as in scenario_impostor, everyone genuine: the ring must link within
+ * link_ms although the test keeps stalled strangers connected to rank 0's port, then an
+ * all-reduce must give the right sum. */
+static int scenario_besieged(const char *link_ms)
+{
+    const char *env = getenv("PSHARD_TEST_PEERS");
+    char peers_buf[256], err[1024] = "";
+    const char *peers[2] = {NULL, NULL};
+    int64_t limit = 0;
+    if (!env || ps_strlcpy(peers_buf, env, sizeof(peers_buf)) != 0 || g_world != 2 ||
+        ps_parse_i64(link_ms, 1, 600000, &limit) != 0)
+        return 2;
+    char *comma = strchr(peers_buf, ',');
+    if (!comma)
+        return 2;
+    *comma = '\0';
+    peers[0] = peers_buf;
+    peers[1] = comma + 1;
+    pshard_comm_config_t cfg = {
+        .rank = g_rank,
+        .world_size = g_world,
+        .name = "besieged",
+        .peers = peers,
+        .token = g_token,
+        .generation = g_generation,
+        .connect_timeout_ms = limit,
+    };
+    pshard_comm_t *comm = NULL;
+    int64_t t0 = ps_now_ns();
+    pshard_status_t rc = pshard_comm_create(&cfg, &comm, err, sizeof(err));
+    double ms = (double)(ps_now_ns() - t0) / 1e6;
+    CHECK(rc == PSHARD_OK, "rank %d could not link in %lld ms: %s", g_rank, (long long)limit,
+          err);
+    if (rc != PSHARD_OK)
+        return 1;
+    printf("rank %d: linked in %.0f ms\n", g_rank, ms);
+    float v[4] = {1, 2, 3, (float)g_rank}, sum[4] = {0};
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32, .count = 4,
+                            .reduce = PSHARD_REDUCE_SUM, .send = v, .recv = sum,
+                            .timeout_ms = 10000};
+    rc = pshard_coll_run(comm, &a, err, sizeof(err));
+    CHECK(rc == PSHARD_OK && sum[0] == 2 && sum[3] == 1, "all-reduce: %s (%g %g)",
+          pshard_status_name(rc), sum[0], sum[3]);
+    pshard_comm_destroy(comm);
+    return g_failures ? 1 : 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 5) {
@@ -645,6 +693,8 @@ int main(int argc, char **argv)
         return scenario_timeout();
     if (strcmp(scenario, "impostor") == 0)
         return scenario_impostor(arg);
+    if (strcmp(scenario, "besieged") == 0)
+        return scenario_besieged(arg);
     fprintf(stderr, "unknown scenario %s\n", scenario);
     return 2;
 }

@@ -202,6 +202,58 @@ static void test_impostor_generation(void)
     impostor("generation");
 }
 
+/* Strangers that connect to rank 0's ring port and say nothing, or half a frame header,
+ * before rank 1 even starts: more of them than the acceptor has handshake slots. The real
+ * rank 1 must still link at once (it took 5 s per stranger when handshakes ran one at a
+ * time, and 25 strangers failed the ring). */
+static void test_stalled_strangers(void)
+{
+    int p0 = free_port(), p1 = free_port();
+    char peers[128];
+    snprintf(peers, sizeof(peers), "127.0.0.1:%d,127.0.0.1:%d", p0, p1);
+    setenv("PSHARD_TEST_PEERS", peers, 1);
+    setenv("PSHARD_TEST_RUN", "besieged", 1);
+    enum { STRANGERS = 40 };
+    int fds[STRANGERS];
+    int nfd = 0;
+    char *argv0[] = {(char *)worker_bin, coord_target, "0", "2", "besieged", "15000", NULL};
+    pid_t w0 = ps_proc_spawn(argv0, NULL);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)p0),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int64_t end = ps_now_ns() + 10 * 1000000000LL;
+    while (nfd < STRANGERS && ps_now_ns() < end) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0) {
+            if (nfd % 4 == 3) /* half a frame header, then silence */
+                (void)!write(fd, "\x01\x00\x00\x00\x00\x00\x00\x00", 8);
+            fds[nfd++] = fd;
+            continue;
+        }
+        if (fd >= 0)
+            close(fd);
+        struct timespec ts = {0, 10 * 1000000}; /* rank 0 is not listening yet */
+        nanosleep(&ts, NULL);
+    }
+    CU_ASSERT(nfd == STRANGERS);
+    char *argv1[] = {(char *)worker_bin, coord_target, "1", "2", "besieged", "15000", NULL};
+    pid_t w1 = ps_proc_spawn(argv1, NULL);
+    int st[2] = {-1, -1};
+    pid_t pids[2] = {w0, w1};
+    end = ps_now_ns() + 30 * 1000000000LL;
+    for (int r = 0; r < 2; r++) {
+        while (waitpid(pids[r], &st[r], WNOHANG) == 0 && ps_now_ns() < end) {
+            struct timespec ts = {0, 5 * 1000000};
+            nanosleep(&ts, NULL);
+        }
+        if (ps_now_ns() >= end && kill(pids[r], SIGKILL) == 0)
+            waitpid(pids[r], &st[r], 0);
+        CU_ASSERT(exited_ok(st[r]));
+    }
+    for (int i = 0; i < nfd; i++)
+        close(fds[i]);
+    unsetenv("PSHARD_TEST_PEERS");
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 3) {
@@ -233,6 +285,7 @@ int main(int argc, char **argv)
         {"timeout names the silent rank", test_timeout},
         {"wrong token refused", test_impostor_token},
         {"stale generation refused", test_impostor_generation},
+        {"stalled strangers do not keep the real peer out", test_stalled_strangers},
         {NULL, NULL},
     };
     int rc = ps_test_main("collectives_integration", cases);
