@@ -608,6 +608,31 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
     return rc;
 }
 
+/* Once linked, the previous rank has read this rank's address: its key leaves the store, so a
+ * long job's rebuilt rings do not pile up keys. Best effort (the job's keys go when it ends). */
+static void forget_address(tcp_t *t, const pshard_comm_config_t *cfg)
+{
+    char err[512] = "";
+    ps_rpc_channel_config_t ccfg = {.target = cfg->coordinator, .token = cfg->token,
+                                    .job = cfg->job};
+    ps_rpc_channel_t *ch = ps_rpc_channel_create(&ccfg, err, sizeof(err));
+    if (!ch)
+        return;
+    char key[256];
+    snprintf(key, sizeof(key), "pshard/coll/%s/g%llu/addr/%d", t->comm->name,
+             (unsigned long long)t->comm->generation, t->rank);
+    Pshard__StoreDeleteRequest del = PSHARD__STORE_DELETE_REQUEST__INIT;
+    del.key = key;
+    ProtobufCMessage *resp = NULL;
+    if (ps_rpc_unary(ch, "/pshard.Coordinator/StoreDelete", &del.base,
+                     &pshard__store_delete_response__descriptor, &resp, 2000, PS_RPC_IDEMPOTENT,
+                     NULL, err, sizeof(err)) != PSHARD_OK)
+        PS_WARN(PS_SUB_COLL, "could not delete store key %s: %s", key, err);
+    if (resp)
+        protobuf_c_message_free_unpacked(resp, NULL);
+    ps_rpc_channel_destroy(ch);
+}
+
 pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char *err,
                                  size_t errlen)
 {
@@ -657,6 +682,8 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
         return ps_errf(err, errlen, acc.rc, "%s", acc.err);
     }
     t->recv_fd = acc.fd;
+    if (!cfg->peers)
+        forget_address(t, cfg);
     set_nonblocking(t->send_fd, true);
     set_nonblocking(t->recv_fd, true);
     PS_INFO(PS_SUB_COLL, "ring %s generation %llu: rank %d linked to %d (%s) and from %d",

@@ -15,20 +15,22 @@
 
 #include "ps_proc.h"
 #include "ps_test.h"
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/rpc.h"
 #include "pshard/util.h"
 
 static const char *coordinator_bin, *worker_bin;
 static pid_t coord_pid = -1;
 static char coord_target[64];
+static int last_run; /* PSHARD_TEST_RUN of the latest run_workers: part of the comm names */
 
 /* Runs `world` workers of a scenario; fills status[] with each one's wait status. Returns -1
  * if they did not all finish within timeout_ms (then they are killed). */
 static int run_workers(int world, const char *scenario, const char *arg, int *status,
                        int64_t timeout_ms)
 {
-    static int run_id;
     char run_s[16];
-    snprintf(run_s, sizeof(run_s), "%d", ++run_id);
+    snprintf(run_s, sizeof(run_s), "%d", ++last_run);
     setenv("PSHARD_TEST_RUN", run_s, 1);
     pid_t pids[8];
     char rank_s[8][16], world_s[16];
@@ -72,12 +74,41 @@ static bool exited_ok(int st)
     return WIFEXITED(st) && WEXITSTATUS(st) == 0;
 }
 
+/* 1 if the coordinator's store holds key, 0 if it does not, -1 if it cannot say. */
+static int store_holds(const char *key)
+{
+    char err[512] = "";
+    ps_rpc_channel_config_t cfg = {.target = coord_target};
+    ps_rpc_channel_t *ch = ps_rpc_channel_create(&cfg, err, sizeof(err));
+    if (!ch)
+        return -1;
+    Pshard__StoreGetRequest req = PSHARD__STORE_GET_REQUEST__INIT;
+    req.key = (char *)key;
+    ProtobufCMessage *resp = NULL;
+    pshard_status_t rc = ps_rpc_unary(ch, "/pshard.Coordinator/StoreGet", &req.base,
+                                      &pshard__store_get_response__descriptor, &resp, 5000, 0,
+                                      NULL, err, sizeof(err));
+    if (resp)
+        protobuf_c_message_free_unpacked(resp, NULL);
+    ps_rpc_channel_destroy(ch);
+    return rc == PSHARD_OK ? 1 : rc == PSHARD_ERR_NOT_FOUND ? 0 : -1;
+}
+
 static void correctness(int world)
 {
     int st[8];
     CU_ASSERT_FATAL(run_workers(world, "correctness", NULL, st, 120000) == 0);
     for (int r = 0; r < world; r++)
         CU_ASSERT(exited_ok(st[r]));
+    /* Each rank's ring address left the store once its ring linked. */
+    for (int r = 0; r < world; r++) {
+        char key[128];
+        snprintf(key, sizeof(key), "pshard/coll/correct-%d/g5/addr/%d", last_run, r);
+        int held = store_holds(key);
+        if (held != 0)
+            fprintf(stderr, "store key %s: %s\n", key, held > 0 ? "still there" : "unknown");
+        CU_ASSERT(held == 0);
+    }
 }
 
 static void test_correct_1(void)
