@@ -362,7 +362,7 @@ static pshard_status_t status_from_call(grpc_status_code code, grpc_slice detail
 {
     if (code == GRPC_STATUS_OK)
         return PSHARD_OK;
-    pshard_status_t st = pshard_status_from_grpc((int)code);
+    pshard_status_t st = ps_status_from_grpc((int)code);
     /* A pshard server names the exact status; trust it only if it maps to the same gRPC code
      * (a peer cannot turn an error into success or into another class). */
     for (size_t i = 0; trailing && i < trailing->count; i++) {
@@ -379,7 +379,7 @@ static pshard_status_t status_from_call(grpc_status_code code, grpc_slice detail
         long x = strtol(v, &end, 10);
         if (*end == '\0' && x < 0 && x >= -1000 &&
             strcmp(pshard_status_name((pshard_status_t)x), "PSHARD_ERR_UNKNOWN") != 0 &&
-            pshard_status_to_grpc((pshard_status_t)x) == (int)code)
+            ps_status_to_grpc((pshard_status_t)x) == (int)code)
             st = (pshard_status_t)x;
         break;
     }

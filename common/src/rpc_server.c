@@ -378,7 +378,7 @@ void ps_rpc_call_fail(ps_rpc_call_t *call, pshard_status_t status, const char *f
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    grpc_status_code code = (grpc_status_code)pshard_status_to_grpc(status);
+    grpc_status_code code = (grpc_status_code)ps_status_to_grpc(status);
     if (code == GRPC_STATUS_OK)
         code = GRPC_STATUS_UNKNOWN;
     PS_DEBUG(PS_SUB_RPC, "%s from %s failed: %s: %s", call->path, call->peer ? call->peer : "?",

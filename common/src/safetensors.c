@@ -423,7 +423,7 @@ pshard_status_t ps_safetensors_read(const char *path, const char *name, int ndim
             rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: truncated data", path);
             goto out;
         }
-        if (ps_convert(buf, src, out + at, PSHARD_FP32, n) != 0) {
+        if (pshard_convert(buf, src, out + at, PSHARD_FP32, n) != 0) {
             rc = ps_errf(err, errlen, PSHARD_ERR_INTERNAL, "cannot convert %s to fp32", dtype);
             goto out;
         }

@@ -1,5 +1,6 @@
 /* Names and messages of pshard_status_t, and the one mapping to and from gRPC status codes. */
 #include "pshard/status.h"
+#include "pshard/rpc.h"
 
 #include <grpc/status.h>
 
@@ -27,7 +28,7 @@ const char *pshard_status_str(pshard_status_t status)
     return "unknown status";
 }
 
-int pshard_status_to_grpc(pshard_status_t status)
+int ps_status_to_grpc(pshard_status_t status)
 {
     switch (status) {
     case PSHARD_OK:
@@ -70,7 +71,7 @@ int pshard_status_to_grpc(pshard_status_t status)
     return GRPC_STATUS_UNKNOWN;
 }
 
-pshard_status_t pshard_status_from_grpc(int grpc_code)
+pshard_status_t ps_status_from_grpc(int grpc_code)
 {
     switch (grpc_code) {
     case GRPC_STATUS_OK:

@@ -20,12 +20,7 @@ static pshard_optimizer_t optimizer_of(ps_optim_kind_t k)
 /* Copies a gathered parameter (param dtype) into fp32 for compute. */
 static void to_f32(const void *src, pshard_dtype_t dt, float *dst, size_t n)
 {
-    if (dt == PSHARD_FP32)
-        memcpy(dst, src, n * sizeof(float));
-    else if (dt == PSHARD_BF16)
-        ps_convert_bf16_to_f32(src, dst, n);
-    else
-        ps_convert_f16_to_f32(src, dst, n);
+    pshard_convert(src, dt, dst, PSHARD_FP32, n);
 }
 
 /* Layer l's parameters as fp32 for compute: the gathered buffers themselves in fp32, else
@@ -102,8 +97,10 @@ static pshard_status_t train_step(pshard_client_t *c, const mlp_dist_args_t *da,
         mlp_layer_backward(shape, ws, l, w, x, batch, direct ? gw_buf : gwtmp,
                            direct ? gb_buf : gbtmp);
         if (!direct) {
-            ps_convert_f32_to_bf16(gwtmp, gw_buf, pshard_param_numel(c, ids[l][0]));
-            ps_convert_f32_to_bf16(gbtmp, gb_buf, pshard_param_numel(c, ids[l][1]));
+            pshard_convert(gwtmp, PSHARD_FP32, gw_buf, da->reduce_dtype,
+                           pshard_param_numel(c, ids[l][0]));
+            pshard_convert(gbtmp, PSHARD_FP32, gb_buf, da->reduce_dtype,
+                           pshard_param_numel(c, ids[l][1]));
         }
         OK(pshard_reshard(c, ids[l], 2));
         OK(pshard_reduce_scatter_start(c, ids[l], 2, &rs[l]));

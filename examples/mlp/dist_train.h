@@ -8,8 +8,7 @@
 #include <stdbool.h>
 
 #include "local_train.h"
-#include "pshard/dtype.h"
-#include "pshard/layout.h"
+#include "pshard/types.h"
 
 typedef struct {
     mlp_local_args_t common;    /* shape, batch, steps, seeds, optimizer, clipping, printing */

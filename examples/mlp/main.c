@@ -15,7 +15,7 @@
 #include "mlp.h"
 #include "optim.h"
 #include "pshard/config.h"
-#include "pshard/dtype.h"
+#include "pshard/types.h"
 #include "pshard/log.h"
 #include "pshard/util.h"
 

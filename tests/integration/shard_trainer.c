@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "optim.h"
+#include "pshard/dtype.h"
 #include "pshard/pshard.h"
 #include "pshard/util.h"
 

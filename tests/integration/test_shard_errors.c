@@ -125,11 +125,11 @@ static res_t rpc(ps_rpc_channel_t *ch, const char *method, const ProtobufCMessag
  * Prints what came back otherwise. Frees any response. */
 static bool expect_err_(res_t *r, pshard_status_t st, const char *sub, const char *what, int line)
 {
-    bool ok = r->rc == st && r->code == pshard_status_to_grpc(st) && !r->resp &&
+    bool ok = r->rc == st && r->code == ps_status_to_grpc(st) && !r->resp &&
               (!sub || strstr(r->err, sub) != NULL);
     if (!ok)
         fprintf(stderr, "  line %d, %s: expected %s (gRPC %d) with \"%s\"; got %s (gRPC %d): %s\n",
-                line, what, pshard_status_name(st), pshard_status_to_grpc(st), sub ? sub : "",
+                line, what, pshard_status_name(st), ps_status_to_grpc(st), sub ? sub : "",
                 pshard_status_name(r->rc), r->code, r->err);
     if (r->resp)
         protobuf_c_message_free_unpacked(r->resp, NULL);

@@ -19,9 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "pshard/dtype.h"
-#include "pshard/layout.h"
 #include "pshard/status.h"
+#include "pshard/types.h"
 
 #ifdef __cplusplus
 extern "C" {

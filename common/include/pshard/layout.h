@@ -9,7 +9,7 @@
  * In both, each rank's piece of a parameter is one contiguous range of the flattened parameter
  * and the pieces are in rank order, so gathering a parameter is an all_gather with per-rank
  * counts. A rank stores its pieces of all parameters back to back (its shard). Immutable after
- * creation: thread-safe. */
+ * creation: thread-safe. Internal to pshard (not installed). */
 #ifndef PSHARD_LAYOUT_H
 #define PSHARD_LAYOUT_H
 
@@ -17,11 +17,7 @@
 #include <stdint.h>
 
 #include "pshard/status.h"
-
-typedef enum {
-    PSHARD_LAYOUT_FSDP2 = 0,
-    PSHARD_LAYOUT_FSDP1 = 1,
-} pshard_layout_t;
+#include "pshard/types.h"
 
 typedef struct ps_layout ps_layout_t;
 

@@ -13,6 +13,11 @@
 
 #include "pshard/status.h"
 
+/* The one mapping between pshard statuses and gRPC status codes (grpc_status_code values, as int
+ * so that this header needs no gRPC include). Thread-safe. */
+int ps_status_to_grpc(pshard_status_t status);
+pshard_status_t ps_status_from_grpc(int grpc_code);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Server                                                                                      */
 
@@ -111,7 +116,7 @@ void ps_rpc_server_destroy(ps_rpc_server_t *srv);
  * ownership of the message). The call must not be used afterwards. Thread-safe. */
 void ps_rpc_call_reply(ps_rpc_call_t *call, const ProtobufCMessage *response);
 
-/* Finishes any call with an error: the gRPC status is pshard_status_to_grpc(status), and the
+/* Finishes any call with an error: the gRPC status is ps_status_to_grpc(status), and the
  * formatted message is sent as the status details. The call must not be used afterwards. */
 void ps_rpc_call_fail(ps_rpc_call_t *call, pshard_status_t status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

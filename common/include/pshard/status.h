@@ -1,5 +1,6 @@
-/* pshard status codes: one enum for every component, its names and messages, and the single
- * mapping to and from gRPC status codes. Codes are append-only: never renumber or reuse one. */
+/* pshard status codes: one enum for every component, and its names and messages (the mapping
+ * to and from gRPC status codes is pshard/rpc.h's). Installed with libpshard. Codes are
+ * append-only: never renumber or reuse one. */
 #ifndef PSHARD_STATUS_H
 #define PSHARD_STATUS_H
 
@@ -44,11 +45,6 @@ const char *pshard_status_name(pshard_status_t status);
 
 /* Returns a short human-readable message for a status. The string is static. Thread-safe. */
 const char *pshard_status_str(pshard_status_t status);
-
-/* The one mapping between pshard statuses and gRPC status codes (grpc_status_code values, as int
- * so that this header needs no gRPC include). Thread-safe. */
-int pshard_status_to_grpc(pshard_status_t status);
-pshard_status_t pshard_status_from_grpc(int grpc_code);
 
 #ifdef __cplusplus
 }

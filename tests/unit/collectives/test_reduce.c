@@ -251,12 +251,12 @@ static void check_round_once(pshard_dtype_t dtype, int ulp_exp)
     float values[4] = {1.0f, ldexpf(1.0f, ulp_exp - 2), ldexpf(1.0f, ulp_exp - 2),
                        ldexpf(1.0f, ulp_exp - 2)};
     uint16_t in[4];
-    CU_ASSERT_EQUAL(ps_convert(values, PSHARD_FP32, in, dtype, 4), 0);
+    CU_ASSERT_EQUAL(pshard_convert(values, PSHARD_FP32, in, dtype, 4), 0);
 
     uint16_t stepwise = in[0];
     for (int r = 1; r < 4; r++) {
         float sum = (float)half_value(stepwise, dtype) + (float)half_value(in[r], dtype);
-        CU_ASSERT_EQUAL(ps_convert(&sum, PSHARD_FP32, &stepwise, dtype, 1), 0);
+        CU_ASSERT_EQUAL(pshard_convert(&sum, PSHARD_FP32, &stepwise, dtype, 1), 0);
     }
 
     float acc;

@@ -469,42 +469,42 @@ static void test_convert_pairs(void)
     }
     unsigned bad = 0;
 
-    CU_ASSERT_EQUAL(ps_convert(f32, PSHARD_FP32, f32_out, PSHARD_FP32, CONVERT_N), 0);
+    CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, f32_out, PSHARD_FP32, CONVERT_N), 0);
     CU_ASSERT(memcmp(f32, f32_out, sizeof f32) == 0);
-    CU_ASSERT_EQUAL(ps_convert(f32, PSHARD_FP32, h_out, PSHARD_BF16, CONVERT_N), 0);
+    CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, h_out, PSHARD_BF16, CONVERT_N), 0);
     for (size_t i = 0; i < CONVERT_N; i++)
         bad += h_out[i] != ps_f32_to_bf16(f32[i]);
-    CU_ASSERT_EQUAL(ps_convert(f32, PSHARD_FP32, h_out, PSHARD_FP16, CONVERT_N), 0);
+    CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, h_out, PSHARD_FP16, CONVERT_N), 0);
     for (size_t i = 0; i < CONVERT_N; i++)
         bad += h_out[i] != ps_f32_to_f16(f32[i]);
-    CU_ASSERT_EQUAL(ps_convert(bf16, PSHARD_BF16, f32_out, PSHARD_FP32, CONVERT_N), 0);
+    CU_ASSERT_EQUAL(pshard_convert(bf16, PSHARD_BF16, f32_out, PSHARD_FP32, CONVERT_N), 0);
     for (size_t i = 0; i < CONVERT_N; i++)
         bad += bits_of(f32_out[i]) != bits_of(ps_bf16_to_f32(bf16[i]));
-    CU_ASSERT_EQUAL(ps_convert(f16, PSHARD_FP16, f32_out, PSHARD_FP32, CONVERT_N), 0);
+    CU_ASSERT_EQUAL(pshard_convert(f16, PSHARD_FP16, f32_out, PSHARD_FP32, CONVERT_N), 0);
     for (size_t i = 0; i < CONVERT_N; i++)
         bad += bits_of(f32_out[i]) != bits_of(ps_f16_to_f32(f16[i]));
-    CU_ASSERT_EQUAL(ps_convert(bf16, PSHARD_BF16, h_out, PSHARD_FP16, CONVERT_N), 0);
+    CU_ASSERT_EQUAL(pshard_convert(bf16, PSHARD_BF16, h_out, PSHARD_FP16, CONVERT_N), 0);
     for (size_t i = 0; i < CONVERT_N; i++)
         bad += h_out[i] != ps_f32_to_f16(ps_bf16_to_f32(bf16[i]));
-    CU_ASSERT_EQUAL(ps_convert(f16, PSHARD_FP16, h_out, PSHARD_BF16, CONVERT_N), 0);
+    CU_ASSERT_EQUAL(pshard_convert(f16, PSHARD_FP16, h_out, PSHARD_BF16, CONVERT_N), 0);
     for (size_t i = 0; i < CONVERT_N; i++)
         bad += h_out[i] != ps_f32_to_bf16(ps_f16_to_f32(f16[i]));
-    CU_ASSERT_EQUAL(ps_convert(bf16, PSHARD_BF16, h_out, PSHARD_BF16, CONVERT_N), 0);
+    CU_ASSERT_EQUAL(pshard_convert(bf16, PSHARD_BF16, h_out, PSHARD_BF16, CONVERT_N), 0);
     CU_ASSERT(memcmp(bf16, h_out, sizeof bf16) == 0);
-    CU_ASSERT_EQUAL(ps_convert(i64, PSHARD_INT64, i64_out, PSHARD_INT64, CONVERT_N), 0);
+    CU_ASSERT_EQUAL(pshard_convert(i64, PSHARD_INT64, i64_out, PSHARD_INT64, CONVERT_N), 0);
     CU_ASSERT(memcmp(i64, i64_out, sizeof i64) == 0);
     CU_ASSERT_EQUAL(bad, 0);
 
     /* Unsupported pairs and unknown types leave dst alone. */
     memset(i64_out, 0, sizeof i64_out);
-    CU_ASSERT_EQUAL(ps_convert(f32, PSHARD_FP32, i64_out, PSHARD_INT64, 4), -1);
-    CU_ASSERT_EQUAL(ps_convert(i64, PSHARD_INT64, f32_out, PSHARD_FP32, 4), -1);
-    CU_ASSERT_EQUAL(ps_convert(i64, PSHARD_INT64, h_out, PSHARD_BF16, 4), -1);
-    CU_ASSERT_EQUAL(ps_convert(f16, PSHARD_FP16, i64_out, PSHARD_INT64, 4), -1);
-    CU_ASSERT_EQUAL(ps_convert(f32, (pshard_dtype_t)7, f32_out, PSHARD_FP32, 4), -1);
-    CU_ASSERT_EQUAL(ps_convert(f32, PSHARD_FP32, f32_out, (pshard_dtype_t)4, 4), -1);
+    CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, i64_out, PSHARD_INT64, 4), -1);
+    CU_ASSERT_EQUAL(pshard_convert(i64, PSHARD_INT64, f32_out, PSHARD_FP32, 4), -1);
+    CU_ASSERT_EQUAL(pshard_convert(i64, PSHARD_INT64, h_out, PSHARD_BF16, 4), -1);
+    CU_ASSERT_EQUAL(pshard_convert(f16, PSHARD_FP16, i64_out, PSHARD_INT64, 4), -1);
+    CU_ASSERT_EQUAL(pshard_convert(f32, (pshard_dtype_t)7, f32_out, PSHARD_FP32, 4), -1);
+    CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, f32_out, (pshard_dtype_t)4, 4), -1);
     CU_ASSERT_EQUAL(i64_out[0], 0);
-    CU_ASSERT_EQUAL(ps_convert(f32, PSHARD_FP32, h_out, PSHARD_BF16, 0), 0);
+    CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, h_out, PSHARD_BF16, 0), 0);
 }
 
 int main(void)

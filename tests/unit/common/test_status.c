@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "ps_test.h"
+#include "pshard/rpc.h"
 #include "pshard/status.h"
 #include "pshard/util.h"
 
@@ -60,7 +61,7 @@ static void test_unknown_status(void)
         CU_ASSERT_STRING_EQUAL(pshard_status_name(s), "PSHARD_ERR_UNKNOWN");
         CU_ASSERT_PTR_NOT_NULL(pshard_status_str(s));
         CU_ASSERT(pshard_status_str(s)[0] != '\0');
-        CU_ASSERT_EQUAL(pshard_status_to_grpc(s), GRPC_STATUS_UNKNOWN);
+        CU_ASSERT_EQUAL(ps_status_to_grpc(s), GRPC_STATUS_UNKNOWN);
     }
 }
 
@@ -86,30 +87,30 @@ static void test_grpc_round_trip(void)
         {PSHARD_ERR_CANCELLED, GRPC_STATUS_CANCELLED},
     };
     for (size_t i = 0; i < sizeof(owned) / sizeof(owned[0]); i++) {
-        int code = pshard_status_to_grpc(owned[i].status);
+        int code = ps_status_to_grpc(owned[i].status);
         CU_ASSERT_EQUAL(code, (int)owned[i].code);
-        CU_ASSERT_EQUAL(pshard_status_from_grpc(code), owned[i].status);
+        CU_ASSERT_EQUAL(ps_status_from_grpc(code), owned[i].status);
     }
 }
 
 static void test_grpc_specific_codes(void)
 {
-    CU_ASSERT_EQUAL(pshard_status_to_grpc(PSHARD_ERR_PEER_LOST), GRPC_STATUS_UNAVAILABLE);
-    CU_ASSERT_EQUAL(pshard_status_to_grpc(PSHARD_ERR_DESYNC), GRPC_STATUS_INVALID_ARGUMENT);
-    CU_ASSERT_EQUAL(pshard_status_to_grpc(PSHARD_ERR_NO_MEMORY), GRPC_STATUS_RESOURCE_EXHAUSTED);
-    CU_ASSERT_EQUAL(pshard_status_to_grpc(PSHARD_ERR_RPC), GRPC_STATUS_UNAVAILABLE);
-    CU_ASSERT_EQUAL(pshard_status_to_grpc(PSHARD_ERR_JOINED), GRPC_STATUS_ABORTED);
-    CU_ASSERT_EQUAL(pshard_status_to_grpc(PSHARD_ERR_INTERNAL), GRPC_STATUS_INTERNAL);
-    CU_ASSERT_EQUAL(pshard_status_to_grpc(PSHARD_ERR_SYSTEM), GRPC_STATUS_INTERNAL);
-    CU_ASSERT_EQUAL(pshard_status_to_grpc(PSHARD_ERR_CUDA), GRPC_STATUS_INTERNAL);
-    CU_ASSERT_EQUAL(pshard_status_to_grpc(PSHARD_ERR_NCCL), GRPC_STATUS_INTERNAL);
+    CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_PEER_LOST), GRPC_STATUS_UNAVAILABLE);
+    CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_DESYNC), GRPC_STATUS_INVALID_ARGUMENT);
+    CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_NO_MEMORY), GRPC_STATUS_RESOURCE_EXHAUSTED);
+    CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_RPC), GRPC_STATUS_UNAVAILABLE);
+    CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_JOINED), GRPC_STATUS_ABORTED);
+    CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_INTERNAL), GRPC_STATUS_INTERNAL);
+    CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_SYSTEM), GRPC_STATUS_INTERNAL);
+    CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_CUDA), GRPC_STATUS_INTERNAL);
+    CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_NCCL), GRPC_STATUS_INTERNAL);
 
     /* Codes no pshard status owns become a generic RPC failure. */
-    CU_ASSERT_EQUAL(pshard_status_from_grpc(GRPC_STATUS_DATA_LOSS), PSHARD_ERR_RPC);
-    CU_ASSERT_EQUAL(pshard_status_from_grpc(GRPC_STATUS_UNKNOWN), PSHARD_ERR_RPC);
-    CU_ASSERT_EQUAL(pshard_status_from_grpc(9999), PSHARD_ERR_RPC);
-    CU_ASSERT_EQUAL(pshard_status_from_grpc(-1), PSHARD_ERR_RPC);
-    CU_ASSERT_EQUAL(pshard_status_from_grpc(GRPC_STATUS_OUT_OF_RANGE), PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_EQUAL(ps_status_from_grpc(GRPC_STATUS_DATA_LOSS), PSHARD_ERR_RPC);
+    CU_ASSERT_EQUAL(ps_status_from_grpc(GRPC_STATUS_UNKNOWN), PSHARD_ERR_RPC);
+    CU_ASSERT_EQUAL(ps_status_from_grpc(9999), PSHARD_ERR_RPC);
+    CU_ASSERT_EQUAL(ps_status_from_grpc(-1), PSHARD_ERR_RPC);
+    CU_ASSERT_EQUAL(ps_status_from_grpc(GRPC_STATUS_OUT_OF_RANGE), PSHARD_ERR_INVALID_ARGUMENT);
 }
 
 static void test_errors_never_become_ok(void)
@@ -117,12 +118,12 @@ static void test_errors_never_become_ok(void)
     /* An error sent over gRPC must never arrive as success, and success must stay success. */
     for (size_t i = 0; i < N_STATUSES; i++) {
         pshard_status_t s = all_statuses[i].status;
-        int code = pshard_status_to_grpc(s);
+        int code = ps_status_to_grpc(s);
         if (s == PSHARD_OK) {
             CU_ASSERT_EQUAL(code, GRPC_STATUS_OK);
         } else {
             CU_ASSERT(code != GRPC_STATUS_OK);
-            CU_ASSERT(pshard_status_from_grpc(code) != PSHARD_OK);
+            CU_ASSERT(ps_status_from_grpc(code) != PSHARD_OK);
         }
     }
 }

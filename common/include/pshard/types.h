@@ -1,0 +1,47 @@
+/* The value types of pshard's public API, shared by every component: element types (fp32,
+ * bf16, fp16, int64) with their sizes, names and conversions, and the two shard layouts.
+ * Installed with libpshard; everything declared here is exported by it. Pure, thread-safe. */
+#ifndef PSHARD_TYPES_H
+#define PSHARD_TYPES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    PSHARD_FP32 = 0,
+    PSHARD_BF16 = 1,
+    PSHARD_FP16 = 2,
+    PSHARD_INT64 = 3,
+} pshard_dtype_t;
+
+#define PSHARD_DTYPE_COUNT 4
+
+/* Bytes per element (4, 2, 2, 8), or 0 for an unknown value. */
+size_t pshard_dtype_size(pshard_dtype_t dtype);
+
+/* "fp32", "bf16", "fp16", "int64", or "unknown". */
+const char *pshard_dtype_name(pshard_dtype_t dtype);
+
+/* Parses the names above (also "float32", "bfloat16", "float16"); returns 0 or -1. */
+int pshard_dtype_parse(const char *text, pshard_dtype_t *dtype);
+
+/* Converts n elements of src_type to dst_type via fp32 (int64 only to/from int64): round to
+ * nearest even, NaN stays NaN (quiet), Inf stays Inf, subnormals kept where representable.
+ * src and dst must not overlap. Returns 0, or -1 for an unsupported pair. */
+int pshard_convert(const void *src, pshard_dtype_t src_type, void *dst, pshard_dtype_t dst_type,
+                   size_t n);
+
+/* How parameters are cut into shards (see pshard/pshard.h, pshard_model_config_t). */
+typedef enum {
+    PSHARD_LAYOUT_FSDP2 = 0, /* each parameter on dim 0 */
+    PSHARD_LAYOUT_FSDP1 = 1, /* all parameters flattened into one buffer */
+} pshard_layout_t;
+
+#ifdef __cplusplus
+}
+#endif
+#endif
