@@ -10,7 +10,7 @@
 #
 # Usage: deploy/podman-smoke.sh [--pshardctl BIN|none]
 #   --pshardctl BIN  a pshardctl on this machine for the checks from outside (default:
-#                    build/client/pshardctl if built); 'none' or no build: the image's own,
+#                    build/tools/pshardctl if built); 'none' or no build: the image's own,
 #                    run inside the coordinator's container
 # Environment: PSHARD_DEBIAN_MIRROR (default: the bookworm mirror apt uses here),
 #   PSHARD_SMOKE_STATE (default /var/tmp/pshard-podman: containers.conf and the build log),
@@ -27,8 +27,8 @@ while [[ $# -gt 0 ]]; do
         *) echo "usage: $0 [--pshardctl BIN|none]" >&2; exit 2 ;;
     esac
 done
-if [[ -z "$pshardctl" && -x "$root/build/client/pshardctl" ]]; then
-    pshardctl="$root/build/client/pshardctl"
+if [[ -z "$pshardctl" && -x "$root/build/tools/pshardctl" ]]; then
+    pshardctl="$root/build/tools/pshardctl"
 elif [[ "$pshardctl" == none ]]; then
     pshardctl=""
 fi

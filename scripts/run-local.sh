@@ -42,14 +42,14 @@ if [ "$example" = lm ]; then
   run=("$venv/bin/pshardrun")
 else
   world=${WORLD_SIZE:-4}
-  run=("$bin/client/pshardrun")
+  run=("$bin/tools/pshardrun")
 fi
 "$bin/coordinator/pshard-coordinator" --listen 127.0.0.1:0 --port-file "$work/port" \
   --world-size "$world" > "$work/coordinator.out" 2> "$work/coordinator.log" &
 pids+=($!)
 wait_for "test -s '$work/port'" 10
 coord="127.0.0.1:$(cat "$work/port")"
-ctl=("$bin/client/pshardctl" --coordinator "$coord")
+ctl=("$bin/tools/pshardctl" --coordinator "$coord")
 wait_for "${ctl[*]} health" 10
 echo "coordinator: $(cat "$work/coordinator.out")"
 

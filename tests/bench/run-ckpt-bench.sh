@@ -17,9 +17,9 @@ DIR="${DIR:-$(mktemp -d /var/tmp/pshard-ckpt-bench.XXXXXX)}"
 trap 'rm -rf "$DIR"' EXIT
 export OPENBLAS_NUM_THREADS=1
 args=(--widths "$WIDTHS" --input 256 --output 64 --optimizer adam --batch 8 --print-every 0)
-"$BUILD/client/pshardrun" --nproc "$NPROC" --log info --checkpoint-dir "$DIR/ck" -- \
+"$BUILD/tools/pshardrun" --nproc "$NPROC" --log info --checkpoint-dir "$DIR/ck" -- \
   "$BUILD/examples/pshard-mlp" "${args[@]}" --steps 1 --checkpoint-at-end > "$DIR/save.txt" 2>&1
-"$BUILD/client/pshardrun" --nproc "$NPROC" --log info --resume "$DIR/ck" --checkpoint-dir "$DIR/ck2" -- \
+"$BUILD/tools/pshardrun" --nproc "$NPROC" --log info --resume "$DIR/ck" --checkpoint-dir "$DIR/ck2" -- \
   "$BUILD/examples/pshard-mlp" "${args[@]}" --steps 1 > "$DIR/load.txt" 2>&1
 # "checkpoint of step 1 committed in DIR (123.4 ms, 456 bytes here)", "resumed step 1 from DIR (78.9 ms)"
 save_ms=$(sed -n 's/.*checkpoint of step 1 committed in .* (\([0-9.]*\) ms, [0-9]* bytes here).*/\1/p' "$DIR/save.txt" | sort -n | tail -1)

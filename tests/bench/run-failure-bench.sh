@@ -14,7 +14,7 @@ for fault in trainer-kill server-stop server-kill; do
   for ((t = 0; t < TRIALS; t++)); do
     out=$(FAILURE_CASES="$fault" bash "$ROOT/tests/integration/test_failures.sh" \
           "$BUILD/coordinator/pshard-coordinator" "$BUILD/shard_server/pshard-server" \
-          "$BUILD/client/pshardctl" "$BUILD/examples/pshard-mlp" 2>&1) || { echo "$out"; exit 1; }
+          "$BUILD/tools/pshardctl" "$BUILD/examples/pshard-mlp" 2>&1) || { echo "$out"; exit 1; }
     # The slowest trainer of the trial: every trainer has its error by then.
     worst=$(echo "$out" | sed -n 's/.*failed after \([0-9]*\) ms.*/\1/p' | sort -n | tail -1)
     times+=("$worst")

@@ -64,7 +64,7 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 log() { printf '== %s\n' "$*" >&2; }
 
-RUN="$BUILD_DIR/client/pshardrun"
+RUN="$BUILD_DIR/tools/pshardrun"
 MLP="$BUILD_DIR/examples/pshard-mlp"
 GATHER="$BUILD_DIR/tests/bench/pshard-gather-bench"
 PY="$VENV/bin/python"
