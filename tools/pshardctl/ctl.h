@@ -1,0 +1,71 @@
+/* pshardctl's internals shared by its commands: the global options, the coordinator channel,
+ * error and JSON output helpers, and each command's entry point (one file per command). A
+ * command returns the process's exit status: EXIT_OK, EXIT_NOT_SERVING or EXIT_ERROR. */
+#ifndef PSHARD_CTL_H
+#define PSHARD_CTL_H
+
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "pshard/config.h"
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/rpc.h"
+
+#define EXIT_OK 0
+#define EXIT_NOT_SERVING 1
+#define EXIT_ERROR 2
+
+typedef struct {
+    char *coordinator;
+    char *token_file;
+    char *tls_ca;
+    char *tls_cert;
+    char *tls_key;
+    char *tls_server_name;
+    char *job;
+    int64_t timeout_ms;
+    int64_t server_timeout_ms;
+    bool json;
+} ctl_opts_t;
+
+extern ctl_opts_t ctl_opts;
+extern ps_rpc_channel_t *ctl_channel; /* to the coordinator; NULL for offline commands */
+extern char *ctl_token;               /* from --token-file; sent to coordinator and servers */
+extern const char ctl_usage_text[];   /* the command list --help prints */
+extern volatile sig_atomic_t ctl_interrupted;
+
+/* Prints "pshardctl: MESSAGE" to stderr; returns EXIT_ERROR. */
+int ctl_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* One unary coordinator call of `method` ("Status") on ctl_channel; prints the error and
+ * returns EXIT_ERROR on failure, else EXIT_OK with *resp owned by the caller. */
+int ctl_call(const char *method, const ProtobufCMessage *req,
+             const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp, unsigned flags,
+             int64_t timeout_ms);
+void ctl_on_signal(int sig); /* sets ctl_interrupted */
+
+void ctl_json_str(FILE *out, const char *s, size_t len);
+void ctl_json_cstr(FILE *out, const char *s);
+const char *ctl_state_name(Pshard__ClusterState s);
+const char *ctl_role_name(Pshard__Role r);
+void ctl_json_member(FILE *out, const Pshard__Member *m);
+void ctl_print_members(FILE *out, Pshard__Member **members, size_t n);
+void ctl_json_joins(FILE *out, Pshard__JoinEntry **joins, size_t n);
+void ctl_print_joins(FILE *out, const Pshard__StatusResponse *st);
+
+/* The commands; argv holds the words after the command's name. */
+int cmd_status(bool members_only);
+int cmd_health(int argc, char **argv);
+int cmd_store(int argc, char **argv);
+int cmd_watch(int argc, char **argv);
+int cmd_register(int argc, char **argv);
+int cmd_checkpoint(int argc, char **argv);
+
+/* A command's own options (they win over a global option of the same name), for hoisting the
+ * global ones: register's, and a checkpoint subcommand's (NULL with *n = 0 when none). */
+const ps_option_t *ctl_register_options(size_t *n);
+const ps_option_t *ctl_checkpoint_options(const char *sub, size_t *n);
+
+#endif

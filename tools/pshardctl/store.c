@@ -1,0 +1,90 @@
+/* pshardctl store: get, set, delete, add and wait on the coordinator's store. */
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pshard/util.h"
+
+#include "ctl.h"
+
+int cmd_store(int argc, char **argv)
+{
+    if (argc < 2)
+        return ctl_fail("store needs get|set|add|wait and a KEY (see --help)");
+    const char *sub = argv[0];
+    ProtobufCMessage *msg = NULL;
+    int rc;
+    if (strcmp(sub, "get") == 0 && argc == 2) {
+        Pshard__StoreGetRequest req = PSHARD__STORE_GET_REQUEST__INIT;
+        req.key = argv[1];
+        rc = ctl_call("StoreGet", &req.base, &pshard__store_get_response__descriptor, &msg,
+                  PS_RPC_IDEMPOTENT, ctl_opts.timeout_ms);
+        if (rc != EXIT_OK)
+            return rc;
+        Pshard__StoreGetResponse *r = (Pshard__StoreGetResponse *)msg;
+        if (ctl_opts.json) {
+            fputs("{\"key\":", stdout);
+            ctl_json_cstr(stdout, argv[1]);
+            fputs(",\"value\":", stdout);
+            ctl_json_str(stdout, (const char *)r->value.data, r->value.len);
+            fputs("}\n", stdout);
+        } else {
+            fwrite(r->value.data, 1, r->value.len, stdout);
+            fputc('\n', stdout);
+        }
+    } else if (strcmp(sub, "set") == 0 && argc == 3) {
+        Pshard__StoreSetRequest req = PSHARD__STORE_SET_REQUEST__INIT;
+        req.key = argv[1];
+        req.value.data = (uint8_t *)argv[2];
+        req.value.len = strlen(argv[2]);
+        rc = ctl_call("StoreSet", &req.base, &pshard__store_set_response__descriptor, &msg,
+                  PS_RPC_IDEMPOTENT, ctl_opts.timeout_ms);
+        if (rc != EXIT_OK)
+            return rc;
+    } else if (strcmp(sub, "delete") == 0 && argc == 2) {
+        Pshard__StoreDeleteRequest req = PSHARD__STORE_DELETE_REQUEST__INIT;
+        req.key = argv[1];
+        rc = ctl_call("StoreDelete", &req.base, &pshard__store_delete_response__descriptor, &msg, 0,
+                  ctl_opts.timeout_ms);
+        if (rc != EXIT_OK)
+            return rc;
+        bool deleted = ((Pshard__StoreDeleteResponse *)msg)->deleted;
+        if (ctl_opts.json)
+            printf("{\"deleted\":%s}\n", deleted ? "true" : "false");
+        else
+            printf("%s\n", deleted ? "deleted" : "not set");
+    } else if (strcmp(sub, "add") == 0 && argc == 3) {
+        Pshard__StoreAddRequest req = PSHARD__STORE_ADD_REQUEST__INIT;
+        req.key = argv[1];
+        if (ps_parse_i64(argv[2], INT64_MIN, INT64_MAX, &req.delta) != 0)
+            return ctl_fail("store add: '%s' is not an integer", argv[2]);
+        rc = ctl_call("StoreAdd", &req.base, &pshard__store_add_response__descriptor, &msg, 0,
+                  ctl_opts.timeout_ms);
+        if (rc != EXIT_OK)
+            return rc;
+        printf("%" PRId64 "\n", ((Pshard__StoreAddResponse *)msg)->value);
+    } else if (strcmp(sub, "wait") == 0) {
+        Pshard__StoreWaitRequest req = PSHARD__STORE_WAIT_REQUEST__INIT;
+        req.n_keys = (size_t)argc - 1;
+        req.keys = argv + 1;
+        req.timeout_ms = ctl_opts.timeout_ms;
+        rc = ctl_call("StoreWait", &req.base, &pshard__store_wait_response__descriptor, &msg, 0,
+                  ctl_opts.timeout_ms + 2000);
+        if (rc != EXIT_OK)
+            return rc;
+        Pshard__StoreWaitResponse *r = (Pshard__StoreWaitResponse *)msg;
+        for (size_t i = 0; i < r->n_values; i++) {
+            printf("%s=", argv[1 + i]);
+            fwrite(r->values[i].data, 1, r->values[i].len, stdout);
+            fputc('\n', stdout);
+        }
+    } else {
+        return ctl_fail("store: unknown form '%s' with %d arguments (see --help)", sub, argc - 1);
+    }
+    if (msg)
+        protobuf_c_message_free_unpacked(msg, NULL);
+    return EXIT_OK;
+}
+
