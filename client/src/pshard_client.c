@@ -24,8 +24,9 @@
 #include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
 
+#include "client_pool.h"
+
 #define DEFAULT_SCRATCH (16u << 20)
-#define ALIGN 64
 
 typedef struct {
     void *base;
@@ -51,11 +52,6 @@ typedef struct {
     buf_state_t state;
     size_t off, bytes; /* block in the model region, valid unless BUF_NONE */
 } tensor_buf_t;
-
-/* A free block of the pool; the free list is kept sorted by offset and coalesced. */
-typedef struct {
-    size_t off, bytes;
-} pool_hole_t;
 
 struct pshard_work {
     pshard_client_t *c;
@@ -98,9 +94,8 @@ struct pshard_client {
     bool reshard_after_forward;
     int max_gathers_in_flight;
     int gathers_in_flight;
-    pool_hole_t *holes;
-    size_t nholes, holes_cap;
-    pshard_memory_stats_t mem;
+    client_pool_t *pool;        /* NULL before the first model */
+    pshard_memory_stats_t mem; /* its byte counters are the pool's (pshard_memory_stats) */
 
     /* The trainer's lease with the coordinator: registered as role TRAINER and renewed by a
      * thread, so a trainer that dies or hangs is evicted and its peers stop waiting. */
@@ -740,107 +735,15 @@ static bool pb_groups_make(pb_groups_t *pg, const pshard_optim_group_t *g, size_
 
 static size_t align_up(size_t x)
 {
-    return (x + ALIGN - 1) / ALIGN * ALIGN;
+    return (x + CLIENT_POOL_ALIGN - 1) / CLIENT_POOL_ALIGN * CLIENT_POOL_ALIGN;
 }
 
-/* ---- the pool (callers hold c->mu) ------------------------------------------------------ */
-
-static bool holes_reserve(pshard_client_t *c)
-{
-    if (c->nholes < c->holes_cap)
-        return true;
-    size_t cap = c->holes_cap ? 2 * c->holes_cap : 16;
-    pool_hole_t *nh = realloc(c->holes, cap * sizeof(pool_hole_t));
-    if (!nh)
-        return false;
-    c->holes = nh;
-    c->holes_cap = cap;
-    return true;
-}
-
-/* First fit from the low end, so that the pages in use stay at the start of the region and
- * a repeating pattern of gathers and reshards reuses the same (already backed) blocks. The
- * block starts at a multiple of align (ALIGN, or the page size for a block that is mapped
- * again elsewhere); a hole cut in two needs a new entry in the list, and without memory for
- * it that hole is passed over. */
-static bool pool_alloc_at(pshard_client_t *c, size_t bytes, size_t align, size_t *off)
-{
-    bytes = align_up(bytes ? bytes : 1);
-    for (size_t h = 0; h < c->nholes; h++) {
-        size_t start = (c->holes[h].off + align - 1) / align * align;
-        size_t lead = start - c->holes[h].off;
-        if (c->holes[h].bytes < lead || c->holes[h].bytes - lead < bytes)
-            continue;
-        if (lead > 0 && c->holes[h].bytes - lead > bytes) {
-            /* [hole.off, start) stays a hole and the rest after the block becomes one. */
-            if (!holes_reserve(c))
-                continue;
-            memmove(&c->holes[h + 2], &c->holes[h + 1],
-                    (c->nholes - h - 1) * sizeof(pool_hole_t));
-            c->holes[h + 1] =
-                (pool_hole_t){start + bytes, c->holes[h].bytes - lead - bytes};
-            c->holes[h].bytes = lead;
-            c->nholes++;
-        } else if (lead > 0) {
-            c->holes[h].bytes = lead; /* the block ends the hole */
-        } else {
-            c->holes[h].off += bytes;
-            c->holes[h].bytes -= bytes;
-            if (c->holes[h].bytes == 0) {
-                memmove(&c->holes[h], &c->holes[h + 1],
-                        (c->nholes - h - 1) * sizeof(pool_hole_t));
-                c->nholes--;
-            }
-        }
-        *off = start;
-        c->mem.in_use_bytes += bytes;
-        if (c->mem.in_use_bytes > c->mem.peak_in_use_bytes)
-            c->mem.peak_in_use_bytes = c->mem.in_use_bytes;
-        if (*off + bytes > c->mem.touched_bytes)
-            c->mem.touched_bytes = *off + bytes;
-        return true;
-    }
-    return false;
-}
-
-static bool pool_alloc(pshard_client_t *c, size_t bytes, size_t *off)
-{
-    return pool_alloc_at(c, bytes, ALIGN, off);
-}
-
-/* Returns a block and merges it with its neighbours. Fails only without memory for the list
- * (the block is then lost to the pool, never handed out twice). */
-static void pool_free(pshard_client_t *c, size_t off, size_t bytes)
-{
-    bytes = align_up(bytes ? bytes : 1);
-    c->mem.in_use_bytes -= bytes;
-    size_t h = 0;
-    while (h < c->nholes && c->holes[h].off < off)
-        h++;
-    bool merge_prev = h > 0 && c->holes[h - 1].off + c->holes[h - 1].bytes == off;
-    bool merge_next = h < c->nholes && off + bytes == c->holes[h].off;
-    if (merge_prev && merge_next) {
-        c->holes[h - 1].bytes += bytes + c->holes[h].bytes;
-        memmove(&c->holes[h], &c->holes[h + 1], (c->nholes - h - 1) * sizeof(pool_hole_t));
-        c->nholes--;
-    } else if (merge_prev) {
-        c->holes[h - 1].bytes += bytes;
-    } else if (merge_next) {
-        c->holes[h].off = off;
-        c->holes[h].bytes += bytes;
-    } else {
-        if (!holes_reserve(c))
-            return;
-        memmove(&c->holes[h + 1], &c->holes[h], (c->nholes - h) * sizeof(pool_hole_t));
-        c->holes[h] = (pool_hole_t){off, bytes};
-        c->nholes++;
-    }
-}
+/* ---- buffer states (callers hold c->mu) ------------------------------------------------- */
 
 static void buf_release(pshard_client_t *c, tensor_buf_t *b)
 {
     if (b->state != BUF_NONE)
-        pool_free(c, b->off, b->bytes);
+        client_pool_free(c->pool, b->off, b->bytes);
     b->state = BUF_NONE;
 }
 
@@ -873,17 +776,17 @@ static bool param_map(pshard_client_t *c, size_t i, size_t file_off, size_t len,
 static int param_take(pshard_client_t *c, size_t i, size_t bytes, size_t *off)
 {
     if (!c->stable_off)
-        return pool_alloc(c, bytes, off) ? 1 : 0;
+        return client_pool_alloc(c->pool, bytes, CLIENT_POOL_ALIGN, off) ? 1 : 0;
     if (param_remapped(c, i)) {
         size_t len = page_up(c, bytes);
-        if (!pool_alloc_at(c, len, c->page, off))
+        if (!client_pool_alloc(c->pool, len, c->page, off))
             return 0;
         if (!param_map(c, i, *off, len, true)) {
             int e = errno;
             /* Whatever the failed call left at the fixed address, put its own pages back
              * before the block can go to another parameter. */
             if (param_map(c, i, c->stable_off[i], len, false))
-                pool_free(c, *off, len);
+                client_pool_free(c->pool, *off, len);
             fail(c, PSHARD_ERR_NO_MEMORY, "cannot map parameter #%zu's %zu-byte block: %s", i,
                  len, strerror(e));
             return -1;
@@ -891,9 +794,7 @@ static int param_take(pshard_client_t *c, size_t i, size_t bytes, size_t *off)
         return 1;
     }
     *off = c->stable_off[i];
-    c->mem.in_use_bytes += align_up(bytes);
-    if (c->mem.in_use_bytes > c->mem.peak_in_use_bytes)
-        c->mem.peak_in_use_bytes = c->mem.in_use_bytes;
+    client_pool_hold(c->pool, bytes);
     return 1;
 }
 
@@ -907,7 +808,7 @@ static void param_release(pshard_client_t *c, size_t i)
     if (b->state != BUF_NONE && c->stable_off && param_remapped(c, i)) {
         size_t len = page_up(c, b->bytes);
         if (param_map(c, i, c->stable_off[i], len, false))
-            pool_free(c, b->off, len);
+            client_pool_free(c->pool, b->off, len);
         else /* still shown at the fixed address: never hand it to another parameter */
             PS_WARN(PS_SUB_CLIENT,
                     "cannot map parameter #%zu's own pages back (%s): its %zu-byte pool block "
@@ -915,7 +816,7 @@ static void param_release(pshard_client_t *c, size_t i)
                     i, strerror(errno), len);
         b->state = BUF_NONE;
     } else if (b->state != BUF_NONE && c->stable_off) {
-        c->mem.in_use_bytes -= align_up(b->bytes);
+        client_pool_unhold(c->pool, b->bytes);
         /* A block of a page or more owns whole pages, its last one included. */
         region_discard(&c->model, b->off, b->bytes >= c->page ? page_up(c, b->bytes) : b->bytes);
         b->state = BUF_NONE;
@@ -938,11 +839,10 @@ static void model_free(pshard_client_t *c)
     c->stable_off = NULL;
     free(c->pbuf);
     free(c->gbuf);
-    free(c->holes);
+    client_pool_destroy(c->pool);
     c->numel = NULL;
     c->pbuf = c->gbuf = NULL;
-    c->holes = NULL;
-    c->nholes = c->holes_cap = 0;
+    c->pool = NULL;
     c->nparams = 0;
 }
 
@@ -992,11 +892,11 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     Pshard__ParamSpec *specs = calloc(nparams, sizeof(*specs));
     Pshard__ParamSpec **sptrs = calloc(nparams, sizeof(*sptrs));
     uint64_t *init_offsets = calloc(nparams, sizeof(uint64_t));
-    pool_hole_t *holes = calloc(16, sizeof(pool_hole_t));
+    client_pool_t *new_pool = NULL;
     size_t *stable_off = mc->stable_param_buffers ? calloc(nparams, sizeof(size_t)) : NULL;
     bool remap = mc->stable_param_buffers && !c->cfg.remote;
     pshard_status_t rc = PSHARD_OK;
-    if (!numel || !pbuf || !gbuf || !specs || !sptrs || !init_offsets || !holes ||
+    if (!numel || !pbuf || !gbuf || !specs || !sptrs || !init_offsets ||
         (mc->stable_param_buffers && !stable_off)) {
         rc = fail(c, PSHARD_ERR_NO_MEMORY, "out of memory");
         goto out;
@@ -1051,6 +951,11 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     size_t pool = mc->pool_bytes ? align_up(mc->pool_bytes) : 2 * all_bytes;
     stable_bytes = (stable_bytes + page - 1) / page * page;
     size_t bytes = stable_bytes + pool > init_bytes ? stable_bytes + pool : init_bytes;
+    new_pool = client_pool_create(stable_bytes, pool);
+    if (!new_pool) {
+        rc = fail(c, PSHARD_ERR_NO_MEMORY, "out of memory");
+        goto out;
+    }
     region_t model = {0};
     char err[1024] = "";
     rc = region_create(&model, bytes, "model", c->cfg.remote, false, remap, err, sizeof(err));
@@ -1144,17 +1049,14 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     c->numel = numel;
     c->pbuf = pbuf;
     c->gbuf = gbuf;
-    c->holes = holes;
-    c->holes_cap = 16;
-    c->holes[0] = (pool_hole_t){stable_bytes, pool};
-    c->nholes = 1;
+    c->pool = new_pool;
     c->stable_off = stable_off;
     c->remap = remap;
     c->page = page;
     stable_off = NULL;
     numel = NULL;
     pbuf = gbuf = NULL;
-    holes = NULL;
+    new_pool = NULL;
     c->nparams = nparams;
     c->param_dtype = mc->param_dtype;
     c->reduce_dtype = mc->reduce_dtype;
@@ -1173,7 +1075,7 @@ out:
     free(specs);
     free(sptrs);
     free(init_offsets);
-    free(holes);
+    client_pool_destroy(new_pool);
     return rc;
 }
 
@@ -1203,7 +1105,7 @@ void *pshard_grad(pshard_client_t *c, size_t i)
     } else {
         bytes = c->numel[i] * pshard_dtype_size(c->reduce_dtype);
         size_t off;
-        if (pool_alloc(c, bytes, &off)) {
+        if (client_pool_alloc(c->pool, bytes, CLIENT_POOL_ALIGN, &off)) {
             c->gbuf[i] = (tensor_buf_t){BUF_READY, off, bytes};
             p = (uint8_t *)c->model.base + off;
             fresh = true;
@@ -1211,7 +1113,7 @@ void *pshard_grad(pshard_client_t *c, size_t i)
             fail(c, PSHARD_ERR_NO_MEMORY,
                  "the %zu-byte pool cannot fit the %zu-byte gradient of parameter #%zu (%zu "
                  "bytes in use): reshard or reduce-scatter first, or raise pool_bytes",
-                 c->mem.pool_bytes, bytes, i, c->mem.in_use_bytes);
+                 c->mem.pool_bytes, bytes, i, c->pool->in_use_bytes);
         }
     }
     pthread_mutex_unlock(&c->mu);
@@ -1239,6 +1141,11 @@ void pshard_memory_stats(pshard_client_t *c, pshard_memory_stats_t *out)
 {
     pthread_mutex_lock(&c->mu);
     *out = c->mem;
+    if (c->pool) {
+        out->in_use_bytes = c->pool->in_use_bytes;
+        out->peak_in_use_bytes = c->pool->peak_in_use_bytes;
+        out->touched_bytes = c->pool->touched_bytes;
+    }
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -1363,7 +1270,7 @@ static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const
             int took;
             while ((took = param_take(c, i, bytes, &off)) == 0) {
                 if (!c->qhead && !c->busy) {
-                    size_t in_use = c->mem.in_use_bytes;
+                    size_t in_use = c->pool->in_use_bytes;
                     finish_buffers(c, w, PSHARD_ERR_ABORTED);
                     w->n = 0;
                     return fail(c, PSHARD_ERR_NO_MEMORY,
