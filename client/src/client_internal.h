@@ -1,0 +1,164 @@
+/* libpshard's internals shared by its files: the client and work structs, and the functions
+ * each file offers the others. Not installed. */
+#ifndef PSHARD_CLIENT_INTERNAL_H
+#define PSHARD_CLIENT_INTERNAL_H
+
+#define PSHARD_BUILDING_LIBRARY 1
+#include "pshard/pshard.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/rpc.h"
+#include "pshard/shard.pb-c.h"
+
+#include "client_pool.h"
+
+
+#define DEFAULT_SCRATCH (16u << 20)
+
+typedef struct {
+    void *base;
+    size_t bytes;
+    char name[64]; /* "" for a private region (remote trainers) */
+    bool linked;   /* the name is still in /dev/shm (until the server has mapped it) */
+    int fd;        /* the shared-memory file, kept open to map parts of it again; with has_fd */
+    bool has_fd;
+} region_t;
+
+#define CHUNK (1u << 20)
+
+typedef enum { WORK_GATHER, WORK_REDUCE_SCATTER } work_kind_t;
+
+/* Where a parameter's full values or its full gradient stand in the client's pool. */
+typedef enum {
+    BUF_NONE = 0, /* sharded: no full buffer */
+    BUF_PENDING,  /* a gather (or reduce-scatter) of it is issued and not finished */
+    BUF_READY,    /* gathered (param) or handed to the trainer to write (grad) */
+} buf_state_t;
+
+typedef struct {
+    buf_state_t state;
+    size_t off, bytes; /* block in the model region, valid unless BUF_NONE */
+} tensor_buf_t;
+
+struct pshard_work {
+    pshard_client_t *c;
+    work_kind_t kind;
+    size_t *ids;  /* the parameters this work really moves (skipped ones are left out) */
+    uint64_t *offs; /* their blocks in the model region */
+    size_t n;
+    bool counted; /* holds a place among the gathers in flight */
+    bool done;
+    pshard_status_t status;
+    char error[1024];
+    struct pshard_work *next;
+};
+
+struct pshard_client {
+    pshard_client_config_t cfg;
+    char *server, *token;
+    ps_rpc_channel_t *ch;
+    char session[64];
+    int rank, world;
+    region_t scratch, model;
+    char last_error[1024];
+
+    /* Model. The model region is a pool: full parameters and gradients get a block when they
+     * are gathered or handed out and give it back when resharded or reduce-scattered, so only
+     * what is unsharded at once is ever backed by memory. Guarded by mu. */
+    size_t nparams;
+    size_t *numel;
+    tensor_buf_t *pbuf, *gbuf;
+    /* stable_param_buffers: the fixed block of each parameter's full values, before the pool;
+     * NULL otherwise. With shared memory, a parameter of a page or more is remapped: while
+     * gathered, its fixed addresses show a block of the pool (mmap MAP_FIXED of that part of
+     * the region's file), and when resharded they show its own never-written pages again, so
+     * its pool pages are reused by the next gather without page faults or zeroing. */
+    size_t *stable_off;
+    bool remap;
+    size_t page;
+    pshard_dtype_t param_dtype, reduce_dtype;
+    int64_t model_step; /* from DefineModel: > 0 after a resume */
+    bool reshard_after_forward;
+    int max_gathers_in_flight;
+    int gathers_in_flight;
+    client_pool_t *pool;        /* NULL before the first model */
+    pshard_memory_stats_t mem; /* its byte counters are the pool's (pshard_memory_stats) */
+
+    /* The trainer's lease with the coordinator: registered as role TRAINER and renewed by a
+     * thread, so a trainer that dies or hangs is evicted and its peers stop waiting. */
+    ps_rpc_channel_t *coord;
+    char coord_addr[256];
+    char job[72]; /* the job on the coordinator, from Attach ("" for the default job) */
+    char member_id[64];
+    char lease_key[64]; /* the secret Register returned, for Heartbeat and Leave */
+    int64_t heartbeat_ms;
+    pthread_t lease_thread;
+    bool lease_started;
+    bool lease_ok; /* the last heartbeat went through (mu); else Leave is not even tried */
+    uint64_t seen_generation;
+    /* Set once this trainer's own shard server is known lost (mu): every later call fails
+     * at once with it instead of waiting on a server that will not answer. */
+    pshard_status_t lost;
+    char lost_msg[512];
+
+    /* Async worker */
+    pthread_t worker;
+    bool worker_started, stop;
+    bool busy; /* an operation is running (on the worker or inline on the caller) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pshard_work_t *qhead, *qtail;
+};
+
+static inline size_t client_align(size_t x)
+{
+    return (x + CLIENT_POOL_ALIGN - 1) / CLIENT_POOL_ALIGN * CLIENT_POOL_ALIGN;
+}
+
+/* pshard_client.c: sets the client's last error message and returns st. */
+pshard_status_t client_fail(pshard_client_t *c, pshard_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* client_region.c: the shared-memory regions the shard server maps (private ones for remote
+ * trainers). */
+pshard_status_t client_region_create(region_t *r, size_t bytes, const char *what, bool remote,
+                                     bool touch, bool keep_fd, char *err, size_t errlen);
+void client_region_unlink(region_t *r);
+void client_region_destroy(region_t *r);
+void client_region_discard(region_t *r, size_t off, size_t len);
+
+/* client_rpc.c: calls to this trainer's shard server (failing at once once it is known lost),
+ * and the remote path's chunked copies of region bytes. */
+pshard_status_t client_call(pshard_client_t *c, const char *method, const ProtobufCMessage *req,
+                            const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp,
+                            char *err, size_t errlen);
+pshard_status_t client_remote_write(pshard_client_t *c, Pshard__Region region,
+                                    const region_t *r, size_t off, size_t len,
+                                    uint64_t region_bytes, char *err, size_t errlen);
+pshard_status_t client_remote_read(pshard_client_t *c, Pshard__Region region, region_t *r,
+                                   size_t off, size_t len, char *err, size_t errlen);
+Pshard__DType client_dtype_pb(pshard_dtype_t d);
+
+/* client_lease.c: the trainer's lease with the coordinator, renewed by a thread of its own. */
+void client_lease_start(pshard_client_t *c, const char *reported);
+void client_lease_stop(pshard_client_t *c);
+
+/* client_buffers.c: full parameter and gradient buffers in the pool (callers hold c->mu). */
+void client_buf_release(pshard_client_t *c, tensor_buf_t *b);
+int client_param_take(pshard_client_t *c, size_t i, size_t bytes, size_t *off);
+void client_param_release(pshard_client_t *c, size_t i);
+void client_params_reset(pshard_client_t *c);
+
+/* client_model.c: the model's definition, its buffers' accessors, steps and checkpoints. */
+void client_model_free(pshard_client_t *c);
+
+/* client_work.c: the worker thread that runs asynchronous gathers and reduce-scatters in issue
+ * order. */
+void *client_worker_main(void *arg);
+
+#endif
