@@ -460,4 +460,7 @@ void ps_metrics_rpc(ps_metrics_t *w, ps_rpc_server_t *srv)
     ps_metrics_family(w, "pshard_rpc_queue_wait_seconds", PS_METRIC_GAUGE,
                       "How long the oldest call waiting for a worker has waited (0: none waits).");
     ps_metrics_sample(w, NULL, (double)load.oldest_wait_ns / 1e9);
+    ps_metrics_family(w, "pshard_rpc_send_queue_bytes", PS_METRIC_GAUGE,
+                      "Reply bytes queued for clients that gRPC has not yet taken.");
+    ps_metrics_sample(w, NULL, (double)load.send_queued_bytes);
 }

@@ -115,6 +115,7 @@ struct ps_rpc_server {
     pthread_mutex_t acct_mu; /* peers and queued_total; taken inside a call's mu */
     peer_acct_t *peers;
     size_t queued_total;
+    size_t queued_peak; /* the most queued_total has been */
 
     method_entry_t *methods;
     size_t nmethods, cap_methods;
@@ -484,6 +485,8 @@ static bool acct_take(ps_rpc_call_t *c, size_t bytes)
     if (ok) {
         c->acct->bytes += bytes;
         srv->queued_total += bytes;
+        if (srv->queued_total > srv->queued_peak)
+            srv->queued_peak = srv->queued_total;
     } else {
         PS_DEBUG(PS_SUB_RPC, "%s: refused %zu more reply bytes to %s (%zu queued on its "
                  "connection, %zu in the server)", c->path, bytes, c->acct->peer,
@@ -1233,6 +1236,10 @@ void ps_rpc_server_load(ps_rpc_server_t *srv, ps_rpc_load_t *out)
     out->queued = srv->work_queued;
     out->oldest_wait_ns = srv->work_head ? now - srv->work_head->queued_ns : 0;
     pthread_mutex_unlock(&srv->work_mu);
+    pthread_mutex_lock(&srv->acct_mu);
+    out->send_queued_bytes = srv->queued_total;
+    out->send_queued_peak_bytes = srv->queued_peak;
+    pthread_mutex_unlock(&srv->acct_mu);
 }
 
 void ps_rpc_server_shutdown(ps_rpc_server_t *srv)

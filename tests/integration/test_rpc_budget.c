@@ -4,7 +4,10 @@
  * per-call and 4 MiB per-connection budget streams 256 KiB messages as fast as it may; 8
  * unread streams on one connection get at most the connection's budget queued between them
  * (before: 8 x 2 MiB), while a stream on a connection of its own still gets its full
- * per-call allowance. Loopback only, ephemeral port. */
+ * per-call allowance. What the server holds is its queue (ps_rpc_server_load's peak); what
+ * the handlers could send beyond it went to the client's HTTP/2 windows, which gRPC's
+ * bandwidth probing grows at the client's will, so it is printed, not bounded. Loopback only,
+ * ephemeral port. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -86,14 +89,16 @@ static void test_connection_budget(void)
         CU_ASSERT_PTR_NOT_NULL_FATAL(st[i]);
     }
     wait_handlers(STREAMS);
-    size_t shared = atomic_load(&accepted_bytes);
-    printf("\n  %d unread streams on one connection: %zu KiB queued (per-call budget %u KiB, "
-           "per-connection %u KiB; without the connection budget: %u KiB)\n",
-           STREAMS, shared / 1024, CALL_BUDGET / 1024, CONN_BUDGET / 1024,
-           STREAMS * CALL_BUDGET / 1024);
-    /* HTTP/2 lets a little go to the socket past the queue: allow one stream window each. */
-    CU_ASSERT(shared <= CONN_BUDGET + STREAMS * (size_t)MSG_BYTES + STREAMS * (64u << 10) * 2);
-    CU_ASSERT(shared < (size_t)STREAMS * CALL_BUDGET / 2);
+    ps_rpc_load_t load;
+    ps_rpc_server_load(srv, &load);
+    size_t peak = load.send_queued_peak_bytes;
+    printf("\n  %d unread streams on one connection: at most %zu KiB queued in the server, "
+           "%zu KiB sent in all (per-call budget %u KiB, per-connection %u KiB; without the "
+           "connection budget: %u KiB queued)\n",
+           STREAMS, peak / 1024, atomic_load(&accepted_bytes) / 1024, CALL_BUDGET / 1024,
+           CONN_BUDGET / 1024, STREAMS * CALL_BUDGET / 1024);
+    CU_ASSERT(peak > 0);
+    CU_ASSERT(peak <= CONN_BUDGET);
 
     /* A stream on a connection of its own is not held back by the full one. */
     atomic_store(&accepted_bytes, 0);
@@ -104,7 +109,12 @@ static void test_connection_budget(void)
                            sizeof(err));
     CU_ASSERT_PTR_NOT_NULL_FATAL(alone);
     wait_handlers(STREAMS + 1);
-    CU_ASSERT(atomic_load(&accepted_bytes) >= CALL_BUDGET);
+    size_t alone_bytes = atomic_load(&accepted_bytes);
+    printf("  a stream on a connection of its own: %zu KiB sent\n", alone_bytes / 1024);
+    /* Its own per-call cap is what stops it: 7 messages of 256 KiB and their framing fit in
+     * 2 MiB (more when gRPC took some off the queue), where a budget shared with the full
+     * connection would have left it 256 KiB at most. */
+    CU_ASSERT(alone_bytes >= CALL_BUDGET - MSG_BYTES);
 
     ps_rpc_stream_close(alone);
     for (int i = 0; i < STREAMS; i++)

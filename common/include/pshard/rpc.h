@@ -95,12 +95,16 @@ void ps_rpc_server_counters(ps_rpc_server_t *srv,
 /* The worker pool's load right now: its size, how many workers run a handler, how many calls
  * wait for a worker, and how long the oldest of those has waited (0 when none waits). A call
  * waits only when every worker is busy, so a long wait means the pool is saturated (trainer
- * operations blocked in collectives, for instance). Thread-safe. */
+ * operations blocked in collectives, for instance). And the reply bytes all calls have queued
+ * that gRPC has not yet taken (the send budgets bound them), now and at most since start.
+ * Thread-safe. */
 typedef struct {
     int workers;
     int busy;
     size_t queued;
     int64_t oldest_wait_ns;
+    size_t send_queued_bytes;
+    size_t send_queued_peak_bytes;
 } ps_rpc_load_t;
 void ps_rpc_server_load(ps_rpc_server_t *srv, ps_rpc_load_t *out);
 
