@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "pshard/coord_client.h"
 #include "pshard/log.h"
 #include "pshard/util.h"
 
@@ -30,17 +31,14 @@ static pshard_status_t lease_register(pshard_client_t *c, char *err, size_t errl
     ps_strlcpy(key, c->lease_key, sizeof(key)); /* ours from before, if any: takes over */
     pthread_mutex_unlock(&c->mu);
     req.lease_key = key;
-    ProtobufCMessage *resp = NULL;
-    PS_CHECK(ps_rpc_unary(c->coord, "/pshard.Coordinator/Register", &req.base,
-                          &pshard__member_view__descriptor, &resp, 5000, PS_RPC_IDEMPOTENT, NULL,
-                          err, errlen));
-    Pshard__MemberView *v = (Pshard__MemberView *)resp;
+    Pshard__MemberView *v = NULL;
+    PS_CHECK(ps_coord_rpc_register(c->coord, &req, &v, 5000, err, errlen));
     pthread_mutex_lock(&c->mu);
     ps_strlcpy(c->member_id, v->member_id, sizeof(c->member_id));
     ps_strlcpy(c->lease_key, v->lease_key ? v->lease_key : "", sizeof(c->lease_key));
     c->heartbeat_ms = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
     pthread_mutex_unlock(&c->mu);
-    protobuf_c_message_free_unpacked(resp, NULL);
+    protobuf_c_message_free_unpacked(&v->base, NULL);
     return PSHARD_OK;
 }
 
@@ -50,18 +48,15 @@ static pshard_status_t lease_register(pshard_client_t *c, char *err, size_t errl
 static void check_own_server(pshard_client_t *c)
 {
     Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
-    ProtobufCMessage *resp = NULL;
+    Pshard__StatusResponse *st = NULL;
     char err[256] = "";
-    if (ps_rpc_unary(c->coord, "/pshard.Coordinator/Status", &req.base,
-                     &pshard__status_response__descriptor, &resp, 2000, 0, NULL, err,
-                     sizeof(err)) != PSHARD_OK)
+    if (ps_coord_rpc_status(c->coord, &req, &st, 2000, err, sizeof(err)) != PSHARD_OK)
         return;
-    const Pshard__StatusResponse *st = (const Pshard__StatusResponse *)resp;
     bool held = false;
     for (size_t i = 0; i < st->n_members; i++)
         if (st->members[i]->role == PSHARD__ROLE__SHARD_SERVER && st->members[i]->rank == c->rank)
             held = true;
-    protobuf_c_message_free_unpacked(resp, NULL);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
     if (held)
         return;
     pthread_mutex_lock(&c->mu);
@@ -107,16 +102,13 @@ static void *lease_main(void *arg)
             Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
             req.member_id = id;
             req.lease_key = key;
-            ProtobufCMessage *resp = NULL;
-            rc = ps_rpc_unary(c->coord, "/pshard.Coordinator/Heartbeat", &req.base,
-                              &pshard__member_view__descriptor, &resp, 2000, 0, NULL, err,
-                              sizeof(err));
-            if (resp) {
-                Pshard__MemberView *v = (Pshard__MemberView *)resp;
+            Pshard__MemberView *v = NULL;
+            rc = ps_coord_rpc_heartbeat(c->coord, &req, &v, 2000, err, sizeof(err));
+            if (v) {
                 bool changed = v->generation != c->seen_generation;
                 bool degraded = v->state == PSHARD__CLUSTER_STATE__DEGRADED;
                 c->seen_generation = v->generation;
-                protobuf_c_message_free_unpacked(resp, NULL);
+                protobuf_c_message_free_unpacked(&v->base, NULL);
                 if (changed && degraded)
                     check_own_server(c);
             }
@@ -187,11 +179,7 @@ void client_lease_stop(pshard_client_t *c)
         Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
         lv.member_id = c->member_id;
         lv.lease_key = c->lease_key;
-        ProtobufCMessage *resp = NULL;
         char err[256] = "";
-        if (ps_rpc_unary(c->coord, "/pshard.Coordinator/Leave", &lv.base,
-                         &pshard__leave_response__descriptor, &resp, 1000, 0, NULL, err,
-                         sizeof(err)) == PSHARD_OK)
-            protobuf_c_message_free_unpacked(resp, NULL);
+        ps_coord_rpc_leave(c->coord, &lv, NULL, 1000, err, sizeof(err));
     }
 }

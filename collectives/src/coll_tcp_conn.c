@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "coll_tcp.h"
+#include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/log.h"
 #include "pshard/rpc.h"
@@ -552,18 +553,9 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
              (unsigned long long)t->comm->generation, t->rank);
     snprintf(next_key, sizeof(next_key), "pshard/coll/%s/g%llu/addr/%d", t->comm->name,
              (unsigned long long)t->comm->generation, t->next);
-    Pshard__StoreSetRequest set = PSHARD__STORE_SET_REQUEST__INIT;
-    set.key = key;
-    set.value.data = (uint8_t *)my_addr;
-    set.value.len = strlen(my_addr);
-    ProtobufCMessage *resp = NULL;
     int64_t left_ms = (deadline - ps_now_ns()) / 1000000;
-    pshard_status_t rc = ps_rpc_unary(ch, "/pshard.Coordinator/StoreSet", &set.base,
-                                      &pshard__store_set_response__descriptor, &resp,
-                                      left_ms > 1 ? left_ms : 1, PS_RPC_IDEMPOTENT, NULL, err,
-                                      errlen);
-    if (resp)
-        protobuf_c_message_free_unpacked(resp, NULL);
+    pshard_status_t rc = ps_coord_store_put(ch, key, my_addr, strlen(my_addr),
+                                            left_ms > 1 ? left_ms : 1, err, errlen);
     /* Wait in short slices so a cancelled set-up stops promptly. */
     while (rc == PSHARD_OK) {
         if (cancelled()) {
@@ -576,24 +568,17 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
                          "rank %d never published its address (%s)", t->next, next_key);
             break;
         }
-        Pshard__StoreWaitRequest w = PSHARD__STORE_WAIT_REQUEST__INIT;
-        char *keys[1] = {next_key};
-        w.n_keys = 1;
-        w.keys = keys;
-        w.timeout_ms = left_ms < 500 ? left_ms : 500;
-        resp = NULL;
+        const char *keys[1] = {next_key};
+        Pshard__StoreWaitResponse *r = NULL;
         char werr[512] = "";
-        pshard_status_t wrc = ps_rpc_unary(ch, "/pshard.Coordinator/StoreWait", &w.base,
-                                           &pshard__store_wait_response__descriptor, &resp,
-                                           w.timeout_ms + 5000, PS_RPC_IDEMPOTENT, NULL, werr,
-                                           sizeof(werr));
+        pshard_status_t wrc = ps_coord_store_await(ch, keys, 1, left_ms < 500 ? left_ms : 500,
+                                                   &r, werr, sizeof(werr));
         if (wrc == PSHARD_ERR_TIMEOUT)
             continue;
         if (wrc != PSHARD_OK) {
             rc = ps_errf(err, errlen, wrc, "%s", werr);
             break;
         }
-        Pshard__StoreWaitResponse *r = (Pshard__StoreWaitResponse *)resp;
         if (r->n_values != 1 || r->values[0].len == 0 || r->values[0].len >= len) {
             rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                          "store key %s holds no usable address", next_key);
@@ -601,7 +586,7 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
             memcpy(next_addr, r->values[0].data, r->values[0].len);
             next_addr[r->values[0].len] = '\0';
         }
-        protobuf_c_message_free_unpacked(resp, NULL);
+        protobuf_c_message_free_unpacked(&r->base, NULL);
         break;
     }
     ps_rpc_channel_destroy(ch);
@@ -621,15 +606,8 @@ static void forget_address(tcp_t *t, const pshard_comm_config_t *cfg)
     char key[256];
     snprintf(key, sizeof(key), "pshard/coll/%s/g%llu/addr/%d", t->comm->name,
              (unsigned long long)t->comm->generation, t->rank);
-    Pshard__StoreDeleteRequest del = PSHARD__STORE_DELETE_REQUEST__INIT;
-    del.key = key;
-    ProtobufCMessage *resp = NULL;
-    if (ps_rpc_unary(ch, "/pshard.Coordinator/StoreDelete", &del.base,
-                     &pshard__store_delete_response__descriptor, &resp, 2000, PS_RPC_IDEMPOTENT,
-                     NULL, err, sizeof(err)) != PSHARD_OK)
+    if (ps_coord_store_remove(ch, key, 2000, err, sizeof(err)) != PSHARD_OK)
         PS_WARN(PS_SUB_COLL, "could not delete store key %s: %s", key, err);
-    if (resp)
-        protobuf_c_message_free_unpacked(resp, NULL);
     ps_rpc_channel_destroy(ch);
 }
 

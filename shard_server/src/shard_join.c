@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/log.h"
 #include "pshard/shard.pb-c.h"
@@ -458,14 +459,9 @@ static void report_join(pshard_shard_server_t *s, Pshard__JoinPhase phase, int r
     req.step = step;
     req.throw_on_early_termination = throw_flag;
     req.last_rank = last_rank;
-    ProtobufCMessage *resp = NULL;
     char err[512] = "";
-    if (ps_rpc_unary(s->coord, "/pshard.Coordinator/ReportJoin", &req.base,
-                     &pshard__join_report_response__descriptor, &resp, 2000, 0, NULL, err,
-                     sizeof(err)) != PSHARD_OK)
+    if (ps_coord_rpc_report_join(s->coord, &req, NULL, 2000, err, sizeof(err)) != PSHARD_OK)
         PS_WARN(PS_SUB_SHARD, "could not report the join to the coordinator: %s", err);
-    if (resp)
-        protobuf_c_message_free_unpacked(resp, NULL);
 }
 
 void shard_handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)

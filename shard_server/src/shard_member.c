@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/log.h"
 #include "pshard/util.h"
@@ -44,19 +45,16 @@ static pshard_status_t do_register(pshard_shard_server_t *s, char *err, size_t e
     ps_strlcpy(key, s->lease_key, sizeof(key)); /* ours from before, if any: takes over */
     pthread_mutex_unlock(&s->mu);
     req.lease_key = key;
-    ProtobufCMessage *resp = NULL;
-    pshard_status_t rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/Register", &req.base,
-                                      &pshard__member_view__descriptor, &resp, 5000, 0, NULL, err,
-                                      errlen);
+    Pshard__MemberView *v = NULL;
+    pshard_status_t rc = ps_coord_rpc_register(s->coord, &req, &v, 5000, err, errlen);
     if (rc != PSHARD_OK)
         return rc;
-    Pshard__MemberView *v = (Pshard__MemberView *)resp;
     pthread_mutex_lock(&s->mu);
     ps_strlcpy(s->member_id, v->member_id, sizeof(s->member_id));
     ps_strlcpy(s->lease_key, v->lease_key ? v->lease_key : "", sizeof(s->lease_key));
     s->heartbeat_ms = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
     pthread_mutex_unlock(&s->mu);
-    protobuf_c_message_free_unpacked(resp, NULL);
+    protobuf_c_message_free_unpacked(&v->base, NULL);
     PS_INFO(PS_SUB_SHARD, "registered with %s as %s", s->cfg.coordinator, s->member_id);
     return PSHARD_OK;
 }
@@ -104,21 +102,15 @@ static void poll_checkpoint_request(pshard_shard_server_t *s)
 {
     /* An add of 0 reads the counter (0 before the first request) without the NOT_FOUND a get
      * would answer every heartbeat, which status would count as errors. */
-    Pshard__StoreAddRequest req = PSHARD__STORE_ADD_REQUEST__INIT;
-    req.key = "pshard/checkpoint/request";
-    req.delta = 0;
-    ProtobufCMessage *resp = NULL;
+    int64_t v = 0;
     char err[256] = "";
-    if (ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreAdd", &req.base,
-                     &pshard__store_add_response__descriptor, &resp, 2000, 0, NULL, err,
-                     sizeof(err)) != PSHARD_OK)
+    if (ps_coord_store_incr(s->coord, "pshard/checkpoint/request", 0, &v, 2000, err,
+                            sizeof(err)) != PSHARD_OK)
         return;
-    int64_t v = ((const Pshard__StoreAddResponse *)resp)->value;
     pthread_mutex_lock(&s->mu);
     if (v > s->ckpt_requested)
         s->ckpt_requested = v;
     pthread_mutex_unlock(&s->mu);
-    protobuf_c_message_free_unpacked(resp, NULL);
 }
 
 void *shard_heartbeat_main(void *arg)
@@ -147,10 +139,9 @@ void *shard_heartbeat_main(void *arg)
         pthread_mutex_unlock(&s->mu);
         req.member_id = id;
         req.lease_key = key;
-        ProtobufCMessage *resp = NULL;
-        pshard_status_t rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/Heartbeat", &req.base,
-                                          &pshard__member_view__descriptor, &resp, every * 2, 0,
-                                          NULL, err, sizeof(err));
+        Pshard__MemberView *v = NULL;
+        pshard_status_t rc =
+            ps_coord_rpc_heartbeat(s->coord, &req, &v, every * 2, err, sizeof(err));
         if (rc == PSHARD_ERR_NOT_FOUND) {
             /* Evicted (or the coordinator restarted): register again under the same name,
              * which gives the old rank back. */
@@ -159,7 +150,6 @@ void *shard_heartbeat_main(void *arg)
             continue;
         }
         if (rc == PSHARD_OK) {
-            Pshard__MemberView *v = (Pshard__MemberView *)resp;
             pthread_mutex_lock(&s->mu);
             s->last_contact_ns = ps_now_ns();
             if (v->lease_ms > 0)
@@ -174,7 +164,7 @@ void *shard_heartbeat_main(void *arg)
             s->formed = formed;
             pthread_cond_broadcast(&s->cv);
             pthread_mutex_unlock(&s->mu);
-            protobuf_c_message_free_unpacked(resp, NULL);
+            protobuf_c_message_free_unpacked(&v->base, NULL);
             poll_checkpoint_request(s);
         } else {
             PS_WARN(PS_SUB_SHARD, "heartbeat to %s failed: %s", s->cfg.coordinator, err);
@@ -394,8 +384,8 @@ void *shard_watch_main(void *arg)
         Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
         char err[512] = "";
         bool got = false;
-        ps_rpc_stream_t *st = ps_rpc_stream_open(s->coord, "/pshard.Coordinator/Watch", &req.base,
-                                                 24LL * 3600 * 1000, err, sizeof(err));
+        ps_rpc_stream_t *st =
+            ps_coord_watch_open(s->coord, &req, 24LL * 3600 * 1000, err, sizeof(err));
         while (st && !atomic_load(&s->stop)) {
             ProtobufCMessage *msg = NULL;
             err[0] = '\0';

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "pshard/collectives.h"
+#include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/log.h"
 #include "pshard/metrics.h"
@@ -301,16 +302,9 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
             char old[128];
             snprintf(old, sizeof(old), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
                      s->define_generation, a, m->rank);
-            Pshard__StoreDeleteRequest del = PSHARD__STORE_DELETE_REQUEST__INIT;
-            del.key = old;
-            ProtobufCMessage *dresp = NULL;
             char derr[256] = "";
-            if (ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreDelete", &del.base,
-                             &pshard__store_delete_response__descriptor, &dresp, 2000, 0, NULL,
-                             derr, sizeof(derr)) != PSHARD_OK)
+            if (ps_coord_store_remove(s->coord, old, 2000, derr, sizeof(derr)) != PSHARD_OK)
                 PS_DEBUG(PS_SUB_SHARD, "could not delete %s: %s", old, derr);
-            if (dresp)
-                protobuf_c_message_free_unpacked(dresp, NULL);
         }
         s->define_generation = s->comm_generation;
         s->define_attempts = 0;
@@ -319,20 +313,12 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
     char key[128];
     snprintf(key, sizeof(key), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
              s->comm_generation, attempt, m->rank);
-    Pshard__StoreSetRequest set = PSHARD__STORE_SET_REQUEST__INIT;
-    set.key = key;
-    set.value.data = (uint8_t *)m->spec_text;
-    set.value.len = strlen(m->spec_text);
-    if (set.value.len > (1u << 20))
+    size_t spec_len = strlen(m->spec_text);
+    if (spec_len > (1u << 20))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "the model definition is too large to compare (%zu bytes)",
-                       set.value.len);
-    ProtobufCMessage *resp = NULL;
-    pshard_status_t rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreSet", &set.base,
-                                      &pshard__store_set_response__descriptor, &resp, 10000,
-                                      PS_RPC_IDEMPOTENT, NULL, err, errlen);
-    if (resp)
-        protobuf_c_message_free_unpacked(resp, NULL);
+                       "the model definition is too large to compare (%zu bytes)", spec_len);
+    pshard_status_t rc = ps_coord_store_put(s->coord, key, m->spec_text, spec_len, 10000, err,
+                                            errlen);
     if (rc != PSHARD_OK)
         return rc;
     for (int r = 0; r < m->world; r++) {
@@ -341,21 +327,15 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
         char other[128];
         snprintf(other, sizeof(other), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
                  s->comm_generation, attempt, r);
-        char *keys[1] = {other};
+        const char *keys[1] = {other};
         /* Wait in short slices so that a stopping server (or an aborted ring) does not sit
          * in a store wait for the whole collective timeout. */
         int64_t limit_ms = s->cfg.coll_timeout_ms > 0 ? s->cfg.coll_timeout_ms : 600000;
         int64_t give_up = ps_now_ns() + limit_ms * 1000000;
+        Pshard__StoreWaitResponse *wr = NULL;
         for (;;) {
-            Pshard__StoreWaitRequest w = PSHARD__STORE_WAIT_REQUEST__INIT;
-            w.n_keys = 1;
-            w.keys = keys;
-            w.timeout_ms = 500;
-            resp = NULL;
             char werr[512] = "";
-            rc = ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreWait", &w.base,
-                              &pshard__store_wait_response__descriptor, &resp, 2500,
-                              PS_RPC_IDEMPOTENT, NULL, werr, sizeof(werr));
+            rc = ps_coord_store_await(s->coord, keys, 1, 500, &wr, werr, sizeof(werr));
             if (rc == PSHARD_OK)
                 break;
             bool stopping = atomic_load(&s->stop);
@@ -365,11 +345,10 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
                 return rc;
             }
         }
-        Pshard__StoreWaitResponse *wr = (Pshard__StoreWaitResponse *)resp;
         char *text = wr->n_values == 1 ? strndup((const char *)wr->values[0].data,
                                                  wr->values[0].len)
                                        : NULL;
-        protobuf_c_message_free_unpacked(resp, NULL);
+        protobuf_c_message_free_unpacked(&wr->base, NULL);
         if (!text)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
         rc = shard_model_compare(m, text, r, err, errlen);
@@ -1258,12 +1237,8 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
         Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
         lv.member_id = s->member_id;
         lv.lease_key = s->lease_key;
-        ProtobufCMessage *resp = NULL;
         char err[256] = "";
-        if (ps_rpc_unary(s->coord, "/pshard.Coordinator/Leave", &lv.base,
-                         &pshard__leave_response__descriptor, &resp, 2000, 0, NULL, err,
-                         sizeof(err)) == PSHARD_OK)
-            protobuf_c_message_free_unpacked(resp, NULL);
+        ps_coord_rpc_leave(s->coord, &lv, NULL, 2000, err, sizeof(err));
     }
     ps_rpc_channel_destroy(s->coord);
     pshard_comm_destroy(s->comm);

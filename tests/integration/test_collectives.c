@@ -15,7 +15,7 @@
 
 #include "ps_proc.h"
 #include "ps_test.h"
-#include "pshard/coordinator.pb-c.h"
+#include "pshard/coord_client.h"
 #include "pshard/rpc.h"
 #include "pshard/util.h"
 
@@ -82,14 +82,10 @@ static int store_holds(const char *key)
     ps_rpc_channel_t *ch = ps_rpc_channel_create(&cfg, err, sizeof(err));
     if (!ch)
         return -1;
-    Pshard__StoreGetRequest req = PSHARD__STORE_GET_REQUEST__INIT;
-    req.key = (char *)key;
-    ProtobufCMessage *resp = NULL;
-    pshard_status_t rc = ps_rpc_unary(ch, "/pshard.Coordinator/StoreGet", &req.base,
-                                      &pshard__store_get_response__descriptor, &resp, 5000, 0,
-                                      NULL, err, sizeof(err));
-    if (resp)
-        protobuf_c_message_free_unpacked(resp, NULL);
+    char *value = NULL;
+    size_t len = 0;
+    pshard_status_t rc = ps_coord_store_fetch(ch, key, &value, &len, 5000, err, sizeof(err));
+    free(value);
     ps_rpc_channel_destroy(ch);
     return rc == PSHARD_OK ? 1 : rc == PSHARD_ERR_NOT_FOUND ? 0 : -1;
 }

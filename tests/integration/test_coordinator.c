@@ -17,6 +17,7 @@
 #include "ps_coord_client.h"
 #include "ps_proc.h"
 #include "ps_test.h"
+#include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/rpc.h"
 #include "pshard/util.h"
@@ -63,9 +64,7 @@ static pshard_status_t do_register_key(ps_rpc_channel_t *ch, Pshard__Role role,
     req.name = (char *)name;
     req.address = "127.0.0.1:1";
     req.lease_key = (char *)(key ? key : "");
-    return ps_rpc_unary(ch, "/pshard.Coordinator/Register", &req.base,
-                        &pshard__member_view__descriptor, (ProtobufCMessage **)view, 5000, 0,
-                        NULL, err, errlen);
+    return ps_coord_rpc_register(ch, &req, view, 5000, err, errlen);
 }
 
 static pshard_status_t do_register(ps_rpc_channel_t *ch, Pshard__Role role, const char *name,
@@ -83,13 +82,7 @@ static pshard_status_t do_heartbeat_key(ps_rpc_channel_t *ch, const Pshard__Memb
     Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
     req.member_id = v->member_id;
     req.lease_key = (char *)(key ? key : v->lease_key);
-    ProtobufCMessage *resp = NULL;
-    pshard_status_t rc = ps_rpc_unary(ch, "/pshard.Coordinator/Heartbeat", &req.base,
-                                      &pshard__member_view__descriptor, &resp, 5000, 0, NULL, err,
-                                      errlen);
-    if (resp)
-        protobuf_c_message_free_unpacked(resp, NULL);
-    return rc;
+    return ps_coord_rpc_heartbeat(ch, &req, NULL, 5000, err, errlen);
 }
 
 static pshard_status_t do_heartbeat(ps_rpc_channel_t *ch, const Pshard__MemberView *v, char *err,
@@ -284,22 +277,15 @@ static void *wait_thread(void *arg)
         w->rc = PSHARD_ERR_INTERNAL;
         return NULL;
     }
-    Pshard__StoreWaitRequest req = PSHARD__STORE_WAIT_REQUEST__INIT;
-    char *keys[] = {"peer/0", "peer/1"};
-    req.n_keys = 2;
-    req.keys = keys;
-    req.timeout_ms = 20000;
-    ProtobufCMessage *resp = NULL;
-    w->rc = ps_rpc_unary(ch, "/pshard.Coordinator/StoreWait", &req.base,
-                         &pshard__store_wait_response__descriptor, &resp, 25000, 0, NULL, w->err,
-                         sizeof(w->err));
+    const char *keys[] = {"peer/0", "peer/1"};
+    Pshard__StoreWaitResponse *r = NULL;
+    w->rc = ps_coord_store_await(ch, keys, 2, 20000, &r, w->err, sizeof(w->err));
     if (w->rc == PSHARD_OK) {
-        Pshard__StoreWaitResponse *r = (Pshard__StoreWaitResponse *)resp;
         if (r->n_values == 2)
             snprintf(w->value, sizeof(w->value), "%.*s|%.*s", (int)r->values[0].len,
                      (const char *)r->values[0].data, (int)r->values[1].len,
                      (const char *)r->values[1].data);
-        protobuf_c_message_free_unpacked(resp, NULL);
+        protobuf_c_message_free_unpacked(&r->base, NULL);
     }
     ps_rpc_channel_destroy(ch);
     return NULL;
@@ -307,18 +293,8 @@ static void *wait_thread(void *arg)
 
 static pshard_status_t store_set(ps_rpc_channel_t *ch, const char *key, const char *value)
 {
-    Pshard__StoreSetRequest req = PSHARD__STORE_SET_REQUEST__INIT;
-    req.key = (char *)key;
-    req.value.data = (uint8_t *)value;
-    req.value.len = strlen(value);
-    ProtobufCMessage *resp = NULL;
     char err[256] = "";
-    pshard_status_t rc = ps_rpc_unary(ch, "/pshard.Coordinator/StoreSet", &req.base,
-                                      &pshard__store_set_response__descriptor, &resp, 5000, 0,
-                                      NULL, err, sizeof(err));
-    if (resp)
-        protobuf_c_message_free_unpacked(resp, NULL);
-    return rc;
+    return ps_coord_store_put(ch, key, value, strlen(value), 5000, err, sizeof(err));
 }
 
 /* Waits until Status reports `n` pending store waits. */
@@ -354,6 +330,43 @@ static void test_store_wait_released(void)
     CU_ASSERT_EQUAL(w.rc, PSHARD_OK);
     CU_ASSERT_STRING_EQUAL(w.value, "10.0.0.1:7000|10.0.0.2:7000");
     CU_ASSERT(wait_for_waiters(f.ch, 0));
+    CU_ASSERT(stop(&f) == 0);
+}
+
+/* The coordinator client's store helpers: a value comes back whole and NUL-terminated, adds
+ * sum, deleting a key twice is no error, a fetch of a missing key is NOT_FOUND, and a wait
+ * for a missing key times out. */
+static void test_store_helpers(void)
+{
+    fixture_t f;
+    CU_ASSERT_FATAL(start(&f, NULL) == 0);
+    char err[256] = "", *value = NULL;
+    size_t len = 0;
+    static const char bytes[] = {'a', 0, 'b'};
+    CU_ASSERT_EQUAL(ps_coord_store_put(f.ch, "k", bytes, sizeof(bytes), 5000, err, sizeof(err)),
+                    PSHARD_OK);
+    CU_ASSERT_EQUAL_FATAL(ps_coord_store_fetch(f.ch, "k", &value, &len, 5000, err, sizeof(err)),
+                          PSHARD_OK);
+    CU_ASSERT(len == 3 && memcmp(value, bytes, 3) == 0 && value[3] == '\0');
+    free(value);
+    int64_t sum = 0;
+    CU_ASSERT_EQUAL(ps_coord_store_incr(f.ch, "n", 5, &sum, 5000, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(ps_coord_store_incr(f.ch, "n", -2, &sum, 5000, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(sum, 3);
+    CU_ASSERT_EQUAL(ps_coord_store_remove(f.ch, "k", 5000, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(ps_coord_store_remove(f.ch, "k", 5000, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(ps_coord_store_fetch(f.ch, "k", &value, &len, 5000, err, sizeof(err)),
+                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_PTR_NULL(value);
+    const char *keys[] = {"n", "absent"};
+    Pshard__StoreWaitResponse *r = NULL;
+    CU_ASSERT_EQUAL(ps_coord_store_await(f.ch, keys, 2, 200, &r, err, sizeof(err)),
+                    PSHARD_ERR_TIMEOUT);
+    CU_ASSERT_PTR_NULL(r);
+    CU_ASSERT_EQUAL(ps_coord_store_await(f.ch, keys, 1, 200, &r, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT(r && r->n_values == 1 && r->values[0].len > 0);
+    if (r)
+        protobuf_c_message_free_unpacked(&r->base, NULL);
     CU_ASSERT(stop(&f) == 0);
 }
 
@@ -668,6 +681,7 @@ int main(int argc, char **argv)
         {"watch sees a new generation", test_watch_sees_generation},
         {"watch events of a huge job fit the receive limit", test_watch_event_fits_the_limit},
         {"store wait released by another client", test_store_wait_released},
+        {"the coordinator client's store helpers", test_store_helpers},
         {"rendezvous min:max with last call", test_rendezvous_min_max},
         {"re-register keeps the rank", test_reregister_keeps_rank},
         {"graceful shutdown with open streams", test_graceful_shutdown},

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "pshard/coord_client.h"
 #include "pshard/util.h"
 
 enum { KEPT = 256 };
@@ -31,35 +32,28 @@ bool ps_coord_register(ps_rpc_channel_t *ch, Pshard__Role role, const char *name
     req.role = role;
     req.name = (char *)name;
     req.address = (char *)address;
-    ProtobufCMessage *resp = NULL;
+    Pshard__MemberView *v = NULL;
     char err[256] = "";
-    if (ps_rpc_unary(ch, "/pshard.Coordinator/Register", &req.base,
-                     &pshard__member_view__descriptor, &resp, 5000, 0, NULL, err,
-                     sizeof(err)) != PSHARD_OK) {
+    if (ps_coord_rpc_register(ch, &req, &v, 5000, err, sizeof(err)) != PSHARD_OK) {
         fprintf(stderr, "register %s: %s\n", name, err);
         return false;
     }
-    const Pshard__MemberView *v = (const Pshard__MemberView *)resp;
     ps_strlcpy(id, v->member_id, idlen);
     pthread_mutex_lock(&kept_mu);
     size_t at = nkept++ % KEPT;
     ps_strlcpy(kept[at].id, v->member_id, sizeof(kept[at].id));
     ps_strlcpy(kept[at].key, v->lease_key ? v->lease_key : "", sizeof(kept[at].key));
     pthread_mutex_unlock(&kept_mu);
-    protobuf_c_message_free_unpacked(resp, NULL);
+    protobuf_c_message_free_unpacked(&v->base, NULL);
     return true;
 }
 
 Pshard__StatusResponse *ps_coord_status(ps_rpc_channel_t *ch)
 {
     Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
-    ProtobufCMessage *resp = NULL;
+    Pshard__StatusResponse *st = NULL;
     char err[256] = "";
-    if (ps_rpc_unary(ch, "/pshard.Coordinator/Status", &req.base,
-                     &pshard__status_response__descriptor, &resp, 5000, 0, NULL, err,
-                     sizeof(err)) != PSHARD_OK) {
+    if (ps_coord_rpc_status(ch, &req, &st, 5000, err, sizeof(err)) != PSHARD_OK)
         fprintf(stderr, "status: %s\n", err);
-        return NULL;
-    }
-    return (Pshard__StatusResponse *)resp;
+    return st;
 }

@@ -385,7 +385,7 @@ static int cmd_checkpoint_save(int argc, char **argv)
                         &c, &res, "[--timeout-ms T]",
                         "Asks the running shard servers (through the coordinator's store) to "
                         "save a checkpoint\nafter their next optimizer step, and waits for it.");
-    ProtobufCMessage *msg = NULL;
+    Pshard__StoreWaitResponse *r = NULL;
     char err[1024] = "";
     if (rc >= 0)
         goto out;
@@ -394,25 +394,17 @@ static int cmd_checkpoint_save(int argc, char **argv)
         ctl_fail("checkpoint save: unexpected argument '%s'", argv[res.first_positional]);
         goto out;
     }
-    Pshard__StoreAddRequest add = PSHARD__STORE_ADD_REQUEST__INIT;
-    add.key = CKPT_REQUEST_KEY;
-    add.delta = 1;
-    if (ctl_call("StoreAdd", &add.base, &pshard__store_add_response__descriptor, &msg, 0,
-             ctl_opts.timeout_ms) != EXIT_OK)
+    int64_t request = 0;
+    pshard_status_t st = ps_coord_store_incr(ctl_channel, CKPT_REQUEST_KEY, 1, &request,
+                                             ctl_opts.timeout_ms, err, sizeof(err));
+    if (st != PSHARD_OK) {
+        ctl_fail("checkpoint save: StoreAdd: %s (%s)", err, pshard_status_name(st));
         goto out;
-    int64_t request = ((Pshard__StoreAddResponse *)msg)->value;
-    protobuf_c_message_free_unpacked(msg, NULL);
-    msg = NULL;
+    }
     char key[96];
     snprintf(key, sizeof(key), "%s/%" PRId64, CKPT_DONE_KEY, request);
-    char *keys[] = {key};
-    Pshard__StoreWaitRequest wait = PSHARD__STORE_WAIT_REQUEST__INIT;
-    wait.n_keys = 1;
-    wait.keys = keys;
-    wait.timeout_ms = c.timeout_ms;
-    pshard_status_t st = ps_rpc_unary(ctl_channel, "/pshard.Coordinator/StoreWait", &wait.base,
-                                      &pshard__store_wait_response__descriptor, &msg,
-                                      c.timeout_ms + 2000, 0, NULL, err, sizeof(err));
+    const char *keys[] = {key};
+    st = ps_coord_store_await(ctl_channel, keys, 1, c.timeout_ms, &r, err, sizeof(err));
     if (st == PSHARD_ERR_TIMEOUT) {
         fprintf(stderr,
                 "pshardctl: checkpoint save: no answer to request %" PRId64 " within %" PRId64
@@ -426,7 +418,6 @@ static int cmd_checkpoint_save(int argc, char **argv)
         ctl_fail("checkpoint save: StoreWait: %s (%s)", err, pshard_status_name(st));
         goto out;
     }
-    Pshard__StoreWaitResponse *r = (Pshard__StoreWaitResponse *)msg;
     if (r->n_values != 1) {
         ctl_fail("checkpoint save: the coordinator answered %zu values for one key", r->n_values);
         goto out;
@@ -464,8 +455,8 @@ static int cmd_checkpoint_save(int argc, char **argv)
     }
     rc = EXIT_OK;
 out:
-    if (msg)
-        protobuf_c_message_free_unpacked(msg, NULL);
+    if (r)
+        protobuf_c_message_free_unpacked(&r->base, NULL);
     ps_config_free(ckpt_save_options, PS_ARRAY_LEN(ckpt_save_options), &c);
     return rc;
 }

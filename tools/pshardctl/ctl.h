@@ -11,6 +11,7 @@
 #include <stdio.h>
 
 #include "pshard/config.h"
+#include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/rpc.h"
 
@@ -39,11 +40,13 @@ extern volatile sig_atomic_t ctl_interrupted;
 
 /* Prints "pshardctl: MESSAGE" to stderr; returns EXIT_ERROR. */
 int ctl_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-/* One unary coordinator call of `method` ("Status") on ctl_channel; prints the error and
- * returns EXIT_ERROR on failure, else EXIT_OK with *resp owned by the caller. */
-int ctl_call(const char *method, const ProtobufCMessage *req,
-             const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp, unsigned flags,
-             int64_t timeout_ms);
+/* One coordinator call through pshard/coord_client.h's ps_coord_rpc_<fn> on ctl_channel:
+ * EXIT_OK with *resp set (NULL: dropped), or EXIT_ERROR after printing "<fn>: why (STATUS)". */
+#define CTL_CALL(fn, req, resp, timeout_ms)                                                      \
+    ctl_called(#fn, ps_coord_rpc_##fn(ctl_channel, (req), (resp), (timeout_ms), ctl_err,         \
+                                      sizeof(ctl_err)))
+extern char ctl_err[1024]; /* the last CTL_CALL's error */
+int ctl_called(const char *what, pshard_status_t rc);
 void ctl_on_signal(int sig); /* sets ctl_interrupted */
 
 void ctl_json_str(FILE *out, const char *s, size_t len);

@@ -101,17 +101,12 @@ void ctl_print_members(FILE *out, Pshard__Member **members, size_t n)
         fprintf(out, "(no members)\n");
 }
 
-int ctl_call(const char *method, const ProtobufCMessage *req,
-                const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp, unsigned flags,
-                int64_t timeout_ms)
+char ctl_err[1024];
+
+int ctl_called(const char *what, pshard_status_t rc)
 {
-    char err[1024] = "";
-    char path[128];
-    snprintf(path, sizeof(path), "/pshard.Coordinator/%s", method);
-    pshard_status_t rc =
-        ps_rpc_unary(ctl_channel, path, req, desc, resp, timeout_ms, flags, NULL, err, sizeof(err));
     if (rc != PSHARD_OK)
-        return ctl_fail("%s: %s (%s)", method, err, pshard_status_name(rc));
+        return ctl_fail("%s: %s (%s)", what, ctl_err, pshard_status_name(rc));
     return EXIT_OK;
 }
 

@@ -67,11 +67,9 @@ int cmd_register(int argc, char **argv)
     req.address = r.address;
     req.node = r.node;
     req.device = r.device;
-    ProtobufCMessage *msg = NULL;
-    if (ctl_call("Register", &req.base, &pshard__member_view__descriptor, &msg, 0, ctl_opts.timeout_ms) !=
-        EXIT_OK)
+    Pshard__MemberView *v = NULL;
+    if (CTL_CALL(register, &req, &v, ctl_opts.timeout_ms) != EXIT_OK)
         goto out;
-    Pshard__MemberView *v = (Pshard__MemberView *)msg;
     char member_id[64], lease_key[64];
     ps_strlcpy(member_id, v->member_id, sizeof(member_id));
     ps_strlcpy(lease_key, v->lease_key ? v->lease_key : "", sizeof(lease_key));
@@ -79,7 +77,7 @@ int cmd_register(int argc, char **argv)
     printf("registered %s as %s (rank %d, generation %" PRIu64 ", %s)\n", r.name, member_id,
            v->rank, v->generation, ctl_state_name(v->state));
     fflush(stdout);
-    protobuf_c_message_free_unpacked(msg, NULL);
+    protobuf_c_message_free_unpacked(&v->base, NULL);
     rc = EXIT_OK;
     if (!r.hold)
         goto out;
@@ -92,19 +90,15 @@ int cmd_register(int argc, char **argv)
         Pshard__HeartbeatRequest hb = PSHARD__HEARTBEAT_REQUEST__INIT;
         hb.member_id = member_id;
         hb.lease_key = lease_key;
-        if (ctl_call("Heartbeat", &hb.base, &pshard__member_view__descriptor, &msg, PS_RPC_IDEMPOTENT,
-                 ctl_opts.timeout_ms) != EXIT_OK) {
+        if (CTL_CALL(heartbeat, &hb, NULL, ctl_opts.timeout_ms) != EXIT_OK) {
             rc = EXIT_ERROR;
             goto out;
         }
-        protobuf_c_message_free_unpacked(msg, NULL);
     }
     Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
     lv.member_id = member_id;
     lv.lease_key = lease_key;
-    if (ctl_call("Leave", &lv.base, &pshard__leave_response__descriptor, &msg, PS_RPC_IDEMPOTENT,
-             ctl_opts.timeout_ms) == EXIT_OK)
-        protobuf_c_message_free_unpacked(msg, NULL);
+    CTL_CALL(leave, &lv, NULL, ctl_opts.timeout_ms);
 out:
     ps_config_free(reg_options, PS_ARRAY_LEN(reg_options), &r);
     return rc;

@@ -229,12 +229,10 @@ static void json_servers(FILE *out, const server_probe_t *probes, size_t n)
 int cmd_status(bool members_only)
 {
     Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
-    ProtobufCMessage *msg = NULL;
-    int rc = ctl_call("Status", &req.base, &pshard__status_response__descriptor, &msg,
-                  PS_RPC_IDEMPOTENT, ctl_opts.timeout_ms);
+    Pshard__StatusResponse *st = NULL;
+    int rc = CTL_CALL(status, &req, &st, ctl_opts.timeout_ms);
     if (rc != EXIT_OK)
         return rc;
-    Pshard__StatusResponse *st = (Pshard__StatusResponse *)msg;
     size_t nprobes = 0;
     server_probe_t *probes = members_only ? NULL : probe_servers(st, &nprobes);
     if (ctl_opts.json) {
@@ -342,7 +340,7 @@ int cmd_status(bool members_only)
         }
     }
     free_probes(probes, nprobes);
-    protobuf_c_message_free_unpacked(msg, NULL);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
     return EXIT_OK;
 }
 

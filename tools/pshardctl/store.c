@@ -14,16 +14,14 @@ int cmd_store(int argc, char **argv)
     if (argc < 2)
         return ctl_fail("store needs get|set|add|wait and a KEY (see --help)");
     const char *sub = argv[0];
-    ProtobufCMessage *msg = NULL;
+    int64_t timeout = ctl_opts.timeout_ms;
     int rc;
     if (strcmp(sub, "get") == 0 && argc == 2) {
         Pshard__StoreGetRequest req = PSHARD__STORE_GET_REQUEST__INIT;
         req.key = argv[1];
-        rc = ctl_call("StoreGet", &req.base, &pshard__store_get_response__descriptor, &msg,
-                  PS_RPC_IDEMPOTENT, ctl_opts.timeout_ms);
-        if (rc != EXIT_OK)
+        Pshard__StoreGetResponse *r = NULL;
+        if ((rc = CTL_CALL(store_get, &req, &r, timeout)) != EXIT_OK)
             return rc;
-        Pshard__StoreGetResponse *r = (Pshard__StoreGetResponse *)msg;
         if (ctl_opts.json) {
             fputs("{\"key\":", stdout);
             ctl_json_cstr(stdout, argv[1]);
@@ -34,57 +32,51 @@ int cmd_store(int argc, char **argv)
             fwrite(r->value.data, 1, r->value.len, stdout);
             fputc('\n', stdout);
         }
+        protobuf_c_message_free_unpacked(&r->base, NULL);
     } else if (strcmp(sub, "set") == 0 && argc == 3) {
         Pshard__StoreSetRequest req = PSHARD__STORE_SET_REQUEST__INIT;
         req.key = argv[1];
         req.value.data = (uint8_t *)argv[2];
         req.value.len = strlen(argv[2]);
-        rc = ctl_call("StoreSet", &req.base, &pshard__store_set_response__descriptor, &msg,
-                  PS_RPC_IDEMPOTENT, ctl_opts.timeout_ms);
-        if (rc != EXIT_OK)
+        if ((rc = CTL_CALL(store_set, &req, NULL, timeout)) != EXIT_OK)
             return rc;
     } else if (strcmp(sub, "delete") == 0 && argc == 2) {
         Pshard__StoreDeleteRequest req = PSHARD__STORE_DELETE_REQUEST__INIT;
         req.key = argv[1];
-        rc = ctl_call("StoreDelete", &req.base, &pshard__store_delete_response__descriptor, &msg, 0,
-                  ctl_opts.timeout_ms);
-        if (rc != EXIT_OK)
+        Pshard__StoreDeleteResponse *r = NULL;
+        if ((rc = CTL_CALL(store_delete, &req, &r, timeout)) != EXIT_OK)
             return rc;
-        bool deleted = ((Pshard__StoreDeleteResponse *)msg)->deleted;
         if (ctl_opts.json)
-            printf("{\"deleted\":%s}\n", deleted ? "true" : "false");
+            printf("{\"deleted\":%s}\n", r->deleted ? "true" : "false");
         else
-            printf("%s\n", deleted ? "deleted" : "not set");
+            printf("%s\n", r->deleted ? "deleted" : "not set");
+        protobuf_c_message_free_unpacked(&r->base, NULL);
     } else if (strcmp(sub, "add") == 0 && argc == 3) {
         Pshard__StoreAddRequest req = PSHARD__STORE_ADD_REQUEST__INIT;
         req.key = argv[1];
         if (ps_parse_i64(argv[2], INT64_MIN, INT64_MAX, &req.delta) != 0)
             return ctl_fail("store add: '%s' is not an integer", argv[2]);
-        rc = ctl_call("StoreAdd", &req.base, &pshard__store_add_response__descriptor, &msg, 0,
-                  ctl_opts.timeout_ms);
-        if (rc != EXIT_OK)
+        Pshard__StoreAddResponse *r = NULL;
+        if ((rc = CTL_CALL(store_add, &req, &r, timeout)) != EXIT_OK)
             return rc;
-        printf("%" PRId64 "\n", ((Pshard__StoreAddResponse *)msg)->value);
+        printf("%" PRId64 "\n", r->value);
+        protobuf_c_message_free_unpacked(&r->base, NULL);
     } else if (strcmp(sub, "wait") == 0) {
         Pshard__StoreWaitRequest req = PSHARD__STORE_WAIT_REQUEST__INIT;
         req.n_keys = (size_t)argc - 1;
         req.keys = argv + 1;
-        req.timeout_ms = ctl_opts.timeout_ms;
-        rc = ctl_call("StoreWait", &req.base, &pshard__store_wait_response__descriptor, &msg, 0,
-                  ctl_opts.timeout_ms + 2000);
-        if (rc != EXIT_OK)
+        req.timeout_ms = timeout;
+        Pshard__StoreWaitResponse *r = NULL;
+        if ((rc = CTL_CALL(store_wait, &req, &r, timeout + 2000)) != EXIT_OK)
             return rc;
-        Pshard__StoreWaitResponse *r = (Pshard__StoreWaitResponse *)msg;
         for (size_t i = 0; i < r->n_values; i++) {
             printf("%s=", argv[1 + i]);
             fwrite(r->values[i].data, 1, r->values[i].len, stdout);
             fputc('\n', stdout);
         }
+        protobuf_c_message_free_unpacked(&r->base, NULL);
     } else {
         return ctl_fail("store: unknown form '%s' with %d arguments (see --help)", sub, argc - 1);
     }
-    if (msg)
-        protobuf_c_message_free_unpacked(msg, NULL);
     return EXIT_OK;
 }
-

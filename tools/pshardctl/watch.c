@@ -54,8 +54,7 @@ int cmd_watch(int argc, char **argv)
     signal(SIGTERM, ctl_on_signal);
     Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
     char err[1024] = "";
-    ps_rpc_stream_t *st = ps_rpc_stream_open(ctl_channel, "/pshard.Coordinator/Watch", &req.base, 0,
-                                             err, sizeof(err));
+    ps_rpc_stream_t *st = ps_coord_watch_open(ctl_channel, &req, 0, err, sizeof(err));
     if (!st)
         return ctl_fail("watch: %s", err);
     int rc = EXIT_OK;

@@ -1,0 +1,75 @@
+/* The coordinator's client: one typed function per method of pshard.Coordinator
+ * (proto/pshard/coordinator.proto), so no component builds a method path or picks a response
+ * descriptor by hand and each method is retried only where that is safe, plus the store
+ * helpers every bootstrap needs. Calls go over a channel from ps_rpc_channel_create (whose
+ * config names the job). Thread-safe as the channel is. */
+#ifndef PSHARD_COORD_CLIENT_H
+#define PSHARD_COORD_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/rpc.h"
+
+/* X(function, Method, RequestType, ResponseType, response_snake, flags) for every unary
+ * method. PS_RPC_IDEMPOTENT retries on UNAVAILABLE (no connection) until the deadline. Leave,
+ * ReportJoin, StoreAdd and StoreCompareSet are not retried: a retry of one that took effect
+ * would do it twice. Register is: a retry after a lost reply meets the member's own live
+ * lease and gets ALREADY_EXISTS, which its callers wait out. */
+#define PS_COORD_UNARY(X)                                                                          \
+    X(register, Register, RegisterRequest, MemberView, member_view, PS_RPC_IDEMPOTENT)             \
+    X(heartbeat, Heartbeat, HeartbeatRequest, MemberView, member_view, PS_RPC_IDEMPOTENT)          \
+    X(leave, Leave, LeaveRequest, LeaveResponse, leave_response, 0)                                \
+    X(store_set, StoreSet, StoreSetRequest, StoreSetResponse, store_set_response,                  \
+      PS_RPC_IDEMPOTENT)                                                                           \
+    X(store_get, StoreGet, StoreGetRequest, StoreGetResponse, store_get_response,                  \
+      PS_RPC_IDEMPOTENT)                                                                           \
+    X(store_wait, StoreWait, StoreWaitRequest, StoreWaitResponse, store_wait_response,             \
+      PS_RPC_IDEMPOTENT)                                                                           \
+    X(store_compare_set, StoreCompareSet, StoreCompareSetRequest, StoreCompareSetResponse,         \
+      store_compare_set_response, 0)                                                               \
+    X(store_add, StoreAdd, StoreAddRequest, StoreAddResponse, store_add_response, 0)               \
+    X(store_delete, StoreDelete, StoreDeleteRequest, StoreDeleteResponse, store_delete_response,   \
+      PS_RPC_IDEMPOTENT)                                                                           \
+    X(status, Status, StatusRequest, StatusResponse, status_response, PS_RPC_IDEMPOTENT)           \
+    X(report_join, ReportJoin, JoinReport, JoinReportResponse, join_report_response, 0)
+
+/* ps_coord_rpc_<function>(ch, request, &response, timeout_ms, err, errlen): one call with a
+ * deadline of timeout_ms. On PSHARD_OK *response is the unpacked reply, freed with
+ * protobuf_c_message_free_unpacked (response may be NULL: the reply is then dropped);
+ * otherwise *response is NULL and err says why. */
+#define PS_COORD_DECLARE_(fn, Method, Req, Resp, resp, flags)                                      \
+    pshard_status_t ps_coord_rpc_##fn(ps_rpc_channel_t *ch, const Pshard__##Req *request,          \
+                                      Pshard__##Resp **response, int64_t timeout_ms, char *err,    \
+                                      size_t errlen);
+PS_COORD_UNARY(PS_COORD_DECLARE_)
+#undef PS_COORD_DECLARE_
+
+/* Opens the Watch stream (timeout_ms <= 0: no deadline); read it with ps_rpc_stream_next and
+ * pshard__cluster_event__descriptor. NULL with a message on a local failure. */
+ps_rpc_stream_t *ps_coord_watch_open(ps_rpc_channel_t *ch, const Pshard__WatchRequest *request,
+                                     int64_t timeout_ms, char *err, size_t errlen);
+
+/* The store as torch's TCPStore offers it. Keys are C strings; values are bytes. */
+pshard_status_t ps_coord_store_put(ps_rpc_channel_t *ch, const char *key, const void *value,
+                                   size_t len, int64_t timeout_ms, char *err, size_t errlen);
+/* *value is malloc'd (NUL-terminated one past len, for text); free() it. NOT_FOUND when the
+ * key is not there. */
+pshard_status_t ps_coord_store_fetch(ps_rpc_channel_t *ch, const char *key, char **value,
+                                     size_t *len, int64_t timeout_ms, char *err, size_t errlen);
+/* Adds delta to the integer at key (0 if absent); *result (may be NULL) is the sum. */
+pshard_status_t ps_coord_store_incr(ps_rpc_channel_t *ch, const char *key, int64_t delta,
+                                    int64_t *result, int64_t timeout_ms, char *err, size_t errlen);
+/* Deletes key; a key that is not there is no error (torch's delete_key returns false). */
+pshard_status_t ps_coord_store_remove(ps_rpc_channel_t *ch, const char *key, int64_t timeout_ms,
+                                      char *err, size_t errlen);
+/* Waits until every one of keys exists, at most wait_ms on the coordinator (the call's own
+ * deadline is 5 s longer): TIMEOUT when they did not all appear in time. On PSHARD_OK
+ * *values (may be NULL) holds their values in the order of keys (free with
+ * protobuf_c_message_free_unpacked). */
+pshard_status_t ps_coord_store_await(ps_rpc_channel_t *ch, const char *const *keys, size_t n,
+                                     int64_t wait_ms, Pshard__StoreWaitResponse **values, char *err,
+                                     size_t errlen);
+
+#endif
