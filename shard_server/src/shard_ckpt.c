@@ -1,6 +1,6 @@
 /* Sharded checkpoints on the shard server side: every rank writes its own shard file (master
  * weights and optimizer state, with its CRC-32C), rank 0 commits the step by writing the
- * manifest last (common/include/pshard/ckpt.h has the format), and loading restores any
+ * manifest last (ckpt/include/pshard/ckpt.h has the format), and loading restores any
  * world size or layout by reading, for each of this rank's pieces, just the byte ranges of the
  * old pieces it overlaps. Every function here is collective over the ring and runs the same
  * collectives on every rank whatever happened locally, so a local failure never desyncs. */

@@ -1,7 +1,6 @@
-/* Internal pieces of the checkpoint format shared by ckpt.c, ckpt_json.c and safetensors.c: the
- * CRC-32C implementations (crc32c.c; separate so tests can compare them), a small strict JSON
- * parser and the helpers that write JSON text and files atomically. Not for use outside
- * common/. */
+/* Internal pieces of the checkpoint format shared by the sources of ckpt/: the CRC-32C
+ * implementations (crc32c.c; separate so tests can compare them), a small strict JSON parser
+ * and the helpers that write JSON text and files atomically. Not for use outside ckpt/. */
 #ifndef PSHARD_CKPT_INTERNAL_H
 #define PSHARD_CKPT_INTERNAL_H
 
