@@ -136,16 +136,9 @@ void ckpt_buf_double(ckpt_buf_t *b, double v);
 
 /* ---- Files ------------------------------------------------------------------------------ */
 
-/* write(2) of all len bytes, retrying on EINTR and short writes. Errors: SYSTEM naming path. */
-pshard_status_t ckpt_write_all(int fd, const void *buf, size_t len, const char *path, char *err,
-                               size_t errlen);
-
 /* pread(2) of up to len bytes at off, retrying on EINTR and short reads; *got is how many
  * bytes were read (less than len only at end of file). Errors: SYSTEM naming path. */
 pshard_status_t ckpt_pread_full(int fd, void *buf, size_t len, uint64_t off, size_t *got,
                                 const char *path, char *err, size_t errlen);
-
-/* "cannot WHAT PATH: strerror(errno)" as a SYSTEM error. */
-pshard_status_t ckpt_sys_err(char *err, size_t errlen, const char *what, const char *path);
 
 #endif

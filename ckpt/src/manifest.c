@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "ckpt_internal.h"
+#include "pshard/atomic_file.h"
 #include "pshard/log.h"
 #include "pshard/util.h"
 
@@ -508,7 +509,7 @@ pshard_status_t ps_ckpt_manifest_write(const char *step_dir, const ps_ckpt_manif
     if (rc == PSHARD_ERR_NOT_FOUND)
         rc = PSHARD_ERR_SYSTEM; /* writing: a missing directory is the system's problem */
     if (rc == PSHARD_OK) {
-        rc = ps_ckpt_write_file(dfd, PS_CKPT_MANIFEST, path, b.data, b.len, err, errlen);
+        rc = ps_atomic_file_put(dfd, PS_CKPT_MANIFEST, path, b.data, b.len, err, errlen);
         close(dfd);
     }
     free(b.data);
@@ -972,7 +973,7 @@ static pshard_status_t scan_step_dirs(const char *root, int64_t **steps, size_t 
     if (!dir) {
         if (errno == ENOENT)
             return PSHARD_OK;
-        return ckpt_sys_err(err, errlen, "list", root);
+        return ps_sys_err(err, errlen, "list", root);
     }
     size_t cap = 0;
     pshard_status_t rc = PSHARD_OK;
@@ -1011,7 +1012,7 @@ static pshard_status_t scan_step_dirs(const char *root, int64_t **steps, size_t 
         errno = 0;
     }
     if (rc == PSHARD_OK && errno != 0)
-        rc = ckpt_sys_err(err, errlen, "list", root);
+        rc = ps_sys_err(err, errlen, "list", root);
     closedir(dir);
     if (rc != PSHARD_OK) {
         free(*steps);
@@ -1087,24 +1088,24 @@ static pshard_status_t remove_step_dir(int rfd, const char *root, const char *na
                     dir);
             return PSHARD_OK;
         }
-        return ckpt_sys_err(err, errlen, "open the directory", dir);
+        return ps_sys_err(err, errlen, "open the directory", dir);
     }
     pshard_status_t rc = PSHARD_OK;
     struct stat st;
     if (fstatat(dfd, PS_CKPT_MANIFEST, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
         unlinkat(dfd, PS_CKPT_MANIFEST, 0) != 0 && errno != ENOENT) {
-        rc = ckpt_sys_err(err, errlen, "remove the manifest of", dir);
+        rc = ps_sys_err(err, errlen, "remove the manifest of", dir);
         close(dfd);
         return rc;
     }
     if (fsync(dfd) != 0 && errno != EINVAL) {
-        rc = ckpt_sys_err(err, errlen, "sync the directory", dir);
+        rc = ps_sys_err(err, errlen, "sync the directory", dir);
         close(dfd);
         return rc;
     }
     DIR *d = fdopendir(dfd);
     if (!d) {
-        rc = ckpt_sys_err(err, errlen, "list", dir);
+        rc = ps_sys_err(err, errlen, "list", dir);
         close(dfd);
         return rc;
     }
@@ -1123,7 +1124,7 @@ static pshard_status_t remove_step_dir(int rfd, const char *root, const char *na
         if (unlinkat(dirfd(d), e->d_name, 0) != 0 && errno != ENOENT && rc == PSHARD_OK) {
             char path[PATH_MAX];
             ps_snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
-            rc = ckpt_sys_err(err, errlen, "remove", path);
+            rc = ps_sys_err(err, errlen, "remove", path);
         }
     }
     closedir(d);
@@ -1132,7 +1133,7 @@ static pshard_status_t remove_step_dir(int rfd, const char *root, const char *na
         return rc;
     }
     if (rc == PSHARD_OK && unlinkat(rfd, name, AT_REMOVEDIR) != 0 && errno != ENOENT)
-        rc = ckpt_sys_err(err, errlen, "remove", dir);
+        rc = ps_sys_err(err, errlen, "remove", dir);
     return rc;
 }
 

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "ckpt_internal.h"
+#include "pshard/atomic_file.h"
 #include "pshard/ckpt.h"
 #include "pshard/util.h"
 
@@ -102,26 +103,8 @@ pshard_status_t ps_safetensors_export(const char *step_dir, const ps_ckpt_manife
     }
     /* The output is the caller's own path (links followed, as cp does); only the file itself
      * is written under a fresh temporary name and renamed into place. */
-    char dir[PATH_MAX];
-    const char *slash = strrchr(out_path, '/');
-    const char *base = slash ? slash + 1 : out_path;
-    if (!*base || ps_snprintf(dir, sizeof(dir), "%.*s", slash ? (int)(slash - out_path) : 1,
-                              slash ? (slash == out_path ? "/" : out_path) : ".") != 0) {
-        free(header.data);
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: not a file path (or too long)", out_path);
-    }
-    int dfd;
-    ps_ckpt_out_t o;
-    char dir_err[PATH_MAX + 128] = "";
-    rc = ps_ckpt_dir_open(dir, true, &dfd, dir_err, sizeof(dir_err));
-    if (rc != PSHARD_OK)
-        rc = ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot write %s: %s", out_path, dir_err);
-    if (rc == PSHARD_OK) {
-        rc = ps_ckpt_out_open(dfd, base, out_path, &o, err, errlen);
-        if (rc != PSHARD_OK)
-            close(dfd);
-    }
+    ps_atomic_file_t o;
+    rc = ps_atomic_file_open_path(out_path, &o, err, errlen);
     if (rc != PSHARD_OK) {
         free(header.data);
         return rc;
@@ -136,8 +119,8 @@ pshard_status_t ps_safetensors_export(const char *step_dir, const ps_ckpt_manife
     uint8_t len8[8];
     for (int i = 0; i < 8; i++)
         len8[i] = (uint8_t)((uint64_t)header.len >> (8 * i));
-    PS_CHECK_GOTO(ckpt_write_all(fd, len8, sizeof(len8), out_path, err, errlen), rc, out);
-    PS_CHECK_GOTO(ckpt_write_all(fd, header.data, header.len, out_path, err, errlen), rc, out);
+    PS_CHECK_GOTO(ps_write_all(fd, len8, sizeof(len8), out_path, err, errlen), rc, out);
+    PS_CHECK_GOTO(ps_write_all(fd, header.data, header.len, out_path, err, errlen), rc, out);
     for (size_t p = 0; p < m->nparams; p++) {
         uint64_t numel = numel_of(&m->params[p]);
         for (uint64_t at = 0; at < numel;) {
@@ -146,9 +129,9 @@ pshard_status_t ps_safetensors_export(const char *step_dir, const ps_ckpt_manife
                           rc, out);
             if (dtype == PSHARD_BF16) {
                 ps_convert_f32_to_bf16(f32, b16, n);
-                rc = ckpt_write_all(fd, b16, n * sizeof(uint16_t), out_path, err, errlen);
+                rc = ps_write_all(fd, b16, n * sizeof(uint16_t), out_path, err, errlen);
             } else {
-                rc = ckpt_write_all(fd, f32, n * sizeof(float), out_path, err, errlen);
+                rc = ps_write_all(fd, f32, n * sizeof(float), out_path, err, errlen);
             }
             if (rc != PSHARD_OK)
                 goto out;
@@ -159,8 +142,7 @@ out:
     free(f32);
     free(b16);
     free(header.data);
-    pshard_status_t rc2 = ps_ckpt_out_commit(&o, rc == PSHARD_OK, err, errlen);
-    close(dfd);
+    pshard_status_t rc2 = ps_atomic_file_commit(&o, rc == PSHARD_OK, err, errlen);
     return rc != PSHARD_OK ? rc : rc2;
 }
 

@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "pshard/atomic_file.h"
 #include "pshard/ckpt.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/log.h"
@@ -136,8 +137,8 @@ static pshard_status_t write_shard(shard_model_t *m, const bounce_t *b, int dfd,
 {
     char path[PATH_MAX + 80];
     snprintf(path, sizeof(path), "%s/%s", step_dir, name);
-    ps_ckpt_out_t out;
-    PS_CHECK(ps_ckpt_out_open(dfd, name, path, &out, err, errlen));
+    ps_atomic_file_t out;
+    PS_CHECK(ps_atomic_file_open(dfd, name, path, &out, err, errlen));
     pshard_status_t rc = PSHARD_OK;
     uint32_t c = 0;
     for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
@@ -154,14 +155,14 @@ static pshard_status_t write_shard(shard_model_t *m, const bounce_t *b, int dfd,
             for (size_t left = len; left > 0 && rc == PSHARD_OK;) {
                 size_t n = left < WRITE_CHUNK ? left : WRITE_CHUNK;
                 c = ps_crc32c(c, p, n);
-                rc = ps_ckpt_out_write(&out, p, n, err, errlen);
+                rc = ps_atomic_file_write(&out, p, n, err, errlen);
                 p += n;
                 left -= n;
             }
             done += len;
         }
     }
-    pshard_status_t rc2 = ps_ckpt_out_commit(&out, rc == PSHARD_OK, err, errlen);
+    pshard_status_t rc2 = ps_atomic_file_commit(&out, rc == PSHARD_OK, err, errlen);
     if (rc == PSHARD_OK)
         rc = rc2;
     if (rc != PSHARD_OK)

@@ -159,9 +159,9 @@ pshard_status_t ps_ckpt_prune(const char *root, int keep, char *err, size_t errl
  * blocks opening one of its files. Step directories and their files are opened relative to a
  * directory descriptor with O_NOFOLLOW (a link is refused, never followed), files with
  * O_NONBLOCK and checked to be regular files before anything is read (a FIFO or device is
- * refused), new files are written under a fresh O_EXCL temporary name and renamed into place,
- * and pruning removes only regular files of the names pshard writes. The root's own path may
- * hold links (an operator's mount point). */
+ * refused), new files are written under a fresh O_EXCL temporary name and renamed into place
+ * (pshard/atomic_file.h), and pruning removes only regular files of the names pshard writes.
+ * The root's own path may hold links (an operator's mount point). */
 
 /* Opens directory dir (O_DIRECTORY; with !follow a link as its last component is refused).
  * Errors: NOT_FOUND (ENOENT), INVALID_ARGUMENT (a link), SYSTEM; messages name dir. */
@@ -180,28 +180,6 @@ pshard_status_t ps_ckpt_file_open(int dfd, const char *name, const char *shown, 
  * (INVALID_ARGUMENT). Errors also SYSTEM. */
 pshard_status_t ps_ckpt_step_dir_make(const char *root, int64_t step, int *dfd, char *err,
                                       size_t errlen);
-
-/* An atomic write of file `name` in directory dfd (borrowed; it must outlive the write). */
-typedef struct {
-    int dfd, fd;
-    char tmp[300];  /* the temporary's name in dfd */
-    char name[256]; /* the final name */
-    char shown[PATH_MAX];
-} ps_ckpt_out_t;
-
-/* Creates a fresh temporary ".NAME.tmp-<random>" in dfd with O_EXCL (mode 0644). Errors:
- * SYSTEM, INVALID_ARGUMENT (name too long). */
-pshard_status_t ps_ckpt_out_open(int dfd, const char *name, const char *shown, ps_ckpt_out_t *o,
-                                 char *err, size_t errlen);
-/* Appends len bytes (retrying short writes). Errors: SYSTEM naming the file. */
-pshard_status_t ps_ckpt_out_write(ps_ckpt_out_t *o, const void *buf, size_t len, char *err,
-                                  size_t errlen);
-/* ok: fsync, rename over name, fsync the directory. !ok, or any failure: the temporary is
- * removed and an existing file of that name is untouched. Closes the temporary either way. */
-pshard_status_t ps_ckpt_out_commit(ps_ckpt_out_t *o, bool ok, char *err, size_t errlen);
-/* The three above for a whole buffer. */
-pshard_status_t ps_ckpt_write_file(int dfd, const char *name, const char *shown,
-                                   const void *data, size_t len, char *err, size_t errlen);
 
 /* Whether name is one pshard writes in a step directory (the manifest, a shard file, or a
  * temporary of either): what pruning may remove. */

@@ -23,6 +23,7 @@
 
 #include "ckpt_internal.h"
 #include "ps_test.h"
+#include "pshard/atomic_file.h"
 #include "pshard/ckpt.h"
 #include "pshard/dtype.h"
 #include "pshard/layout.h"
@@ -1097,7 +1098,7 @@ static void test_root_links(void)
     snprintf(target, sizeof(target), "%s/keep.txt", victim);
     snprintf(path, sizeof(path), "%s/step-00000040/shard-00000-of-00001.bin", root);
     CU_ASSERT_EQUAL_FATAL(symlink(target, path), 0);
-    CU_ASSERT_EQUAL(ps_ckpt_write_file(dfd, "shard-00000-of-00001.bin", path, "data", 4, err,
+    CU_ASSERT_EQUAL(ps_atomic_file_put(dfd, "shard-00000-of-00001.bin", path, "data", 4, err,
                                        sizeof(err)),
                     PSHARD_OK);
     CU_ASSERT(!is_link(path) && file_has(path, "data"));
