@@ -32,6 +32,22 @@ uint32_t ckpt_crc32c_insn(uint32_t crc, const void *buf, size_t len);
 
 /* ---- Manifest -------------------------------------------------------------------------- */
 
+/* Element counts beyond this are taken for corruption (bytes of 3 sections still fit). */
+#define CKPT_MAX_NUMEL ((uint64_t)1 << 60)
+
+/* Why path (a char array of capacity cap) is not a plain file name (1..255 bytes of UTF-8, no
+ * '/', not "." or "..", not the manifest's own name), or NULL when it is one. */
+const char *ckpt_plain_name_problem(const char *path, size_t cap);
+
+/* Elements of parameter p, or UINT64_MAX when that exceeds CKPT_MAX_NUMEL. */
+uint64_t ckpt_param_numel(const ps_ckpt_param_t *p);
+
+/* Indexes every piece of m by parameter (counting sort, file order kept): the pieces of
+ * parameter p are (*refs)[(*start)[p] .. (*start)[p + 1]). Both arrays are malloc'd (free()).
+ * Errors: NO_MEMORY. */
+pshard_status_t ckpt_build_index(const ps_ckpt_manifest_t *m, size_t **start,
+                                 ps_ckpt_piece_ref_t **refs, char *err, size_t errlen);
+
 /* Everything ps_ckpt_manifest_read checks beyond JSON types: names, ranges, sizes, one file per
  * rank, pieces inside their parameter and file and tiling each parameter exactly once.
  * Errors: INVALID_ARGUMENT with the JSON path of the first problem (indices as m's arrays
@@ -135,6 +151,17 @@ void ckpt_buf_json_str(ckpt_buf_t *b, const char *s, size_t len);
 void ckpt_buf_double(ckpt_buf_t *b, double v);
 
 /* ---- Files ------------------------------------------------------------------------------ */
+
+/* Opens directory dir (O_DIRECTORY; with !follow a link as its last component is refused).
+ * Errors: NOT_FOUND (ENOENT), INVALID_ARGUMENT (a link), SYSTEM; messages name dir. */
+pshard_status_t ckpt_dir_open(const char *dir, bool follow, int *dfd, char *err, size_t errlen);
+
+/* Opens name in directory dfd (AT_FDCWD for a path) for reading: regular files only, never
+ * waiting on a FIFO, O_NOFOLLOW unless follow; *size (may be NULL) gets its size. shown is the
+ * path messages use. Errors: NOT_FOUND ("missing"), INVALID_ARGUMENT (a link, not a regular
+ * file), SYSTEM. */
+pshard_status_t ckpt_file_open(int dfd, const char *name, const char *shown, bool follow, int *fd,
+                               uint64_t *size, char *err, size_t errlen);
 
 /* pread(2) of up to len bytes at off, retrying on EINTR and short reads; *got is how many
  * bytes were read (less than len only at end of file). Errors: SYSTEM naming path. */

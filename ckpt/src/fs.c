@@ -45,7 +45,7 @@ static pshard_status_t link_refused(char *err, size_t errlen, const char *shown)
                    shown);
 }
 
-pshard_status_t ps_ckpt_dir_open(const char *dir, bool follow, int *dfd, char *err, size_t errlen)
+pshard_status_t ckpt_dir_open(const char *dir, bool follow, int *dfd, char *err, size_t errlen)
 {
     *dfd = -1;
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC | (follow ? 0 : O_NOFOLLOW));
@@ -62,7 +62,7 @@ pshard_status_t ps_ckpt_dir_open(const char *dir, bool follow, int *dfd, char *e
     return e == ENOENT ? PSHARD_ERR_NOT_FOUND : rc;
 }
 
-pshard_status_t ps_ckpt_file_open(int dfd, const char *name, const char *shown, bool follow,
+pshard_status_t ckpt_file_open(int dfd, const char *name, const char *shown, bool follow,
                                   int *fd, uint64_t *size, char *err, size_t errlen)
 {
     *fd = -1;
@@ -123,7 +123,7 @@ pshard_status_t ps_ckpt_step_dir_make(const char *root, int64_t step, int *dfd, 
     if (mkdir(path, 0755) != 0 && errno != EEXIST)
         return ps_sys_err(err, errlen, "create", path);
     int rfd;
-    PS_CHECK(ps_ckpt_dir_open(root, true, &rfd, err, errlen));
+    PS_CHECK(ckpt_dir_open(root, true, &rfd, err, errlen));
     char base[32], shown[PATH_MAX];
     snprintf(base, sizeof(base), "step-%08lld", (long long)step); /* as ps_ckpt_step_dir */
     ps_ckpt_step_dir(root, step, shown, sizeof(shown));

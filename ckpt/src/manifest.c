@@ -1,7 +1,6 @@
-/* pshard's checkpoint format (pshard/ckpt.h): CRC-32C, the manifest (writing it atomically,
- * reading and validating it), listing, verifying, reading element ranges across shard files,
- * and pruning old steps. The shard servers save and load with it; pshardctl lists and exports
- * offline. */
+/* The manifest of a checkpoint (pshard/ckpt.h): validating it, writing it atomically (its
+ * rename commits the step), and reading it back with every key, type, name, size and piece
+ * checked, indexed by parameter for ps_ckpt_read_range. */
 #include "pshard/ckpt.h"
 
 #include <dirent.h>
@@ -22,56 +21,14 @@
 #include "pshard/log.h"
 #include "pshard/util.h"
 
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "checkpoint files are little-endian fp32; a big-endian host needs byte swapping here"
-#endif
-
 /* A manifest larger than this is refused before it is read. */
 #define MANIFEST_MAX_BYTES (64u << 20)
 /* Nesting of the manifest: root, files, a file, its pieces, one piece (5); some slack. */
 #define MANIFEST_MAX_DEPTH 16
 /* World sizes beyond this are taken for corruption. */
 #define CKPT_MAX_WORLD (1 << 20)
-/* Element counts beyond this are taken for corruption (bytes of 3 sections still fit). */
-#define CKPT_MAX_NUMEL ((uint64_t)1 << 60)
-/* Shard files are checksummed in reads of this size. */
-#define VERIFY_CHUNK (4u << 20)
 
-/* ---- Names -------------------------------------------------------------------------------- */
-
-const char *ps_ckpt_step_dir(const char *root, int64_t step, char *buf, size_t len)
-{
-    size_t n = strlen(root);
-    const char *sep = n > 0 && root[n - 1] == '/' ? "" : "/";
-    snprintf(buf, len, "%s%sstep-%08lld", root, sep, (long long)step);
-    return buf;
-}
-
-const char *ps_ckpt_shard_name(int rank, int world, char *buf, size_t len)
-{
-    snprintf(buf, len, "shard-%05d-of-%05d.bin", rank, world);
-    return buf;
-}
-
-/* Parses a step directory's name; only the canonical spelling ps_ckpt_step_dir writes counts,
- * so one step has one directory. */
-static bool parse_step_name(const char *name, int64_t *step)
-{
-    if (strncmp(name, "step-", 5) != 0)
-        return false;
-    int64_t v;
-    if (ps_parse_i64(name + 5, 0, INT64_MAX, &v) != 0)
-        return false;
-    char canon[40];
-    snprintf(canon, sizeof(canon), "step-%08lld", (long long)v);
-    if (strcmp(canon, name) != 0)
-        return false;
-    *step = v;
-    return true;
-}
-
-/* A plain file name: 1..255 bytes, no '/', not "." or "..", not the manifest's own name. */
-static const char *plain_name_problem(const char *path, size_t cap)
+const char *ckpt_plain_name_problem(const char *path, size_t cap)
 {
     size_t n = strnlen(path, cap);
     if (n == 0)
@@ -99,8 +56,7 @@ static bool optim_kind_known(const char *kind)
     return strcmp(kind, "sgd") == 0 || strcmp(kind, "adam") == 0 || strcmp(kind, "adamw") == 0;
 }
 
-/* numel of a parameter, or UINT64_MAX when it exceeds CKPT_MAX_NUMEL. */
-static uint64_t param_numel(const ps_ckpt_param_t *p)
+uint64_t ckpt_param_numel(const ps_ckpt_param_t *p)
 {
     uint64_t n = 1;
     for (int d = 0; d < p->ndim && d < 8; d++) {
@@ -234,7 +190,7 @@ pshard_status_t ckpt_manifest_check(const ps_ckpt_manifest_t *m, char *err, size
             if (pr->shape[d] < 0)
                 return invalid(err, errlen, "params[%zu].shape[%d]: %" PRId64 " is negative", p, d,
                                pr->shape[d]);
-        if (param_numel(pr) == UINT64_MAX)
+        if (ckpt_param_numel(pr) == UINT64_MAX)
             return invalid(err, errlen, "params[%zu].shape: more than %" PRIu64 " elements", p,
                            CKPT_MAX_NUMEL);
     }
@@ -272,7 +228,7 @@ pshard_status_t ckpt_manifest_check(const ps_ckpt_manifest_t *m, char *err, size
             goto out;
         }
         rank_file[f->rank] = (int)i;
-        const char *why = plain_name_problem(f->path, sizeof(f->path));
+        const char *why = ckpt_plain_name_problem(f->path, sizeof(f->path));
         if (why) {
             rc = invalid(err, errlen, "files[%zu].path: \"%.*s\" %s", i, 64, f->path, why);
             goto out;
@@ -328,7 +284,7 @@ pshard_status_t ckpt_manifest_check(const ps_ckpt_manifest_t *m, char *err, size
                 goto out;
             }
             const ps_ckpt_param_t *pr = &m->params[pc->param];
-            uint64_t numel = param_numel(pr);
+            uint64_t numel = ckpt_param_numel(pr);
             if (pc->count == 0) {
                 rc = invalid(err, errlen, "files[%zu].pieces[%zu]: empty piece (count 0)", i, j);
                 goto out;
@@ -371,7 +327,7 @@ pshard_status_t ckpt_manifest_check(const ps_ckpt_manifest_t *m, char *err, size
     qsort(refs, k, sizeof(*refs), piece_ref_cmp);
     size_t r = 0;
     for (uint32_t p = 0; p < m->nparams; p++) {
-        uint64_t next = 0, numel = param_numel(&m->params[p]);
+        uint64_t next = 0, numel = ckpt_param_numel(&m->params[p]);
         const piece_ref_t *prev = NULL;
         for (; r < k && refs[r].param == p; r++) {
             const piece_ref_t *c = &refs[r];
@@ -505,7 +461,7 @@ pshard_status_t ps_ckpt_manifest_write(const char *step_dir, const ps_ckpt_manif
                        b.len);
     }
     int dfd;
-    rc = ps_ckpt_dir_open(step_dir, false, &dfd, err, errlen);
+    rc = ckpt_dir_open(step_dir, false, &dfd, err, errlen);
     if (rc == PSHARD_ERR_NOT_FOUND)
         rc = PSHARD_ERR_SYSTEM; /* writing: a missing directory is the system's problem */
     if (rc == PSHARD_OK) {
@@ -823,9 +779,7 @@ void ps_ckpt_manifest_free(ps_ckpt_manifest_t *m)
     free(m);
 }
 
-/* Indexes every piece of m by parameter (counting sort, file order kept): the pieces of
- * parameter p are (*refs)[(*start)[p] .. (*start)[p + 1]). Both arrays are allocated. */
-static pshard_status_t build_index(const ps_ckpt_manifest_t *m, size_t **start,
+pshard_status_t ckpt_build_index(const ps_ckpt_manifest_t *m, size_t **start,
                                    ps_ckpt_piece_ref_t **refs, char *err, size_t errlen)
 {
     size_t total = 0;
@@ -878,9 +832,9 @@ pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t *
     int dfd, fd = -1;
     uint64_t fsize = 0;
     char open_err[PATH_MAX + 128] = "";
-    pshard_status_t rc = ps_ckpt_dir_open(step_dir, false, &dfd, open_err, sizeof(open_err));
+    pshard_status_t rc = ckpt_dir_open(step_dir, false, &dfd, open_err, sizeof(open_err));
     if (rc == PSHARD_OK) {
-        rc = ps_ckpt_file_open(dfd, PS_CKPT_MANIFEST, path, false, &fd, &fsize, open_err,
+        rc = ckpt_file_open(dfd, PS_CKPT_MANIFEST, path, false, &fd, &fsize, open_err,
                                sizeof(open_err));
         close(dfd);
     }
@@ -918,7 +872,7 @@ pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t *
     if (rc == PSHARD_OK)
         rc = sort_files_by_rank(m, why, sizeof(why));
     if (rc == PSHARD_OK)
-        rc = build_index(m, &m->by_param_start, &m->by_param, why, sizeof(why));
+        rc = ckpt_build_index(m, &m->by_param_start, &m->by_param, why, sizeof(why));
     if (rc != PSHARD_OK) {
         ps_errf(err, errlen, rc, "%s: %s", path, why);
         goto out;
@@ -933,412 +887,3 @@ out:
     return rc;
 }
 
-/* ---- Listing and pruning ------------------------------------------------------------------- */
-
-static int cmp_i64(const void *a, const void *b)
-{
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Appends one refusal to refused (NULL: none kept), "; "-separated, as far as it fits. */
-static void add_refusal(char *refused, size_t len, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void add_refusal(char *refused, size_t len, const char *fmt, ...)
-{
-    if (!refused || len == 0)
-        return;
-    size_t used = strlen(refused);
-    if (used > 0 && used + 2 < len) {
-        memcpy(refused + used, "; ", 3);
-        used += 2;
-    }
-    if (used + 1 >= len)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(refused + used, len - used, fmt, ap);
-    va_end(ap);
-}
-
-/* Steps of the step directories under root (committed or not), ascending. A missing root
- * gives none. Entries named like step directories that are links or not directories are
- * skipped (the first is described in refused when it is not NULL and still empty). */
-static pshard_status_t scan_step_dirs(const char *root, int64_t **steps, size_t *n,
-                                      char *refused, size_t refusedlen, char *err, size_t errlen)
-{
-    *steps = NULL;
-    *n = 0;
-    DIR *dir = opendir(root);
-    if (!dir) {
-        if (errno == ENOENT)
-            return PSHARD_OK;
-        return ps_sys_err(err, errlen, "list", root);
-    }
-    size_t cap = 0;
-    pshard_status_t rc = PSHARD_OK;
-    struct dirent *e;
-    errno = 0;
-    while ((e = readdir(dir)) != NULL) {
-        int64_t step;
-        if (!parse_step_name(e->d_name, &step))
-            continue;
-        struct stat st;
-        bool is_dir = e->d_type == DT_DIR;
-        if (e->d_type == DT_UNKNOWN || e->d_type == DT_LNK)
-            is_dir = fstatat(dirfd(dir), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-                     S_ISDIR(st.st_mode);
-        if (!is_dir) {
-            add_refusal(refused, refusedlen, "%s/%s is %s", root, e->d_name,
-                        e->d_type == DT_LNK ? "a symbolic link (never followed)"
-                                            : "not a directory");
-            if (e->d_type == DT_LNK)
-                PS_WARN(PS_SUB_MAIN, "ignoring %s/%s: a symbolic link (pshard does not follow "
-                        "links inside a checkpoint root)", root, e->d_name);
-            errno = 0;
-            continue;
-        }
-        if (*n == cap) {
-            size_t ncap = cap ? cap * 2 : 16;
-            int64_t *s = realloc(*steps, ncap * sizeof(*s));
-            if (!s) {
-                rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-                break;
-            }
-            *steps = s;
-            cap = ncap;
-        }
-        (*steps)[(*n)++] = step;
-        errno = 0;
-    }
-    if (rc == PSHARD_OK && errno != 0)
-        rc = ps_sys_err(err, errlen, "list", root);
-    closedir(dir);
-    if (rc != PSHARD_OK) {
-        free(*steps);
-        *steps = NULL;
-        *n = 0;
-        return rc;
-    }
-    if (*n > 1)
-        qsort(*steps, *n, sizeof(**steps), cmp_i64);
-    return PSHARD_OK;
-}
-
-pshard_status_t ps_ckpt_list(const char *root, int64_t **steps, size_t *n, char *refused,
-                             size_t refusedlen, char *err, size_t errlen)
-{
-    int64_t *all = NULL;
-    size_t nall = 0, kept = 0;
-    *steps = NULL;
-    *n = 0;
-    if (refused && refusedlen)
-        refused[0] = '\0';
-    PS_CHECK(scan_step_dirs(root, &all, &nall, refused, refusedlen, err, errlen));
-    for (size_t i = 0; i < nall; i++) {
-        char dir[PATH_MAX], why[768] = "";
-        ps_ckpt_step_dir(root, all[i], dir, sizeof(dir));
-        ps_ckpt_manifest_t *m = NULL;
-        pshard_status_t rc = ps_ckpt_manifest_read(dir, &m, why, sizeof(why));
-        if (rc == PSHARD_ERR_NOT_FOUND)
-            continue; /* a save that never committed */
-        if (rc == PSHARD_ERR_INVALID_ARGUMENT) {
-            PS_WARN(PS_SUB_MAIN, "ignoring %s: %s", dir, why);
-            add_refusal(refused, refusedlen, "%s", why);
-            continue;
-        }
-        if (rc != PSHARD_OK) {
-            free(all);
-            return ps_errf(err, errlen, rc, "%s", why);
-        }
-        bool same_step = m->step == all[i];
-        if (!same_step) {
-            PS_WARN(PS_SUB_MAIN, "ignoring %s: its manifest says step %" PRId64, dir, m->step);
-            add_refusal(refused, refusedlen, "%s: its manifest says step %" PRId64, dir,
-                        m->step);
-        }
-        ps_ckpt_manifest_free(m);
-        if (same_step)
-            all[kept++] = all[i];
-    }
-    if (kept == 0) {
-        free(all);
-        return PSHARD_OK;
-    }
-    *steps = all;
-    *n = kept;
-    return PSHARD_OK;
-}
-
-/* Removes one step directory `name` of root (descriptor rfd): the manifest first (synced, so
- * the step is no longer committed even after a crash), then the files pshard writes there,
- * then the directory. A link is never followed and nothing pshard did not write is removed:
- * a directory that holds anything else stays, with a warning. */
-static pshard_status_t remove_step_dir(int rfd, const char *root, const char *name, char *err,
-                                       size_t errlen)
-{
-    char dir[PATH_MAX];
-    ps_snprintf(dir, sizeof(dir), "%s/%s", root, name);
-    int dfd = openat(rfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (dfd < 0) {
-        if (errno == ENOENT)
-            return PSHARD_OK;
-        if (errno == ELOOP || errno == ENOTDIR) {
-            PS_WARN(PS_SUB_MAIN, "not pruning %s: not a directory (links are never followed)",
-                    dir);
-            return PSHARD_OK;
-        }
-        return ps_sys_err(err, errlen, "open the directory", dir);
-    }
-    pshard_status_t rc = PSHARD_OK;
-    struct stat st;
-    if (fstatat(dfd, PS_CKPT_MANIFEST, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
-        unlinkat(dfd, PS_CKPT_MANIFEST, 0) != 0 && errno != ENOENT) {
-        rc = ps_sys_err(err, errlen, "remove the manifest of", dir);
-        close(dfd);
-        return rc;
-    }
-    if (fsync(dfd) != 0 && errno != EINVAL) {
-        rc = ps_sys_err(err, errlen, "sync the directory", dir);
-        close(dfd);
-        return rc;
-    }
-    DIR *d = fdopendir(dfd);
-    if (!d) {
-        rc = ps_sys_err(err, errlen, "list", dir);
-        close(dfd);
-        return rc;
-    }
-    char foreign[256] = "";
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
-            continue;
-        bool regular = fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-                       S_ISREG(st.st_mode);
-        if (!regular || !ps_ckpt_is_own_file(e->d_name)) {
-            if (!foreign[0])
-                ps_strlcpy(foreign, e->d_name, sizeof(foreign));
-            continue;
-        }
-        if (unlinkat(dirfd(d), e->d_name, 0) != 0 && errno != ENOENT && rc == PSHARD_OK) {
-            char path[PATH_MAX];
-            ps_snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
-            rc = ps_sys_err(err, errlen, "remove", path);
-        }
-    }
-    closedir(d);
-    if (foreign[0]) {
-        PS_WARN(PS_SUB_MAIN, "kept %s: it holds '%s', which pshard did not write", dir, foreign);
-        return rc;
-    }
-    if (rc == PSHARD_OK && unlinkat(rfd, name, AT_REMOVEDIR) != 0 && errno != ENOENT)
-        rc = ps_sys_err(err, errlen, "remove", dir);
-    return rc;
-}
-
-pshard_status_t ps_ckpt_prune(const char *root, int keep, char *err, size_t errlen)
-{
-    if (keep < 1)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "keep must be at least 1, not %d",
-                       keep);
-    int64_t *committed = NULL, *all = NULL;
-    size_t ncommitted = 0, nall = 0;
-    PS_CHECK(ps_ckpt_list(root, &committed, &ncommitted, NULL, 0, err, errlen));
-    pshard_status_t rc = scan_step_dirs(root, &all, &nall, NULL, 0, err, errlen);
-    int rfd = -1;
-    if (rc == PSHARD_OK && ncommitted > 0)
-        rc = ps_ckpt_dir_open(root, true, &rfd, err, errlen);
-    if (rc != PSHARD_OK || ncommitted == 0) {
-        free(committed);
-        free(all);
-        return rc;
-    }
-    int64_t newest = committed[ncommitted - 1];
-    char dir[PATH_MAX];
-    /* Older committed checkpoints beyond the newest `keep`, oldest first. */
-    char name[32];
-    for (size_t i = 0; i + (size_t)keep < ncommitted; i++) {
-        snprintf(name, sizeof(name), "step-%08lld", (long long)committed[i]);
-        pshard_status_t r = remove_step_dir(rfd, root, name, err, errlen);
-        if (rc == PSHARD_OK)
-            rc = r;
-    }
-    /* Saves that never committed and are older than the newest committed one (a newer one
-     * may still be in progress). A directory whose manifest exists but does not parse is left
-     * for a person to look at. */
-    for (size_t i = 0; i < nall && all[i] < newest; i++) {
-        ps_ckpt_step_dir(root, all[i], dir, sizeof(dir));
-        char man[PATH_MAX];
-        ps_snprintf(man, sizeof(man), "%s/%s", dir, PS_CKPT_MANIFEST);
-        struct stat st;
-        if (lstat(man, &st) == 0 || errno != ENOENT)
-            continue;
-        snprintf(name, sizeof(name), "step-%08lld", (long long)all[i]);
-        pshard_status_t r = remove_step_dir(rfd, root, name, err, errlen);
-        if (rc == PSHARD_OK)
-            rc = r;
-    }
-    close(rfd);
-    free(committed);
-    free(all);
-    return rc;
-}
-
-/* ---- Shard files --------------------------------------------------------------------------- */
-
-/* Opens file `name` of the step directory dir as ps_ckpt_file_open does (no links, regular
- * files only); st (may be NULL) gets its size in st_size. */
-static pshard_status_t ckpt_open_in_dir(const char *dir, const char *name, const char *shown,
-                                        int *fd, struct stat *st, char *err, size_t errlen)
-{
-    int dfd;
-    PS_CHECK(ps_ckpt_dir_open(dir, false, &dfd, err, errlen));
-    uint64_t size = 0;
-    pshard_status_t rc = ps_ckpt_file_open(dfd, name, shown, false, fd, &size, err, errlen);
-    close(dfd);
-    if (rc == PSHARD_OK && st) {
-        memset(st, 0, sizeof(*st));
-        st->st_size = (off_t)size;
-    }
-    return rc;
-}
-
-pshard_status_t ps_ckpt_verify_file(const char *step_dir, const ps_ckpt_file_t *f, char *err,
-                                    size_t errlen)
-{
-    const char *why = plain_name_problem(f->path, sizeof(f->path));
-    if (why)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: shard file name \"%.*s\" %s",
-                       step_dir, 64, f->path, why);
-    char path[PATH_MAX];
-    if (ps_snprintf(path, sizeof(path), "%s/%s", step_dir, f->path) != 0)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "path too long: %s", step_dir);
-    int fd;
-    struct stat st;
-    PS_CHECK(ckpt_open_in_dir(step_dir, f->path, path, &fd, &st, err, errlen));
-    pshard_status_t rc = PSHARD_OK;
-    uint8_t *buf = NULL;
-    if ((uint64_t)st.st_size < f->bytes) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                     "%s: truncated: %lld of %" PRIu64 " bytes", path, (long long)st.st_size,
-                     f->bytes);
-        goto out;
-    }
-    if ((uint64_t)st.st_size > f->bytes) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                     "%s: %lld bytes, but the manifest says %" PRIu64, path, (long long)st.st_size,
-                     f->bytes);
-        goto out;
-    }
-    buf = malloc(VERIFY_CHUNK);
-    if (!buf) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        goto out;
-    }
-    uint32_t crc = 0;
-    uint64_t off = 0;
-    while (off < f->bytes) {
-        size_t want = f->bytes - off < VERIFY_CHUNK ? (size_t)(f->bytes - off) : VERIFY_CHUNK;
-        size_t got = 0;
-        PS_CHECK_GOTO(ckpt_pread_full(fd, buf, want, off, &got, path, err, errlen), rc, out);
-        if (got < want) {
-            rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                         "%s: truncated: %" PRIu64 " of %" PRIu64 " bytes", path, off + got,
-                         f->bytes);
-            goto out;
-        }
-        crc = ps_crc32c(crc, buf, got);
-        off += got;
-    }
-    if (crc != f->crc32c)
-        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                     "%s: checksum mismatch (CRC-32C %08" PRIx32 ", the manifest says %08" PRIx32
-                     ")",
-                     path, crc, f->crc32c);
-out:
-    free(buf);
-    close(fd);
-    return rc;
-}
-
-pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_t *m, int section,
-                                   uint32_t param, uint64_t start, uint64_t count, float *out,
-                                   char *err, size_t errlen)
-{
-    if (section < 0 || section >= m->nsections)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: section %d does not exist (%d sections)", step_dir, section,
-                       m->nsections);
-    if (param >= m->nparams)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: parameter %" PRIu32 " does not exist (%zu parameters)", step_dir, param,
-                       m->nparams);
-    uint64_t numel = param_numel(&m->params[param]);
-    if (count > numel || start > numel - count)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: elements [%" PRIu64 ", %" PRIu64 ") lie outside parameter %s (%" PRIu64
-                       " elements)",
-                       step_dir, start, start + count, m->params[param].name, numel);
-    uint64_t end = start + count, covered = 0;
-    /* This parameter's pieces, in file order (so each file is opened once), from the
-     * manifest's index; a manifest put together by hand has none, so one is built here. */
-    size_t *own_start = NULL;
-    ps_ckpt_piece_ref_t *own = NULL;
-    const size_t *first = m->by_param_start;
-    const ps_ckpt_piece_ref_t *all = m->by_param;
-    if (!all) {
-        PS_CHECK(build_index(m, &own_start, &own, err, errlen));
-        first = own_start;
-        all = own;
-    }
-    const ps_ckpt_piece_ref_t *refs = all + first[param];
-    size_t nrefs = first[param + 1] - first[param];
-    pshard_status_t rc = PSHARD_OK;
-    int fd = -1;
-    size_t fd_file = SIZE_MAX;
-    char path[PATH_MAX] = "";
-    for (size_t r = 0; r < nrefs && covered < count && rc == PSHARD_OK; r++) {
-        const ps_ckpt_file_t *f = &m->files[refs[r].file];
-        const ps_ckpt_piece_t *pc = &f->pieces[refs[r].piece];
-        uint64_t lo = pc->start > start ? pc->start : start;
-        uint64_t hi = pc->start + pc->count < end ? pc->start + pc->count : end;
-        if (lo >= hi)
-            continue;
-        if (fd_file != refs[r].file) {
-            if (fd >= 0)
-                close(fd);
-            fd = -1;
-            fd_file = refs[r].file;
-            const char *why = plain_name_problem(f->path, sizeof(f->path));
-            if (why) {
-                rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                             "%s: shard file name \"%.*s\" %s", step_dir, 64, f->path, why);
-                break;
-            }
-            ps_snprintf(path, sizeof(path), "%s/%s", step_dir, f->path);
-            rc = ckpt_open_in_dir(step_dir, f->path, path, &fd, NULL, err, errlen);
-            if (rc != PSHARD_OK)
-                break;
-        }
-        uint64_t elem = (uint64_t)section * f->shard_numel + pc->offset + (lo - pc->start);
-        size_t want = (size_t)(hi - lo) * sizeof(float), got = 0;
-        rc = ckpt_pread_full(fd, out + (lo - start), want, elem * sizeof(float), &got, path, err,
-                             errlen);
-        if (rc == PSHARD_OK && got < want)
-            rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                         "%s: truncated: needed bytes up to %" PRIu64 ", the file ends at %" PRIu64,
-                         path, (elem + (hi - lo)) * sizeof(float), elem * sizeof(float) + got);
-        covered += hi - lo;
-    }
-    if (fd >= 0)
-        close(fd);
-    free(own_start);
-    free(own);
-    if (rc == PSHARD_OK && covered != count)
-        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                     "%s: the pieces of parameter %s hold %" PRIu64 " of elements [%" PRIu64
-                     ", %" PRIu64 ")",
-                     step_dir, m->params[param].name, covered, start, end);
-    return rc;
-}

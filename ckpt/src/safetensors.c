@@ -303,7 +303,7 @@ pshard_status_t ps_safetensors_read(const char *path, const char *name, int ndim
     int fd;
     uint64_t size = 0;
     /* A FIFO or device is refused here rather than waited on. */
-    PS_CHECK(ps_ckpt_file_open(AT_FDCWD, path, path, true, &fd, &size, err, errlen));
+    PS_CHECK(ckpt_file_open(AT_FDCWD, path, path, true, &fd, &size, err, errlen));
     pshard_status_t rc = PSHARD_OK;
     char *header = NULL, why[600] = "";
     void *buf = NULL;

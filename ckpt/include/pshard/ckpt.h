@@ -149,6 +149,40 @@ pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_
                                    int section, uint32_t param, uint64_t start, uint64_t count,
                                    float *out, char *err, size_t errlen);
 
+/* ---- Writing and reading one shard file as a stream ---------------------------------------
+ * A rank's file is its sections back to back; a writer hands them over in any number of pieces
+ * (e.g. a bounce buffer of device memory at a time) and gets the size and CRC-32C the manifest
+ * needs; a reader takes them back in order with the CRC checked at the end. */
+typedef struct ps_ckpt_shard_out ps_ckpt_shard_out_t;
+typedef struct ps_ckpt_shard_in ps_ckpt_shard_in_t;
+
+/* Starts writing shard-RANK-of-WORLD.bin in the step directory dfd (borrowed until close;
+ * step_dir is its path, for messages) under a fresh O_EXCL temporary. Errors: SYSTEM,
+ * NO_MEMORY, INVALID_ARGUMENT (path too long). */
+pshard_status_t ps_ckpt_shard_out_open(int dfd, const char *step_dir, int rank, int world,
+                                       ps_ckpt_shard_out_t **out, char *err, size_t errlen);
+/* Appends len bytes, checksumming them on the way. Errors: SYSTEM naming the file. */
+pshard_status_t ps_ckpt_shard_out_write(ps_ckpt_shard_out_t *o, const void *buf, size_t len,
+                                        char *err, size_t errlen);
+/* commit: syncs and renames the file into place, then sets *bytes and *crc32c; !commit (or a
+ * failure) removes the temporary. Frees o either way (NULL is a no-op). Errors: SYSTEM. */
+pshard_status_t ps_ckpt_shard_out_close(ps_ckpt_shard_out_t *o, bool commit, uint64_t *bytes,
+                                        uint32_t *crc32c, char *err, size_t errlen);
+
+/* Opens file f of the checkpoint in step_dir for reading from its start: a plain name, no
+ * link, a regular file of exactly f->bytes bytes. Errors: NOT_FOUND, INVALID_ARGUMENT
+ * ("truncated: N of M bytes", a link, a FIFO), SYSTEM, NO_MEMORY. */
+pshard_status_t ps_ckpt_shard_in_open(const char *step_dir, const ps_ckpt_file_t *f,
+                                      ps_ckpt_shard_in_t **in, char *err, size_t errlen);
+/* Reads the next len bytes into buf, checksumming them. Errors: INVALID_ARGUMENT (truncated,
+ * or past f->bytes), SYSTEM. */
+pshard_status_t ps_ckpt_shard_in_read(ps_ckpt_shard_in_t *in, void *buf, size_t len, char *err,
+                                      size_t errlen);
+/* verify: every byte was read and the CRC-32C is f->crc32c (INVALID_ARGUMENT "checksum
+ * mismatch" if not). Closes and frees in either way (NULL is a no-op). */
+pshard_status_t ps_ckpt_shard_in_close(ps_ckpt_shard_in_t *in, bool verify, char *err,
+                                       size_t errlen);
+
 /* Removes committed checkpoints under root beyond the newest `keep` (keep >= 1), and step
  * directories without a manifest older than the newest committed one. The manifest is removed
  * first so a half-removed checkpoint is never seen as committed. Errors: SYSTEM. */
@@ -162,18 +196,6 @@ pshard_status_t ps_ckpt_prune(const char *root, int keep, char *err, size_t errl
  * refused), new files are written under a fresh O_EXCL temporary name and renamed into place
  * (pshard/atomic_file.h), and pruning removes only regular files of the names pshard writes.
  * The root's own path may hold links (an operator's mount point). */
-
-/* Opens directory dir (O_DIRECTORY; with !follow a link as its last component is refused).
- * Errors: NOT_FOUND (ENOENT), INVALID_ARGUMENT (a link), SYSTEM; messages name dir. */
-pshard_status_t ps_ckpt_dir_open(const char *dir, bool follow, int *dfd, char *err,
-                                 size_t errlen);
-
-/* Opens name in directory dfd (AT_FDCWD for a path) for reading: regular files only, never
- * waiting on a FIFO, O_NOFOLLOW unless follow; *size (may be NULL) gets its size. shown is the
- * path messages use. Errors: NOT_FOUND ("missing"), INVALID_ARGUMENT (a link, not a regular
- * file), SYSTEM. */
-pshard_status_t ps_ckpt_file_open(int dfd, const char *name, const char *shown, bool follow,
-                                  int *fd, uint64_t *size, char *err, size_t errlen);
 
 /* Creates root (with missing parents) and its directory for step, and opens that (*dfd). An
  * existing step directory is reused; one that is a link or not a directory is refused

@@ -1107,7 +1107,7 @@ static void test_root_links(void)
     snprintf(path, sizeof(path), "%s/step-00000040/other.bin", root);
     CU_ASSERT_EQUAL_FATAL(symlink(target, path), 0);
     int fd = -1;
-    CU_ASSERT_EQUAL(ps_ckpt_file_open(dfd, "other.bin", path, false, &fd, NULL, err,
+    CU_ASSERT_EQUAL(ckpt_file_open(dfd, "other.bin", path, false, &fd, NULL, err,
                                       sizeof(err)),
                     PSHARD_ERR_INVALID_ARGUMENT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "symbolic link"));
