@@ -1,12 +1,15 @@
 /* Internal pieces of the checkpoint format shared by the sources of ckpt/: the CRC-32C
- * implementations (crc32c.c; separate so tests can compare them), a small strict JSON parser
- * and the helpers that write JSON text and files atomically. Not for use outside ckpt/. */
+ * implementations (crc32c.c; separate so tests can compare them), JSON helpers over jansson,
+ * the manifest's checks and the file helpers that never follow links. Not for use outside
+ * ckpt/. */
 #ifndef PSHARD_CKPT_INTERNAL_H
 #define PSHARD_CKPT_INTERNAL_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include <jansson.h>
 
 #include "pshard/ckpt.h"
 #include "pshard/status.h"
@@ -54,101 +57,41 @@ pshard_status_t ckpt_build_index(const ps_ckpt_manifest_t *m, size_t **start,
  * are), NO_MEMORY. Reentrant. */
 pshard_status_t ckpt_manifest_check(const ps_ckpt_manifest_t *m, char *err, size_t errlen);
 
-/* ---- JSON parsing ----------------------------------------------------------------------- */
+/* ---- JSON (jansson) --------------------------------------------------------------------- */
 
-typedef enum {
-    CKPT_JSON_NULL,
-    CKPT_JSON_FALSE,
-    CKPT_JSON_TRUE,
-    CKPT_JSON_INT,    /* an integer literal that fits in int64 */
-    CKPT_JSON_DOUBLE, /* any other number (fraction, exponent, or too large for int64) */
-    CKPT_JSON_STRING,
-    CKPT_JSON_ARRAY,
-    CKPT_JSON_OBJECT,
-} ckpt_json_type_t;
+/* Parses data[0..len) as one JSON object or array with jansson, refusing duplicate object keys
+ * and keeping integers apart from reals. Errors: INVALID_ARGUMENT with "line L, column C: what"
+ * in err. On success *out is a new reference (json_decref). Reentrant. */
+pshard_status_t ckpt_json_load(const char *data, size_t len, json_t **out, char *err,
+                               size_t errlen);
 
-/* One value. Nodes live in one array; index 0 is the root, so 0 also means "none" for links. */
-typedef struct {
-    uint8_t type;     /* ckpt_json_type_t */
-    uint32_t next;    /* next sibling (array element or object member), 0 after the last */
-    uint32_t child;   /* first element or member of an array or object, 0 when empty */
-    uint32_t count;   /* elements or members of an array or object */
-    uint32_t key_off; /* an object member's name: offset in the document's text */
-    uint32_t key_len; /* ... and its length in bytes */
-    union {
-        int64_t i; /* CKPT_JSON_INT */
-        double d;  /* CKPT_JSON_DOUBLE */
-        struct {
-            uint32_t off, len; /* CKPT_JSON_STRING: unescaped bytes in the text (NUL after) */
-        } s;
-    } v;
-} ckpt_json_node_t;
+/* "an object", "an integer", "a real number", ... for messages. */
+const char *ckpt_json_type_name(const json_t *v);
 
-typedef struct {
-    char *text;              /* owned copy of the input; strings are unescaped in place */
-    ckpt_json_node_t *nodes; /* nodes[0] is the root value */
-    uint32_t nnodes;
-    uint32_t cap;
-} ckpt_json_doc_t;
-
-/* Parses exactly one JSON value (RFC 8259, strictly: no comments, trailing commas, leading
- * zeros, unescaped control characters, invalid UTF-8, lone surrogates or duplicate object
- * keys) from data[0..len), nesting at most max_depth arrays/objects deep. Errors:
- * INVALID_ARGUMENT with "line L, column C: what" in err, NO_MEMORY. On success free the
- * document with ckpt_json_free; on failure nothing needs freeing. Reentrant. */
-pshard_status_t ckpt_json_parse(const char *data, size_t len, int max_depth, ckpt_json_doc_t *doc,
-                                char *err, size_t errlen);
-
-/* Frees what ckpt_json_parse allocated; a zeroed document is a no-op. */
-void ckpt_json_free(ckpt_json_doc_t *doc);
-
-static inline const ckpt_json_node_t *ckpt_json_node(const ckpt_json_doc_t *doc, uint32_t i)
-{
-    return &doc->nodes[i];
-}
-
-/* An object member's name (NUL-terminated in the text, and key_len long). */
-static inline const char *ckpt_json_key(const ckpt_json_doc_t *doc, const ckpt_json_node_t *n)
-{
-    return doc->text + n->key_off;
-}
-
-/* A string's bytes (NUL-terminated; an embedded \u0000 makes strlen shorter than s.len). */
-static inline const char *ckpt_json_str(const ckpt_json_doc_t *doc, const ckpt_json_node_t *n)
-{
-    return doc->text + n->v.s.off;
-}
-
-/* The member of object `obj` named key, or 0 when it has none. */
-uint32_t ckpt_json_get(const ckpt_json_doc_t *doc, uint32_t obj, const char *key);
-
-/* "an object", "an integer", ... for messages. */
-const char *ckpt_json_type_name(int type);
-
-/* True when s[0..len) is well-formed UTF-8 (no overlong forms, surrogates or values past
- * U+10FFFF). */
+/* True when s[0..len) is UTF-8 that jansson accepts as a string (so it can be written). */
 bool ckpt_utf8_valid(const char *s, size_t len);
 
-/* ---- JSON writing ----------------------------------------------------------------------- */
+/* What a field of an object with fixed keys must hold. */
+typedef enum {
+    CKPT_JSON_STRING,
+    CKPT_JSON_INTEGER, /* a JSON integer: 1.0 is not one */
+    CKPT_JSON_NUMBER,  /* an integer or a real */
+    CKPT_JSON_BOOLEAN,
+    CKPT_JSON_ARRAY,
+    CKPT_JSON_ANY, /* checked by the caller */
+} ckpt_json_kind_t;
 
-/* A growing text buffer. After an allocation failure `failed` is set and appends do nothing,
- * so a writer checks once at the end. Free data with free(). */
 typedef struct {
-    char *data;
-    size_t len, cap;
-    bool failed;
-} ckpt_buf_t;
+    const char *key;
+    ckpt_json_kind_t kind;
+} ckpt_json_field_t;
 
-void ckpt_buf_printf(ckpt_buf_t *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void ckpt_buf_append(ckpt_buf_t *b, const char *s, size_t len);
-
-/* Appends s[0..len) as a JSON string literal (quotes, backslash and control characters
- * escaped; other bytes as they are). */
-void ckpt_buf_json_str(ckpt_buf_t *b, const char *s, size_t len);
-
-/* Appends v with 17 significant digits in the C locale ("%.17g": reading it back gives v
- * exactly). v must be finite. */
-void ckpt_buf_double(ckpt_buf_t *b, double v);
+/* After json_unpack_ex(..., JSON_STRICT, ...) refused obj (at JSON path where, "" for the
+ * root): says why, as the first of: not an object, an unknown key, a missing key, a value of
+ * the wrong kind. Returns INVALID_ARGUMENT. */
+pshard_status_t ckpt_json_explain(const json_t *obj, const char *where,
+                                  const ckpt_json_field_t *fields, size_t nfields, char *err,
+                                  size_t errlen);
 
 /* ---- Files ------------------------------------------------------------------------------ */
 

@@ -23,8 +23,6 @@
 
 /* A manifest larger than this is refused before it is read. */
 #define MANIFEST_MAX_BYTES (64u << 20)
-/* Nesting of the manifest: root, files, a file, its pieces, one piece (5); some slack. */
-#define MANIFEST_MAX_DEPTH 16
 /* World sizes beyond this are taken for corruption. */
 #define CKPT_MAX_WORLD (1 << 20)
 
@@ -366,69 +364,55 @@ out:
 
 /* ---- Writing the manifest ------------------------------------------------------------------ */
 
-static void write_manifest_json(ckpt_buf_t *b, const ps_ckpt_manifest_t *m, const size_t *order)
+/* The manifest as JSON, files in rank order; NULL when out of memory. Objects keep the order
+ * their keys are added in, so the text reads as the header documents it. */
+static json_t *manifest_json(const ps_ckpt_manifest_t *m, const size_t *order)
 {
-    ckpt_buf_printf(b,
-                    "{\"format\": \"pshard-checkpoint\", \"version\": 1, \"step\": %" PRId64
-                    ", \"world_size\": %d, \"layout\": \"%s\",\n \"optimizer\": {\"kind\": ",
-                    m->step, m->world_size, layout_name(m->layout));
-    ckpt_buf_json_str(b, m->optim.kind, strlen(m->optim.kind));
-    const struct {
-        const char *name;
-        double v;
-    } hyper[] = {
-        {"lr", m->optim.lr}, {"momentum", m->optim.momentum}, {"dampening", m->optim.dampening}};
-    for (size_t i = 0; i < PS_ARRAY_LEN(hyper); i++) {
-        ckpt_buf_printf(b, ", \"%s\": ", hyper[i].name);
-        ckpt_buf_double(b, hyper[i].v);
-    }
-    ckpt_buf_printf(b, ", \"nesterov\": %s", m->optim.nesterov ? "true" : "false");
-    const struct {
-        const char *name;
-        double v;
-    } rest[] = {{"weight_decay", m->optim.weight_decay},
-                {"beta1", m->optim.beta1},
-                {"beta2", m->optim.beta2},
-                {"eps", m->optim.eps},
-                {"max_grad_norm", m->optim.max_grad_norm}};
-    for (size_t i = 0; i < PS_ARRAY_LEN(rest); i++) {
-        ckpt_buf_printf(b, ", \"%s\": ", rest[i].name);
-        ckpt_buf_double(b, rest[i].v);
-    }
-    ckpt_buf_printf(b, "},\n \"sections\": [");
-    for (int k = 0; k < m->nsections; k++) {
-        if (k)
-            ckpt_buf_printf(b, ", ");
-        ckpt_buf_json_str(b, m->sections[k], strlen(m->sections[k]));
-    }
-    ckpt_buf_printf(b, "],\n \"params\": [");
-    for (size_t p = 0; p < m->nparams; p++) {
+    json_t *sections = json_array(), *params = json_array(), *files = json_array();
+    bool ok = sections && params && files;
+    for (int k = 0; ok && k < m->nsections; k++)
+        ok = json_array_append_new(sections, json_string(m->sections[k])) == 0;
+    for (size_t p = 0; ok && p < m->nparams; p++) {
         const ps_ckpt_param_t *pr = &m->params[p];
-        ckpt_buf_printf(b, "%s\n  {\"name\": ", p ? "," : "");
-        ckpt_buf_json_str(b, pr->name, strlen(pr->name));
-        ckpt_buf_printf(b, ", \"shape\": [");
-        for (int d = 0; d < pr->ndim; d++)
-            ckpt_buf_printf(b, "%s%" PRId64, d ? ", " : "", pr->shape[d]);
-        ckpt_buf_printf(b, "]}");
+        json_t *shape = json_array();
+        for (int d = 0; shape && d < pr->ndim; d++)
+            if (json_array_append_new(shape, json_integer(pr->shape[d])) != 0)
+                json_decref(shape), shape = NULL;
+        ok = shape && json_array_append_new(
+                          params, json_pack("{s:s, s:o}", "name", pr->name, "shape", shape)) == 0;
     }
-    ckpt_buf_printf(b, "],\n \"files\": [");
-    for (size_t i = 0; i < m->nfiles; i++) {
+    for (size_t i = 0; ok && i < m->nfiles; i++) {
         const ps_ckpt_file_t *f = &m->files[order[i]];
-        ckpt_buf_printf(b, "%s\n  {\"rank\": %d, \"path\": ", i ? "," : "", f->rank);
-        ckpt_buf_json_str(b, f->path, strlen(f->path));
-        ckpt_buf_printf(b,
-                        ", \"bytes\": %" PRIu64 ", \"crc32c\": %" PRIu32
-                        ", \"shard_numel\": %" PRIu64 ",\n   \"pieces\": [",
-                        f->bytes, f->crc32c, f->shard_numel);
-        for (size_t j = 0; j < f->npieces; j++) {
+        json_t *pieces = json_array();
+        for (size_t j = 0; pieces && j < f->npieces; j++) {
             const ps_ckpt_piece_t *pc = &f->pieces[j];
-            ckpt_buf_printf(b, "%s[%" PRIu32 ", %" PRIu64 ", %" PRIu64 ", %" PRIu64 "]",
-                            j == 0 ? "" : (j % 8 == 0 ? ",\n    " : ", "), pc->param, pc->start,
-                            pc->count, pc->offset);
+            if (json_array_append_new(
+                    pieces, json_pack("[I, I, I, I]", (json_int_t)pc->param, (json_int_t)pc->start,
+                                      (json_int_t)pc->count, (json_int_t)pc->offset)) != 0)
+                json_decref(pieces), pieces = NULL;
         }
-        ckpt_buf_printf(b, "]}");
+        ok = pieces && json_array_append_new(
+                           files, json_pack("{s:i, s:s, s:I, s:I, s:I, s:o}", "rank", f->rank,
+                                            "path", f->path, "bytes", (json_int_t)f->bytes,
+                                            "crc32c", (json_int_t)f->crc32c, "shard_numel",
+                                            (json_int_t)f->shard_numel, "pieces", pieces)) == 0;
     }
-    ckpt_buf_printf(b, "]}\n");
+    if (!ok) {
+        json_decref(sections);
+        json_decref(params);
+        json_decref(files);
+        return NULL;
+    }
+    const ps_ckpt_optim_t *o = &m->optim;
+    return json_pack("{s:s, s:i, s:I, s:i, s:s,"
+                     " s:{s:s, s:f, s:f, s:f, s:b, s:f, s:f, s:f, s:f, s:f},"
+                     " s:o, s:o, s:o}",
+                     "format", "pshard-checkpoint", "version", 1, "step", (json_int_t)m->step,
+                     "world_size", m->world_size, "layout", layout_name(m->layout), "optimizer",
+                     "kind", o->kind, "lr", o->lr, "momentum", o->momentum, "dampening",
+                     o->dampening, "nesterov", (int)o->nesterov, "weight_decay", o->weight_decay,
+                     "beta1", o->beta1, "beta2", o->beta2, "eps", o->eps, "max_grad_norm",
+                     o->max_grad_norm, "sections", sections, "params", params, "files", files);
 }
 
 pshard_status_t ps_ckpt_manifest_write(const char *step_dir, const ps_ckpt_manifest_t *m, char *err,
@@ -447,260 +431,219 @@ pshard_status_t ps_ckpt_manifest_write(const char *step_dir, const ps_ckpt_manif
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     for (size_t i = 0; i < m->nfiles; i++)
         order[m->files[i].rank] = i;
-    ckpt_buf_t b = {0};
-    write_manifest_json(&b, m, order);
+    json_t *doc = manifest_json(m, order);
     free(order);
-    if (b.failed) {
-        free(b.data);
+    /* One line with ", " and ": " separators; doubles with 17 significant digits (exact). */
+    char *text = doc ? json_dumps(doc, JSON_INDENT(0) | JSON_REAL_PRECISION(17)) : NULL;
+    json_decref(doc);
+    if (!text)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory writing %s", path);
-    }
-    if (b.len > MANIFEST_MAX_BYTES) {
-        free(b.data);
+    size_t len = strlen(text);
+    if (len + 1 > MANIFEST_MAX_BYTES) {
+        free(text);
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "refusing to write %s: %zu bytes is more than a manifest may have", path,
-                       b.len);
+                       len + 1);
     }
+    text[len] = '\n'; /* over the NUL: the file ends with a newline */
     int dfd;
     rc = ckpt_dir_open(step_dir, false, &dfd, err, errlen);
     if (rc == PSHARD_ERR_NOT_FOUND)
         rc = PSHARD_ERR_SYSTEM; /* writing: a missing directory is the system's problem */
     if (rc == PSHARD_OK) {
-        rc = ps_atomic_file_put(dfd, PS_CKPT_MANIFEST, path, b.data, b.len, err, errlen);
+        rc = ps_atomic_file_put(dfd, PS_CKPT_MANIFEST, path, text, len + 1, err, errlen);
         close(dfd);
     }
-    free(b.data);
+    free(text);
     return rc;
 }
 
 /* ---- Reading the manifest ------------------------------------------------------------------ */
 
-/* Schema checks over the parsed document; messages start with the JSON path. */
-typedef struct {
-    const ckpt_json_doc_t *d;
-    char *err;
-    size_t errlen;
-} schema_t;
-
-static pshard_status_t schema_fail(schema_t *s, const char *path, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static pshard_status_t schema_fail(schema_t *s, const char *path, const char *fmt, ...)
+/* Messages start with the JSON path of the problem. */
+static pshard_status_t bad(char *err, size_t errlen, const char *path, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static pshard_status_t bad(char *err, size_t errlen, const char *path, const char *fmt, ...)
 {
     char msg[400];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    if (!*path)
-        return ps_errf(s->err, s->errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s", msg);
-    return ps_errf(s->err, s->errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: %s", path, msg);
+    return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: %s", path, msg);
 }
 
-/* path of member key of the object at `where` ("" for the root). */
-static void join_path(char *buf, size_t len, const char *where, const char *key)
+static pshard_status_t in_range(int64_t v, const char *path, int64_t lo, int64_t hi, char *err,
+                                size_t errlen)
 {
-    if (*where)
-        snprintf(buf, len, "%s.%s", where, key);
-    else
-        snprintf(buf, len, "%s", key);
-}
-
-static pshard_status_t want_type(schema_t *s, uint32_t n, int type, const char *path)
-{
-    int t = s->d->nodes[n].type;
-    if (t == type || (type == CKPT_JSON_TRUE && t == CKPT_JSON_FALSE))
-        return PSHARD_OK;
-    return schema_fail(s, path, "expected %s, found %s", ckpt_json_type_name(type),
-                       ckpt_json_type_name(t));
-}
-
-/* The object at obj (path where) must have exactly the keys in `keys`. */
-static pshard_status_t check_keys(schema_t *s, uint32_t obj, const char *where,
-                                  const char *const *keys, size_t nkeys)
-{
-    PS_CHECK(want_type(s, obj, CKPT_JSON_OBJECT, *where ? where : "manifest"));
-    for (uint32_t c = s->d->nodes[obj].child; c; c = s->d->nodes[c].next) {
-        const ckpt_json_node_t *n = &s->d->nodes[c];
-        bool known = false;
-        for (size_t i = 0; i < nkeys && !known; i++)
-            known = strlen(keys[i]) == n->key_len &&
-                    memcmp(keys[i], ckpt_json_key(s->d, n), n->key_len) == 0;
-        if (!known)
-            return schema_fail(s, where, "unknown key \"%.*s\" (not in version 1)",
-                               (int)(n->key_len > 64 ? 64 : n->key_len), ckpt_json_key(s->d, n));
-    }
-    for (size_t i = 0; i < nkeys; i++)
-        if (!ckpt_json_get(s->d, obj, keys[i]))
-            return schema_fail(s, where, "missing key \"%s\"", keys[i]);
-    return PSHARD_OK;
-}
-
-static pshard_status_t get_int(schema_t *s, uint32_t n, const char *path, int64_t lo, int64_t hi,
-                               int64_t *out)
-{
-    PS_CHECK(want_type(s, n, CKPT_JSON_INT, path));
-    int64_t v = s->d->nodes[n].v.i;
     if (v < lo || v > hi)
-        return schema_fail(s, path, "%" PRId64 " is out of range (%" PRId64 " to %" PRId64 ")", v,
-                           lo, hi);
-    *out = v;
+        return bad(err, errlen, path, "%" PRId64 " is out of range (%" PRId64 " to %" PRId64 ")", v,
+                   lo, hi);
     return PSHARD_OK;
 }
 
-static pshard_status_t get_int_key(schema_t *s, uint32_t obj, const char *where, const char *key,
-                                   int64_t lo, int64_t hi, int64_t *out)
+/* A string of len bytes into buf (capacity cap). jansson refuses \u0000 in strings. */
+static pshard_status_t copy_string(const char *s, size_t len, const char *path, char *buf,
+                                   size_t cap, char *err, size_t errlen)
 {
-    char path[128];
-    join_path(path, sizeof(path), where, key);
-    return get_int(s, ckpt_json_get(s->d, obj, key), path, lo, hi, out);
-}
-
-static pshard_status_t get_double_key(schema_t *s, uint32_t obj, const char *where, const char *key,
-                                      double *out)
-{
-    char path[128];
-    join_path(path, sizeof(path), where, key);
-    const ckpt_json_node_t *n = &s->d->nodes[ckpt_json_get(s->d, obj, key)];
-    if (n->type == CKPT_JSON_INT)
-        *out = (double)n->v.i;
-    else if (n->type == CKPT_JSON_DOUBLE)
-        *out = n->v.d;
-    else
-        return schema_fail(s, path, "expected a number, found %s", ckpt_json_type_name(n->type));
+    if (len >= cap)
+        return bad(err, errlen, path, "longer than %zu bytes", cap - 1);
+    memcpy(buf, s, len + 1);
     return PSHARD_OK;
 }
 
-/* A string into buf (capacity cap, so at most cap - 1 bytes); no embedded NUL. */
-static pshard_status_t get_string(schema_t *s, uint32_t n, const char *path, char *buf, size_t cap)
+static pshard_status_t want_array(const json_t *v, const char *path, char *err, size_t errlen)
 {
-    PS_CHECK(want_type(s, n, CKPT_JSON_STRING, path));
-    const ckpt_json_node_t *node = &s->d->nodes[n];
-    const char *str = ckpt_json_str(s->d, node);
-    if (strlen(str) != node->v.s.len)
-        return schema_fail(s, path, "contains a NUL character");
-    if (node->v.s.len >= cap)
-        return schema_fail(s, path, "longer than %zu bytes", cap - 1);
-    memcpy(buf, str, node->v.s.len + 1);
-    return PSHARD_OK;
+    if (json_is_array(v))
+        return PSHARD_OK;
+    return bad(err, errlen, path, "expected an array, found %s", ckpt_json_type_name(v));
 }
 
-static pshard_status_t get_string_key(schema_t *s, uint32_t obj, const char *where, const char *key,
-                                      char *buf, size_t cap)
-{
-    char path[128];
-    join_path(path, sizeof(path), where, key);
-    return get_string(s, ckpt_json_get(s->d, obj, key), path, buf, cap);
-}
+static const ckpt_json_field_t root_fields[] = {
+    {"format", CKPT_JSON_STRING},      {"version", CKPT_JSON_INTEGER}, {"step", CKPT_JSON_INTEGER},
+    {"world_size", CKPT_JSON_INTEGER}, {"layout", CKPT_JSON_STRING},   {"optimizer", CKPT_JSON_ANY},
+    {"sections", CKPT_JSON_ANY},       {"params", CKPT_JSON_ANY},      {"files", CKPT_JSON_ANY}};
+static const ckpt_json_field_t optim_fields[] = {
+    {"kind", CKPT_JSON_STRING},      {"lr", CKPT_JSON_NUMBER},
+    {"momentum", CKPT_JSON_NUMBER},  {"dampening", CKPT_JSON_NUMBER},
+    {"nesterov", CKPT_JSON_BOOLEAN}, {"weight_decay", CKPT_JSON_NUMBER},
+    {"beta1", CKPT_JSON_NUMBER},     {"beta2", CKPT_JSON_NUMBER},
+    {"eps", CKPT_JSON_NUMBER},       {"max_grad_norm", CKPT_JSON_NUMBER}};
+static const ckpt_json_field_t param_fields[] = {{"name", CKPT_JSON_STRING},
+                                                 {"shape", CKPT_JSON_ARRAY}};
+static const ckpt_json_field_t file_fields[] = {
+    {"rank", CKPT_JSON_INTEGER},   {"path", CKPT_JSON_STRING},         {"bytes", CKPT_JSON_INTEGER},
+    {"crc32c", CKPT_JSON_INTEGER}, {"shard_numel", CKPT_JSON_INTEGER}, {"pieces", CKPT_JSON_ARRAY}};
 
-static const char *const root_keys[] = {"format",    "version",  "step",   "world_size", "layout",
-                                        "optimizer", "sections", "params", "files"};
-static const char *const optim_keys[] = {"kind",     "lr",           "momentum", "dampening",
-                                         "nesterov", "weight_decay", "beta1",    "beta2",
-                                         "eps",      "max_grad_norm"};
-static const char *const param_keys[] = {"name", "shape"};
-static const char *const file_keys[] = {"rank", "path", "bytes", "crc32c", "shard_numel", "pieces"};
-
-static pshard_status_t read_optimizer(schema_t *s, uint32_t obj, ps_ckpt_optim_t *o)
+static pshard_status_t read_optimizer(const json_t *obj, ps_ckpt_optim_t *o, char *err,
+                                      size_t errlen)
 {
-    const char *w = "optimizer";
-    PS_CHECK(check_keys(s, obj, w, optim_keys, PS_ARRAY_LEN(optim_keys)));
-    PS_CHECK(get_string_key(s, obj, w, "kind", o->kind, sizeof(o->kind)));
+    const char *kind;
+    size_t kind_len;
+    int nesterov;
+    json_error_t je;
+    if (json_unpack_ex(
+            (json_t *)obj, &je, JSON_STRICT, "{s:s%, s:F, s:F, s:F, s:b, s:F, s:F, s:F, s:F, s:F}",
+            "kind", &kind, &kind_len, "lr", &o->lr, "momentum", &o->momentum, "dampening",
+            &o->dampening, "nesterov", &nesterov, "weight_decay", &o->weight_decay, "beta1",
+            &o->beta1, "beta2", &o->beta2, "eps", &o->eps, "max_grad_norm", &o->max_grad_norm) != 0)
+        return ckpt_json_explain(obj, "optimizer", optim_fields, PS_ARRAY_LEN(optim_fields), err,
+                                 errlen);
+    o->nesterov = nesterov;
+    PS_CHECK(copy_string(kind, kind_len, "optimizer.kind", o->kind, sizeof(o->kind), err, errlen));
     if (!optim_kind_known(o->kind))
-        return schema_fail(s, "optimizer.kind", "\"%s\" is not sgd, adam or adamw", o->kind);
-    PS_CHECK(get_double_key(s, obj, w, "lr", &o->lr));
-    PS_CHECK(get_double_key(s, obj, w, "momentum", &o->momentum));
-    PS_CHECK(get_double_key(s, obj, w, "dampening", &o->dampening));
-    PS_CHECK(get_double_key(s, obj, w, "weight_decay", &o->weight_decay));
-    PS_CHECK(get_double_key(s, obj, w, "beta1", &o->beta1));
-    PS_CHECK(get_double_key(s, obj, w, "beta2", &o->beta2));
-    PS_CHECK(get_double_key(s, obj, w, "eps", &o->eps));
-    PS_CHECK(get_double_key(s, obj, w, "max_grad_norm", &o->max_grad_norm));
-    uint32_t nb = ckpt_json_get(s->d, obj, "nesterov");
-    PS_CHECK(want_type(s, nb, CKPT_JSON_TRUE, "optimizer.nesterov"));
-    o->nesterov = s->d->nodes[nb].type == CKPT_JSON_TRUE;
+        return bad(err, errlen, "optimizer.kind", "\"%s\" is not sgd, adam or adamw", o->kind);
     return PSHARD_OK;
 }
 
-static pshard_status_t read_params(schema_t *s, uint32_t arr, ps_ckpt_manifest_t *m)
+static pshard_status_t read_params(const json_t *arr, ps_ckpt_manifest_t *m, char *err,
+                                   size_t errlen)
 {
-    const ckpt_json_doc_t *d = s->d;
-    PS_CHECK(want_type(s, arr, CKPT_JSON_ARRAY, "params"));
-    m->nparams = d->nodes[arr].count;
+    PS_CHECK(want_array(arr, "params", err, errlen));
+    m->nparams = json_array_size(arr);
     m->params = calloc(m->nparams ? m->nparams : 1, sizeof(*m->params));
     if (!m->params)
-        return ps_errf(s->err, s->errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    size_t p = 0;
-    for (uint32_t c = d->nodes[arr].child; c; c = d->nodes[c].next, p++) {
-        char where[48], path[64];
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    size_t p;
+    const json_t *entry;
+    json_array_foreach((json_t *)arr, p, entry)
+    {
+        char where[32], path[48], dpath[80];
         snprintf(where, sizeof(where), "params[%zu]", p);
-        PS_CHECK(check_keys(s, c, where, param_keys, PS_ARRAY_LEN(param_keys)));
+        snprintf(path, sizeof(path), "%s.name", where);
         ps_ckpt_param_t *pr = &m->params[p];
-        PS_CHECK(get_string_key(s, c, where, "name", pr->name, sizeof(pr->name)));
-        uint32_t shape = ckpt_json_get(d, c, "shape");
+        const char *name;
+        size_t name_len;
+        json_t *shape;
+        json_error_t je;
+        if (json_unpack_ex((json_t *)entry, &je, JSON_STRICT, "{s:s%, s:o}", "name", &name,
+                           &name_len, "shape", &shape) != 0 ||
+            !json_is_array(shape))
+            return ckpt_json_explain(entry, where, param_fields, PS_ARRAY_LEN(param_fields), err,
+                                     errlen);
+        PS_CHECK(copy_string(name, name_len, path, pr->name, sizeof(pr->name), err, errlen));
         snprintf(path, sizeof(path), "%s.shape", where);
-        PS_CHECK(want_type(s, shape, CKPT_JSON_ARRAY, path));
-        if (d->nodes[shape].count < 1 || d->nodes[shape].count > 8)
-            return schema_fail(s, path, "expected 1 to 8 dimensions, found %u",
-                               d->nodes[shape].count);
-        pr->ndim = (int)d->nodes[shape].count;
-        int dim = 0;
-        for (uint32_t e = d->nodes[shape].child; e; e = d->nodes[e].next, dim++) {
-            char dpath[80];
-            snprintf(dpath, sizeof(dpath), "%s[%d]", path, dim);
-            PS_CHECK(get_int(s, e, dpath, 0, INT64_MAX, &pr->shape[dim]));
+        size_t ndim = json_array_size(shape);
+        if (ndim < 1 || ndim > 8)
+            return bad(err, errlen, path, "expected 1 to 8 dimensions, found %zu", ndim);
+        pr->ndim = (int)ndim;
+        size_t d;
+        const json_t *dim;
+        json_array_foreach(shape, d, dim)
+        {
+            snprintf(dpath, sizeof(dpath), "%s[%zu]", path, d);
+            if (!json_is_integer(dim))
+                return bad(err, errlen, path, "expected an array of integers, found %s at [%zu]",
+                           ckpt_json_type_name(dim), d);
+            pr->shape[d] = json_integer_value(dim);
+            PS_CHECK(in_range(pr->shape[d], dpath, 0, INT64_MAX, err, errlen));
         }
     }
     return PSHARD_OK;
 }
 
-static pshard_status_t read_files(schema_t *s, uint32_t arr, ps_ckpt_manifest_t *m)
+static pshard_status_t read_files(const json_t *arr, ps_ckpt_manifest_t *m, char *err,
+                                  size_t errlen)
 {
-    const ckpt_json_doc_t *d = s->d;
-    PS_CHECK(want_type(s, arr, CKPT_JSON_ARRAY, "files"));
-    m->nfiles = d->nodes[arr].count;
+    PS_CHECK(want_array(arr, "files", err, errlen));
+    m->nfiles = json_array_size(arr);
     m->files = calloc(m->nfiles ? m->nfiles : 1, sizeof(*m->files));
     if (!m->files)
-        return ps_errf(s->err, s->errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    size_t i = 0;
-    for (uint32_t c = d->nodes[arr].child; c; c = d->nodes[c].next, i++) {
-        char where[48], path[64];
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    size_t i;
+    const json_t *entry;
+    json_array_foreach((json_t *)arr, i, entry)
+    {
+        char where[48], path[64], ppath[96];
         snprintf(where, sizeof(where), "files[%zu]", i);
-        PS_CHECK(check_keys(s, c, where, file_keys, PS_ARRAY_LEN(file_keys)));
         ps_ckpt_file_t *f = &m->files[i];
-        int64_t v;
-        PS_CHECK(get_int_key(s, c, where, "rank", 0, INT_MAX, &v));
-        f->rank = (int)v;
-        PS_CHECK(get_string_key(s, c, where, "path", f->path, sizeof(f->path)));
-        PS_CHECK(get_int_key(s, c, where, "bytes", 0, INT64_MAX, &v));
-        f->bytes = (uint64_t)v;
-        PS_CHECK(get_int_key(s, c, where, "crc32c", 0, UINT32_MAX, &v));
-        f->crc32c = (uint32_t)v;
-        PS_CHECK(get_int_key(s, c, where, "shard_numel", 0, INT64_MAX, &v));
-        f->shard_numel = (uint64_t)v;
-        uint32_t pieces = ckpt_json_get(d, c, "pieces");
-        snprintf(path, sizeof(path), "%s.pieces", where);
-        PS_CHECK(want_type(s, pieces, CKPT_JSON_ARRAY, path));
-        f->npieces = d->nodes[pieces].count;
+        json_int_t rank, bytes, crc, numel;
+        const char *name;
+        size_t name_len;
+        json_t *pieces;
+        json_error_t je;
+        if (json_unpack_ex((json_t *)entry, &je, JSON_STRICT, "{s:I, s:s%, s:I, s:I, s:I, s:o}",
+                           "rank", &rank, "path", &name, &name_len, "bytes", &bytes, "crc32c", &crc,
+                           "shard_numel", &numel, "pieces", &pieces) != 0 ||
+            !json_is_array(pieces))
+            return ckpt_json_explain(entry, where, file_fields, PS_ARRAY_LEN(file_fields), err,
+                                     errlen);
+        const struct {
+            const char *key;
+            json_int_t v, hi;
+        } ints[] = {{"rank", rank, INT_MAX},
+                    {"bytes", bytes, INT64_MAX},
+                    {"crc32c", crc, UINT32_MAX},
+                    {"shard_numel", numel, INT64_MAX}};
+        for (size_t k = 0; k < PS_ARRAY_LEN(ints); k++) {
+            snprintf(path, sizeof(path), "%s.%s", where, ints[k].key);
+            PS_CHECK(in_range(ints[k].v, path, 0, ints[k].hi, err, errlen));
+        }
+        f->rank = (int)rank;
+        f->bytes = (uint64_t)bytes;
+        f->crc32c = (uint32_t)crc;
+        f->shard_numel = (uint64_t)numel;
+        snprintf(path, sizeof(path), "%s.path", where);
+        PS_CHECK(copy_string(name, name_len, path, f->path, sizeof(f->path), err, errlen));
+        f->npieces = json_array_size(pieces);
         f->pieces = calloc(f->npieces ? f->npieces : 1, sizeof(*f->pieces));
         if (!f->pieces)
-            return ps_errf(s->err, s->errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        size_t j = 0;
-        for (uint32_t e = d->nodes[pieces].child; e; e = d->nodes[e].next, j++) {
-            char ppath[96];
-            snprintf(ppath, sizeof(ppath), "%s[%zu]", path, j);
-            const ckpt_json_node_t *pn = &d->nodes[e];
-            int64_t q[4];
-            int nq = 0;
-            bool ok = pn->type == CKPT_JSON_ARRAY && pn->count == 4;
-            for (uint32_t x = ok ? pn->child : 0; x && ok; x = d->nodes[x].next) {
-                ok = d->nodes[x].type == CKPT_JSON_INT && d->nodes[x].v.i >= 0;
-                q[nq++] = d->nodes[x].v.i;
-            }
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        size_t j;
+        const json_t *piece;
+        json_array_foreach(pieces, j, piece)
+        {
+            json_int_t q[4];
+            bool ok = json_unpack_ex((json_t *)piece, &je, JSON_STRICT, "[IIII]", &q[0], &q[1],
+                                     &q[2], &q[3]) == 0 &&
+                      q[0] >= 0 && q[1] >= 0 && q[2] >= 0 && q[3] >= 0;
+            snprintf(ppath, sizeof(ppath), "%s.pieces[%zu]", where, j);
             if (!ok)
-                return schema_fail(s, ppath,
-                                   "expected 4 integers [param, start, count, offset], each "
-                                   "at least 0");
+                return bad(err, errlen, ppath,
+                           "expected 4 integers [param, start, count, offset], each at least 0");
             if (q[0] > UINT32_MAX)
-                return schema_fail(s, ppath, "parameter index %" PRId64 " is too large", q[0]);
+                return bad(err, errlen, ppath, "parameter index %" PRId64 " is too large",
+                           (int64_t)q[0]);
             f->pieces[j] =
                 (ps_ckpt_piece_t){(uint32_t)q[0], (uint64_t)q[1], (uint64_t)q[2], (uint64_t)q[3]};
         }
@@ -710,60 +653,71 @@ static pshard_status_t read_files(schema_t *s, uint32_t arr, ps_ckpt_manifest_t 
 
 /* Fills m from the document; every type and key is checked here, the rest by
  * ckpt_manifest_check. */
-static pshard_status_t manifest_from_json(const ckpt_json_doc_t *d, ps_ckpt_manifest_t *m,
-                                          char *err, size_t errlen)
+static pshard_status_t manifest_from_json(const json_t *root, ps_ckpt_manifest_t *m, char *err,
+                                          size_t errlen)
 {
-    schema_t s = {d, err, errlen};
-    PS_CHECK(want_type(&s, 0, CKPT_JSON_OBJECT, "manifest"));
+    if (!json_is_object(root))
+        return bad(err, errlen, "manifest", "expected an object, found %s",
+                   ckpt_json_type_name(root));
     /* The format and version first, so a newer manifest says so rather than listing keys. */
-    uint32_t n = ckpt_json_get(d, 0, "format");
-    if (!n)
-        return schema_fail(&s, "", "missing key \"format\"");
-    char format[64];
-    PS_CHECK(get_string(&s, n, "format", format, sizeof(format)));
-    if (strcmp(format, "pshard-checkpoint") != 0)
-        return schema_fail(&s, "format", "\"%s\" is not \"pshard-checkpoint\"", format);
-    n = ckpt_json_get(d, 0, "version");
-    if (!n)
-        return schema_fail(&s, "", "missing key \"version\"");
-    int64_t version;
-    PS_CHECK(get_int(&s, n, "version", INT64_MIN, INT64_MAX, &version));
-    if (version != 1)
-        return schema_fail(&s, "version",
-                           "version %" PRId64 " is not supported (this build "
-                           "reads version 1)",
-                           version);
-    PS_CHECK(check_keys(&s, 0, "", root_keys, PS_ARRAY_LEN(root_keys)));
-    PS_CHECK(get_int_key(&s, 0, "", "step", 0, INT64_MAX, &m->step));
-    int64_t world;
-    PS_CHECK(get_int_key(&s, 0, "", "world_size", 1, CKPT_MAX_WORLD, &world));
+    const json_t *format = json_object_get(root, "format");
+    const json_t *version = json_object_get(root, "version");
+    if (!format || !version)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "missing key \"%s\"",
+                       format ? "version" : "format");
+    if (!json_is_string(format) || !json_is_integer(version))
+        return bad(err, errlen, json_is_string(format) ? "version" : "format",
+                   "expected %s, found %s", json_is_string(format) ? "an integer" : "a string",
+                   ckpt_json_type_name(json_is_string(format) ? version : format));
+    if (strcmp(json_string_value(format), "pshard-checkpoint") != 0)
+        return bad(err, errlen, "format", "\"%.64s\" is not \"pshard-checkpoint\"",
+                   json_string_value(format));
+    if (json_integer_value(version) != 1)
+        return bad(err, errlen, "version",
+                   "version %" PRId64 " is not supported (this build reads version 1)",
+                   (int64_t)json_integer_value(version));
+    const char *layout, *format_s;
+    json_int_t vers, step, world;
+    json_t *optim, *secs, *params, *files;
+    json_error_t je;
+    if (json_unpack_ex((json_t *)root, &je, JSON_STRICT,
+                       "{s:s, s:I, s:I, s:I, s:s, s:o, s:o, s:o, s:o}", "format", &format_s,
+                       "version", &vers, "step", &step, "world_size", &world, "layout", &layout,
+                       "optimizer", &optim, "sections", &secs, "params", &params, "files",
+                       &files) != 0)
+        return ckpt_json_explain(root, "", root_fields, PS_ARRAY_LEN(root_fields), err, errlen);
+    PS_CHECK(in_range(step, "step", 0, INT64_MAX, err, errlen));
+    PS_CHECK(in_range(world, "world_size", 1, CKPT_MAX_WORLD, err, errlen));
+    m->step = step;
     m->world_size = (int)world;
-    char layout[16];
-    PS_CHECK(get_string_key(&s, 0, "", "layout", layout, sizeof(layout)));
     if (strcmp(layout, "fsdp2") == 0)
         m->layout = PSHARD_LAYOUT_FSDP2;
     else if (strcmp(layout, "fsdp1") == 0)
         m->layout = PSHARD_LAYOUT_FSDP1;
     else
-        return schema_fail(&s, "layout", "\"%s\" is not fsdp2 or fsdp1", layout);
-    PS_CHECK(read_optimizer(&s, ckpt_json_get(d, 0, "optimizer"), &m->optim));
-    uint32_t secs = ckpt_json_get(d, 0, "sections");
-    PS_CHECK(want_type(&s, secs, CKPT_JSON_ARRAY, "sections"));
-    if (d->nodes[secs].count < 1 || d->nodes[secs].count > PS_CKPT_MAX_SECTIONS)
-        return schema_fail(&s, "sections", "expected 1 to %d names, found %u", PS_CKPT_MAX_SECTIONS,
-                           d->nodes[secs].count);
-    m->nsections = (int)d->nodes[secs].count;
-    int k = 0;
-    for (uint32_t c = d->nodes[secs].child; c; c = d->nodes[c].next, k++) {
+        return bad(err, errlen, "layout", "\"%.16s\" is not fsdp2 or fsdp1", layout);
+    PS_CHECK(read_optimizer(optim, &m->optim, err, errlen));
+    PS_CHECK(want_array(secs, "sections", err, errlen));
+    size_t nsecs = json_array_size(secs);
+    if (nsecs < 1 || nsecs > PS_CKPT_MAX_SECTIONS)
+        return bad(err, errlen, "sections", "expected 1 to %d names, found %zu",
+                   PS_CKPT_MAX_SECTIONS, nsecs);
+    m->nsections = (int)nsecs;
+    size_t k;
+    const json_t *sec;
+    json_array_foreach(secs, k, sec)
+    {
         char path[32];
-        snprintf(path, sizeof(path), "sections[%d]", k);
-        PS_CHECK(get_string(&s, c, path, m->sections[k], sizeof(m->sections[k])));
+        snprintf(path, sizeof(path), "sections[%zu]", k);
+        if (!json_is_string(sec))
+            return bad(err, errlen, path, "expected a string, found %s", ckpt_json_type_name(sec));
+        PS_CHECK(copy_string(json_string_value(sec), json_string_length(sec), path, m->sections[k],
+                             sizeof(m->sections[k]), err, errlen));
         if (!m->sections[k][0])
-            return schema_fail(&s, path, "a section name cannot be empty");
+            return bad(err, errlen, path, "a section name cannot be empty");
     }
-    PS_CHECK(read_params(&s, ckpt_json_get(d, 0, "params"), m));
-    PS_CHECK(read_files(&s, ckpt_json_get(d, 0, "files"), m));
-    return PSHARD_OK;
+    PS_CHECK(read_params(params, m, err, errlen));
+    return read_files(files, m, err, errlen);
 }
 
 void ps_ckpt_manifest_free(ps_ckpt_manifest_t *m)
@@ -844,7 +798,7 @@ pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t *
     if (rc != PSHARD_OK)
         return ps_errf(err, errlen, rc, "%s", open_err);
     char *data = NULL, why[600] = "";
-    ckpt_json_doc_t doc = {0};
+    json_t *doc = NULL;
     ps_ckpt_manifest_t *m = NULL;
     if (fsize > MANIFEST_MAX_BYTES) {
         rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
@@ -859,14 +813,14 @@ pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t *
         goto out;
     }
     PS_CHECK_GOTO(ckpt_pread_full(fd, data, size, 0, &got, path, err, errlen), rc, out);
-    rc = ckpt_json_parse(data, got, MANIFEST_MAX_DEPTH, &doc, why, sizeof(why));
+    rc = ckpt_json_load(data, got, &doc, why, sizeof(why));
     if (rc == PSHARD_OK) {
         m = calloc(1, sizeof(*m));
         if (!m)
             rc = ps_errf(why, sizeof(why), PSHARD_ERR_NO_MEMORY, "out of memory");
     }
     if (rc == PSHARD_OK)
-        rc = manifest_from_json(&doc, m, why, sizeof(why));
+        rc = manifest_from_json(doc, m, why, sizeof(why));
     if (rc == PSHARD_OK)
         rc = ckpt_manifest_check(m, why, sizeof(why));
     if (rc == PSHARD_OK)
@@ -881,7 +835,7 @@ pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t *
     m = NULL;
 out:
     ps_ckpt_manifest_free(m);
-    ckpt_json_free(&doc);
+    json_decref(doc);
     free(data);
     close(fd);
     return rc;

@@ -40,7 +40,6 @@ static bool parse_step_name(const char *name, int64_t *step)
     return true;
 }
 
-
 static int cmp_i64(const void *a, const void *b)
 {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
@@ -70,8 +69,8 @@ static void add_refusal(char *refused, size_t len, const char *fmt, ...)
 /* Steps of the step directories under root (committed or not), ascending. A missing root
  * gives none. Entries named like step directories that are links or not directories are
  * skipped (the first is described in refused when it is not NULL and still empty). */
-static pshard_status_t scan_step_dirs(const char *root, int64_t **steps, size_t *n,
-                                      char *refused, size_t refusedlen, char *err, size_t errlen)
+static pshard_status_t scan_step_dirs(const char *root, int64_t **steps, size_t *n, char *refused,
+                                      size_t refusedlen, char *err, size_t errlen)
 {
     *steps = NULL;
     *n = 0;
@@ -99,8 +98,10 @@ static pshard_status_t scan_step_dirs(const char *root, int64_t **steps, size_t 
                         e->d_type == DT_LNK ? "a symbolic link (never followed)"
                                             : "not a directory");
             if (e->d_type == DT_LNK)
-                PS_WARN(PS_SUB_MAIN, "ignoring %s/%s: a symbolic link (pshard does not follow "
-                        "links inside a checkpoint root)", root, e->d_name);
+                PS_WARN(PS_SUB_MAIN,
+                        "ignoring %s/%s: a symbolic link (pshard does not follow "
+                        "links inside a checkpoint root)",
+                        root, e->d_name);
             errno = 0;
             continue;
         }
@@ -160,8 +161,7 @@ pshard_status_t ps_ckpt_list(const char *root, int64_t **steps, size_t *n, char 
         bool same_step = m->step == all[i];
         if (!same_step) {
             PS_WARN(PS_SUB_MAIN, "ignoring %s: its manifest says step %" PRId64, dir, m->step);
-            add_refusal(refused, refusedlen, "%s: its manifest says step %" PRId64, dir,
-                        m->step);
+            add_refusal(refused, refusedlen, "%s: its manifest says step %" PRId64, dir, m->step);
         }
         ps_ckpt_manifest_free(m);
         if (same_step)
@@ -190,8 +190,7 @@ static pshard_status_t remove_step_dir(int rfd, const char *root, const char *na
         if (errno == ENOENT)
             return PSHARD_OK;
         if (errno == ELOOP || errno == ENOTDIR) {
-            PS_WARN(PS_SUB_MAIN, "not pruning %s: not a directory (links are never followed)",
-                    dir);
+            PS_WARN(PS_SUB_MAIN, "not pruning %s: not a directory (links are never followed)", dir);
             return PSHARD_OK;
         }
         return ps_sys_err(err, errlen, "open the directory", dir);
@@ -220,8 +219,8 @@ static pshard_status_t remove_step_dir(int rfd, const char *root, const char *na
     while ((e = readdir(d)) != NULL) {
         if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
             continue;
-        bool regular = fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-                       S_ISREG(st.st_mode);
+        bool regular =
+            fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode);
         if (!regular || !ps_ckpt_is_own_file(e->d_name)) {
             if (!foreign[0])
                 ps_strlcpy(foreign, e->d_name, sizeof(foreign));

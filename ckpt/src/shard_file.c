@@ -169,8 +169,7 @@ pshard_status_t ps_ckpt_shard_in_read(ps_ckpt_shard_in_t *r, void *buf, size_t l
     return PSHARD_OK;
 }
 
-pshard_status_t ps_ckpt_shard_in_close(ps_ckpt_shard_in_t *r, bool verify, char *err,
-                                       size_t errlen)
+pshard_status_t ps_ckpt_shard_in_close(ps_ckpt_shard_in_t *r, bool verify, char *err, size_t errlen)
 {
     if (!r)
         return PSHARD_OK;

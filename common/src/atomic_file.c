@@ -44,8 +44,7 @@ static uint64_t temp_random(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     static _Atomic uint64_t counter;
-    return ((uint64_t)ts.tv_nsec * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)getpid() << 32) ^
-           ++counter;
+    return ((uint64_t)ts.tv_nsec * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)getpid() << 32) ^ ++counter;
 }
 
 pshard_status_t ps_atomic_file_open(int dfd, const char *name, const char *shown,
@@ -81,9 +80,10 @@ pshard_status_t ps_atomic_file_open_path(const char *path, ps_atomic_file_t *f, 
     char dir[PATH_MAX];
     const char *slash = strrchr(path, '/');
     const char *base = slash ? slash + 1 : path;
-    int too_long = !slash          ? ps_snprintf(dir, sizeof(dir), ".")
-                   : slash == path ? ps_snprintf(dir, sizeof(dir), "/")
-                                   : ps_snprintf(dir, sizeof(dir), "%.*s", (int)(slash - path), path);
+    int too_long = !slash ? ps_snprintf(dir, sizeof(dir), ".")
+                   : slash == path
+                       ? ps_snprintf(dir, sizeof(dir), "/")
+                       : ps_snprintf(dir, sizeof(dir), "%.*s", (int)(slash - path), path);
     if (!*base || too_long)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "%s: not a file path (or too long)", path);
@@ -134,8 +134,8 @@ pshard_status_t ps_atomic_file_commit(ps_atomic_file_t *f, bool ok, char *err, s
     return rc;
 }
 
-pshard_status_t ps_atomic_file_put(int dfd, const char *name, const char *shown,
-                                   const void *data, size_t len, char *err, size_t errlen)
+pshard_status_t ps_atomic_file_put(int dfd, const char *name, const char *shown, const void *data,
+                                   size_t len, char *err, size_t errlen)
 {
     ps_atomic_file_t f;
     PS_CHECK(ps_atomic_file_open(dfd, name, shown, &f, err, errlen));

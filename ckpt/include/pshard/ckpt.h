@@ -28,7 +28,8 @@
  *               "crc32c": 3808858755, "shard_numel": 100,
  *               "pieces": [[0, 0, 37, 0], [1, 0, 1, 37], ...]}, ...]}
  * Numbers are JSON integers except the optimizer's, which are doubles written with 17
- * significant digits (round-trip exact). "crc32c" is the CRC-32C (Castagnoli) of the whole
+ * significant digits (round-trip exact); an integer field given as a real (1.0) is refused, as
+ * is a duplicate key anywhere (the file is parsed by jansson). "crc32c" is the CRC-32C (Castagnoli) of the whole
  * file as an unsigned integer. Paths are plain file names (no '/', no "..", 1..255 bytes).
  *
  * Thread safety: every function is reentrant; a manifest object is used by one thread at a

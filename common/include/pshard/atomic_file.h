@@ -44,8 +44,8 @@ pshard_status_t ps_atomic_file_write(ps_atomic_file_t *f, const void *buf, size_
 pshard_status_t ps_atomic_file_commit(ps_atomic_file_t *f, bool ok, char *err, size_t errlen);
 
 /* open, write and commit of a whole buffer as file `name` of directory dfd. */
-pshard_status_t ps_atomic_file_put(int dfd, const char *name, const char *shown,
-                                   const void *data, size_t len, char *err, size_t errlen);
+pshard_status_t ps_atomic_file_put(int dfd, const char *name, const char *shown, const void *data,
+                                   size_t len, char *err, size_t errlen);
 
 /* write(2) of all len bytes to fd, retrying on EINTR and short writes (a write of 0 bytes is
  * ENOSPC). Errors: SYSTEM naming shown. */
