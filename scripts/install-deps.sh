@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config git ca-certificates
   libgrpc-dev protobuf-c-compiler libprotobuf-c-dev protobuf-compiler libprotobuf-dev
-  libevent-dev libcunit1-dev libssl-dev openssl libopenblas-dev
+  libevent-dev libcunit1-dev libssl-dev openssl libopenblas-dev libjansson-dev
   python3 python3-venv python3-dev  # python3-dev: the pshard extension module
   iproute2  # ip netns, for the network-cut test
 )

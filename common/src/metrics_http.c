@@ -3,6 +3,7 @@
  * exposition; the service's own threads are never touched, and stop wakes the loop with
  * event_active. */
 #include <errno.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -227,9 +228,9 @@ void ps_metrics_server_stop(ps_metrics_server_t *m)
 
 int ps_announce_metrics(const char *prog, const char *listen, int port, const char *port_file)
 {
-    if (port_file && ps_write_port_file(port_file, port) != 0) {
-        fprintf(stderr, "%s: cannot write --metrics-port-file %s: %s\n", prog, port_file,
-                strerror(errno));
+    char err[PATH_MAX + 128] = "";
+    if (port_file && ps_write_port_file(port_file, port, err, sizeof(err)) != PSHARD_OK) {
+        fprintf(stderr, "%s: --metrics-port-file: %s\n", prog, err);
         return -1;
     }
     char host[256];

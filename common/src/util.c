@@ -1,13 +1,16 @@
-/* Small shared helpers: clocks, bounded formatting, integer parsing, natural ordering and a
- * constant-time comparison. */
+/* Small shared helpers: clocks, bounded formatting, integer parsing, natural ordering, a
+ * constant-time comparison and port files. */
 #include "pshard/util.h"
 
 #include <ctype.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "pshard/atomic_file.h"
 
 int64_t ps_now_ns(void)
 {
@@ -32,6 +35,12 @@ pshard_status_t ps_errf(char *err, size_t errlen, pshard_status_t status, const 
         va_end(ap);
     }
     return status;
+}
+
+pshard_status_t ps_sys_err(char *err, size_t errlen, const char *what, const char *path)
+{
+    int e = errno;
+    return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot %s %s: %s", what, path, strerror(e));
 }
 
 int ps_snprintf(char *buf, size_t len, const char *fmt, ...)
@@ -114,24 +123,15 @@ int ps_const_time_eq(const void *a, size_t alen, const void *b, size_t blen)
     return diff == 0;
 }
 
-int ps_write_port_file(const char *path, int port)
+pshard_status_t ps_write_port_file(const char *path, int port, char *err, size_t errlen)
 {
-    char tmp[4096];
-    if (ps_snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) != 0) {
-        errno = ENAMETOOLONG;
-        return -1;
-    }
-    FILE *f = fopen(tmp, "w");
-    if (!f)
-        return -1;
-    fprintf(f, "%d\n", port);
-    if (fclose(f) != 0 || rename(tmp, path) != 0) {
-        int e = errno;
-        unlink(tmp);
-        errno = e;
-        return -1;
-    }
-    return 0;
+    char text[16];
+    int len = snprintf(text, sizeof(text), "%d\n", port);
+    ps_atomic_file_t f;
+    PS_CHECK(ps_atomic_file_open_path(path, &f, err, errlen));
+    pshard_status_t rc = ps_atomic_file_write(&f, text, (size_t)len, err, errlen);
+    pshard_status_t rc2 = ps_atomic_file_commit(&f, rc == PSHARD_OK, err, errlen);
+    return rc != PSHARD_OK ? rc : rc2;
 }
 
 void ps_default_coordinator(char *buf, size_t len)
@@ -143,9 +143,9 @@ void ps_default_coordinator(char *buf, size_t len)
 
 int ps_announce_listening(const char *prog, const char *listen, int port, const char *port_file)
 {
-    if (port_file && ps_write_port_file(port_file, port) != 0) {
-        fprintf(stderr, "%s: cannot write --port-file %s: %s\n", prog, port_file,
-                strerror(errno));
+    char err[PATH_MAX + 128] = "";
+    if (port_file && ps_write_port_file(port_file, port, err, sizeof(err)) != PSHARD_OK) {
+        fprintf(stderr, "%s: --port-file: %s\n", prog, err);
         return -1;
     }
     char host[256];

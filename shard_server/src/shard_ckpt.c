@@ -1,6 +1,6 @@
 /* Sharded checkpoints on the shard server side: every rank writes its own shard file (master
  * weights and optimizer state, with its CRC-32C), rank 0 commits the step by writing the
- * manifest last (common/include/pshard/ckpt.h has the format), and loading restores any
+ * manifest last (ckpt/include/pshard/ckpt.h has the format), and loading restores any
  * world size or layout by reading, for each of this rank's pieces, just the byte ranges of the
  * old pieces it overlaps. Every function here is collective over the ring and runs the same
  * collectives on every rank whatever happened locally, so a local failure never desyncs. */
@@ -29,8 +29,6 @@
 #endif
 
 #define CKPT_TAG 0x434b5054u /* "CKPT" */
-/* Checksummed in pieces that stay in the CPU cache between the CRC and the copy. */
-#define WRITE_CHUNK (256u << 10)
 
 static int nsections(const shard_model_t *m)
 {
@@ -122,53 +120,32 @@ static void fault_point(const char *name, int64_t step)
     raise(SIGKILL);
 }
 
-static pshard_status_t sys_err(char *err, size_t errlen, const char *what, const char *path)
-{
-    int e = errno;
-    return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "%s %s: %s", what, path, strerror(e));
-}
-
-/* Writes this rank's shard file into the step directory dfd (a fresh O_EXCL temporary, fsync,
- * rename) and returns its size and CRC-32C. A failure removes the temporary file. */
+/* Writes this rank's shard file into the step directory dfd (GPU shards through the bounce
+ * buffer) and returns its size and CRC-32C. A failure leaves no file behind. */
 static pshard_status_t write_shard(shard_model_t *m, const bounce_t *b, int dfd,
-                                   const char *step_dir, const char *name, uint64_t *bytes,
+                                   const char *step_dir, int rank, int world, uint64_t *bytes,
                                    uint32_t *crc, char *err, size_t errlen)
 {
-    char path[PATH_MAX + 80];
-    snprintf(path, sizeof(path), "%s/%s", step_dir, name);
-    ps_ckpt_out_t out;
-    PS_CHECK(ps_ckpt_out_open(dfd, name, path, &out, err, errlen));
+    ps_ckpt_shard_out_t *out;
+    PS_CHECK(ps_ckpt_shard_out_open(dfd, step_dir, rank, world, &out, err, errlen));
     pshard_status_t rc = PSHARD_OK;
-    uint32_t c = 0;
     for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
         const uint8_t *sec = (const uint8_t *)section_ptr(m, k);
         size_t total = m->shard_numel * sizeof(float);
         /* Host shards: one pass over the section; GPU shards: a bounce buffer at a time. */
-        for (size_t done = 0; done < total && rc == PSHARD_OK;) {
-            size_t len = bounce_chunk(b, done, total);
+        for (size_t done = 0, len; done < total && rc == PSHARD_OK; done += len) {
+            len = bounce_chunk(b, done, total);
             const uint8_t *p = sec + done;
             if (b->buf) {
                 rc = m->dev->copy(m->device, b->buf, p, len, err, errlen);
                 p = b->buf;
             }
-            for (size_t left = len; left > 0 && rc == PSHARD_OK;) {
-                size_t n = left < WRITE_CHUNK ? left : WRITE_CHUNK;
-                c = ps_crc32c(c, p, n);
-                rc = ps_ckpt_out_write(&out, p, n, err, errlen);
-                p += n;
-                left -= n;
-            }
-            done += len;
+            if (rc == PSHARD_OK)
+                rc = ps_ckpt_shard_out_write(out, p, len, err, errlen);
         }
     }
-    pshard_status_t rc2 = ps_ckpt_out_commit(&out, rc == PSHARD_OK, err, errlen);
-    if (rc == PSHARD_OK)
-        rc = rc2;
-    if (rc != PSHARD_OK)
-        return rc;
-    *bytes = (uint64_t)nsections(m) * m->shard_numel * sizeof(float);
-    *crc = c;
-    return PSHARD_OK;
+    pshard_status_t rc2 = ps_ckpt_shard_out_close(out, rc == PSHARD_OK, bytes, crc, err, errlen);
+    return rc != PSHARD_OK ? rc : rc2;
 }
 
 static const char *optim_kind_name(ps_optim_kind_t k)
@@ -255,7 +232,7 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
 {
     int rank = pshard_comm_rank(comm), world = pshard_comm_world_size(comm);
     const char *root = s->cfg.checkpoint_dir;
-    char step_dir[PATH_MAX], name[64], local_err[512] = "";
+    char step_dir[PATH_MAX], local_err[512] = "";
     pshard_status_t local = PSHARD_OK;
     bool committed = false;
     int dfd = -1;
@@ -276,11 +253,10 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
     if (local == PSHARD_OK && !committed) {
         uint64_t bytes = 0;
         uint32_t crc = 0;
-        ps_ckpt_shard_name(rank, world, name, sizeof(name));
         bounce_t b;
         local = bounce_open(m, &b, local_err, sizeof(local_err));
         if (local == PSHARD_OK)
-            local = write_shard(m, &b, dfd, step_dir, name, &bytes, &crc, local_err,
+            local = write_shard(m, &b, dfd, step_dir, rank, world, &bytes, &crc, local_err,
                                 sizeof(local_err));
         bounce_close(&b);
         mine[0] = local == PSHARD_OK;
@@ -393,54 +369,22 @@ static pshard_status_t check_matches(const shard_model_t *m, const ps_ckpt_manif
 static pshard_status_t read_own_file(shard_model_t *m, const bounce_t *b, const char *step_dir,
                                      const ps_ckpt_file_t *f, char *err, size_t errlen)
 {
-    char path[PATH_MAX + 300];
-    snprintf(path, sizeof(path), "%s/%s", step_dir, f->path);
-    int dfd, fd = -1;
-    uint64_t size = 0;
-    PS_CHECK(ps_ckpt_dir_open(step_dir, false, &dfd, err, errlen));
-    pshard_status_t rc = ps_ckpt_file_open(dfd, f->path, path, false, &fd, &size, err, errlen);
-    close(dfd);
-    if (rc != PSHARD_OK)
-        return rc;
-    if (size != f->bytes) {
-        close(fd);
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s is truncated or padded: %llu of %llu bytes", path,
-                       (unsigned long long)size, (unsigned long long)f->bytes);
-    }
-    uint32_t crc = 0;
+    ps_ckpt_shard_in_t *in;
+    PS_CHECK(ps_ckpt_shard_in_open(step_dir, f, &in, err, errlen));
+    pshard_status_t rc = PSHARD_OK;
     for (int k = 0; k < nsections(m) && rc == PSHARD_OK; k++) {
         uint8_t *sec = (uint8_t *)section_ptr(m, k);
         size_t total = m->shard_numel * sizeof(float);
         /* Host shards: straight into the section; GPU shards: a bounce buffer at a time. */
-        for (size_t done = 0; done < total && rc == PSHARD_OK;) {
-            size_t len = bounce_chunk(b, done, total);
-            uint8_t *p = b->buf ? b->buf : sec + done;
-            for (size_t left = len; left > 0;) {
-                ssize_t n = read(fd, p, left < WRITE_CHUNK ? left : WRITE_CHUNK);
-                if (n < 0 && errno == EINTR)
-                    continue;
-                if (n <= 0) {
-                    rc = n < 0 ? sys_err(err, errlen, "cannot read", path)
-                               : ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                                         "%s is truncated", path);
-                    break;
-                }
-                crc = ps_crc32c(crc, p, (size_t)n);
-                p += n;
-                left -= (size_t)n;
-            }
+        for (size_t done = 0, len; done < total && rc == PSHARD_OK; done += len) {
+            len = bounce_chunk(b, done, total);
+            rc = ps_ckpt_shard_in_read(in, b->buf ? b->buf : sec + done, len, err, errlen);
             if (rc == PSHARD_OK && b->buf)
                 rc = m->dev->copy(m->device, sec + done, b->buf, len, err, errlen);
-            done += len;
         }
     }
-    close(fd);
-    if (rc == PSHARD_OK && crc != f->crc32c)
-        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                     "%s: checksum mismatch (CRC-32C %08x, the manifest says %08x)", path, crc,
-                     f->crc32c);
-    return rc;
+    pshard_status_t rc2 = ps_ckpt_shard_in_close(in, rc == PSHARD_OK, err, errlen);
+    return rc != PSHARD_OK ? rc : rc2;
 }
 
 pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,

@@ -22,6 +22,9 @@ int64_t ps_wall_ms(void);
 pshard_status_t ps_errf(char *err, size_t errlen, pshard_status_t status, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* "cannot WHAT PATH: strerror(errno)" into err as ps_errf does; returns PSHARD_ERR_SYSTEM. */
+pshard_status_t ps_sys_err(char *err, size_t errlen, const char *what, const char *path);
+
 /* snprintf that reports truncation: returns 0 on success, -1 if the output did not fit. */
 int ps_snprintf(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
@@ -34,9 +37,9 @@ int ps_parse_i64(const char *text, int64_t min, int64_t max, int64_t *out);
 /* Natural-order comparison ("node-2" < "node-10"), used for stable rank assignment. */
 int ps_natural_cmp(const char *a, const char *b);
 
-/* Writes "PORT\n" to path atomically (temporary file, then rename) so a reader never sees a
- * partial file. Returns 0 or -1 (errno set). */
-int ps_write_port_file(const char *path, int port);
+/* Writes "PORT\n" to path atomically (pshard/atomic_file.h) so a reader never sees a partial
+ * file. Errors: SYSTEM, INVALID_ARGUMENT (not a file path), naming path. */
+pshard_status_t ps_write_port_file(const char *path, int port, char *err, size_t errlen);
 
 /* What a daemon does once it serves: writes the bound port to port_file (if non-NULL) and
  * prints "listening on HOST:PORT" (HOST from listen, "HOST:PORT") to stdout, the line scripts

@@ -12,13 +12,12 @@
 #include <unistd.h>
 
 #include "ckpt_internal.h"
+#include "pshard/atomic_file.h"
 #include "pshard/ckpt.h"
 #include "pshard/util.h"
 
 /* The format's own bound on the header length (what the reference implementation refuses). */
 #define ST_MAX_HEADER 100000000u
-/* Nesting of a header: root, a tensor or __metadata__, its shape or offsets (3); some slack. */
-#define ST_MAX_DEPTH 8
 /* Dimensions beyond this are taken for a malformed file. */
 #define ST_MAX_DIMS 64
 /* Elements converted per read or write while streaming. */
@@ -49,27 +48,42 @@ static uint64_t numel_of(const ps_ckpt_param_t *p)
     return n;
 }
 
-/* The header JSON, padded with spaces to a multiple of 8 bytes. */
-static void build_header(ckpt_buf_t *b, const ps_ckpt_manifest_t *m, const char *st_dtype,
-                         size_t elem_size)
+/* The header JSON (compact, the metadata first, tensors in parameter order), padded with
+ * spaces to a multiple of 8 bytes into *out (malloc'd) and *len. Errors: NO_MEMORY. */
+static pshard_status_t build_header(const ps_ckpt_manifest_t *m, const char *st_dtype,
+                                    size_t elem_size, char **out, size_t *len, char *err,
+                                    size_t errlen)
 {
-    ckpt_buf_printf(b, "{\"__metadata__\":{\"format\":\"pt\",\"pshard_step\":\"%" PRId64 "\"}",
-                    m->step);
+    char step[32];
+    snprintf(step, sizeof(step), "%" PRId64, m->step);
+    json_t *h = json_pack("{s:{s:s, s:s}}", "__metadata__", "format", "pt", "pshard_step", step);
     uint64_t off = 0;
-    for (size_t p = 0; p < m->nparams; p++) {
+    for (size_t p = 0; h && p < m->nparams; p++) {
         const ps_ckpt_param_t *pr = &m->params[p];
         uint64_t bytes = numel_of(pr) * elem_size;
-        ckpt_buf_append(b, ",", 1);
-        ckpt_buf_json_str(b, pr->name, strlen(pr->name));
-        ckpt_buf_printf(b, ":{\"dtype\":\"%s\",\"shape\":[", st_dtype);
-        for (int d = 0; d < pr->ndim; d++)
-            ckpt_buf_printf(b, "%s%" PRId64, d ? "," : "", pr->shape[d]);
-        ckpt_buf_printf(b, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", off, off + bytes);
+        json_t *shape = json_array();
+        for (int d = 0; shape && d < pr->ndim; d++)
+            if (json_array_append_new(shape, json_integer(pr->shape[d])) != 0)
+                json_decref(shape), shape = NULL;
+        json_t *t = shape ? json_pack("{s:s, s:o, s:[I, I]}", "dtype", st_dtype, "shape", shape,
+                                      "data_offsets", (json_int_t)off, (json_int_t)(off + bytes))
+                          : NULL;
+        if (json_object_set_new(h, pr->name, t) != 0)
+            json_decref(h), h = NULL;
         off += bytes;
     }
-    ckpt_buf_append(b, "}", 1);
-    while (!b->failed && b->len % 8 != 0)
-        ckpt_buf_append(b, " ", 1);
+    char *text = h ? json_dumps(h, JSON_COMPACT) : NULL;
+    json_decref(h);
+    size_t n = text ? strlen(text) : 0, padded = (n + 7) / 8 * 8;
+    char *buf = text ? realloc(text, padded + 1) : NULL;
+    if (!buf) {
+        free(text);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    memset(buf + n, ' ', padded - n);
+    *out = buf;
+    *len = padded;
+    return PSHARD_OK;
 }
 
 pshard_status_t ps_safetensors_export(const char *step_dir, const ps_ckpt_manifest_t *m,
@@ -88,42 +102,22 @@ pshard_status_t ps_safetensors_export(const char *step_dir, const ps_ckpt_manife
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                            "parameter %zu is named __metadata__, which safetensors reserves", p);
     size_t esize = pshard_dtype_size(dtype);
-    ckpt_buf_t header = {0};
-    build_header(&header, m, dtype == PSHARD_FP32 ? "F32" : "BF16", esize);
-    if (header.failed) {
-        free(header.data);
-        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    }
-    if (header.len > ST_MAX_HEADER) {
-        free(header.data);
+    char *header = NULL;
+    size_t header_len = 0;
+    PS_CHECK(build_header(m, dtype == PSHARD_FP32 ? "F32" : "BF16", esize, &header, &header_len,
+                          err, errlen));
+    if (header_len > ST_MAX_HEADER) {
+        free(header);
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "%s: a header of %zu bytes is beyond safetensors' limit of %u", out_path,
-                       header.len, ST_MAX_HEADER);
+                       header_len, ST_MAX_HEADER);
     }
     /* The output is the caller's own path (links followed, as cp does); only the file itself
      * is written under a fresh temporary name and renamed into place. */
-    char dir[PATH_MAX];
-    const char *slash = strrchr(out_path, '/');
-    const char *base = slash ? slash + 1 : out_path;
-    if (!*base || ps_snprintf(dir, sizeof(dir), "%.*s", slash ? (int)(slash - out_path) : 1,
-                              slash ? (slash == out_path ? "/" : out_path) : ".") != 0) {
-        free(header.data);
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: not a file path (or too long)", out_path);
-    }
-    int dfd;
-    ps_ckpt_out_t o;
-    char dir_err[PATH_MAX + 128] = "";
-    rc = ps_ckpt_dir_open(dir, true, &dfd, dir_err, sizeof(dir_err));
-    if (rc != PSHARD_OK)
-        rc = ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot write %s: %s", out_path, dir_err);
-    if (rc == PSHARD_OK) {
-        rc = ps_ckpt_out_open(dfd, base, out_path, &o, err, errlen);
-        if (rc != PSHARD_OK)
-            close(dfd);
-    }
+    ps_atomic_file_t o;
+    rc = ps_atomic_file_open_path(out_path, &o, err, errlen);
     if (rc != PSHARD_OK) {
-        free(header.data);
+        free(header);
         return rc;
     }
     int fd = o.fd;
@@ -135,9 +129,9 @@ pshard_status_t ps_safetensors_export(const char *step_dir, const ps_ckpt_manife
     }
     uint8_t len8[8];
     for (int i = 0; i < 8; i++)
-        len8[i] = (uint8_t)((uint64_t)header.len >> (8 * i));
-    PS_CHECK_GOTO(ckpt_write_all(fd, len8, sizeof(len8), out_path, err, errlen), rc, out);
-    PS_CHECK_GOTO(ckpt_write_all(fd, header.data, header.len, out_path, err, errlen), rc, out);
+        len8[i] = (uint8_t)((uint64_t)header_len >> (8 * i));
+    PS_CHECK_GOTO(ps_write_all(fd, len8, sizeof(len8), out_path, err, errlen), rc, out);
+    PS_CHECK_GOTO(ps_write_all(fd, header, header_len, out_path, err, errlen), rc, out);
     for (size_t p = 0; p < m->nparams; p++) {
         uint64_t numel = numel_of(&m->params[p]);
         for (uint64_t at = 0; at < numel;) {
@@ -146,9 +140,9 @@ pshard_status_t ps_safetensors_export(const char *step_dir, const ps_ckpt_manife
                           rc, out);
             if (dtype == PSHARD_BF16) {
                 ps_convert_f32_to_bf16(f32, b16, n);
-                rc = ckpt_write_all(fd, b16, n * sizeof(uint16_t), out_path, err, errlen);
+                rc = ps_write_all(fd, b16, n * sizeof(uint16_t), out_path, err, errlen);
             } else {
-                rc = ckpt_write_all(fd, f32, n * sizeof(float), out_path, err, errlen);
+                rc = ps_write_all(fd, f32, n * sizeof(float), out_path, err, errlen);
             }
             if (rc != PSHARD_OK)
                 goto out;
@@ -158,9 +152,8 @@ pshard_status_t ps_safetensors_export(const char *step_dir, const ps_ckpt_manife
 out:
     free(f32);
     free(b16);
-    free(header.data);
-    pshard_status_t rc2 = ps_ckpt_out_commit(&o, rc == PSHARD_OK, err, errlen);
-    close(dfd);
+    free(header);
+    pshard_status_t rc2 = ps_atomic_file_commit(&o, rc == PSHARD_OK, err, errlen);
     return rc != PSHARD_OK ? rc : rc2;
 }
 
@@ -168,7 +161,7 @@ out:
 
 typedef struct {
     uint64_t begin, end;
-    uint32_t node; /* the tensor's entry in the header */
+    const char *name; /* the tensor's key in the header */
 } st_span_t;
 
 static int span_cmp(const void *a, const void *b)
@@ -179,135 +172,126 @@ static int span_cmp(const void *a, const void *b)
     return x->end < y->end ? -1 : x->end > y->end;
 }
 
-/* A tensor entry's name for messages (at most 64 bytes of it). */
-static int key_shown(const ckpt_json_node_t *n)
-{
-    return (int)(n->key_len > 64 ? 64 : n->key_len);
-}
-
 /* Checks one tensor entry: exactly dtype, shape and data_offsets, a known dtype, a shape of
  * non-negative sizes, offsets inside the data whose length matches. Fills span. */
-static pshard_status_t check_tensor(const ckpt_json_doc_t *d, uint32_t t, uint64_t data_len,
+static pshard_status_t check_tensor(const char *name, const json_t *t, uint64_t data_len,
                                     const char *path, st_span_t *span, char *err, size_t errlen)
 {
-    const ckpt_json_node_t *n = &d->nodes[t];
-    const char *name = ckpt_json_key(d, n);
-    int shown = key_shown(n);
-    if (n->type != CKPT_JSON_OBJECT)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: tensor \"%.*s\": expected an object, found %s", path, shown, name,
-                       ckpt_json_type_name(n->type));
-    for (uint32_t c = n->child; c; c = d->nodes[c].next) {
-        const char *k = ckpt_json_key(d, &d->nodes[c]);
-        if (strcmp(k, "dtype") != 0 && strcmp(k, "shape") != 0 && strcmp(k, "data_offsets") != 0)
+    json_t *dt, *sh, *of;
+    json_error_t je;
+    if (json_unpack_ex((json_t *)t, &je, JSON_STRICT, "{s:o, s:o, s:o}", "dtype", &dt, "shape", &sh,
+                       "data_offsets", &of) != 0) {
+        if (!json_is_object(t))
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                           "%s: tensor \"%.*s\": unknown key \"%.64s\"", path, shown, name, k);
-    }
-    uint32_t dt = ckpt_json_get(d, t, "dtype"), sh = ckpt_json_get(d, t, "shape"),
-             of = ckpt_json_get(d, t, "data_offsets");
-    if (!dt || !sh || !of)
+                           "%s: tensor \"%.64s\": expected an object, found %s", path, name,
+                           ckpt_json_type_name(t));
+        const char *k;
+        json_t *v;
+        json_object_foreach(
+            (json_t *)t, k,
+            v) if (strcmp(k, "dtype") != 0 && strcmp(k, "shape") != 0 &&
+                   strcmp(k, "data_offsets") !=
+                       0) return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                                         "%s: tensor \"%.64s\": unknown key \"%.64s\"", path, name,
+                                         k);
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: tensor \"%.*s\": needs dtype, shape and data_offsets", path, shown,
-                       name);
-    size_t esize =
-        d->nodes[dt].type == CKPT_JSON_STRING ? st_dtype_size(ckpt_json_str(d, &d->nodes[dt])) : 0;
+                       "%s: tensor \"%.64s\": needs dtype, shape and data_offsets", path, name);
+    }
+    size_t esize = json_is_string(dt) ? st_dtype_size(json_string_value(dt)) : 0;
     if (esize == 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: tensor \"%.*s\".dtype: not a safetensors dtype", path, shown, name);
-    const ckpt_json_node_t *shape = &d->nodes[sh];
-    if (shape->type != CKPT_JSON_ARRAY || shape->count > ST_MAX_DIMS)
+                       "%s: tensor \"%.64s\".dtype: not a safetensors dtype", path, name);
+    if (!json_is_array(sh) || json_array_size(sh) > ST_MAX_DIMS)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: tensor \"%.*s\".shape: expected an array of at most %d sizes", path,
-                       shown, name, ST_MAX_DIMS);
+                       "%s: tensor \"%.64s\".shape: expected an array of at most %d sizes", path,
+                       name, ST_MAX_DIMS);
     uint64_t numel = 1;
     bool overflow = false;
-    for (uint32_t c = shape->child; c; c = d->nodes[c].next) {
-        const ckpt_json_node_t *e = &d->nodes[c];
-        if (e->type != CKPT_JSON_INT || e->v.i < 0)
+    size_t d;
+    json_t *e;
+    json_array_foreach(sh, d, e)
+    {
+        if (!json_is_integer(e) || json_integer_value(e) < 0)
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                           "%s: tensor \"%.*s\".shape: sizes must be integers of at least 0", path,
-                           shown, name);
-        uint64_t s = (uint64_t)e->v.i;
+                           "%s: tensor \"%.64s\".shape: sizes must be integers of at least 0", path,
+                           name);
+        uint64_t s = (uint64_t)json_integer_value(e);
         if (s != 0 && numel > UINT64_MAX / 8 / s)
             overflow = true;
         else
             numel *= s;
     }
-    const ckpt_json_node_t *offs = &d->nodes[of];
-    bool ok = offs->type == CKPT_JSON_ARRAY && offs->count == 2;
-    int64_t be[2] = {0, 0};
-    int k = 0;
-    for (uint32_t c = ok ? offs->child : 0; c && ok; c = d->nodes[c].next) {
-        ok = d->nodes[c].type == CKPT_JSON_INT && d->nodes[c].v.i >= 0;
-        be[k++] = d->nodes[c].v.i;
-    }
-    if (!ok || be[0] > be[1])
+    json_int_t be[2];
+    if (json_unpack_ex(of, &je, JSON_STRICT, "[II]", &be[0], &be[1]) != 0 || be[0] < 0 ||
+        be[0] > be[1])
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: tensor \"%.*s\".data_offsets: expected [begin, end] with 0 <= begin "
+                       "%s: tensor \"%.64s\".data_offsets: expected [begin, end] with 0 <= begin "
                        "<= end",
-                       path, shown, name);
+                       path, name);
     if ((uint64_t)be[1] > data_len)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: tensor \"%.*s\".data_offsets: [%" PRId64 ", %" PRId64
+                       "%s: tensor \"%.64s\".data_offsets: [%" PRId64 ", %" PRId64
                        ") lies outside the %" PRIu64 " bytes of data",
-                       path, shown, name, be[0], be[1], data_len);
-    if (overflow && shape->count > 0)
+                       path, name, (int64_t)be[0], (int64_t)be[1], data_len);
+    if (overflow && json_array_size(sh) > 0)
         numel = UINT64_MAX;
     if (numel == UINT64_MAX || (uint64_t)(be[1] - be[0]) != numel * esize)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: tensor \"%.*s\": data_offsets span %" PRId64
+                       "%s: tensor \"%.64s\": data_offsets span %" PRId64
                        " bytes, but its dtype and shape need %" PRIu64,
-                       path, shown, name, be[1] - be[0], numel * esize);
-    *span = (st_span_t){(uint64_t)be[0], (uint64_t)be[1], t};
+                       path, name, (int64_t)(be[1] - be[0]), numel * esize);
+    *span = (st_span_t){(uint64_t)be[0], (uint64_t)be[1], name};
     return PSHARD_OK;
 }
 
 /* Validates the whole header (the __metadata__ object of strings and every tensor entry,
  * none overlapping another). */
-static pshard_status_t check_header(const ckpt_json_doc_t *d, uint64_t data_len, const char *path,
+static pshard_status_t check_header(const json_t *root, uint64_t data_len, const char *path,
                                     char *err, size_t errlen)
 {
-    const ckpt_json_node_t *root = &d->nodes[0];
-    if (root->type != CKPT_JSON_OBJECT)
+    if (!json_is_object(root))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s: the header is %s, not an object", path,
-                       ckpt_json_type_name(root->type));
-    st_span_t *spans = malloc((root->count ? root->count : 1) * sizeof(*spans));
+                       "%s: the header is %s, not an object", path, ckpt_json_type_name(root));
+    size_t count = json_object_size(root);
+    st_span_t *spans = malloc((count ? count : 1) * sizeof(*spans));
     if (!spans)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     size_t n = 0;
     pshard_status_t rc = PSHARD_OK;
-    for (uint32_t c = root->child; c && rc == PSHARD_OK; c = d->nodes[c].next) {
-        const ckpt_json_node_t *e = &d->nodes[c];
-        if (strcmp(ckpt_json_key(d, e), "__metadata__") == 0) {
-            bool ok = e->type == CKPT_JSON_OBJECT;
-            for (uint32_t m = ok ? e->child : 0; m && ok; m = d->nodes[m].next)
-                ok = d->nodes[m].type == CKPT_JSON_STRING;
+    const char *key;
+    json_t *e;
+    json_object_foreach((json_t *)root, key, e)
+    {
+        if (rc != PSHARD_OK)
+            break;
+        if (strcmp(key, "__metadata__") == 0) {
+            bool ok = json_is_object(e);
+            const char *mk;
+            json_t *mv;
+            json_object_foreach(ok ? e : NULL, mk, mv) ok = ok && json_is_string(mv);
             if (!ok)
                 rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                              "%s: __metadata__: expected an object of strings", path);
             continue;
         }
-        rc = check_tensor(d, c, data_len, path, &spans[n], err, errlen);
+        rc = check_tensor(key, e, data_len, path, &spans[n], err, errlen);
         if (rc == PSHARD_OK)
             n++;
     }
     if (rc == PSHARD_OK && n > 1) {
         qsort(spans, n, sizeof(*spans), span_cmp);
         uint64_t reach = 0; /* end of the non-empty spans so far */
-        uint32_t reach_node = 0;
+        const char *reach_name = "";
         for (size_t i = 0; i < n && rc == PSHARD_OK; i++) {
             if (spans[i].begin == spans[i].end)
                 continue;
-            if (spans[i].begin < reach) {
-                const ckpt_json_node_t *a = &d->nodes[spans[i].node], *b = &d->nodes[reach_node];
+            if (spans[i].begin < reach)
                 rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                             "%s: tensor \"%.*s\".data_offsets overlap those of \"%.*s\"", path,
-                             key_shown(a), ckpt_json_key(d, a), key_shown(b), ckpt_json_key(d, b));
-            }
+                             "%s: tensor \"%.64s\".data_offsets overlap those of \"%.64s\"", path,
+                             spans[i].name, reach_name);
             if (spans[i].end > reach) {
                 reach = spans[i].end;
-                reach_node = spans[i].node;
+                reach_name = spans[i].name;
             }
         }
     }
@@ -321,11 +305,11 @@ pshard_status_t ps_safetensors_read(const char *path, const char *name, int ndim
     int fd;
     uint64_t size = 0;
     /* A FIFO or device is refused here rather than waited on. */
-    PS_CHECK(ps_ckpt_file_open(AT_FDCWD, path, path, true, &fd, &size, err, errlen));
+    PS_CHECK(ckpt_file_open(AT_FDCWD, path, path, true, &fd, &size, err, errlen));
     pshard_status_t rc = PSHARD_OK;
     char *header = NULL, why[600] = "";
     void *buf = NULL;
-    ckpt_json_doc_t doc = {0};
+    json_t *doc = NULL;
     uint8_t len8[8];
     size_t got = 0;
     PS_CHECK_GOTO(ckpt_pread_full(fd, len8, sizeof(len8), 0, &got, path, err, errlen), rc, out);
@@ -360,19 +344,19 @@ pshard_status_t ps_safetensors_read(const char *path, const char *name, int ndim
         rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: truncated header", path);
         goto out;
     }
-    rc = ckpt_json_parse(header, hlen, ST_MAX_DEPTH, &doc, why, sizeof(why));
+    rc = ckpt_json_load(header, hlen, &doc, why, sizeof(why));
     if (rc != PSHARD_OK) {
         ps_errf(err, errlen, rc, "%s: header: %s", path, why);
         goto out;
     }
     uint64_t data_start = 8 + hlen, data_len = size - data_start;
-    PS_CHECK_GOTO(check_header(&doc, data_len, path, err, errlen), rc, out);
-    uint32_t t = ckpt_json_get(&doc, 0, name);
+    PS_CHECK_GOTO(check_header(doc, data_len, path, err, errlen), rc, out);
+    const json_t *t = json_object_get(doc, name);
     if (!t || strcmp(name, "__metadata__") == 0) {
         rc = ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "%s: no tensor named \"%s\"", path, name);
         goto out;
     }
-    const char *dtype = ckpt_json_str(&doc, &doc.nodes[ckpt_json_get(&doc, t, "dtype")]);
+    const char *dtype = json_string_value(json_object_get(t, "dtype"));
     pshard_dtype_t src;
     if (strcmp(dtype, "F32") == 0)
         src = PSHARD_FP32;
@@ -386,27 +370,27 @@ pshard_status_t ps_safetensors_read(const char *path, const char *name, int ndim
                      name, dtype);
         goto out;
     }
-    const ckpt_json_node_t *sh = &doc.nodes[ckpt_json_get(&doc, t, "shape")];
-    bool same = ndim >= 0 && sh->count == (uint32_t)ndim;
-    int dim = 0;
-    for (uint32_t c = sh->child; c && same; c = doc.nodes[c].next, dim++)
-        same = doc.nodes[c].v.i == shape[dim];
+    const json_t *sh = json_object_get(t, "shape");
+    bool same = ndim >= 0 && json_array_size(sh) == (size_t)ndim;
+    for (int d = 0; same && d < ndim; d++)
+        same = json_integer_value(json_array_get(sh, (size_t)d)) == shape[d];
     if (!same) {
-        ckpt_buf_t have = {0}, want = {0};
-        for (uint32_t c = sh->child; c; c = doc.nodes[c].next)
-            ckpt_buf_printf(&have, "%s%" PRId64, have.len ? ", " : "", doc.nodes[c].v.i);
-        for (int i = 0; i < ndim; i++)
-            ckpt_buf_printf(&want, "%s%" PRId64, i ? ", " : "", shape[i]);
+        /* Both shapes as JSON writes them: "[3, 2]". */
+        json_t *want = json_array();
+        for (int d = 0; want && d < ndim; d++)
+            json_array_append_new(want, json_integer(shape[d]));
+        char *have_s = json_dumps(sh, JSON_INDENT(0)), *want_s = json_dumps(want, JSON_INDENT(0));
         rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                     "%s: tensor \"%s\" has shape [%s], expected [%s]", path, name,
-                     have.data ? have.data : "", want.data ? want.data : "");
-        free(have.data);
-        free(want.data);
+                     "%s: tensor \"%s\" has shape %s, expected %s", path, name,
+                     have_s ? have_s : "?", want_s ? want_s : "?");
+        free(have_s);
+        free(want_s);
+        json_decref(want);
         goto out;
     }
-    const ckpt_json_node_t *offs = &doc.nodes[ckpt_json_get(&doc, t, "data_offsets")];
-    uint64_t begin = (uint64_t)doc.nodes[offs->child].v.i;
-    uint64_t end = (uint64_t)doc.nodes[doc.nodes[offs->child].next].v.i;
+    json_int_t begin_i, end_i;
+    json_unpack(json_object_get(t, "data_offsets"), "[II]", &begin_i, &end_i);
+    uint64_t begin = (uint64_t)begin_i, end = (uint64_t)end_i;
     size_t esize = pshard_dtype_size(src);
     uint64_t numel = (end - begin) / esize;
     buf = malloc(ST_CHUNK_ELEMS * esize);
@@ -431,7 +415,7 @@ pshard_status_t ps_safetensors_read(const char *path, const char *name, int ndim
     }
 out:
     free(buf);
-    ckpt_json_free(&doc);
+    json_decref(doc);
     free(header);
     close(fd);
     return rc;

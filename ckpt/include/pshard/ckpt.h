@@ -28,7 +28,8 @@
  *               "crc32c": 3808858755, "shard_numel": 100,
  *               "pieces": [[0, 0, 37, 0], [1, 0, 1, 37], ...]}, ...]}
  * Numbers are JSON integers except the optimizer's, which are doubles written with 17
- * significant digits (round-trip exact). "crc32c" is the CRC-32C (Castagnoli) of the whole
+ * significant digits (round-trip exact); an integer field given as a real (1.0) is refused, as
+ * is a duplicate key anywhere (the file is parsed by jansson). "crc32c" is the CRC-32C (Castagnoli) of the whole
  * file as an unsigned integer. Paths are plain file names (no '/', no "..", 1..255 bytes).
  *
  * Thread safety: every function is reentrant; a manifest object is used by one thread at a
@@ -149,6 +150,40 @@ pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_
                                    int section, uint32_t param, uint64_t start, uint64_t count,
                                    float *out, char *err, size_t errlen);
 
+/* ---- Writing and reading one shard file as a stream ---------------------------------------
+ * A rank's file is its sections back to back; a writer hands them over in any number of pieces
+ * (e.g. a bounce buffer of device memory at a time) and gets the size and CRC-32C the manifest
+ * needs; a reader takes them back in order with the CRC checked at the end. */
+typedef struct ps_ckpt_shard_out ps_ckpt_shard_out_t;
+typedef struct ps_ckpt_shard_in ps_ckpt_shard_in_t;
+
+/* Starts writing shard-RANK-of-WORLD.bin in the step directory dfd (borrowed until close;
+ * step_dir is its path, for messages) under a fresh O_EXCL temporary. Errors: SYSTEM,
+ * NO_MEMORY, INVALID_ARGUMENT (path too long). */
+pshard_status_t ps_ckpt_shard_out_open(int dfd, const char *step_dir, int rank, int world,
+                                       ps_ckpt_shard_out_t **out, char *err, size_t errlen);
+/* Appends len bytes, checksumming them on the way. Errors: SYSTEM naming the file. */
+pshard_status_t ps_ckpt_shard_out_write(ps_ckpt_shard_out_t *o, const void *buf, size_t len,
+                                        char *err, size_t errlen);
+/* commit: syncs and renames the file into place, then sets *bytes and *crc32c; !commit (or a
+ * failure) removes the temporary. Frees o either way (NULL is a no-op). Errors: SYSTEM. */
+pshard_status_t ps_ckpt_shard_out_close(ps_ckpt_shard_out_t *o, bool commit, uint64_t *bytes,
+                                        uint32_t *crc32c, char *err, size_t errlen);
+
+/* Opens file f of the checkpoint in step_dir for reading from its start: a plain name, no
+ * link, a regular file of exactly f->bytes bytes. Errors: NOT_FOUND, INVALID_ARGUMENT
+ * ("truncated: N of M bytes", a link, a FIFO), SYSTEM, NO_MEMORY. */
+pshard_status_t ps_ckpt_shard_in_open(const char *step_dir, const ps_ckpt_file_t *f,
+                                      ps_ckpt_shard_in_t **in, char *err, size_t errlen);
+/* Reads the next len bytes into buf, checksumming them. Errors: INVALID_ARGUMENT (truncated,
+ * or past f->bytes), SYSTEM. */
+pshard_status_t ps_ckpt_shard_in_read(ps_ckpt_shard_in_t *in, void *buf, size_t len, char *err,
+                                      size_t errlen);
+/* verify: every byte was read and the CRC-32C is f->crc32c (INVALID_ARGUMENT "checksum
+ * mismatch" if not). Closes and frees in either way (NULL is a no-op). */
+pshard_status_t ps_ckpt_shard_in_close(ps_ckpt_shard_in_t *in, bool verify, char *err,
+                                       size_t errlen);
+
 /* Removes committed checkpoints under root beyond the newest `keep` (keep >= 1), and step
  * directories without a manifest older than the newest committed one. The manifest is removed
  * first so a half-removed checkpoint is never seen as committed. Errors: SYSTEM. */
@@ -159,49 +194,15 @@ pshard_status_t ps_ckpt_prune(const char *root, int keep, char *err, size_t errl
  * blocks opening one of its files. Step directories and their files are opened relative to a
  * directory descriptor with O_NOFOLLOW (a link is refused, never followed), files with
  * O_NONBLOCK and checked to be regular files before anything is read (a FIFO or device is
- * refused), new files are written under a fresh O_EXCL temporary name and renamed into place,
- * and pruning removes only regular files of the names pshard writes. The root's own path may
- * hold links (an operator's mount point). */
-
-/* Opens directory dir (O_DIRECTORY; with !follow a link as its last component is refused).
- * Errors: NOT_FOUND (ENOENT), INVALID_ARGUMENT (a link), SYSTEM; messages name dir. */
-pshard_status_t ps_ckpt_dir_open(const char *dir, bool follow, int *dfd, char *err,
-                                 size_t errlen);
-
-/* Opens name in directory dfd (AT_FDCWD for a path) for reading: regular files only, never
- * waiting on a FIFO, O_NOFOLLOW unless follow; *size (may be NULL) gets its size. shown is the
- * path messages use. Errors: NOT_FOUND ("missing"), INVALID_ARGUMENT (a link, not a regular
- * file), SYSTEM. */
-pshard_status_t ps_ckpt_file_open(int dfd, const char *name, const char *shown, bool follow,
-                                  int *fd, uint64_t *size, char *err, size_t errlen);
+ * refused), new files are written under a fresh O_EXCL temporary name and renamed into place
+ * (pshard/atomic_file.h), and pruning removes only regular files of the names pshard writes.
+ * The root's own path may hold links (an operator's mount point). */
 
 /* Creates root (with missing parents) and its directory for step, and opens that (*dfd). An
  * existing step directory is reused; one that is a link or not a directory is refused
  * (INVALID_ARGUMENT). Errors also SYSTEM. */
 pshard_status_t ps_ckpt_step_dir_make(const char *root, int64_t step, int *dfd, char *err,
                                       size_t errlen);
-
-/* An atomic write of file `name` in directory dfd (borrowed; it must outlive the write). */
-typedef struct {
-    int dfd, fd;
-    char tmp[300];  /* the temporary's name in dfd */
-    char name[256]; /* the final name */
-    char shown[PATH_MAX];
-} ps_ckpt_out_t;
-
-/* Creates a fresh temporary ".NAME.tmp-<random>" in dfd with O_EXCL (mode 0644). Errors:
- * SYSTEM, INVALID_ARGUMENT (name too long). */
-pshard_status_t ps_ckpt_out_open(int dfd, const char *name, const char *shown, ps_ckpt_out_t *o,
-                                 char *err, size_t errlen);
-/* Appends len bytes (retrying short writes). Errors: SYSTEM naming the file. */
-pshard_status_t ps_ckpt_out_write(ps_ckpt_out_t *o, const void *buf, size_t len, char *err,
-                                  size_t errlen);
-/* ok: fsync, rename over name, fsync the directory. !ok, or any failure: the temporary is
- * removed and an existing file of that name is untouched. Closes the temporary either way. */
-pshard_status_t ps_ckpt_out_commit(ps_ckpt_out_t *o, bool ok, char *err, size_t errlen);
-/* The three above for a whole buffer. */
-pshard_status_t ps_ckpt_write_file(int dfd, const char *name, const char *shown,
-                                   const void *data, size_t len, char *err, size_t errlen);
 
 /* Whether name is one pshard writes in a step directory (the manifest, a shard file, or a
  * temporary of either): what pruning may remove. */
