@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "pshard/ckpt.h"
+#include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/log.h"
 #include "pshard/shard.pb-c.h"
@@ -538,18 +539,10 @@ static void answer_request(pshard_shard_server_t *s, int64_t request, const char
 {
     char key[96];
     snprintf(key, sizeof(key), "pshard/checkpoint/done/%" PRId64, request);
-    Pshard__StoreSetRequest req = PSHARD__STORE_SET_REQUEST__INIT;
-    req.key = key;
-    req.value.data = (uint8_t *)value;
-    req.value.len = strlen(value);
-    ProtobufCMessage *resp = NULL;
     char err[256] = "";
-    if (ps_rpc_unary(s->coord, "/pshard.Coordinator/StoreSet", &req.base,
-                     &pshard__store_set_response__descriptor, &resp, 5000, PS_RPC_IDEMPOTENT,
-                     NULL, err, sizeof(err)) != PSHARD_OK)
+    if (ps_coord_store_put(s->coord, key, value, strlen(value), 5000, err, sizeof(err)) !=
+        PSHARD_OK)
         PS_WARN(PS_SUB_SHARD, "cannot answer checkpoint request %" PRId64 ": %s", request, err);
-    if (resp)
-        protobuf_c_message_free_unpacked(resp, NULL);
 }
 
 pshard_status_t shard_ckpt_after_step(pshard_shard_server_t *s, pshard_comm_t *comm,
