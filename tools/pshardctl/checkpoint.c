@@ -86,9 +86,10 @@ static int ckpt_parse(const char *sub, const ps_option_t *table, size_t n, int a
     return -1;
 }
 
-/* Step directories under root that are not committed checkpoints, and why, printed (or
- * added to the JSON "ignored" list). Returns how many had a manifest that does not parse. */
-static int ckpt_report_ignored(const char *root, const int64_t *steps, size_t nsteps)
+/* Step directories under root that are not committed checkpoints, and why, printed (or, with
+ * ignored, appended to that JSON list). Returns how many had a manifest that does not parse. */
+static int ckpt_report_ignored(const char *root, const int64_t *steps, size_t nsteps,
+                               json_t *ignored)
 {
     DIR *d = opendir(root);
     if (!d)
@@ -123,13 +124,9 @@ static int ckpt_report_ignored(const char *root, const int64_t *steps, size_t ns
         else if (rc == PSHARD_ERR_INVALID_ARGUMENT)
             malformed++;
         ps_ckpt_manifest_free(m);
-        if (ctl_opts.json) {
-            fputs(first ? "" : ",", stdout);
-            fputs("{\"dir\":", stdout);
-            ctl_json_cstr(stdout, dir);
-            fputs(",\"reason\":", stdout);
-            ctl_json_cstr(stdout, why);
-            fputc('}', stdout);
+        if (ignored) {
+            json_array_append_new(ignored, json_pack("{s:o,s:o}", "dir", ctl_jstr(dir), "reason",
+                                                     ctl_jstr(why)));
         } else {
             printf("%signored: %s: %s\n", first ? "\n" : "", e->d_name, why);
         }
@@ -165,10 +162,12 @@ static int cmd_checkpoint_list(int argc, char **argv)
         goto out;
     }
     size_t files = 0, corrupt = 0;
+    json_t *list = ctl_opts.json ? json_array() : NULL;
     if (ctl_opts.json) {
-        fputs("{\"checkpoint_dir\":", stdout);
-        ctl_json_cstr(stdout, c.checkpoint_dir);
-        fputs(",\"checkpoints\":[", stdout);
+        if (!list) {
+            ctl_fail("out of memory");
+            goto out;
+        }
     } else if (n == 0) {
         printf("no committed checkpoints in %s\n", c.checkpoint_dir);
     } else {
@@ -194,17 +193,19 @@ static int cmd_checkpoint_list(int argc, char **argv)
             snprintf(sections + strlen(sections), sizeof(sections) - strlen(sections), "%s%s",
                      k ? "," : "", m->sections[k]);
         const char *layout = m->layout == PSHARD_LAYOUT_FSDP1 ? "fsdp1" : "fsdp2";
-        if (ctl_opts.json) {
-            printf("%s{\"step\":%" PRId64 ",\"dir\":", i ? "," : "", m->step);
-            ctl_json_cstr(stdout, dir);
-            printf(",\"world_size\":%d,\"layout\":\"%s\",\"optimizer\":", m->world_size, layout);
-            ctl_json_cstr(stdout, m->optim.kind);
-            fputs(",\"sections\":[", stdout);
-            for (int k = 0; k < m->nsections; k++) {
-                fputs(k ? "," : "", stdout);
-                ctl_json_cstr(stdout, m->sections[k]);
-            }
-            printf("],\"params\":%zu,\"bytes\":%" PRIu64 ",\"files\":[", m->nparams, bytes);
+        json_t *jfiles = NULL;
+        if (list) {
+            json_t *jsections = json_array();
+            for (int k = 0; jsections && k < m->nsections; k++)
+                json_array_append_new(jsections, ctl_jstr(m->sections[k]));
+            jfiles = json_array();
+            json_array_append_new(
+                list, json_pack("{s:I,s:o,s:i,s:s,s:o,s:o,s:I,s:I,s:O}", "step",
+                                (json_int_t)m->step, "dir", ctl_jstr(dir), "world_size",
+                                m->world_size, "layout", layout, "optimizer",
+                                ctl_jstr(m->optim.kind), "sections", jsections, "params",
+                                (json_int_t)m->nparams, "bytes", (json_int_t)bytes, "files",
+                                jfiles));
         } else {
             char size[32];
             human_bytes(bytes, size, sizeof(size));
@@ -220,18 +221,16 @@ static int cmd_checkpoint_list(int argc, char **argv)
                 files++;
                 corrupt += !ok;
             }
-            if (ctl_opts.json) {
-                printf("%s{\"rank\":%d,\"path\":", f ? "," : "", file->rank);
-                ctl_json_cstr(stdout, file->path);
-                printf(",\"bytes\":%" PRIu64 ",\"crc32c\":%" PRIu32, file->bytes, file->crc32c);
-                if (c.verify) {
-                    printf(",\"status\":\"%s\"", ok ? "ok" : "corrupt");
-                    if (!ok) {
-                        fputs(",\"error\":", stdout);
-                        ctl_json_cstr(stdout, why);
-                    }
+            if (jfiles) {
+                json_t *jf = json_pack("{s:i,s:o,s:I,s:I}", "rank", file->rank, "path",
+                                       ctl_jstr(file->path), "bytes", (json_int_t)file->bytes,
+                                       "crc32c", (json_int_t)file->crc32c);
+                if (jf && c.verify) {
+                    json_object_set_new(jf, "status", json_string(ok ? "ok" : "corrupt"));
+                    if (!ok)
+                        json_object_set_new(jf, "error", ctl_jstr(why));
                 }
-                fputc('}', stdout);
+                json_array_append_new(jfiles, jf);
             } else if (c.verify && ok) {
                 printf("    ok       %s (%" PRIu64 " bytes, crc32c %08" PRIx32 ")\n", file->path,
                        file->bytes, file->crc32c);
@@ -239,18 +238,21 @@ static int cmd_checkpoint_list(int argc, char **argv)
                 printf("    CORRUPT  %s: %s\n", file->path, why);
             }
         }
-        if (ctl_opts.json)
-            fputs("]}", stdout);
+        json_decref(jfiles); /* the list holds its own reference */
         ps_ckpt_manifest_free(m);
     }
-    if (ctl_opts.json)
-        fputs("],\"ignored\":[", stdout);
-    int malformed = ckpt_report_ignored(c.checkpoint_dir, steps, n);
-    if (ctl_opts.json) {
-        printf("]");
-        if (c.verify)
-            printf(",\"files_verified\":%zu,\"corrupt\":%zu", files, corrupt);
-        printf("}\n");
+    json_t *ignored = list ? json_array() : NULL;
+    int malformed = ckpt_report_ignored(c.checkpoint_dir, steps, n, ignored);
+    if (list) {
+        json_t *v = json_pack("{s:o,s:o,s:o}", "checkpoint_dir", ctl_jstr(c.checkpoint_dir),
+                              "checkpoints", list, "ignored", ignored);
+        list = NULL;
+        if (v && c.verify) {
+            json_object_set_new(v, "files_verified", json_integer((json_int_t)files));
+            json_object_set_new(v, "corrupt", json_integer((json_int_t)corrupt));
+        }
+        if (ctl_json_print(v) != EXIT_OK)
+            goto out;
     } else if (c.verify) {
         if (corrupt == 0)
             printf("\nverified %zu file%s: all ok\n", files, files == 1 ? "" : "s");
@@ -263,6 +265,7 @@ static int cmd_checkpoint_list(int argc, char **argv)
     }
     rc = (corrupt > 0 || (c.verify && malformed > 0)) ? EXIT_NOT_SERVING : EXIT_OK;
 out:
+    json_decref(list);
     free(steps);
     ps_config_free(ckpt_list_options, PS_ARRAY_LEN(ckpt_list_options), &c);
     return rc;
@@ -351,13 +354,10 @@ static int cmd_checkpoint_export(int argc, char **argv)
     struct stat st;
     uint64_t size = stat(out_path, &st) == 0 ? (uint64_t)st.st_size : 0;
     if (ctl_opts.json) {
-        printf("{\"step\":%" PRId64 ",\"dir\":", step);
-        ctl_json_cstr(stdout, dir);
-        fputs(",\"out\":", stdout);
-        ctl_json_cstr(stdout, out_path);
-        printf(",\"format\":\"safetensors\",\"dtype\":\"%s\",\"tensors\":%zu,\"bytes\":%" PRIu64
-               "}\n",
-               pshard_dtype_name(dtype), m->nparams, size);
+        ctl_json_print(json_pack("{s:I,s:o,s:o,s:s,s:s,s:I,s:I}", "step", (json_int_t)step, "dir",
+                                 ctl_jstr(dir), "out", ctl_jstr(out_path), "format",
+                                 "safetensors", "dtype", pshard_dtype_name(dtype), "tensors",
+                                 (json_int_t)m->nparams, "bytes", (json_int_t)size));
     } else {
         char human[32];
         human_bytes(size, human, sizeof(human));
@@ -429,11 +429,9 @@ static int cmd_checkpoint_save(int argc, char **argv)
     int64_t step = -1;
     const char *dir_at = strstr(value, " dir=");
     if (strncmp(value, "error=", 6) == 0) {
-        if (ctl_opts.json) {
-            printf("{\"request\":%" PRId64 ",\"error\":", request);
-            ctl_json_cstr(stdout, value + 6);
-            printf("}\n");
-        }
+        if (ctl_opts.json)
+            ctl_json_print(json_pack("{s:I,s:o}", "request", (json_int_t)request, "error",
+                                     ctl_jstr(value + 6)));
         fprintf(stderr, "pshardctl: checkpoint save failed: %s\n", value + 6);
         rc = EXIT_NOT_SERVING;
         goto out;
@@ -447,9 +445,8 @@ static int cmd_checkpoint_save(int argc, char **argv)
     }
     const char *dir = dir_at + 5;
     if (ctl_opts.json) {
-        printf("{\"request\":%" PRId64 ",\"step\":%" PRId64 ",\"dir\":", request, step);
-        ctl_json_cstr(stdout, dir);
-        printf("}\n");
+        ctl_json_print(json_pack("{s:I,s:I,s:o}", "request", (json_int_t)request, "step",
+                                 (json_int_t)step, "dir", ctl_jstr(dir)));
     } else {
         printf("checkpoint saved: step %" PRId64 " in %s\n", step, dir);
     }

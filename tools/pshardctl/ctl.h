@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <jansson.h>
+
 #include "pshard/config.h"
 #include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
@@ -49,13 +51,21 @@ extern char ctl_err[1024]; /* the last CTL_CALL's error */
 int ctl_called(const char *what, pshard_status_t rc);
 void ctl_on_signal(int sig); /* sets ctl_interrupted */
 
-void ctl_json_str(FILE *out, const char *s, size_t len);
-void ctl_json_cstr(FILE *out, const char *s);
+/* --json output is built with jansson: a JSON string of s's bytes (NULL: ""), where bytes that
+ * are not UTF-8 show as U+FFFD; NULL only without memory. */
+json_t *ctl_jstrn(const char *s, size_t len);
+json_t *ctl_jstr(const char *s);
+/* {"value": TEXT} for bytes that are UTF-8, else {"value_base64": BASE64}. */
+json_t *ctl_jbytes(const void *data, size_t len);
+/* Prints v (stolen; NULL means a failed build) on one compact line. EXIT_OK or EXIT_ERROR. */
+int ctl_json_print(json_t *v);
+
 const char *ctl_state_name(Pshard__ClusterState s);
 const char *ctl_role_name(Pshard__Role r);
-void ctl_json_member(FILE *out, const Pshard__Member *m);
+json_t *ctl_json_member(const Pshard__Member *m);
+json_t *ctl_json_members(Pshard__Member **members, size_t n);
 void ctl_print_members(FILE *out, Pshard__Member **members, size_t n);
-void ctl_json_joins(FILE *out, Pshard__JoinEntry **joins, size_t n);
+json_t *ctl_json_joins(Pshard__JoinEntry **joins, size_t n);
 void ctl_print_joins(FILE *out, const Pshard__StatusResponse *st);
 
 /* The commands; argv holds the words after the command's name. */

@@ -1,9 +1,11 @@
-/* What pshardctl's commands share: the error line, the coordinator call, and the member and
- * Join tables and their JSON. */
+/* What pshardctl's commands share: the error line, the coordinator call, the member and Join
+ * tables, and their JSON (jansson, with text that is not UTF-8 made safe). */
 
 #include <inttypes.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ctl.h"
@@ -19,27 +21,92 @@ int ctl_fail(const char *fmt, ...)
     return EXIT_ERROR;
 }
 
-/* Writes s as a JSON string literal. */
-void ctl_json_str(FILE *out, const char *s, size_t len)
+/* Length of the valid UTF-8 sequence at p (n bytes left), or 0: overlong forms, surrogates
+ * and code points past U+10FFFF are not valid. */
+static size_t utf8_at(const unsigned char *p, size_t n)
 {
-    fputc('"', out);
-    for (size_t i = 0; i < len; i++) {
-        unsigned char ch = (unsigned char)s[i];
-        if (ch == '"' || ch == '\\')
-            fprintf(out, "\\%c", ch);
-        else if (ch == '\n')
-            fputs("\\n", out);
-        else if (ch < 0x20 || ch == 0x7f)
-            fprintf(out, "\\u%04x", ch);
-        else
-            fputc(ch, out);
-    }
-    fputc('"', out);
+    if (p[0] < 0x80)
+        return 1;
+    size_t len = p[0] >= 0xc2 && p[0] <= 0xdf ? 2 : p[0] >= 0xe0 && p[0] <= 0xef ? 3
+                 : p[0] >= 0xf0 && p[0] <= 0xf4                             ? 4
+                                                                            : 0;
+    if (len == 0 || len > n)
+        return 0;
+    for (size_t i = 1; i < len; i++)
+        if ((p[i] & 0xc0) != 0x80)
+            return 0;
+    if ((p[0] == 0xe0 && p[1] < 0xa0) || (p[0] == 0xed && p[1] > 0x9f) ||
+        (p[0] == 0xf0 && p[1] < 0x90) || (p[0] == 0xf4 && p[1] > 0x8f))
+        return 0;
+    return len;
 }
 
-void ctl_json_cstr(FILE *out, const char *s)
+json_t *ctl_jstrn(const char *s, size_t len)
 {
-    ctl_json_str(out, s ? s : "", s ? strlen(s) : 0);
+    json_t *v = json_stringn(s ? s : "", s ? len : 0);
+    if (v || !s)
+        return v;
+    /* Not UTF-8: JSON holds text only, so each stray byte shows as U+FFFD. */
+    char *clean = malloc(len * 3 + 1);
+    if (!clean)
+        return NULL;
+    size_t o = 0;
+    for (size_t i = 0; i < len;) {
+        size_t k = utf8_at((const unsigned char *)s + i, len - i);
+        if (k == 0) {
+            memcpy(clean + o, "\xef\xbf\xbd", 3);
+            o += 3;
+            i++;
+        } else {
+            memcpy(clean + o, s + i, k);
+            o += k;
+            i += k;
+        }
+    }
+    v = json_stringn(clean, o);
+    free(clean);
+    return v;
+}
+
+json_t *ctl_jstr(const char *s)
+{
+    return ctl_jstrn(s, s ? strlen(s) : 0);
+}
+
+json_t *ctl_jbytes(const void *data, size_t len)
+{
+    json_t *text = json_stringn(data ? data : "", data ? len : 0);
+    if (text)
+        return json_pack("{s:o}", "value", text);
+    static const char b64[] =
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const unsigned char *p = data;
+    char *out = malloc((len + 2) / 3 * 4 + 1);
+    if (!out)
+        return NULL;
+    size_t o = 0;
+    for (size_t i = 0; i < len; i += 3) {
+        uint32_t w = (uint32_t)p[i] << 16 | (i + 1 < len ? (uint32_t)p[i + 1] << 8 : 0) |
+                     (i + 2 < len ? p[i + 2] : 0);
+        out[o++] = b64[w >> 18 & 63];
+        out[o++] = b64[w >> 12 & 63];
+        out[o++] = i + 1 < len ? b64[w >> 6 & 63] : '=';
+        out[o++] = i + 2 < len ? b64[w & 63] : '=';
+    }
+    json_t *v = json_pack("{s:s%}", "value_base64", out, o);
+    free(out);
+    return v;
+}
+
+int ctl_json_print(json_t *v)
+{
+    if (!v)
+        return ctl_fail("out of memory building the JSON output");
+    int rc = json_dumpf(v, stdout, JSON_COMPACT) == 0 ? EXIT_OK : EXIT_ERROR;
+    fputc('\n', stdout);
+    fflush(stdout);
+    json_decref(v);
+    return rc;
 }
 
 const char *ctl_state_name(Pshard__ClusterState s)
@@ -63,22 +130,26 @@ const char *ctl_role_name(Pshard__Role r)
                                            : "unknown";
 }
 
-void ctl_json_member(FILE *out, const Pshard__Member *m)
+json_t *ctl_json_member(const Pshard__Member *m)
 {
-    fputs("{\"member_id\":", out);
-    ctl_json_cstr(out, m->member_id);
-    fprintf(out, ",\"role\":\"%s\",\"name\":", ctl_role_name(m->role));
-    ctl_json_cstr(out, m->name);
-    fprintf(out, ",\"rank\":%d,\"address\":", m->rank);
-    ctl_json_cstr(out, m->address);
-    fputs(",\"node\":", out);
-    ctl_json_cstr(out, m->node);
-    fputs(",\"device\":", out);
-    ctl_json_cstr(out, m->device);
-    fprintf(out,
-            ",\"lease_remaining_ms\":%" PRId64 ",\"last_heartbeat_ms_ago\":%" PRId64
-            ",\"registered_generation\":%" PRIu64 "}",
-            m->lease_remaining_ms, m->last_heartbeat_ms_ago, m->registered_generation);
+    return json_pack("{s:o,s:s,s:o,s:i,s:o,s:o,s:o,s:I,s:I,s:I}", "member_id",
+                     ctl_jstr(m->member_id), "role", ctl_role_name(m->role), "name",
+                     ctl_jstr(m->name), "rank", m->rank, "address", ctl_jstr(m->address), "node",
+                     ctl_jstr(m->node), "device", ctl_jstr(m->device), "lease_remaining_ms",
+                     (json_int_t)m->lease_remaining_ms, "last_heartbeat_ms_ago",
+                     (json_int_t)m->last_heartbeat_ms_ago, "registered_generation",
+                     (json_int_t)m->registered_generation);
+}
+
+json_t *ctl_json_members(Pshard__Member **members, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < n; i++)
+        if (json_array_append_new(a, ctl_json_member(members[i])) != 0) {
+            json_decref(a);
+            return NULL;
+        }
+    return a;
 }
 
 void ctl_print_members(FILE *out, Pshard__Member **members, size_t n)
@@ -110,23 +181,22 @@ int ctl_called(const char *what, pshard_status_t rc)
     return EXIT_OK;
 }
 
-/* ---- Join table ------------------------------------------------------------------------ */
-
-void ctl_json_joins(FILE *out, Pshard__JoinEntry **joins, size_t n)
+json_t *ctl_json_joins(Pshard__JoinEntry **joins, size_t n)
 {
-    fputc('[', out);
-    for (size_t i = 0; i < n; i++) {
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < n; i++) {
         const Pshard__JoinEntry *j = joins[i];
-        if (i)
-            fputc(',', out);
-        fprintf(out, "{\"rank\":%d,\"member_id\":", j->rank);
-        ctl_json_cstr(out, j->member_id);
-        fprintf(out,
-                ",\"step\":%" PRId64 ",\"joined_ms_ago\":%" PRId64
-                ",\"throw_on_early_termination\":%s}",
-                j->step, j->joined_ms_ago, j->throw_on_early_termination ? "true" : "false");
+        if (json_array_append_new(a, json_pack("{s:i,s:o,s:I,s:I,s:b}", "rank", j->rank,
+                                               "member_id", ctl_jstr(j->member_id), "step",
+                                               (json_int_t)j->step, "joined_ms_ago",
+                                               (json_int_t)j->joined_ms_ago,
+                                               "throw_on_early_termination",
+                                               j->throw_on_early_termination)) != 0) {
+            json_decref(a);
+            return NULL;
+        }
     }
-    fputc(']', out);
+    return a;
 }
 
 void ctl_print_joins(FILE *out, const Pshard__StatusResponse *st)

@@ -178,50 +178,82 @@ static void print_servers_table(FILE *out, const server_probe_t *probes, size_t 
         fprintf(out, "(no shard servers)\n");
 }
 
-static void json_servers(FILE *out, const server_probe_t *probes, size_t n)
+/* Appends s to array a; false (a freed) without memory. */
+static bool append(json_t *a, json_t *v)
 {
-    fputc('[', out);
-    for (size_t i = 0; i < n; i++) {
+    return json_array_append_new(a, v) == 0;
+}
+
+static json_t *json_servers(const server_probe_t *probes, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < n; i++) {
         const server_probe_t *p = &probes[i];
-        if (i)
-            fputc(',', out);
-        fprintf(out, "{\"rank\":%d,\"name\":", p->member->rank);
-        ctl_json_cstr(out, p->member->name);
-        fputs(",\"address\":", out);
-        ctl_json_cstr(out, p->member->address);
-        if (p->rc != PSHARD_OK) {
-            fputs(",\"reachable\":false,\"error\":", out);
-            ctl_json_cstr(out, p->err);
-            fprintf(out, ",\"status\":\"%s\"}", pshard_status_name(p->rc));
-            continue;
+        json_t *o = json_pack("{s:i,s:o,s:o,s:b}", "rank", p->member->rank, "name",
+                              ctl_jstr(p->member->name), "address", ctl_jstr(p->member->address),
+                              "reachable", p->rc == PSHARD_OK);
+        if (o && p->rc != PSHARD_OK) {
+            json_t *why = json_pack("{s:o,s:s}", "error", ctl_jstr(p->err), "status",
+                                    pshard_status_name(p->rc));
+            if (!why || json_object_update(o, why) != 0)
+                json_decref(o), o = NULL;
+            json_decref(why);
+        } else if (o) {
+            const Pshard__ShardStatusResponse *r = p->resp;
+            json_t *stuck = json_array(), *records = json_array();
+            for (size_t k = 0; stuck && records && k < r->n_flight_records; k++) {
+                if (!append(records, ctl_jstr(r->flight_records[k])) ||
+                    (flight_line_is_stuck(r->flight_records[k]) &&
+                     !append(stuck, ctl_jstr(r->flight_records[k]))))
+                    break;
+            }
+            json_t *more = json_pack("{s:i,s:i,s:I,s:b,s:I,s:o,s:o,s:o,s:o}", "server_rank",
+                                     r->rank, "world_size", r->world_size, "step",
+                                     (json_int_t)r->step, "attached", r->attached, "generation",
+                                     (json_int_t)r->generation, "backend", ctl_jstr(r->backend),
+                                     "placement", ctl_jstr(r->placement), "stuck", stuck,
+                                     "flight_records", records);
+            if (!more || json_object_update(o, more) != 0)
+                json_decref(o), o = NULL;
+            json_decref(more);
         }
-        const Pshard__ShardStatusResponse *r = p->resp;
-        fprintf(out,
-                ",\"reachable\":true,\"server_rank\":%d,\"world_size\":%d,\"step\":%" PRId64
-                ",\"attached\":%s,\"generation\":%" PRIu64 ",\"backend\":",
-                r->rank, r->world_size, r->step, r->attached ? "true" : "false", r->generation);
-        ctl_json_cstr(out, r->backend);
-        fputs(",\"placement\":", out);
-        ctl_json_cstr(out, r->placement);
-        fputs(",\"stuck\":[", out);
-        bool first = true;
-        for (size_t k = 0; k < r->n_flight_records; k++) {
-            if (!flight_line_is_stuck(r->flight_records[k]))
-                continue;
-            if (!first)
-                fputc(',', out);
-            first = false;
-            ctl_json_cstr(out, r->flight_records[k]);
+        if (!o || !append(a, o)) {
+            json_decref(a);
+            return NULL;
         }
-        fputs("],\"flight_records\":[", out);
-        for (size_t k = 0; k < r->n_flight_records; k++) {
-            if (k)
-                fputc(',', out);
-            ctl_json_cstr(out, r->flight_records[k]);
-        }
-        fputs("]}", out);
     }
-    fputc(']', out);
+    return a;
+}
+
+static json_t *json_jobs(const Pshard__StatusResponse *st)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < st->n_jobs; i++) {
+        const Pshard__JobSummary *j = st->jobs[i];
+        if (!append(a, json_pack("{s:o,s:s,s:I,s:i,s:i,s:I,s:I}", "job", ctl_jstr(j->job), "state",
+                                 ctl_state_name(j->state), "generation",
+                                 (json_int_t)j->generation, "world_size", j->world_size,
+                                 "members", (int)j->members, "store_keys",
+                                 (json_int_t)j->store_keys, "idle_ms", (json_int_t)j->idle_ms))) {
+            json_decref(a);
+            return NULL;
+        }
+    }
+    return a;
+}
+
+static json_t *json_counters(const Pshard__StatusResponse *st)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < st->n_counters; i++) {
+        const Pshard__MethodCounter *c = st->counters[i];
+        if (!append(a, json_pack("{s:o,s:I,s:I}", "method", ctl_jstr(c->method), "calls",
+                                 (json_int_t)c->calls, "errors", (json_int_t)c->errors))) {
+            json_decref(a);
+            return NULL;
+        }
+    }
+    return a;
 }
 
 /* status and members. status also asks every shard server for its own status (see
@@ -236,61 +268,33 @@ int cmd_status(bool members_only)
     size_t nprobes = 0;
     server_probe_t *probes = members_only ? NULL : probe_servers(st, &nprobes);
     if (ctl_opts.json) {
+        json_t *v;
         if (members_only) {
-            fputc('[', stdout);
-            for (size_t i = 0; i < st->n_members; i++) {
-                if (i)
-                    fputc(',', stdout);
-                ctl_json_member(stdout, st->members[i]);
-            }
-            fputs("]\n", stdout);
+            v = ctl_json_members(st->members, st->n_members);
         } else {
-            printf("{\"version\":");
-            ctl_json_cstr(stdout, st->version);
-            fputs(",\"job\":", stdout);
-            ctl_json_cstr(stdout, st->job);
-            fputs(",\"jobs\":[", stdout);
-            for (size_t i = 0; i < st->n_jobs; i++) {
-                const Pshard__JobSummary *j = st->jobs[i];
-                fputs(i ? ",{\"job\":" : "{\"job\":", stdout);
-                ctl_json_cstr(stdout, j->job);
-                printf(",\"state\":\"%s\",\"generation\":%" PRIu64 ",\"world_size\":%d,"
-                       "\"members\":%u,\"store_keys\":%" PRIu64 ",\"idle_ms\":%" PRId64 "}",
-                       ctl_state_name(j->state), j->generation, j->world_size, j->members,
-                       j->store_keys, j->idle_ms);
+            v = json_pack("{s:o,s:o,s:o,s:I,s:I,s:s,s:i,s:i,s:i,s:o,s:I,s:I,s:I,s:I,s:I,s:I}",
+                          "version", ctl_jstr(st->version), "job", ctl_jstr(st->job), "jobs",
+                          json_jobs(st), "generation", (json_int_t)st->generation,
+                          "formed_generation", (json_int_t)st->formed_generation, "state",
+                          ctl_state_name(st->state), "world_size", st->world_size, "min_nodes",
+                          st->min_nodes, "max_nodes", st->max_nodes, "awaiting",
+                          ctl_jstr(st->awaiting), "last_call_remaining_ms",
+                          (json_int_t)st->last_call_remaining_ms, "uptime_ms",
+                          (json_int_t)st->uptime_ms, "store_keys", (json_int_t)st->store_keys,
+                          "store_waiters", (json_int_t)st->store_waiters, "lease_ms",
+                          (json_int_t)st->lease_ms, "heartbeat_ms", (json_int_t)st->heartbeat_ms);
+            json_t *rest = json_pack("{s:o,s:o,s:i,s:o,s:o}", "members",
+                                     ctl_json_members(st->members, st->n_members), "joins",
+                                     ctl_json_joins(st->joins, st->n_joins), "last_joiner",
+                                     st->last_joiner, "servers", json_servers(probes, nprobes),
+                                     "counters", json_counters(st));
+            if (v && (!rest || json_object_update(v, rest) != 0)) {
+                json_decref(v);
+                v = NULL;
             }
-            fputc(']', stdout);
-            printf(",\"generation\":%" PRIu64 ",\"formed_generation\":%" PRIu64
-                   ",\"state\":\"%s\",\"world_size\":%d,"
-                   "\"min_nodes\":%d,\"max_nodes\":%d,\"awaiting\":",
-                   st->generation, st->formed_generation, ctl_state_name(st->state), st->world_size,
-                   st->min_nodes, st->max_nodes);
-            ctl_json_cstr(stdout, st->awaiting);
-            printf(",\"last_call_remaining_ms\":%" PRId64 ",\"uptime_ms\":%" PRId64
-                   ",\"store_keys\":%" PRIu64 ",\"store_waiters\":%" PRIu64 ",\"lease_ms\":%" PRId64
-                   ",\"heartbeat_ms\":%" PRId64 ",\"members\":[",
-                   st->last_call_remaining_ms, st->uptime_ms, st->store_keys, st->store_waiters,
-                   st->lease_ms, st->heartbeat_ms);
-            for (size_t i = 0; i < st->n_members; i++) {
-                if (i)
-                    fputc(',', stdout);
-                ctl_json_member(stdout, st->members[i]);
-            }
-            fputs("],\"joins\":", stdout);
-            ctl_json_joins(stdout, st->joins, st->n_joins);
-            printf(",\"last_joiner\":%d,\"servers\":", st->last_joiner);
-            json_servers(stdout, probes, nprobes);
-            fputs(",\"counters\":[", stdout);
-            for (size_t i = 0; i < st->n_counters; i++) {
-                if (i)
-                    fputc(',', stdout);
-                fputs("{\"method\":", stdout);
-                ctl_json_cstr(stdout, st->counters[i]->method);
-                printf(",\"calls\":%" PRIu64 ",\"errors\":%" PRIu64 "}", st->counters[i]->calls,
-                       st->counters[i]->errors);
-            }
-            fputs("]}\n", stdout);
+            json_decref(rest);
         }
+        rc = ctl_json_print(v);
     } else {
         if (!members_only) {
             printf("coordinator  %s (pshard %s, up %" PRId64 " s)\n", ctl_opts.coordinator, st->version,
@@ -341,7 +345,7 @@ int cmd_status(bool members_only)
     }
     free_probes(probes, nprobes);
     protobuf_c_message_free_unpacked(&st->base, NULL);
-    return EXIT_OK;
+    return rc;
 }
 
 int cmd_health(int argc, char **argv)
@@ -359,7 +363,8 @@ int cmd_health(int argc, char **argv)
     const char *service = *req.service ? req.service : "(server)";
     if (rc == PSHARD_ERR_NOT_FOUND) {
         if (ctl_opts.json)
-            printf("{\"service\":\"%s\",\"status\":\"SERVICE_UNKNOWN\"}\n", service);
+            ctl_json_print(json_pack("{s:o,s:s}", "service", ctl_jstr(service), "status",
+                                     "SERVICE_UNKNOWN"));
         else
             printf("%s: SERVICE_UNKNOWN\n", service);
         return EXIT_NOT_SERVING;
@@ -369,9 +374,7 @@ int cmd_health(int argc, char **argv)
     Grpc__Health__V1__HealthCheckResponse *resp = (Grpc__Health__V1__HealthCheckResponse *)msg;
     const char *name = resp->status == 1 ? "SERVING" : resp->status == 2 ? "NOT_SERVING" : "UNKNOWN";
     if (ctl_opts.json) {
-        fputs("{\"service\":", stdout);
-        ctl_json_cstr(stdout, service);
-        printf(",\"status\":\"%s\"}\n", name);
+        ctl_json_print(json_pack("{s:o,s:s}", "service", ctl_jstr(service), "status", name));
     } else {
         printf("%s: %s\n", service, name);
     }

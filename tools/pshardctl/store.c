@@ -23,16 +23,20 @@ int cmd_store(int argc, char **argv)
         if ((rc = CTL_CALL(store_get, &req, &r, timeout)) != EXIT_OK)
             return rc;
         if (ctl_opts.json) {
-            fputs("{\"key\":", stdout);
-            ctl_json_cstr(stdout, argv[1]);
-            fputs(",\"value\":", stdout);
-            ctl_json_str(stdout, (const char *)r->value.data, r->value.len);
-            fputs("}\n", stdout);
+            json_t *v = json_pack("{s:o}", "key", ctl_jstr(argv[1]));
+            json_t *value = ctl_jbytes(r->value.data, r->value.len);
+            if (v && (!value || json_object_update(v, value) != 0)) {
+                json_decref(v);
+                v = NULL;
+            }
+            json_decref(value);
+            rc = ctl_json_print(v);
         } else {
             fwrite(r->value.data, 1, r->value.len, stdout);
             fputc('\n', stdout);
         }
         protobuf_c_message_free_unpacked(&r->base, NULL);
+        return rc;
     } else if (strcmp(sub, "set") == 0 && argc == 3) {
         Pshard__StoreSetRequest req = PSHARD__STORE_SET_REQUEST__INIT;
         req.key = argv[1];
@@ -47,7 +51,7 @@ int cmd_store(int argc, char **argv)
         if ((rc = CTL_CALL(store_delete, &req, &r, timeout)) != EXIT_OK)
             return rc;
         if (ctl_opts.json)
-            printf("{\"deleted\":%s}\n", r->deleted ? "true" : "false");
+            ctl_json_print(json_pack("{s:b}", "deleted", r->deleted));
         else
             printf("%s\n", r->deleted ? "deleted" : "not set");
         protobuf_c_message_free_unpacked(&r->base, NULL);

@@ -12,19 +12,13 @@
 static void print_event(const Pshard__ClusterEvent *ev)
 {
     if (ctl_opts.json) {
-        printf("{\"generation\":%" PRIu64 ",\"state\":\"%s\",\"world_size\":%d,\"reason\":",
-               ev->generation, ctl_state_name(ev->state), ev->world_size);
-        ctl_json_cstr(stdout, ev->reason);
-        fputs(",\"members\":[", stdout);
-        for (size_t i = 0; i < ev->n_members; i++) {
-            if (i)
-                fputc(',', stdout);
-            ctl_json_member(stdout, ev->members[i]);
-        }
-        fputs("],\"joins\":", stdout);
-        ctl_json_joins(stdout, ev->joins, ev->n_joins);
-        printf(",\"last_joiner\":%d,\"members_omitted\":%u}\n", ev->last_joiner,
-               ev->members_omitted);
+        ctl_json_print(json_pack("{s:I,s:s,s:i,s:o,s:o,s:o,s:i,s:I}", "generation",
+                                 (json_int_t)ev->generation, "state", ctl_state_name(ev->state),
+                                 "world_size", ev->world_size, "reason", ctl_jstr(ev->reason),
+                                 "members", ctl_json_members(ev->members, ev->n_members),
+                                 "joins", ctl_json_joins(ev->joins, ev->n_joins), "last_joiner",
+                                 ev->last_joiner, "members_omitted",
+                                 (json_int_t)ev->members_omitted));
     } else {
         printf("generation %" PRIu64 "  %-8s  %zu members  %s", ev->generation,
                ctl_state_name(ev->state), ev->n_members + ev->members_omitted, ev->reason);
