@@ -571,29 +571,3 @@ pshard_status_t shard_ckpt_after_step(pshard_shard_server_t *s, pshard_comm_t *c
         return ps_errf(err, errlen, rc, "step %" PRId64 " was applied, but %s", m->step, serr);
     return PSHARD_OK;
 }
-
-void shard_handle_checkpoint(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
-{
-    pshard_shard_server_t *s = ctx;
-    const Pshard__CheckpointRequest *req = (const Pshard__CheckpointRequest *)request;
-    pshard_comm_t *comm = shard_op_begin(s, call, req->session, "no model is defined");
-    if (!comm)
-        return;
-    shard_model_t *m = s->model;
-    char err[1024] = "", dir[PATH_MAX] = "";
-    shard_sop_t sop = {.kind = SHARD_SOP_SAVE};
-    int active = 0;
-    pshard_status_t rc = shard_agree_active(s, comm, &sop, &active, NULL, err, sizeof(err));
-    if (rc == PSHARD_OK)
-        rc = shard_ckpt_save(s, comm, m, dir, sizeof(dir), err, sizeof(err));
-    int64_t step = m->step;
-    pthread_mutex_unlock(&s->op_mu);
-    if (rc != PSHARD_OK) {
-        ps_rpc_call_fail(call, rc, "%s", err);
-        return;
-    }
-    Pshard__CheckpointResponse out = PSHARD__CHECKPOINT_RESPONSE__INIT;
-    out.step = step;
-    out.dir = dir;
-    ps_rpc_call_reply(call, &out.base);
-}

@@ -141,12 +141,12 @@ pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm
 /* "step N, what" into buf (N the step being computed): a flight-recorder label. */
 const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, size_t len);
 
-/* The operations' cores, shared by the trainer-facing handlers and a joined rank shadowing
- * them (op_mu held). shard_gather_one all-gathers parameter p in dt into recv (full size);
+/* The operations' cores (shard_ops.c), shared by the trainer operations and a joined rank
+ * shadowing them (op_mu held). shard_gather_one all-gathers parameter p in dt into recv (full size);
  * shard_reduce_scatter_one reduce-scatters the full gradient send (dt) and adds this rank's
- * slice, averaged over active contributors, to the accumulator; shard_run_step (shard_step.c)
+ * slice, averaged over active contributors, to the accumulator; shard_run_step (shard_ops.c)
  * takes the step op's groups, clips and runs the optimizer on every trained slice, each with
- * its group's hyperparameters; shard_run_clip (shard_step.c) is clip_grad_norm: the global
+ * its group's hyperparameters; shard_run_clip (shard_ops.c) is clip_grad_norm: the global
  * norm of the trained accumulators (norm_type 2 or inf) into *total_norm, and with
  * max_norm > 0 their scaling; shard_run_collective runs a plain collective (an average is
  * over the active ranks). */
@@ -169,9 +169,6 @@ pshard_status_t shard_groups_from_pb(struct Pshard__OptimizerGroup *const *pb, s
                                      ps_optim_kind_t kind, shard_group_t **out, char *err,
                                      size_t errlen);
 
-/* The Step and ClipGradNorm handlers (shard_step.c). */
-void shard_handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
-void shard_handle_clip_grad_norm(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
 pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,
                                      void *recv, int active, char *err, size_t errlen);
 
@@ -194,12 +191,6 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
 pshard_status_t shard_ckpt_after_step(pshard_shard_server_t *s, pshard_comm_t *comm,
                                       shard_model_t *m, int64_t ckpt_request, char *err,
                                       size_t errlen);
-
-/* The Checkpoint handler (shard_ckpt.c). */
-void shard_handle_checkpoint(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
-
-/* The Join handler (shard_join.c). */
-void shard_handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
 
 /* Frees the join buffers (at shutdown). */
 void shard_join_free(pshard_shard_server_t *s);
@@ -232,13 +223,6 @@ bool shard_in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t a
 /* True when session names the attached trainer; otherwise fails the call and returns false.
  * Call with op_mu held. */
 bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session);
-
-/* What every trainer operation starts with: the communicator (UNAVAILABLE while the cluster
- * forms), op_mu taken, the session checked and, unless needs_model is NULL, a defined model
- * (else FAILED_PRECONDITION with needs_model as the message). Returns the communicator with
- * op_mu held, or NULL with the call already failed and op_mu not held. */
-pshard_comm_t *shard_op_begin(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session,
-                              const char *needs_model);
 
 /* PSHARD_OK when a model region of bytes fits this server's --max-model-memory, else
  * RESOURCE_EXHAUSTED saying so (shard_region.c). */

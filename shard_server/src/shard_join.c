@@ -16,52 +16,10 @@
 #include "pshard/util.h"
 
 #include "shard_internal.h"
+#include "shard_join.h"
+#include "shard_ops.h"
 
-/* An agreement record: REC_WORDS int64 per rank. */
-#define REC_WORDS 16
-#define REC_INLINE_IDS 4 /* W_IDS + 4 == REC_WORDS */
-#define AGREE_TAG 0x41475245u /* "AGRE" */
-
-enum { REC_OP = 1, REC_JOIN = 2, REC_JOINED = 3 };
-
-enum {
-    W_KIND = 0,
-    W_SOP,
-    W_DTYPE,
-    W_NIDS,
-    W_ARG, /* lr bits (step), max_norm bits (clip) or collective op */
-    W_COUNT, /* element count (collective), group words (step), norm_type bits (clip) */
-    W_ROOT,  /* root (collective), set_lr (step) */
-    W_AVERAGE,
-    W_THROW,
-    W_STEP,
-    W_CKPT, /* the newest checkpoint request this rank has seen (not compared) */
-    W_HASH,
-    W_IDS, /* REC_INLINE_IDS words */
-};
-
-_Static_assert(W_IDS + REC_INLINE_IDS == REC_WORDS, "the record's words are all used");
-
-/* The outcome of one agreement round, the same on every rank. */
-typedef struct {
-    int world;
-    int active;         /* ranks that asked for an operation */
-    int first_active;   /* whose operation the round runs; -1 when none */
-    int throw_rank;     /* a joined rank that asked for throw_on_early_termination; -1 */
-    int64_t throw_step;
-    bool any_joined;    /* some rank is joined or joining */
-    bool all_joined;    /* no rank asked for an operation: the post hook */
-    int last_rank;      /* with all_joined: the highest rank that joined in this round */
-    bool desync;
-    char desync_msg[512];
-    int64_t ckpt_request; /* the newest checkpoint request any rank has seen */
-    shard_sop_t op;     /* the agreed operation (ids point into ids_buf or the records) */
-    uint32_t ids_buf_inline[REC_INLINE_IDS];
-    uint32_t *ids_heap;
-    int64_t *words_heap; /* a step's groups, broadcast for joined ranks */
-} agreement_t;
-
-static void agreement_free(agreement_t *ag)
+void shard_agreement_free(agreement_t *ag)
 {
     free(ag->ids_heap);
     free(ag->words_heap);
@@ -105,8 +63,8 @@ static double bits_double(int64_t w)
     return v;
 }
 
-static void rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_flag, int64_t step,
-                       int64_t ckpt)
+void shard_rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_flag, int64_t step,
+                      int64_t ckpt)
 {
     memset(r, 0, REC_WORDS * sizeof(int64_t));
     r[W_KIND] = kind;
@@ -176,59 +134,10 @@ static void rec_format(const int64_t *r, char *buf, size_t len)
         snprintf(buf, len, "%s", sop_name(r[W_SOP]));
 }
 
-/* Broadcasts the agreed step's group words from the first active rank when a joined rank
- * needs them (every rank decides alike from the records); otherwise an active rank keeps its
- * own (the hash comparison made them equal). */
-static pshard_status_t share_words(pshard_comm_t *comm, agreement_t *ag, int rank,
-                                   const shard_sop_t *mine, char *err, size_t errlen)
-{
-    shard_sop_t *op = &ag->op;
-    if (!ag->any_joined || ag->desync || ag->throw_rank >= 0) {
-        op->words = mine ? mine->words : NULL; /* only active ranks go on to use it */
-        return PSHARD_OK;
-    }
-    ag->words_heap = calloc(op->nwords, sizeof(int64_t));
-    if (!ag->words_heap)
-        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    if (rank == ag->first_active)
-        memcpy(ag->words_heap, mine->words, op->nwords * sizeof(int64_t));
-    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64,
-                            .send = ag->words_heap, .recv = ag->words_heap, .count = op->nwords,
-                            .root = ag->first_active, .tag = AGREE_TAG + 2,
-                            .label = "agreement groups"};
-    op->words = ag->words_heap;
-    return pshard_coll_run(comm, &b, err, errlen);
-}
-
-/* Runs one agreement round: this rank's record is (kind, mine). On success *ag holds the
- * outcome (free with agreement_free); errors are the all-gather's, or DESYNC for records no
- * pshard server sends. */
-static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int kind,
-                             const shard_sop_t *mine, bool throw_flag, agreement_t *ag,
-                             char *err, size_t errlen)
+pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t *ag, char *err,
+                                    size_t errlen)
 {
     memset(ag, 0, sizeof(*ag));
-    int world = pshard_comm_world_size(comm), rank = pshard_comm_rank(comm);
-    size_t need = (size_t)world * REC_WORDS;
-    if (s->agree_cap < need) {
-        int64_t *nb = realloc(s->agree_buf, need * sizeof(int64_t));
-        if (!nb)
-            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        s->agree_buf = nb;
-        s->agree_cap = need;
-    }
-    int64_t rec[REC_WORDS];
-    pthread_mutex_lock(&s->mu);
-    int64_t ckpt = s->ckpt_requested;
-    pthread_mutex_unlock(&s->mu);
-    rec_encode(rec, kind, mine, throw_flag, s->model ? s->model->step : 0, ckpt);
-    char label[64];
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_INT64, .send = rec,
-                            .recv = s->agree_buf, .count = REC_WORDS, .tag = AGREE_TAG,
-                            .label = shard_op_label(s->model, "agreement", label,
-                                                    sizeof(label))};
-    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-    const int64_t *recs = s->agree_buf;
     ag->world = world;
     ag->first_active = -1;
     ag->throw_rank = -1;
@@ -294,8 +203,6 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
         op->lr = bits_double(f[W_ARG]);
         op->nwords = (size_t)f[W_COUNT];
         op->set_lr = f[W_ROOT] != 0;
-        if (op->nwords > 0)
-            return share_words(comm, ag, rank, mine, err, errlen);
         return PSHARD_OK;
     }
     if (op->kind == SHARD_SOP_CLIP) {
@@ -310,8 +217,70 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
         for (size_t i = 0; i < op->nids; i++)
             ag->ids_buf_inline[i] = (uint32_t)f[W_IDS + i];
         op->ids = ag->ids_buf_inline;
+    }
+    return PSHARD_OK;
+}
+
+/* Broadcasts the agreed step's group words from the first active rank when a joined rank
+ * needs them (every rank decides alike from the records); otherwise an active rank keeps its
+ * own (the hash comparison made them equal). */
+static pshard_status_t share_words(pshard_comm_t *comm, agreement_t *ag, int rank,
+                                   const shard_sop_t *mine, char *err, size_t errlen)
+{
+    shard_sop_t *op = &ag->op;
+    if (!ag->any_joined || ag->desync || ag->throw_rank >= 0) {
+        op->words = mine ? mine->words : NULL; /* only active ranks go on to use it */
         return PSHARD_OK;
     }
+    ag->words_heap = calloc(op->nwords, sizeof(int64_t));
+    if (!ag->words_heap)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    if (rank == ag->first_active)
+        memcpy(ag->words_heap, mine->words, op->nwords * sizeof(int64_t));
+    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64,
+                            .send = ag->words_heap, .recv = ag->words_heap, .count = op->nwords,
+                            .root = ag->first_active, .tag = AGREE_TAG + 2,
+                            .label = "agreement groups"};
+    op->words = ag->words_heap;
+    return pshard_coll_run(comm, &b, err, errlen);
+}
+
+/* Runs one agreement round: this rank's record is (kind, mine). On success *ag holds the
+ * outcome (free with agreement_free); errors are the all-gather's, or DESYNC for records no
+ * pshard server sends. */
+static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int kind,
+                             const shard_sop_t *mine, bool throw_flag, agreement_t *ag,
+                             char *err, size_t errlen)
+{
+    memset(ag, 0, sizeof(*ag));
+    int world = pshard_comm_world_size(comm), rank = pshard_comm_rank(comm);
+    size_t need = (size_t)world * REC_WORDS;
+    if (s->agree_cap < need) {
+        int64_t *nb = realloc(s->agree_buf, need * sizeof(int64_t));
+        if (!nb)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        s->agree_buf = nb;
+        s->agree_cap = need;
+    }
+    int64_t rec[REC_WORDS];
+    pthread_mutex_lock(&s->mu);
+    int64_t ckpt = s->ckpt_requested;
+    pthread_mutex_unlock(&s->mu);
+    shard_rec_encode(rec, kind, mine, throw_flag, s->model ? s->model->step : 0, ckpt);
+    char label[64];
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_INT64, .send = rec,
+                            .recv = s->agree_buf, .count = REC_WORDS, .tag = AGREE_TAG,
+                            .label = shard_op_label(s->model, "agreement", label,
+                                                    sizeof(label))};
+    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    PS_CHECK(shard_agree_verdict(s->agree_buf, world, ag, err, errlen));
+    shard_sop_t *op = &ag->op;
+    if (ag->all_joined || op->kind == SHARD_SOP_CLIP)
+        return PSHARD_OK;
+    if (op->kind == SHARD_SOP_STEP)
+        return op->nwords > 0 ? share_words(comm, ag, rank, mine, err, errlen) : PSHARD_OK;
+    if (op->nids <= REC_INLINE_IDS)
+        return PSHARD_OK;
     /* Longer lists travel only when a joined rank needs them: everyone can tell from the
      * records, so every rank makes the same decision. */
     if (!ag->any_joined || ag->desync || ag->throw_rank >= 0) {
@@ -338,6 +307,25 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
     return rc;
 }
 
+pshard_status_t shard_agree_refusal(const agreement_t *ag, const shard_sop_t *op,
+                                    const int64_t *recs, char *err, size_t errlen)
+{
+    if (ag->desync)
+        return ps_errf(err, errlen, PSHARD_ERR_DESYNC, "%s", ag->desync_msg);
+    if (ag->throw_rank >= 0)
+        return ps_errf(err, errlen, PSHARD_ERR_JOINED,
+                       "rank %d joined at step %" PRId64 " (its trainer ran out of input) "
+                       "with throw_on_early_termination: this %s ran on no rank; call "
+                       "pshard_join to finish",
+                       ag->throw_rank, ag->throw_step, sop_name(op->kind));
+    if (op->kind == SHARD_SOP_COLLECTIVE && op->coll_op == PSHARD_COLL_BROADCAST &&
+        op->root >= 0 && op->root < ag->world &&
+        recs[(size_t)op->root * REC_WORDS + W_KIND] != REC_OP)
+        return ps_errf(err, errlen, PSHARD_ERR_JOINED,
+                       "the broadcast's root, rank %d, has joined (no more input)", op->root);
+    return PSHARD_OK;
+}
+
 pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm,
                                    const shard_sop_t *op, int *active, int64_t *ckpt_request,
                                    char *err, size_t errlen)
@@ -345,25 +333,12 @@ pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm
     agreement_t ag;
     pshard_status_t rc = agree(s, comm, REC_OP, op, false, &ag, err, errlen);
     if (rc == PSHARD_OK) {
-        if (ag.desync) {
-            rc = ps_errf(err, errlen, PSHARD_ERR_DESYNC, "%s", ag.desync_msg);
-        } else if (ag.throw_rank >= 0) {
-            rc = ps_errf(err, errlen, PSHARD_ERR_JOINED,
-                         "rank %d joined at step %" PRId64 " (its trainer ran out of input) "
-                         "with throw_on_early_termination: this %s ran on no rank; call "
-                         "pshard_join to finish",
-                         ag.throw_rank, ag.throw_step, sop_name(op->kind));
-        } else if (op->kind == SHARD_SOP_COLLECTIVE && op->coll_op == PSHARD_COLL_BROADCAST &&
-                   op->root >= 0 && op->root < ag.world &&
-                   s->agree_buf[(size_t)op->root * REC_WORDS + W_KIND] != REC_OP) {
-            rc = ps_errf(err, errlen, PSHARD_ERR_JOINED,
-                         "the broadcast's root, rank %d, has joined (no more input)", op->root);
-        }
+        rc = shard_agree_refusal(&ag, op, s->agree_buf, err, errlen);
         *active = ag.active;
         if (ckpt_request)
             *ckpt_request = ag.ckpt_request;
     }
-    agreement_free(&ag);
+    shard_agreement_free(&ag);
     return rc;
 }
 
@@ -446,6 +421,8 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm,
 static void report_join(pshard_shard_server_t *s, Pshard__JoinPhase phase, int rank, int64_t step,
                         bool throw_flag, int last_rank)
 {
+    if (!s->coord)
+        return; /* no coordinator to tell (a server built without one, in the unit tests) */
     char id[64], key[64];
     pthread_mutex_lock(&s->mu);
     ps_strlcpy(id, s->member_id, sizeof(id));
@@ -464,16 +441,12 @@ static void report_join(pshard_shard_server_t *s, Pshard__JoinPhase phase, int r
         PS_WARN(PS_SUB_SHARD, "could not report the join to the coordinator: %s", err);
 }
 
-void shard_handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                               char *err, size_t errlen)
 {
-    pshard_shard_server_t *s = ctx;
-    const Pshard__JoinRequest *req = (const Pshard__JoinRequest *)request;
-    pshard_comm_t *comm =
-        shard_op_begin(s, call, req->session, "define the model before joining");
-    if (!comm)
-        return;
+    shard_join_result_t *res = op->arg;
     int rank = pshard_comm_rank(comm);
-    bool throw_flag = req->throw_on_early_termination;
+    bool throw_flag = res->throw_on_early_termination;
     pthread_mutex_lock(&s->mu);
     s->joined = true;
     s->joined_step = s->model->step;
@@ -482,18 +455,17 @@ void shard_handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, voi
     PS_INFO(PS_SUB_SHARD, "trainer joined at step %" PRId64 "%s; shadowing the other ranks",
             s->joined_step, throw_flag ? " (throw_on_early_termination)" : "");
     report_join(s, PSHARD__JOIN_PHASE__JOINED, rank, s->joined_step, throw_flag, -1);
-    char err[1024] = "";
     pshard_status_t rc = PSHARD_OK;
     int kind = REC_JOIN, last_rank = -1;
     for (;;) {
         agreement_t ag;
-        rc = agree(s, comm, kind, NULL, throw_flag, &ag, err, sizeof(err));
+        rc = agree(s, comm, kind, NULL, throw_flag, &ag, err, errlen);
         kind = REC_JOINED;
         if (rc != PSHARD_OK)
             break;
         if (ag.all_joined) {
             last_rank = ag.last_rank;
-            agreement_free(&ag);
+            shard_agreement_free(&ag);
             break;
         }
         bool skip = ag.desync || ag.throw_rank >= 0 ||
@@ -502,8 +474,8 @@ void shard_handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, voi
                      ag.op.root < ag.world &&
                      s->agree_buf[(size_t)ag.op.root * REC_WORDS + W_KIND] != REC_OP);
         if (!skip)
-            rc = follow(s, comm, &ag, err, sizeof(err));
-        agreement_free(&ag);
+            rc = follow(s, comm, &ag, err, errlen);
+        shard_agreement_free(&ag);
         if (rc != PSHARD_OK)
             break;
         if (!skip) {
@@ -514,25 +486,23 @@ void shard_handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, voi
     }
     pthread_mutex_lock(&s->mu);
     s->joined = false;
-    uint64_t shadowed = s->shadowed_ops;
+    res->shadowed = s->shadowed_ops;
     pthread_mutex_unlock(&s->mu);
-    int64_t step = s->model->step;
-    pthread_mutex_unlock(&s->op_mu);
+    res->step = s->model->step;
     if (rc != PSHARD_OK) {
         PS_WARN(PS_SUB_SHARD, "join ended with an error: %s", err);
-        ps_rpc_call_fail(call, rc, "while shadowing the other ranks after the join: %s", err);
-        return;
+        char why[1024];
+        ps_strlcpy(why, err, sizeof(why));
+        return ps_errf(err, errlen, rc, "while shadowing the other ranks after the join: %s",
+                       why);
     }
     PS_INFO(PS_SUB_SHARD, "every rank joined (last: rank %d) after %" PRIu64 " shadowed operations",
-            last_rank, shadowed);
+            last_rank, res->shadowed);
     if (rank == 0)
-        report_join(s, PSHARD__JOIN_PHASE__ALL_JOINED, rank, step, false, last_rank);
-    Pshard__JoinResponse out = PSHARD__JOIN_RESPONSE__INIT;
-    out.is_last_joiner = last_rank == rank;
-    out.last_rank = last_rank;
-    out.step = step;
-    out.shadowed_ops = shadowed;
-    ps_rpc_call_reply(call, &out.base);
+        report_join(s, PSHARD__JOIN_PHASE__ALL_JOINED, rank, res->step, false, last_rank);
+    res->is_last_joiner = last_rank == rank;
+    res->last_rank = last_rank;
+    return PSHARD_OK;
 }
 
 void shard_join_free(pshard_shard_server_t *s)

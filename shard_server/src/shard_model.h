@@ -143,4 +143,28 @@ void shard_groups_encode(const shard_group_t *groups, size_t n, int64_t *words);
 void shard_groups_decode(const int64_t *words, size_t n, ps_optim_kind_t kind,
                          shard_group_t *groups);
 
+/* The model's numerics on this rank's slices (host, or GPU-resident through m->dev). Errors are
+ * the device's. shard_model_slice_in: this rank's slice of parameter p in dt, for a gather
+ * (*out is the master weights in fp32, else the staging buffer). shard_model_slice_out: after
+ * p's reduce-scatter in dt with the reduced slice in the staging buffer, accumulates it
+ * averaged over the active ranks, or with optimizer_in_backward applies the update.
+ * shard_model_local_norm: this rank's part of the gradient norm of the trained accumulators,
+ * the sum of squares (inf false) or the largest magnitude. shard_model_scale_grads multiplies
+ * them by factor; shard_model_optimize runs one optimizer update of every trained slice
+ * (step m->step + 1; with set_lr, lr for every group); shard_model_take_groups takes a Step's
+ * groups (nwords words from the agreement, checked against the model); shard_model_zero_grads
+ * zeroes the accumulators. */
+pshard_status_t shard_model_slice_in(shard_model_t *m, uint32_t p, pshard_dtype_t dt,
+                                     const void **out, char *err, size_t errlen);
+pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype_t dt,
+                                      int active, char *err, size_t errlen);
+pshard_status_t shard_model_local_norm(shard_model_t *m, bool inf, double *out, char *err,
+                                       size_t errlen);
+pshard_status_t shard_model_scale_grads(shard_model_t *m, float factor, char *err, size_t errlen);
+pshard_status_t shard_model_optimize(shard_model_t *m, bool set_lr, double lr, char *err,
+                                     size_t errlen);
+pshard_status_t shard_model_take_groups(shard_model_t *m, const int64_t *words, size_t nwords,
+                                        char *err, size_t errlen);
+pshard_status_t shard_model_zero_grads(shard_model_t *m, char *err, size_t errlen);
+
 #endif

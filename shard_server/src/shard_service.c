@@ -1,7 +1,9 @@
-/* The shard server's trainer-facing gRPC service (attach shared memory, define the model,
- * gather, reduce-scatter, step, plain collectives, status) and its lifecycle; membership and
- * the communicator live in shard_member.c. Trainer operations run one at a time on worker threads (a collective
- * blocks), never on the completion-queue thread. */
+/* The shard server's trainer-facing gRPC service and its lifecycle: the handlers translate
+ * each request into an operation of shard_ops.h (attach, define the model, gather,
+ * reduce-scatter, step, clip_grad_norm, plain collectives, checkpoint, join) and its result
+ * into the reply; status answers from copies. Membership and the communicator live in
+ * shard_member.c, the regions' streaming in shard_region.c. Trainer operations run one at a
+ * time on worker threads (a collective blocks), never on the completion-queue thread. */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -29,6 +31,7 @@
 
 #include "shard_cuda.h"
 #include "shard_internal.h"
+#include "shard_ops.h"
 
 /* ---------------------------------------------------------------------------------------- */
 /* Helpers                                                                                   */
@@ -142,59 +145,53 @@ const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, 
     return buf;
 }
 
-/* The communicator if the cluster is up; otherwise fails the call and returns NULL. */
-static pshard_comm_t *comm_or_fail(pshard_shard_server_t *s, ps_rpc_call_t *call)
-{
-    pthread_mutex_lock(&s->mu);
-    pshard_comm_t *c = s->comm;
-    pshard_status_t fatal = s->fatal;
-    char msg[512];
-    ps_strlcpy(msg, s->fatal_msg, sizeof(msg));
-    pthread_mutex_unlock(&s->mu);
-    if (fatal != PSHARD_OK) {
-        ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE, "shard server failed: %s", msg);
-        return NULL;
-    }
-    if (!c)
-        ps_rpc_call_fail(call, PSHARD_ERR_UNAVAILABLE,
-                         "the cluster has not formed yet (or is re-forming); retry");
-    return c;
-}
-
-pshard_comm_t *shard_op_begin(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session,
-                              const char *needs_model)
-{
-    pshard_comm_t *comm = comm_or_fail(s, call);
-    if (!comm)
-        return NULL;
-    pthread_mutex_lock(&s->op_mu);
-    if (!shard_session_ok(s, call, session)) {
-        pthread_mutex_unlock(&s->op_mu);
-        return NULL;
-    }
-    if (needs_model && !s->model) {
-        pthread_mutex_unlock(&s->op_mu);
-        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION, "%s", needs_model);
-        return NULL;
-    }
-    return comm;
-}
-
 bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session)
 {
-    if (!s->session[0]) {
-        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
-                         "no trainer is attached; call Attach first");
-        return false;
+    char err[256];
+    pshard_status_t rc = shard_session_check(s, session, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        ps_rpc_call_fail(call, rc, "%s", err);
+    return rc == PSHARD_OK;
+}
+
+/* Ends a call with reply, or with rc and err. */
+static void answer(ps_rpc_call_t *call, pshard_status_t rc, const char *err,
+                   const ProtobufCMessage *reply)
+{
+    if (rc != PSHARD_OK)
+        ps_rpc_call_fail(call, rc, "%s", err);
+    else
+        ps_rpc_call_reply(call, reply);
+}
+
+pshard_status_t shard_groups_from_pb(struct Pshard__OptimizerGroup *const *pb, size_t n,
+                                     ps_optim_kind_t kind, shard_group_t **out, char *err,
+                                     size_t errlen)
+{
+    *out = NULL;
+    if (n == 0)
+        return PSHARD_OK;
+    if (n > SHARD_MAX_GROUPS)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%zu parameter groups; the limit is %d", n, SHARD_MAX_GROUPS);
+    shard_group_t *g = calloc(n, sizeof(*g));
+    if (!g)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        const Pshard__OptimizerGroup *p = pb[i];
+        g[i].cfg = (ps_optim_config_t){.kind = kind,
+                                       .lr = p->lr,
+                                       .momentum = p->momentum,
+                                       .dampening = p->dampening,
+                                       .nesterov = p->nesterov,
+                                       .weight_decay = p->weight_decay,
+                                       .beta1 = p->beta1,
+                                       .beta2 = p->beta2,
+                                       .eps = p->eps};
+        g[i].frozen = p->frozen;
     }
-    if (!session || strcmp(session, s->session) != 0) {
-        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
-                         "session '%s' is not the attached trainer's (another trainer attached "
-                         "since?)",
-                         session ? session : "");
-        return false;
-    }
-    return true;
+    *out = g;
+    return PSHARD_OK;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -224,9 +221,13 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
 {
     pshard_shard_server_t *s = ctx;
     const Pshard__AttachRequest *req = (const Pshard__AttachRequest *)request;
-    pshard_comm_t *comm = comm_or_fail(s, call);
-    if (!comm)
+    pshard_status_t crc = PSHARD_OK;
+    char cerr[512] = "";
+    pshard_comm_t *comm = shard_op_comm(s, &crc, cerr, sizeof(cerr));
+    if (!comm) {
+        ps_rpc_call_fail(call, crc, "%s", cerr);
         return;
+    }
     if (req->rank != pshard_comm_rank(comm)) {
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
                          "trainer rank %d attached to the shard server of rank %d (RANK and "
@@ -446,14 +447,24 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
     return rc;
 }
 
-static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+/* A DefineModel: its request, and what the reply reports. */
+typedef struct {
+    const Pshard__DefineModelRequest *req;
+    char resumed_from[4096];
+    uint64_t shard_numel, fingerprint;
+    int64_t step;
+} define_arg_t;
+
+/* Defines (or redefines) the model: checks everything this rank can alone, compares the
+ * definition with the other ranks' through the store, takes the initial values (from rank 0,
+ * or each rank's own) or the newest checkpoint, and adopts the new model and region only when
+ * all of it succeeded. */
+static pshard_status_t define_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                  char *err, size_t errlen)
 {
-    pshard_shard_server_t *s = ctx;
-    const Pshard__DefineModelRequest *req = (const Pshard__DefineModelRequest *)request;
-    pshard_comm_t *comm = shard_op_begin(s, call, req->session, NULL);
-    if (!comm)
-        return;
-    char err[1024] = "", resumed_from[4096] = "";
+    define_arg_t *a = op->arg;
+    const Pshard__DefineModelRequest *req = a->req;
+    char *resumed_from = a->resumed_from;
     pshard_status_t rc = PSHARD_OK;
     size_t n = req->n_params;
     const char **names = calloc(n ? n : 1, sizeof(char *));
@@ -463,7 +474,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     shard_group_t *groups = NULL;
     shm_map_t region = {0};
     if (!names || !shapes || !ndims) {
-        rc = ps_errf(err, sizeof(err), PSHARD_ERR_NO_MEMORY, "out of memory");
+        rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < n; i++) {
@@ -479,7 +490,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
                                                                        : PS_OPTIM_SGD;
     if (po && po->kind != PSHARD__OPTIMIZER_KIND__SGD && po->kind != PSHARD__OPTIMIZER_KIND__ADAM &&
         po->kind != PSHARD__OPTIMIZER_KIND__ADAMW) {
-        rc = ps_errf(err, sizeof(err), PSHARD_ERR_INVALID_ARGUMENT, "unknown optimizer %d",
+        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown optimizer %d",
                      (int)po->kind);
         goto out;
     }
@@ -499,17 +510,17 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     pshard_layout_t layout = req->layout == PSHARD__LAYOUT__FSDP1 ? PSHARD_LAYOUT_FSDP1
                                                                   : PSHARD_LAYOUT_FSDP2;
     if (req->layout != PSHARD__LAYOUT__FSDP1 && req->layout != PSHARD__LAYOUT__FSDP2) {
-        rc = ps_errf(err, sizeof(err), PSHARD_ERR_INVALID_ARGUMENT, "unknown layout %d",
+        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown layout %d",
                      (int)req->layout);
         goto out;
     }
     if (req->init != PSHARD__INIT_MODE__INIT_FROM_RANK0 &&
         req->init != PSHARD__INIT_MODE__INIT_LOCAL) {
-        rc = ps_errf(err, sizeof(err), PSHARD_ERR_INVALID_ARGUMENT, "unknown init mode %d",
+        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown init mode %d",
                      (int)req->init);
         goto out;
     }
-    rc = shard_region_size_ok(s, req->shm_bytes, err, sizeof(err));
+    rc = shard_region_size_ok(s, req->shm_bytes, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
     /* Map the region before allocating shard state, and adopt both only when everything
@@ -517,7 +528,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     if (!req->shm_name || !req->shm_name[0]) {
         /* A remote trainer: the region its WriteRegion calls filled (at least sized). */
         if (!s->pending_model.base || s->pending_model.bytes != req->shm_bytes) {
-            rc = ps_errf(err, sizeof(err), PSHARD_ERR_FAILED_PRECONDITION,
+            rc = ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                          "no %" PRIu64 "-byte model region was written (remote trainers send "
                          "WriteRegion with region_bytes first)",
                          req->shm_bytes);
@@ -526,40 +537,40 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         region = s->pending_model;
         memset(&s->pending_model, 0, sizeof(s->pending_model));
     } else {
-        rc = map_shm(req->shm_name, req->shm_bytes, &region, err, sizeof(err));
+        rc = map_shm(req->shm_name, req->shm_bytes, &region, err, errlen);
         if (rc != PSHARD_OK)
             goto out;
     }
-    rc = check_init_offsets(req, region.bytes, pshard_comm_rank(comm), err, sizeof(err));
+    rc = check_init_offsets(req, region.bytes, pshard_comm_rank(comm), err, errlen);
     if (rc != PSHARD_OK)
         goto out;
-    rc = shard_groups_from_pb(req->groups, req->n_groups, kind, &groups, err, sizeof(err));
+    rc = shard_groups_from_pb(req->groups, req->n_groups, kind, &groups, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
     rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n, names,
                             shapes, ndims, &oc, groups, req->n_groups, req->param_groups,
                             req->n_param_groups, po ? po->max_grad_norm : 0,
                             po && po->in_backward, s->dev, s->cfg.device, s->max_model_bytes, &m,
-                            err, sizeof(err));
+                            err, errlen);
     if (rc != PSHARD_OK)
         goto out;
-    rc = check_definitions(s, m, err, sizeof(err));
+    rc = check_definitions(s, m, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
     if (on_gpu(s)) {
         shard_pin_region(s, &region);
-        if (shard_model_pin(m, s->cfg.device, err, sizeof(err)) != PSHARD_OK)
+        if (shard_model_pin(m, s->cfg.device, err, errlen) != PSHARD_OK)
             PS_WARN(PS_SUB_SHARD, "shard state stays pageable (copies to the GPU are slower): %s",
                     err);
     }
-    rc = init_params(comm, m, req, &region, err, sizeof(err));
+    rc = init_params(comm, m, req, &region, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
     /* --resume: the newest committed checkpoint replaces the initial values (collective). */
     if (s->cfg.resume && *s->cfg.resume) {
         bool restored = false;
         rc = shard_ckpt_load(s, comm, m, s->cfg.resume, &restored, resumed_from,
-                             sizeof(resumed_from), err, sizeof(err));
+                             sizeof(a->resumed_from), err, errlen);
         if (rc != PSHARD_OK)
             goto out;
     }
@@ -582,209 +593,108 @@ out:
     free(names);
     free(shapes);
     free(ndims);
-    if (rc != PSHARD_OK) {
-        ps_rpc_call_fail(call, rc, "%s", err);
-    } else {
-        Pshard__DefineModelResponse out = PSHARD__DEFINE_MODEL_RESPONSE__INIT;
-        char fp[32];
-        snprintf(fp, sizeof(fp), "%016" PRIx64, s->model->fingerprint);
-        out.shard_elements = s->model->shard_numel;
-        out.fingerprint = fp;
-        out.step = s->model->step;
-        out.resumed_from = resumed_from;
-        ps_rpc_call_reply(call, &out.base);
+    if (rc == PSHARD_OK) {
+        a->fingerprint = s->model->fingerprint;
+        a->shard_numel = s->model->shard_numel;
+        a->step = s->model->step;
     }
-    pthread_mutex_unlock(&s->op_mu);
+    return rc;
 }
+
+static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    const Pshard__DefineModelRequest *req = (const Pshard__DefineModelRequest *)request;
+    define_arg_t a = {.req = req, .resumed_from = ""};
+    shard_op_t op = {.session = req->session, .opk = -1, .run = define_run, .arg = &a};
+    char err[1024] = "";
+    pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
+    Pshard__DefineModelResponse out = PSHARD__DEFINE_MODEL_RESPONSE__INIT;
+    char fp[32];
+    snprintf(fp, sizeof(fp), "%016" PRIx64, a.fingerprint);
+    out.shard_elements = a.shard_numel;
+    out.fingerprint = fp;
+    out.step = a.step;
+    out.resumed_from = a.resumed_from;
+    answer(call, rc, err, &out.base);
+}
+
+/* A Gather or ReduceScatter: its tensors, and the parameter ids the ranks agree on. */
+typedef struct {
+    Pshard__TensorRef **tensors;
+    size_t n;
+    uint32_t *ids;
+} tensors_arg_t;
 
 /* Checks the tensor list of a Gather/ReduceScatter against the model and the region; a
  * reduce-scatter may not name a frozen parameter. Every rank checks its own request before the
  * agreement, so ranks that ask alike refuse alike and none waits in a collective. */
-static bool tensors_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshard__TensorRef **t,
-                       size_t n, pshard_dtype_t dt, bool reduce)
+static pshard_status_t tensors_check(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                     shard_op_t *op, char *err, size_t errlen)
 {
+    tensors_arg_t *a = op->arg;
+    Pshard__TensorRef **t = a->tensors;
+    pshard_dtype_t dt = op->sop.dtype;
+    bool reduce = op->sop.kind == SHARD_SOP_REDUCE_SCATTER;
     shard_model_t *m = s->model;
-    if (!m) {
-        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
-                         "no model is defined; call DefineModel first");
-        return false;
-    }
-    if (!s->model_shm.base) {
-        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
-                         "the trainer re-attached: call DefineModel again to map its model "
-                         "region");
-        return false;
-    }
-    if (n == 0) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "no tensors named");
-        return false;
-    }
+    if (!s->model_shm.base)
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "the trainer re-attached: call DefineModel again to map its model region");
+    if (a->n == 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "no tensors named");
     size_t es = pshard_dtype_size(dt);
-    for (size_t i = 0; i < n; i++) {
-        if (t[i]->param >= m->nparams) {
-            ps_rpc_call_fail(call, PSHARD_ERR_NOT_FOUND,
-                             "unknown parameter #%u (the model has %zu)", t[i]->param,
-                             m->nparams);
-            return false;
-        }
+    for (size_t i = 0; i < a->n; i++) {
+        if (t[i]->param >= m->nparams)
+            return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND,
+                           "unknown parameter #%u (the model has %zu)", t[i]->param, m->nparams);
         const shard_param_t *p = &m->params[t[i]->param];
         uint32_t group = m->param_group[t[i]->param];
-        if (reduce && m->groups[group].frozen) {
-            ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION,
-                             "'%s' is frozen (parameter group %" PRIu32 ", requires_grad=False): "
-                             "it is gathered but never reduce-scattered or stepped; leave it out "
-                             "of the reduce-scatter",
-                             p->name, group);
-            return false;
-        }
-        if (!shard_in_region(&s->model_shm, t[i]->offset, (uint64_t)p->numel * es, es)) {
-            ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                             "buffer of '%s' (%zu x %s at offset %" PRIu64
-                             ") lies outside the model region of %zu bytes or is misaligned",
-                             p->name, p->numel, pshard_dtype_name(dt), t[i]->offset,
-                             s->model_shm.bytes);
-            return false;
-        }
+        if (reduce && m->groups[group].frozen)
+            return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                           "'%s' is frozen (parameter group %" PRIu32 ", requires_grad=False): "
+                           "it is gathered but never reduce-scattered or stepped; leave it out "
+                           "of the reduce-scatter",
+                           p->name, group);
+        if (!shard_in_region(&s->model_shm, t[i]->offset, (uint64_t)p->numel * es, es))
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "buffer of '%s' (%zu x %s at offset %" PRIu64
+                           ") lies outside the model region of %zu bytes or is misaligned",
+                           p->name, p->numel, pshard_dtype_name(dt), t[i]->offset,
+                           s->model_shm.bytes);
     }
-    return true;
+    a->ids = malloc(a->n * sizeof(uint32_t));
+    if (!a->ids)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    for (size_t i = 0; i < a->n; i++) {
+        a->ids[i] = t[i]->param;
+        op->bytes += (uint64_t)m->params[t[i]->param].numel * es;
+    }
+    op->sop.nids = a->n;
+    op->sop.ids = a->ids;
+    return PSHARD_OK;
 }
 
-pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                 pshard_dtype_t dt, void *recv, char *err, size_t errlen)
+/* One collective per tensor, in order, into or from the trainer's buffers. */
+static pshard_status_t tensors_run(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                   shard_op_t *op, char *err, size_t errlen)
 {
-    const float *mine = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
-    size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
-    const void *send = mine;
-    char label[64];
-    if (m->dev && dt != PSHARD_FP32) {
-        PS_CHECK(m->dev->convert(m->device, mine, m->stage, dt, cnt, err, errlen));
-        send = m->stage;
-    } else if (dt == PSHARD_BF16) {
-        ps_convert_f32_to_bf16(mine, m->stage, cnt);
-        send = m->stage;
-    } else if (dt == PSHARD_FP16) {
-        ps_convert_f32_to_f16(mine, m->stage, cnt);
-        send = m->stage;
-    }
-    pshard_coll_args_t a = {
-        .op = PSHARD_COLL_ALL_GATHER,
-        .dtype = dt,
-        .send = send,
-        .send_device = m->dev && !m->dev->host_memory,
-        .recv = recv,
-        .counts = ps_layout_counts(m->layout, p),
-        .tag = ((uint64_t)m->step << 32) | p,
-        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
-    };
-    return pshard_coll_run(comm, &a, err, errlen);
-}
-
-/* GPU-resident shards: what shard_reduce_scatter_one does on the host after its collective,
- * with the reduced slice in m->stage on the device; the same operations in the same order. */
-static pshard_status_t reduce_on_device(shard_model_t *m, uint32_t p, pshard_dtype_t dt, size_t cnt,
-                                        size_t off, bool all, float scale,
-                                        const ps_optim_config_t *cfg, double lr, char *err,
-                                        size_t errlen)
-{
-    if (m->in_backward) {
-        bool scaled = !all || dt != PSHARD_FP32;
-        double sq = 0;
-        PS_CHECK(
-            m->dev->sum_squares(m->device, m->stage, dt, cnt, scaled, scale, &sq, err, errlen));
-        m->grad_sq += sq;
-        ps_optim_scalars_t sc;
-        ps_optim_step_scalars(cfg, lr, m->step + 1, &sc);
-        PS_CHECK(m->dev->optim_step(m->device, &sc, m->master + off, m->stage, dt, scaled, scale,
-                                    m->state0 ? m->state0 + off : NULL,
-                                    m->state1 ? m->state1 + off : NULL, cnt, err, errlen));
-        m->reduced[p] = 1;
-        return PSHARD_OK;
-    }
-    bool scaled = dt != PSHARD_FP32 || !all;
-    return m->dev->accumulate(m->device, m->grad + off, m->stage, dt, cnt, scaled, scale, err,
-                              errlen);
-}
-
-pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                         pshard_dtype_t dt, const void *send, int active,
-                                         char *err, size_t errlen)
-{
-    size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
-    size_t off = ps_layout_shard_offset(m->layout, p, m->rank);
-    /* Checked before the collective, so every rank refuses alike and none waits. */
-    if (m->in_backward && m->reduced[p])
-        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
-                       "'%s' was already reduce-scattered in step %" PRId64 ": "
-                       "optimizer_in_backward applies the update at the first one, so gradient "
-                       "accumulation needs optimizer_in_backward off",
-                       m->params[p].name, m->step + 1);
-    /* With every rank contributing the collective averages (as before Join existed); with
-     * fewer, it sums and the sum is divided by the contributors here. */
-    bool all = active == m->world;
-    char label[64];
-    pshard_coll_args_t a = {
-        .op = PSHARD_COLL_REDUCE_SCATTER,
-        .dtype = dt,
-        .reduce = all ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
-        .send = send,
-        .recv = m->stage,
-        .recv_device = m->dev && !m->dev->host_memory,
-        .counts = ps_layout_counts(m->layout, p),
-        .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
-        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
-    };
-    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-    float scale = all ? 1.0f : (float)(1.0 / (double)(active > 0 ? active : 1));
-    /* In backward: the parameter's group's hyperparameters, and the lr of the last Step if it
-     * set one. */
-    const ps_optim_config_t *cfg = &m->groups[m->param_group[p]].cfg;
-    double lr = m->cur_lr_set ? m->cur_lr : cfg->lr;
-    if (m->dev)
-        return reduce_on_device(m, p, dt, cnt, off, all, scale, cfg, lr, err, errlen);
-    if (m->in_backward) {
-        /* The averaged slice, in fp32 in the staging buffer (bf16 widened in place, from the
-         * end, so no element is overwritten before it is read), updates the slice now. */
-        float *r = m->stage;
-        if (dt != PSHARD_FP32) {
-            const uint16_t *r16 = m->stage;
-            for (size_t k = cnt; k-- > 0;)
-                r[k] = ps_bf16_to_f32(r16[k]);
-        }
-        if (!all || dt != PSHARD_FP32)
-            for (size_t k = 0; k < cnt; k++)
-                r[k] *= scale;
-        m->grad_sq += ps_sum_squares(r, cnt);
-        ps_optim_step(cfg, lr, m->step + 1, m->master + off, r,
-                      m->state0 ? m->state0 + off : NULL, m->state1 ? m->state1 + off : NULL,
-                      cnt);
-        m->reduced[p] = 1;
-        return PSHARD_OK;
-    }
-    float *g = m->grad + off;
-    if (dt == PSHARD_FP32) {
-        const float *r = m->stage;
-        if (all)
-            for (size_t k = 0; k < cnt; k++)
-                g[k] += r[k];
-        else
-            for (size_t k = 0; k < cnt; k++)
-                g[k] += r[k] * scale;
-    } else {
-        const uint16_t *r = m->stage;
-        for (size_t k = 0; k < cnt; k++)
-            g[k] += ps_bf16_to_f32(r[k]) * scale;
+    tensors_arg_t *a = op->arg;
+    shard_model_t *m = s->model;
+    for (size_t i = 0; i < a->n; i++) {
+        uint8_t *buf = (uint8_t *)s->model_shm.base + a->tensors[i]->offset;
+        uint32_t p = a->tensors[i]->param;
+        PS_CHECK(op->sop.kind == SHARD_SOP_GATHER
+                     ? shard_gather_one(comm, m, p, op->sop.dtype, buf, err, errlen)
+                     : shard_reduce_scatter_one(comm, m, p, op->sop.dtype, buf, op->active, err,
+                                                errlen));
     }
     return PSHARD_OK;
 }
 
-/* What Gather and ReduceScatter share: checks, one collective per tensor in order, the reply. */
+/* What Gather and ReduceScatter share: the dtype, then the operation. */
 static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather,
                       const char *session, Pshard__TensorRef **tensors, size_t n,
                       Pshard__DType dtype_pb, const ProtobufCMessage *reply)
 {
-    pshard_comm_t *comm = comm_or_fail(s, call);
-    if (!comm)
-        return;
     pshard_dtype_t dt;
     bool dt_ok = dtype_from_pb(dtype_pb, &dt) &&
                  (gather ? dt != PSHARD_INT64 : (dt == PSHARD_FP32 || dt == PSHARD_BF16));
@@ -794,44 +704,21 @@ static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather
                                 : "reduce dtype must be fp32 or bf16");
         return;
     }
-    pthread_mutex_lock(&s->op_mu);
-    if (!shard_session_ok(s, call, session) || !tensors_ok(s, call, tensors, n, dt, !gather)) {
-        pthread_mutex_unlock(&s->op_mu);
-        return;
-    }
+    tensors_arg_t a = {.tensors = tensors, .n = n};
+    shard_op_t op = {
+        .session = session,
+        .needs_model = "no model is defined; call DefineModel first",
+        .agree = true,
+        .sop = {.kind = gather ? SHARD_SOP_GATHER : SHARD_SOP_REDUCE_SCATTER, .dtype = dt},
+        .opk = gather ? SHARD_OPK_GATHER : SHARD_OPK_REDUCE_SCATTER,
+        .check = tensors_check,
+        .run = tensors_run,
+        .arg = &a,
+    };
     char err[1024] = "";
-    pshard_status_t rc = PSHARD_OK;
-    uint32_t *ids = malloc(n * sizeof(uint32_t));
-    if (!ids) {
-        pthread_mutex_unlock(&s->op_mu);
-        ps_rpc_call_fail(call, PSHARD_ERR_NO_MEMORY, "out of memory");
-        return;
-    }
-    for (size_t i = 0; i < n; i++)
-        ids[i] = tensors[i]->param;
-    shard_sop_t sop = {.kind = gather ? SHARD_SOP_GATHER : SHARD_SOP_REDUCE_SCATTER,
-                       .dtype = dt, .nids = n, .ids = ids};
-    int64_t start_ns = ps_now_ns();
-    uint64_t bytes = 0;
-    for (size_t i = 0; i < n; i++)
-        bytes += (uint64_t)s->model->params[tensors[i]->param].numel * pshard_dtype_size(dt);
-    int active = 0;
-    rc = shard_agree_active(s, comm, &sop, &active, NULL, err, sizeof(err));
-    free(ids);
-    shard_model_t *m = s->model;
-    for (size_t i = 0; i < n && rc == PSHARD_OK; i++) {
-        uint8_t *buf = (uint8_t *)s->model_shm.base + tensors[i]->offset;
-        rc = gather ? shard_gather_one(comm, m, tensors[i]->param, dt, buf, err, sizeof(err))
-                    : shard_reduce_scatter_one(comm, m, tensors[i]->param, dt, buf, active, err,
-                                               sizeof(err));
-    }
-    shard_stats_record(s, gather ? SHARD_OPK_GATHER : SHARD_OPK_REDUCE_SCATTER, start_ns, bytes,
-                       rc == PSHARD_OK);
-    if (rc != PSHARD_OK)
-        ps_rpc_call_fail(call, rc, "%s", err);
-    else
-        ps_rpc_call_reply(call, reply);
-    pthread_mutex_unlock(&s->op_mu);
+    pshard_status_t rc = shard_op_run(s, &op, err, sizeof(err));
+    free(a.ids);
+    answer(call, rc, err, reply);
 }
 
 static void handle_gather(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
@@ -849,47 +736,40 @@ static void handle_reduce_scatter(ps_rpc_call_t *call, const ProtobufCMessage *r
               &out.base);
 }
 
-pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,
-                                     void *recv, int active, char *err, size_t errlen)
+/* A plain collective's buffers lie in the scratch region (checked under op_mu: a
+ * re-attach replaces the region). */
+static pshard_status_t collective_check(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                        shard_op_t *op, char *err, size_t errlen)
 {
-    int world = pshard_comm_world_size(comm);
-    bool partial_avg = op->average && op->coll_op == PSHARD_COLL_ALL_REDUCE && active < world &&
-                       op->dtype != PSHARD_INT64;
-    pshard_coll_args_t a = {.op = (pshard_coll_op_t)op->coll_op, .dtype = op->dtype,
-                            .reduce = op->average && !partial_avg ? PSHARD_REDUCE_AVG
-                                                                  : PSHARD_REDUCE_SUM,
-                            .root = op->root, .send = send, .recv = recv, .count = op->count,
-                            .label = "trainer collective"};
-    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-    if (partial_avg) {
-        /* Joined ranks added zeros: the mean is over the ranks that contributed. */
-        float inv = (float)(1.0 / (double)(active > 0 ? active : 1));
-        if (op->dtype == PSHARD_FP32) {
-            float *v = recv;
-            for (uint64_t k = 0; k < op->count; k++)
-                v[k] *= inv;
-        } else {
-            uint16_t *v = recv;
-            for (uint64_t k = 0; k < op->count; k++) {
-                float f = op->dtype == PSHARD_BF16 ? ps_bf16_to_f32(v[k]) : ps_f16_to_f32(v[k]);
-                f *= inv;
-                if (op->dtype == PSHARD_BF16)
-                    ps_convert_f32_to_bf16(&f, &v[k], 1);
-                else
-                    ps_convert_f32_to_f16(&f, &v[k], 1);
-            }
-        }
-    }
+    const Pshard__CollectiveRequest *req = op->arg;
+    size_t es = pshard_dtype_size(op->sop.dtype);
+    uint64_t send_bytes = req->count * es;
+    uint64_t recv_bytes = req->op == PSHARD_COLL_ALL_GATHER
+                              ? send_bytes * (uint64_t)pshard_comm_world_size(comm)
+                              : send_bytes;
+    if (req->count > (1ull << 40) ||
+        !shard_in_region(&s->scratch, req->send_offset, send_bytes, es) ||
+        !shard_in_region(&s->scratch, req->recv_offset, recv_bytes, es))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "buffers (%" PRIu64 " elements at offsets %" PRIu64 " and %" PRIu64
+                       ") lie outside the %zu-byte scratch region or are misaligned",
+                       req->count, req->send_offset, req->recv_offset, s->scratch.bytes);
+    op->bytes = req->op == PSHARD_COLL_BARRIER ? 0 : send_bytes;
     return PSHARD_OK;
+}
+
+static pshard_status_t collective_run(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                      shard_op_t *op, char *err, size_t errlen)
+{
+    const Pshard__CollectiveRequest *req = op->arg;
+    uint8_t *base = s->scratch.base;
+    return shard_run_collective(comm, &op->sop, base + req->send_offset,
+                                base + req->recv_offset, op->active, err, errlen);
 }
 
 static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
-    pshard_shard_server_t *s = ctx;
     const Pshard__CollectiveRequest *req = (const Pshard__CollectiveRequest *)request;
-    pshard_comm_t *comm = comm_or_fail(s, call);
-    if (!comm)
-        return;
     pshard_dtype_t dt;
     if (!dtype_from_pb(req->dtype, &dt)) {
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "unknown dtype %d", (int)req->dtype);
@@ -903,44 +783,195 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
                          req->op);
         return;
     }
-    pthread_mutex_lock(&s->op_mu);
-    if (!shard_session_ok(s, call, req->session)) {
-        pthread_mutex_unlock(&s->op_mu);
-        return;
-    }
-    size_t es = pshard_dtype_size(dt);
-    int world = pshard_comm_world_size(comm);
-    uint64_t send_bytes = req->count * es;
-    uint64_t recv_bytes = req->op == PSHARD_COLL_ALL_GATHER ? send_bytes * (uint64_t)world
-                                                            : send_bytes;
-    if (req->count > (1ull << 40) || !shard_in_region(&s->scratch, req->send_offset, send_bytes, es) ||
-        !shard_in_region(&s->scratch, req->recv_offset, recv_bytes, es)) {
-        pthread_mutex_unlock(&s->op_mu);
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                         "buffers (%" PRIu64 " elements at offsets %" PRIu64 " and %" PRIu64
-                         ") lie outside the %zu-byte scratch region or are misaligned",
-                         req->count, req->send_offset, req->recv_offset, s->scratch.bytes);
-        return;
-    }
-    uint8_t *base = s->scratch.base;
+    shard_op_t op = {
+        .session = req->session,
+        .agree = true,
+        .sop = {.kind = SHARD_SOP_COLLECTIVE, .dtype = dt, .coll_op = req->op,
+                .count = req->count, .root = req->root, .average = req->reduce != 0},
+        .opk = shard_opk_of_coll(req->op),
+        .check = collective_check,
+        .run = collective_run,
+        .arg = (void *)req,
+    };
     char err[1024] = "";
-    shard_sop_t sop = {.kind = SHARD_SOP_COLLECTIVE, .dtype = dt, .coll_op = req->op,
-                       .count = req->count, .root = req->root, .average = req->reduce != 0};
-    int active = 0;
-    int64_t start_ns = ps_now_ns();
-    pshard_status_t rc = shard_agree_active(s, comm, &sop, &active, NULL, err, sizeof(err));
-    if (rc == PSHARD_OK)
-        rc = shard_run_collective(comm, &sop, base + req->send_offset, base + req->recv_offset,
-                                  active, err, sizeof(err));
-    shard_stats_record(s, shard_opk_of_coll(req->op), start_ns,
-                       req->op == PSHARD_COLL_BARRIER ? 0 : send_bytes, rc == PSHARD_OK);
-    pthread_mutex_unlock(&s->op_mu);
-    if (rc != PSHARD_OK) {
-        ps_rpc_call_fail(call, rc, "%s", err);
-        return;
-    }
     Pshard__CollectiveResponse out = PSHARD__COLLECTIVE_RESPONSE__INIT;
-    ps_rpc_call_reply(call, &out.base);
+    answer(call, shard_op_run(ctx, &op, err, sizeof(err)), err, &out.base);
+}
+
+/* A Step: its request; the groups it carries, encoded for the agreement; the results. */
+typedef struct {
+    const Pshard__StepRequest *req;
+    int64_t *words;
+    int64_t step;
+    double norm;
+} step_arg_t;
+
+/* Checks a Step's lr and groups and encodes the groups for the agreement. Nothing has run
+ * yet, so every rank refuses alike. */
+static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                  char *err, size_t errlen)
+{
+    step_arg_t *a = op->arg;
+    const Pshard__StepRequest *req = a->req;
+    if (req->set_lr && req->n_groups > 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "a step carries either groups (each with its lr) or lr, not both");
+    if (req->set_lr && (!(req->lr >= 0) || !isfinite(req->lr)))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "learning rate %g is not >= 0", req->lr);
+    op->sop.set_lr = req->set_lr;
+    op->sop.lr = req->set_lr ? req->lr : 0.0;
+    if (req->n_groups == 0)
+        return PSHARD_OK;
+    shard_group_t *g = NULL;
+    pshard_status_t rc = shard_groups_from_pb(req->groups, req->n_groups, s->model->optim.kind,
+                                              &g, err, errlen);
+    if (rc == PSHARD_OK)
+        rc = shard_model_check_groups(s->model, g, req->n_groups, err, errlen);
+    if (rc == PSHARD_OK) {
+        a->words = malloc(req->n_groups * SHARD_GROUP_WORDS * sizeof(int64_t));
+        if (a->words)
+            shard_groups_encode(g, req->n_groups, a->words);
+        else
+            rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    free(g);
+    op->sop.nwords = req->n_groups * SHARD_GROUP_WORDS;
+    op->sop.words = a->words;
+    return rc;
+}
+
+static pshard_status_t step_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                char *err, size_t errlen)
+{
+    step_arg_t *a = op->arg;
+    pshard_status_t rc =
+        shard_run_step(s, comm, s->model, &op->sop, op->ckpt_request, &a->norm, err, errlen);
+    a->step = s->model->step;
+    return rc;
+}
+
+static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    const Pshard__StepRequest *req = (const Pshard__StepRequest *)request;
+    step_arg_t a = {.req = req};
+    shard_op_t op = {.session = req->session,
+                     .needs_model = "no model is defined",
+                     .agree = true,
+                     .sop = {.kind = SHARD_SOP_STEP},
+                     .opk = SHARD_OPK_STEP,
+                     .check = step_check,
+                     .run = step_run,
+                     .arg = &a};
+    char err[1024] = "";
+    pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
+    free(a.words);
+    Pshard__StepResponse out = PSHARD__STEP_RESPONSE__INIT;
+    out.step = a.step;
+    out.grad_norm = a.norm;
+    answer(call, rc, err, &out.base);
+}
+
+/* clip_grad_norm's arguments, refused before anything runs (every rank asked alike refuses
+ * alike). */
+static pshard_status_t clip_check(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                  char *err, size_t errlen)
+{
+    if (s->model->in_backward)
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "clip_grad_norm needs the accumulated gradients, but "
+                       "optimizer_in_backward applies each update at its reduce-scatter and "
+                       "keeps none (turn optimizer_in_backward off to clip)");
+    if (op->sop.norm_type != 2.0 && !(isinf(op->sop.norm_type) && op->sop.norm_type > 0))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "norm_type %g is not supported: clip_grad_norm takes 2.0 or inf",
+                       op->sop.norm_type);
+    if (!(op->sop.max_norm >= 0))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "max_norm %g must be >= 0 (0 only computes the norm)", op->sop.max_norm);
+    return PSHARD_OK;
+}
+
+static pshard_status_t clip_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                char *err, size_t errlen)
+{
+    return shard_run_clip(comm, s->model, op->sop.max_norm, op->sop.norm_type, op->arg, err,
+                          errlen);
+}
+
+static void handle_clip_grad_norm(ps_rpc_call_t *call, const ProtobufCMessage *request,
+                                  void *ctx)
+{
+    const Pshard__ClipGradNormRequest *req = (const Pshard__ClipGradNormRequest *)request;
+    double norm = 0;
+    shard_op_t op = {.session = req->session,
+                     .needs_model = "no model is defined",
+                     .agree = true,
+                     .sop = {.kind = SHARD_SOP_CLIP, .max_norm = req->max_norm,
+                             .norm_type = req->norm_type},
+                     .opk = SHARD_OPK_CLIP_GRAD_NORM,
+                     .check = clip_check,
+                     .run = clip_run,
+                     .arg = &norm};
+    char err[1024] = "";
+    pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
+    Pshard__ClipGradNormResponse out = PSHARD__CLIP_GRAD_NORM_RESPONSE__INIT;
+    out.total_norm = norm;
+    answer(call, rc, err, &out.base);
+}
+
+/* A checkpoint save: where it went and at which step. */
+typedef struct {
+    char dir[PATH_MAX];
+    int64_t step;
+} save_arg_t;
+
+static pshard_status_t save_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                char *err, size_t errlen)
+{
+    save_arg_t *a = op->arg;
+    pshard_status_t rc = shard_ckpt_save(s, comm, s->model, a->dir, sizeof(a->dir), err, errlen);
+    a->step = s->model->step;
+    return rc;
+}
+
+static void handle_checkpoint(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    const Pshard__CheckpointRequest *req = (const Pshard__CheckpointRequest *)request;
+    save_arg_t a = {.dir = ""};
+    shard_op_t op = {.session = req->session,
+                     .needs_model = "no model is defined",
+                     .agree = true,
+                     .sop = {.kind = SHARD_SOP_SAVE},
+                     .opk = -1,
+                     .run = save_run,
+                     .arg = &a};
+    char err[1024] = "";
+    pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
+    Pshard__CheckpointResponse out = PSHARD__CHECKPOINT_RESPONSE__INIT;
+    out.step = a.step;
+    out.dir = a.dir;
+    answer(call, rc, err, &out.base);
+}
+
+/* Join: this rank shadows the others' operations until all have joined (shard_join_run). */
+static void handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    const Pshard__JoinRequest *req = (const Pshard__JoinRequest *)request;
+    shard_join_result_t r = {.throw_on_early_termination = req->throw_on_early_termination};
+    shard_op_t op = {.session = req->session,
+                     .needs_model = "define the model before joining",
+                     .opk = -1,
+                     .run = shard_join_run,
+                     .arg = &r};
+    char err[1024] = "";
+    pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
+    Pshard__JoinResponse out = PSHARD__JOIN_RESPONSE__INIT;
+    out.is_last_joiner = r.is_last_joiner;
+    out.last_rank = r.last_rank;
+    out.step = r.step;
+    out.shadowed_ops = r.shadowed;
+    answer(call, rc, err, &out.base);
 }
 
 /* Status runs inline on the completion-queue thread (PS_RPC_INLINE), so it answers even when
@@ -1144,15 +1175,15 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         {"DefineModel", &pshard__define_model_request__descriptor, handle_define},
         {"Gather", &pshard__gather_request__descriptor, handle_gather},
         {"ReduceScatter", &pshard__reduce_scatter_request__descriptor, handle_reduce_scatter},
-        {"Step", &pshard__step_request__descriptor, shard_handle_step},
+        {"Step", &pshard__step_request__descriptor, handle_step},
         {"Collective", &pshard__collective_request__descriptor, handle_collective},
         {"Status", &pshard__shard_status_request__descriptor, handle_status},
         {"ReadRegion", &pshard__region_read_request__descriptor, shard_handle_read_region},
         {"WriteRegion", &pshard__region_write_request__descriptor, shard_handle_write_region},
-        {"Join", &pshard__join_request__descriptor, shard_handle_join},
-        {"Checkpoint", &pshard__checkpoint_request__descriptor, shard_handle_checkpoint},
+        {"Join", &pshard__join_request__descriptor, handle_join},
+        {"Checkpoint", &pshard__checkpoint_request__descriptor, handle_checkpoint},
         {"ClipGradNorm", &pshard__clip_grad_norm_request__descriptor,
-         shard_handle_clip_grad_norm},
+         handle_clip_grad_norm},
     };
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);

@@ -1,0 +1,60 @@
+/* The shard server's operations layer: the one entry every trainer operation goes through.
+ * An RPC handler translates its request into a shard_op_t and calls shard_op_run, which takes
+ * op_mu once, checks the session (and the model), lets the operation refuse what this rank can
+ * judge alone, agrees on it with the other ranks (shard_agree_active), runs it, records its
+ * statistics and releases op_mu; the handler then replies from what the operation left in its
+ * arg. Dependencies run one way: handlers -> operations (join, checkpoint) -> model/device. */
+#ifndef PSHARD_SHARD_OPS_H
+#define PSHARD_SHARD_OPS_H
+
+#include "shard_internal.h"
+
+typedef struct shard_op shard_op_t;
+
+/* A step of an operation, under op_mu: PSHARD_OK, or the error with its message in err. */
+typedef pshard_status_t (*shard_op_fn)(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                       shard_op_t *op, char *err, size_t errlen);
+
+struct shard_op {
+    const char *session;     /* the caller's session: must be the attached trainer's */
+    const char *needs_model; /* non-NULL: FAILED_PRECONDITION with this message without one */
+    bool agree;              /* agree on sop with the other ranks before run */
+    shard_sop_t sop;         /* what the ranks agree on (check may complete it) */
+    int opk;                 /* shard_opk_t for the statistics, or -1 for none */
+    uint64_t bytes;          /* moved bytes, for the statistics (check may set it) */
+    shard_op_fn check;       /* before agreeing: this rank's own refusals, which every rank
+                                asked alike makes alike, so none waits (NULL: none) */
+    shard_op_fn run;         /* after agreeing: the operation itself */
+    int active;              /* set by the agreement: the contributing ranks */
+    int64_t ckpt_request;    /* set by the agreement: the newest checkpoint request */
+    void *arg;               /* the operation's own request and results */
+};
+
+/* Runs op as above. Errors: UNAVAILABLE while the cluster forms or after a fatal error,
+ * FAILED_PRECONDITION for another session or a missing model, and check's, the agreement's
+ * (DESYNC, JOINED) or run's. Thread-safe; blocks while another operation runs. */
+pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err, size_t errlen);
+
+/* The communicator, or NULL with UNAVAILABLE and the reason in err (forming, failed). */
+pshard_comm_t *shard_op_comm(pshard_shard_server_t *s, pshard_status_t *rc, char *err,
+                             size_t errlen);
+
+/* PSHARD_OK when session names the attached trainer, else FAILED_PRECONDITION saying why.
+ * Call with op_mu held. */
+pshard_status_t shard_session_check(const pshard_shard_server_t *s, const char *session,
+                                    char *err, size_t errlen);
+
+/* Join (shard_join.c): this rank's trainer ran out of input; its server shadows the other
+ * ranks' operations (its real slice for gathers, zeros for gradients) until every rank has
+ * joined. arg is a shard_join_result_t: throw_on_early_termination in, the rest out. */
+typedef struct {
+    bool throw_on_early_termination;
+    bool is_last_joiner;
+    int last_rank;
+    int64_t step;
+    uint64_t shadowed; /* operations shadowed */
+} shard_join_result_t;
+pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                               char *err, size_t errlen);
+
+#endif
