@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/rpc.h"
 #include "pshard/shard.pb-c.h"
@@ -94,13 +95,7 @@ struct pshard_client {
     ps_rpc_channel_t *coord;
     char coord_addr[256];
     char job[72]; /* the job on the coordinator, from Attach ("" for the default job) */
-    char member_id[64];
-    char lease_key[64]; /* the secret Register returned, for Heartbeat and Leave */
-    int64_t heartbeat_ms;
-    pthread_t lease_thread;
-    bool lease_started;
-    bool lease_ok; /* the last heartbeat went through (mu); else Leave is not even tried */
-    uint64_t seen_generation;
+    ps_coord_lease_t *lease; /* NULL without a coordinator */
     /* Set once this trainer's own shard server is known lost (mu): every later call fails
      * at once with it instead of waiting on a server that will not answer. */
     pshard_status_t lost;

@@ -14,34 +14,6 @@
 
 #include "client_internal.h"
 
-/* Registers this trainer with the coordinator as "trainer-RANK". */
-static pshard_status_t lease_register(pshard_client_t *c, char *err, size_t errlen)
-{
-    char name[64], host[64] = "", device[32] = "cpu";
-    snprintf(name, sizeof(name), "trainer-%d", c->rank);
-    gethostname(host, sizeof(host) - 1);
-    Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
-    req.role = PSHARD__ROLE__TRAINER;
-    req.name = name;
-    req.address = c->server;
-    req.node = host;
-    req.device = device;
-    char key[64];
-    pthread_mutex_lock(&c->mu);
-    ps_strlcpy(key, c->lease_key, sizeof(key)); /* ours from before, if any: takes over */
-    pthread_mutex_unlock(&c->mu);
-    req.lease_key = key;
-    Pshard__MemberView *v = NULL;
-    PS_CHECK(ps_coord_rpc_register(c->coord, &req, &v, 5000, err, errlen));
-    pthread_mutex_lock(&c->mu);
-    ps_strlcpy(c->member_id, v->member_id, sizeof(c->member_id));
-    ps_strlcpy(c->lease_key, v->lease_key ? v->lease_key : "", sizeof(c->lease_key));
-    c->heartbeat_ms = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
-    pthread_mutex_unlock(&c->mu);
-    protobuf_c_message_free_unpacked(&v->base, NULL);
-    return PSHARD_OK;
-}
-
 /* After an eviction: if no shard server holds this trainer's rank any more, its own server is
  * the one that was lost (dead, hung or cut off). Its collectives cannot tell this trainer, so
  * the calls waiting on it are cancelled and every later one fails with PEER_LOST. */
@@ -72,59 +44,19 @@ static void check_own_server(pshard_client_t *c)
     ps_rpc_channel_cancel_calls(c->ch, c->lost_msg);
 }
 
-/* Renews the lease every heartbeat_ms; registers again when the coordinator forgot this
- * trainer (it restarted). Failures are only logged: the lease is what they cost. */
-static void *lease_main(void *arg)
+/* After every Register or Heartbeat (pshard/coord_client.h's lease renews it, and registers
+ * again when the coordinator forgot this trainer): failures are only logged, the lease is
+ * what they cost; a new generation of a degraded cluster may be this trainer's own server's
+ * eviction. */
+static int64_t lease_event(void *ctx, const ps_coord_lease_event_t *ev)
 {
-    pshard_client_t *c = arg;
-    pthread_mutex_lock(&c->mu);
-    while (!c->stop) {
-        /* The condition variable is shared with the operations: wake-ups for them do not
-         * count as the heartbeat's turn. */
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        int64_t ns = ts.tv_nsec + (c->heartbeat_ms % 1000) * 1000000;
-        ts.tv_sec += c->heartbeat_ms / 1000 + ns / 1000000000;
-        ts.tv_nsec = ns % 1000000000;
-        while (!c->stop && pthread_cond_timedwait(&c->cv, &c->mu, &ts) != ETIMEDOUT) {
-        }
-        if (c->stop)
-            break;
-        char id[64], key[64];
-        ps_strlcpy(id, c->member_id, sizeof(id));
-        ps_strlcpy(key, c->lease_key, sizeof(key));
-        pthread_mutex_unlock(&c->mu);
-        char err[512] = "";
-        pshard_status_t rc;
-        if (!id[0]) {
-            rc = lease_register(c, err, sizeof(err));
-        } else {
-            Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
-            req.member_id = id;
-            req.lease_key = key;
-            Pshard__MemberView *v = NULL;
-            rc = ps_coord_rpc_heartbeat(c->coord, &req, &v, 2000, err, sizeof(err));
-            if (v) {
-                bool changed = v->generation != c->seen_generation;
-                bool degraded = v->state == PSHARD__CLUSTER_STATE__DEGRADED;
-                c->seen_generation = v->generation;
-                protobuf_c_message_free_unpacked(&v->base, NULL);
-                if (changed && degraded)
-                    check_own_server(c);
-            }
-            if (rc == PSHARD_ERR_NOT_FOUND) {
-                pthread_mutex_lock(&c->mu);
-                c->member_id[0] = '\0'; /* register again on the next round */
-                pthread_mutex_unlock(&c->mu);
-            }
-        }
-        if (rc != PSHARD_OK)
-            PS_WARN(PS_SUB_CLIENT, "trainer lease with %s: %s", c->coord_addr, err);
-        pthread_mutex_lock(&c->mu);
-        c->lease_ok = rc == PSHARD_OK;
-    }
-    pthread_mutex_unlock(&c->mu);
-    return NULL;
+    pshard_client_t *c = ctx;
+    if (ev->rc != PSHARD_OK)
+        PS_WARN(PS_SUB_CLIENT, "trainer lease with %s: %s", c->coord_addr, ev->err);
+    else if (!ev->registered && ev->generation_changed &&
+             ev->view->state == PSHARD__CLUSTER_STATE__DEGRADED)
+        check_own_server(c);
+    return -1; /* the coordinator's heartbeat interval */
 }
 
 /* Starts the trainer's lease (best effort: without a coordinator address or when it cannot
@@ -144,42 +76,39 @@ void client_lease_start(pshard_client_t *c, const char *reported)
                                   .max_message_bytes = 64 << 20}; /* a large job's Status */
     char err[512] = "";
     c->coord = ps_rpc_channel_create(&cc, err, sizeof(err));
-    pshard_status_t rc = c->coord ? lease_register(c, err, sizeof(err)) : PSHARD_ERR_UNAVAILABLE;
-    if (rc == PSHARD_ERR_ALREADY_EXISTS) {
-        /* A previous incarnation of this rank (a restarted trainer) still holds the name:
-         * the lease thread registers once that lease has lapsed. */
-        PS_WARN(PS_SUB_CLIENT, "trainer lease with %s: %s; registering when it lapses",
-                c->coord_addr, err);
-        c->heartbeat_ms = 1000;
-    } else if (rc != PSHARD_OK) {
-        PS_WARN(PS_SUB_CLIENT, "cannot register the trainer with coordinator %s: %s; a lost "
-                               "trainer will only be noticed by the collectives' timeout",
+    if (!c->coord) {
+        PS_WARN(PS_SUB_CLIENT, "cannot reach coordinator %s: %s; a lost trainer will only be "
+                               "noticed by the collectives' timeout",
                 c->coord_addr, err);
         return;
     }
-    c->lease_ok = rc == PSHARD_OK;
-    if (pthread_create(&c->lease_thread, NULL, lease_main, c) == 0)
-        c->lease_started = true;
+    char name[64], host[64] = "";
+    snprintf(name, sizeof(name), "trainer-%d", c->rank);
+    gethostname(host, sizeof(host) - 1);
+    ps_coord_lease_config_t lc = {.channel = c->coord,
+                                  .role = PSHARD__ROLE__TRAINER,
+                                  .name = name,
+                                  .address = c->server,
+                                  .node = host,
+                                  .device = "cpu",
+                                  .heartbeat_timeout_ms = 2000,
+                                  .on_event = lease_event,
+                                  .ctx = c};
+    pshard_status_t rc = ps_coord_lease_start(&lc, true, &c->lease, err, sizeof(err));
+    if (rc == PSHARD_ERR_ALREADY_EXISTS)
+        /* A previous incarnation of this rank (a restarted trainer) still holds the name:
+         * the lease registers once that lease has lapsed. */
+        PS_WARN(PS_SUB_CLIENT, "trainer lease with %s: %s; registering when it lapses",
+                c->coord_addr, err);
+    else if (rc != PSHARD_OK)
+        PS_WARN(PS_SUB_CLIENT, "cannot register the trainer with coordinator %s: %s; a lost "
+                               "trainer will only be noticed by the collectives' timeout",
+                c->coord_addr, err);
 }
 
-/* Stops the lease thread (waking it with c->stop, which pshard_close sets for the worker too)
- * and leaves the job when the last heartbeat went through. */
+/* Stops the lease and leaves the job when the last heartbeat went through. */
 void client_lease_stop(pshard_client_t *c)
 {
-    if (c->lease_started) {
-        pthread_mutex_lock(&c->mu);
-        c->stop = true;
-        pthread_cond_broadcast(&c->cv);
-        pthread_mutex_unlock(&c->mu);
-        /* A heartbeat waiting on an unreachable coordinator must not hold up the exit. */
-        ps_rpc_channel_cancel_calls(c->coord, "the trainer is closing");
-        pthread_join(c->lease_thread, NULL);
-    }
-    if (c->coord && c->member_id[0] && c->lease_ok) {
-        Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
-        lv.member_id = c->member_id;
-        lv.lease_key = c->lease_key;
-        char err[256] = "";
-        ps_coord_rpc_leave(c->coord, &lv, NULL, 1000, err, sizeof(err));
-    }
+    ps_coord_lease_stop(c->lease);
+    c->lease = NULL;
 }

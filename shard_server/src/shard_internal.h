@@ -35,8 +35,10 @@ struct pshard_shard_server {
     ps_rpc_channel_t *coord;
     char advertise[300];
 
-    pthread_t hb_thread, setup_thread, watch_thread;
-    bool hb_started, setup_started, watch_started;
+    struct ps_coord_lease *lease; /* registration and heartbeats (shard_member.c) */
+    int64_t register_backoff_ms;  /* the lease's thread only */
+    pthread_t setup_thread, watch_thread;
+    bool setup_started, watch_started;
     int64_t last_contact_ns;  /* last successful heartbeat (mu) */
     atomic_bool stop;
     volatile int stop_flag; /* mirrors stop for the communicator's set-up (pshard_comm_config) */
@@ -198,9 +200,13 @@ void shard_join_free(pshard_shard_server_t *s);
 /* Records the first fatal background error, wakes waiters and logs it. Thread-safe. */
 void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *msg);
 
-/* Thread bodies (arg is the server): registration and heartbeats; building (and, when the
- * cluster re-forms, rebuilding) the communicator. Both return once s->stop is set. */
-void *shard_heartbeat_main(void *arg);
+/* Starts the server's lease with the coordinator (s->lease): its thread registers (again
+ * under the same name when evicted, which gives the old rank back) and heartbeats, adopting
+ * the coordinator's view of the cluster. Stopped, with a Leave, by ps_coord_lease_stop. */
+pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t errlen);
+
+/* Thread body (arg is the server): building (and, when the cluster re-forms, rebuilding) the
+ * communicator. Returns once s->stop is set. */
 void *shard_setup_main(void *arg);
 
 /* Thread body: follows the coordinator's Watch stream and, when it evicts a member (a shard

@@ -32,33 +32,6 @@ void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *m
     PS_ERROR(PS_SUB_SHARD, "%s", msg);
 }
 
-static pshard_status_t do_register(pshard_shard_server_t *s, char *err, size_t errlen)
-{
-    Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
-    req.role = PSHARD__ROLE__SHARD_SERVER;
-    req.name = (char *)s->cfg.name;
-    req.address = s->advertise;
-    req.node = (char *)(s->cfg.node ? s->cfg.node : "");
-    req.device = (char *)(strcmp(s->cfg.backend, "nccl") == 0 ? "cuda" : "cpu");
-    char key[64];
-    pthread_mutex_lock(&s->mu);
-    ps_strlcpy(key, s->lease_key, sizeof(key)); /* ours from before, if any: takes over */
-    pthread_mutex_unlock(&s->mu);
-    req.lease_key = key;
-    Pshard__MemberView *v = NULL;
-    pshard_status_t rc = ps_coord_rpc_register(s->coord, &req, &v, 5000, err, errlen);
-    if (rc != PSHARD_OK)
-        return rc;
-    pthread_mutex_lock(&s->mu);
-    ps_strlcpy(s->member_id, v->member_id, sizeof(s->member_id));
-    ps_strlcpy(s->lease_key, v->lease_key ? v->lease_key : "", sizeof(s->lease_key));
-    s->heartbeat_ms = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
-    pthread_mutex_unlock(&s->mu);
-    protobuf_c_message_free_unpacked(&v->base, NULL);
-    PS_INFO(PS_SUB_SHARD, "registered with %s as %s", s->cfg.coordinator, s->member_id);
-    return PSHARD_OK;
-}
-
 /* Cut off from the coordinator for longer than the lease while a collective is stalled (for
  * half a lease or more): this server has been evicted and its peers have stopped waiting for it, so its own
  * collectives stop too and its trainer gets an error instead of waiting for a ring that is
@@ -113,73 +86,90 @@ static void poll_checkpoint_request(pshard_shard_server_t *s)
     pthread_mutex_unlock(&s->mu);
 }
 
-void *shard_heartbeat_main(void *arg)
+/* After every Register or Heartbeat of the server's lease (pshard/coord_client.h): adopts
+ * the coordinator's view (rank, world, generation, formed) and any checkpoint request, or
+ * notices an eviction while cut off. Returns the wait before the next attempt: a full
+ * heartbeat once the ring runs, 100 ms while forming, at once after the coordinator forgot
+ * this server, and a growing backoff while it cannot register. */
+static int64_t lease_event(void *ctx, const ps_coord_lease_event_t *ev)
 {
-    pshard_shard_server_t *s = arg;
-    char err[512];
-    int64_t backoff = 100;
-    while (!atomic_load(&s->stop)) {
-        err[0] = '\0';
-        if (!s->member_id[0]) {
-            if (do_register(s, err, sizeof(err)) != PSHARD_OK) {
-                PS_WARN(PS_SUB_SHARD, "cannot register with %s: %s; retrying", s->cfg.coordinator,
-                        err);
-                sleep_ms(backoff);
-                backoff = backoff * 2 > 2000 ? 2000 : backoff * 2;
-                continue;
-            }
-            backoff = 100;
-        }
-        Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
-        char id[64], key[64];
-        pthread_mutex_lock(&s->mu);
-        ps_strlcpy(id, s->member_id, sizeof(id));
-        ps_strlcpy(key, s->lease_key, sizeof(key));
-        int64_t every = s->heartbeat_ms;
-        pthread_mutex_unlock(&s->mu);
-        req.member_id = id;
-        req.lease_key = key;
-        Pshard__MemberView *v = NULL;
-        pshard_status_t rc =
-            ps_coord_rpc_heartbeat(s->coord, &req, &v, every * 2, err, sizeof(err));
-        if (rc == PSHARD_ERR_NOT_FOUND) {
-            /* Evicted (or the coordinator restarted): register again under the same name,
-             * which gives the old rank back. */
-            PS_WARN(PS_SUB_SHARD, "coordinator forgot us (%s); registering again", err);
-            s->member_id[0] = '\0';
-            continue;
-        }
-        if (rc == PSHARD_OK) {
-            pthread_mutex_lock(&s->mu);
-            s->last_contact_ns = ps_now_ns();
-            if (v->lease_ms > 0)
-                s->lease_ms = v->lease_ms;
-            s->generation = v->generation;
-            bool formed = v->state == PSHARD__CLUSTER_STATE__FORMED && v->rank >= 0;
-            if (formed) {
-                s->rank = v->rank;
-                s->world = v->world_size;
-                s->formed_generation = v->formed_generation;
-            }
-            s->formed = formed;
-            pthread_cond_broadcast(&s->cv);
-            pthread_mutex_unlock(&s->mu);
-            protobuf_c_message_free_unpacked(&v->base, NULL);
-            poll_checkpoint_request(s);
-        } else {
-            PS_WARN(PS_SUB_SHARD, "heartbeat to %s failed: %s", s->cfg.coordinator, err);
-            lost_contact_check(s);
-        }
-        /* Sleep in small pieces so stop is prompt; heartbeat faster while forming. */
-        int64_t wait = s->formed && s->comm ? every : (every < 100 ? every : 100);
-        for (int64_t t = 0; t < wait && !atomic_load(&s->stop); t += 20) {
-            sleep_ms(20);
-            /* Out of contact, the lease runs out between heartbeats: look every 100 ms. */
-            if (rc != PSHARD_OK && t % 100 == 0)
-                lost_contact_check(s);
-        }
+    pshard_shard_server_t *s = ctx;
+    if (ev->registered && ev->rc != PSHARD_OK) {
+        PS_WARN(PS_SUB_SHARD, "cannot register with %s: %s; retrying", s->cfg.coordinator,
+                ev->err);
+        int64_t wait = s->register_backoff_ms;
+        s->register_backoff_ms = wait * 2 > 2000 ? 2000 : wait * 2;
+        return wait;
     }
-    return NULL;
+    if (ev->rc == PSHARD_ERR_NOT_FOUND) {
+        /* Evicted (or the coordinator restarted): register again under the same name, which
+         * gives the old rank back. */
+        PS_WARN(PS_SUB_SHARD, "coordinator forgot us (%s); registering again", ev->err);
+        pthread_mutex_lock(&s->mu);
+        s->member_id[0] = '\0';
+        pthread_mutex_unlock(&s->mu);
+        return 0;
+    }
+    pthread_mutex_lock(&s->mu);
+    int64_t every = s->heartbeat_ms;
+    pthread_mutex_unlock(&s->mu);
+    if (ev->rc != PSHARD_OK) {
+        PS_WARN(PS_SUB_SHARD, "heartbeat to %s failed: %s", s->cfg.coordinator, ev->err);
+        lost_contact_check(s);
+    } else {
+        const Pshard__MemberView *v = ev->view;
+        if (ev->registered) {
+            s->register_backoff_ms = 100;
+            pthread_mutex_lock(&s->mu);
+            ps_strlcpy(s->member_id, ev->member_id, sizeof(s->member_id));
+            ps_strlcpy(s->lease_key, ev->lease_key, sizeof(s->lease_key));
+            s->heartbeat_ms = every = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
+            pthread_mutex_unlock(&s->mu);
+            PS_INFO(PS_SUB_SHARD, "registered with %s as %s", s->cfg.coordinator, v->member_id);
+        }
+        pthread_mutex_lock(&s->mu);
+        s->last_contact_ns = ps_now_ns();
+        if (v->lease_ms > 0)
+            s->lease_ms = v->lease_ms;
+        s->generation = v->generation;
+        bool formed = v->state == PSHARD__CLUSTER_STATE__FORMED && v->rank >= 0;
+        if (formed) {
+            s->rank = v->rank;
+            s->world = v->world_size;
+            s->formed_generation = v->formed_generation;
+        }
+        s->formed = formed;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        poll_checkpoint_request(s);
+    }
+    /* Heartbeat faster while forming. */
+    return s->formed && s->comm ? every : (every < 100 ? every : 100);
+}
+
+/* While waiting out of contact, the lease runs out between heartbeats: look every 100 ms. */
+static void lease_wait(void *ctx, bool last_ok)
+{
+    if (!last_ok)
+        lost_contact_check(ctx);
+}
+
+pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t errlen)
+{
+    s->register_backoff_ms = 100;
+    s->heartbeat_ms = 1000;
+    ps_coord_lease_config_t lc = {
+        .channel = s->coord,
+        .role = PSHARD__ROLE__SHARD_SERVER,
+        .name = s->cfg.name,
+        .address = s->advertise,
+        .node = s->cfg.node ? s->cfg.node : "",
+        .device = strcmp(s->cfg.backend, "nccl") == 0 ? "cuda" : "cpu",
+        .on_event = lease_event,
+        .on_wait = lease_wait,
+        .ctx = s,
+    };
+    return ps_coord_lease_start(&lc, false, &s->lease, err, errlen);
 }
 
 /* The ring needs rebuilding when the cluster re-formed with another rank or size for this

@@ -1221,8 +1221,10 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         pshard_shard_server_stop(s);
         return NULL;
     }
-    if (pthread_create(&s->hb_thread, NULL, shard_heartbeat_main, s) == 0)
-        s->hb_started = true;
+    if (shard_lease_start(s, err, errlen) != PSHARD_OK) {
+        pshard_shard_server_stop(s);
+        return NULL;
+    }
     if (pthread_create(&s->setup_thread, NULL, shard_setup_main, s) == 0)
         s->setup_started = true;
     if (pthread_create(&s->watch_thread, NULL, shard_watch_main, s) == 0)
@@ -1255,8 +1257,9 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
         pshard_comm_abort(comm, "shard server stopping");
     if (s->setup_started)
         pthread_join(s->setup_thread, NULL);
-    if (s->hb_started)
-        pthread_join(s->hb_thread, NULL);
+    /* Ends the heartbeats and leaves the job. */
+    ps_coord_lease_stop(s->lease);
+    s->lease = NULL;
     if (s->watch_started)
         pthread_join(s->watch_thread, NULL);
     if (s->monitor_started)
@@ -1264,13 +1267,6 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     /* Scrapes read the RPC server's counters: end them first. */
     ps_metrics_server_stop(s->metrics);
     ps_rpc_server_destroy(s->srv);
-    if (s->coord && s->member_id[0]) {
-        Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
-        lv.member_id = s->member_id;
-        lv.lease_key = s->lease_key;
-        char err[256] = "";
-        ps_coord_rpc_leave(s->coord, &lv, NULL, 2000, err, sizeof(err));
-    }
     ps_rpc_channel_destroy(s->coord);
     pshard_comm_destroy(s->comm);
     shard_unmap(&s->scratch);

@@ -6,6 +6,7 @@
 #ifndef PSHARD_COORD_CLIENT_H
 #define PSHARD_COORD_CLIENT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -71,5 +72,53 @@ pshard_status_t ps_coord_store_remove(ps_rpc_channel_t *ch, const char *key, int
 pshard_status_t ps_coord_store_await(ps_rpc_channel_t *ch, const char *const *keys, size_t n,
                                      int64_t wait_ms, Pshard__StoreWaitResponse **values, char *err,
                                      size_t errlen);
+
+/* ---- A member's lease ------------------------------------------------------------------ */
+
+/* What a lease reports to its owner after every attempt, on the lease's thread. */
+typedef struct {
+    pshard_status_t rc;             /* of the attempt (a Register or a Heartbeat) */
+    const char *err;                /* its message when rc is not PSHARD_OK */
+    const Pshard__MemberView *view; /* the coordinator's answer when rc is PSHARD_OK */
+    bool registered;                /* the attempt was a (re-)registration */
+    bool generation_changed;        /* view's generation is not the one seen before */
+    const char *member_id;          /* the registration's id and secret key ("" before one) */
+    const char *lease_key;
+} ps_coord_lease_event_t;
+
+typedef struct {
+    ps_rpc_channel_t *channel; /* borrowed: it must outlive the lease */
+    Pshard__Role role;
+    const char *name, *address, *node, *device; /* copied */
+    int64_t heartbeat_timeout_ms;              /* each Heartbeat's deadline; 0: twice the
+                                                  coordinator's heartbeat interval */
+    /* After every attempt (NULL: none): returns how long to wait before the next one, in ms
+     * (< 0: the coordinator's heartbeat interval). A member the coordinator forgot (NOT_FOUND:
+     * evicted, or a restarted coordinator) registers again at the next attempt, under the
+     * same name and with its lease key, which keeps its rank. */
+    int64_t (*on_event)(void *ctx, const ps_coord_lease_event_t *ev);
+    /* Every 100 ms or so while waiting for the next attempt (NULL: none); last_ok says
+     * whether the last attempt went through. */
+    void (*on_wait)(void *ctx, bool last_ok);
+    void *ctx;
+} ps_coord_lease_config_t;
+
+typedef struct ps_coord_lease ps_coord_lease_t;
+
+/* Starts a lease: with register_now, registers once first (its error is returned, with the
+ * lease started anyway only for ALREADY_EXISTS: a live lease still holds the name, and the
+ * thread registers once it lapses); without, the thread's first attempt registers. The
+ * thread then heartbeats until ps_coord_lease_stop. Free with ps_coord_lease_stop. */
+pshard_status_t ps_coord_lease_start(const ps_coord_lease_config_t *cfg, bool register_now,
+                                     ps_coord_lease_t **out, char *err, size_t errlen);
+
+/* Stops the thread (an attempt in flight is cancelled) and, when the last attempt went
+ * through, leaves. NULL is a no-op. */
+void ps_coord_lease_stop(ps_coord_lease_t *lease);
+
+/* The member id and the secret lease key of the current registration ("" before one), e.g.
+ * for ReportJoin. Thread-safe. */
+void ps_coord_lease_member(ps_coord_lease_t *lease, char *id, size_t idlen, char *key,
+                           size_t keylen);
 
 #endif
