@@ -146,6 +146,7 @@ static int cmd_checkpoint_list(int argc, char **argv)
     int64_t *steps = NULL;
     size_t n = 0;
     char err[1024] = "";
+    json_t *list = NULL; /* the --json output, built before anything is printed */
     if (rc >= 0)
         goto out;
     rc = EXIT_ERROR;
@@ -162,7 +163,7 @@ static int cmd_checkpoint_list(int argc, char **argv)
         goto out;
     }
     size_t files = 0, corrupt = 0;
-    json_t *list = ctl_opts.json ? json_array() : NULL;
+    list = ctl_opts.json ? json_array() : NULL;
     if (ctl_opts.json) {
         if (!list) {
             ctl_fail("out of memory");
