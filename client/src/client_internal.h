@@ -13,6 +13,7 @@
 
 #include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
+#include "pshard/queue.h"
 #include "pshard/rpc.h"
 #include "pshard/shard.pb-c.h"
 
@@ -56,7 +57,7 @@ struct pshard_work {
     bool done;
     pshard_status_t status;
     char error[1024];
-    struct pshard_work *next;
+    ps_qnode_t node; /* in the client's queue */
 };
 
 struct pshard_client {
@@ -107,8 +108,21 @@ struct pshard_client {
     bool busy; /* an operation is running (on the worker or inline on the caller) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    pshard_work_t *qhead, *qtail;
+    ps_queue_t queue; /* pshard_work_t issued, not yet taken by the worker (mu) */
 };
+
+/* Holding c->mu: nothing is queued or running. */
+static inline bool client_idle(const pshard_client_t *c)
+{
+    return ps_queue_empty(&c->queue) && !c->busy;
+}
+
+/* Holding c->mu: waits until everything issued before has finished. */
+static inline void client_wait_idle(pshard_client_t *c)
+{
+    while (!client_idle(c))
+        pthread_cond_wait(&c->cv, &c->mu);
+}
 
 static inline size_t client_align(size_t x)
 {

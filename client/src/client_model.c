@@ -116,7 +116,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
                     "initial values are required on %s", mc->init_from_rank0 ? "rank 0"
                                                                              : "every rank");
     pthread_mutex_lock(&c->mu);
-    bool idle = !c->qhead && !c->busy;
+    bool idle = client_idle(c);
     pthread_mutex_unlock(&c->mu);
     if (!idle)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
@@ -407,8 +407,7 @@ static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
      * changes every parameter: full copies are stale from here on (FSDP reshards after
      * backward anyway). */
     pthread_mutex_lock(&c->mu);
-    while (c->qhead || c->busy)
-        pthread_cond_wait(&c->cv, &c->mu);
+    client_wait_idle(c);
     client_params_reset(c);
     pthread_mutex_unlock(&c->mu);
     pshard_status_t rc =
@@ -446,8 +445,7 @@ pshard_status_t pshard_clip_grad_norm(pshard_client_t *c, double max_norm, doubl
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
     /* The reduce-scatters issued before are part of the gradients it clips. */
     pthread_mutex_lock(&c->mu);
-    while (c->qhead || c->busy)
-        pthread_cond_wait(&c->cv, &c->mu);
+    client_wait_idle(c);
     pthread_mutex_unlock(&c->mu);
     Pshard__ClipGradNormRequest req = PSHARD__CLIP_GRAD_NORM_REQUEST__INIT;
     req.session = c->session;
@@ -477,8 +475,7 @@ pshard_status_t pshard_checkpoint_save(pshard_client_t *c, int64_t *step, char *
     if (!c->nparams)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
     pthread_mutex_lock(&c->mu);
-    while (c->qhead || c->busy)
-        pthread_cond_wait(&c->cv, &c->mu);
+    client_wait_idle(c);
     pthread_mutex_unlock(&c->mu);
     Pshard__CheckpointRequest req = PSHARD__CHECKPOINT_REQUEST__INIT;
     req.session = c->session;

@@ -117,7 +117,7 @@ static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const
             size_t bytes = c->numel[i] * pshard_dtype_size(c->param_dtype), off;
             int took;
             while ((took = client_param_take(c, i, bytes, &off)) == 0) {
-                if (!c->qhead && !c->busy) {
+                if (client_idle(c)) {
                     size_t in_use = c->pool->in_use_bytes;
                     finish_buffers(c, w, PSHARD_ERR_ABORTED);
                     w->n = 0;
@@ -165,16 +165,13 @@ void *client_worker_main(void *arg)
     pshard_client_t *c = arg;
     for (;;) {
         pthread_mutex_lock(&c->mu);
-        while ((!c->qhead || c->busy) && !c->stop)
+        while ((ps_queue_empty(&c->queue) || c->busy) && !c->stop)
             pthread_cond_wait(&c->cv, &c->mu);
-        pshard_work_t *w = c->qhead;
+        pshard_work_t *w = PS_QUEUE_POP(&c->queue, pshard_work_t, node);
         if (!w) {
             pthread_mutex_unlock(&c->mu);
             return NULL;
         }
-        c->qhead = w->next;
-        if (!c->qhead)
-            c->qtail = NULL;
         c->busy = true;
         pthread_mutex_unlock(&c->mu);
         char err[1024] = "";
@@ -230,11 +227,7 @@ static pshard_status_t start_work(pshard_client_t *c, work_kind_t kind, const si
             if (++c->gathers_in_flight > c->mem.peak_gathers_in_flight)
                 c->mem.peak_gathers_in_flight = c->gathers_in_flight;
         }
-        if (c->qtail)
-            c->qtail->next = w;
-        else
-            c->qhead = w;
-        c->qtail = w;
+        ps_queue_push(&c->queue, &w->node);
         pthread_cond_broadcast(&c->cv);
     }
     pthread_mutex_unlock(&c->mu);
@@ -289,8 +282,7 @@ static pshard_status_t run_inline(pshard_client_t *c, work_kind_t kind, const si
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
     pshard_work_t w = {.c = c, .kind = kind};
     pthread_mutex_lock(&c->mu);
-    while (c->qhead || c->busy)
-        pthread_cond_wait(&c->cv, &c->mu);
+    client_wait_idle(c);
     pshard_status_t rc = claim_buffers(c, &w, ids, n);
     if (rc != PSHARD_OK) {
         pthread_mutex_unlock(&c->mu);

@@ -227,8 +227,7 @@ pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opt
     if (!c->nparams)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "define the model before joining");
     pthread_mutex_lock(&c->mu);
-    while (c->qhead || c->busy)
-        pthread_cond_wait(&c->cv, &c->mu);
+    client_wait_idle(c);
     client_params_reset(c);
     pthread_mutex_unlock(&c->mu);
     Pshard__JoinRequest req = PSHARD__JOIN_REQUEST__INIT;

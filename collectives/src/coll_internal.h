@@ -8,6 +8,7 @@
 
 #include "coll_wire.h"
 #include "pshard/collectives.h"
+#include "pshard/queue.h"
 
 /* One operation, validated and with its descriptor computed. Owned by its request. */
 typedef struct coll_op {
@@ -29,7 +30,7 @@ struct pshard_coll_req {
     pshard_status_t status;
     char error[1024];
     bool submitted;               /* counted in comm->in_flight */
-    struct pshard_coll_req *next; /* queue link */
+    ps_qnode_t node;              /* in its backend's queue */
 };
 
 /* A backend runs operations one at a time, in order, on its own thread, and reports each

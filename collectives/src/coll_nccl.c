@@ -107,7 +107,7 @@ typedef struct nccl_engine {
     bool thread_started;
     pthread_mutex_t qmu; /* guards the queue, busy, stop and inner (for abort) */
     pthread_cond_t qcv;
-    pshard_coll_req_t *qhead, *qtail;
+    ps_queue_t queue; /* pshard_coll_req_t submitted, not yet taken (qmu) */
     bool busy; /* the engine is running a request */
     bool stop;
 } nccl_engine_t;
@@ -554,13 +554,7 @@ static pshard_status_t run_request(nccl_engine_t *e, pshard_coll_req_t *req, cha
 
 static pshard_coll_req_t *pop_locked(nccl_engine_t *e)
 {
-    pshard_coll_req_t *r = e->qhead;
-    if (r) {
-        e->qhead = r->next;
-        if (!e->qhead)
-            e->qtail = NULL;
-    }
-    return r;
+    return PS_QUEUE_POP(&e->queue, pshard_coll_req_t, node);
 }
 
 /* Fails every queued request with the communicator's first error. */
@@ -629,7 +623,7 @@ static void *engine_main(void *arg)
     }
     for (;;) {
         pthread_mutex_lock(&e->qmu);
-        while (!e->stop && !e->qhead && (e->failed || !atomic_load(&e->comm->aborted)))
+        while (!e->stop && ps_queue_empty(&e->queue) && (e->failed || !atomic_load(&e->comm->aborted)))
             pthread_cond_wait(&e->qcv, &e->qmu);
         bool stop = e->stop;
         pshard_coll_req_t *r = stop ? NULL : pop_locked(e);
@@ -837,13 +831,8 @@ fail:
 static void nccl_submit(pshard_comm_t *comm, pshard_coll_req_t *req)
 {
     nccl_engine_t *e = engine_of(comm);
-    req->next = NULL;
     pthread_mutex_lock(&e->qmu);
-    if (e->qtail)
-        e->qtail->next = req;
-    else
-        e->qhead = req;
-    e->qtail = req;
+    ps_queue_push(&e->queue, &req->node);
     pthread_cond_signal(&e->qcv);
     pthread_mutex_unlock(&e->qmu);
 }
@@ -870,7 +859,7 @@ static void nccl_destroy(pshard_comm_t *comm)
         return;
     if (e->thread_started) {
         pthread_mutex_lock(&e->qmu);
-        bool pending = e->qhead || e->busy;
+        bool pending = !ps_queue_empty(&e->queue) || e->busy;
         pthread_mutex_unlock(&e->qmu);
         if (pending) {
             /* Anything still queued or running fails rather than hangs. */

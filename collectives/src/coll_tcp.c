@@ -37,7 +37,7 @@
 typedef enum { PH_AG, PH_RS, PH_BCAST } phase_kind_t;
 
 typedef struct ctrl_frame {
-    struct ctrl_frame *next;
+    ps_qnode_t node;
     size_t len;
     uint8_t buf[COLL_FRAME_HEADER_SIZE + COLL_FRAME_MAX_CONTROL];
 } ctrl_frame_t;
@@ -77,7 +77,7 @@ typedef struct engine {
     tcp_t t; /* first: coll_tcp_conn.c sees only this part */
 
     /* Link state that outlives single operations. */
-    ctrl_frame_t *ctrl_head, *ctrl_tail;
+    ps_queue_t ctrl; /* ctrl_frame_t to send before the next data frame */
     bool of_active, of_is_data, of_zero_pad;
     uint8_t of_hdr[COLL_FRAME_HEADER_SIZE];
     size_t of_hdr_off;
@@ -131,12 +131,15 @@ static void queue_ctrl(engine_t *e, uint8_t type, uint64_t seq, const uint8_t *p
     coll_frame_header_encode(&h, f->buf);
     memcpy(f->buf + COLL_FRAME_HEADER_SIZE, payload, len);
     f->len = COLL_FRAME_HEADER_SIZE + len;
-    f->next = NULL;
-    if (e->ctrl_tail)
-        e->ctrl_tail->next = f;
-    else
-        e->ctrl_head = f;
-    e->ctrl_tail = f;
+    ps_queue_push(&e->ctrl, &f->node);
+}
+
+/* Drops the control frames not yet sent (the link is gone, or the engine is). */
+static void free_ctrl_frames(engine_t *e)
+{
+    ctrl_frame_t *f;
+    while ((f = PS_QUEUE_POP(&e->ctrl, ctrl_frame_t, node)) != NULL)
+        free(f);
 }
 
 static void queue_abort(engine_t *e, uint32_t origin, pshard_status_t status, const char *msg,
@@ -590,11 +593,8 @@ static bool do_writes(engine_t *e)
         return false;
     for (int frames = 0; frames < 16; frames++) {
         if (!e->of_active) {
-            if (e->ctrl_head) {
-                ctrl_frame_t *f = e->ctrl_head;
-                e->ctrl_head = f->next;
-                if (!e->ctrl_head)
-                    e->ctrl_tail = NULL;
+            ctrl_frame_t *f = PS_QUEUE_POP(&e->ctrl, ctrl_frame_t, node);
+            if (f) {
                 e->of_ctrl = f;
                 e->of_is_data = false;
                 e->of_payload = f->buf;
@@ -679,12 +679,7 @@ static bool do_writes(engine_t *e)
             e->of_active = false; /* the link is dead: drop what is queued */
             free(e->of_ctrl);
             e->of_ctrl = NULL;
-            while (e->ctrl_head) {
-                ctrl_frame_t *f = e->ctrl_head;
-                e->ctrl_head = f->next;
-                free(f);
-            }
-            e->ctrl_tail = NULL;
+            free_ctrl_frames(e);
             e->drain_until_ns = 0;
             return true;
         }
@@ -908,12 +903,7 @@ static void drain_wake(engine_t *e)
 static pshard_coll_req_t *pop_request(engine_t *e)
 {
     pthread_mutex_lock(&e->t.qmu);
-    pshard_coll_req_t *r = e->t.qhead;
-    if (r) {
-        e->t.qhead = r->next;
-        if (!e->t.qhead)
-            e->t.qtail = NULL;
-    }
+    pshard_coll_req_t *r = PS_QUEUE_POP(&e->t.queue, pshard_coll_req_t, node);
     pthread_mutex_unlock(&e->t.qmu);
     return r;
 }
@@ -1077,7 +1067,7 @@ static void *engine_main(void *arg)
             /* Push out what the ring still needs from us (forwarded descriptors, an abort
              * notice) before the sockets close. */
             int64_t until = ps_now_ns() + DRAIN_NS / 2;
-            while (e->t.n > 1 && (e->of_active || e->ctrl_head) && !e->next_lost_errno &&
+            while (e->t.n > 1 && (e->of_active || !ps_queue_empty(&e->ctrl)) && !e->next_lost_errno &&
                    ps_now_ns() < until) {
                 do_writes(e);
                 if (e->write_blocked) {
@@ -1108,7 +1098,7 @@ static void *engine_main(void *arg)
                 continue;
             }
         }
-        bool flushing = e->t.n > 1 && (e->of_active || e->ctrl_head) &&
+        bool flushing = e->t.n > 1 && (e->of_active || !ps_queue_empty(&e->ctrl)) &&
                         (!e->failed || ps_now_ns() < e->drain_until_ns);
         if (flushing)
             do_writes(e);
@@ -1195,13 +1185,8 @@ fail:
 static void tcp_submit(pshard_comm_t *comm, pshard_coll_req_t *req)
 {
     engine_t *e = engine_of(comm);
-    req->next = NULL;
     pthread_mutex_lock(&e->t.qmu);
-    if (e->t.qtail)
-        e->t.qtail->next = req;
-    else
-        e->t.qhead = req;
-    e->t.qtail = req;
+    ps_queue_push(&e->t.queue, &req->node);
     pthread_mutex_unlock(&e->t.qmu);
     wake(e);
 }
@@ -1219,11 +1204,11 @@ static void tcp_destroy(pshard_comm_t *comm)
     tcp_t *t = &e->t;
     if (t->thread_started) {
         /* Anything still queued fails rather than hangs. */
-        if (t->qhead) {
+        pthread_mutex_lock(&t->qmu);
+        if (!ps_queue_empty(&t->queue)) {
             atomic_store(&comm->aborted, true);
             coll_set_sticky(comm, PSHARD_ERR_ABORTED, "communicator destroyed");
         }
-        pthread_mutex_lock(&t->qmu);
         t->stop = true;
         pthread_mutex_unlock(&t->qmu);
         wake(e);
@@ -1255,11 +1240,7 @@ static void tcp_destroy(pshard_comm_t *comm)
         close(t->listen_fd);
     if (t->wake_fd >= 0)
         close(t->wake_fd);
-    while (e->ctrl_head) {
-        ctrl_frame_t *f = e->ctrl_head;
-        e->ctrl_head = f->next;
-        free(f);
-    }
+    free_ctrl_frames(e);
     free(e->of_ctrl);
     free(t->ring);
     free(t->conv);

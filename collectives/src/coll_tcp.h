@@ -24,7 +24,7 @@ typedef struct tcp {
     pthread_t thread;
     bool thread_started;
     pthread_mutex_t qmu;
-    pshard_coll_req_t *qhead, *qtail;
+    ps_queue_t queue; /* pshard_coll_req_t submitted, not yet taken by the engine */
     bool stop;
 
     /* Buffers allocated once, pre-touched, reused by every operation. */

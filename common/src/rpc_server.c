@@ -20,6 +20,7 @@
 #include <grpc/support/time.h>
 
 #include "pshard/log.h"
+#include "pshard/queue.h"
 #include "pshard/rpc.h"
 #include "pshard/util.h"
 #include "rpc_internal.h"
@@ -48,7 +49,7 @@ typedef struct peer_acct {
 } peer_acct_t;
 
 typedef struct send_item {
-    struct send_item *next;
+    ps_qnode_t node;
     grpc_byte_buffer *bb;
     size_t bytes;
 } send_item_t;
@@ -68,7 +69,7 @@ struct ps_rpc_call {
     bool final_started;        /* final batch issued */
     bool send_in_flight;
     atomic_bool cancelled;     /* the client went away or a batch failed */
-    send_item_t *sendq_head, *sendq_tail;
+    ps_queue_t sendq;          /* send_item_t waiting for the one send in flight */
     size_t queued_bytes;       /* queued and in flight: bounded by the server's stream cap */
     size_t send_bytes;         /* of send_bb */
     peer_acct_t *acct;         /* its connection's share of the server's send budget */
@@ -97,7 +98,7 @@ struct ps_rpc_call {
     int64_t deadline_ns;
 
     struct ps_rpc_call *live_prev, *live_next;
-    struct ps_rpc_call *work_next;
+    ps_qnode_t work_node;          /* in the server's work queue */
     ProtobufCMessage *pending_req; /* request waiting for a worker */
     int64_t queued_ns;             /* when it was queued for a worker (ps_now_ns) */
 };
@@ -125,12 +126,8 @@ struct ps_rpc_server {
 
     pthread_t *workers;
     int n_workers;
-    pthread_mutex_t work_mu;
-    pthread_cond_t work_cv;
-    ps_rpc_call_t *work_head, *work_tail;
-    size_t work_queued; /* calls in the work queue (work_mu) */
-    int work_busy;      /* workers running a handler (work_mu) */
-    bool work_stop;
+    ps_workq_t work;        /* calls waiting for a worker */
+    atomic_int work_busy;   /* workers running a handler */
 
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -207,11 +204,10 @@ static void call_free(ps_rpc_call_t *c)
         grpc_slice_unref(c->final_details);
     if (c->final_md_set)
         grpc_slice_unref(c->final_md.value);
-    for (send_item_t *it = c->sendq_head; it;) {
-        send_item_t *next = it->next;
+    send_item_t *it;
+    while ((it = PS_QUEUE_POP(&c->sendq, send_item_t, node)) != NULL) {
         grpc_byte_buffer_destroy(it->bb);
         free(it);
-        it = next;
     }
     acct_release(c, c->queued_bytes);
     acct_put(c);
@@ -327,12 +323,9 @@ static void start_final_locked(ps_rpc_call_t *c)
 
 static void start_next_send_locked(ps_rpc_call_t *c)
 {
-    send_item_t *it = c->sendq_head;
+    send_item_t *it = PS_QUEUE_POP(&c->sendq, send_item_t, node);
     if (!it)
         return;
-    c->sendq_head = it->next;
-    if (!c->sendq_head)
-        c->sendq_tail = NULL;
     c->send_bb = it->bb;
     c->send_bytes = it->bytes;
     free(it);
@@ -530,7 +523,6 @@ static pshard_status_t queue_send(ps_rpc_call_t *call, grpc_byte_buffer *bb, siz
         grpc_byte_buffer_destroy(bb);
         return PSHARD_ERR_NO_MEMORY;
     }
-    it->next = NULL;
     it->bb = bb;
     it->bytes = bytes;
     pthread_mutex_lock(&call->mu);
@@ -548,11 +540,7 @@ static pshard_status_t queue_send(ps_rpc_call_t *call, grpc_byte_buffer *bb, siz
         return rc;
     }
     call->queued_bytes += bytes;
-    if (call->sendq_tail)
-        call->sendq_tail->next = it;
-    else
-        call->sendq_head = it;
-    call->sendq_tail = it;
+    ps_queue_push(&call->sendq, &it->node);
     if (!call->send_in_flight)
         start_next_send_locked(call);
     pthread_mutex_unlock(&call->mu);
@@ -692,7 +680,7 @@ static void run_handler(ps_rpc_call_t *c, ProtobufCMessage *req)
          * without bound: the next request is read only once every reply is sent. */
         pthread_mutex_lock(&c->mu);
         if (!c->finishing && !atomic_load(&c->cancelled)) {
-            if (c->send_in_flight || c->sendq_head)
+            if (c->send_in_flight || !ps_queue_empty(&c->sendq))
                 c->recv_paused = true;
             else
                 start_recv_locked(c);
@@ -705,28 +693,16 @@ static void run_handler(ps_rpc_call_t *c, ProtobufCMessage *req)
 static void *worker_main(void *arg)
 {
     ps_rpc_server_t *srv = arg;
-    for (;;) {
-        pthread_mutex_lock(&srv->work_mu);
-        while (!srv->work_head && !srv->work_stop)
-            pthread_cond_wait(&srv->work_cv, &srv->work_mu);
-        ps_rpc_call_t *c = srv->work_head;
-        if (!c) {
-            pthread_mutex_unlock(&srv->work_mu);
-            return NULL;
-        }
-        srv->work_head = c->work_next;
-        if (!srv->work_head)
-            srv->work_tail = NULL;
-        srv->work_queued--;
-        srv->work_busy++;
-        pthread_mutex_unlock(&srv->work_mu);
+    ps_qnode_t *n;
+    while ((n = ps_workq_take(&srv->work)) != NULL) {
+        ps_rpc_call_t *c = PS_CONTAINER_OF(n, ps_rpc_call_t, work_node);
+        atomic_fetch_add(&srv->work_busy, 1);
         ProtobufCMessage *req = c->pending_req;
         c->pending_req = NULL;
         run_handler(c, req);
-        pthread_mutex_lock(&srv->work_mu);
-        srv->work_busy--;
-        pthread_mutex_unlock(&srv->work_mu);
+        atomic_fetch_sub(&srv->work_busy, 1);
     }
+    return NULL;
 }
 
 static void dispatch(ps_rpc_call_t *c, ProtobufCMessage *req)
@@ -738,17 +714,8 @@ static void dispatch(ps_rpc_call_t *c, ProtobufCMessage *req)
     }
     ps_rpc_server_t *srv = c->srv;
     c->pending_req = req;
-    c->work_next = NULL;
     c->queued_ns = ps_now_ns();
-    pthread_mutex_lock(&srv->work_mu);
-    srv->work_queued++;
-    if (srv->work_tail)
-        srv->work_tail->work_next = c;
-    else
-        srv->work_head = c;
-    srv->work_tail = c;
-    pthread_cond_signal(&srv->work_cv);
-    pthread_mutex_unlock(&srv->work_mu);
+    ps_workq_push(&srv->work, &c->work_node);
 }
 
 static method_entry_t *find_method(ps_rpc_server_t *srv, const grpc_slice path)
@@ -934,7 +901,7 @@ static void on_send(ps_rpc_call_t *c, bool success)
         atomic_store(&c->cancelled, true);
     pthread_cond_broadcast(&c->writable);
     bool end_paused = false;
-    if (c->sendq_head && !atomic_load(&c->cancelled))
+    if (!ps_queue_empty(&c->sendq) && !atomic_load(&c->cancelled))
         start_next_send_locked(c);
     else if (c->finishing)
         start_final_locked(c);
@@ -1074,8 +1041,7 @@ ps_rpc_server_t *ps_rpc_server_create(const ps_rpc_server_config_t *cfg, char *e
     grpc_init();
     pthread_mutex_init(&srv->mu, NULL);
     pthread_cond_init(&srv->cv, NULL);
-    pthread_mutex_init(&srv->work_mu, NULL);
-    pthread_cond_init(&srv->work_cv, NULL);
+    ps_workq_init(&srv->work);
     pthread_mutex_init(&srv->acct_mu, NULL);
     srv->shutdown_tag = (rpc_tag_t){TAG_SHUTDOWN, NULL};
     srv->max_message_bytes = cfg->max_message_bytes > 0 ? cfg->max_message_bytes : (4 << 20);
@@ -1230,12 +1196,13 @@ void ps_rpc_server_counters(ps_rpc_server_t *srv,
 void ps_rpc_server_load(ps_rpc_server_t *srv, ps_rpc_load_t *out)
 {
     int64_t now = ps_now_ns();
-    pthread_mutex_lock(&srv->work_mu);
     out->workers = srv->n_workers;
-    out->busy = srv->work_busy;
-    out->queued = srv->work_queued;
-    out->oldest_wait_ns = srv->work_head ? now - srv->work_head->queued_ns : 0;
-    pthread_mutex_unlock(&srv->work_mu);
+    out->busy = atomic_load(&srv->work_busy);
+    pthread_mutex_lock(&srv->work.mu);
+    out->queued = srv->work.q.len;
+    const ps_rpc_call_t *oldest = PS_QUEUE_PEEK(&srv->work.q, ps_rpc_call_t, work_node);
+    out->oldest_wait_ns = oldest ? now - oldest->queued_ns : 0;
+    pthread_mutex_unlock(&srv->work.mu);
     pthread_mutex_lock(&srv->acct_mu);
     out->send_queued_bytes = srv->queued_total;
     out->send_queued_peak_bytes = srv->queued_peak;
@@ -1275,10 +1242,7 @@ void ps_rpc_server_shutdown(ps_rpc_server_t *srv)
     }
     pthread_mutex_unlock(&srv->mu);
 
-    pthread_mutex_lock(&srv->work_mu);
-    srv->work_stop = true;
-    pthread_cond_broadcast(&srv->work_cv);
-    pthread_mutex_unlock(&srv->work_mu);
+    ps_workq_close(&srv->work);
     for (int i = 0; i < srv->n_workers; i++)
         pthread_join(srv->workers[i], NULL);
 
@@ -1317,9 +1281,8 @@ void ps_rpc_server_destroy(ps_rpc_server_t *srv)
     free(srv->token);
     pthread_mutex_destroy(&srv->mu);
     pthread_cond_destroy(&srv->cv);
-    pthread_mutex_destroy(&srv->work_mu);
+    ps_workq_destroy(&srv->work);
     pthread_mutex_destroy(&srv->acct_mu);
-    pthread_cond_destroy(&srv->work_cv);
     free(srv);
     grpc_shutdown();
 }
