@@ -1,6 +1,7 @@
 /* pshard collectives: one API for all-gather, reduce-scatter, all-reduce, broadcast and
  * barrier over a communicator of N ranks, with a CPU backend over TCP ("tcp": pipelined ring
- * algorithms on libevent) and a GPU backend ("nccl", built when CUDA and NCCL are found).
+ * algorithms, one poll(2) engine thread per communicator) and a GPU backend ("nccl", built when
+ * CUDA and NCCL are found).
  *
  * Every operation carries a descriptor (op, sequence number, dtype, reduction, counts, root,
  * caller tag). Ranks compare descriptors before moving data: a mismatch fails the operation on
