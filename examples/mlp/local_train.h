@@ -10,7 +10,7 @@
 #include <stdio.h>
 
 #include "mlp.h"
-#include "optim.h"
+#include "pshard/optim.h"
 
 typedef struct {
     mlp_shape_t shape;       /* the model (mlp_parse_widths) */

@@ -13,7 +13,7 @@
 #include "dist_train.h"
 #include "local_train.h"
 #include "mlp.h"
-#include "optim.h"
+#include "pshard/optim.h"
 #include "pshard/config.h"
 #include "pshard/types.h"
 #include "pshard/log.h"

@@ -6,7 +6,7 @@
  * momentum step, nesterov, lerp form) is made once per block, outside the loops, and the loops
  * have a constant trip count over restrict pointers, which is what gcc -O2's "very cheap"
  * vectoriser needs; the remainder (< OPT_BLOCK) runs through the same loops unvectorised. */
-#include "optim.h"
+#include "pshard/optim.h"
 
 #include "optim_elem.h"
 

@@ -11,7 +11,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "optim.h"
+#include "pshard/optim.h"
 
 #ifdef __CUDACC__
 #define PS_OPT_HD __host__ __device__

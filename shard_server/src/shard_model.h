@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "optim.h"
+#include "pshard/optim.h"
 #include "pshard/dtype.h"
 #include "pshard/layout.h"
 #include "pshard/status.h"

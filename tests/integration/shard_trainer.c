@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "optim.h"
+#include "pshard/optim.h"
 #include "pshard/dtype.h"
 #include "pshard/pshard.h"
 #include "pshard/util.h"

@@ -10,7 +10,7 @@
 
 #include "local_train.h"
 #include "mlp.h"
-#include "optim.h"
+#include "pshard/optim.h"
 #include "ps_test.h"
 
 #define MAXP (2 * MLP_MAX_LAYERS)

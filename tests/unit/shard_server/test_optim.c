@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "optim.h"
+#include "pshard/optim.h"
 #include "optim_elem.h"
 #include "ps_test.h"
 
