@@ -3,12 +3,15 @@
 #include "pshard/util.h"
 
 #include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <sys/stat.h>
 
 #include "pshard/atomic_file.h"
 
@@ -156,4 +159,74 @@ int ps_announce_listening(const char *prog, const char *listen, int port, const 
     printf("listening on %s:%d\n", host, port);
     fflush(stdout);
     return 0;
+}
+
+char *ps_read_file(const char *path, bool strip, size_t max_bytes, size_t *len, char *err,
+                   size_t errlen)
+{
+    /* O_NONBLOCK, then S_ISREG: a FIFO or device given as a token or TLS file is refused
+     * instead of blocking the process at start. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) {
+        ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot open %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    int fl = fcntl(fd, F_GETFL);
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || fl < 0 ||
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s is not a regular file", path);
+        close(fd);
+        return NULL;
+    }
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot open %s: %s", path, strerror(errno));
+        close(fd);
+        return NULL;
+    }
+    size_t cap = 4096, n = 0;
+    char *buf = malloc(cap + 1);
+    while (buf) {
+        if (n == cap) {
+            if (cap >= max_bytes) {
+                ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s is larger than %zu bytes",
+                        path, max_bytes);
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            cap = cap * 2 > max_bytes ? max_bytes : cap * 2;
+            char *p = realloc(buf, cap + 1);
+            if (!p) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = p;
+        }
+        size_t r = fread(buf + n, 1, cap - n, f);
+        n += r;
+        if (r == 0) {
+            if (ferror(f)) {
+                ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot read %s", path);
+                free(buf);
+                buf = NULL;
+            }
+            break;
+        }
+    }
+    fclose(f);
+    if (!buf) {
+        ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "cannot read %s", path);
+        return NULL;
+    }
+    if (strip) {
+        while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' '))
+            n--;
+    }
+    buf[n] = '\0';
+    if (len)
+        *len = n;
+    return buf;
 }

@@ -268,9 +268,4 @@ bool ps_pb_strings_nul_free(const ProtobufCMessageDescriptor *d, const uint8_t *
 const char *ps_token_problem(const char *token, size_t len);
 char *ps_read_token(const char *path, char *err, size_t errlen);
 
-/* Reads a whole small file (TLS material, tokens) into a malloc'd NUL-terminated buffer.
- * Trailing newlines are stripped when strip is true. NULL with a message naming the path. */
-char *ps_read_file(const char *path, bool strip, size_t max_bytes, size_t *len, char *err,
-                   size_t errlen);
-
 #endif

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -74,5 +75,11 @@ int ps_const_time_eq(const void *a, size_t alen, const void *b, size_t blen);
     } while ((rc_var) == -1 && errno == EINTR)
 
 #define PS_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+/* Reads a whole small regular file (TLS material, tokens: a FIFO or device is refused, not
+ * waited on) into a malloc'd NUL-terminated buffer of at most max_bytes, freed with free().
+ * Trailing newlines are stripped when strip is true. NULL with a message naming the path. */
+char *ps_read_file(const char *path, bool strip, size_t max_bytes, size_t *len, char *err,
+                   size_t errlen);
 
 #endif
