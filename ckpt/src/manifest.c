@@ -74,7 +74,7 @@ static pshard_status_t invalid(char *err, size_t errlen, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static pshard_status_t invalid(char *err, size_t errlen, const char *fmt, ...)
 {
-    char msg[512];
+    char msg[PSHARD_ERRLEN];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
@@ -421,7 +421,7 @@ pshard_status_t ps_ckpt_manifest_write(const char *step_dir, const ps_ckpt_manif
     char path[PATH_MAX];
     if (ps_snprintf(path, sizeof(path), "%s/%s", step_dir, PS_CKPT_MANIFEST) != 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "path too long: %s", step_dir);
-    char why[512] = "";
+    char why[PSHARD_ERRLEN] = "";
     pshard_status_t rc = ckpt_manifest_check(m, why, sizeof(why));
     if (rc != PSHARD_OK)
         return ps_errf(err, errlen, rc, "refusing to write %s: %s", path, why);
@@ -465,7 +465,7 @@ static pshard_status_t bad(char *err, size_t errlen, const char *path, const cha
     __attribute__((format(printf, 4, 5)));
 static pshard_status_t bad(char *err, size_t errlen, const char *path, const char *fmt, ...)
 {
-    char msg[400];
+    char msg[PSHARD_ERRLEN];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);

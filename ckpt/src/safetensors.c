@@ -93,7 +93,7 @@ pshard_status_t ps_safetensors_export(const char *step_dir, const ps_ckpt_manife
     if (dtype != PSHARD_FP32 && dtype != PSHARD_BF16)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "safetensors export writes fp32 or bf16, not %s", pshard_dtype_name(dtype));
-    char why[512] = "";
+    char why[PSHARD_ERRLEN] = "";
     pshard_status_t rc = ckpt_manifest_check(m, why, sizeof(why));
     if (rc != PSHARD_OK)
         return ps_errf(err, errlen, rc, "%s: %s", step_dir, why);

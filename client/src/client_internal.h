@@ -56,7 +56,7 @@ struct pshard_work {
     bool counted; /* holds a place among the gathers in flight */
     bool done;
     pshard_status_t status;
-    char error[1024];
+    char error[PSHARD_ERRLEN];
     ps_qnode_t node; /* in the client's queue */
 };
 
@@ -67,7 +67,7 @@ struct pshard_client {
     char session[64];
     int rank, world;
     region_t scratch, model;
-    char last_error[1024];
+    char last_error[PSHARD_ERRLEN];
 
     /* Model. The model region is a pool: full parameters and gradients get a block when they
      * are gathered or handed out and give it back when resharded or reduce-scattered, so only
@@ -100,7 +100,7 @@ struct pshard_client {
     /* Set once this trainer's own shard server is known lost (mu): every later call fails
      * at once with it instead of waiting on a server that will not answer. */
     pshard_status_t lost;
-    char lost_msg[512];
+    char lost_msg[PSHARD_ERRLEN];
 
     /* Async worker */
     pthread_t worker;

@@ -21,7 +21,7 @@ static void check_own_server(pshard_client_t *c)
 {
     Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
     Pshard__StatusResponse *st = NULL;
-    char err[256] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (ps_coord_rpc_status(c->coord, &req, &st, 2000, err, sizeof(err)) != PSHARD_OK)
         return;
     bool held = false;
@@ -74,7 +74,7 @@ void client_lease_start(pshard_client_t *c, const char *reported)
                                   .tls_ca_file = ca && *ca ? ca : NULL,
                                   .job = c->job[0] ? c->job : NULL,
                                   .max_message_bytes = 64 << 20}; /* a large job's Status */
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     c->coord = ps_rpc_channel_create(&cc, err, sizeof(err));
     if (!c->coord) {
         PS_WARN(PS_SUB_CLIENT, "cannot reach coordinator %s: %s; a lost trainer will only be "

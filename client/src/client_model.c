@@ -192,7 +192,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         goto out;
     }
     region_t model = {0};
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     rc = client_region_create(&model, bytes, "model", c->cfg.remote, false, remap, err, sizeof(err));
     if (rc != PSHARD_OK) {
         client_fail(c, rc, "%s", err);
@@ -402,7 +402,7 @@ static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
     req.n_groups = pg.n;
     req.groups = pg.ptrs;
     ProtobufCMessage *resp = NULL;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     /* Reductions issued before the step are part of it, so it waits for them. The step
      * changes every parameter: full copies are stale from here on (FSDP reshards after
      * backward anyway). */
@@ -452,7 +452,7 @@ pshard_status_t pshard_clip_grad_norm(pshard_client_t *c, double max_norm, doubl
     req.max_norm = max_norm;
     req.norm_type = norm_type;
     ProtobufCMessage *resp = NULL;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = client_call(c, "ClipGradNorm", &req.base,
                               &pshard__clip_grad_norm_response__descriptor, &resp, err,
                               sizeof(err));
@@ -480,7 +480,7 @@ pshard_status_t pshard_checkpoint_save(pshard_client_t *c, int64_t *step, char *
     Pshard__CheckpointRequest req = PSHARD__CHECKPOINT_REQUEST__INIT;
     req.session = c->session;
     ProtobufCMessage *resp = NULL;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = client_call(c, "Checkpoint", &req.base, &pshard__checkpoint_response__descriptor,
                               &resp, err, sizeof(err));
     if (rc != PSHARD_OK)

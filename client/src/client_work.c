@@ -174,7 +174,7 @@ void *client_worker_main(void *arg)
         }
         c->busy = true;
         pthread_mutex_unlock(&c->mu);
-        char err[1024] = "";
+        char err[PSHARD_ERRLEN] = "";
         pshard_status_t rc =
             run_tensor_op(c, w->kind, w->ids, w->offs, w->n, err, sizeof(err));
         pthread_mutex_lock(&c->mu);
@@ -292,7 +292,7 @@ static pshard_status_t run_inline(pshard_client_t *c, work_kind_t kind, const si
     }
     c->busy = true;
     pthread_mutex_unlock(&c->mu);
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     rc = run_tensor_op(c, kind, w.ids, w.offs, w.n, err, sizeof(err));
     pthread_mutex_lock(&c->mu);
     finish_buffers(c, &w, rc);

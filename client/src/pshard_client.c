@@ -234,7 +234,7 @@ pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opt
     req.session = c->session;
     req.throw_on_early_termination = opts->throw_on_early_termination;
     ProtobufCMessage *resp = NULL;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     char path[64] = "/pshard.ShardServer/Join";
     /* The others may train for a long time yet: no deadline of the usual size. Failures
      * reach this call through the collectives (a lost peer, a timeout). */
@@ -260,7 +260,7 @@ static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_
                                   bool average, int root, size_t count, size_t send_off,
                                   size_t recv_off, size_t recv_bytes)
 {
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     size_t send_bytes = count * pshard_dtype_size(dt);
     if (c->cfg.remote && send_bytes &&
         client_remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, send_off, send_bytes, 0, err,

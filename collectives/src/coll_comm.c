@@ -152,7 +152,7 @@ pshard_status_t pshard_comm_error(const pshard_comm_t *comm, char *err, size_t e
 
 void pshard_comm_abort(pshard_comm_t *comm, const char *reason)
 {
-    char msg[512];
+    char msg[PSHARD_ERRLEN];
     snprintf(msg, sizeof(msg), "communicator aborted on rank %d: %s", comm->rank,
              reason ? reason : "no reason given");
     coll_set_sticky(comm, PSHARD_ERR_ABORTED, msg);

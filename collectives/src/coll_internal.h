@@ -28,7 +28,7 @@ struct pshard_coll_req {
     pthread_cond_t cv;
     bool done;
     pshard_status_t status;
-    char error[1024];
+    char error[PSHARD_ERRLEN];
     bool submitted;               /* counted in comm->in_flight */
     ps_qnode_t node;              /* in its backend's queue */
 };

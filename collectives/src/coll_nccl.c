@@ -200,7 +200,7 @@ static void fail_comm(nccl_engine_t *e, pshard_status_t st, const char *msg, boo
 /* Completes a request with the communicator's first error. */
 static void complete_sticky(nccl_engine_t *e, pshard_coll_req_t *req)
 {
-    char msg[1024] = "";
+    char msg[PSHARD_ERRLEN] = "";
     pshard_status_t st = sticky_error(e, PSHARD_ERR_ABORTED, msg, sizeof(msg));
     coll_complete(req, st, msg);
 }
@@ -394,7 +394,7 @@ static pshard_status_t check_descriptor(nccl_engine_t *e, pshard_coll_req_t *req
     int64_t left_ms = (op->deadline_ns - ps_now_ns()) / 1000000;
     if (left_ms < 1)
         left_ms = 1;
-    char inner_err[1024] = "";
+    char inner_err[PSHARD_ERRLEN] = "";
     pshard_coll_req_t *check = NULL;
     pshard_status_t st = coll_start_check(e->inner, &op->desc, label[0] ? label : NULL, left_ms,
                                           &check, inner_err, sizeof(inner_err));
@@ -616,7 +616,7 @@ static void *engine_main(void *arg)
     /* The current device is per thread. */
     cudaError_t ce = cudaSetDevice(e->device);
     if (ce != cudaSuccess) {
-        char msg[512] = "";
+        char msg[PSHARD_ERRLEN] = "";
         char what[64];
         snprintf(what, sizeof(what), "nccl engine thread: cudaSetDevice(%d)", e->device);
         fail_comm(e, cuda_errf(msg, sizeof(msg), ce, what), msg, true);
@@ -630,12 +630,12 @@ static void *engine_main(void *arg)
         e->busy = r != NULL;
         pthread_mutex_unlock(&e->qmu);
         if (!e->failed && atomic_load(&e->comm->aborted)) {
-            char msg[1024] = "";
+            char msg[PSHARD_ERRLEN] = "";
             pshard_status_t st = sticky_error(e, PSHARD_ERR_ABORTED, msg, sizeof(msg));
             fail_comm(e, st, msg, true);
         }
         if (r) {
-            char msg[1024] = "";
+            char msg[PSHARD_ERRLEN] = "";
             pshard_status_t st = run_request(e, r, msg, sizeof(msg));
             /* Not busy before the waiter wakes: a destroy right after the wait must not take
              * this finished request for one in flight. */
@@ -670,7 +670,7 @@ static pshard_status_t connect_control(nccl_engine_t *e, const pshard_comm_confi
     pshard_comm_config_t icfg = *cfg;
     icfg.backend = "tcp";
     icfg.name = name;
-    char inner_err[1024] = "";
+    char inner_err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = pshard_comm_create(&icfg, &e->inner, inner_err, sizeof(inner_err));
     if (rc != PSHARD_OK)
         return ps_errf(err, errlen, rc, "nccl control path (tcp communicator %s): %s", name,
@@ -701,7 +701,7 @@ static pshard_status_t share_unique_id(nccl_engine_t *e, ncclUniqueId *id, char 
         .timeout_ms = e->connect_timeout_ms,
         .label = "nccl unique id",
     };
-    char inner_err[1024] = "";
+    char inner_err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = pshard_coll_run(e->inner, &a, inner_err, sizeof(inner_err));
     if (rc != PSHARD_OK)
         return ps_errf(err, errlen, rc, "sharing the NCCL unique id over the control path: %s",
@@ -842,7 +842,7 @@ static void nccl_submit(pshard_comm_t *comm, pshard_coll_req_t *req)
 static void nccl_abort(pshard_comm_t *comm)
 {
     nccl_engine_t *e = engine_of(comm);
-    char msg[1024] = "";
+    char msg[PSHARD_ERRLEN] = "";
     if (pshard_comm_error(comm, msg, sizeof(msg)) == PSHARD_OK)
         ps_strlcpy(msg, "communicator aborted", sizeof(msg));
     pthread_mutex_lock(&e->qmu);

@@ -178,7 +178,7 @@ static void fail_op(engine_t *e, pshard_status_t st, const char *msg, bool origi
 
 static void fail_errno(engine_t *e, bool sending, int err_no)
 {
-    char msg[512];
+    char msg[PSHARD_ERRLEN];
     const coll_op_t *op = &e->req->op;
     int peer = sending ? e->t.next : e->t.prev;
     snprintf(msg, sizeof(msg),
@@ -191,7 +191,7 @@ static void fail_errno(engine_t *e, bool sending, int err_no)
 
 static void fail_protocol(engine_t *e, const char *what)
 {
-    char msg[768];
+    char msg[PSHARD_ERRLEN];
     snprintf(msg, sizeof(msg), "%s seq %" PRIu64 " on rank %d: rank %d broke the protocol: %s",
              pshard_coll_op_name(e->req->op.args.op), e->req->op.desc.seq, e->t.rank, e->t.prev,
              what);
@@ -722,7 +722,7 @@ static void handle_desc(engine_t *e)
 {
     coll_op_t *op = &e->req->op;
     coll_desc_t d;
-    char err[256] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (coll_desc_decode(e->if_ctrl, e->if_h.len, &d, err, sizeof(err)) != PSHARD_OK) {
         fail_protocol(e, err);
         return;
@@ -746,7 +746,7 @@ static void handle_desc(engine_t *e)
 static void handle_abort(engine_t *e)
 {
     coll_abort_t a;
-    char err[256] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (coll_abort_decode(e->if_ctrl, e->if_h.len, &a, err, sizeof(err)) != PSHARD_OK) {
         fail_protocol(e, err);
         return;
@@ -758,7 +758,7 @@ static void handle_abort(engine_t *e)
         st = PSHARD_ERR_ABORTED;
     if ((int)a.origin_rank != e->t.next)
         queue_abort(e, a.origin_rank, st, a.message, e->if_h.seq);
-    char msg[700];
+    char msg[PSHARD_ERRLEN];
     snprintf(msg, sizeof(msg), "%s (reported by rank %u)", a.message, a.origin_rank);
     fail_op(e, st, msg, false);
 }
@@ -799,7 +799,7 @@ static bool do_reads(engine_t *e)
             e->if_hdr_off += got;
             if (e->if_hdr_off < COLL_FRAME_HEADER_SIZE)
                 continue;
-            char err[256] = "";
+            char err[PSHARD_ERRLEN] = "";
             if (coll_frame_header_decode(e->if_hdr, &e->if_h, err, sizeof(err)) != PSHARD_OK) {
                 fail_protocol(e, err);
                 return true;
@@ -911,7 +911,7 @@ static pshard_coll_req_t *pop_request(engine_t *e)
 static void fail_timeout(engine_t *e)
 {
     const coll_op_t *op = &e->req->op;
-    char msg[700];
+    char msg[PSHARD_ERRLEN];
     phase_t *ph = e->cur < e->nphases ? &e->phases[e->cur] : NULL;
     int who = e->waiting_on >= 0 ? e->waiting_on : e->t.prev;
     snprintf(msg, sizeof(msg),
@@ -926,7 +926,7 @@ static void fail_timeout(engine_t *e)
 static void run_request(engine_t *e, pshard_coll_req_t *req)
 {
     e->req = req;
-    char msg[512];
+    char msg[PSHARD_ERRLEN];
     pshard_status_t rc = setup_op(e);
     if (rc != PSHARD_OK) {
         snprintf(msg, sizeof(msg), "cannot set up %s: %s", pshard_coll_op_name(req->op.args.op),
@@ -977,7 +977,7 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
         if (e->op_failed)
             break;
         if (atomic_load(&e->t.comm->aborted)) {
-            char why[1024] = "";
+            char why[PSHARD_ERRLEN] = "";
             pshard_status_t st = pshard_comm_error(e->t.comm, why, sizeof(why));
             if (st == PSHARD_OK) {
                 st = PSHARD_ERR_ABORTED;
@@ -1048,7 +1048,7 @@ static void fail_queued(engine_t *e)
 {
     pshard_coll_req_t *r;
     while ((r = pop_request(e)) != NULL) {
-        char msg[1024] = "";
+        char msg[PSHARD_ERRLEN] = "";
         pshard_status_t st = pshard_comm_error(e->t.comm, msg, sizeof(msg));
         if (st == PSHARD_OK)
             ps_strlcpy(msg, "communicator failed", sizeof(msg));
@@ -1080,7 +1080,7 @@ static void *engine_main(void *arg)
         if (!e->failed && atomic_load(&e->t.comm->aborted)) {
             e->failed = true;
             e->drain_until_ns = ps_now_ns() + DRAIN_NS;
-            char msg[1024] = "";
+            char msg[PSHARD_ERRLEN] = "";
             pshard_status_t st = pshard_comm_error(e->t.comm, msg, sizeof(msg));
             if (st == PSHARD_OK) {
                 st = PSHARD_ERR_ABORTED;

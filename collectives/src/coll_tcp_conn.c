@@ -299,7 +299,7 @@ typedef struct {
     int64_t deadline;
     int fd; /* result */
     pshard_status_t rc;
-    char err[512];
+    char err[PSHARD_ERRLEN];
 } acceptor_t;
 
 /* Takes one waiting connection into a slot (when all are taken, the oldest one's). */
@@ -375,7 +375,7 @@ static void *acceptor_main(void *arg)
             if (!pfd[k].revents)
                 continue;
             hs_t *s = &slots[who[k]];
-            char err[512] = "";
+            char err[PSHARD_ERRLEN] = "";
             int r = hs_read(s, err, sizeof(err));
             if (r > 0)
                 r = hs_step(t, s, err, sizeof(err));
@@ -570,7 +570,7 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
         }
         const char *keys[1] = {next_key};
         Pshard__StoreWaitResponse *r = NULL;
-        char werr[512] = "";
+        char werr[PSHARD_ERRLEN] = "";
         pshard_status_t wrc = ps_coord_store_await(ch, keys, 1, left_ms < 500 ? left_ms : 500,
                                                    &r, werr, sizeof(werr));
         if (wrc == PSHARD_ERR_TIMEOUT)
@@ -597,7 +597,7 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
  * long job's rebuilt rings do not pile up keys. Best effort (the job's keys go when it ends). */
 static void forget_address(tcp_t *t, const pshard_comm_config_t *cfg)
 {
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     ps_rpc_channel_config_t ccfg = {.target = cfg->coordinator, .token = cfg->token,
                                     .job = cfg->job};
     ps_rpc_channel_t *ch = ps_rpc_channel_create(&ccfg, err, sizeof(err));

@@ -514,7 +514,7 @@ int ps_config_main(const ps_option_t *opts, size_t nopts, int argc, char **argv,
                    ps_config_result_t *result, const char *prog, const char *synopsis,
                    const char *summary, bool allow_positional)
 {
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (ps_config_parse(opts, nopts, argc, argv, config, result, err, sizeof(err)) != PSHARD_OK) {
         fprintf(stderr, "%s: %s (see --help)\n", prog, err);
         return 2;

@@ -192,7 +192,7 @@ static void *lease_main(void *arg)
         pthread_mutex_unlock(&l->mu);
         if (stop)
             break;
-        char err[512] = "";
+        char err[PSHARD_ERRLEN] = "";
         Pshard__MemberView *view = NULL;
         pshard_status_t rc;
         if (!have_id) {
@@ -302,7 +302,7 @@ void ps_coord_lease_stop(ps_coord_lease_t *l)
         Pshard__LeaveRequest lv = PSHARD__LEAVE_REQUEST__INIT;
         lv.member_id = l->member_id;
         lv.lease_key = l->lease_key;
-        char err[256] = "";
+        char err[PSHARD_ERRLEN] = "";
         ps_coord_rpc_leave(l->cfg.channel, &lv, NULL, 1000, err, sizeof(err));
     }
     lease_free(l);

@@ -23,7 +23,7 @@ struct ps_metrics {
     char *buf;
     size_t len, cap;
     bool oom;
-    char error[256];
+    char error[PSHARD_ERRLEN];
     /* The current family; cur_ok false means its samples are dropped. */
     char cur[FAMILY_NAME_MAX + 1];
     ps_metric_type_t cur_type;

@@ -90,7 +90,7 @@ static void on_request(struct evhttp_request *req, void *arg)
     if (error[0]) {
         /* A bug in a family, not the scraper's fault: say which, and log it once per scrape. */
         PS_ERROR(PS_SUB_MAIN, "metrics: %s", error);
-        char msg[320];
+        char msg[PSHARD_ERRLEN];
         int n = snprintf(msg, sizeof(msg), "metrics error: %s\n", error);
         reply_text(req, 500, "Internal Server Error", msg, n > 0 ? (size_t)n : 0);
     } else {

@@ -410,7 +410,7 @@ static pshard_status_t unary_slices(ps_rpc_channel_t *ch, const char *path, grpc
     int64_t end_ns = ps_now_ns() + timeout_ms * 1000000;
     int64_t backoff_ms = 25;
     for (;;) {
-        char attempt_err[512] = "";
+        char attempt_err[PSHARD_ERRLEN] = "";
         int64_t left_ms = (end_ns - ps_now_ns()) / 1000000;
         if (left_ms < 1)
             left_ms = 1;

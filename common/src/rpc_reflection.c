@@ -259,7 +259,7 @@ static void reflection_info(ps_rpc_call_t *call, const ProtobufCMessage *request
         GRPC__REFLECTION__V1ALPHA__SERVER_REFLECTION_RESPONSE__INIT;
     resp.valid_host = req->host ? req->host : "";
     resp.original_request = (Grpc__Reflection__V1alpha__ServerReflectionRequest *)req;
-    char msg[600];
+    char msg[PSHARD_ERRLEN];
 
     switch (req->message_request_case) {
     case GRPC__REFLECTION__V1ALPHA__SERVER_REFLECTION_REQUEST__MESSAGE_REQUEST_LIST_SERVICES: {

@@ -367,7 +367,7 @@ void ps_rpc_call_reply(ps_rpc_call_t *call, const ProtobufCMessage *response)
 
 void ps_rpc_call_fail(ps_rpc_call_t *call, pshard_status_t status, const char *fmt, ...)
 {
-    char msg[1024];
+    char msg[PSHARD_ERRLEN];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
@@ -794,7 +794,7 @@ static void on_new(ps_rpc_call_t *c, bool success)
 
     c->method = find_method(srv, c->details.method);
     if (!c->method) {
-        char msg[512];
+        char msg[PSHARD_ERRLEN];
         snprintf(msg, sizeof(msg), "unknown method %s", c->path ? c->path : "?");
         PS_DEBUG(PS_SUB_RPC, "%s (from %s)", msg, c->peer ? c->peer : "?");
         finalize(c, GRPC_STATUS_UNIMPLEMENTED, msg, NULL);
@@ -848,13 +848,13 @@ static void on_recv(ps_rpc_call_t *c, bool success)
         grpc_byte_buffer_destroy(bb);
         if (nul_in) {
             /* C strings end at a NUL: "a\0x" and "a\0y" would be one key, name or token. */
-            char msg[512];
+            char msg[PSHARD_ERRLEN];
             snprintf(msg, sizeof(msg), "request to %s: field '%s' holds a NUL byte", c->path,
                      nul_in);
             atomic_fetch_add(&c->method->calls, 1);
             finalize(c, GRPC_STATUS_INVALID_ARGUMENT, msg, NULL);
         } else if (!req) {
-            char msg[512];
+            char msg[PSHARD_ERRLEN];
             snprintf(msg, sizeof(msg), "request to %s is not a valid %s message", c->path,
                      c->method->m.request_desc->name);
             atomic_fetch_add(&c->method->calls, 1);

@@ -440,7 +440,7 @@ static void handle_watch(ps_rpc_call_t *call, const ProtobufCMessage *request, v
         return;
     }
     e->call = call;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = PSHARD_ERR_UNAVAILABLE;
     pthread_mutex_lock(&c->mu);
     coord_job_t *j = c->stopping ? NULL : job_of_call_locked(c, call, true, &rc, err, sizeof(err));
@@ -489,7 +489,7 @@ static void handle_register(ps_rpc_call_t *call, const ProtobufCMessage *request
     coord_role_t role = req->role == PSHARD__ROLE__SHARD_SERVER ? COORD_ROLE_SHARD_SERVER
                         : req->role == PSHARD__ROLE__TRAINER  ? COORD_ROLE_TRAINER
                                                               : COORD_ROLE_UNSPECIFIED;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     coord_member_view_t view;
     pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
@@ -518,7 +518,7 @@ static void handle_heartbeat(ps_rpc_call_t *call, const ProtobufCMessage *reques
 {
     pshard_coordinator_t *c = ctx;
     const Pshard__HeartbeatRequest *req = (const Pshard__HeartbeatRequest *)request;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     coord_member_view_t view;
     pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
@@ -536,7 +536,7 @@ static void handle_leave(ps_rpc_call_t *call, const ProtobufCMessage *request, v
 {
     pshard_coordinator_t *c = ctx;
     const Pshard__LeaveRequest *req = (const Pshard__LeaveRequest *)request;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = PSHARD_OK;
     uint64_t gen = 0;
     pthread_mutex_lock(&c->mu);
@@ -580,7 +580,7 @@ static void handle_report_join(ps_rpc_call_t *call, const ProtobufCMessage *requ
         .throw_on_early_termination = req->throw_on_early_termination,
         .last_rank = req->last_rank,
     };
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     coord_join_change_t change = COORD_JOIN_UNCHANGED;
     pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
@@ -613,7 +613,7 @@ static void handle_store_set(ps_rpc_call_t *call, const ProtobufCMessage *reques
 {
     pshard_coordinator_t *c = ctx;
     const Pshard__StoreSetRequest *req = (const Pshard__StoreSetRequest *)request;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
     coord_job_t *j = job_of_call_locked(c, call, true, &rc, err, sizeof(err));
@@ -633,7 +633,7 @@ static void handle_store_get(ps_rpc_call_t *call, const ProtobufCMessage *reques
 {
     pshard_coordinator_t *c = ctx;
     const Pshard__StoreGetRequest *req = (const Pshard__StoreGetRequest *)request;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     const uint8_t *value = NULL;
     size_t len = 0;
     pshard_status_t rc = PSHARD_OK;
@@ -657,7 +657,7 @@ static void handle_store_cas(ps_rpc_call_t *call, const ProtobufCMessage *reques
 {
     pshard_coordinator_t *c = ctx;
     const Pshard__StoreCompareSetRequest *req = (const Pshard__StoreCompareSetRequest *)request;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     const uint8_t *value = NULL;
     size_t len = 0;
     int swapped = 0;
@@ -684,7 +684,7 @@ static void handle_store_add(ps_rpc_call_t *call, const ProtobufCMessage *reques
 {
     pshard_coordinator_t *c = ctx;
     const Pshard__StoreAddRequest *req = (const Pshard__StoreAddRequest *)request;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     int64_t result = 0;
     pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
@@ -705,7 +705,7 @@ static void handle_store_delete(ps_rpc_call_t *call, const ProtobufCMessage *req
 {
     pshard_coordinator_t *c = ctx;
     const Pshard__StoreDeleteRequest *req = (const Pshard__StoreDeleteRequest *)request;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
     coord_job_t *j = job_of_call_locked(c, call, false, &rc, err, sizeof(err));
@@ -802,7 +802,7 @@ static void handle_store_wait(ps_rpc_call_t *call, const ProtobufCMessage *reque
     }
     done_ctx->call = call;
     entry->call = call;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = PSHARD_ERR_UNAVAILABLE;
     pthread_mutex_lock(&c->mu);
     coord_job_t *j = c->stopping ? NULL : job_of_call_locked(c, call, true, &rc, err, sizeof(err));
@@ -873,7 +873,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     pshard_coordinator_t *c = ctx;
     (void)request;
     int64_t now = ps_now_ns();
-    char err[512] = "", jobname[JOB_NAME_MAX + 1] = DEFAULT_JOB;
+    char err[PSHARD_ERRLEN] = "", jobname[JOB_NAME_MAX + 1] = DEFAULT_JOB;
     pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
     coord_job_t *j = job_of_call_locked(c, call, false, &rc, err, sizeof(err));

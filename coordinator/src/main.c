@@ -113,7 +113,7 @@ int main(int argc, char **argv)
     ps_log_init("coordinator");
     coord_opts_t o;
     ps_config_result_t res;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     int exit_code = 0;
     pshard_coordinator_t *coord = NULL;
     ps_metrics_server_t *metrics = NULL;

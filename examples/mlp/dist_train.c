@@ -124,7 +124,7 @@ int mlp_dist_train(const mlp_dist_args_t *da)
     const mlp_local_args_t *a = &da->common;
     FILE *out = a->out ? a->out : stdout;
     pshard_client_config_t cfg;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (pshard_client_config_from_env(&cfg, err, sizeof(err)) != PSHARD_OK) {
         fprintf(stderr, "pshard-mlp: %s\n", err);
         return 2;

@@ -73,7 +73,7 @@ static int local_alloc(local_run_t *run, const mlp_local_args_t *a)
 static int local_validate(const mlp_local_args_t *a)
 {
     const mlp_shape_t *s = &a->shape;
-    char err[256] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (s->nlayers < 1 || s->nlayers > MLP_MAX_LAYERS) {
         fprintf(stderr, "mlp_local_train: %d layers (need 1..%d)\n", s->nlayers, MLP_MAX_LAYERS);
         return -1;

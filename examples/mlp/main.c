@@ -202,7 +202,7 @@ static int build_config(const mlp_opts_t *o, mlp_config_t *cfg)
         fprintf(stderr, PROG ": --momentum only applies to --optimizer sgd\n");
         return -1;
     }
-    char err[256] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (ps_optim_validate(&cfg->optim, err, sizeof(err)) != 0) {
         fprintf(stderr, PROG ": %s\n", err);
         return -1;
@@ -295,7 +295,7 @@ int main(int argc, char **argv)
     mlp_opts_t o;
     ps_config_result_t res;
     mlp_config_t cfg;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     int exit_code = 0;
     if (ps_config_parse(options, PS_ARRAY_LEN(options), argc, argv, &o, &res, err, sizeof(err)) !=
         PSHARD_OK) {

@@ -119,7 +119,7 @@ int main(int argc, char **argv)
     ps_log_init("server");
     server_opts_t o;
     ps_config_result_t res;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     int rc = 0;
     char *token = NULL;
     char default_coord[300];

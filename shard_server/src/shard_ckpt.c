@@ -282,7 +282,7 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
     }
     /* Phase 2: rank 0 commits, then tells everyone whether it did. */
     int64_t verdict[1] = {0};
-    char commit_err[512] = "";
+    char commit_err[PSHARD_ERRLEN] = "";
     if (rc == PSHARD_OK && rank == 0 && failed < 0 && !all_committed) {
         ps_ckpt_manifest_t man;
         pshard_status_t mr = build_manifest(m, world, all, 3, &man, commit_err,
@@ -294,7 +294,7 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
         manifest_release(&man);
         verdict[0] = mr == PSHARD_OK;
         if (mr == PSHARD_OK) {
-            char perr[256] = "";
+            char perr[PSHARD_ERRLEN] = "";
             if (ps_ckpt_prune(root, (int)s->cfg.checkpoint_keep, perr, sizeof(perr)) !=
                 PSHARD_OK)
                 PS_WARN(PS_SUB_SHARD, "pruning old checkpoints: %s", perr);
@@ -394,7 +394,7 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
 {
     *restored = false;
     int rank = pshard_comm_rank(comm), world = pshard_comm_world_size(comm);
-    char local_err[512] = "";
+    char local_err[PSHARD_ERRLEN] = "";
     pshard_status_t local = PSHARD_OK;
     /* Rank 0 picks the step (the newest committed), so all restore the same one. */
     /* -1: nothing there, start fresh; -2: nothing loadable, and something was refused (or the
@@ -539,7 +539,7 @@ static void answer_request(pshard_shard_server_t *s, int64_t request, const char
 {
     char key[96];
     snprintf(key, sizeof(key), "pshard/checkpoint/done/%" PRId64, request);
-    char err[256] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (ps_coord_store_put(s->coord, key, value, strlen(value), 5000, err, sizeof(err)) !=
         PSHARD_OK)
         PS_WARN(PS_SUB_SHARD, "cannot answer checkpoint request %" PRId64 ": %s", request, err);

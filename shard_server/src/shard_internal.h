@@ -54,7 +54,7 @@ struct pshard_shard_server {
     bool formed;
     pshard_comm_t *comm; /* set once built; replaced only by the setup thread */
     pshard_status_t fatal;
-    char fatal_msg[512];
+    char fatal_msg[PSHARD_ERRLEN];
 
     /* Trainer state, guarded by op_mu (one operation at a time). */
     pthread_mutex_t op_mu;

@@ -436,7 +436,7 @@ static void report_join(pshard_shard_server_t *s, Pshard__JoinPhase phase, int r
     req.step = step;
     req.throw_on_early_termination = throw_flag;
     req.last_rank = last_rank;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (ps_coord_rpc_report_join(s->coord, &req, NULL, 2000, err, sizeof(err)) != PSHARD_OK)
         PS_WARN(PS_SUB_SHARD, "could not report the join to the coordinator: %s", err);
 }
@@ -491,7 +491,7 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
     res->step = s->model->step;
     if (rc != PSHARD_OK) {
         PS_WARN(PS_SUB_SHARD, "join ended with an error: %s", err);
-        char why[1024];
+        char why[PSHARD_ERRLEN];
         ps_strlcpy(why, err, sizeof(why));
         return ps_errf(err, errlen, rc, "while shadowing the other ranks after the join: %s",
                        why);

@@ -57,7 +57,7 @@ static void lost_contact_check(pshard_shard_server_t *s)
      * sooner, and a merely restarting coordinator does not stall it at all. */
     if (rec.state != PSHARD_COLL_RUNNING || now - rec.start_ns < lease * 500000)
         return;
-    char msg[512];
+    char msg[PSHARD_ERRLEN];
     snprintf(msg, sizeof(msg),
              "rank %d lost contact with the coordinator %s for %lld ms (lease %lld ms) while "
              "its %s seq %llu waits on rank %d: it counts as evicted",
@@ -76,7 +76,7 @@ static void poll_checkpoint_request(pshard_shard_server_t *s)
     /* An add of 0 reads the counter (0 before the first request) without the NOT_FOUND a get
      * would answer every heartbeat, which status would count as errors. */
     int64_t v = 0;
-    char err[256] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (ps_coord_store_incr(s->coord, "pshard/checkpoint/request", 0, &v, 2000, err,
                             sizeof(err)) != PSHARD_OK)
         return;
@@ -251,12 +251,12 @@ void *shard_setup_main(void *arg)
             .host_buffers = true, /* shards and trainer regions live in host memory */
             .cancel = &s->stop_flag,
         };
-        char err[1024] = "";
+        char err[PSHARD_ERRLEN] = "";
         pshard_comm_t *comm = NULL;
         pshard_status_t rc = pshard_comm_create(&cc, &comm, err, sizeof(err));
         if (rc == PSHARD_ERR_RESOURCE_EXHAUSTED) {
             /* The coordinator's store is full: retrying cannot help, the job must be told. */
-            char msg[1200];
+            char msg[PSHARD_ERRLEN];
             snprintf(msg, sizeof(msg), "cannot build the communicator (rank %d of %d): %s",
                      rank, world, err);
             shard_set_fatal(s, rc, msg);
@@ -317,7 +317,7 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         bool trainer = ours && (!who || who->role == PSHARD__ROLE__TRAINER);
         bool matters = trainer || (who && who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0);
         if (matters && comm && pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
-            char msg[512];
+            char msg[PSHARD_ERRLEN];
             if (trainer)
                 snprintf(msg, sizeof(msg),
                          "trainer %s was evicted: no heartbeat within its %lld ms lease (it "
@@ -372,7 +372,7 @@ void *shard_watch_main(void *arg)
             continue;
         }
         Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
-        char err[512] = "";
+        char err[PSHARD_ERRLEN] = "";
         bool got = false;
         ps_rpc_stream_t *st =
             ps_coord_watch_open(s->coord, &req, 24LL * 3600 * 1000, err, sizeof(err));

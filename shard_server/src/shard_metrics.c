@@ -54,7 +54,7 @@ void shard_stats_record(pshard_shard_server_t *s, shard_opk_t op, int64_t start_
 static void health_reason(pshard_shard_server_t *s, char *why, size_t len)
 {
     why[0] = '\0';
-    char cerr[256] = "";
+    char cerr[PSHARD_ERRLEN] = "";
     pshard_coll_record_t rec;
     size_t nrec = 0;
     pthread_mutex_lock(&s->mu);
@@ -99,7 +99,7 @@ static void health_reason(pshard_shard_server_t *s, char *why, size_t len)
 
 void shard_health_update(pshard_shard_server_t *s)
 {
-    char why[256];
+    char why[PSHARD_ERRLEN];
     health_reason(s, why, sizeof(why));
     int want = why[0] ? 2 : 1;
     pthread_mutex_lock(&s->health_mu);

@@ -174,7 +174,7 @@ static pshard_status_t check_group(ps_optim_kind_t kind, const shard_group_t *g,
 {
     ps_optim_config_t cfg = g->cfg;
     cfg.kind = kind;
-    char why[256] = "";
+    char why[PSHARD_ERRLEN] = "";
     if (ps_optim_validate(&cfg, why, sizeof(why)) != 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "group %zu: %s", index, why);
     return PSHARD_OK;

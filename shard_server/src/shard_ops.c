@@ -18,7 +18,7 @@ pshard_comm_t *shard_op_comm(pshard_shard_server_t *s, pshard_status_t *rc, char
     pthread_mutex_lock(&s->mu);
     pshard_comm_t *c = s->comm;
     pshard_status_t fatal = s->fatal;
-    char msg[512];
+    char msg[PSHARD_ERRLEN];
     ps_strlcpy(msg, s->fatal_msg, sizeof(msg));
     pthread_mutex_unlock(&s->mu);
     if (fatal != PSHARD_OK) {

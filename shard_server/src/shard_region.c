@@ -159,7 +159,7 @@ void shard_handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *requ
         pthread_mutex_unlock(&s->op_mu);
         return;
     }
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     shm_map_t *m = NULL;
     if (req->data.len > CHUNK_MAX) {
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,

@@ -75,7 +75,7 @@ void shard_pin_region(pshard_shard_server_t *s, shm_map_t *m)
 {
     if (!on_gpu(s) || !m->base || m->pinned)
         return;
-    char err[256] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (pshard_host_pin(s->cfg.device, m->base, m->bytes, err, sizeof(err)) == PSHARD_OK) {
         m->pinned = true;
         m->pin_device = s->cfg.device;
@@ -147,7 +147,7 @@ const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, 
 
 bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session)
 {
-    char err[256];
+    char err[PSHARD_ERRLEN];
     pshard_status_t rc = shard_session_check(s, session, err, sizeof(err));
     if (rc != PSHARD_OK)
         ps_rpc_call_fail(call, rc, "%s", err);
@@ -222,7 +222,7 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     pshard_shard_server_t *s = ctx;
     const Pshard__AttachRequest *req = (const Pshard__AttachRequest *)request;
     pshard_status_t crc = PSHARD_OK;
-    char cerr[512] = "";
+    char cerr[PSHARD_ERRLEN] = "";
     pshard_comm_t *comm = shard_op_comm(s, &crc, cerr, sizeof(cerr));
     if (!comm) {
         ps_rpc_call_fail(call, crc, "%s", cerr);
@@ -235,7 +235,7 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
                          req->rank, pshard_comm_rank(comm));
         return;
     }
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (session_held_by_live_trainer(s, err, sizeof(err))) {
         ps_rpc_call_fail(call, PSHARD_ERR_ALREADY_EXISTS, "%s", err);
         return;
@@ -303,7 +303,7 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
             char old[128];
             snprintf(old, sizeof(old), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
                      s->define_generation, a, m->rank);
-            char derr[256] = "";
+            char derr[PSHARD_ERRLEN] = "";
             if (ps_coord_store_remove(s->coord, old, 2000, derr, sizeof(derr)) != PSHARD_OK)
                 PS_DEBUG(PS_SUB_SHARD, "could not delete %s: %s", old, derr);
         }
@@ -335,7 +335,7 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
         int64_t give_up = ps_now_ns() + limit_ms * 1000000;
         Pshard__StoreWaitResponse *wr = NULL;
         for (;;) {
-            char werr[512] = "";
+            char werr[PSHARD_ERRLEN] = "";
             rc = ps_coord_store_await(s->coord, keys, 1, 500, &wr, werr, sizeof(werr));
             if (rc == PSHARD_OK)
                 break;
@@ -606,7 +606,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     const Pshard__DefineModelRequest *req = (const Pshard__DefineModelRequest *)request;
     define_arg_t a = {.req = req, .resumed_from = ""};
     shard_op_t op = {.session = req->session, .opk = -1, .run = define_run, .arg = &a};
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
     Pshard__DefineModelResponse out = PSHARD__DEFINE_MODEL_RESPONSE__INIT;
     char fp[32];
@@ -715,7 +715,7 @@ static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather
         .run = tensors_run,
         .arg = &a,
     };
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(s, &op, err, sizeof(err));
     free(a.ids);
     answer(call, rc, err, reply);
@@ -793,7 +793,7 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
         .run = collective_run,
         .arg = (void *)req,
     };
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     Pshard__CollectiveResponse out = PSHARD__COLLECTIVE_RESPONSE__INIT;
     answer(call, shard_op_run(ctx, &op, err, sizeof(err)), err, &out.base);
 }
@@ -863,7 +863,7 @@ static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
                      .check = step_check,
                      .run = step_run,
                      .arg = &a};
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
     free(a.words);
     Pshard__StepResponse out = PSHARD__STEP_RESPONSE__INIT;
@@ -913,7 +913,7 @@ static void handle_clip_grad_norm(ps_rpc_call_t *call, const ProtobufCMessage *r
                      .check = clip_check,
                      .run = clip_run,
                      .arg = &norm};
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
     Pshard__ClipGradNormResponse out = PSHARD__CLIP_GRAD_NORM_RESPONSE__INIT;
     out.total_norm = norm;
@@ -946,7 +946,7 @@ static void handle_checkpoint(ps_rpc_call_t *call, const ProtobufCMessage *reque
                      .opk = -1,
                      .run = save_run,
                      .arg = &a};
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
     Pshard__CheckpointResponse out = PSHARD__CHECKPOINT_RESPONSE__INIT;
     out.step = a.step;
@@ -964,7 +964,7 @@ static void handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
                      .opk = -1,
                      .run = shard_join_run,
                      .arg = &r};
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
     Pshard__JoinResponse out = PSHARD__JOIN_RESPONSE__INIT;
     out.is_last_joiner = r.is_last_joiner;

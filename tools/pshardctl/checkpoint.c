@@ -74,7 +74,7 @@ static int ckpt_parse(const char *sub, const ps_option_t *table, size_t n, int a
                       ckpt_cli_t *c, ps_config_result_t *res, const char *synopsis,
                       const char *summary)
 {
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (ps_config_parse(table, n, argc, argv, c, res, err, sizeof(err)) != PSHARD_OK)
         return ctl_fail("checkpoint %s: %s (see 'pshardctl checkpoint %s --help')", sub, err, sub);
     if (res->help) {
@@ -145,7 +145,7 @@ static int cmd_checkpoint_list(int argc, char **argv)
                         "Lists the committed checkpoints under DIR (offline).");
     int64_t *steps = NULL;
     size_t n = 0;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     json_t *list = NULL; /* the --json output, built before anything is printed */
     if (rc >= 0)
         goto out;
@@ -215,7 +215,7 @@ static int cmd_checkpoint_list(int argc, char **argv)
         }
         for (size_t f = 0; f < m->nfiles; f++) {
             const ps_ckpt_file_t *file = &m->files[f];
-            char why[1024] = "";
+            char why[PSHARD_ERRLEN] = "";
             bool ok = true;
             if (c.verify) {
                 ok = ps_ckpt_verify_file(dir, file, why, sizeof(why)) == PSHARD_OK;
@@ -286,7 +286,7 @@ static int cmd_checkpoint_export(int argc, char **argv)
     int64_t *steps = NULL;
     size_t n = 0;
     ps_ckpt_manifest_t *m = NULL;
-    char err[1024] = "", dir[4096];
+    char err[PSHARD_ERRLEN] = "", dir[4096];
     if (rc >= 0)
         goto out;
     rc = EXIT_ERROR;
@@ -387,7 +387,7 @@ static int cmd_checkpoint_save(int argc, char **argv)
                         "Asks the running shard servers (through the coordinator's store) to "
                         "save a checkpoint\nafter their next optimizer step, and waits for it.");
     Pshard__StoreWaitResponse *r = NULL;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     if (rc >= 0)
         goto out;
     rc = EXIT_ERROR;

@@ -47,7 +47,7 @@ int ctl_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 #define CTL_CALL(fn, req, resp, timeout_ms)                                                      \
     ctl_called(#fn, ps_coord_rpc_##fn(ctl_channel, (req), (resp), (timeout_ms), ctl_err,         \
                                       sizeof(ctl_err)))
-extern char ctl_err[1024]; /* the last CTL_CALL's error */
+extern char ctl_err[PSHARD_ERRLEN]; /* the last CTL_CALL's error */
 int ctl_called(const char *what, pshard_status_t rc);
 void ctl_on_signal(int sig); /* sets ctl_interrupted */
 

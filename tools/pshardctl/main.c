@@ -142,7 +142,7 @@ int main(int argc, char **argv)
     argc = hoist_global_options(argc, argv, hoisted, hoisted + argc + 1);
     argv = hoisted;
     ps_config_result_t res;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     int rc = EXIT_ERROR;
     char default_target[300];
     if (ps_config_parse(global_options, PS_ARRAY_LEN(global_options), argc, argv, &ctl_opts, &res,

@@ -172,7 +172,7 @@ void ctl_print_members(FILE *out, Pshard__Member **members, size_t n)
         fprintf(out, "(no members)\n");
 }
 
-char ctl_err[1024];
+char ctl_err[PSHARD_ERRLEN];
 
 int ctl_called(const char *what, pshard_status_t rc)
 {

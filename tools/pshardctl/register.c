@@ -42,7 +42,7 @@ int cmd_register(int argc, char **argv)
 {
     reg_opts_t r;
     ps_config_result_t res;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     int rc = EXIT_ERROR;
     /* ps_config_parse expects argv[0] to be the program name. */
     if (ps_config_parse(reg_options, PS_ARRAY_LEN(reg_options), argc + 1, argv - 1, &r, &res, err,

@@ -24,7 +24,7 @@
 typedef struct {
     const Pshard__Member *member;      /* borrowed from the coordinator's status */
     pshard_status_t rc;                /* PSHARD_OK when resp is set */
-    char err[512];                     /* why it could not be asked */
+    char err[PSHARD_ERRLEN];                     /* why it could not be asked */
     Pshard__ShardStatusResponse *resp; /* owned; free with protobuf_c_message_free_unpacked */
     pthread_t thread;
     bool started;
@@ -355,7 +355,7 @@ int cmd_health(int argc, char **argv)
     Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
     req.service = argc == 1 ? argv[0] : "";
     ProtobufCMessage *msg = NULL;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     int code = 0;
     pshard_status_t rc = ps_rpc_unary(ctl_channel, "/grpc.health.v1.Health/Check", &req.base,
                                       &grpc__health__v1__health_check_response__descriptor, &msg,

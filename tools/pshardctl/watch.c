@@ -47,7 +47,7 @@ int cmd_watch(int argc, char **argv)
     signal(SIGINT, ctl_on_signal);
     signal(SIGTERM, ctl_on_signal);
     Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     ps_rpc_stream_t *st = ps_coord_watch_open(ctl_channel, &req, 0, err, sizeof(err));
     if (!st)
         return ctl_fail("watch: %s", err);

@@ -1084,7 +1084,7 @@ int main(int argc, char **argv)
     run_opts_t o;
     memset(&o, 0, sizeof(o));
     ps_config_result_t res;
-    char err[512] = "";
+    char err[PSHARD_ERRLEN] = "";
     char *coord_bin = NULL, *server_bin = NULL;
     run_t run;
     memset(&run, 0, sizeof(run));

@@ -169,7 +169,7 @@ static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
         return -1;
     }
     pshard_client_config_t cfg;
-    char err[1024] = "";
+    char err[PSHARD_ERRLEN] = "";
     pshard_status_t st = pshard_client_config_from_env(&cfg, err, sizeof(err));
     /* An explicit server stands in for a missing PSHARD_SERVER (the only error left then). */
     if (st != PSHARD_OK && !(server && *server && !cfg.server)) {
@@ -935,7 +935,7 @@ typedef struct {
     ClientObject *owner;
     pshard_work_t *w; /* NULL once waited */
     pshard_status_t status;
-    char error[1024];
+    char error[PSHARD_ERRLEN];
 } WorkObject;
 
 typedef pshard_status_t (*start_fn)(pshard_client_t *, const size_t *, size_t,

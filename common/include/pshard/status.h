@@ -8,6 +8,10 @@
 extern "C" {
 #endif
 
+/* The size of every buffer that holds an error message (last errors, the err arguments of
+ * pshard's functions): a message is cut to PSHARD_ERRLEN - 1 bytes. */
+#define PSHARD_ERRLEN 1024
+
 /* X(name, value, message). Append new codes at the end only. */
 #define PSHARD_STATUS_MAP(X)                                                                       \
     X(PSHARD_OK, 0, "success")                                                                     \
