@@ -1,5 +1,5 @@
-/* Files of the checkpoint format (pshard/ckpt.h, "Files inside a checkpoint root"): opening
- * step directories and their files without following links or blocking, the read loop every
+/* Files of the checkpoint format (pshard/ckpt.h, "Files inside a checkpoint root"): the step
+ * directories' names, opening them and their files without following links or blocking, the read loop every
  * reader shares, and which files pruning may remove. New files are written with
  * pshard/atomic_file.h. */
 #include <errno.h>
@@ -102,6 +102,14 @@ pshard_status_t ckpt_file_open(int dfd, const char *name, const char *shown, boo
     if (size)
         *size = (uint64_t)st.st_size;
     return PSHARD_OK;
+}
+
+const char *ps_ckpt_step_dir(const char *root, int64_t step, char *buf, size_t len)
+{
+    size_t n = strlen(root);
+    const char *sep = n > 0 && root[n - 1] == '/' ? "" : "/";
+    snprintf(buf, len, "%s%sstep-%08lld", root, sep, (long long)step);
+    return buf;
 }
 
 pshard_status_t ps_ckpt_step_dir_make(const char *root, int64_t step, int *dfd, char *err,

@@ -797,7 +797,7 @@ pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t *
                        "%s: no %s (not a committed checkpoint)", step_dir, PS_CKPT_MANIFEST);
     if (rc != PSHARD_OK)
         return ps_errf(err, errlen, rc, "%s", open_err);
-    char *data = NULL, why[600] = "";
+    char *data = NULL, why[PSHARD_ERRLEN] = "";
     json_t *doc = NULL;
     ps_ckpt_manifest_t *m = NULL;
     if (fsize > MANIFEST_MAX_BYTES) {

@@ -1,4 +1,4 @@
-/* A checkpoint root's step directories: their names, listing the committed ones, and pruning
+/* A checkpoint root's step directories: listing the committed ones, and pruning
  * old ones without following links or removing anything pshard did not write. */
 #include <dirent.h>
 #include <errno.h>
@@ -14,14 +14,6 @@
 #include "ckpt_internal.h"
 #include "pshard/log.h"
 #include "pshard/util.h"
-
-const char *ps_ckpt_step_dir(const char *root, int64_t step, char *buf, size_t len)
-{
-    size_t n = strlen(root);
-    const char *sep = n > 0 && root[n - 1] == '/' ? "" : "/";
-    snprintf(buf, len, "%s%sstep-%08lld", root, sep, (long long)step);
-    return buf;
-}
 
 /* Parses a step directory's name; only the canonical spelling ps_ckpt_step_dir writes counts,
  * so one step has one directory. */
@@ -143,7 +135,7 @@ pshard_status_t ps_ckpt_list(const char *root, int64_t **steps, size_t *n, char 
         refused[0] = '\0';
     PS_CHECK(scan_step_dirs(root, &all, &nall, refused, refusedlen, err, errlen));
     for (size_t i = 0; i < nall; i++) {
-        char dir[PATH_MAX], why[768] = "";
+        char dir[PATH_MAX], why[PSHARD_ERRLEN] = "";
         ps_ckpt_step_dir(root, all[i], dir, sizeof(dir));
         ps_ckpt_manifest_t *m = NULL;
         pshard_status_t rc = ps_ckpt_manifest_read(dir, &m, why, sizeof(why));

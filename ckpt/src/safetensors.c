@@ -307,7 +307,7 @@ pshard_status_t ps_safetensors_read(const char *path, const char *name, int ndim
     /* A FIFO or device is refused here rather than waited on. */
     PS_CHECK(ckpt_file_open(AT_FDCWD, path, path, true, &fd, &size, err, errlen));
     pshard_status_t rc = PSHARD_OK;
-    char *header = NULL, why[600] = "";
+    char *header = NULL, why[PSHARD_ERRLEN] = "";
     void *buf = NULL;
     json_t *doc = NULL;
     uint8_t len8[8];
