@@ -1,10 +1,12 @@
 /* Atomic whole-file writes (pshard/atomic_file.h): an O_EXCL temporary beside the final name,
- * synced, renamed into place, the directory synced; the temporary removed on any failure. */
+ * synced, renamed into place, the directory synced; the temporary removed on any failure. The
+ * port file a service writes once it listens is one of them. */
 #include "pshard/atomic_file.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/random.h>
@@ -142,4 +144,32 @@ pshard_status_t ps_atomic_file_put(int dfd, const char *name, const char *shown,
     pshard_status_t rc = ps_atomic_file_write(&f, data, len, err, errlen);
     pshard_status_t rc2 = ps_atomic_file_commit(&f, rc == PSHARD_OK, err, errlen);
     return rc != PSHARD_OK ? rc : rc2;
+}
+
+pshard_status_t ps_write_port_file(const char *path, int port, char *err, size_t errlen)
+{
+    char text[16];
+    int len = snprintf(text, sizeof(text), "%d\n", port);
+    ps_atomic_file_t f;
+    PS_CHECK(ps_atomic_file_open_path(path, &f, err, errlen));
+    pshard_status_t rc = ps_atomic_file_write(&f, text, (size_t)len, err, errlen);
+    pshard_status_t rc2 = ps_atomic_file_commit(&f, rc == PSHARD_OK, err, errlen);
+    return rc != PSHARD_OK ? rc : rc2;
+}
+
+int ps_announce_listening(const char *prog, const char *listen, int port, const char *port_file)
+{
+    char err[PATH_MAX + 128] = "";
+    if (port_file && ps_write_port_file(port_file, port, err, sizeof(err)) != PSHARD_OK) {
+        fprintf(stderr, "%s: --port-file: %s\n", prog, err);
+        return -1;
+    }
+    char host[256];
+    ps_strlcpy(host, listen, sizeof(host));
+    char *colon = strrchr(host, ':');
+    if (colon)
+        *colon = '\0';
+    printf("listening on %s:%d\n", host, port);
+    fflush(stdout);
+    return 0;
 }

@@ -17,6 +17,7 @@
 #include <event2/keyvalq_struct.h>
 #include <event2/thread.h>
 
+#include "pshard/atomic_file.h"
 #include "pshard/log.h"
 #include "pshard/metrics.h"
 #include "pshard/util.h"

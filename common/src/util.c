@@ -13,7 +13,6 @@
 #include <unistd.h>
 #include <sys/stat.h>
 
-#include "pshard/atomic_file.h"
 
 int64_t ps_now_ns(void)
 {
@@ -126,39 +125,11 @@ int ps_const_time_eq(const void *a, size_t alen, const void *b, size_t blen)
     return diff == 0;
 }
 
-pshard_status_t ps_write_port_file(const char *path, int port, char *err, size_t errlen)
-{
-    char text[16];
-    int len = snprintf(text, sizeof(text), "%d\n", port);
-    ps_atomic_file_t f;
-    PS_CHECK(ps_atomic_file_open_path(path, &f, err, errlen));
-    pshard_status_t rc = ps_atomic_file_write(&f, text, (size_t)len, err, errlen);
-    pshard_status_t rc2 = ps_atomic_file_commit(&f, rc == PSHARD_OK, err, errlen);
-    return rc != PSHARD_OK ? rc : rc2;
-}
-
 void ps_default_coordinator(char *buf, size_t len)
 {
     const char *addr = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT");
     snprintf(buf, len, "%s:%s", addr && *addr ? addr : "127.0.0.1",
              port && *port ? port : "29500");
-}
-
-int ps_announce_listening(const char *prog, const char *listen, int port, const char *port_file)
-{
-    char err[PATH_MAX + 128] = "";
-    if (port_file && ps_write_port_file(port_file, port, err, sizeof(err)) != PSHARD_OK) {
-        fprintf(stderr, "%s: --port-file: %s\n", prog, err);
-        return -1;
-    }
-    char host[256];
-    ps_strlcpy(host, listen, sizeof(host));
-    char *colon = strrchr(host, ':');
-    if (colon)
-        *colon = '\0';
-    printf("listening on %s:%d\n", host, port);
-    fflush(stdout);
-    return 0;
 }
 
 char *ps_read_file(const char *path, bool strip, size_t max_bytes, size_t *len, char *err,

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "pshard/atomic_file.h"
 #include "pshard/config.h"
 #include "coord_metrics.h"
 #include "pshard/coordinator.h"

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "pshard/atomic_file.h"
 #include "pshard/config.h"
 #include "pshard/log.h"
 #include "pshard/metrics.h"

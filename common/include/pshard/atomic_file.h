@@ -52,4 +52,13 @@ pshard_status_t ps_atomic_file_put(int dfd, const char *name, const char *shown,
 pshard_status_t ps_write_all(int fd, const void *buf, size_t len, const char *shown, char *err,
                              size_t errlen);
 
+/* Writes "PORT\n" to path atomically so a reader never sees a partial
+ * file. Errors: SYSTEM, INVALID_ARGUMENT (not a file path), naming path. */
+pshard_status_t ps_write_port_file(const char *path, int port, char *err, size_t errlen);
+
+/* What a daemon does once it serves: writes the bound port to port_file (if non-NULL) and
+ * prints "listening on HOST:PORT" (HOST from listen, "HOST:PORT") to stdout, the line scripts
+ * wait for. Returns 0, or -1 with a message on stderr when the port file cannot be written. */
+int ps_announce_listening(const char *prog, const char *listen, int port, const char *port_file);
+
 #endif

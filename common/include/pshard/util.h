@@ -38,15 +38,6 @@ int ps_parse_i64(const char *text, int64_t min, int64_t max, int64_t *out);
 /* Natural-order comparison ("node-2" < "node-10"), used for stable rank assignment. */
 int ps_natural_cmp(const char *a, const char *b);
 
-/* Writes "PORT\n" to path atomically (pshard/atomic_file.h) so a reader never sees a partial
- * file. Errors: SYSTEM, INVALID_ARGUMENT (not a file path), naming path. */
-pshard_status_t ps_write_port_file(const char *path, int port, char *err, size_t errlen);
-
-/* What a daemon does once it serves: writes the bound port to port_file (if non-NULL) and
- * prints "listening on HOST:PORT" (HOST from listen, "HOST:PORT") to stdout, the line scripts
- * wait for. Returns 0, or -1 with a message on stderr when the port file cannot be written. */
-int ps_announce_listening(const char *prog, const char *listen, int port, const char *port_file);
-
 /* The coordinator address torch.distributed's environment implies: MASTER_ADDR:MASTER_PORT,
  * each defaulting to 127.0.0.1 and 29500. Writes into buf. */
 void ps_default_coordinator(char *buf, size_t len);
