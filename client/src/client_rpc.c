@@ -1,5 +1,7 @@
-/* libpshard's calls to its shard server, and the remote path (PSHARD_REMOTE=1): region bytes
- * copied over gRPC in 1 MiB chunks instead of shared memory. */
+/* libpshard's calls to its shard server, the client's last error (client_fail), and the remote
+ * path (PSHARD_REMOTE=1): region bytes copied over gRPC in 1 MiB chunks instead of shared
+ * memory. */
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -7,6 +9,20 @@
 #include "pshard/util.h"
 
 #include "client_internal.h"
+
+pshard_status_t client_fail(pshard_client_t *c, pshard_status_t st, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->last_error, sizeof(c->last_error), fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+const char *pshard_last_error(const pshard_client_t *c)
+{
+    return c ? c->last_error : "no client";
+}
 
 /* PSHARD_OK, or the sticky loss of this trainer's shard server (message into err). */
 static pshard_status_t lost_check(pshard_client_t *c, char *err, size_t errlen)

@@ -5,7 +5,6 @@
  * client, and runs Join and the plain collectives; the model, the buffers, the work queue,
  * the regions, the RPC wrappers and the lease each have a client_*.c of their own. */
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,20 +14,6 @@
 #include "pshard/util.h"
 
 #include "client_internal.h"
-
-pshard_status_t client_fail(pshard_client_t *c, pshard_status_t st, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(c->last_error, sizeof(c->last_error), fmt, ap);
-    va_end(ap);
-    return st;
-}
-
-const char *pshard_last_error(const pshard_client_t *c)
-{
-    return c ? c->last_error : "no client";
-}
 
 int pshard_rank(const pshard_client_t *c)
 {
