@@ -110,7 +110,7 @@ static int ckpt_report_ignored(const char *root, const int64_t *steps, size_t ns
         }
         if (listed)
             continue;
-        char dir[4096], why[1024] = "";
+        char dir[4096], why[PSHARD_ERRLEN] = "";
         snprintf(dir, sizeof(dir), "%s/%s", root, e->d_name);
         struct stat st;
         if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))

@@ -172,6 +172,38 @@ void ctl_print_members(FILE *out, Pshard__Member **members, size_t n)
         fprintf(out, "(no members)\n");
 }
 
+/* The state every command shares: the global options (main.c parses them), the coordinator
+ * channel, the token, and the command list --help prints. */
+const char ctl_usage_text[] =
+    "commands:\n"
+    "  status                      cluster state, joins, members, each shard server's step\n"
+    "                              and flight records (who is stuck where), request counters\n"
+    "  members                     the member table only\n"
+    "  health [SERVICE]            health of the coordinator or of SERVICE (e.g. pshard.Cluster)\n"
+    "  store get KEY               print a store value\n"
+    "  store set KEY VALUE         set a store value\n"
+    "  store delete KEY            delete a store value (torch's delete_key)\n"
+    "  store add KEY DELTA         add to an integer value and print the result\n"
+    "  store wait KEY...           wait until every KEY exists (--timeout-ms bounds it)\n"
+    "  watch [--count N]           print cluster changes as they happen\n"
+    "  register --role ROLE --name NAME [--address A] [--node N] [--device D] [--hold]\n"
+    "                              register a member; --hold heartbeats until interrupted\n"
+    "  checkpoint list [--verify] [--checkpoint-dir DIR]\n"
+    "                              committed checkpoints under DIR (offline); --verify checks\n"
+    "                              every shard file's CRC-32C and exits 1 on corruption\n"
+    "  checkpoint export [--format safetensors] [--dtype fp32|bf16] [--step N]\n"
+    "                    [--checkpoint-dir DIR] OUT\n"
+    "                              master weights of a checkpoint (default the newest) as one\n"
+    "                              safetensors file (offline; every file is verified first)\n"
+    "  checkpoint save [--timeout-ms T]\n"
+    "                              ask the running shard servers to save a checkpoint after\n"
+    "                              their next optimizer step, and wait for it (default 10 min)\n"
+    "  (DIR defaults to $PSHARD_CHECKPOINT_DIR; 'checkpoint SUBCOMMAND --help' for details)\n";
+
+ctl_opts_t ctl_opts;
+ps_rpc_channel_t *ctl_channel;
+char *ctl_token;
+
 char ctl_err[PSHARD_ERRLEN];
 
 int ctl_called(const char *what, pshard_status_t rc)
