@@ -1,5 +1,6 @@
-/* Internals of the shard server shared by its membership side (shard_member.c: register,
- * heartbeat, building the communicator) and its trainer-facing service (shard_service.c). */
+/* Internals of the shard server shared by its files: the server struct, its lifecycle
+ * (shard_server.c), membership side (shard_member.c: register, heartbeat, building the
+ * communicator), trainer-facing service (shard_service.c) and trainer regions (shard_region.c). */
 #ifndef PSHARD_SHARD_INTERNAL_H
 #define PSHARD_SHARD_INTERNAL_H
 
@@ -92,7 +93,7 @@ struct pshard_shard_server {
     /* Statistics and health (shard_metrics.c): atomics, never behind op_mu. */
     int64_t started_ns;
     shard_op_stats_t op_stats[SHARD_OPK_COUNT];
-    atomic_int region_reads;      /* ReadRegion calls running (shard_region.c) */
+    atomic_int region_reads;      /* ReadRegion calls running (shard_service.c) */
     atomic_int serving;           /* what "pshard.ShardServer" reports: 1 SERVING, 2 NOT */
     pthread_mutex_t health_mu;    /* serializes shard_health_update's evaluate-and-set */
     char health_reason[256];      /* why NOT_SERVING, "" when serving (health_mu) */
@@ -143,12 +144,12 @@ pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm
 /* "step N, what" into buf (N the step being computed): a flight-recorder label. */
 const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, size_t len);
 
-/* The operations' cores (shard_ops.c), shared by the trainer operations and a joined rank
+/* The operations' cores (shard_exec.c), shared by the trainer operations and a joined rank
  * shadowing them (op_mu held). shard_gather_one all-gathers parameter p in dt into recv (full size);
  * shard_reduce_scatter_one reduce-scatters the full gradient send (dt) and adds this rank's
- * slice, averaged over active contributors, to the accumulator; shard_run_step (shard_ops.c)
+ * slice, averaged over active contributors, to the accumulator; shard_run_step (shard_exec.c)
  * takes the step op's groups, clips and runs the optimizer on every trained slice, each with
- * its group's hyperparameters; shard_run_clip (shard_ops.c) is clip_grad_norm: the global
+ * its group's hyperparameters; shard_run_clip (shard_exec.c) is clip_grad_norm: the global
  * norm of the trained accumulators (norm_type 2 or inf) into *total_norm, and with
  * max_norm > 0 their scaling; shard_run_collective runs a plain collective (an average is
  * over the active ranks). */
@@ -163,8 +164,8 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
 pshard_status_t shard_run_clip(pshard_comm_t *comm, shard_model_t *m, double max_norm,
                                double norm_type, double *total_norm, char *err, size_t errlen);
 
-/* Parameter groups from a request (n entries, kind the model's) into *out (NULL for n == 0;
- * free it). Copies only: shard_model_create and shard_model_check_groups validate. Errors:
+/* Parameter groups from a DefineModel or Step request (n entries, kind the model's) into *out
+ * (NULL for n == 0; free it; shard_define.c). Copies only: shard_model_create and shard_model_check_groups validate. Errors:
  * INVALID_ARGUMENT over SHARD_MAX_GROUPS, NO_MEMORY. */
 struct Pshard__OptimizerGroup;
 pshard_status_t shard_groups_from_pb(struct Pshard__OptimizerGroup *const *pb, size_t n,
@@ -215,9 +216,31 @@ void *shard_setup_main(void *arg);
  * s->stop is set. */
 void *shard_watch_main(void *arg);
 
+/* Fills s->methods with the trainer-facing service's methods (shard_service.c) and adds them
+ * to s->srv, before it starts. */
+void shard_service_add_methods(pshard_shard_server_t *s);
+
+/* Trainer regions (shard_region.c). The server's own regions change only in operations (op_mu
+ * held) and at shutdown. */
+
+/* Maps a trainer's shared-memory object into *out. The name must look like "/pshard-..."
+ * (letters, digits, '.', '_', '-') and name a regular object of at least bytes bytes. Errors:
+ * INVALID_ARGUMENT (name, size), NOT_FOUND (no such object), SYSTEM (mmap). Free with
+ * shard_unmap. */
+pshard_status_t shard_map_shm(const char *name, uint64_t bytes, shm_map_t *out, char *err,
+                              size_t errlen);
+
+/* Anonymous memory of bytes for a remote trainer's region into *out. Errors: INVALID_ARGUMENT
+ * (size out of range), RESOURCE_EXHAUSTED (mmap). Free with shard_unmap. */
+pshard_status_t shard_alloc_private(uint64_t bytes, shm_map_t *out, char *err, size_t errlen);
+
 /* Unmaps a region (shared or private; unpinned first) and clears it; an empty one is a
  * no-op. */
 void shard_unmap(shm_map_t *m);
+
+/* True when this server's collectives run on the GPU (--backend nccl: host buffers staged by
+ * the backend). */
+bool shard_on_gpu(const pshard_shard_server_t *s);
 
 /* --backend nccl: page-locks a trainer region so the collectives' copies between it and the
  * GPU run by DMA; a failure only costs speed and is logged. No-op for tcp. */
@@ -226,20 +249,9 @@ void shard_pin_region(pshard_shard_server_t *s, shm_map_t *m);
 /* True when [offset, offset + len) lies inside m and offset is a multiple of align (0: any). */
 bool shard_in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t align);
 
-/* True when session names the attached trainer; otherwise fails the call and returns false.
- * Call with op_mu held. */
-bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session);
-
 /* PSHARD_OK when a model region of bytes fits this server's --max-model-memory, else
- * RESOURCE_EXHAUSTED saying so (shard_region.c). */
+ * RESOURCE_EXHAUSTED saying so. */
 pshard_status_t shard_region_size_ok(const pshard_shard_server_t *s, uint64_t bytes, char *err,
                                      size_t errlen);
-
-/* Anonymous memory of bytes for a remote trainer's region (shard_region.c). */
-pshard_status_t shard_alloc_private(uint64_t bytes, shm_map_t *out, char *err, size_t errlen);
-
-/* ReadRegion (server streaming) and WriteRegion handlers (shard_region.c). */
-void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
-void shard_handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
 
 #endif

@@ -1,23 +1,17 @@
-/* Join for uneven inputs (PyTorch's Join / JoinHook): before every trainer operation the shard
- * servers agree on it in one small all-gather, so a rank whose trainer ran out of input learns
- * what the others run and shadows it — its real slice for gathers, zeros for gradient
- * reductions and collectives (the main hook) — and every rank knows how many trainers
- * contributed, which is what gradients are averaged over. When every rank has joined, each
- * Join answers and says who joined last (the post hook). */
+/* The agreement's codec and verdict (shard_join.h), pure functions. For Join with uneven inputs
+ * (PyTorch's Join / JoinHook), before every trainer operation the shard servers all-gather one
+ * record each (shard_ops.c), so a rank whose trainer ran out of input learns what the others
+ * run and shadows it, and every rank knows how many trainers contributed, which is what
+ * gradients are averaged over; this file encodes the records and computes the verdict. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "pshard/coord_client.h"
-#include "pshard/coordinator.pb-c.h"
-#include "pshard/log.h"
-#include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
 
 #include "shard_internal.h"
 #include "shard_join.h"
-#include "shard_ops.h"
 
 void shard_agreement_free(agreement_t *ag)
 {
@@ -95,7 +89,7 @@ void shard_rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_fl
         r[W_IDS + i] = op->ids[i];
 }
 
-static const char *sop_name(int64_t k)
+const char *shard_sop_name(int64_t k)
 {
     switch (k) {
     case SHARD_SOP_GATHER:
@@ -119,7 +113,7 @@ static void rec_format(const int64_t *r, char *buf, size_t len)
 {
     if (r[W_SOP] == SHARD_SOP_GATHER || r[W_SOP] == SHARD_SOP_REDUCE_SCATTER)
         snprintf(buf, len, "%s of %" PRId64 " parameter(s) starting with #%" PRId64 " in %s",
-                 sop_name(r[W_SOP]), r[W_NIDS], r[W_IDS],
+                 shard_sop_name(r[W_SOP]), r[W_NIDS], r[W_IDS],
                  pshard_dtype_name((pshard_dtype_t)r[W_DTYPE]));
     else if (r[W_SOP] == SHARD_SOP_COLLECTIVE)
         snprintf(buf, len, "%s of %" PRId64 " %s", pshard_coll_op_name((pshard_coll_op_t)r[W_ARG]),
@@ -131,7 +125,7 @@ static void rec_format(const int64_t *r, char *buf, size_t len)
         snprintf(buf, len, "clip_grad_norm (max_norm %g, norm_type %g)", bits_double(r[W_ARG]),
                  bits_double(r[W_COUNT]));
     else
-        snprintf(buf, len, "%s", sop_name(r[W_SOP]));
+        snprintf(buf, len, "%s", shard_sop_name(r[W_SOP]));
 }
 
 pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t *ag, char *err,
@@ -221,92 +215,6 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
     return PSHARD_OK;
 }
 
-/* Broadcasts the agreed step's group words from the first active rank when a joined rank
- * needs them (every rank decides alike from the records); otherwise an active rank keeps its
- * own (the hash comparison made them equal). */
-static pshard_status_t share_words(pshard_comm_t *comm, agreement_t *ag, int rank,
-                                   const shard_sop_t *mine, char *err, size_t errlen)
-{
-    shard_sop_t *op = &ag->op;
-    if (!ag->any_joined || ag->desync || ag->throw_rank >= 0) {
-        op->words = mine ? mine->words : NULL; /* only active ranks go on to use it */
-        return PSHARD_OK;
-    }
-    ag->words_heap = calloc(op->nwords, sizeof(int64_t));
-    if (!ag->words_heap)
-        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    if (rank == ag->first_active)
-        memcpy(ag->words_heap, mine->words, op->nwords * sizeof(int64_t));
-    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64,
-                            .send = ag->words_heap, .recv = ag->words_heap, .count = op->nwords,
-                            .root = ag->first_active, .tag = AGREE_TAG + 2,
-                            .label = "agreement groups"};
-    op->words = ag->words_heap;
-    return pshard_coll_run(comm, &b, err, errlen);
-}
-
-/* Runs one agreement round: this rank's record is (kind, mine). On success *ag holds the
- * outcome (free with agreement_free); errors are the all-gather's, or DESYNC for records no
- * pshard server sends. */
-static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int kind,
-                             const shard_sop_t *mine, bool throw_flag, agreement_t *ag,
-                             char *err, size_t errlen)
-{
-    memset(ag, 0, sizeof(*ag));
-    int world = pshard_comm_world_size(comm), rank = pshard_comm_rank(comm);
-    size_t need = (size_t)world * REC_WORDS;
-    if (s->agree_cap < need) {
-        int64_t *nb = realloc(s->agree_buf, need * sizeof(int64_t));
-        if (!nb)
-            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        s->agree_buf = nb;
-        s->agree_cap = need;
-    }
-    int64_t rec[REC_WORDS];
-    pthread_mutex_lock(&s->mu);
-    int64_t ckpt = s->ckpt_requested;
-    pthread_mutex_unlock(&s->mu);
-    shard_rec_encode(rec, kind, mine, throw_flag, s->model ? s->model->step : 0, ckpt);
-    char label[64];
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_INT64, .send = rec,
-                            .recv = s->agree_buf, .count = REC_WORDS, .tag = AGREE_TAG,
-                            .label = shard_op_label(s->model, "agreement", label,
-                                                    sizeof(label))};
-    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-    PS_CHECK(shard_agree_verdict(s->agree_buf, world, ag, err, errlen));
-    shard_sop_t *op = &ag->op;
-    if (ag->all_joined || op->kind == SHARD_SOP_CLIP)
-        return PSHARD_OK;
-    if (op->kind == SHARD_SOP_STEP)
-        return op->nwords > 0 ? share_words(comm, ag, rank, mine, err, errlen) : PSHARD_OK;
-    if (op->nids <= REC_INLINE_IDS)
-        return PSHARD_OK;
-    /* Longer lists travel only when a joined rank needs them: everyone can tell from the
-     * records, so every rank makes the same decision. */
-    if (!ag->any_joined || ag->desync || ag->throw_rank >= 0) {
-        op->ids = mine ? mine->ids : NULL; /* only active ranks go on to use it */
-        return PSHARD_OK;
-    }
-    int64_t *wide = calloc(op->nids, sizeof(int64_t));
-    ag->ids_heap = malloc(op->nids * sizeof(uint32_t));
-    if (!wide || !ag->ids_heap) {
-        free(wide);
-        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    }
-    if (rank == ag->first_active)
-        for (size_t i = 0; i < op->nids; i++)
-            wide[i] = mine->ids[i];
-    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64, .send = wide,
-                            .recv = wide, .count = op->nids, .root = ag->first_active,
-                            .tag = AGREE_TAG + 1, .label = "agreement ids"};
-    pshard_status_t rc = pshard_coll_run(comm, &b, err, errlen);
-    for (size_t i = 0; rc == PSHARD_OK && i < op->nids; i++)
-        ag->ids_heap[i] = (uint32_t)wide[i];
-    free(wide);
-    op->ids = ag->ids_heap;
-    return rc;
-}
-
 pshard_status_t shard_agree_refusal(const agreement_t *ag, const shard_sop_t *op,
                                     const int64_t *recs, char *err, size_t errlen)
 {
@@ -317,199 +225,11 @@ pshard_status_t shard_agree_refusal(const agreement_t *ag, const shard_sop_t *op
                        "rank %d joined at step %" PRId64 " (its trainer ran out of input) "
                        "with throw_on_early_termination: this %s ran on no rank; call "
                        "pshard_join to finish",
-                       ag->throw_rank, ag->throw_step, sop_name(op->kind));
+                       ag->throw_rank, ag->throw_step, shard_sop_name(op->kind));
     if (op->kind == SHARD_SOP_COLLECTIVE && op->coll_op == PSHARD_COLL_BROADCAST &&
         op->root >= 0 && op->root < ag->world &&
         recs[(size_t)op->root * REC_WORDS + W_KIND] != REC_OP)
         return ps_errf(err, errlen, PSHARD_ERR_JOINED,
                        "the broadcast's root, rank %d, has joined (no more input)", op->root);
     return PSHARD_OK;
-}
-
-pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                   const shard_sop_t *op, int *active, int64_t *ckpt_request,
-                                   char *err, size_t errlen)
-{
-    agreement_t ag;
-    pshard_status_t rc = agree(s, comm, REC_OP, op, false, &ag, err, errlen);
-    if (rc == PSHARD_OK) {
-        rc = shard_agree_refusal(&ag, op, s->agree_buf, err, errlen);
-        *active = ag.active;
-        if (ckpt_request)
-            *ckpt_request = ag.ckpt_request;
-    }
-    shard_agreement_free(&ag);
-    return rc;
-}
-
-/* A buffer of at least bytes for shadowing the others' operations, reused across them. */
-static void *follow_buffer(pshard_shard_server_t *s, size_t bytes)
-{
-    if (bytes == 0)
-        bytes = 1;
-    if (s->follow_cap < bytes) {
-        void *nb = realloc(s->follow_buf, bytes);
-        if (!nb)
-            return NULL;
-        s->follow_buf = nb;
-        s->follow_cap = bytes;
-    }
-    return s->follow_buf;
-}
-
-/* The main hook: runs this rank's side of the operation the others agreed on. */
-static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm,
-                              const agreement_t *ag, char *err, size_t errlen)
-{
-    shard_model_t *m = s->model;
-    const shard_sop_t *op = &ag->op;
-    if (op->kind == SHARD_SOP_COLLECTIVE) {
-        size_t es = pshard_dtype_size(op->dtype);
-        uint64_t world = (uint64_t)ag->world;
-        if (op->count > (1ull << 32) / es || (op->coll_op != PSHARD_COLL_ALL_GATHER &&
-                                              op->coll_op != PSHARD_COLL_ALL_REDUCE &&
-                                              op->coll_op != PSHARD_COLL_BROADCAST &&
-                                              op->coll_op != PSHARD_COLL_BARRIER))
-            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                           "cannot shadow %s of %" PRIu64 " elements",
-                           pshard_coll_op_name((pshard_coll_op_t)op->coll_op), op->count);
-        size_t send_bytes = (size_t)op->count * es;
-        size_t recv_bytes = op->coll_op == PSHARD_COLL_ALL_GATHER ? send_bytes * world
-                                                                  : send_bytes;
-        uint8_t *buf = follow_buffer(s, send_bytes + recv_bytes);
-        if (!buf)
-            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        memset(buf, 0, send_bytes);
-        /* A broadcast runs in place: the receive buffer is the send buffer. */
-        void *recv = op->coll_op == PSHARD_COLL_BROADCAST ? buf : buf + send_bytes;
-        return shard_run_collective(comm, op, buf, recv, ag->active, err, errlen);
-    }
-    if (!m)
-        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
-                       "the others run %s but no model is defined here", sop_name(op->kind));
-    if (op->kind == SHARD_SOP_STEP)
-        return shard_run_step(s, comm, m, op, ag->ckpt_request, &(double){0}, err, errlen);
-    if (op->kind == SHARD_SOP_CLIP)
-        return shard_run_clip(comm, m, op->max_norm, op->norm_type, &(double){0}, err, errlen);
-    if (op->kind == SHARD_SOP_SAVE) {
-        char dir[512];
-        return shard_ckpt_save(s, comm, m, dir, sizeof(dir), err, errlen);
-    }
-    size_t es = pshard_dtype_size(op->dtype);
-    for (size_t i = 0; i < op->nids; i++) {
-        uint32_t p = op->ids[i];
-        if (p >= m->nparams)
-            return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
-                           "the others run %s of parameter #%u; the model has %zu",
-                           sop_name(op->kind), p, m->nparams);
-        size_t bytes = m->params[p].numel * es;
-        void *buf = follow_buffer(s, bytes);
-        if (!buf)
-            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        if (op->kind == SHARD_SOP_GATHER) {
-            PS_CHECK(shard_gather_one(comm, m, p, op->dtype, buf, err, errlen));
-        } else {
-            memset(buf, 0, bytes); /* this rank contributes no gradient */
-            PS_CHECK(shard_reduce_scatter_one(comm, m, p, op->dtype, buf, ag->active, err,
-                                              errlen));
-        }
-    }
-    return PSHARD_OK;
-}
-
-/* Tells the coordinator (best effort, short deadline: the join goes on without it). */
-static void report_join(pshard_shard_server_t *s, Pshard__JoinPhase phase, int rank, int64_t step,
-                        bool throw_flag, int last_rank)
-{
-    if (!s->coord)
-        return; /* no coordinator to tell (a server built without one, in the unit tests) */
-    char id[64], key[64];
-    pthread_mutex_lock(&s->mu);
-    ps_strlcpy(id, s->member_id, sizeof(id));
-    ps_strlcpy(key, s->lease_key, sizeof(key));
-    pthread_mutex_unlock(&s->mu);
-    Pshard__JoinReport req = PSHARD__JOIN_REPORT__INIT;
-    req.member_id = id;
-    req.lease_key = key;
-    req.rank = rank;
-    req.phase = phase;
-    req.step = step;
-    req.throw_on_early_termination = throw_flag;
-    req.last_rank = last_rank;
-    char err[PSHARD_ERRLEN] = "";
-    if (ps_coord_rpc_report_join(s->coord, &req, NULL, 2000, err, sizeof(err)) != PSHARD_OK)
-        PS_WARN(PS_SUB_SHARD, "could not report the join to the coordinator: %s", err);
-}
-
-pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
-                               char *err, size_t errlen)
-{
-    shard_join_result_t *res = op->arg;
-    int rank = pshard_comm_rank(comm);
-    bool throw_flag = res->throw_on_early_termination;
-    pthread_mutex_lock(&s->mu);
-    s->joined = true;
-    s->joined_step = s->model->step;
-    s->shadowed_ops = 0;
-    pthread_mutex_unlock(&s->mu);
-    PS_INFO(PS_SUB_SHARD, "trainer joined at step %" PRId64 "%s; shadowing the other ranks",
-            s->joined_step, throw_flag ? " (throw_on_early_termination)" : "");
-    report_join(s, PSHARD__JOIN_PHASE__JOINED, rank, s->joined_step, throw_flag, -1);
-    pshard_status_t rc = PSHARD_OK;
-    int kind = REC_JOIN, last_rank = -1;
-    for (;;) {
-        agreement_t ag;
-        rc = agree(s, comm, kind, NULL, throw_flag, &ag, err, errlen);
-        kind = REC_JOINED;
-        if (rc != PSHARD_OK)
-            break;
-        if (ag.all_joined) {
-            last_rank = ag.last_rank;
-            shard_agreement_free(&ag);
-            break;
-        }
-        bool skip = ag.desync || ag.throw_rank >= 0 ||
-                    (ag.op.kind == SHARD_SOP_COLLECTIVE &&
-                     ag.op.coll_op == PSHARD_COLL_BROADCAST && ag.op.root >= 0 &&
-                     ag.op.root < ag.world &&
-                     s->agree_buf[(size_t)ag.op.root * REC_WORDS + W_KIND] != REC_OP);
-        if (!skip)
-            rc = follow(s, comm, &ag, err, errlen);
-        shard_agreement_free(&ag);
-        if (rc != PSHARD_OK)
-            break;
-        if (!skip) {
-            pthread_mutex_lock(&s->mu);
-            s->shadowed_ops++;
-            pthread_mutex_unlock(&s->mu);
-        }
-    }
-    pthread_mutex_lock(&s->mu);
-    s->joined = false;
-    res->shadowed = s->shadowed_ops;
-    pthread_mutex_unlock(&s->mu);
-    res->step = s->model->step;
-    if (rc != PSHARD_OK) {
-        PS_WARN(PS_SUB_SHARD, "join ended with an error: %s", err);
-        char why[PSHARD_ERRLEN];
-        ps_strlcpy(why, err, sizeof(why));
-        return ps_errf(err, errlen, rc, "while shadowing the other ranks after the join: %s",
-                       why);
-    }
-    PS_INFO(PS_SUB_SHARD, "every rank joined (last: rank %d) after %" PRIu64 " shadowed operations",
-            last_rank, res->shadowed);
-    if (rank == 0)
-        report_join(s, PSHARD__JOIN_PHASE__ALL_JOINED, rank, res->step, false, last_rank);
-    res->is_last_joiner = last_rank == rank;
-    res->last_rank = last_rank;
-    return PSHARD_OK;
-}
-
-void shard_join_free(pshard_shard_server_t *s)
-{
-    free(s->agree_buf);
-    free(s->follow_buf);
-    s->agree_buf = NULL;
-    s->follow_buf = NULL;
-    s->agree_cap = s->follow_cap = 0;
 }

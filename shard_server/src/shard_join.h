@@ -2,7 +2,8 @@
  * that need no communicator: each rank encodes a record of REC_WORDS int64 (its operation, or
  * "joining" / "joined"), the records of all ranks are all-gathered, and every rank computes
  * the same verdict from them. The collective parts (the all-gather, and the broadcasts that
- * give a joined rank a long parameter list or a step's groups) stay in shard_join.c. */
+ * give a joined rank a long parameter list or a step's groups) are the operations layer's
+ * (shard_ops.c). */
 #ifndef PSHARD_SHARD_JOIN_H
 #define PSHARD_SHARD_JOIN_H
 
@@ -47,7 +48,7 @@ typedef struct {
     bool all_joined;    /* no rank asked for an operation: the post hook */
     int last_rank;      /* with all_joined: the highest rank that joined in this round */
     bool desync;
-    char desync_msg[512];
+    char desync_msg[PSHARD_ERRLEN];
     int64_t ckpt_request; /* the newest checkpoint request any rank has seen */
     shard_sop_t op;     /* the agreed operation (ids point into ids_buf or the records) */
     uint32_t ids_buf_inline[REC_INLINE_IDS];
@@ -72,6 +73,9 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
  * throw_on_early_termination, or a broadcast's root joined), or PSHARD_OK to run it. */
 pshard_status_t shard_agree_refusal(const agreement_t *ag, const shard_sop_t *op,
                                     const int64_t *recs, char *err, size_t errlen);
+
+/* The name of an operation kind (SHARD_SOP_*) in messages: "gather", "step", ... */
+const char *shard_sop_name(int64_t kind);
 
 /* Frees what a round allocated (NULL members are fine). */
 void shard_agreement_free(agreement_t *ag);

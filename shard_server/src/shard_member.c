@@ -13,6 +13,7 @@
 #include "pshard/log.h"
 #include "pshard/util.h"
 #include "shard_internal.h"
+#include "shard_ops.h"
 
 static void sleep_ms(int64_t ms)
 {
@@ -230,9 +231,7 @@ void *shard_setup_main(void *arg)
             if (pshard_comm_error(old, NULL, 0) == PSHARD_OK)
                 pshard_comm_abort_status(old, PSHARD_ERR_ABORTED,
                                          "the cluster re-formed: this ring is replaced");
-            pthread_mutex_lock(&s->op_mu);
-            pshard_comm_destroy(old);
-            pthread_mutex_unlock(&s->op_mu);
+            shard_ops_retire_comm(s, old);
         }
         ps_log_set_rank(rank);
         pshard_comm_config_t cc = {

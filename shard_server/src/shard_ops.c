@@ -1,4 +1,8 @@
-/* The shard server's operations layer (see shard_ops.h). */
+/* The shard server's operations layer (see shard_ops.h): the one entry, the agreement round
+ * every operation starts with, and Join as an operation (a joined rank shadows the others'
+ * operations — its real slice for gathers, zeros for gradient reductions and collectives, the
+ * main hook — until every rank has joined and each Join says who joined last, the post
+ * hook). */
 #include "shard_ops.h"
 
 #include <inttypes.h>
@@ -7,10 +11,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pshard/coord_client.h"
+#include "pshard/coordinator.pb-c.h"
 #include "pshard/dtype.h"
+#include "pshard/log.h"
+#include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
 
 #include "shard_cuda.h"
+#include "shard_join.h"
 
 pshard_comm_t *shard_op_comm(pshard_shard_server_t *s, pshard_status_t *rc, char *err,
                              size_t errlen)
@@ -48,11 +57,19 @@ pshard_status_t shard_session_check(const pshard_shard_server_t *s, const char *
 pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err, size_t errlen)
 {
     pshard_status_t rc = PSHARD_OK;
-    pshard_comm_t *comm = shard_op_comm(s, &rc, err, errlen);
-    if (!comm)
+    /* A quick refusal while the cluster forms, without waiting for a running operation. */
+    if (!shard_op_comm(s, &rc, err, errlen))
         return rc;
     pthread_mutex_lock(&s->op_mu);
-    rc = shard_session_check(s, op->session, err, errlen);
+    /* Again under op_mu: the setup thread may have replaced and retired the communicator
+     * (shard_ops_retire_comm) while this operation waited for the lock. */
+    pshard_comm_t *comm = shard_op_comm(s, &rc, err, errlen);
+    if (!comm) {
+        pthread_mutex_unlock(&s->op_mu);
+        return rc;
+    }
+    if (!op->no_session)
+        rc = shard_session_check(s, op->session, err, errlen);
     if (rc == PSHARD_OK && op->needs_model && !s->model)
         rc = ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION, "%s", op->needs_model);
     if (rc == PSHARD_OK && op->check)
@@ -72,184 +89,285 @@ pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err
     return rc;
 }
 
-/* ---- the operations' cores, shared with a joined rank's shadowing (shard_join.c) ---- */
-
-/* Low words of the norms' collective tags (the step number is the high word; gathers and
- * reduce-scatters use parameter indices below 2^31 and 2^31 + index). */
-#define TAG_STEP_NORM 0x7fffffffu
-#define TAG_CLIP_NORM 0x7ffffffeu
-
-pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                 pshard_dtype_t dt, void *recv, char *err, size_t errlen)
+void shard_ops_retire_comm(pshard_shard_server_t *s, pshard_comm_t *old)
 {
-    const void *send = NULL;
-    PS_CHECK(shard_model_slice_in(m, p, dt, &send, err, errlen));
-    char label[64];
-    pshard_coll_args_t a = {
-        .op = PSHARD_COLL_ALL_GATHER,
-        .dtype = dt,
-        .send = send,
-        .send_device = m->dev && !m->dev->host_memory,
-        .recv = recv,
-        .counts = ps_layout_counts(m->layout, p),
-        .tag = ((uint64_t)m->step << 32) | p,
-        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
-    };
-    return pshard_coll_run(comm, &a, err, errlen);
+    pthread_mutex_lock(&s->op_mu);
+    pshard_comm_destroy(old);
+    pthread_mutex_unlock(&s->op_mu);
 }
 
-pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                         pshard_dtype_t dt, const void *send, int active,
-                                         char *err, size_t errlen)
+/* ---- the agreement round and Join's shadowing (the codec and verdict are shard_join.c's) ---- */
+
+/* Broadcasts the agreed step's group words from the first active rank when a joined rank
+ * needs them (every rank decides alike from the records); otherwise an active rank keeps its
+ * own (the hash comparison made them equal). */
+static pshard_status_t share_words(pshard_comm_t *comm, agreement_t *ag, int rank,
+                                   const shard_sop_t *mine, char *err, size_t errlen)
 {
-    /* Checked before the collective, so every rank refuses alike and none waits. */
-    if (m->in_backward && m->reduced[p])
+    shard_sop_t *op = &ag->op;
+    if (!ag->any_joined || ag->desync || ag->throw_rank >= 0) {
+        op->words = mine ? mine->words : NULL; /* only active ranks go on to use it */
+        return PSHARD_OK;
+    }
+    ag->words_heap = calloc(op->nwords, sizeof(int64_t));
+    if (!ag->words_heap)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    if (rank == ag->first_active)
+        memcpy(ag->words_heap, mine->words, op->nwords * sizeof(int64_t));
+    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64,
+                            .send = ag->words_heap, .recv = ag->words_heap, .count = op->nwords,
+                            .root = ag->first_active, .tag = AGREE_TAG + 2,
+                            .label = "agreement groups"};
+    op->words = ag->words_heap;
+    return pshard_coll_run(comm, &b, err, errlen);
+}
+
+/* Runs one agreement round: this rank's record is (kind, mine). On success *ag holds the
+ * outcome (free with agreement_free); errors are the all-gather's, or DESYNC for records no
+ * pshard server sends. */
+static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int kind,
+                             const shard_sop_t *mine, bool throw_flag, agreement_t *ag,
+                             char *err, size_t errlen)
+{
+    memset(ag, 0, sizeof(*ag));
+    int world = pshard_comm_world_size(comm), rank = pshard_comm_rank(comm);
+    size_t need = (size_t)world * REC_WORDS;
+    if (s->agree_cap < need) {
+        int64_t *nb = realloc(s->agree_buf, need * sizeof(int64_t));
+        if (!nb)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        s->agree_buf = nb;
+        s->agree_cap = need;
+    }
+    int64_t rec[REC_WORDS];
+    pthread_mutex_lock(&s->mu);
+    int64_t ckpt = s->ckpt_requested;
+    pthread_mutex_unlock(&s->mu);
+    shard_rec_encode(rec, kind, mine, throw_flag, s->model ? s->model->step : 0, ckpt);
+    char label[64];
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_INT64, .send = rec,
+                            .recv = s->agree_buf, .count = REC_WORDS, .tag = AGREE_TAG,
+                            .label = shard_op_label(s->model, "agreement", label,
+                                                    sizeof(label))};
+    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    PS_CHECK(shard_agree_verdict(s->agree_buf, world, ag, err, errlen));
+    shard_sop_t *op = &ag->op;
+    if (ag->all_joined || op->kind == SHARD_SOP_CLIP)
+        return PSHARD_OK;
+    if (op->kind == SHARD_SOP_STEP)
+        return op->nwords > 0 ? share_words(comm, ag, rank, mine, err, errlen) : PSHARD_OK;
+    if (op->nids <= REC_INLINE_IDS)
+        return PSHARD_OK;
+    /* Longer lists travel only when a joined rank needs them: everyone can tell from the
+     * records, so every rank makes the same decision. */
+    if (!ag->any_joined || ag->desync || ag->throw_rank >= 0) {
+        op->ids = mine ? mine->ids : NULL; /* only active ranks go on to use it */
+        return PSHARD_OK;
+    }
+    int64_t *wide = calloc(op->nids, sizeof(int64_t));
+    ag->ids_heap = malloc(op->nids * sizeof(uint32_t));
+    if (!wide || !ag->ids_heap) {
+        free(wide);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    if (rank == ag->first_active)
+        for (size_t i = 0; i < op->nids; i++)
+            wide[i] = mine->ids[i];
+    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64, .send = wide,
+                            .recv = wide, .count = op->nids, .root = ag->first_active,
+                            .tag = AGREE_TAG + 1, .label = "agreement ids"};
+    pshard_status_t rc = pshard_coll_run(comm, &b, err, errlen);
+    for (size_t i = 0; rc == PSHARD_OK && i < op->nids; i++)
+        ag->ids_heap[i] = (uint32_t)wide[i];
+    free(wide);
+    op->ids = ag->ids_heap;
+    return rc;
+}
+
+pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                   const shard_sop_t *op, int *active, int64_t *ckpt_request,
+                                   char *err, size_t errlen)
+{
+    agreement_t ag;
+    pshard_status_t rc = agree(s, comm, REC_OP, op, false, &ag, err, errlen);
+    if (rc == PSHARD_OK) {
+        rc = shard_agree_refusal(&ag, op, s->agree_buf, err, errlen);
+        *active = ag.active;
+        if (ckpt_request)
+            *ckpt_request = ag.ckpt_request;
+    }
+    shard_agreement_free(&ag);
+    return rc;
+}
+
+/* A buffer of at least bytes for shadowing the others' operations, reused across them. */
+static void *follow_buffer(pshard_shard_server_t *s, size_t bytes)
+{
+    if (bytes == 0)
+        bytes = 1;
+    if (s->follow_cap < bytes) {
+        void *nb = realloc(s->follow_buf, bytes);
+        if (!nb)
+            return NULL;
+        s->follow_buf = nb;
+        s->follow_cap = bytes;
+    }
+    return s->follow_buf;
+}
+
+/* The main hook: runs this rank's side of the operation the others agreed on. */
+static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm,
+                              const agreement_t *ag, char *err, size_t errlen)
+{
+    shard_model_t *m = s->model;
+    const shard_sop_t *op = &ag->op;
+    if (op->kind == SHARD_SOP_COLLECTIVE) {
+        size_t es = pshard_dtype_size(op->dtype);
+        uint64_t world = (uint64_t)ag->world;
+        if (op->count > (1ull << 32) / es || (op->coll_op != PSHARD_COLL_ALL_GATHER &&
+                                              op->coll_op != PSHARD_COLL_ALL_REDUCE &&
+                                              op->coll_op != PSHARD_COLL_BROADCAST &&
+                                              op->coll_op != PSHARD_COLL_BARRIER))
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "cannot shadow %s of %" PRIu64 " elements",
+                           pshard_coll_op_name((pshard_coll_op_t)op->coll_op), op->count);
+        size_t send_bytes = (size_t)op->count * es;
+        size_t recv_bytes = op->coll_op == PSHARD_COLL_ALL_GATHER ? send_bytes * world
+                                                                  : send_bytes;
+        uint8_t *buf = follow_buffer(s, send_bytes + recv_bytes);
+        if (!buf)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        memset(buf, 0, send_bytes);
+        /* A broadcast runs in place: the receive buffer is the send buffer. */
+        void *recv = op->coll_op == PSHARD_COLL_BROADCAST ? buf : buf + send_bytes;
+        return shard_run_collective(comm, op, buf, recv, ag->active, err, errlen);
+    }
+    if (!m)
         return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
-                       "'%s' was already reduce-scattered in step %" PRId64 ": "
-                       "optimizer_in_backward applies the update at the first one, so gradient "
-                       "accumulation needs optimizer_in_backward off",
-                       m->params[p].name, m->step + 1);
-    /* With every rank contributing the collective averages (as before Join existed); with
-     * fewer, it sums and the sum is divided by the contributors here. */
-    bool all = active == m->world;
-    char label[64];
-    pshard_coll_args_t a = {
-        .op = PSHARD_COLL_REDUCE_SCATTER,
-        .dtype = dt,
-        .reduce = all ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
-        .send = send,
-        .recv = m->stage,
-        .recv_device = m->dev && !m->dev->host_memory,
-        .counts = ps_layout_counts(m->layout, p),
-        .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
-        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
-    };
-    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-    return shard_model_slice_out(m, p, dt, active, err, errlen);
-}
-
-pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,
-                                     void *recv, int active, char *err, size_t errlen)
-{
-    int world = pshard_comm_world_size(comm);
-    bool partial_avg = op->average && op->coll_op == PSHARD_COLL_ALL_REDUCE && active < world &&
-                       op->dtype != PSHARD_INT64;
-    pshard_coll_args_t a = {.op = (pshard_coll_op_t)op->coll_op, .dtype = op->dtype,
-                            .reduce = op->average && !partial_avg ? PSHARD_REDUCE_AVG
-                                                                  : PSHARD_REDUCE_SUM,
-                            .root = op->root, .send = send, .recv = recv, .count = op->count,
-                            .label = "trainer collective"};
-    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-    if (partial_avg) {
-        /* Joined ranks added zeros: the mean is over the ranks that contributed. */
-        float inv = (float)(1.0 / (double)(active > 0 ? active : 1));
-        if (op->dtype == PSHARD_FP32) {
-            float *v = recv;
-            for (uint64_t k = 0; k < op->count; k++)
-                v[k] *= inv;
+                       "the others run %s but no model is defined here", shard_sop_name(op->kind));
+    if (op->kind == SHARD_SOP_STEP)
+        return shard_run_step(s, comm, m, op, ag->ckpt_request, &(double){0}, err, errlen);
+    if (op->kind == SHARD_SOP_CLIP)
+        return shard_run_clip(comm, m, op->max_norm, op->norm_type, &(double){0}, err, errlen);
+    if (op->kind == SHARD_SOP_SAVE) {
+        char dir[512];
+        return shard_ckpt_save(s, comm, m, dir, sizeof(dir), err, errlen);
+    }
+    size_t es = pshard_dtype_size(op->dtype);
+    for (size_t i = 0; i < op->nids; i++) {
+        uint32_t p = op->ids[i];
+        if (p >= m->nparams)
+            return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
+                           "the others run %s of parameter #%u; the model has %zu",
+                           shard_sop_name(op->kind), p, m->nparams);
+        size_t bytes = m->params[p].numel * es;
+        void *buf = follow_buffer(s, bytes);
+        if (!buf)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        if (op->kind == SHARD_SOP_GATHER) {
+            PS_CHECK(shard_gather_one(comm, m, p, op->dtype, buf, err, errlen));
         } else {
-            uint16_t *v = recv;
-            for (uint64_t k = 0; k < op->count; k++) {
-                float f = op->dtype == PSHARD_BF16 ? ps_bf16_to_f32(v[k]) : ps_f16_to_f32(v[k]);
-                f *= inv;
-                if (op->dtype == PSHARD_BF16)
-                    ps_convert_f32_to_bf16(&f, &v[k], 1);
-                else
-                    ps_convert_f32_to_f16(&f, &v[k], 1);
-            }
+            memset(buf, 0, bytes); /* this rank contributes no gradient */
+            PS_CHECK(shard_reduce_scatter_one(comm, m, p, op->dtype, buf, ag->active, err,
+                                              errlen));
         }
     }
     return PSHARD_OK;
 }
 
-/* The global gradient norm over every rank's trained slices. Norm 2: the square root of the
- * ranks' sums of squares all-reduced in fp32. Inf: the largest of the ranks' maxima, from an
- * all-gather of one float each (the collectives have no max reduction), NaN winning as in
- * torch. Collective: every rank calls it with the same arguments. */
-static pshard_status_t global_norm(pshard_comm_t *comm, shard_model_t *m, bool inf,
-                                   uint32_t tag_low, const char *what, double *norm, char *err,
-                                   size_t errlen)
+/* Tells the coordinator (best effort, short deadline: the join goes on without it). */
+static void report_join(pshard_shard_server_t *s, Pshard__JoinPhase phase, int rank, int64_t step,
+                        bool throw_flag, int last_rank)
 {
-    double local = 0.0;
-    PS_CHECK(shard_model_local_norm(m, inf, &local, err, errlen));
-    char label[64];
-    shard_op_label(m, what, label, sizeof(label));
-    uint64_t tag = ((uint64_t)m->step << 32) | tag_low;
-    if (!inf) {
-        float sq = (float)local;
-        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32,
-                                .reduce = PSHARD_REDUCE_SUM, .send = &sq, .recv = &sq,
-                                .count = 1, .tag = tag, .label = label};
-        PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-        *norm = sqrt((double)sq);
-        return PSHARD_OK;
-    }
-    int world = pshard_comm_world_size(comm);
-    float mine = (float)local;
-    float *all = calloc((size_t)world, sizeof(float));
-    if (!all)
-        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32, .send = &mine,
-                            .recv = all, .count = 1, .tag = tag, .label = label};
-    pshard_status_t rc = pshard_coll_run(comm, &a, err, errlen);
-    if (rc == PSHARD_OK)
-        *norm = (double)ps_max_abs(all, (size_t)world);
-    free(all);
-    return rc;
+    if (!s->coord)
+        return; /* no coordinator to tell (a server built without one, in the unit tests) */
+    char id[64], key[64];
+    pthread_mutex_lock(&s->mu);
+    ps_strlcpy(id, s->member_id, sizeof(id));
+    ps_strlcpy(key, s->lease_key, sizeof(key));
+    pthread_mutex_unlock(&s->mu);
+    Pshard__JoinReport req = PSHARD__JOIN_REPORT__INIT;
+    req.member_id = id;
+    req.lease_key = key;
+    req.rank = rank;
+    req.phase = phase;
+    req.step = step;
+    req.throw_on_early_termination = throw_flag;
+    req.last_rank = last_rank;
+    char err[PSHARD_ERRLEN] = "";
+    if (ps_coord_rpc_report_join(s->coord, &req, NULL, 2000, err, sizeof(err)) != PSHARD_OK)
+        PS_WARN(PS_SUB_SHARD, "could not report the join to the coordinator: %s", err);
 }
 
-pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
-                               const shard_sop_t *op, int64_t ckpt_request, double *norm_out,
+pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                char *err, size_t errlen)
 {
-    PS_CHECK(shard_model_take_groups(m, op->words, op->nwords, err, errlen));
-    /* The global gradient norm, what the step reports and max_grad_norm clips by. */
-    double norm = 0.0;
-    PS_CHECK(global_norm(comm, m, false, TAG_STEP_NORM, "grad norm", &norm, err, errlen));
-    if (m->in_backward) {
-        /* The updates were applied at the reduce-scatters (a parameter without one this step
-         * is left alone, as torch skips a None grad); lr is for the next step's. */
-        pthread_mutex_lock(&s->mu);
-        m->step++;
-        pthread_mutex_unlock(&s->mu);
-        m->cur_lr_set = op->set_lr;
-        m->cur_lr = op->lr;
-        m->grad_sq = 0;
-        memset(m->reduced, 0, m->nparams);
-        *norm_out = norm;
-        return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
-    }
-    if (m->max_grad_norm > 0) {
-        double coef = m->max_grad_norm / (norm + 1e-6);
-        if (coef < 1.0)
-            PS_CHECK(shard_model_scale_grads(m, (float)coef, err, errlen));
-    }
-    PS_CHECK(shard_model_optimize(m, op->set_lr, op->lr, err, errlen));
+    shard_join_result_t *res = op->arg;
+    int rank = pshard_comm_rank(comm);
+    bool throw_flag = res->throw_on_early_termination;
     pthread_mutex_lock(&s->mu);
-    m->step++;
+    s->joined = true;
+    s->joined_step = s->model->step;
+    s->shadowed_ops = 0;
     pthread_mutex_unlock(&s->mu);
-    PS_CHECK(shard_model_zero_grads(m, err, errlen));
-    *norm_out = norm;
-    return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
+    PS_INFO(PS_SUB_SHARD, "trainer joined at step %" PRId64 "%s; shadowing the other ranks",
+            s->joined_step, throw_flag ? " (throw_on_early_termination)" : "");
+    report_join(s, PSHARD__JOIN_PHASE__JOINED, rank, s->joined_step, throw_flag, -1);
+    pshard_status_t rc = PSHARD_OK;
+    int kind = REC_JOIN, last_rank = -1;
+    for (;;) {
+        agreement_t ag;
+        rc = agree(s, comm, kind, NULL, throw_flag, &ag, err, errlen);
+        kind = REC_JOINED;
+        if (rc != PSHARD_OK)
+            break;
+        if (ag.all_joined) {
+            last_rank = ag.last_rank;
+            shard_agreement_free(&ag);
+            break;
+        }
+        bool skip = ag.desync || ag.throw_rank >= 0 ||
+                    (ag.op.kind == SHARD_SOP_COLLECTIVE &&
+                     ag.op.coll_op == PSHARD_COLL_BROADCAST && ag.op.root >= 0 &&
+                     ag.op.root < ag.world &&
+                     s->agree_buf[(size_t)ag.op.root * REC_WORDS + W_KIND] != REC_OP);
+        if (!skip)
+            rc = follow(s, comm, &ag, err, errlen);
+        shard_agreement_free(&ag);
+        if (rc != PSHARD_OK)
+            break;
+        if (!skip) {
+            pthread_mutex_lock(&s->mu);
+            s->shadowed_ops++;
+            pthread_mutex_unlock(&s->mu);
+        }
+    }
+    pthread_mutex_lock(&s->mu);
+    s->joined = false;
+    res->shadowed = s->shadowed_ops;
+    pthread_mutex_unlock(&s->mu);
+    res->step = s->model->step;
+    if (rc != PSHARD_OK) {
+        PS_WARN(PS_SUB_SHARD, "join ended with an error: %s", err);
+        char why[PSHARD_ERRLEN];
+        ps_strlcpy(why, err, sizeof(why));
+        return ps_errf(err, errlen, rc, "while shadowing the other ranks after the join: %s",
+                       why);
+    }
+    PS_INFO(PS_SUB_SHARD, "every rank joined (last: rank %d) after %" PRIu64 " shadowed operations",
+            last_rank, res->shadowed);
+    if (rank == 0)
+        report_join(s, PSHARD__JOIN_PHASE__ALL_JOINED, rank, res->step, false, last_rank);
+    res->is_last_joiner = last_rank == rank;
+    res->last_rank = last_rank;
+    return PSHARD_OK;
 }
 
-pshard_status_t shard_run_clip(pshard_comm_t *comm, shard_model_t *m, double max_norm,
-                               double norm_type, double *total_norm, char *err, size_t errlen)
+void shard_join_free(pshard_shard_server_t *s)
 {
-    double norm = 0.0;
-    PS_CHECK(global_norm(comm, m, isinf(norm_type), TAG_CLIP_NORM, "clip_grad_norm", &norm, err,
-                         errlen));
-    float total = (float)norm; /* torch's total_norm is an fp32 tensor */
-    if (max_norm > 0) {
-        /* torch: clip_coef = max_norm / (total_norm + 1e-6) on fp32 tensors, which Tensor's
-         * __rtruediv__ computes as (total_norm + 1e-6).reciprocal() * max_norm, then
-         * clamp(max=1.0) and grads *= clip_coef. A coefficient of 1 changes nothing; NaN
-         * (a NaN or infinite norm) makes the gradients NaN, as in torch. */
-        float denom = total + 1e-6f;
-        float coef = (1.0f / denom) * (float)max_norm;
-        if (!(coef >= 1.0f))
-            PS_CHECK(shard_model_scale_grads(m, coef, err, errlen));
-    }
-    *total_norm = (double)total;
-    return PSHARD_OK;
+    free(s->agree_buf);
+    free(s->follow_buf);
+    s->agree_buf = NULL;
+    s->follow_buf = NULL;
+    s->agree_cap = s->follow_cap = 0;
 }

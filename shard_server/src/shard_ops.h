@@ -1,12 +1,14 @@
-/* The shard server's operations layer: the one entry every trainer operation goes through.
- * An RPC handler translates its request into a shard_op_t and calls shard_op_run, which takes
- * op_mu once, checks the session (and the model), lets the operation refuse what this rank can
- * judge alone, agrees on it with the other ranks (shard_agree_active), runs it, records its
- * statistics and releases op_mu; the handler then replies from what the operation left in its
- * arg. Dependencies run one way: handlers -> operations (join, checkpoint) -> model/device. */
+/* The shard server's operations layer: the one entry every trainer operation goes through, and
+ * the only code that takes op_mu. An RPC handler translates its request into a shard_op_t and
+ * calls shard_op_run, which takes op_mu once, checks the session (and the model), lets the
+ * operation refuse what this rank can judge alone, agrees on it with the other ranks
+ * (shard_agree_active), runs it, records its statistics and releases op_mu; the handler then
+ * replies from what the operation left in its arg. Dependencies run one way: handlers ->
+ * operations (attach, define, regions, join, checkpoint) -> model/device. */
 #ifndef PSHARD_SHARD_OPS_H
 #define PSHARD_SHARD_OPS_H
 
+#include "pshard/shard.pb-c.h"
 #include "shard_internal.h"
 
 typedef struct shard_op shard_op_t;
@@ -17,6 +19,8 @@ typedef pshard_status_t (*shard_op_fn)(pshard_shard_server_t *s, pshard_comm_t *
 
 struct shard_op {
     const char *session;     /* the caller's session: must be the attached trainer's */
+    bool no_session;         /* Attach: the caller has no session yet, none is checked (its
+                                check decides whether it may take the rank) */
     const char *needs_model; /* non-NULL: FAILED_PRECONDITION with this message without one */
     bool agree;              /* agree on sop with the other ranks before run */
     shard_sop_t sop;         /* what the ranks agree on (check may complete it) */
@@ -34,6 +38,11 @@ struct shard_op {
  * FAILED_PRECONDITION for another session or a missing model, and check's, the agreement's
  * (DESYNC, JOINED) or run's. Thread-safe; blocks while another operation runs. */
 pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err, size_t errlen);
+
+/* Destroys old, a communicator the cluster replaced, once no operation runs on it: call it
+ * after clearing s->comm (under mu) and aborting old, which ends a collective an operation may
+ * be blocked in; it waits for that operation by taking op_mu. The setup thread's only. */
+void shard_ops_retire_comm(pshard_shard_server_t *s, pshard_comm_t *old);
 
 /* The communicator, or NULL with UNAVAILABLE and the reason in err (forming, failed). */
 pshard_comm_t *shard_op_comm(pshard_shard_server_t *s, pshard_status_t *rc, char *err,
@@ -56,5 +65,43 @@ typedef struct {
 } shard_join_result_t;
 pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                char *err, size_t errlen);
+
+/* DefineModel (shard_define.c): checks the definition, compares it with the other ranks'
+ * through the coordinator's store, takes the initial values (from rank 0, or each rank's own)
+ * or the newest checkpoint (--resume), and adopts the new model and region only when all of it
+ * succeeded; a refused definition leaves the previous ones in place. arg is a
+ * shard_define_arg_t: req in, the rest out. */
+typedef struct {
+    const Pshard__DefineModelRequest *req;
+    char resumed_from[4096]; /* the checkpoint --resume restored, or "" */
+    uint64_t shard_numel, fingerprint;
+    int64_t step;
+} shard_define_arg_t;
+pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                 char *err, size_t errlen);
+
+/* The region operations (shard_region.c), for a trainer on another host. */
+
+/* One chunk of a ReadRegion (at most 1 MiB): refuses an unknown or missing region and a range
+ * outside it, else queues the chunk at off with ps_rpc_call_send (its status in sent, off
+ * advanced when queued) or, once the whole range went out, finishes the call. arg is a
+ * shard_read_chunk_t. */
+typedef struct {
+    ps_rpc_call_t *call;
+    const Pshard__RegionReadRequest *req;
+    uint64_t off;         /* the next chunk's offset within the range */
+    pshard_status_t sent; /* out: ps_rpc_call_send's status for the chunk */
+    bool finished;        /* out: the range was sent and the call finished */
+} shard_read_chunk_t;
+pshard_status_t shard_region_read_run(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                      shard_op_t *op, char *err, size_t errlen);
+
+/* A WriteRegion chunk (arg is the Pshard__RegionWriteRequest) copied into its region; a model
+ * region with region_bytes is the private one filled before DefineModel, (re)allocated at that
+ * size. Errors: INVALID_ARGUMENT (chunk too large, unknown region, outside the region),
+ * FAILED_PRECONDITION (region not there yet), RESOURCE_EXHAUSTED (over --max-model-memory, or
+ * no memory). */
+pshard_status_t shard_region_write_run(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                       shard_op_t *op, char *err, size_t errlen);
 
 #endif

@@ -1,14 +1,66 @@
-/* The shard server's remote path: private regions (anonymous memory instead of a trainer's
- * shared memory) and the two RPCs that move bytes in and out of them in chunks of at most
- * 1 MiB, for a trainer on another host. */
+/* The shard server's trainer regions: mapping a trainer's shared memory, private regions
+ * (anonymous memory instead, for a trainer on another host), pinning them for the GPU, and the
+ * region operations that move a remote trainer's bytes in and out in chunks of at most 1 MiB
+ * (the ReadRegion and WriteRegion handlers in shard_service.c run them through shard_op_run). */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include "pshard/collectives.h"
+#include "pshard/log.h"
 #include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
 #include "shard_internal.h"
+#include "shard_ops.h"
+
+#define CHUNK_MAX (1u << 20)
+
+/* Maps a trainer's shared-memory object. The name must look like "/pshard-..." (letters,
+ * digits, '.', '_', '-'), name a regular object of at least `bytes` bytes. */
+pshard_status_t shard_map_shm(const char *name, uint64_t bytes, shm_map_t *out, char *err,
+                              size_t errlen)
+{
+    size_t n = name ? strlen(name) : 0;
+    if (n < 9 || n > SHM_NAME_MAX || strncmp(name, "/pshard-", 8) != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "shared-memory name must be \"/pshard-...\" (at most %d bytes)",
+                       SHM_NAME_MAX);
+    for (size_t i = 1; i < n; i++) {
+        char ch = name[i];
+        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+                  ch == '.' || ch == '_' || ch == '-';
+        if (!ok)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "shared-memory name has an invalid character at %zu", i);
+    }
+    if (bytes == 0 || bytes > (1ull << 46))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "shared-memory size %" PRIu64 " is out of range", bytes);
+    int fd = shm_open(name, O_RDWR | O_NOFOLLOW, 0);
+    if (fd < 0)
+        return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "cannot open shared memory %s: %s",
+                       name, strerror(errno));
+    struct stat stt;
+    if (fstat(fd, &stt) != 0 || !S_ISREG(stt.st_mode) || (uint64_t)stt.st_size < bytes) {
+        close(fd);
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "shared memory %s is smaller than the %" PRIu64 " bytes announced", name,
+                       bytes);
+    }
+    void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED)
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot map %s: %s", name,
+                       strerror(errno));
+    out->base = p;
+    out->bytes = (size_t)bytes;
+    ps_strlcpy(out->name, name, sizeof(out->name));
+    return PSHARD_OK;
+}
 
 /* A private region for a trainer on another host (no shared memory): anonymous pages. */
 pshard_status_t shard_alloc_private(uint64_t bytes, shm_map_t *out, char *err, size_t errlen)
@@ -27,26 +79,42 @@ pshard_status_t shard_alloc_private(uint64_t bytes, shm_map_t *out, char *err, s
     return PSHARD_OK;
 }
 
-/* The region a remote trainer names; NULL (and the call failed) when it is not there. */
-static shm_map_t *region_of(pshard_shard_server_t *s, ps_rpc_call_t *call, Pshard__Region r)
+void shard_unmap(shm_map_t *m)
 {
-    shm_map_t *m = r == PSHARD__REGION__SCRATCH ? &s->scratch
-                   : r == PSHARD__REGION__MODEL ? &s->model_shm
-                                                : NULL;
-    if (!m) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "unknown region %d", (int)r);
-        return NULL;
-    }
-    if (!m->base) {
-        ps_rpc_call_fail(call, PSHARD_ERR_FAILED_PRECONDITION, "the %s region is not there yet",
-                         r == PSHARD__REGION__SCRATCH ? "scratch" : "model");
-        return NULL;
-    }
-    return m;
+    if (m->pinned)
+        pshard_host_unpin(m->pin_device, m->base);
+    if (m->base)
+        munmap(m->base, m->bytes);
+    memset(m, 0, sizeof(*m));
 }
 
-#define CHUNK_MAX (1u << 20)
-#define READ_STALL_NS (60LL * 1000000000LL) /* ReadRegion: a client that reads nothing this long */
+/* True when this server's collectives run on the GPU (host buffers staged by the backend). */
+bool shard_on_gpu(const pshard_shard_server_t *s)
+{
+    return strcmp(s->cfg.backend, "nccl") == 0;
+}
+
+void shard_pin_region(pshard_shard_server_t *s, shm_map_t *m)
+{
+    if (!shard_on_gpu(s) || !m->base || m->pinned)
+        return;
+    char err[PSHARD_ERRLEN] = "";
+    if (pshard_host_pin(s->cfg.device, m->base, m->bytes, err, sizeof(err)) == PSHARD_OK) {
+        m->pinned = true;
+        m->pin_device = s->cfg.device;
+    } else
+        PS_WARN(PS_SUB_SHARD,
+                "trainer region of %zu bytes stays pageable (copies to the GPU "
+                "are slower): %s",
+                m->bytes, err);
+}
+
+/* Checks [offset, offset + len) lies in the region and offset is aligned to align. */
+bool shard_in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t align)
+{
+    return m->base && offset <= m->bytes && len <= m->bytes - offset &&
+           (align == 0 || offset % align == 0);
+}
 
 pshard_status_t shard_region_size_ok(const pshard_shard_server_t *s, uint64_t bytes, char *err,
                                      size_t errlen)
@@ -59,143 +127,77 @@ pshard_status_t shard_region_size_ok(const pshard_shard_server_t *s, uint64_t by
                    bytes, s->max_model_bytes);
 }
 
-static void read_region(pshard_shard_server_t *s, ps_rpc_call_t *call,
-                        const Pshard__RegionReadRequest *req)
+/* The region a remote trainer names, into *out. Errors: INVALID_ARGUMENT for an unknown one,
+ * FAILED_PRECONDITION when it is not there yet. */
+static pshard_status_t region_of(pshard_shard_server_t *s, Pshard__Region r, shm_map_t **out,
+                                 char *err, size_t errlen)
 {
-    /* Chunks go out at the pace the client reads them (a bounded send queue), each copied
-     * under op_mu after checking again that the session and the range are still valid; a
-     * client that reads nothing for READ_STALL_NS is dropped. */
-    int64_t deadline = ps_rpc_call_deadline_ns(call);
-    bool wait = false; /* the last chunk was queued, or refused for want of room */
-    for (uint64_t off = 0;; off += CHUNK_MAX) {
-        if (wait) {
-            int64_t until = ps_now_ns() + READ_STALL_NS;
-            pshard_status_t w = ps_rpc_call_wait_writable(call, until < deadline ? until : deadline);
-            if (w == PSHARD_ERR_TIMEOUT) {
-                ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED,
-                                 "ReadRegion: the client read nothing for %lld s",
-                                 (long long)(READ_STALL_NS / 1000000000LL));
-                return;
-            }
-            if (w != PSHARD_OK) {
-                ps_rpc_call_finish(call); /* the client went away: end the call */
-                return;
-            }
-        }
-        pthread_mutex_lock(&s->op_mu);
-        shm_map_t *m = NULL;
-        if (!shard_session_ok(s, call, req->session) ||
-            (m = region_of(s, call, req->region)) == NULL) {
-            pthread_mutex_unlock(&s->op_mu);
-            return; /* failed with the reason (a new session since the first chunk, say) */
-        }
-        if (!shard_in_region(m, req->offset, req->length, 0)) {
-            ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                             "%" PRIu64 " bytes at offset %" PRIu64
-                             " lie outside the %zu-byte region",
-                             req->length, req->offset, m->bytes);
-            pthread_mutex_unlock(&s->op_mu);
-            return;
-        }
-        if (off >= req->length) {
-            ps_rpc_call_finish(call);
-            pthread_mutex_unlock(&s->op_mu);
-            return;
-        }
-        uint64_t n = req->length - off < CHUNK_MAX ? req->length - off : CHUNK_MAX;
-        Pshard__DataChunk c = PSHARD__DATA_CHUNK__INIT;
-        c.offset = req->offset + off;
-        c.data.data = (uint8_t *)m->base + req->offset + off;
-        c.data.len = (size_t)n;
-        pshard_status_t rc = ps_rpc_call_send(call, &c.base);
-        pthread_mutex_unlock(&s->op_mu);
-        wait = true;
-        if (rc == PSHARD_ERR_RESOURCE_EXHAUSTED) {
-            /* Its connection's (or the server's) send budget is full for now: wait for room
-             * and send this chunk again. */
-            off -= CHUNK_MAX;
-            continue;
-        }
-        if (rc == PSHARD_ERR_CANCELLED) {
-            ps_rpc_call_finish(call);
-            return;
-        }
-        if (rc != PSHARD_OK) {
-            ps_rpc_call_fail(call, rc, "ReadRegion: cannot queue a chunk");
-            return;
-        }
-    }
+    shm_map_t *m = r == PSHARD__REGION__SCRATCH ? &s->scratch
+                   : r == PSHARD__REGION__MODEL ? &s->model_shm
+                                                : NULL;
+    if (!m)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown region %d", (int)r);
+    if (!m->base)
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "the %s region is not there yet",
+                       r == PSHARD__REGION__SCRATCH ? "scratch" : "model");
+    *out = m;
+    return PSHARD_OK;
 }
 
-/* A ReadRegion waits for its reader while it holds a worker of the RPC pool: so that slow or
- * stalled readers cannot take every worker from the trainer's operations, at most all but two
- * of them read regions at once (at least one). */
-void shard_handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+pshard_status_t shard_region_read_run(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                      shard_op_t *op, char *err, size_t errlen)
 {
-    pshard_shard_server_t *s = ctx;
-    ps_rpc_load_t load;
-    ps_rpc_server_load(s->srv, &load);
-    int limit = load.workers > 2 ? load.workers - 2 : 1;
-    int now = atomic_fetch_add(&s->region_reads, 1);
-    if (now >= limit) {
-        atomic_fetch_sub(&s->region_reads, 1);
-        ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED,
-                         "ReadRegion: %d region reads are in progress, the most this server "
-                         "runs at once (its other workers stay for trainer operations); retry "
-                         "when one has finished",
-                         now);
-        return;
-    }
-    read_region(s, call, (const Pshard__RegionReadRequest *)request);
-    atomic_fetch_sub(&s->region_reads, 1);
-}
-
-void shard_handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
-{
-    pshard_shard_server_t *s = ctx;
-    const Pshard__RegionWriteRequest *req = (const Pshard__RegionWriteRequest *)request;
-    pthread_mutex_lock(&s->op_mu);
-    if (!shard_session_ok(s, call, req->session)) {
-        pthread_mutex_unlock(&s->op_mu);
-        return;
-    }
-    char err[PSHARD_ERRLEN] = "";
+    /* Checked again for every chunk: a new session (a re-attach) replaces the regions. */
+    shard_read_chunk_t *a = op->arg;
+    const Pshard__RegionReadRequest *req = a->req;
     shm_map_t *m = NULL;
-    if (req->data.len > CHUNK_MAX) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                         "a chunk of %zu bytes exceeds the %u-byte limit", req->data.len,
-                         CHUNK_MAX);
-    } else if (req->region == PSHARD__REGION__MODEL && req->region_bytes &&
-               shard_region_size_ok(s, req->region_bytes, err, sizeof(err)) != PSHARD_OK) {
-        ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED, "%s", err);
-    } else if (req->region == PSHARD__REGION__MODEL && req->region_bytes) {
+    PS_CHECK(region_of(s, req->region, &m, err, errlen));
+    if (!shard_in_region(m, req->offset, req->length, 0))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%" PRIu64 " bytes at offset %" PRIu64 " lie outside the %zu-byte region",
+                       req->length, req->offset, m->bytes);
+    if (a->off >= req->length) {
+        ps_rpc_call_finish(a->call);
+        a->finished = true;
+        return PSHARD_OK;
+    }
+    uint64_t n = req->length - a->off < CHUNK_MAX ? req->length - a->off : CHUNK_MAX;
+    Pshard__DataChunk c = PSHARD__DATA_CHUNK__INIT;
+    c.offset = req->offset + a->off;
+    c.data.data = (uint8_t *)m->base + req->offset + a->off;
+    c.data.len = (size_t)n;
+    a->sent = ps_rpc_call_send(a->call, &c.base);
+    if (a->sent == PSHARD_OK)
+        a->off += n;
+    return PSHARD_OK;
+}
+
+pshard_status_t shard_region_write_run(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                       shard_op_t *op, char *err, size_t errlen)
+{
+    const Pshard__RegionWriteRequest *req = op->arg;
+    if (req->data.len > CHUNK_MAX)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "a chunk of %zu bytes exceeds the %u-byte limit", req->data.len,
+                       CHUNK_MAX);
+    shm_map_t *m = NULL;
+    if (req->region == PSHARD__REGION__MODEL && req->region_bytes) {
         /* Before DefineModel: the private model region being filled. */
+        PS_CHECK(shard_region_size_ok(s, req->region_bytes, err, errlen));
         if (s->pending_model.bytes != req->region_bytes) {
             shard_unmap(&s->pending_model);
-            pshard_status_t rc = shard_alloc_private(req->region_bytes, &s->pending_model, err,
-                                               sizeof(err));
-            if (rc != PSHARD_OK)
-                ps_rpc_call_fail(call, rc, "%s", err);
-            else
-                m = &s->pending_model;
-        } else {
-            m = &s->pending_model;
+            PS_CHECK(shard_alloc_private(req->region_bytes, &s->pending_model, err, errlen));
         }
+        m = &s->pending_model;
     } else {
-        m = region_of(s, call, req->region);
+        PS_CHECK(region_of(s, req->region, &m, err, errlen));
     }
-    if (m && !shard_in_region(m, req->offset, req->data.len, 0)) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                         "%zu bytes at offset %" PRIu64 " lie outside the %zu-byte region",
-                         req->data.len, req->offset, m->bytes);
-        m = NULL;
-    }
-    if (m) {
-        if (req->data.len)
-            memcpy((uint8_t *)m->base + req->offset, req->data.data, req->data.len);
-        Pshard__RegionWriteResponse out = PSHARD__REGION_WRITE_RESPONSE__INIT;
-        ps_rpc_call_reply(call, &out.base);
-    }
-    pthread_mutex_unlock(&s->op_mu);
+    if (!shard_in_region(m, req->offset, req->data.len, 0))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%zu bytes at offset %" PRIu64 " lie outside the %zu-byte region",
+                       req->data.len, req->offset, m->bytes);
+    if (req->data.len)
+        memcpy((uint8_t *)m->base + req->offset, req->data.data, req->data.len);
+    return PSHARD_OK;
 }
-

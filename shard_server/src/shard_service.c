@@ -1,11 +1,8 @@
-/* The shard server's trainer-facing gRPC service and its lifecycle: the handlers translate
- * each request into an operation of shard_ops.h (attach, define the model, gather,
- * reduce-scatter, step, clip_grad_norm, plain collectives, checkpoint, join) and its result
- * into the reply; status answers from copies. Membership and the communicator live in
- * shard_member.c, the regions' streaming in shard_region.c. Trainer operations run one at a
- * time on worker threads (a collective blocks), never on the completion-queue thread. */
-#include <errno.h>
-#include <fcntl.h>
+/* The shard server's trainer-facing gRPC service: its method table and the handlers, which
+ * translate each request into an operation of shard_ops.h (attach, define the model, gather,
+ * reduce-scatter, step, clip_grad_norm, plain collectives, checkpoint, join, region reads and
+ * writes) and its result into the reply; Status answers from copies. Trainer operations run one
+ * at a time on worker threads (a collective blocks), never on the completion-queue thread. */
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -13,17 +10,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/random.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "pshard/collectives.h"
-#include "pshard/coord_client.h"
-#include "pshard/coordinator.pb-c.h"
 #include "pshard/log.h"
-#include "pshard/metrics.h"
 #include "pshard/rpc.h"
 #include "pshard/shard.pb-c.h"
 #include "pshard/shard_server.h"
@@ -56,104 +47,6 @@ static bool dtype_from_pb(Pshard__DType d, pshard_dtype_t *out)
     }
 }
 
-void shard_unmap(shm_map_t *m)
-{
-    if (m->pinned)
-        pshard_host_unpin(m->pin_device, m->base);
-    if (m->base)
-        munmap(m->base, m->bytes);
-    memset(m, 0, sizeof(*m));
-}
-
-/* True when this server's collectives run on the GPU (host buffers staged by the backend). */
-static bool on_gpu(const pshard_shard_server_t *s)
-{
-    return strcmp(s->cfg.backend, "nccl") == 0;
-}
-
-void shard_pin_region(pshard_shard_server_t *s, shm_map_t *m)
-{
-    if (!on_gpu(s) || !m->base || m->pinned)
-        return;
-    char err[PSHARD_ERRLEN] = "";
-    if (pshard_host_pin(s->cfg.device, m->base, m->bytes, err, sizeof(err)) == PSHARD_OK) {
-        m->pinned = true;
-        m->pin_device = s->cfg.device;
-    } else
-        PS_WARN(PS_SUB_SHARD,
-                "trainer region of %zu bytes stays pageable (copies to the GPU "
-                "are slower): %s",
-                m->bytes, err);
-}
-
-/* Maps a trainer's shared-memory object. The name must look like "/pshard-..." (letters,
- * digits, '.', '_', '-'), name a regular object of at least `bytes` bytes. */
-static pshard_status_t map_shm(const char *name, uint64_t bytes, shm_map_t *out, char *err,
-                               size_t errlen)
-{
-    size_t n = name ? strlen(name) : 0;
-    if (n < 9 || n > SHM_NAME_MAX || strncmp(name, "/pshard-", 8) != 0)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "shared-memory name must be \"/pshard-...\" (at most %d bytes)",
-                       SHM_NAME_MAX);
-    for (size_t i = 1; i < n; i++) {
-        char ch = name[i];
-        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-                  ch == '.' || ch == '_' || ch == '-';
-        if (!ok)
-            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                           "shared-memory name has an invalid character at %zu", i);
-    }
-    if (bytes == 0 || bytes > (1ull << 46))
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "shared-memory size %" PRIu64 " is out of range", bytes);
-    int fd = shm_open(name, O_RDWR | O_NOFOLLOW, 0);
-    if (fd < 0)
-        return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "cannot open shared memory %s: %s",
-                       name, strerror(errno));
-    struct stat stt;
-    if (fstat(fd, &stt) != 0 || !S_ISREG(stt.st_mode) || (uint64_t)stt.st_size < bytes) {
-        close(fd);
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "shared memory %s is smaller than the %" PRIu64 " bytes announced", name,
-                       bytes);
-    }
-    void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED)
-        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot map %s: %s", name,
-                       strerror(errno));
-    out->base = p;
-    out->bytes = (size_t)bytes;
-    ps_strlcpy(out->name, name, sizeof(out->name));
-    return PSHARD_OK;
-}
-
-
-/* Checks [offset, offset + len) lies in the region and offset is aligned to align. */
-bool shard_in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t align)
-{
-    return m->base && offset <= m->bytes && len <= m->bytes - offset &&
-           (align == 0 || offset % align == 0);
-}
-
-/* The flight recorder's label of an operation in the step being computed: "step 12, fc3.weight"
- * (what names a stuck collective in `pshardctl status` and the logs). */
-const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, size_t len)
-{
-    snprintf(buf, len, "step %" PRId64 ", %s", m ? m->step + 1 : 0, what);
-    return buf;
-}
-
-bool shard_session_ok(pshard_shard_server_t *s, ps_rpc_call_t *call, const char *session)
-{
-    char err[PSHARD_ERRLEN];
-    pshard_status_t rc = shard_session_check(s, session, err, sizeof(err));
-    if (rc != PSHARD_OK)
-        ps_rpc_call_fail(call, rc, "%s", err);
-    return rc == PSHARD_OK;
-}
-
 /* Ends a call with reply, or with rc and err. */
 static void answer(ps_rpc_call_t *call, pshard_status_t rc, const char *err,
                    const ProtobufCMessage *reply)
@@ -162,36 +55,6 @@ static void answer(ps_rpc_call_t *call, pshard_status_t rc, const char *err,
         ps_rpc_call_fail(call, rc, "%s", err);
     else
         ps_rpc_call_reply(call, reply);
-}
-
-pshard_status_t shard_groups_from_pb(struct Pshard__OptimizerGroup *const *pb, size_t n,
-                                     ps_optim_kind_t kind, shard_group_t **out, char *err,
-                                     size_t errlen)
-{
-    *out = NULL;
-    if (n == 0)
-        return PSHARD_OK;
-    if (n > SHARD_MAX_GROUPS)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%zu parameter groups; the limit is %d", n, SHARD_MAX_GROUPS);
-    shard_group_t *g = calloc(n, sizeof(*g));
-    if (!g)
-        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    for (size_t i = 0; i < n; i++) {
-        const Pshard__OptimizerGroup *p = pb[i];
-        g[i].cfg = (ps_optim_config_t){.kind = kind,
-                                       .lr = p->lr,
-                                       .momentum = p->momentum,
-                                       .dampening = p->dampening,
-                                       .nesterov = p->nesterov,
-                                       .weight_decay = p->weight_decay,
-                                       .beta1 = p->beta1,
-                                       .beta2 = p->beta2,
-                                       .eps = p->eps};
-        g[i].frozen = p->frozen;
-    }
-    *out = g;
-    return PSHARD_OK;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -217,46 +80,44 @@ static bool session_held_by_live_trainer(pshard_shard_server_t *s, char *err, si
     return held;
 }
 
-static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+/* An Attach: its request, and what the reply reports, copied under op_mu (the reply goes out
+ * after op_mu is released, when another Attach may have replaced the session). */
+typedef struct {
+    const Pshard__AttachRequest *req;
+    char session[sizeof(((pshard_shard_server_t *)NULL)->session)];
+    int rank, world;
+    uint64_t generation;
+} attach_arg_t;
+
+/* Refuses a trainer of another rank, and a rank a live trainer holds: under op_mu, which every
+ * Attach takes, so two at once cannot both pass. */
+static pshard_status_t attach_check(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                    shard_op_t *op, char *err, size_t errlen)
 {
-    pshard_shard_server_t *s = ctx;
-    const Pshard__AttachRequest *req = (const Pshard__AttachRequest *)request;
-    pshard_status_t crc = PSHARD_OK;
-    char cerr[PSHARD_ERRLEN] = "";
-    pshard_comm_t *comm = shard_op_comm(s, &crc, cerr, sizeof(cerr));
-    if (!comm) {
-        ps_rpc_call_fail(call, crc, "%s", cerr);
-        return;
-    }
-    if (req->rank != pshard_comm_rank(comm)) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                         "trainer rank %d attached to the shard server of rank %d (RANK and "
-                         "PSHARD_SERVER disagree)",
-                         req->rank, pshard_comm_rank(comm));
-        return;
-    }
-    char err[PSHARD_ERRLEN] = "";
-    if (session_held_by_live_trainer(s, err, sizeof(err))) {
-        ps_rpc_call_fail(call, PSHARD_ERR_ALREADY_EXISTS, "%s", err);
-        return;
-    }
+    const Pshard__AttachRequest *req = ((attach_arg_t *)op->arg)->req;
+    if (req->rank != pshard_comm_rank(comm))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "trainer rank %d attached to the shard server of rank %d (RANK and "
+                       "PSHARD_SERVER disagree)",
+                       req->rank, pshard_comm_rank(comm));
+    char held[PSHARD_ERRLEN] = "";
+    if (session_held_by_live_trainer(s, held, sizeof(held)))
+        return ps_errf(err, errlen, PSHARD_ERR_ALREADY_EXISTS, "%s", held);
+    return PSHARD_OK;
+}
+
+/* Maps the trainer's scratch region (allocates a remote trainer's), puts it in place of the
+ * previous trainer's regions and begins a new session. */
+static pshard_status_t attach_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                  char *err, size_t errlen)
+{
+    attach_arg_t *a = op->arg;
+    const Pshard__AttachRequest *req = a->req;
     shm_map_t m = {0};
     bool remote = !req->shm_name || !req->shm_name[0];
-    pshard_status_t rc = remote ? shard_alloc_private(req->shm_bytes, &m, err, sizeof(err))
-                                : map_shm(req->shm_name, req->shm_bytes, &m, err, sizeof(err));
-    if (rc != PSHARD_OK) {
-        ps_rpc_call_fail(call, rc, "%s", err);
-        return;
-    }
+    PS_CHECK(remote ? shard_alloc_private(req->shm_bytes, &m, err, errlen)
+                    : shard_map_shm(req->shm_name, req->shm_bytes, &m, err, errlen));
     shard_pin_region(s, &m);
-    pthread_mutex_lock(&s->op_mu);
-    /* Again under op_mu, which every Attach takes: two at once cannot both pass. */
-    if (session_held_by_live_trainer(s, err, sizeof(err))) {
-        pthread_mutex_unlock(&s->op_mu);
-        shard_unmap(&m);
-        ps_rpc_call_fail(call, PSHARD_ERR_ALREADY_EXISTS, "%s", err);
-        return;
-    }
     shard_unmap(&s->scratch);
     shard_unmap(&s->model_shm);
     shard_unmap(&s->pending_model);
@@ -267,345 +128,51 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         memcpy(rnd, &t, sizeof(t));
         memcpy(rnd + 8, &t, sizeof(t));
     }
-    char session[sizeof(s->session)];
     for (int i = 0; i < 16; i++)
-        snprintf(session + 2 * i, 3, "%02x", rnd[i]);
+        snprintf(a->session + 2 * i, 3, "%02x", rnd[i]);
     pthread_mutex_lock(&s->mu);
-    memcpy(s->session, session, sizeof(session));
+    memcpy(s->session, a->session, sizeof(a->session));
     ps_strlcpy(s->trainer_name, req->member_name ? req->member_name : "",
                sizeof(s->trainer_name));
     s->trainer_seen = false; /* until the coordinator shows its lease */
     s->attached_ns = ps_now_ns();
     pthread_mutex_unlock(&s->mu);
+    a->rank = pshard_comm_rank(comm);
+    a->world = pshard_comm_world_size(comm);
+    a->generation = s->comm_generation;
+    PS_INFO(PS_SUB_SHARD, "trainer '%s' attached (%" PRIu64 " bytes of scratch)",
+            req->trainer_name, req->shm_bytes);
+    return PSHARD_OK;
+}
+
+static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    attach_arg_t a = {.req = (const Pshard__AttachRequest *)request};
+    shard_op_t op = {.no_session = true,
+                     .opk = -1,
+                     .check = attach_check,
+                     .run = attach_run,
+                     .arg = &a};
+    char err[PSHARD_ERRLEN] = "";
+    pshard_status_t rc = shard_op_run(s, &op, err, sizeof(err));
     Pshard__AttachResponse out = PSHARD__ATTACH_RESPONSE__INIT;
-    out.session = s->session;
-    out.rank = pshard_comm_rank(comm);
-    out.world_size = pshard_comm_world_size(comm);
-    out.generation = s->comm_generation;
+    out.session = a.session;
+    out.rank = a.rank;
+    out.world_size = a.world;
+    out.generation = a.generation;
     out.backend = (char *)s->cfg.backend;
     out.offload = (char *)s->cfg.offload;
     out.coordinator = (char *)s->cfg.coordinator;
     out.job = (char *)(s->cfg.job ? s->cfg.job : "");
-    PS_INFO(PS_SUB_SHARD, "trainer '%s' attached (%" PRIu64 " bytes of scratch)",
-            req->trainer_name, req->shm_bytes);
-    ps_rpc_call_reply(call, &out.base);
-    pthread_mutex_unlock(&s->op_mu);
-}
-
-/* Compares this rank's definition with every other rank's through the coordinator's store. */
-static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_model_t *m,
-                                         char *err, size_t errlen)
-{
-    if (s->define_generation != s->comm_generation) {
-        /* A new ring: nobody reads this rank's definitions of the old generation any more
-         * (every rank of this ring has left that one), so they leave the store. */
-        for (uint64_t a = 1; a <= s->define_attempts; a++) {
-            char old[128];
-            snprintf(old, sizeof(old), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
-                     s->define_generation, a, m->rank);
-            char derr[PSHARD_ERRLEN] = "";
-            if (ps_coord_store_remove(s->coord, old, 2000, derr, sizeof(derr)) != PSHARD_OK)
-                PS_DEBUG(PS_SUB_SHARD, "could not delete %s: %s", old, derr);
-        }
-        s->define_generation = s->comm_generation;
-        s->define_attempts = 0;
-    }
-    uint64_t attempt = ++s->define_attempts;
-    char key[128];
-    snprintf(key, sizeof(key), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
-             s->comm_generation, attempt, m->rank);
-    size_t spec_len = strlen(m->spec_text);
-    if (spec_len > (1u << 20))
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "the model definition is too large to compare (%zu bytes)", spec_len);
-    pshard_status_t rc = ps_coord_store_put(s->coord, key, m->spec_text, spec_len, 10000, err,
-                                            errlen);
-    if (rc != PSHARD_OK)
-        return rc;
-    for (int r = 0; r < m->world; r++) {
-        if (r == m->rank)
-            continue;
-        char other[128];
-        snprintf(other, sizeof(other), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
-                 s->comm_generation, attempt, r);
-        const char *keys[1] = {other};
-        /* Wait in short slices so that a stopping server (or an aborted ring) does not sit
-         * in a store wait for the whole collective timeout. */
-        int64_t limit_ms = s->cfg.coll_timeout_ms > 0 ? s->cfg.coll_timeout_ms : 600000;
-        int64_t give_up = ps_now_ns() + limit_ms * 1000000;
-        Pshard__StoreWaitResponse *wr = NULL;
-        for (;;) {
-            char werr[PSHARD_ERRLEN] = "";
-            rc = ps_coord_store_await(s->coord, keys, 1, 500, &wr, werr, sizeof(werr));
-            if (rc == PSHARD_OK)
-                break;
-            bool stopping = atomic_load(&s->stop);
-            if (rc != PSHARD_ERR_TIMEOUT || stopping || ps_now_ns() > give_up) {
-                ps_errf(err, errlen, rc, "rank %d never defined its model%s: %s", r,
-                        stopping ? " (this server is stopping)" : "", werr);
-                return rc;
-            }
-        }
-        char *text = wr->n_values == 1 ? strndup((const char *)wr->values[0].data,
-                                                 wr->values[0].len)
-                                       : NULL;
-        protobuf_c_message_free_unpacked(&wr->base, NULL);
-        if (!text)
-            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        rc = shard_model_compare(m, text, r, err, errlen);
-        free(text);
-        if (rc != PSHARD_OK)
-            return rc;
-    }
-    return PSHARD_OK;
-}
-
-/* Everything about the initial values that can be checked from the request alone, before
- * anything is allocated for the model: one offset per parameter where this rank reads initial
- * values, each inside the region of region_bytes. Definitions shard_model_create refuses
- * anyway (too many parameters, bad shapes) are left to it: it names the problem better. */
-static pshard_status_t check_init_offsets(const Pshard__DefineModelRequest *req,
-                                          uint64_t region_bytes, int rank, char *err,
-                                          size_t errlen)
-{
-    bool has_data = req->init != PSHARD__INIT_MODE__INIT_FROM_RANK0 || rank == 0;
-    if (!has_data || req->n_params == 0 || req->n_params > SHARD_MAX_PARAMS)
-        return PSHARD_OK;
-    if (req->n_init_offsets != req->n_params)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "init_offsets has %zu entries for %zu parameters", req->n_init_offsets,
-                       req->n_params);
-    for (size_t i = 0; i < req->n_params; i++) {
-        const Pshard__ParamSpec *p = req->params[i];
-        uint64_t numel = 1;
-        bool valid = p->n_shape > 0 && p->n_shape <= SHARD_MAX_DIMS;
-        for (size_t d = 0; d < p->n_shape && valid; d++)
-            valid = p->shape[d] > 0 && (uint64_t)p->shape[d] <= (1ull << 40) &&
-                    !__builtin_mul_overflow(numel, (uint64_t)p->shape[d], &numel);
-        uint64_t end;
-        if (valid && (__builtin_mul_overflow(numel, 4, &end) ||
-                      __builtin_add_overflow(end, req->init_offsets[i], &end) ||
-                      end > region_bytes || req->init_offsets[i] % 4 != 0))
-            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                           "init values of '%.255s' lie outside the model region (offset %" PRIu64
-                           ", %" PRIu64 " elements, region %" PRIu64 " bytes)",
-                           p->name ? p->name : "", req->init_offsets[i], numel, region_bytes);
-    }
-    return PSHARD_OK;
-}
-
-static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
-                                   const Pshard__DefineModelRequest *req, const shm_map_t *region,
-                                   char *err, size_t errlen)
-{
-    /* check_init_offsets validated every offset this rank reads, before the model existed. */
-    bool from_rank0 = req->init == PSHARD__INIT_MODE__INIT_FROM_RANK0;
-    bool has_data = !from_rank0 || m->rank == 0;
-    float *full = NULL;
-    if (from_rank0 && m->world > 1) {
-        full = malloc(m->max_numel * sizeof(float) + 1);
-        if (!full)
-            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    }
-    pshard_status_t rc = PSHARD_OK;
-    for (size_t p = 0; p < m->nparams && rc == PSHARD_OK; p++) {
-        size_t numel = m->params[p].numel;
-        const float *src = NULL;
-        if (has_data)
-            src = (const float *)((uint8_t *)region->base + req->init_offsets[p]);
-        if (from_rank0 && m->world > 1) {
-            pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_FP32, .root = 0,
-                                    .send = src, .recv = full, .count = numel,
-                                    .tag = ((uint64_t)1 << 63) | p, .label = m->params[p].name};
-            rc = pshard_coll_run(comm, &a, err, errlen);
-            src = full;
-        }
-        if (rc == PSHARD_OK) {
-            size_t off = ps_layout_piece_offset(m->layout, p, m->rank);
-            size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
-            float *dst = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
-            if (m->dev)
-                rc = m->dev->copy(m->device, dst, src + off, cnt * sizeof(float), err, errlen);
-            else
-                memcpy(dst, src + off, cnt * sizeof(float));
-        }
-        /* This server is done with those trainer pages (the trainer discards them after
-         * DefineModel): drop them from its own mapping now, so the definition's peak holds
-         * one parameter's initial values, not all. Shared mappings only: the pages keep their
-         * contents, should another parameter's offsets overlap these. Not when pinned: the
-         * pages stay resident for the GPU anyway. */
-        if (rc == PSHARD_OK && has_data && region->name[0] && !region->pinned) {
-            size_t page = (size_t)sysconf(_SC_PAGESIZE);
-            uintptr_t a0 = (uintptr_t)((const uint8_t *)region->base + req->init_offsets[p]);
-            uintptr_t start = (a0 + page - 1) / page * page;
-            uintptr_t end = (a0 + numel * sizeof(float)) / page * page;
-            if (end > start)
-                madvise((void *)start, end - start, MADV_DONTNEED);
-        }
-    }
-    free(full);
-    return rc;
-}
-
-/* A DefineModel: its request, and what the reply reports. */
-typedef struct {
-    const Pshard__DefineModelRequest *req;
-    char resumed_from[4096];
-    uint64_t shard_numel, fingerprint;
-    int64_t step;
-} define_arg_t;
-
-/* Defines (or redefines) the model: checks everything this rank can alone, compares the
- * definition with the other ranks' through the store, takes the initial values (from rank 0,
- * or each rank's own) or the newest checkpoint, and adopts the new model and region only when
- * all of it succeeded. */
-static pshard_status_t define_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
-                                  char *err, size_t errlen)
-{
-    define_arg_t *a = op->arg;
-    const Pshard__DefineModelRequest *req = a->req;
-    char *resumed_from = a->resumed_from;
-    pshard_status_t rc = PSHARD_OK;
-    size_t n = req->n_params;
-    const char **names = calloc(n ? n : 1, sizeof(char *));
-    const int64_t **shapes = calloc(n ? n : 1, sizeof(int64_t *));
-    size_t *ndims = calloc(n ? n : 1, sizeof(size_t));
-    shard_model_t *m = NULL;
-    shard_group_t *groups = NULL;
-    shm_map_t region = {0};
-    if (!names || !shapes || !ndims) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        goto out;
-    }
-    for (size_t i = 0; i < n; i++) {
-        names[i] = req->params[i]->name;
-        shapes[i] = req->params[i]->shape;
-        ndims[i] = req->params[i]->n_shape;
-    }
-    ps_optim_config_t oc;
-    const Pshard__OptimizerConfig *po = req->optimizer;
-    ps_optim_kind_t kind = !po                                        ? PS_OPTIM_SGD
-                           : po->kind == PSHARD__OPTIMIZER_KIND__ADAM  ? PS_OPTIM_ADAM
-                           : po->kind == PSHARD__OPTIMIZER_KIND__ADAMW ? PS_OPTIM_ADAMW
-                                                                       : PS_OPTIM_SGD;
-    if (po && po->kind != PSHARD__OPTIMIZER_KIND__SGD && po->kind != PSHARD__OPTIMIZER_KIND__ADAM &&
-        po->kind != PSHARD__OPTIMIZER_KIND__ADAMW) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown optimizer %d",
-                     (int)po->kind);
-        goto out;
-    }
-    ps_optim_defaults(kind, &oc);
-    if (po) {
-        oc.lr = po->lr;
-        oc.momentum = po->momentum;
-        oc.dampening = po->dampening;
-        oc.nesterov = po->nesterov;
-        oc.weight_decay = po->weight_decay;
-        if (kind != PS_OPTIM_SGD) {
-            oc.beta1 = po->beta1;
-            oc.beta2 = po->beta2;
-            oc.eps = po->eps;
-        }
-    }
-    pshard_layout_t layout = req->layout == PSHARD__LAYOUT__FSDP1 ? PSHARD_LAYOUT_FSDP1
-                                                                  : PSHARD_LAYOUT_FSDP2;
-    if (req->layout != PSHARD__LAYOUT__FSDP1 && req->layout != PSHARD__LAYOUT__FSDP2) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown layout %d",
-                     (int)req->layout);
-        goto out;
-    }
-    if (req->init != PSHARD__INIT_MODE__INIT_FROM_RANK0 &&
-        req->init != PSHARD__INIT_MODE__INIT_LOCAL) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown init mode %d",
-                     (int)req->init);
-        goto out;
-    }
-    rc = shard_region_size_ok(s, req->shm_bytes, err, errlen);
-    if (rc != PSHARD_OK)
-        goto out;
-    /* Map the region before allocating shard state, and adopt both only when everything
-     * succeeded: a refused definition leaves the previous model and region in place. */
-    if (!req->shm_name || !req->shm_name[0]) {
-        /* A remote trainer: the region its WriteRegion calls filled (at least sized). */
-        if (!s->pending_model.base || s->pending_model.bytes != req->shm_bytes) {
-            rc = ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
-                         "no %" PRIu64 "-byte model region was written (remote trainers send "
-                         "WriteRegion with region_bytes first)",
-                         req->shm_bytes);
-            goto out;
-        }
-        region = s->pending_model;
-        memset(&s->pending_model, 0, sizeof(s->pending_model));
-    } else {
-        rc = map_shm(req->shm_name, req->shm_bytes, &region, err, errlen);
-        if (rc != PSHARD_OK)
-            goto out;
-    }
-    rc = check_init_offsets(req, region.bytes, pshard_comm_rank(comm), err, errlen);
-    if (rc != PSHARD_OK)
-        goto out;
-    rc = shard_groups_from_pb(req->groups, req->n_groups, kind, &groups, err, errlen);
-    if (rc != PSHARD_OK)
-        goto out;
-    rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n, names,
-                            shapes, ndims, &oc, groups, req->n_groups, req->param_groups,
-                            req->n_param_groups, po ? po->max_grad_norm : 0,
-                            po && po->in_backward, s->dev, s->cfg.device, s->max_model_bytes, &m,
-                            err, errlen);
-    if (rc != PSHARD_OK)
-        goto out;
-    rc = check_definitions(s, m, err, errlen);
-    if (rc != PSHARD_OK)
-        goto out;
-    if (on_gpu(s)) {
-        shard_pin_region(s, &region);
-        if (shard_model_pin(m, s->cfg.device, err, errlen) != PSHARD_OK)
-            PS_WARN(PS_SUB_SHARD, "shard state stays pageable (copies to the GPU are slower): %s",
-                    err);
-    }
-    rc = init_params(comm, m, req, &region, err, errlen);
-    if (rc != PSHARD_OK)
-        goto out;
-    /* --resume: the newest committed checkpoint replaces the initial values (collective). */
-    if (s->cfg.resume && *s->cfg.resume) {
-        bool restored = false;
-        rc = shard_ckpt_load(s, comm, m, s->cfg.resume, &restored, resumed_from,
-                             sizeof(a->resumed_from), err, errlen);
-        if (rc != PSHARD_OK)
-            goto out;
-    }
-    shard_unmap(&s->model_shm);
-    s->model_shm = region;
-    memset(&region, 0, sizeof(region));
-    /* Status reads the model under s->mu without waiting for trainer operations. */
-    pthread_mutex_lock(&s->mu);
-    shard_model_t *old = s->model;
-    s->model = m;
-    pthread_mutex_unlock(&s->mu);
-    shard_model_free(old);
-    PS_INFO(PS_SUB_SHARD, "model defined: %zu parameters, %zu elements on this rank (%s)", n,
-            m->shard_numel, layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1");
-    m = NULL;
-out:
-    shard_unmap(&region);
-    shard_model_free(m);
-    free(groups);
-    free(names);
-    free(shapes);
-    free(ndims);
-    if (rc == PSHARD_OK) {
-        a->fingerprint = s->model->fingerprint;
-        a->shard_numel = s->model->shard_numel;
-        a->step = s->model->step;
-    }
-    return rc;
+    answer(call, rc, err, &out.base);
 }
 
 static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
     const Pshard__DefineModelRequest *req = (const Pshard__DefineModelRequest *)request;
-    define_arg_t a = {.req = req, .resumed_from = ""};
-    shard_op_t op = {.session = req->session, .opk = -1, .run = define_run, .arg = &a};
+    shard_define_arg_t a = {.req = req, .resumed_from = ""};
+    shard_op_t op = {.session = req->session, .opk = -1, .run = shard_define_run, .arg = &a};
     char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
     Pshard__DefineModelResponse out = PSHARD__DEFINE_MODEL_RESPONSE__INIT;
@@ -974,6 +541,93 @@ static void handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
     answer(call, rc, err, &out.base);
 }
 
+#define READ_STALL_NS (60LL * 1000000000LL) /* ReadRegion: a client that reads nothing this long */
+
+/* Chunks go out at the pace the client reads them (a bounded send queue), each one operation
+ * (shard_region_read_run), which checks again that the session and the range are still valid;
+ * a client that reads nothing for READ_STALL_NS is dropped. */
+static void read_region(pshard_shard_server_t *s, ps_rpc_call_t *call,
+                        const Pshard__RegionReadRequest *req)
+{
+    int64_t deadline = ps_rpc_call_deadline_ns(call);
+    shard_read_chunk_t a = {.call = call, .req = req};
+    shard_op_t op = {.session = req->session, .opk = -1, .run = shard_region_read_run, .arg = &a};
+    /* wait: the last chunk was queued, or refused for want of room */
+    for (bool wait = false;; wait = true) {
+        if (wait) {
+            int64_t until = ps_now_ns() + READ_STALL_NS;
+            pshard_status_t w =
+                ps_rpc_call_wait_writable(call, until < deadline ? until : deadline);
+            if (w == PSHARD_ERR_TIMEOUT) {
+                ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                                 "ReadRegion: the client read nothing for %lld s",
+                                 (long long)(READ_STALL_NS / 1000000000LL));
+                return;
+            }
+            if (w != PSHARD_OK) {
+                ps_rpc_call_finish(call); /* the client went away: end the call */
+                return;
+            }
+        }
+        char err[PSHARD_ERRLEN] = "";
+        a.sent = PSHARD_OK;
+        pshard_status_t rc = shard_op_run(s, &op, err, sizeof(err));
+        if (rc != PSHARD_OK) {
+            ps_rpc_call_fail(call, rc, "%s", err); /* a new session since the first chunk, say */
+            return;
+        }
+        if (a.finished)
+            return;
+        /* Its connection's (or the server's) send budget is full for now: wait for room and
+         * send this chunk again. */
+        if (a.sent == PSHARD_ERR_RESOURCE_EXHAUSTED)
+            continue;
+        if (a.sent == PSHARD_ERR_CANCELLED) {
+            ps_rpc_call_finish(call);
+            return;
+        }
+        if (a.sent != PSHARD_OK) {
+            ps_rpc_call_fail(call, a.sent, "ReadRegion: cannot queue a chunk");
+            return;
+        }
+    }
+}
+
+/* A ReadRegion waits for its reader while it holds a worker of the RPC pool: so that slow or
+ * stalled readers cannot take every worker from the trainer's operations, at most all but two
+ * of them read regions at once (at least one). */
+static void handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    ps_rpc_load_t load;
+    ps_rpc_server_load(s->srv, &load);
+    int limit = load.workers > 2 ? load.workers - 2 : 1;
+    int now = atomic_fetch_add(&s->region_reads, 1);
+    if (now >= limit) {
+        atomic_fetch_sub(&s->region_reads, 1);
+        ps_rpc_call_fail(call, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                         "ReadRegion: %d region reads are in progress, the most this server "
+                         "runs at once (its other workers stay for trainer operations); retry "
+                         "when one has finished",
+                         now);
+        return;
+    }
+    read_region(s, call, (const Pshard__RegionReadRequest *)request);
+    atomic_fetch_sub(&s->region_reads, 1);
+}
+
+static void handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    const Pshard__RegionWriteRequest *req = (const Pshard__RegionWriteRequest *)request;
+    shard_op_t op = {.session = req->session,
+                     .opk = -1,
+                     .run = shard_region_write_run,
+                     .arg = (void *)req};
+    char err[PSHARD_ERRLEN] = "";
+    Pshard__RegionWriteResponse out = PSHARD__REGION_WRITE_RESPONSE__INIT;
+    answer(call, shard_op_run(ctx, &op, err, sizeof(err)), err, &out.base);
+}
+
 /* Status runs inline on the completion-queue thread (PS_RPC_INLINE), so it answers even when
  * every worker is held by a trainer operation blocked in a collective: it reads copies under
  * s->mu, which is only ever held briefly, and never takes op_mu. */
@@ -990,7 +644,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         snprintf(placement, sizeof(placement), "%s:%d",
                  s->dev->host_memory ? "emulated-cuda" : "cuda", s->cfg.device);
     else
-        ps_strlcpy(placement, on_gpu(s) ? "host, pinned" : "host", sizeof(placement));
+        ps_strlcpy(placement, shard_on_gpu(s) ? "host, pinned" : "host", sizeof(placement));
     out.placement = placement;
     char *lines[32];
     char buf[32][256];
@@ -1030,142 +684,10 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* Lifecycle                                                                                 */
+/* The method table                                                                          */
 
-static const char *own(pshard_shard_server_t *s, int slot, const char *v)
+void shard_service_add_methods(pshard_shard_server_t *s)
 {
-    s->strings[slot] = v ? strdup(v) : NULL;
-    return s->strings[slot];
-}
-
-int pshard_shard_server_port(const pshard_shard_server_t *s)
-{
-    return ps_rpc_server_port(s->srv);
-}
-
-int pshard_shard_server_metrics_port(const pshard_shard_server_t *s)
-{
-    return s->metrics ? ps_metrics_server_port(s->metrics) : 0;
-}
-
-pshard_status_t pshard_shard_server_error(const pshard_shard_server_t *s, char *err,
-                                          size_t errlen)
-{
-    pshard_shard_server_t *m = (pshard_shard_server_t *)s;
-    pthread_mutex_lock(&m->mu);
-    pshard_status_t st = m->fatal;
-    if (st != PSHARD_OK)
-        ps_errf(err, errlen, st, "%s", m->fatal_msg);
-    pthread_mutex_unlock(&m->mu);
-    return st;
-}
-
-/* What one model may take by default: the machine's memory, or the cgroup v2 limit of this
- * process (a container's) when that is smaller. 0 when neither is known (no cap). */
-static uint64_t machine_memory(void)
-{
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    uint64_t mem = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
-    FILE *f = fopen("/sys/fs/cgroup/memory.max", "re");
-    if (f) {
-        unsigned long long lim;
-        if (fscanf(f, "%llu", &lim) == 1 && lim > 0 && (mem == 0 || lim < mem))
-            mem = lim; /* "max" (no limit) does not parse */
-        fclose(f);
-    }
-    return mem;
-}
-
-pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_config_t *cfg,
-                                                 char *err, size_t errlen)
-{
-    if (!cfg->coordinator || !cfg->listen || !cfg->name) {
-        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                "a shard server needs --coordinator, --listen and --name");
-        return NULL;
-    }
-    const char *backend = cfg->backend ? cfg->backend : "tcp";
-    const char *offload = cfg->offload ? cfg->offload : "none";
-    if (strcmp(backend, "tcp") != 0 && strcmp(backend, "nccl") != 0) {
-        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--backend must be tcp or nccl");
-        return NULL;
-    }
-    if (strcmp(offload, "none") != 0 && strcmp(offload, "cpu") != 0) {
-        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--offload must be none or cpu");
-        return NULL;
-    }
-    bool emulate = getenv("PSHARD_TEST_EMULATE_DEVICE") &&
-                   strcmp(getenv("PSHARD_TEST_EMULATE_DEVICE"), "1") == 0;
-    if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0 && !shard_dev_cuda()) {
-        ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
-                "--backend nccl with --offload none keeps shards and optimizer state in GPU "
-                "memory, but this pshard-server was built without nvcc (no CUDA kernels); run "
-                "--backend nccl --offload cpu (slices and optimizer state in pinned host "
-                "memory, collectives on the GPU through NCCL, like FSDP's CPUOffload)");
-        return NULL;
-    }
-    if (strcmp(backend, "nccl") == 0 &&
-        pshard_cuda_check_device(cfg->device, err, errlen) != PSHARD_OK) {
-        size_t used = strlen(err);
-        if (used + 1 < errlen)
-            snprintf(err + used, errlen - used, " (--backend nccl needs a GPU; --device %d)",
-                     cfg->device);
-        return NULL;
-    }
-    pshard_shard_server_t *s = calloc(1, sizeof(*s));
-    if (!s)
-        return NULL;
-    s->cfg = *cfg;
-    s->cfg.coordinator = own(s, 0, cfg->coordinator);
-    s->cfg.listen = own(s, 1, cfg->listen);
-    s->cfg.advertise = own(s, 2, cfg->advertise);
-    s->cfg.name = own(s, 3, cfg->name);
-    s->cfg.node = own(s, 4, cfg->node);
-    s->cfg.backend = own(s, 5, backend);
-    s->cfg.offload = own(s, 6, offload);
-    /* Shards in GPU memory: nccl without --offload cpu; the tests' host emulation of it: tcp
-     * without --offload cpu and PSHARD_TEST_EMULATE_DEVICE=1 (see shard_cuda.h). */
-    if (strcmp(offload, "cpu") != 0)
-        s->dev = strcmp(backend, "nccl") == 0 ? shard_dev_cuda()
-                 : emulate                    ? &shard_dev_emulated
-                                              : NULL;
-    if (s->dev && s->dev->host_memory)
-        PS_WARN(PS_SUB_SHARD, "PSHARD_TEST_EMULATE_DEVICE=1: shards in host memory standing in "
-                              "for GPU memory (a test mode)");
-    s->cfg.data_host = own(s, 7, cfg->data_host);
-    s->cfg.token = own(s, 8, cfg->token);
-    s->cfg.checkpoint_dir = own(s, 9, cfg->checkpoint_dir);
-    s->cfg.resume = own(s, 10, cfg->resume);
-    s->cfg.job = own(s, 11, cfg->job);
-    s->max_model_bytes = cfg->max_model_memory > 0 ? (uint64_t)cfg->max_model_memory
-                                                   : machine_memory();
-    if (s->cfg.checkpoint_keep <= 0)
-        s->cfg.checkpoint_keep = 3;
-    s->rank = -1;
-    pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
-    pthread_mutex_init(&s->op_mu, NULL);
-    pthread_mutex_init(&s->health_mu, NULL);
-    atomic_init(&s->stop, false);
-    atomic_init(&s->serving, 2);
-    atomic_init(&s->region_reads, 0);
-    s->started_ns = ps_now_ns();
-
-    ps_rpc_server_config_t rcfg = {
-        .listen = cfg->listen,
-        .tls_cert_file = cfg->tls_cert_file,
-        .tls_key_file = cfg->tls_key_file,
-        .tls_client_ca_file = cfg->tls_client_ca_file,
-        .token = cfg->token,
-        .max_message_bytes = cfg->max_message_bytes,
-        .worker_threads = 4,
-        .cq_threads = 1,
-    };
-    s->srv = ps_rpc_server_create(&rcfg, err, errlen);
-    if (!s->srv) {
-        pshard_shard_server_stop(s);
-        return NULL;
-    }
     static const struct {
         const char *name;
         const ProtobufCMessageDescriptor *desc;
@@ -1178,8 +700,8 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         {"Step", &pshard__step_request__descriptor, handle_step},
         {"Collective", &pshard__collective_request__descriptor, handle_collective},
         {"Status", &pshard__shard_status_request__descriptor, handle_status},
-        {"ReadRegion", &pshard__region_read_request__descriptor, shard_handle_read_region},
-        {"WriteRegion", &pshard__region_write_request__descriptor, shard_handle_write_region},
+        {"ReadRegion", &pshard__region_read_request__descriptor, handle_read_region},
+        {"WriteRegion", &pshard__region_write_request__descriptor, handle_write_region},
         {"Join", &pshard__join_request__descriptor, handle_join},
         {"Checkpoint", &pshard__checkpoint_request__descriptor, handle_checkpoint},
         {"ClipGradNorm", &pshard__clip_grad_norm_request__descriptor,
@@ -1188,97 +710,10 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);
         /* Status must answer while trainer operations hold every worker: inline. */
-        unsigned flags = table[i].fn == shard_handle_read_region ? PS_RPC_STREAM
-                         : table[i].fn == handle_status          ? PS_RPC_INLINE
-                                                                 : 0;
+        unsigned flags = table[i].fn == handle_read_region ? PS_RPC_STREAM
+                         : table[i].fn == handle_status    ? PS_RPC_INLINE
+                                                           : 0;
         s->methods[i] = (ps_rpc_method_t){s->paths[i], table[i].desc, table[i].fn, flags, s};
     }
     ps_rpc_server_add_methods(s->srv, s->methods, NMETHODS);
-    if (ps_rpc_server_start(s->srv) < 0) {
-        ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot start the gRPC server");
-        pshard_shard_server_stop(s);
-        return NULL;
-    }
-    ps_rpc_server_set_health(s->srv, "pshard.ShardServer", 2);
-    /* Advertise HOST:PORT with the port actually bound. */
-    char host[256];
-    ps_strlcpy(host, cfg->advertise ? cfg->advertise : cfg->listen, sizeof(host));
-    char *colon = strrchr(host, ':');
-    if (colon)
-        *colon = '\0';
-    if (strcmp(host, "0.0.0.0") == 0 || host[0] == '\0')
-        ps_strlcpy(host, "127.0.0.1", sizeof(host));
-    snprintf(s->advertise, sizeof(s->advertise), "%s:%d", host, ps_rpc_server_port(s->srv));
-
-    ps_rpc_channel_config_t ccfg = {.target = cfg->coordinator,
-                                    .token = cfg->token,
-                                    .tls_ca_file = cfg->coord_tls_ca_file,
-                                    .job = cfg->job,
-                                    /* Status of a large job is larger than 4 MiB */
-                                    .max_message_bytes = 64 << 20};
-    s->coord = ps_rpc_channel_create(&ccfg, err, errlen);
-    if (!s->coord) {
-        pshard_shard_server_stop(s);
-        return NULL;
-    }
-    if (shard_lease_start(s, err, errlen) != PSHARD_OK) {
-        pshard_shard_server_stop(s);
-        return NULL;
-    }
-    if (pthread_create(&s->setup_thread, NULL, shard_setup_main, s) == 0)
-        s->setup_started = true;
-    if (pthread_create(&s->watch_thread, NULL, shard_watch_main, s) == 0)
-        s->watch_started = true;
-    if (pthread_create(&s->monitor_thread, NULL, shard_monitor_main, s) == 0)
-        s->monitor_started = true;
-    if (cfg->metrics_listen && *cfg->metrics_listen) {
-        s->metrics = ps_metrics_server_start(cfg->metrics_listen, shard_metrics_collect, s, err,
-                                             errlen);
-        if (!s->metrics) {
-            pshard_shard_server_stop(s);
-            return NULL;
-        }
-    }
-    return s;
-}
-
-void pshard_shard_server_stop(pshard_shard_server_t *s)
-{
-    if (!s)
-        return;
-    atomic_store(&s->stop, true);
-    s->stop_flag = 1;
-    pthread_mutex_lock(&s->mu);
-    pthread_cond_broadcast(&s->cv);
-    pshard_comm_t *comm = s->comm;
-    pthread_mutex_unlock(&s->mu);
-    /* Release a trainer operation blocked in a collective before joining anything. */
-    if (comm)
-        pshard_comm_abort(comm, "shard server stopping");
-    if (s->setup_started)
-        pthread_join(s->setup_thread, NULL);
-    /* Ends the heartbeats and leaves the job. */
-    ps_coord_lease_stop(s->lease);
-    s->lease = NULL;
-    if (s->watch_started)
-        pthread_join(s->watch_thread, NULL);
-    if (s->monitor_started)
-        pthread_join(s->monitor_thread, NULL);
-    /* Scrapes read the RPC server's counters: end them first. */
-    ps_metrics_server_stop(s->metrics);
-    ps_rpc_server_destroy(s->srv);
-    ps_rpc_channel_destroy(s->coord);
-    pshard_comm_destroy(s->comm);
-    shard_unmap(&s->scratch);
-    shard_unmap(&s->model_shm);
-    shard_unmap(&s->pending_model);
-    shard_model_free(s->model);
-    shard_join_free(s);
-    for (size_t i = 0; i < 16; i++)
-        free(s->strings[i]);
-    pthread_mutex_destroy(&s->mu);
-    pthread_cond_destroy(&s->cv);
-    pthread_mutex_destroy(&s->op_mu);
-    pthread_mutex_destroy(&s->health_mu);
-    free(s);
 }

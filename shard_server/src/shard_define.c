@@ -1,0 +1,346 @@
+/* The shard server's DefineModel operation: it checks a model definition, compares it with
+ * the other ranks' through the coordinator's store, fills the shards from the trainer's initial
+ * values or the newest checkpoint, and only then replaces the previous model and region. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "pshard/coord_client.h"
+#include "pshard/coordinator.pb-c.h"
+#include "pshard/log.h"
+#include "pshard/shard.pb-c.h"
+#include "pshard/util.h"
+
+#include "shard_cuda.h"
+#include "shard_internal.h"
+#include "shard_ops.h"
+
+pshard_status_t shard_groups_from_pb(struct Pshard__OptimizerGroup *const *pb, size_t n,
+                                     ps_optim_kind_t kind, shard_group_t **out, char *err,
+                                     size_t errlen)
+{
+    *out = NULL;
+    if (n == 0)
+        return PSHARD_OK;
+    if (n > SHARD_MAX_GROUPS)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%zu parameter groups; the limit is %d", n, SHARD_MAX_GROUPS);
+    shard_group_t *g = calloc(n, sizeof(*g));
+    if (!g)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        const Pshard__OptimizerGroup *p = pb[i];
+        g[i].cfg = (ps_optim_config_t){.kind = kind,
+                                       .lr = p->lr,
+                                       .momentum = p->momentum,
+                                       .dampening = p->dampening,
+                                       .nesterov = p->nesterov,
+                                       .weight_decay = p->weight_decay,
+                                       .beta1 = p->beta1,
+                                       .beta2 = p->beta2,
+                                       .eps = p->eps};
+        g[i].frozen = p->frozen;
+    }
+    *out = g;
+    return PSHARD_OK;
+}
+
+/* Compares this rank's definition with every other rank's through the coordinator's store. */
+static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_model_t *m,
+                                         char *err, size_t errlen)
+{
+    if (s->define_generation != s->comm_generation) {
+        /* A new ring: nobody reads this rank's definitions of the old generation any more
+         * (every rank of this ring has left that one), so they leave the store. */
+        for (uint64_t a = 1; a <= s->define_attempts; a++) {
+            char old[128];
+            snprintf(old, sizeof(old), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
+                     s->define_generation, a, m->rank);
+            char derr[PSHARD_ERRLEN] = "";
+            if (ps_coord_store_remove(s->coord, old, 2000, derr, sizeof(derr)) != PSHARD_OK)
+                PS_DEBUG(PS_SUB_SHARD, "could not delete %s: %s", old, derr);
+        }
+        s->define_generation = s->comm_generation;
+        s->define_attempts = 0;
+    }
+    uint64_t attempt = ++s->define_attempts;
+    char key[128];
+    snprintf(key, sizeof(key), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
+             s->comm_generation, attempt, m->rank);
+    size_t spec_len = strlen(m->spec_text);
+    if (spec_len > (1u << 20))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "the model definition is too large to compare (%zu bytes)", spec_len);
+    pshard_status_t rc = ps_coord_store_put(s->coord, key, m->spec_text, spec_len, 10000, err,
+                                            errlen);
+    if (rc != PSHARD_OK)
+        return rc;
+    for (int r = 0; r < m->world; r++) {
+        if (r == m->rank)
+            continue;
+        char other[128];
+        snprintf(other, sizeof(other), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
+                 s->comm_generation, attempt, r);
+        const char *keys[1] = {other};
+        /* Wait in short slices so that a stopping server (or an aborted ring) does not sit
+         * in a store wait for the whole collective timeout. */
+        int64_t limit_ms = s->cfg.coll_timeout_ms > 0 ? s->cfg.coll_timeout_ms : 600000;
+        int64_t give_up = ps_now_ns() + limit_ms * 1000000;
+        Pshard__StoreWaitResponse *wr = NULL;
+        for (;;) {
+            char werr[PSHARD_ERRLEN] = "";
+            rc = ps_coord_store_await(s->coord, keys, 1, 500, &wr, werr, sizeof(werr));
+            if (rc == PSHARD_OK)
+                break;
+            bool stopping = atomic_load(&s->stop);
+            if (rc != PSHARD_ERR_TIMEOUT || stopping || ps_now_ns() > give_up) {
+                ps_errf(err, errlen, rc, "rank %d never defined its model%s: %s", r,
+                        stopping ? " (this server is stopping)" : "", werr);
+                return rc;
+            }
+        }
+        char *text = wr->n_values == 1 ? strndup((const char *)wr->values[0].data,
+                                                 wr->values[0].len)
+                                       : NULL;
+        protobuf_c_message_free_unpacked(&wr->base, NULL);
+        if (!text)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        rc = shard_model_compare(m, text, r, err, errlen);
+        free(text);
+        if (rc != PSHARD_OK)
+            return rc;
+    }
+    return PSHARD_OK;
+}
+
+/* Everything about the initial values that can be checked from the request alone, before
+ * anything is allocated for the model: one offset per parameter where this rank reads initial
+ * values, each inside the region of region_bytes. Definitions shard_model_create refuses
+ * anyway (too many parameters, bad shapes) are left to it: it names the problem better. */
+static pshard_status_t check_init_offsets(const Pshard__DefineModelRequest *req,
+                                          uint64_t region_bytes, int rank, char *err,
+                                          size_t errlen)
+{
+    bool has_data = req->init != PSHARD__INIT_MODE__INIT_FROM_RANK0 || rank == 0;
+    if (!has_data || req->n_params == 0 || req->n_params > SHARD_MAX_PARAMS)
+        return PSHARD_OK;
+    if (req->n_init_offsets != req->n_params)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "init_offsets has %zu entries for %zu parameters", req->n_init_offsets,
+                       req->n_params);
+    for (size_t i = 0; i < req->n_params; i++) {
+        const Pshard__ParamSpec *p = req->params[i];
+        uint64_t numel = 1;
+        bool valid = p->n_shape > 0 && p->n_shape <= SHARD_MAX_DIMS;
+        for (size_t d = 0; d < p->n_shape && valid; d++)
+            valid = p->shape[d] > 0 && (uint64_t)p->shape[d] <= (1ull << 40) &&
+                    !__builtin_mul_overflow(numel, (uint64_t)p->shape[d], &numel);
+        uint64_t end;
+        if (valid && (__builtin_mul_overflow(numel, 4, &end) ||
+                      __builtin_add_overflow(end, req->init_offsets[i], &end) ||
+                      end > region_bytes || req->init_offsets[i] % 4 != 0))
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "init values of '%.255s' lie outside the model region (offset %" PRIu64
+                           ", %" PRIu64 " elements, region %" PRIu64 " bytes)",
+                           p->name ? p->name : "", req->init_offsets[i], numel, region_bytes);
+    }
+    return PSHARD_OK;
+}
+
+static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
+                                   const Pshard__DefineModelRequest *req, const shm_map_t *region,
+                                   char *err, size_t errlen)
+{
+    /* check_init_offsets validated every offset this rank reads, before the model existed. */
+    bool from_rank0 = req->init == PSHARD__INIT_MODE__INIT_FROM_RANK0;
+    bool has_data = !from_rank0 || m->rank == 0;
+    float *full = NULL;
+    if (from_rank0 && m->world > 1) {
+        full = malloc(m->max_numel * sizeof(float) + 1);
+        if (!full)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    pshard_status_t rc = PSHARD_OK;
+    for (size_t p = 0; p < m->nparams && rc == PSHARD_OK; p++) {
+        size_t numel = m->params[p].numel;
+        const float *src = NULL;
+        if (has_data)
+            src = (const float *)((uint8_t *)region->base + req->init_offsets[p]);
+        if (from_rank0 && m->world > 1) {
+            pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_FP32, .root = 0,
+                                    .send = src, .recv = full, .count = numel,
+                                    .tag = ((uint64_t)1 << 63) | p, .label = m->params[p].name};
+            rc = pshard_coll_run(comm, &a, err, errlen);
+            src = full;
+        }
+        if (rc == PSHARD_OK) {
+            size_t off = ps_layout_piece_offset(m->layout, p, m->rank);
+            size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
+            float *dst = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
+            if (m->dev)
+                rc = m->dev->copy(m->device, dst, src + off, cnt * sizeof(float), err, errlen);
+            else
+                memcpy(dst, src + off, cnt * sizeof(float));
+        }
+        /* This server is done with those trainer pages (the trainer discards them after
+         * DefineModel): drop them from its own mapping now, so the definition's peak holds
+         * one parameter's initial values, not all. Shared mappings only: the pages keep their
+         * contents, should another parameter's offsets overlap these. Not when pinned: the
+         * pages stay resident for the GPU anyway. */
+        if (rc == PSHARD_OK && has_data && region->name[0] && !region->pinned) {
+            size_t page = (size_t)sysconf(_SC_PAGESIZE);
+            uintptr_t a0 = (uintptr_t)((const uint8_t *)region->base + req->init_offsets[p]);
+            uintptr_t start = (a0 + page - 1) / page * page;
+            uintptr_t end = (a0 + numel * sizeof(float)) / page * page;
+            if (end > start)
+                madvise((void *)start, end - start, MADV_DONTNEED);
+        }
+    }
+    free(full);
+    return rc;
+}
+
+pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                 char *err, size_t errlen)
+{
+    shard_define_arg_t *a = op->arg;
+    const Pshard__DefineModelRequest *req = a->req;
+    char *resumed_from = a->resumed_from;
+    pshard_status_t rc = PSHARD_OK;
+    size_t n = req->n_params;
+    const char **names = calloc(n ? n : 1, sizeof(char *));
+    const int64_t **shapes = calloc(n ? n : 1, sizeof(int64_t *));
+    size_t *ndims = calloc(n ? n : 1, sizeof(size_t));
+    shard_model_t *m = NULL;
+    shard_group_t *groups = NULL;
+    shm_map_t region = {0};
+    if (!names || !shapes || !ndims) {
+        rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        names[i] = req->params[i]->name;
+        shapes[i] = req->params[i]->shape;
+        ndims[i] = req->params[i]->n_shape;
+    }
+    ps_optim_config_t oc;
+    const Pshard__OptimizerConfig *po = req->optimizer;
+    ps_optim_kind_t kind = !po                                        ? PS_OPTIM_SGD
+                           : po->kind == PSHARD__OPTIMIZER_KIND__ADAM  ? PS_OPTIM_ADAM
+                           : po->kind == PSHARD__OPTIMIZER_KIND__ADAMW ? PS_OPTIM_ADAMW
+                                                                       : PS_OPTIM_SGD;
+    if (po && po->kind != PSHARD__OPTIMIZER_KIND__SGD && po->kind != PSHARD__OPTIMIZER_KIND__ADAM &&
+        po->kind != PSHARD__OPTIMIZER_KIND__ADAMW) {
+        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown optimizer %d",
+                     (int)po->kind);
+        goto out;
+    }
+    ps_optim_defaults(kind, &oc);
+    if (po) {
+        oc.lr = po->lr;
+        oc.momentum = po->momentum;
+        oc.dampening = po->dampening;
+        oc.nesterov = po->nesterov;
+        oc.weight_decay = po->weight_decay;
+        if (kind != PS_OPTIM_SGD) {
+            oc.beta1 = po->beta1;
+            oc.beta2 = po->beta2;
+            oc.eps = po->eps;
+        }
+    }
+    pshard_layout_t layout = req->layout == PSHARD__LAYOUT__FSDP1 ? PSHARD_LAYOUT_FSDP1
+                                                                  : PSHARD_LAYOUT_FSDP2;
+    if (req->layout != PSHARD__LAYOUT__FSDP1 && req->layout != PSHARD__LAYOUT__FSDP2) {
+        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown layout %d",
+                     (int)req->layout);
+        goto out;
+    }
+    if (req->init != PSHARD__INIT_MODE__INIT_FROM_RANK0 &&
+        req->init != PSHARD__INIT_MODE__INIT_LOCAL) {
+        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown init mode %d",
+                     (int)req->init);
+        goto out;
+    }
+    rc = shard_region_size_ok(s, req->shm_bytes, err, errlen);
+    if (rc != PSHARD_OK)
+        goto out;
+    /* Map the region before allocating shard state, and adopt both only when everything
+     * succeeded: a refused definition leaves the previous model and region in place. */
+    if (!req->shm_name || !req->shm_name[0]) {
+        /* A remote trainer: the region its WriteRegion calls filled (at least sized). */
+        if (!s->pending_model.base || s->pending_model.bytes != req->shm_bytes) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                         "no %" PRIu64 "-byte model region was written (remote trainers send "
+                         "WriteRegion with region_bytes first)",
+                         req->shm_bytes);
+            goto out;
+        }
+        region = s->pending_model;
+        memset(&s->pending_model, 0, sizeof(s->pending_model));
+    } else {
+        rc = shard_map_shm(req->shm_name, req->shm_bytes, &region, err, errlen);
+        if (rc != PSHARD_OK)
+            goto out;
+    }
+    rc = check_init_offsets(req, region.bytes, pshard_comm_rank(comm), err, errlen);
+    if (rc != PSHARD_OK)
+        goto out;
+    rc = shard_groups_from_pb(req->groups, req->n_groups, kind, &groups, err, errlen);
+    if (rc != PSHARD_OK)
+        goto out;
+    rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n, names,
+                            shapes, ndims, &oc, groups, req->n_groups, req->param_groups,
+                            req->n_param_groups, po ? po->max_grad_norm : 0,
+                            po && po->in_backward, s->dev, s->cfg.device, s->max_model_bytes, &m,
+                            err, errlen);
+    if (rc != PSHARD_OK)
+        goto out;
+    rc = check_definitions(s, m, err, errlen);
+    if (rc != PSHARD_OK)
+        goto out;
+    if (shard_on_gpu(s)) {
+        shard_pin_region(s, &region);
+        if (shard_model_pin(m, s->cfg.device, err, errlen) != PSHARD_OK)
+            PS_WARN(PS_SUB_SHARD, "shard state stays pageable (copies to the GPU are slower): %s",
+                    err);
+    }
+    rc = init_params(comm, m, req, &region, err, errlen);
+    if (rc != PSHARD_OK)
+        goto out;
+    /* --resume: the newest committed checkpoint replaces the initial values (collective). */
+    if (s->cfg.resume && *s->cfg.resume) {
+        bool restored = false;
+        rc = shard_ckpt_load(s, comm, m, s->cfg.resume, &restored, resumed_from,
+                             sizeof(a->resumed_from), err, errlen);
+        if (rc != PSHARD_OK)
+            goto out;
+    }
+    shard_unmap(&s->model_shm);
+    s->model_shm = region;
+    memset(&region, 0, sizeof(region));
+    /* Status reads the model under s->mu without waiting for trainer operations. */
+    pthread_mutex_lock(&s->mu);
+    shard_model_t *old = s->model;
+    s->model = m;
+    pthread_mutex_unlock(&s->mu);
+    shard_model_free(old);
+    PS_INFO(PS_SUB_SHARD, "model defined: %zu parameters, %zu elements on this rank (%s)", n,
+            m->shard_numel, layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1");
+    m = NULL;
+out:
+    shard_unmap(&region);
+    shard_model_free(m);
+    free(groups);
+    free(names);
+    free(shapes);
+    free(ndims);
+    if (rc == PSHARD_OK) {
+        a->fingerprint = s->model->fingerprint;
+        a->shard_numel = s->model->shard_numel;
+        a->step = s->model->step;
+    }
+    return rc;
+}

@@ -1,0 +1,202 @@
+/* The operations' cores: what a gather, a reduce-scatter, a plain collective, an optimizer step
+ * or clip_grad_norm does on this rank (the collectives on the model's slices, then the model's
+ * math), shared by an operation and by a joined rank that shadows it. Call with op_mu held. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pshard/dtype.h"
+#include "pshard/util.h"
+
+#include "shard_cuda.h"
+#include "shard_internal.h"
+
+/* The flight recorder's label of an operation in the step being computed: "step 12, fc3.weight"
+ * (what names a stuck collective in `pshardctl status` and the logs). */
+const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, size_t len)
+{
+    snprintf(buf, len, "step %" PRId64 ", %s", m ? m->step + 1 : 0, what);
+    return buf;
+}
+
+/* Low words of the norms' collective tags (the step number is the high word; gathers and
+ * reduce-scatters use parameter indices below 2^31 and 2^31 + index). */
+#define TAG_STEP_NORM 0x7fffffffu
+#define TAG_CLIP_NORM 0x7ffffffeu
+
+pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
+                                 pshard_dtype_t dt, void *recv, char *err, size_t errlen)
+{
+    const void *send = NULL;
+    PS_CHECK(shard_model_slice_in(m, p, dt, &send, err, errlen));
+    char label[64];
+    pshard_coll_args_t a = {
+        .op = PSHARD_COLL_ALL_GATHER,
+        .dtype = dt,
+        .send = send,
+        .send_device = m->dev && !m->dev->host_memory,
+        .recv = recv,
+        .counts = ps_layout_counts(m->layout, p),
+        .tag = ((uint64_t)m->step << 32) | p,
+        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
+    };
+    return pshard_coll_run(comm, &a, err, errlen);
+}
+
+pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
+                                         pshard_dtype_t dt, const void *send, int active,
+                                         char *err, size_t errlen)
+{
+    /* Checked before the collective, so every rank refuses alike and none waits. */
+    if (m->in_backward && m->reduced[p])
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "'%s' was already reduce-scattered in step %" PRId64 ": "
+                       "optimizer_in_backward applies the update at the first one, so gradient "
+                       "accumulation needs optimizer_in_backward off",
+                       m->params[p].name, m->step + 1);
+    /* With every rank contributing the collective averages (as before Join existed); with
+     * fewer, it sums and the sum is divided by the contributors here. */
+    bool all = active == m->world;
+    char label[64];
+    pshard_coll_args_t a = {
+        .op = PSHARD_COLL_REDUCE_SCATTER,
+        .dtype = dt,
+        .reduce = all ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
+        .send = send,
+        .recv = m->stage,
+        .recv_device = m->dev && !m->dev->host_memory,
+        .counts = ps_layout_counts(m->layout, p),
+        .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
+        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
+    };
+    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    return shard_model_slice_out(m, p, dt, active, err, errlen);
+}
+
+pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,
+                                     void *recv, int active, char *err, size_t errlen)
+{
+    int world = pshard_comm_world_size(comm);
+    bool partial_avg = op->average && op->coll_op == PSHARD_COLL_ALL_REDUCE && active < world &&
+                       op->dtype != PSHARD_INT64;
+    pshard_coll_args_t a = {.op = (pshard_coll_op_t)op->coll_op, .dtype = op->dtype,
+                            .reduce = op->average && !partial_avg ? PSHARD_REDUCE_AVG
+                                                                  : PSHARD_REDUCE_SUM,
+                            .root = op->root, .send = send, .recv = recv, .count = op->count,
+                            .label = "trainer collective"};
+    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    if (partial_avg) {
+        /* Joined ranks added zeros: the mean is over the ranks that contributed. */
+        float inv = (float)(1.0 / (double)(active > 0 ? active : 1));
+        if (op->dtype == PSHARD_FP32) {
+            float *v = recv;
+            for (uint64_t k = 0; k < op->count; k++)
+                v[k] *= inv;
+        } else {
+            uint16_t *v = recv;
+            for (uint64_t k = 0; k < op->count; k++) {
+                float f = op->dtype == PSHARD_BF16 ? ps_bf16_to_f32(v[k]) : ps_f16_to_f32(v[k]);
+                f *= inv;
+                if (op->dtype == PSHARD_BF16)
+                    ps_convert_f32_to_bf16(&f, &v[k], 1);
+                else
+                    ps_convert_f32_to_f16(&f, &v[k], 1);
+            }
+        }
+    }
+    return PSHARD_OK;
+}
+
+/* The global gradient norm over every rank's trained slices. Norm 2: the square root of the
+ * ranks' sums of squares all-reduced in fp32. Inf: the largest of the ranks' maxima, from an
+ * all-gather of one float each (the collectives have no max reduction), NaN winning as in
+ * torch. Collective: every rank calls it with the same arguments. */
+static pshard_status_t global_norm(pshard_comm_t *comm, shard_model_t *m, bool inf,
+                                   uint32_t tag_low, const char *what, double *norm, char *err,
+                                   size_t errlen)
+{
+    double local = 0.0;
+    PS_CHECK(shard_model_local_norm(m, inf, &local, err, errlen));
+    char label[64];
+    shard_op_label(m, what, label, sizeof(label));
+    uint64_t tag = ((uint64_t)m->step << 32) | tag_low;
+    if (!inf) {
+        float sq = (float)local;
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32,
+                                .reduce = PSHARD_REDUCE_SUM, .send = &sq, .recv = &sq,
+                                .count = 1, .tag = tag, .label = label};
+        PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+        *norm = sqrt((double)sq);
+        return PSHARD_OK;
+    }
+    int world = pshard_comm_world_size(comm);
+    float mine = (float)local;
+    float *all = calloc((size_t)world, sizeof(float));
+    if (!all)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32, .send = &mine,
+                            .recv = all, .count = 1, .tag = tag, .label = label};
+    pshard_status_t rc = pshard_coll_run(comm, &a, err, errlen);
+    if (rc == PSHARD_OK)
+        *norm = (double)ps_max_abs(all, (size_t)world);
+    free(all);
+    return rc;
+}
+
+pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
+                               const shard_sop_t *op, int64_t ckpt_request, double *norm_out,
+                               char *err, size_t errlen)
+{
+    PS_CHECK(shard_model_take_groups(m, op->words, op->nwords, err, errlen));
+    /* The global gradient norm, what the step reports and max_grad_norm clips by. */
+    double norm = 0.0;
+    PS_CHECK(global_norm(comm, m, false, TAG_STEP_NORM, "grad norm", &norm, err, errlen));
+    if (m->in_backward) {
+        /* The updates were applied at the reduce-scatters (a parameter without one this step
+         * is left alone, as torch skips a None grad); lr is for the next step's. */
+        pthread_mutex_lock(&s->mu);
+        m->step++;
+        pthread_mutex_unlock(&s->mu);
+        m->cur_lr_set = op->set_lr;
+        m->cur_lr = op->lr;
+        m->grad_sq = 0;
+        memset(m->reduced, 0, m->nparams);
+        *norm_out = norm;
+        return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
+    }
+    if (m->max_grad_norm > 0) {
+        double coef = m->max_grad_norm / (norm + 1e-6);
+        if (coef < 1.0)
+            PS_CHECK(shard_model_scale_grads(m, (float)coef, err, errlen));
+    }
+    PS_CHECK(shard_model_optimize(m, op->set_lr, op->lr, err, errlen));
+    pthread_mutex_lock(&s->mu);
+    m->step++;
+    pthread_mutex_unlock(&s->mu);
+    PS_CHECK(shard_model_zero_grads(m, err, errlen));
+    *norm_out = norm;
+    return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
+}
+
+pshard_status_t shard_run_clip(pshard_comm_t *comm, shard_model_t *m, double max_norm,
+                               double norm_type, double *total_norm, char *err, size_t errlen)
+{
+    double norm = 0.0;
+    PS_CHECK(global_norm(comm, m, isinf(norm_type), TAG_CLIP_NORM, "clip_grad_norm", &norm, err,
+                         errlen));
+    float total = (float)norm; /* torch's total_norm is an fp32 tensor */
+    if (max_norm > 0) {
+        /* torch: clip_coef = max_norm / (total_norm + 1e-6) on fp32 tensors, which Tensor's
+         * __rtruediv__ computes as (total_norm + 1e-6).reciprocal() * max_norm, then
+         * clamp(max=1.0) and grads *= clip_coef. A coefficient of 1 changes nothing; NaN
+         * (a NaN or infinite norm) makes the gradients NaN, as in torch. */
+        float denom = total + 1e-6f;
+        float coef = (1.0f / denom) * (float)max_norm;
+        if (!(coef >= 1.0f))
+            PS_CHECK(shard_model_scale_grads(m, coef, err, errlen));
+    }
+    *total_norm = (double)total;
+    return PSHARD_OK;
+}
