@@ -154,8 +154,8 @@ FOLD_TARGET static inline __m128i fold128(__m128i x, int t)
 
 FOLD_TARGET static inline __m512i fold512(__m512i x, int t)
 {
-    __m512i k = _mm512_broadcast_i32x4(
-        _mm_set_epi64x((long long)fold_k[t][1], (long long)fold_k[t][0]));
+    __m512i k =
+        _mm512_broadcast_i32x4(_mm_set_epi64x((long long)fold_k[t][1], (long long)fold_k[t][0]));
     return _mm512_xor_si512(_mm512_clmulepi64_epi128(x, k, 0x00),
                             _mm512_clmulepi64_epi128(x, k, 0x11));
 }
@@ -173,27 +173,24 @@ FOLD_TARGET static uint64_t crc32c_fold(uint32_t c, const uint8_t **pp, size_t *
     __m512i x2 = _mm512_loadu_si512((const void *)(p + 128));
     __m512i x3 = _mm512_loadu_si512((const void *)(p + 192));
     /* The initial register enters as the message's first 32 bits. */
-    x0 = _mm512_xor_si512(x0, _mm512_inserti32x4(_mm512_setzero_si512(),
-                                                 _mm_cvtsi32_si128((int)c), 0));
+    x0 = _mm512_xor_si512(x0,
+                          _mm512_inserti32x4(_mm512_setzero_si512(), _mm_cvtsi32_si128((int)c), 0));
     p += 256;
     len -= 256;
     while (len >= 256) {
         x0 = _mm512_xor_si512(fold512(x0, FOLD_2048), _mm512_loadu_si512((const void *)p));
         x1 = _mm512_xor_si512(fold512(x1, FOLD_2048), _mm512_loadu_si512((const void *)(p + 64)));
-        x2 = _mm512_xor_si512(fold512(x2, FOLD_2048),
-                              _mm512_loadu_si512((const void *)(p + 128)));
-        x3 = _mm512_xor_si512(fold512(x3, FOLD_2048),
-                              _mm512_loadu_si512((const void *)(p + 192)));
+        x2 = _mm512_xor_si512(fold512(x2, FOLD_2048), _mm512_loadu_si512((const void *)(p + 128)));
+        x3 = _mm512_xor_si512(fold512(x3, FOLD_2048), _mm512_loadu_si512((const void *)(p + 192)));
         p += 256;
         len -= 256;
     }
     __m512i x = _mm512_xor_si512(_mm512_xor_si512(fold512(x0, FOLD_1536), fold512(x1, FOLD_1024)),
                                  _mm512_xor_si512(fold512(x2, FOLD_512), x3));
-    __m128i r = _mm_xor_si128(
-        _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(x, 0), FOLD_384),
-                      fold128(_mm512_extracti32x4_epi32(x, 1), FOLD_256)),
-        _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(x, 2), FOLD_128),
-                      _mm512_extracti32x4_epi32(x, 3)));
+    __m128i r = _mm_xor_si128(_mm_xor_si128(fold128(_mm512_extracti32x4_epi32(x, 0), FOLD_384),
+                                            fold128(_mm512_extracti32x4_epi32(x, 1), FOLD_256)),
+                              _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(x, 2), FOLD_128),
+                                            _mm512_extracti32x4_epi32(x, 3)));
     while (len >= 16) {
         r = _mm_xor_si128(fold128(r, FOLD_128), _mm_loadu_si128((const __m128i *)p));
         p += 16;

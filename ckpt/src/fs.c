@@ -1,6 +1,6 @@
 /* Files of the checkpoint format (pshard/ckpt.h, "Files inside a checkpoint root"): the step
- * directories' names, opening them and their files without following links or blocking, the read loop every
- * reader shares, and which files pruning may remove. New files are written with
+ * directories' names, opening them and their files without following links or blocking, the read
+ * loop every reader shares, and which files pruning may remove. New files are written with
  * pshard/atomic_file.h. */
 #include <errno.h>
 #include <fcntl.h>
@@ -62,14 +62,14 @@ pshard_status_t ckpt_dir_open(const char *dir, bool follow, int *dfd, char *err,
     return e == ENOENT ? PSHARD_ERR_NOT_FOUND : rc;
 }
 
-pshard_status_t ckpt_file_open(int dfd, const char *name, const char *shown, bool follow,
-                                  int *fd, uint64_t *size, char *err, size_t errlen)
+pshard_status_t ckpt_file_open(int dfd, const char *name, const char *shown, bool follow, int *fd,
+                               uint64_t *size, char *err, size_t errlen)
 {
     *fd = -1;
     /* O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; it is refused
      * below, and a regular file ignores the flag, which is cleared again anyway. */
-    int f = openat(dfd, name,
-                   O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | (follow ? 0 : O_NOFOLLOW));
+    int f =
+        openat(dfd, name, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | (follow ? 0 : O_NOFOLLOW));
     if (f < 0) {
         if (errno == ENOENT)
             return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "%s: missing", shown);
@@ -85,10 +85,10 @@ pshard_status_t ckpt_file_open(int dfd, const char *name, const char *shown, boo
     }
     if (!S_ISREG(st.st_mode)) {
         close(f);
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s is not a regular file (%s)", shown,
-                       S_ISFIFO(st.st_mode)  ? "a FIFO"
-                       : S_ISDIR(st.st_mode) ? "a directory"
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s is not a regular file (%s)",
+                       shown,
+                       S_ISFIFO(st.st_mode)   ? "a FIFO"
+                       : S_ISDIR(st.st_mode)  ? "a directory"
                        : S_ISSOCK(st.st_mode) ? "a socket"
                                               : "a device");
     }
@@ -181,8 +181,9 @@ bool ps_ckpt_is_own_file(const char *name)
     if (name[0] != '.' || !t)
         return false;
     size_t suffix = strlen(t + 5);
-    if (suffix < 6 || suffix > 12 || strspn(t + 5, "0123456789abcdefABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                                                   "ghijklmnopqrstuvwxyz") != suffix)
+    if (suffix < 6 || suffix > 12 ||
+        strspn(t + 5, "0123456789abcdefABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                      "ghijklmnopqrstuvwxyz") != suffix)
         return false;
     return own_final_name(name + 1, (size_t)(t - name - 1));
 }

@@ -734,7 +734,7 @@ void ps_ckpt_manifest_free(ps_ckpt_manifest_t *m)
 }
 
 pshard_status_t ckpt_build_index(const ps_ckpt_manifest_t *m, size_t **start,
-                                   ps_ckpt_piece_ref_t **refs, char *err, size_t errlen)
+                                 ps_ckpt_piece_ref_t **refs, char *err, size_t errlen)
 {
     size_t total = 0;
     for (size_t i = 0; i < m->nfiles; i++)
@@ -789,12 +789,12 @@ pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t *
     pshard_status_t rc = ckpt_dir_open(step_dir, false, &dfd, open_err, sizeof(open_err));
     if (rc == PSHARD_OK) {
         rc = ckpt_file_open(dfd, PS_CKPT_MANIFEST, path, false, &fd, &fsize, open_err,
-                               sizeof(open_err));
+                            sizeof(open_err));
         close(dfd);
     }
     if (rc == PSHARD_ERR_NOT_FOUND)
-        return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND,
-                       "%s: no %s (not a committed checkpoint)", step_dir, PS_CKPT_MANIFEST);
+        return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "%s: no %s (not a committed checkpoint)",
+                       step_dir, PS_CKPT_MANIFEST);
     if (rc != PSHARD_OK)
         return ps_errf(err, errlen, rc, "%s", open_err);
     char *data = NULL, why[PSHARD_ERRLEN] = "";
@@ -840,4 +840,3 @@ out:
     close(fd);
     return rc;
 }
-

@@ -32,9 +32,9 @@ static bool param_remapped(const pshard_client_t *c, size_t i)
 static bool param_map(pshard_client_t *c, size_t i, size_t file_off, size_t len, bool populate)
 {
     void *want = (uint8_t *)c->model.base + c->stable_off[i];
-    void *p = mmap(want, len, PROT_READ | PROT_WRITE,
-                   MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0), c->model.fd,
-                   (off_t)file_off);
+    void *p =
+        mmap(want, len, PROT_READ | PROT_WRITE,
+             MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0), c->model.fd, (off_t)file_off);
     return p == want;
 }
 
@@ -55,8 +55,8 @@ int client_param_take(pshard_client_t *c, size_t i, size_t bytes, size_t *off)
              * before the block can go to another parameter. */
             if (param_map(c, i, c->stable_off[i], len, false))
                 client_pool_free(c->pool, *off, len);
-            client_fail(c, PSHARD_ERR_NO_MEMORY, "cannot map parameter #%zu's %zu-byte block: %s", i,
-                 len, strerror(e));
+            client_fail(c, PSHARD_ERR_NO_MEMORY, "cannot map parameter #%zu's %zu-byte block: %s",
+                        i, len, strerror(e));
             return -1;
         }
         return 1;
@@ -86,7 +86,8 @@ void client_param_release(pshard_client_t *c, size_t i)
     } else if (b->state != BUF_NONE && c->stable_off) {
         client_pool_unhold(c->pool, b->bytes);
         /* A block of a page or more owns whole pages, its last one included. */
-        client_region_discard(&c->model, b->off, b->bytes >= c->page ? page_up(c, b->bytes) : b->bytes);
+        client_region_discard(&c->model, b->off,
+                              b->bytes >= c->page ? page_up(c, b->bytes) : b->bytes);
         b->state = BUF_NONE;
     }
     client_buf_release(c, b);

@@ -19,7 +19,6 @@
 
 #include "client_pool.h"
 
-
 #define DEFAULT_SCRATCH (16u << 20)
 
 typedef struct {
@@ -50,7 +49,7 @@ typedef struct {
 struct pshard_work {
     pshard_client_t *c;
     work_kind_t kind;
-    size_t *ids;  /* the parameters this work really moves (skipped ones are left out) */
+    size_t *ids;    /* the parameters this work really moves (skipped ones are left out) */
     uint64_t *offs; /* their blocks in the model region */
     size_t n;
     bool counted; /* holds a place among the gathers in flight */
@@ -88,14 +87,14 @@ struct pshard_client {
     bool reshard_after_forward;
     int max_gathers_in_flight;
     int gathers_in_flight;
-    client_pool_t *pool;        /* NULL before the first model */
+    client_pool_t *pool;       /* NULL before the first model */
     pshard_memory_stats_t mem; /* its byte counters are the pool's (pshard_memory_stats) */
 
     /* The trainer's lease with the coordinator: registered as role TRAINER and renewed by a
      * thread, so a trainer that dies or hangs is evicted and its peers stop waiting. */
     ps_rpc_channel_t *coord;
     char coord_addr[256];
-    char job[72]; /* the job on the coordinator, from Attach ("" for the default job) */
+    char job[72];            /* the job on the coordinator, from Attach ("" for the default job) */
     ps_coord_lease_t *lease; /* NULL without a coordinator */
     /* Set once this trainer's own shard server is known lost (mu): every later call fails
      * at once with it instead of waiting on a server that will not answer. */
@@ -146,9 +145,9 @@ void client_region_discard(region_t *r, size_t off, size_t len);
 pshard_status_t client_call(pshard_client_t *c, const char *method, const ProtobufCMessage *req,
                             const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp,
                             char *err, size_t errlen);
-pshard_status_t client_remote_write(pshard_client_t *c, Pshard__Region region,
-                                    const region_t *r, size_t off, size_t len,
-                                    uint64_t region_bytes, char *err, size_t errlen);
+pshard_status_t client_remote_write(pshard_client_t *c, Pshard__Region region, const region_t *r,
+                                    size_t off, size_t len, uint64_t region_bytes, char *err,
+                                    size_t errlen);
 pshard_status_t client_remote_read(pshard_client_t *c, Pshard__Region region, region_t *r,
                                    size_t off, size_t len, char *err, size_t errlen);
 Pshard__DType client_dtype_pb(pshard_dtype_t d);

@@ -70,15 +70,17 @@ void client_lease_start(pshard_client_t *c, const char *reported)
         return;
     ps_strlcpy(c->coord_addr, addr, sizeof(c->coord_addr));
     const char *ca = getenv("PSHARD_COORDINATOR_CA");
-    ps_rpc_channel_config_t cc = {.target = c->coord_addr, .token = c->token,
+    ps_rpc_channel_config_t cc = {.target = c->coord_addr,
+                                  .token = c->token,
                                   .tls_ca_file = ca && *ca ? ca : NULL,
                                   .job = c->job[0] ? c->job : NULL,
                                   .max_message_bytes = 64 << 20}; /* a large job's Status */
     char err[PSHARD_ERRLEN] = "";
     c->coord = ps_rpc_channel_create(&cc, err, sizeof(err));
     if (!c->coord) {
-        PS_WARN(PS_SUB_CLIENT, "cannot reach coordinator %s: %s; a lost trainer will only be "
-                               "noticed by the collectives' timeout",
+        PS_WARN(PS_SUB_CLIENT,
+                "cannot reach coordinator %s: %s; a lost trainer will only be "
+                "noticed by the collectives' timeout",
                 c->coord_addr, err);
         return;
     }
@@ -101,8 +103,9 @@ void client_lease_start(pshard_client_t *c, const char *reported)
         PS_WARN(PS_SUB_CLIENT, "trainer lease with %s: %s; registering when it lapses",
                 c->coord_addr, err);
     else if (rc != PSHARD_OK)
-        PS_WARN(PS_SUB_CLIENT, "cannot register the trainer with coordinator %s: %s; a lost "
-                               "trainer will only be noticed by the collectives' timeout",
+        PS_WARN(PS_SUB_CLIENT,
+                "cannot register the trainer with coordinator %s: %s; a lost "
+                "trainer will only be noticed by the collectives' timeout",
                 c->coord_addr, err);
 }
 

@@ -100,27 +100,28 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "no parameters");
     if (mc->param_dtype != PSHARD_FP32 && mc->param_dtype != PSHARD_BF16 &&
         mc->param_dtype != PSHARD_FP16)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "param_dtype must be fp32, bf16 or fp16");
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "param_dtype must be fp32, bf16 or fp16");
     if (mc->reduce_dtype != PSHARD_FP32 && mc->reduce_dtype != PSHARD_BF16)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "reduce_dtype must be fp32 or bf16");
     if (mc->max_gathers_in_flight < 0)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "max_gathers_in_flight must be >= 0");
     if (mc->ngroups > 0 && (!mc->groups || !mc->param_groups))
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
-                    "ngroups is %zu but groups or param_groups is NULL (param_groups needs one "
-                    "group index per parameter)",
-                    mc->ngroups);
+        return client_fail(
+            c, PSHARD_ERR_INVALID_ARGUMENT,
+            "ngroups is %zu but groups or param_groups is NULL (param_groups needs one "
+            "group index per parameter)",
+            mc->ngroups);
     bool need_init = !mc->init_from_rank0 || c->rank == 0;
     if (need_init && !init)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
-                    "initial values are required on %s", mc->init_from_rank0 ? "rank 0"
-                                                                             : "every rank");
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "initial values are required on %s",
+                           mc->init_from_rank0 ? "rank 0" : "every rank");
     pthread_mutex_lock(&c->mu);
     bool idle = client_idle(c);
     pthread_mutex_unlock(&c->mu);
     if (!idle)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
-                    "asynchronous work is still in flight; wait for it before redefining");
+                           "asynchronous work is still in flight; wait for it before redefining");
     size_t *numel = calloc(nparams, sizeof(size_t));
     tensor_buf_t *pbuf = calloc(nparams, sizeof(tensor_buf_t));
     tensor_buf_t *gbuf = calloc(nparams, sizeof(tensor_buf_t));
@@ -141,16 +142,17 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     for (size_t i = 0; i < nparams; i++) {
         if (params[i].ndim < 1 || params[i].ndim > 8 || !params[i].shape) {
-            rc = client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "parameter #%zu (%s): ndim must be 1..8",
-                      i, params[i].name ? params[i].name : "?");
+            rc = client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                             "parameter #%zu (%s): ndim must be 1..8", i,
+                             params[i].name ? params[i].name : "?");
             goto out;
         }
         size_t n = 1;
         for (int d = 0; d < params[i].ndim; d++) {
             if (params[i].shape[d] <= 0 || n > (SIZE_MAX / 16) / (size_t)params[i].shape[d]) {
                 rc = client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
-                          "parameter #%zu (%s): dimension %d is not a positive size", i,
-                          params[i].name ? params[i].name : "?", d);
+                                 "parameter #%zu (%s): dimension %d is not a positive size", i,
+                                 params[i].name ? params[i].name : "?", d);
                 goto out;
             }
             n *= (size_t)params[i].shape[d];
@@ -193,7 +195,8 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     }
     region_t model = {0};
     char err[PSHARD_ERRLEN] = "";
-    rc = client_region_create(&model, bytes, "model", c->cfg.remote, false, remap, err, sizeof(err));
+    rc =
+        client_region_create(&model, bytes, "model", c->cfg.remote, false, remap, err, sizeof(err));
     if (rc != PSHARD_OK) {
         client_fail(c, rc, "%s", err);
         goto out;
@@ -203,8 +206,8 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         for (size_t i = 0; i < nparams; i++) {
             if (!init[i]) {
                 client_region_destroy(&model);
-                rc = client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "initial values of '%s' are missing",
-                          params[i].name);
+                rc = client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                                 "initial values of '%s' are missing", params[i].name);
                 goto out;
             }
             memcpy((uint8_t *)model.base + init_offsets[i], init[i], numel[i] * 4);
@@ -213,7 +216,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     if (c->cfg.remote) {
         /* The server creates its copy of the region; initial values travel in chunks. */
         rc = client_remote_write(c, PSHARD__REGION__MODEL, &model, 0, need_init ? init_bytes : 0,
-                          model.bytes, err, sizeof(err));
+                                 model.bytes, err, sizeof(err));
         if (rc != PSHARD_OK) {
             client_region_destroy(&model);
             client_fail(c, rc, "uploading the model region: %s", err);
@@ -240,8 +243,8 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     req.params = sptrs;
     req.layout = mc->layout == PSHARD_LAYOUT_FSDP1 ? PSHARD__LAYOUT__FSDP1 : PSHARD__LAYOUT__FSDP2;
     req.optimizer = &oc;
-    req.init = mc->init_from_rank0 ? PSHARD__INIT_MODE__INIT_FROM_RANK0
-                                   : PSHARD__INIT_MODE__INIT_LOCAL;
+    req.init =
+        mc->init_from_rank0 ? PSHARD__INIT_MODE__INIT_FROM_RANK0 : PSHARD__INIT_MODE__INIT_LOCAL;
     req.shm_name = model.name;
     req.shm_bytes = model.bytes;
     if (need_init) {
@@ -259,8 +262,8 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     req.n_param_groups = mc->ngroups ? nparams : 0;
     req.param_groups = (uint32_t *)mc->param_groups;
     ProtobufCMessage *dresp = NULL;
-    rc = client_call(c, "DefineModel", &req.base, &pshard__define_model_response__descriptor, &dresp,
-              err, sizeof(err));
+    rc = client_call(c, "DefineModel", &req.base, &pshard__define_model_response__descriptor,
+                     &dresp, err, sizeof(err));
     pb_groups_free(&pg);
     if (rc != PSHARD_OK) {
         client_region_destroy(&model);
@@ -334,7 +337,7 @@ void *pshard_grad(pshard_client_t *c, size_t i)
         client_fail(c, PSHARD_ERR_NOT_FOUND, "unknown parameter #%zu", i);
     } else if (c->gbuf[i].state == BUF_PENDING) {
         client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
-             "the gradient of parameter #%zu is being reduce-scattered", i);
+                    "the gradient of parameter #%zu is being reduce-scattered", i);
     } else if (c->gbuf[i].state == BUF_READY) {
         p = (uint8_t *)c->model.base + c->gbuf[i].off;
     } else {
@@ -346,9 +349,9 @@ void *pshard_grad(pshard_client_t *c, size_t i)
             fresh = true;
         } else {
             client_fail(c, PSHARD_ERR_NO_MEMORY,
-                 "the %zu-byte pool cannot fit the %zu-byte gradient of parameter #%zu (%zu "
-                 "bytes in use): reshard or reduce-scatter first, or raise pool_bytes",
-                 c->mem.pool_bytes, bytes, i, c->pool->in_use_bytes);
+                        "the %zu-byte pool cannot fit the %zu-byte gradient of parameter #%zu (%zu "
+                        "bytes in use): reshard or reduce-scatter first, or raise pool_bytes",
+                        c->mem.pool_bytes, bytes, i, c->pool->in_use_bytes);
         }
     }
     pthread_mutex_unlock(&c->mu);
@@ -410,8 +413,8 @@ static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
     client_wait_idle(c);
     client_params_reset(c);
     pthread_mutex_unlock(&c->mu);
-    pshard_status_t rc =
-        client_call(c, "Step", &req.base, &pshard__step_response__descriptor, &resp, err, sizeof(err));
+    pshard_status_t rc = client_call(c, "Step", &req.base, &pshard__step_response__descriptor,
+                                     &resp, err, sizeof(err));
     pb_groups_free(&pg);
     if (rc != PSHARD_OK)
         return client_fail(c, rc, "Step: %s", err);
@@ -434,7 +437,7 @@ pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_
 {
     if (ngroups == 0 || !groups)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
-                    "pshard_step_groups needs every group's hyperparameters (ngroups >= 1)");
+                           "pshard_step_groups needs every group's hyperparameters (ngroups >= 1)");
     return step_request(c, false, 0.0, groups, ngroups, step, grad_norm);
 }
 
@@ -453,9 +456,9 @@ pshard_status_t pshard_clip_grad_norm(pshard_client_t *c, double max_norm, doubl
     req.norm_type = norm_type;
     ProtobufCMessage *resp = NULL;
     char err[PSHARD_ERRLEN] = "";
-    pshard_status_t rc = client_call(c, "ClipGradNorm", &req.base,
-                              &pshard__clip_grad_norm_response__descriptor, &resp, err,
-                              sizeof(err));
+    pshard_status_t rc =
+        client_call(c, "ClipGradNorm", &req.base, &pshard__clip_grad_norm_response__descriptor,
+                    &resp, err, sizeof(err));
     if (rc != PSHARD_OK)
         return client_fail(c, rc, "ClipGradNorm: %s", err);
     if (total_norm)
@@ -469,8 +472,7 @@ int64_t pshard_model_step(const pshard_client_t *c)
     return c->model_step;
 }
 
-pshard_status_t pshard_checkpoint_save(pshard_client_t *c, int64_t *step, char *dir,
-                                       size_t dirlen)
+pshard_status_t pshard_checkpoint_save(pshard_client_t *c, int64_t *step, char *dir, size_t dirlen)
 {
     if (!c->nparams)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
@@ -481,8 +483,9 @@ pshard_status_t pshard_checkpoint_save(pshard_client_t *c, int64_t *step, char *
     req.session = c->session;
     ProtobufCMessage *resp = NULL;
     char err[PSHARD_ERRLEN] = "";
-    pshard_status_t rc = client_call(c, "Checkpoint", &req.base, &pshard__checkpoint_response__descriptor,
-                              &resp, err, sizeof(err));
+    pshard_status_t rc =
+        client_call(c, "Checkpoint", &req.base, &pshard__checkpoint_response__descriptor, &resp,
+                    err, sizeof(err));
     if (rc != PSHARD_OK)
         return client_fail(c, rc, "Checkpoint: %s", err);
     const Pshard__CheckpointResponse *r = (const Pshard__CheckpointResponse *)resp;

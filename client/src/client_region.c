@@ -21,8 +21,7 @@ pshard_status_t client_region_create(region_t *r, size_t bytes, const char *what
     if (remote) {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED)
-            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "cannot allocate %zu bytes",
-                           bytes);
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "cannot allocate %zu bytes", bytes);
         if (touch)
             memset(p, 0, bytes);
         r->base = p;
@@ -37,14 +36,13 @@ pshard_status_t client_region_create(region_t *r, size_t bytes, const char *what
              what, rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5]);
     int fd = shm_open(r->name, O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd < 0)
-        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "shm_open %s: %s", r->name,
-                       strerror(errno));
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "shm_open %s: %s", r->name, strerror(errno));
     if (ftruncate(fd, (off_t)bytes) != 0) {
         int e = errno;
         close(fd);
         shm_unlink(r->name);
-        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot size %s to %zu bytes: %s",
-                       r->name, bytes, strerror(e));
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot size %s to %zu bytes: %s", r->name,
+                       bytes, strerror(e));
     }
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED || !keep_fd)
@@ -91,6 +89,5 @@ void client_region_discard(region_t *r, size_t off, size_t len)
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     size_t start = (off + page - 1) / page * page, end = (off + len) / page * page;
     if (end > start)
-        madvise((uint8_t *)r->base + start, end - start,
-                r->name[0] ? MADV_REMOVE : MADV_DONTNEED);
+        madvise((uint8_t *)r->base + start, end - start, r->name[0] ? MADV_REMOVE : MADV_DONTNEED);
 }

@@ -60,9 +60,9 @@ pshard_status_t client_call(pshard_client_t *c, const char *method, const Protob
 
 /* Remote path: copies len bytes at off of a local region to the server's, in chunks.
  * region_bytes (MODEL before DefineModel) asks the server to create its region first. */
-pshard_status_t client_remote_write(pshard_client_t *c, Pshard__Region region,
-                                    const region_t *r, size_t off, size_t len,
-                                    uint64_t region_bytes, char *err, size_t errlen)
+pshard_status_t client_remote_write(pshard_client_t *c, Pshard__Region region, const region_t *r,
+                                    size_t off, size_t len, uint64_t region_bytes, char *err,
+                                    size_t errlen)
 {
     size_t done = 0;
     do {
@@ -74,8 +74,8 @@ pshard_status_t client_remote_write(pshard_client_t *c, Pshard__Region region,
         req.data.data = (uint8_t *)r->base + off + done;
         req.data.len = n;
         req.region_bytes = region_bytes;
-        PS_CHECK(client_call(c, "WriteRegion", &req.base, &pshard__region_write_response__descriptor,
-                      NULL, err, errlen));
+        PS_CHECK(client_call(c, "WriteRegion", &req.base,
+                             &pshard__region_write_response__descriptor, NULL, err, errlen));
         done += n;
     } while (done < len);
     return PSHARD_OK;

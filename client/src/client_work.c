@@ -13,8 +13,7 @@
 
 /* One Gather or ReduceScatter request for the blocks picked when the work was issued. */
 static pshard_status_t run_tensor_op(pshard_client_t *c, work_kind_t kind, const size_t *ids,
-                                     const uint64_t *offs, size_t count, char *err,
-                                     size_t errlen)
+                                     const uint64_t *offs, size_t count, char *err, size_t errlen)
 {
     if (count == 0)
         return PSHARD_OK;
@@ -36,7 +35,7 @@ static pshard_status_t run_tensor_op(pshard_client_t *c, work_kind_t kind, const
     if (c->cfg.remote && kind == WORK_REDUCE_SCATTER) {
         for (size_t k = 0; k < count && rc == PSHARD_OK; k++)
             rc = client_remote_write(c, PSHARD__REGION__MODEL, &c->model, refs[k].offset,
-                              c->numel[ids[k]] * gs, 0, err, errlen);
+                                     c->numel[ids[k]] * gs, 0, err, errlen);
     }
     if (rc == PSHARD_OK) {
         if (kind == WORK_GATHER) {
@@ -45,22 +44,22 @@ static pshard_status_t run_tensor_op(pshard_client_t *c, work_kind_t kind, const
             req.n_tensors = count;
             req.tensors = ptrs;
             req.dtype = client_dtype_pb(c->param_dtype);
-            rc = client_call(c, "Gather", &req.base, &pshard__gather_response__descriptor, NULL, err,
-                      errlen);
+            rc = client_call(c, "Gather", &req.base, &pshard__gather_response__descriptor, NULL,
+                             err, errlen);
         } else {
             Pshard__ReduceScatterRequest req = PSHARD__REDUCE_SCATTER_REQUEST__INIT;
             req.session = c->session;
             req.n_tensors = count;
             req.tensors = ptrs;
             req.dtype = client_dtype_pb(c->reduce_dtype);
-            rc = client_call(c, "ReduceScatter", &req.base, &pshard__reduce_scatter_response__descriptor,
-                      NULL, err, errlen);
+            rc = client_call(c, "ReduceScatter", &req.base,
+                             &pshard__reduce_scatter_response__descriptor, NULL, err, errlen);
         }
     }
     if (rc == PSHARD_OK && c->cfg.remote && kind == WORK_GATHER) {
         for (size_t k = 0; k < count && rc == PSHARD_OK; k++)
             rc = client_remote_read(c, PSHARD__REGION__MODEL, &c->model, refs[k].offset,
-                             c->numel[ids[k]] * ps, err, errlen);
+                                    c->numel[ids[k]] * ps, err, errlen);
     }
     free(refs);
     free(ptrs);
@@ -106,8 +105,8 @@ static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const
         if (i >= c->nparams) {
             finish_buffers(c, w, PSHARD_ERR_ABORTED);
             w->n = 0;
-            return client_fail(c, PSHARD_ERR_NOT_FOUND, "unknown parameter #%zu (the model has %zu)", i,
-                        c->nparams);
+            return client_fail(c, PSHARD_ERR_NOT_FOUND,
+                               "unknown parameter #%zu (the model has %zu)", i, c->nparams);
         }
         if (w->kind == WORK_GATHER) {
             if (c->pbuf[i].state != BUF_NONE) {
@@ -121,11 +120,12 @@ static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const
                     size_t in_use = c->pool->in_use_bytes;
                     finish_buffers(c, w, PSHARD_ERR_ABORTED);
                     w->n = 0;
-                    return client_fail(c, PSHARD_ERR_NO_MEMORY,
-                                "the %zu-byte pool cannot fit the %zu-byte parameter #%zu "
-                                "(%zu bytes in use): reshard or reduce-scatter first, or raise "
-                                "pool_bytes",
-                                c->mem.pool_bytes, bytes, i, in_use);
+                    return client_fail(
+                        c, PSHARD_ERR_NO_MEMORY,
+                        "the %zu-byte pool cannot fit the %zu-byte parameter #%zu "
+                        "(%zu bytes in use): reshard or reduce-scatter first, or raise "
+                        "pool_bytes",
+                        c->mem.pool_bytes, bytes, i, in_use);
                 }
                 pthread_cond_wait(&c->cv, &c->mu);
             }
@@ -145,12 +145,12 @@ static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const
                 finish_buffers(c, w, PSHARD_ERR_ABORTED);
                 w->n = 0;
                 return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
-                            c->gbuf[i].state == BUF_PENDING
-                                ? "the gradient of parameter #%zu is already being "
-                                  "reduce-scattered"
-                                : "the gradient of parameter #%zu was never written "
-                                  "(pshard_grad hands out its buffer)",
-                            i);
+                                   c->gbuf[i].state == BUF_PENDING
+                                       ? "the gradient of parameter #%zu is already being "
+                                         "reduce-scattered"
+                                       : "the gradient of parameter #%zu was never written "
+                                         "(pshard_grad hands out its buffer)",
+                                   i);
             }
             c->gbuf[i].state = BUF_PENDING;
         }
@@ -175,8 +175,7 @@ void *client_worker_main(void *arg)
         c->busy = true;
         pthread_mutex_unlock(&c->mu);
         char err[PSHARD_ERRLEN] = "";
-        pshard_status_t rc =
-            run_tensor_op(c, w->kind, w->ids, w->offs, w->n, err, sizeof(err));
+        pshard_status_t rc = run_tensor_op(c, w->kind, w->ids, w->offs, w->n, err, sizeof(err));
         pthread_mutex_lock(&c->mu);
         finish_buffers(c, w, rc);
         c->busy = false;
@@ -197,8 +196,8 @@ static void work_free(pshard_work_t *w)
     }
 }
 
-static pshard_status_t start_work(pshard_client_t *c, work_kind_t kind, const size_t *ids,
-                                  size_t n, pshard_work_t **out)
+static pshard_status_t start_work(pshard_client_t *c, work_kind_t kind, const size_t *ids, size_t n,
+                                  pshard_work_t **out)
 {
     *out = NULL;
     if (!c->nparams)
@@ -275,8 +274,7 @@ bool pshard_work_test(pshard_work_t *w)
 
 /* A blocking operation runs on the caller's thread once everything issued before it finished:
  * handing it to the worker and waiting would only add two thread wake-ups. */
-static pshard_status_t run_inline(pshard_client_t *c, work_kind_t kind, const size_t *ids,
-                                  size_t n)
+static pshard_status_t run_inline(pshard_client_t *c, work_kind_t kind, const size_t *ids, size_t n)
 {
     if (!c->nparams)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
@@ -336,11 +334,12 @@ pshard_status_t pshard_reshard(pshard_client_t *c, const size_t *ids, size_t n)
     for (size_t k = 0; k < count && rc == PSHARD_OK; k++) {
         size_t i = n ? ids[k] : k;
         if (i >= c->nparams)
-            rc = client_fail(c, PSHARD_ERR_NOT_FOUND, "unknown parameter #%zu (the model has %zu)", i,
-                      c->nparams);
+            rc = client_fail(c, PSHARD_ERR_NOT_FOUND, "unknown parameter #%zu (the model has %zu)",
+                             i, c->nparams);
         else if (c->pbuf[i].state == BUF_PENDING)
-            rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
-                      "parameter #%zu is still being gathered: wait for its gather first", i);
+            rc =
+                client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                            "parameter #%zu is still being gathered: wait for its gather first", i);
     }
     if (rc == PSHARD_OK)
         for (size_t k = 0; k < count; k++)

@@ -25,8 +25,7 @@ int pshard_world_size(const pshard_client_t *c)
     return c->world;
 }
 
-pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char *err,
-                                              size_t errlen)
+pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char *err, size_t errlen)
 {
     memset(cfg, 0, sizeof(*cfg));
     cfg->rank = 0;
@@ -65,8 +64,8 @@ pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char 
     return PSHARD_OK;
 }
 
-pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_t **out,
-                               char *err, size_t errlen)
+pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_t **out, char *err,
+                               size_t errlen)
 {
     *out = NULL;
     if (!cfg->server || !*cfg->server)
@@ -97,15 +96,15 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
             }
         }
     }
-    ps_rpc_channel_config_t ccfg = {.target = c->server, .token = c->token,
-                                    .max_message_bytes = 64 << 20};
+    ps_rpc_channel_config_t ccfg = {
+        .target = c->server, .token = c->token, .max_message_bytes = 64 << 20};
     c->ch = ps_rpc_channel_create(&ccfg, err, errlen);
     if (!c->ch) {
         rc = PSHARD_ERR_INVALID_ARGUMENT;
         goto fail;
     }
-    rc = client_region_create(&c->scratch, c->cfg.scratch_bytes, "scratch", c->cfg.remote, true, false,
-                       err, errlen);
+    rc = client_region_create(&c->scratch, c->cfg.scratch_bytes, "scratch", c->cfg.remote, true,
+                              false, err, errlen);
     if (rc != PSHARD_OK)
         goto fail;
     /* Attach, retrying while the cluster forms (UNAVAILABLE) until the connect timeout. */
@@ -126,15 +125,14 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
         ProtobufCMessage *resp = NULL;
         char e[1024] = "";
         rc = client_call(c, "Attach", &req.base, &pshard__attach_response__descriptor, &resp, e,
-                  sizeof(e));
+                         sizeof(e));
         if (rc == PSHARD_OK) {
             Pshard__AttachResponse *a = (Pshard__AttachResponse *)resp;
             ps_strlcpy(c->session, a->session, sizeof(c->session));
             client_region_unlink(&c->scratch);
             c->rank = a->rank;
             c->world = a->world_size;
-            ps_strlcpy(c->coord_addr, a->coordinator ? a->coordinator : "",
-                       sizeof(c->coord_addr));
+            ps_strlcpy(c->coord_addr, a->coordinator ? a->coordinator : "", sizeof(c->coord_addr));
             ps_strlcpy(c->job, a->job ? a->job : "", sizeof(c->job));
             protobuf_c_message_free_unpacked(resp, NULL);
             break;
@@ -208,7 +206,7 @@ pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opt
     }
     if (!opts->enable)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
-                    "Join is disabled (enable = false): this trainer cannot join");
+                           "Join is disabled (enable = false): this trainer cannot join");
     if (!c->nparams)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "define the model before joining");
     pthread_mutex_lock(&c->mu);
@@ -241,15 +239,15 @@ pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opt
 /* ---------------------------------------------------------------------------------------- */
 /* Plain collectives                                                                         */
 
-static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_t dt,
-                                  bool average, int root, size_t count, size_t send_off,
-                                  size_t recv_off, size_t recv_bytes)
+static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_t dt, bool average,
+                                  int root, size_t count, size_t send_off, size_t recv_off,
+                                  size_t recv_bytes)
 {
     char err[PSHARD_ERRLEN] = "";
     size_t send_bytes = count * pshard_dtype_size(dt);
     if (c->cfg.remote && send_bytes &&
         client_remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, send_off, send_bytes, 0, err,
-                     sizeof(err)) != PSHARD_OK)
+                            sizeof(err)) != PSHARD_OK)
         return client_fail(c, PSHARD_ERR_RPC, "collective: %s", err);
     Pshard__CollectiveRequest req = PSHARD__COLLECTIVE_REQUEST__INIT;
     req.session = c->session;
@@ -260,11 +258,12 @@ static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_
     req.count = count;
     req.send_offset = send_off;
     req.recv_offset = recv_off;
-    pshard_status_t rc = client_call(c, "Collective", &req.base, &pshard__collective_response__descriptor,
-                              NULL, err, sizeof(err));
+    pshard_status_t rc =
+        client_call(c, "Collective", &req.base, &pshard__collective_response__descriptor, NULL, err,
+                    sizeof(err));
     if (rc == PSHARD_OK && c->cfg.remote && recv_bytes)
         rc = client_remote_read(c, PSHARD__REGION__SCRATCH, &c->scratch, recv_off, recv_bytes, err,
-                         sizeof(err));
+                                sizeof(err));
     if (rc != PSHARD_OK)
         return client_fail(c, rc, "collective: %s", err);
     return PSHARD_OK;
@@ -274,13 +273,13 @@ static pshard_status_t fits(pshard_client_t *c, size_t bytes)
 {
     if (bytes > c->scratch.bytes)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
-                    "%zu bytes exceed the %zu-byte scratch region (PSHARD_SCRATCH_BYTES)", bytes,
-                    c->scratch.bytes);
+                           "%zu bytes exceed the %zu-byte scratch region (PSHARD_SCRATCH_BYTES)",
+                           bytes, c->scratch.bytes);
     return PSHARD_OK;
 }
 
-pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count,
-                                  pshard_dtype_t dtype, bool average)
+pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count, pshard_dtype_t dtype,
+                                  bool average)
 {
     size_t bytes = count * pshard_dtype_size(dtype);
     PS_CHECK(fits(c, bytes));
@@ -290,8 +289,8 @@ pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count,
     return PSHARD_OK;
 }
 
-pshard_status_t pshard_broadcast(pshard_client_t *c, void *buf, size_t count,
-                                 pshard_dtype_t dtype, int root)
+pshard_status_t pshard_broadcast(pshard_client_t *c, void *buf, size_t count, pshard_dtype_t dtype,
+                                 int root)
 {
     size_t bytes = count * pshard_dtype_size(dtype);
     PS_CHECK(fits(c, bytes));

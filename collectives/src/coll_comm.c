@@ -42,16 +42,16 @@ static bool printable_name(const char *s)
     return true;
 }
 
-pshard_status_t pshard_comm_create(const pshard_comm_config_t *cfg, pshard_comm_t **out,
-                                   char *err, size_t errlen)
+pshard_status_t pshard_comm_create(const pshard_comm_config_t *cfg, pshard_comm_t **out, char *err,
+                                   size_t errlen)
 {
     *out = NULL;
     if (cfg->world_size < 1 || cfg->world_size > 65536)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "world_size is %d; it must be 1..65536", cfg->world_size);
     if (cfg->rank < 0 || cfg->rank >= cfg->world_size)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "rank is %d; it must be 0..%d", cfg->rank, cfg->world_size - 1);
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "rank is %d; it must be 0..%d",
+                       cfg->rank, cfg->world_size - 1);
     const char *name = cfg->name ? cfg->name : "default";
     if (!printable_name(name))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
@@ -179,8 +179,7 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
                        (int)a->op);
     size_t esize = pshard_dtype_size(a->dtype);
     if (esize == 0)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown dtype %d",
-                       (int)a->dtype);
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown dtype %d", (int)a->dtype);
     bool reduces = a->op == PSHARD_COLL_REDUCE_SCATTER || a->op == PSHARD_COLL_ALL_REDUCE;
     if (reduces && a->reduce != PSHARD_REDUCE_SUM && a->reduce != PSHARD_REDUCE_AVG)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown reduction %d",
@@ -190,8 +189,7 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
                        "average is not defined for int64; use sum");
     if (a->op == PSHARD_COLL_BROADCAST && (a->root < 0 || a->root >= n))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "broadcast root %d is not a rank of this %d-rank communicator", a->root,
-                       n);
+                       "broadcast root %d is not a rank of this %d-rank communicator", a->root, n);
     if (a->timeout_ms < 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "timeout_ms is negative");
     if ((a->send_device || a->recv_device) && c->backend->host_buffers)
@@ -229,10 +227,10 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
     op->displs[n] = total;
     op->args.counts = op->counts;
     size_t mine = per_rank ? op->counts[c->rank] : total;
-    bool needs_send = a->op != PSHARD_COLL_BARRIER &&
-                      (a->op != PSHARD_COLL_BROADCAST || a->root == c->rank);
-    if (needs_send && !a->send && (per_rank ? (a->op == PSHARD_COLL_ALL_GATHER ? mine : total)
-                                            : total) > 0)
+    bool needs_send =
+        a->op != PSHARD_COLL_BARRIER && (a->op != PSHARD_COLL_BROADCAST || a->root == c->rank);
+    if (needs_send && !a->send &&
+        (per_rank ? (a->op == PSHARD_COLL_ALL_GATHER ? mine : total) : total) > 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: send buffer is NULL",
                        pshard_coll_op_name(a->op));
     size_t recv_elems = a->op == PSHARD_COLL_ALL_GATHER       ? total
@@ -342,9 +340,8 @@ pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
     } else if (local) {
         /* A one-rank all-gather, reduce-scatter, all-reduce or broadcast copies send to
          * recv (a sum or average over one rank is the value itself); a barrier does nothing. */
-        size_t nbytes = args->op == PSHARD_COLL_BARRIER
-                            ? 0
-                            : r->op.displs[1] * pshard_dtype_size(args->dtype);
+        size_t nbytes =
+            args->op == PSHARD_COLL_BARRIER ? 0 : r->op.displs[1] * pshard_dtype_size(args->dtype);
         if (nbytes && args->send && args->recv && args->send != args->recv)
             memmove(args->recv, args->send, nbytes);
         coll_complete(r, PSHARD_OK, NULL);
@@ -512,12 +509,13 @@ void pshard_coll_record_format(const pshard_comm_t *comm, const pshard_coll_reco
         break;
     case PSHARD_COLL_RUNNING:
         if (rec->waiting_on >= 0)
-            snprintf(buf, len, "rank %d is stuck in %s seq %" PRIu64 "%s, waiting on rank %d for %.1f s",
+            snprintf(buf, len,
+                     "rank %d is stuck in %s seq %" PRIu64 "%s, waiting on rank %d for %.1f s",
                      comm->rank, op, rec->seq, label, rec->waiting_on,
                      (double)(now - rec->start_ns) / 1e9);
         else
-            snprintf(buf, len, "rank %d is running %s seq %" PRIu64 "%s for %.1f s", comm->rank,
-                     op, rec->seq, label, (double)(now - rec->start_ns) / 1e9);
+            snprintf(buf, len, "rank %d is running %s seq %" PRIu64 "%s for %.1f s", comm->rank, op,
+                     rec->seq, label, (double)(now - rec->start_ns) / 1e9);
         break;
     case PSHARD_COLL_DONE:
         snprintf(buf, len, "rank %d finished %s seq %" PRIu64 "%s in %.3f ms", comm->rank, op,

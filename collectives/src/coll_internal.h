@@ -12,13 +12,13 @@
 
 /* One operation, validated and with its descriptor computed. Owned by its request. */
 typedef struct coll_op {
-    pshard_coll_args_t args;  /* counts points at `counts` below */
-    size_t *counts;           /* world_size entries, always filled (equal counts expanded) */
-    size_t *displs;           /* prefix sums of counts, world_size + 1 entries */
+    pshard_coll_args_t args; /* counts points at `counts` below */
+    size_t *counts;          /* world_size entries, always filled (equal counts expanded) */
+    size_t *displs;          /* prefix sums of counts, world_size + 1 entries */
     coll_desc_t desc;
-    int64_t deadline_ns;      /* ps_now_ns clock */
-    size_t record_slot;       /* index into the flight recorder ring */
-    bool check_only;          /* exchange and compare the descriptor; move no data */
+    int64_t deadline_ns; /* ps_now_ns clock */
+    size_t record_slot;  /* index into the flight recorder ring */
+    bool check_only;     /* exchange and compare the descriptor; move no data */
 } coll_op_t;
 
 struct pshard_coll_req {
@@ -29,8 +29,8 @@ struct pshard_coll_req {
     bool done;
     pshard_status_t status;
     char error[PSHARD_ERRLEN];
-    bool submitted;               /* counted in comm->in_flight */
-    ps_qnode_t node;              /* in its backend's queue */
+    bool submitted;  /* counted in comm->in_flight */
+    ps_qnode_t node; /* in its backend's queue */
 };
 
 /* A backend runs operations one at a time, in order, on its own thread, and reports each
@@ -62,7 +62,7 @@ struct pshard_comm {
 
     pthread_mutex_t mu;
     uint64_t next_seq;
-    pshard_status_t sticky;  /* first fatal error */
+    pshard_status_t sticky; /* first fatal error */
     char sticky_msg[1024];
     atomic_bool aborted;
 

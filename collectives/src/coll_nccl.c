@@ -97,8 +97,8 @@ typedef struct nccl_engine {
     ncclComm_t nccl; /* NULL once aborted or destroyed */
     cudaStream_t stream;
     bool stream_created;
-    int32_t *scratch; /* device memory: the barrier's one int */
-    bool failed;      /* the NCCL communicator is gone; every request fails */
+    int32_t *scratch;  /* device memory: the barrier's one int */
+    bool failed;       /* the NCCL communicator is gone; every request fails */
     bool host_buffers; /* callers pass host memory: staged through d_send / d_recv */
     void *d_send, *d_recv;
     size_t d_send_cap, d_recv_cap;
@@ -108,7 +108,7 @@ typedef struct nccl_engine {
     pthread_mutex_t qmu; /* guards the queue, busy, stop and inner (for abort) */
     pthread_cond_t qcv;
     ps_queue_t queue; /* pshard_coll_req_t submitted, not yet taken (qmu) */
-    bool busy; /* the engine is running a request */
+    bool busy;        /* the engine is running a request */
     bool stop;
 } nccl_engine_t;
 
@@ -623,7 +623,8 @@ static void *engine_main(void *arg)
     }
     for (;;) {
         pthread_mutex_lock(&e->qmu);
-        while (!e->stop && ps_queue_empty(&e->queue) && (e->failed || !atomic_load(&e->comm->aborted)))
+        while (!e->stop && ps_queue_empty(&e->queue) &&
+               (e->failed || !atomic_load(&e->comm->aborted)))
             pthread_cond_wait(&e->qcv, &e->qmu);
         bool stop = e->stop;
         pshard_coll_req_t *r = stop ? NULL : pop_locked(e);

@@ -25,12 +25,12 @@
 #include "pshard/log.h"
 #include "pshard/util.h"
 
-#define RING_CAP (8u << 20)   /* reduce-scatter window */
-#define CONV_CAP (4u << 20)   /* fp32 staging for half-type inputs */
-#define DATA_FRAME (1u << 20) /* payload of one DATA frame we send */
+#define RING_CAP (8u << 20)         /* reduce-scatter window */
+#define CONV_CAP (4u << 20)         /* fp32 staging for half-type inputs */
+#define DATA_FRAME (1u << 20)       /* payload of one DATA frame we send */
 #define OWN_COPY_SLICE (256u << 10) /* all-gather's local copy, done while the sockets block */
 #define DRAIN_NS (2000000000LL)
-#define LINGER_MS 2000          /* destroy: wait this long for the previous rank to close */
+#define LINGER_MS 2000 /* destroy: wait this long for the previous rank to close */
 #define NEXT_LOST_GRACE_NS (300000000LL) /* a send failed: wait for an abort notice first */
 #define MAX_PHASES 2
 
@@ -50,9 +50,9 @@ typedef struct {
 /* One phase of an operation: the byte stream sent to next and the one received from prev. */
 typedef struct {
     phase_kind_t kind;
-    uint8_t *buf;      /* AG/BCAST: the output buffer; RS: unused */
-    const uint8_t *src; /* RS: the local input (dtype) */
-    uint8_t *dst;      /* RS: where this rank's reduced chunk goes (dtype) */
+    uint8_t *buf;                 /* AG/BCAST: the output buffer; RS: unused */
+    const uint8_t *src;           /* RS: the local input (dtype) */
+    uint8_t *dst;                 /* RS: where this rank's reduced chunk goes (dtype) */
     size_t *in_chunk, *out_chunk; /* chunk id of each block */
     size_t *in_off, *out_off;     /* block start offsets in the stream, nblocks + 1 entries */
     size_t nblocks;
@@ -95,16 +95,16 @@ typedef struct engine {
 
     bool failed;
     int64_t drain_until_ns;
-    int next_lost_errno;     /* a send to next failed with this errno (0: none) */
-    int64_t next_lost_ns;    /* when */
+    int next_lost_errno;  /* a send to next failed with this errno (0: none) */
+    int64_t next_lost_ns; /* when */
 
     /* The running operation. */
     pshard_coll_req_t *req;
     phase_t phases[MAX_PHASES];
     size_t nphases, cur;
     size_t esize, asize;
-    size_t *bytes;   /* per-chunk byte sizes for the current phase kind */
-    size_t *displ;   /* per-chunk byte offsets */
+    size_t *bytes; /* per-chunk byte sizes for the current phase kind */
+    size_t *displ; /* per-chunk byte offsets */
     int descs_received;
     bool op_failed;
     bool read_blocked, write_blocked;
@@ -121,8 +121,7 @@ static engine_t *engine_of(pshard_comm_t *comm)
 /* ---------------------------------------------------------------------------------------- */
 /* Control frames                                                                            */
 
-static void queue_ctrl(engine_t *e, uint8_t type, uint64_t seq, const uint8_t *payload,
-                       size_t len)
+static void queue_ctrl(engine_t *e, uint8_t type, uint64_t seq, const uint8_t *payload, size_t len)
 {
     ctrl_frame_t *f = malloc(sizeof(*f));
     if (!f)
@@ -185,7 +184,8 @@ static void fail_errno(engine_t *e, bool sending, int err_no)
              "%s seq %" PRIu64 " on rank %d: lost rank %d (%s while %s it); the process died, "
              "closed the communicator, or the network failed",
              pshard_coll_op_name(op->args.op), op->desc.seq, e->t.rank, peer,
-             err_no ? strerror(err_no) : "connection closed", sending ? "sending to" : "receiving from");
+             err_no ? strerror(err_no) : "connection closed",
+             sending ? "sending to" : "receiving from");
     fail_op(e, PSHARD_ERR_PEER_LOST, msg, true);
 }
 
@@ -226,9 +226,9 @@ static size_t out_ready(const engine_t *e, const phase_t *ph)
     case PH_RS:
         return ph->out_total; /* readiness is item by item: rs_out() */
     case PH_BCAST:
-        return e->req->op.args.root == e->t.rank ? ph->out_total
-                                                 : (ph->in_done < ph->out_total ? ph->in_done
-                                                                                : ph->out_total);
+        return e->req->op.args.root == e->t.rank
+                   ? ph->out_total
+                   : (ph->in_done < ph->out_total ? ph->in_done : ph->out_total);
     }
     return 0;
 }
@@ -301,8 +301,7 @@ static const uint8_t *rs_out(engine_t *e, phase_t *ph, size_t *avail)
             return ph->src + op->displs[chunk] * e->esize + off;
         if (ph->conv_round != j) {
             size_t first = (j * ph->slice) / e->asize, nel = ph->o.len / e->asize;
-            coll_reduce_load(e->t.conv, ph->src + (op->displs[chunk] + first) * e->esize, dt,
-                             nel);
+            coll_reduce_load(e->t.conv, ph->src + (op->displs[chunk] + first) * e->esize, dt, nel);
             ph->conv_round = j;
         }
         return e->t.conv + inner;
@@ -624,8 +623,7 @@ static bool do_writes(engine_t *e)
                     len = DATA_FRAME;
                 if (len == 0)
                     break;
-                coll_frame_header_t h = {COLL_FRAME_DATA, 0, (uint32_t)len,
-                                         e->req->op.desc.seq};
+                coll_frame_header_t h = {COLL_FRAME_DATA, 0, (uint32_t)len, e->req->op.desc.seq};
                 coll_frame_header_encode(&h, e->of_hdr);
                 e->of_hdr_off = 0;
                 e->of_payload = p;
@@ -917,9 +915,9 @@ static void fail_timeout(engine_t *e)
     snprintf(msg, sizeof(msg),
              "%s seq %" PRIu64 " timed out on rank %d waiting on rank %d: received %zu of %zu "
              "bytes from rank %d, sent %zu of %zu bytes to rank %d, %d of %d descriptors",
-             pshard_coll_op_name(op->args.op), op->desc.seq, e->t.rank, who,
-             ph ? ph->in_recv : 0, ph ? ph->in_total : 0, e->t.prev, ph ? ph->out_sent : 0,
-             ph ? ph->out_total : 0, e->t.next, e->descs_received, e->t.n - 1);
+             pshard_coll_op_name(op->args.op), op->desc.seq, e->t.rank, who, ph ? ph->in_recv : 0,
+             ph ? ph->in_total : 0, e->t.prev, ph ? ph->out_sent : 0, ph ? ph->out_total : 0,
+             e->t.next, e->descs_received, e->t.n - 1);
     fail_op(e, PSHARD_ERR_TIMEOUT, msg, true);
 }
 
@@ -1067,8 +1065,8 @@ static void *engine_main(void *arg)
             /* Push out what the ring still needs from us (forwarded descriptors, an abort
              * notice) before the sockets close. */
             int64_t until = ps_now_ns() + DRAIN_NS / 2;
-            while (e->t.n > 1 && (e->of_active || !ps_queue_empty(&e->ctrl)) && !e->next_lost_errno &&
-                   ps_now_ns() < until) {
+            while (e->t.n > 1 && (e->of_active || !ps_queue_empty(&e->ctrl)) &&
+                   !e->next_lost_errno && ps_now_ns() < until) {
                 do_writes(e);
                 if (e->write_blocked) {
                     struct pollfd pfd = {e->t.send_fd, POLLOUT, 0};
@@ -1124,8 +1122,8 @@ static void wake(engine_t *e)
 /* ---------------------------------------------------------------------------------------- */
 /* Backend entry points                                                                      */
 
-static pshard_status_t tcp_connect(pshard_comm_t *comm, const pshard_comm_config_t *cfg,
-                                   char *err, size_t errlen)
+static pshard_status_t tcp_connect(pshard_comm_t *comm, const pshard_comm_config_t *cfg, char *err,
+                                   size_t errlen)
 {
     engine_t *e = calloc(1, sizeof(*e));
     if (!e)

@@ -25,8 +25,7 @@
 #include "pshard/rpc.h"
 #include "pshard/util.h"
 
-static int split_host_port(const char *addr, char *host, size_t hostlen, char *port,
-                           size_t portlen)
+static int split_host_port(const char *addr, char *host, size_t hostlen, char *port, size_t portlen)
 {
     const char *colon = strrchr(addr, ':');
     if (!colon || colon == addr || !colon[1])
@@ -203,12 +202,10 @@ static int hs_read(hs_t *s, char *err, size_t errlen)
     for (;;) {
         if (s->got >= COLL_FRAME_HEADER_SIZE && s->got == COLL_FRAME_HEADER_SIZE + s->h.len)
             return 1;
-        uint8_t *dst = s->got < COLL_FRAME_HEADER_SIZE
-                           ? s->hdr + s->got
-                           : s->buf + (s->got - COLL_FRAME_HEADER_SIZE);
-        size_t want = s->got < COLL_FRAME_HEADER_SIZE
-                          ? COLL_FRAME_HEADER_SIZE - s->got
-                          : COLL_FRAME_HEADER_SIZE + s->h.len - s->got;
+        uint8_t *dst = s->got < COLL_FRAME_HEADER_SIZE ? s->hdr + s->got
+                                                       : s->buf + (s->got - COLL_FRAME_HEADER_SIZE);
+        size_t want = s->got < COLL_FRAME_HEADER_SIZE ? COLL_FRAME_HEADER_SIZE - s->got
+                                                      : COLL_FRAME_HEADER_SIZE + s->h.len - s->got;
         ssize_t n = read(s->fd, dst, want);
         if (n == 0) {
             snprintf(err, errlen, "closed the connection");
@@ -227,8 +224,7 @@ static int hs_read(hs_t *s, char *err, size_t errlen)
             if (coll_frame_header_decode(s->hdr, &s->h, err, errlen) != PSHARD_OK)
                 return -1;
             if (s->h.type == COLL_FRAME_DATA || s->h.len > COLL_FRAME_MAX_CONTROL) {
-                snprintf(err, errlen, "unexpected frame type %u during the handshake",
-                         s->h.type);
+                snprintf(err, errlen, "unexpected frame type %u during the handshake", s->h.type);
                 return -1;
             }
         }
@@ -254,8 +250,8 @@ static int hs_step(tcp_t *t, hs_t *s, char *err, size_t errlen)
         }
         if (coll_hello_decode(s->buf, s->h.len, &s->hello, err, errlen) != PSHARD_OK)
             return -1;
-        if (coll_hello_check(&s->hello, t->comm->generation, (uint32_t)t->n,
-                             (uint32_t)t->rank, t->comm->name, err, errlen) != PSHARD_OK) {
+        if (coll_hello_check(&s->hello, t->comm->generation, (uint32_t)t->n, (uint32_t)t->rank,
+                             t->comm->name, err, errlen) != PSHARD_OK) {
             size_t n = coll_reject_encode(err, out, sizeof(out));
             hs_send(s, COLL_FRAME_REJECT, out, n);
             return -1;
@@ -317,8 +313,7 @@ static void hs_admit(tcp_t *t, hs_t *slots, uint64_t *seq)
         /* The oldest that has not yet said a valid HELLO goes first. */
         for (int i = 0; i < HS_SLOTS; i++) {
             hs_t *c = &slots[i];
-            if (!s || (s->authing && !c->authing) ||
-                (s->authing == c->authing && c->seq < s->seq))
+            if (!s || (s->authing && !c->authing) || (s->authing == c->authing && c->seq < s->seq))
                 s = c;
         }
         hs_drop(s, "still not authenticated while more connections came");
@@ -431,8 +426,8 @@ static pshard_status_t connect_next(tcp_t *t, const char *addr, int64_t deadline
     if (fd < 0 && cancelled())
         return ps_errf(err, errlen, PSHARD_ERR_CANCELLED, "set-up cancelled");
     if (fd < 0)
-        return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT, "cannot connect to rank %d at %s",
-                       t->next, addr);
+        return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT, "cannot connect to rank %d at %s", t->next,
+                       addr);
 
     coll_hello_t hello;
     memset(&hello, 0, sizeof(hello));
@@ -458,8 +453,8 @@ static pshard_status_t connect_next(tcp_t *t, const char *addr, int64_t deadline
         goto out;
     if (h.type == COLL_FRAME_REJECT) {
         coll_reject_decode(buf, h.len, reason, sizeof(reason), NULL, 0);
-        rc = ps_errf(err, errlen, PSHARD_ERR_PERMISSION, "rank %d at %s refused us: %s",
-                     t->next, addr, reason);
+        rc = ps_errf(err, errlen, PSHARD_ERR_PERMISSION, "rank %d at %s refused us: %s", t->next,
+                     addr, reason);
         goto out;
     }
     coll_challenge_t ch;
@@ -489,8 +484,8 @@ static pshard_status_t connect_next(tcp_t *t, const char *addr, int64_t deadline
     rc = recv_frame(fd, &h, buf, deadline, err, errlen);
     if (rc == PSHARD_OK && h.type == COLL_FRAME_REJECT) {
         coll_reject_decode(buf, h.len, reason, sizeof(reason), NULL, 0);
-        rc = ps_errf(err, errlen, PSHARD_ERR_PERMISSION, "rank %d at %s refused us: %s",
-                     t->next, addr, reason);
+        rc = ps_errf(err, errlen, PSHARD_ERR_PERMISSION, "rank %d at %s refused us: %s", t->next,
+                     addr, reason);
     } else if (rc == PSHARD_OK && h.type != COLL_FRAME_ACCEPT) {
         rc = ps_errf(err, errlen, PSHARD_ERR_PERMISSION, "rank %d sent frame %u, not ACCEPT",
                      t->next, h.type);
@@ -543,8 +538,8 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
                                           const char *my_addr, char *next_addr, size_t len,
                                           int64_t deadline, char *err, size_t errlen)
 {
-    ps_rpc_channel_config_t ccfg = {.target = cfg->coordinator, .token = cfg->token,
-                                    .job = cfg->job};
+    ps_rpc_channel_config_t ccfg = {
+        .target = cfg->coordinator, .token = cfg->token, .job = cfg->job};
     ps_rpc_channel_t *ch = ps_rpc_channel_create(&ccfg, err, errlen);
     if (!ch)
         return PSHARD_ERR_INVALID_ARGUMENT;
@@ -571,8 +566,8 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
         const char *keys[1] = {next_key};
         Pshard__StoreWaitResponse *r = NULL;
         char werr[PSHARD_ERRLEN] = "";
-        pshard_status_t wrc = ps_coord_store_await(ch, keys, 1, left_ms < 500 ? left_ms : 500,
-                                                   &r, werr, sizeof(werr));
+        pshard_status_t wrc = ps_coord_store_await(ch, keys, 1, left_ms < 500 ? left_ms : 500, &r,
+                                                   werr, sizeof(werr));
         if (wrc == PSHARD_ERR_TIMEOUT)
             continue;
         if (wrc != PSHARD_OK) {
@@ -598,8 +593,8 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
 static void forget_address(tcp_t *t, const pshard_comm_config_t *cfg)
 {
     char err[PSHARD_ERRLEN] = "";
-    ps_rpc_channel_config_t ccfg = {.target = cfg->coordinator, .token = cfg->token,
-                                    .job = cfg->job};
+    ps_rpc_channel_config_t ccfg = {
+        .target = cfg->coordinator, .token = cfg->token, .job = cfg->job};
     ps_rpc_channel_t *ch = ps_rpc_channel_create(&ccfg, err, sizeof(err));
     if (!ch)
         return;

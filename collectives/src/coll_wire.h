@@ -91,8 +91,8 @@ size_t coll_hello_encode(const coll_hello_t *m, uint8_t *out, size_t cap);
 pshard_status_t coll_hello_decode(const uint8_t *in, size_t len, coll_hello_t *m, char *err,
                                   size_t errlen);
 size_t coll_challenge_encode(const coll_challenge_t *m, uint8_t *out, size_t cap);
-pshard_status_t coll_challenge_decode(const uint8_t *in, size_t len, coll_challenge_t *m,
-                                      char *err, size_t errlen);
+pshard_status_t coll_challenge_decode(const uint8_t *in, size_t len, coll_challenge_t *m, char *err,
+                                      size_t errlen);
 size_t coll_auth_encode(const coll_auth_t *m, uint8_t *out, size_t cap);
 pshard_status_t coll_auth_decode(const uint8_t *in, size_t len, coll_auth_t *m, char *err,
                                  size_t errlen);
@@ -110,8 +110,7 @@ pshard_status_t coll_abort_decode(const uint8_t *in, size_t len, coll_abort_t *m
 /* HMAC-SHA256 keyed by the cluster token over a domain tag, the role byte ('A' acceptor proof,
  * 'C' connector proof), the encoded HELLO, and the acceptor's nonce. key may be empty. */
 void coll_handshake_mac(const uint8_t *key, size_t keylen, char role, const coll_hello_t *hello,
-                        const uint8_t acceptor_nonce[COLL_NONCE_SIZE],
-                        uint8_t mac[COLL_MAC_SIZE]);
+                        const uint8_t acceptor_nonce[COLL_NONCE_SIZE], uint8_t mac[COLL_MAC_SIZE]);
 
 /* Constant-time MAC comparison. */
 bool coll_mac_equal(const uint8_t a[COLL_MAC_SIZE], const uint8_t b[COLL_MAC_SIZE]);
@@ -120,8 +119,7 @@ bool coll_mac_equal(const uint8_t a[COLL_MAC_SIZE], const uint8_t b[COLL_MAC_SIZ
  * says "stale generation G, this ring is generation H"), world size, comm name, to_rank ==
  * my_rank, from_rank == (my_rank - 1 + world) % world. PSHARD_ERR_PERMISSION with a message. */
 pshard_status_t coll_hello_check(const coll_hello_t *h, uint64_t generation, uint32_t world_size,
-                                 uint32_t my_rank, const char *comm_name, char *err,
-                                 size_t errlen);
+                                 uint32_t my_rank, const char *comm_name, char *err, size_t errlen);
 
 /* Fills a nonce from getrandom(2) (falls back to /dev/urandom). */
 void coll_random_nonce(uint8_t nonce[COLL_NONCE_SIZE]);

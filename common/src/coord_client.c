@@ -210,8 +210,12 @@ static void *lease_main(void *arg)
                 pthread_mutex_unlock(&l->mu);
             }
         }
-        ps_coord_lease_event_t ev = {.rc = rc, .err = err, .view = view, .registered = !have_id,
-                                     .member_id = id, .lease_key = key};
+        ps_coord_lease_event_t ev = {.rc = rc,
+                                     .err = err,
+                                     .view = view,
+                                     .registered = !have_id,
+                                     .member_id = id,
+                                     .lease_key = key};
         pthread_mutex_lock(&l->mu);
         ps_strlcpy(id, l->member_id, sizeof(id));
         ps_strlcpy(key, l->lease_key, sizeof(key));
@@ -308,8 +312,7 @@ void ps_coord_lease_stop(ps_coord_lease_t *l)
     lease_free(l);
 }
 
-void ps_coord_lease_member(ps_coord_lease_t *l, char *id, size_t idlen, char *key,
-                           size_t keylen)
+void ps_coord_lease_member(ps_coord_lease_t *l, char *id, size_t idlen, char *key, size_t keylen)
 {
     pthread_mutex_lock(&l->mu);
     if (id)

@@ -146,7 +146,7 @@ static void convert_half_to_half(const uint16_t *src, pshard_dtype_t src_type, u
 }
 
 int pshard_convert(const void *src, pshard_dtype_t src_type, void *dst, pshard_dtype_t dst_type,
-               size_t n)
+                   size_t n)
 {
     size_t src_size = pshard_dtype_size(src_type);
     size_t dst_size = pshard_dtype_size(dst_type);

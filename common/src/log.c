@@ -25,8 +25,9 @@ static const struct {
     const char *name;
     unsigned bit;
 } subsys_names[] = {
-    {"main", PS_SUB_MAIN},   {"rpc", PS_SUB_RPC},     {"coll", PS_SUB_COLL}, {"coord", PS_SUB_COORD},
-    {"shard", PS_SUB_SHARD}, {"client", PS_SUB_CLIENT}, {"all", PS_SUB_ALL},
+    {"main", PS_SUB_MAIN},   {"rpc", PS_SUB_RPC},     {"coll", PS_SUB_COLL},
+    {"coord", PS_SUB_COORD}, {"shard", PS_SUB_SHARD}, {"client", PS_SUB_CLIENT},
+    {"all", PS_SUB_ALL},
 };
 
 bool ps_log_parse_level(const char *text, ps_log_level_t *level)
@@ -51,13 +52,15 @@ static void parse_subsys(const char *text)
         size_t len = strcspn(text, ",");
         bool found = false;
         for (size_t i = 0; i < sizeof(subsys_names) / sizeof(subsys_names[0]); i++) {
-            if (strlen(subsys_names[i].name) == len && strncasecmp(text, subsys_names[i].name, len) == 0) {
+            if (strlen(subsys_names[i].name) == len &&
+                strncasecmp(text, subsys_names[i].name, len) == 0) {
                 mask |= subsys_names[i].bit;
                 found = true;
             }
         }
         if (!found && len > 0)
-            fprintf(stderr, "pshard: PSHARD_LOG_SUBSYS: unknown subsystem '%.*s' ignored\n", (int)len, text);
+            fprintf(stderr, "pshard: PSHARD_LOG_SUBSYS: unknown subsystem '%.*s' ignored\n",
+                    (int)len, text);
         text += len;
         if (*text == ',')
             text++;
@@ -78,7 +81,8 @@ void ps_log_init(const char *role)
         if (ps_log_parse_level(lvl, &l))
             atomic_store(&log_level, (int)l);
         else
-            fprintf(stderr, "pshard: PSHARD_LOG='%s' is not error|warn|info|debug|trace; using warn\n",
+            fprintf(stderr,
+                    "pshard: PSHARD_LOG='%s' is not error|warn|info|debug|trace; using warn\n",
                     lvl);
     }
     const char *sub = getenv("PSHARD_LOG_SUBSYS");
@@ -116,9 +120,10 @@ void ps_log_write(ps_log_level_t level, unsigned subsys, const char *file, int l
         snprintf(rank_text, sizeof(rank_text), " %d", rank);
     const char *base = strrchr(file, '/');
     base = base ? base + 1 : file;
-    int n = snprintf(buf, sizeof(buf), "%02d:%02d:%02d.%03ld %s:%d:%ld [%s%s] %s %s:%d ", tm.tm_hour,
-                     tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000, log_host, (int)getpid(),
-                     (long)syscall(SYS_gettid), log_role, rank_text, level_tags[level], base, line);
+    int n =
+        snprintf(buf, sizeof(buf), "%02d:%02d:%02d.%03ld %s:%d:%ld [%s%s] %s %s:%d ", tm.tm_hour,
+                 tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000, log_host, (int)getpid(),
+                 (long)syscall(SYS_gettid), log_role, rank_text, level_tags[level], base, line);
     if (n < 0)
         return;
     if ((size_t)n >= sizeof(buf))

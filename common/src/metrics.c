@@ -168,8 +168,7 @@ static bool ends_with(const char *s, const char *suffix)
     return n >= m && strcmp(s + n - m, suffix) == 0;
 }
 
-void ps_metrics_family(ps_metrics_t *w, const char *name, ps_metric_type_t type,
-                       const char *help)
+void ps_metrics_family(ps_metrics_t *w, const char *name, ps_metric_type_t type, const char *help)
 {
     w->cur_ok = false;
     if (!ps_metrics_name_ok(name)) {

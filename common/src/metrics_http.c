@@ -47,8 +47,8 @@ static void evthread_init(void)
     evthread_rc = evthread_use_pthreads();
 }
 
-static void reply_text(struct evhttp_request *req, int code, const char *reason,
-                       const char *text, size_t len)
+static void reply_text(struct evhttp_request *req, int code, const char *reason, const char *text,
+                       size_t len)
 {
     struct evkeyvalq *h = evhttp_request_get_output_headers(req);
     evhttp_add_header(h, "Content-Type", code == 200 ? CONTENT_TYPE : "text/plain; charset=utf-8");
@@ -146,8 +146,8 @@ ps_metrics_server_t *ps_metrics_server_start(const char *listen, ps_metrics_coll
     char host[256];
     int port = 0;
     if (!listen || split_listen(listen, host, sizeof(host), &port) != 0) {
-        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                "--metrics-listen '%s' is not HOST:PORT", listen ? listen : "");
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--metrics-listen '%s' is not HOST:PORT",
+                listen ? listen : "");
         return NULL;
     }
     pthread_once(&evthread_once, evthread_init);
@@ -178,7 +178,8 @@ ps_metrics_server_t *ps_metrics_server_start(const char *listen, ps_metrics_coll
                                             EVHTTP_REQ_OPTIONS | EVHTTP_REQ_TRACE |
                                             EVHTTP_REQ_CONNECT | EVHTTP_REQ_PATCH);
     evhttp_set_gencb(m->http, on_request, m);
-    struct evhttp_bound_socket *bs = evhttp_bind_socket_with_handle(m->http, host, (ev_uint16_t)port);
+    struct evhttp_bound_socket *bs =
+        evhttp_bind_socket_with_handle(m->http, host, (ev_uint16_t)port);
     if (!bs) {
         ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                 "cannot listen for metrics on '%s' (bad address, or the port is in use)", listen);

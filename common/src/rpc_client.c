@@ -217,7 +217,8 @@ ps_rpc_channel_t *ps_rpc_channel_create(const ps_rpc_channel_config_t *cfg, char
     size_t nargs = 0;
     args[nargs].type = GRPC_ARG_INTEGER;
     args[nargs].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    args[nargs].value.integer = cfg->max_message_bytes > 0 ? (int)cfg->max_message_bytes : (4 << 20);
+    args[nargs].value.integer =
+        cfg->max_message_bytes > 0 ? (int)cfg->max_message_bytes : (4 << 20);
     nargs++;
     if (cfg->own_connection) {
         args[nargs].type = GRPC_ARG_INTEGER;
@@ -322,9 +323,9 @@ static pshard_status_t unary_once(ps_rpc_channel_t *ch, const char *path, grpc_s
                                   int *grpc_code, char *err, size_t errlen)
 {
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
-    grpc_call *call = grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
-                                               grpc_slice_from_static_string(path), NULL,
-                                               deadline, NULL);
+    grpc_call *call =
+        grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                 grpc_slice_from_static_string(path), NULL, deadline, NULL);
     active_call_t me = {.call = call};
     pthread_mutex_lock(&ch->mu);
     me.next = ch->active;
@@ -443,8 +444,8 @@ pshard_status_t ps_rpc_unary(ps_rpc_channel_t *ch, const char *path,
     protobuf_c_message_pack(request, GRPC_SLICE_START_PTR(req));
     grpc_slice resp;
     bool has = false;
-    pshard_status_t rc = unary_slices(ch, path, req, &resp, &has, timeout_ms, flags, grpc_code,
-                                      err, errlen);
+    pshard_status_t rc =
+        unary_slices(ch, path, req, &resp, &has, timeout_ms, flags, grpc_code, err, errlen);
     grpc_slice_unref(req);
     if (has) {
         if (rc == PSHARD_OK) {
@@ -486,8 +487,8 @@ pshard_status_t ps_rpc_unary_raw(ps_rpc_channel_t *ch, const char *path, const v
 }
 
 ps_rpc_stream_t *ps_rpc_stream_open(ps_rpc_channel_t *ch, const char *path,
-                                    const ProtobufCMessage *request, int64_t timeout_ms,
-                                    char *err, size_t errlen)
+                                    const ProtobufCMessage *request, int64_t timeout_ms, char *err,
+                                    size_t errlen)
 {
     ps_rpc_stream_t *st = calloc(1, sizeof(*st));
     if (!st) {
@@ -581,8 +582,7 @@ pshard_status_t ps_rpc_stream_next(ps_rpc_stream_t *st, const ProtobufCMessageDe
         grpc_byte_buffer_destroy(st->recv_bb);
         st->recv_bb = NULL;
         if (!*msg)
-            rc = ps_errf(err, errlen, PSHARD_ERR_RPC, "the stream sent a malformed %s",
-                         desc->name);
+            rc = ps_errf(err, errlen, PSHARD_ERR_RPC, "the stream sent a malformed %s", desc->name);
         return rc;
     }
     /* End of stream: the status tells whether it ended well. */

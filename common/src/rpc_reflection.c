@@ -195,8 +195,9 @@ static void reply(ps_rpc_call_t *call, const ProtobufCMessage *msg)
                          "too many reflection answers unread on this connection");
 }
 
-static void send_error(ps_rpc_call_t *call, Grpc__Reflection__V1alpha__ServerReflectionResponse *resp,
-                       int code, const char *msg)
+static void send_error(ps_rpc_call_t *call,
+                       Grpc__Reflection__V1alpha__ServerReflectionResponse *resp, int code,
+                       const char *msg)
 {
     Grpc__Reflection__V1alpha__ErrorResponse er = GRPC__REFLECTION__V1ALPHA__ERROR_RESPONSE__INIT;
     er.error_code = code;

@@ -63,10 +63,10 @@ struct ps_rpc_call {
     rpc_tag_t t_new, t_recv, t_send, t_close, t_final;
 
     pthread_mutex_t mu;
-    int refs;                  /* owner (until finalized) + one per outstanding batch */
+    int refs; /* owner (until finalized) + one per outstanding batch */
     bool initial_md_sent;
-    bool finishing;            /* final status requested */
-    bool final_started;        /* final batch issued */
+    bool finishing;     /* final status requested */
+    bool final_started; /* final batch issued */
     bool send_in_flight;
     atomic_bool cancelled;     /* the client went away or a batch failed */
     ps_queue_t sendq;          /* send_item_t waiting for the one send in flight */
@@ -126,8 +126,8 @@ struct ps_rpc_server {
 
     pthread_t *workers;
     int n_workers;
-    ps_workq_t work;        /* calls waiting for a worker */
-    atomic_int work_busy;   /* workers running a handler */
+    ps_workq_t work;      /* calls waiting for a worker */
+    atomic_int work_busy; /* workers running a handler */
 
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -472,18 +472,18 @@ static bool acct_take(ps_rpc_call_t *c, size_t bytes)
     if (!c->acct)
         return false; /* out of memory when the call arrived: it may not queue anything */
     pthread_mutex_lock(&srv->acct_mu);
-    bool ok = c->acct->bytes == 0 ||
-              (c->acct->bytes + bytes <= srv->max_conn_queue &&
-               srv->queued_total + bytes <= srv->max_total_queue);
+    bool ok = c->acct->bytes == 0 || (c->acct->bytes + bytes <= srv->max_conn_queue &&
+                                      srv->queued_total + bytes <= srv->max_total_queue);
     if (ok) {
         c->acct->bytes += bytes;
         srv->queued_total += bytes;
         if (srv->queued_total > srv->queued_peak)
             srv->queued_peak = srv->queued_total;
     } else {
-        PS_DEBUG(PS_SUB_RPC, "%s: refused %zu more reply bytes to %s (%zu queued on its "
-                 "connection, %zu in the server)", c->path, bytes, c->acct->peer,
-                 c->acct->bytes, srv->queued_total);
+        PS_DEBUG(PS_SUB_RPC,
+                 "%s: refused %zu more reply bytes to %s (%zu queued on its "
+                 "connection, %zu in the server)",
+                 c->path, bytes, c->acct->peer, c->acct->bytes, srv->queued_total);
     }
     pthread_mutex_unlock(&srv->acct_mu);
     return ok;
@@ -507,8 +507,8 @@ static bool acct_room(ps_rpc_call_t *c)
     if (!c->acct)
         return true;
     pthread_mutex_lock(&srv->acct_mu);
-    bool room = c->acct->bytes <= srv->max_conn_queue / 2 &&
-                srv->queued_total <= srv->max_total_queue / 2;
+    bool room =
+        c->acct->bytes <= srv->max_conn_queue / 2 && srv->queued_total <= srv->max_total_queue / 2;
     pthread_mutex_unlock(&srv->acct_mu);
     return room;
 }
@@ -581,8 +581,8 @@ pshard_status_t ps_rpc_call_wait_writable(ps_rpc_call_t *call, int64_t deadline_
             break;
         }
         /* The wait wakes on every completed send; a slice keeps the deadline honest. */
-        struct timespec ts = realtime_in(deadline_ns - now < 200000000LL ? deadline_ns - now
-                                                                         : 200000000LL);
+        struct timespec ts =
+            realtime_in(deadline_ns - now < 200000000LL ? deadline_ns - now : 200000000LL);
         pthread_cond_timedwait(&call->writable, &call->mu, &ts);
     }
     pthread_mutex_unlock(&call->mu);
@@ -827,8 +827,7 @@ static void on_recv(ps_rpc_call_t *c, bool success)
         if (bidi)
             finalize(c, GRPC_STATUS_OK, NULL, NULL);
         else
-            finalize(c, GRPC_STATUS_INVALID_ARGUMENT, "the client sent no request message",
-                     NULL);
+            finalize(c, GRPC_STATUS_INVALID_ARGUMENT, "the client sent no request message", NULL);
     } else {
         grpc_byte_buffer_reader reader;
         ProtobufCMessage *req = NULL;
@@ -924,8 +923,8 @@ static void *cq_thread_main(void *arg)
 {
     ps_rpc_server_t *srv = arg;
     for (;;) {
-        grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME),
-                                                   NULL);
+        grpc_event ev =
+            grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN)
             return NULL;
         if (ev.type != GRPC_OP_COMPLETE)
@@ -1030,8 +1029,7 @@ static pshard_status_t add_method(ps_rpc_server_t *srv, const ps_rpc_method_t *m
     return PSHARD_OK;
 }
 
-ps_rpc_server_t *ps_rpc_server_create(const ps_rpc_server_config_t *cfg, char *err,
-                                      size_t errlen)
+ps_rpc_server_t *ps_rpc_server_create(const ps_rpc_server_config_t *cfg, char *err, size_t errlen)
 {
     ps_rpc_server_t *srv = calloc(1, sizeof(*srv));
     if (!srv) {
@@ -1045,8 +1043,8 @@ ps_rpc_server_t *ps_rpc_server_create(const ps_rpc_server_config_t *cfg, char *e
     pthread_mutex_init(&srv->acct_mu, NULL);
     srv->shutdown_tag = (rpc_tag_t){TAG_SHUTDOWN, NULL};
     srv->max_message_bytes = cfg->max_message_bytes > 0 ? cfg->max_message_bytes : (4 << 20);
-    srv->max_stream_queue = cfg->max_stream_queue_bytes > 0 ? (size_t)cfg->max_stream_queue_bytes
-                                                            : (8u << 20);
+    srv->max_stream_queue =
+        cfg->max_stream_queue_bytes > 0 ? (size_t)cfg->max_stream_queue_bytes : (8u << 20);
     srv->max_conn_queue = cfg->max_conn_queue_bytes > 0 ? (size_t)cfg->max_conn_queue_bytes
                                                         : 4 * srv->max_stream_queue;
     srv->max_total_queue = cfg->max_total_queue_bytes > 0 ? (size_t)cfg->max_total_queue_bytes
@@ -1095,8 +1093,7 @@ ps_rpc_server_t *ps_rpc_server_create(const ps_rpc_server_config_t *cfg, char *e
     }
 
     srv->health = ps_health_create();
-    srv->reflection =
-        ps_reflection_create(ps_descriptor_set, ps_descriptor_set_len, err, errlen);
+    srv->reflection = ps_reflection_create(ps_descriptor_set, ps_descriptor_set_len, err, errlen);
     if (!srv->health || !srv->reflection)
         goto fail;
     ps_health_methods(srv->health, &srv->builtin[0]);
@@ -1265,8 +1262,8 @@ void ps_rpc_server_destroy(ps_rpc_server_t *srv)
     } else if (srv->cq) {
         /* Never started: no calls exist; drain the queue to its shutdown event. */
         grpc_completion_queue_shutdown(srv->cq);
-        while (grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL)
-                   .type != GRPC_QUEUE_SHUTDOWN) {
+        while (grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+               GRPC_QUEUE_SHUTDOWN) {
         }
     }
     if (srv->server)

@@ -13,7 +13,6 @@
 #include <unistd.h>
 #include <sys/stat.h>
 
-
 int64_t ps_now_ns(void)
 {
     struct timespec ts;
@@ -128,8 +127,7 @@ int ps_const_time_eq(const void *a, size_t alen, const void *b, size_t blen)
 void ps_default_coordinator(char *buf, size_t len)
 {
     const char *addr = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT");
-    snprintf(buf, len, "%s:%s", addr && *addr ? addr : "127.0.0.1",
-             port && *port ? port : "29500");
+    snprintf(buf, len, "%s:%s", addr && *addr ? addr : "127.0.0.1", port && *port ? port : "29500");
 }
 
 char *ps_read_file(const char *path, bool strip, size_t max_bytes, size_t *len, char *err,

@@ -93,8 +93,7 @@ static void write_view(void *arg, const coord_metrics_view_t *v)
             size_t n = 0;
             for (size_t m = 0; m < snap->nmembers; m++)
                 n += snap->members[m].role == roles[k];
-            const char *labels[] = {"job", v->jobs[i].job, "role", coord_role_name(roles[k]),
-                                    NULL};
+            const char *labels[] = {"job", v->jobs[i].job, "role", coord_role_name(roles[k]), NULL};
             ps_metrics_sample(w, labels, (double)n);
         }
     }
@@ -114,10 +113,11 @@ static void write_view(void *arg, const coord_metrics_view_t *v)
                 const coord_member_t *m = &snap->members[k];
                 char rank[16];
                 snprintf(rank, sizeof(rank), "%d", m->rank);
-                const char *labels[] = {"job",  v->jobs[i].job, "name", m->name,
-                                        "role", coord_role_name(m->role), "rank", rank, NULL};
-                int64_t ns = pass == 0 ? v->now_ns - m->last_heartbeat_ns
-                                       : m->lease_deadline_ns - v->now_ns;
+                const char *labels[] = {"job",   v->jobs[i].job, "name",
+                                        m->name, "role",         coord_role_name(m->role),
+                                        "rank",  rank,           NULL};
+                int64_t ns =
+                    pass == 0 ? v->now_ns - m->last_heartbeat_ns : m->lease_deadline_ns - v->now_ns;
                 ps_metrics_sample(w, labels, ns > 0 ? (double)ns / 1e9 : 0);
             }
         }

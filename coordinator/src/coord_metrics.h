@@ -23,16 +23,15 @@ typedef struct {
 typedef struct {
     const coord_metrics_job_t *jobs; /* every job, the default one first */
     size_t njobs;
-    int64_t now_ns, started_ns;      /* ps_now_ns clock */
+    int64_t now_ns, started_ns; /* ps_now_ns clock */
     int64_t lease_ms;
-    ps_rpc_server_t *srv;            /* for the per-method counters */
+    ps_rpc_server_t *srv; /* for the per-method counters */
 } coord_metrics_view_t;
 
 /* Takes every job's snapshot under the service's mutex (briefly), then calls fn(arg, view)
  * without it. Thread-safe (the metrics thread calls it). */
 void coord_service_metrics_view(pshard_coordinator_t *c,
-                                void (*fn)(void *arg, const coord_metrics_view_t *view),
-                                void *arg);
+                                void (*fn)(void *arg, const coord_metrics_view_t *view), void *arg);
 
 /* Starts the coordinator's metrics listener on listen (see ps_metrics_server_start); stop it
  * with ps_metrics_server_stop before pshard_coordinator_stop. NULL with a message in err. */

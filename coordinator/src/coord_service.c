@@ -113,8 +113,8 @@ static void members_to_pb(const coord_snapshot_t *snap, int64_t now_ns, Pshard__
         Pshard__Member *pm = &items[i];
         pshard__member__init(pm);
         pm->member_id = (char *)m->member_id;
-        pm->role = m->role == COORD_ROLE_SHARD_SERVER ? PSHARD__ROLE__SHARD_SERVER
-                                                      : PSHARD__ROLE__TRAINER;
+        pm->role =
+            m->role == COORD_ROLE_SHARD_SERVER ? PSHARD__ROLE__SHARD_SERVER : PSHARD__ROLE__TRAINER;
         pm->name = (char *)m->name;
         pm->rank = m->rank;
         pm->address = (char *)m->address;
@@ -243,8 +243,10 @@ static void send_event_locked(coord_job_t *c, ps_rpc_call_t *only, uint64_t gene
                 stream_entry_t *w = *pp;
                 if (ps_rpc_call_send_packed(w->call, packed) == PSHARD_ERR_RESOURCE_EXHAUSTED) {
                     *pp = w->next;
-                    PS_WARN(PS_SUB_COORD, "dropping a Watch from %s: it does not read its "
-                            "events", ps_rpc_call_peer(w->call));
+                    PS_WARN(PS_SUB_COORD,
+                            "dropping a Watch from %s: it does not read its "
+                            "events",
+                            ps_rpc_call_peer(w->call));
                     ps_rpc_call_fail(w->call, PSHARD_ERR_RESOURCE_EXHAUSTED,
                                      "this Watch fell too far behind (it does not read its "
                                      "events); watch again for the current state");
@@ -327,8 +329,7 @@ static void job_end_locked(pshard_coordinator_t *c, coord_job_t *j, const char *
             *pp = j->next;
             c->njobs--;
             PS_INFO(PS_SUB_COORD, "job %s ended (%s); %zu store key%s removed", j->name, why,
-                    coord_store_num_keys(j->store),
-                    coord_store_num_keys(j->store) == 1 ? "" : "s");
+                    coord_store_num_keys(j->store), coord_store_num_keys(j->store) == 1 ? "" : "s");
             job_destroy(j);
             return;
         }
@@ -352,8 +353,7 @@ static bool job_name_ok(const char *name, size_t len)
  * create is set and it does not exist yet. NULL with *rc and err set on a malformed name, an
  * unknown job (create unset: PSHARD_ERR_NOT_FOUND) or too many jobs. Under c->mu. */
 static coord_job_t *job_of_call_locked(pshard_coordinator_t *c, const ps_rpc_call_t *call,
-                                       bool create, pshard_status_t *rc, char *err,
-                                       size_t errlen)
+                                       bool create, pshard_status_t *rc, char *err, size_t errlen)
 {
     size_t len = 0;
     const char *name = ps_rpc_call_header(call, PS_RPC_JOB_HEADER, &len);
@@ -392,8 +392,8 @@ static coord_job_t *job_of_call_locked(pshard_coordinator_t *c, const ps_rpc_cal
     }
     coord_job_t *j = job_create_locked(c, name, len);
     if (!j) {
-        *rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory making job %.*s",
-                      (int)len, name);
+        *rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory making job %.*s", (int)len,
+                      name);
         return NULL;
     }
     /* After the default job, which stays first. */
@@ -487,8 +487,8 @@ static void handle_register(ps_rpc_call_t *call, const ProtobufCMessage *request
     pshard_coordinator_t *c = ctx;
     const Pshard__RegisterRequest *req = (const Pshard__RegisterRequest *)request;
     coord_role_t role = req->role == PSHARD__ROLE__SHARD_SERVER ? COORD_ROLE_SHARD_SERVER
-                        : req->role == PSHARD__ROLE__TRAINER  ? COORD_ROLE_TRAINER
-                                                              : COORD_ROLE_UNSPECIFIED;
+                        : req->role == PSHARD__ROLE__TRAINER    ? COORD_ROLE_TRAINER
+                                                                : COORD_ROLE_UNSPECIFIED;
     char err[PSHARD_ERRLEN] = "";
     coord_member_view_t view;
     pshard_status_t rc = PSHARD_OK;
@@ -502,9 +502,8 @@ static void handle_register(ps_rpc_call_t *call, const ProtobufCMessage *request
                      "the coordinator already has %zu members in %zu jobs; the limit is %d",
                      members, c->njobs, COORD_MAX_MEMBERS);
     else if (j)
-        rc = coord_state_register(j->state, role, req->name, req->address, req->node,
-                                  req->device, req->lease_key, ps_now_ns(), &view, err,
-                                  sizeof(err));
+        rc = coord_state_register(j->state, role, req->name, req->address, req->node, req->device,
+                                  req->lease_key, ps_now_ns(), &view, err, sizeof(err));
     if (j)
         flush_events_locked(j);
     pthread_mutex_unlock(&c->mu);
@@ -618,8 +617,7 @@ static void handle_store_set(ps_rpc_call_t *call, const ProtobufCMessage *reques
     pthread_mutex_lock(&c->mu);
     coord_job_t *j = job_of_call_locked(c, call, true, &rc, err, sizeof(err));
     if (j)
-        rc = coord_store_set(j->store, req->key, req->value.data, req->value.len, err,
-                             sizeof(err));
+        rc = coord_store_set(j->store, req->key, req->value.data, req->value.len, err, sizeof(err));
     pthread_mutex_unlock(&c->mu);
     if (rc != PSHARD_OK) {
         ps_rpc_call_fail(call, rc, "%s", err);
@@ -1050,8 +1048,8 @@ int pshard_coordinator_port(const pshard_coordinator_t *c)
     return ps_rpc_server_port(c->srv);
 }
 
-pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t *cfg,
-                                               char *err, size_t errlen)
+pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t *cfg, char *err,
+                                               size_t errlen)
 {
     pshard_coordinator_t *c = calloc(1, sizeof(*c));
     if (!c) {
@@ -1123,9 +1121,9 @@ pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t
     _Static_assert(PS_ARRAY_LEN(table) == PS_ARRAY_LEN(((pshard_coordinator_t *)0)->methods),
                    "method table size");
     for (size_t i = 0; i < PS_ARRAY_LEN(table); i++) {
-        c->methods[i] = (ps_rpc_method_t){
-            method_path(table[i].name, c->paths[i], sizeof(c->paths[i])), table[i].desc,
-            table[i].fn, table[i].flags, c};
+        c->methods[i] =
+            (ps_rpc_method_t){method_path(table[i].name, c->paths[i], sizeof(c->paths[i])),
+                              table[i].desc, table[i].fn, table[i].flags, c};
     }
     ps_rpc_server_add_methods(c->srv, c->methods, PS_ARRAY_LEN(table));
     ps_rpc_server_set_shutdown_hook(c->srv, on_server_shutdown, c);
@@ -1170,8 +1168,7 @@ void pshard_coordinator_stop(pshard_coordinator_t *c)
 /* Metrics (coord_metrics.h)                                                                 */
 
 void coord_service_metrics_view(pshard_coordinator_t *c,
-                                void (*fn)(void *arg, const coord_metrics_view_t *view),
-                                void *arg)
+                                void (*fn)(void *arg, const coord_metrics_view_t *view), void *arg)
 {
     coord_metrics_view_t v = {0};
     v.now_ns = ps_now_ns();

@@ -43,10 +43,10 @@ struct coord_state {
 
     int64_t last_call_deadline_ns; /* forms at this time while FORMING; -1 when not running */
 
-    int world_size;     /* 0 until formed, then fixed */
+    int world_size;             /* 0 until formed, then fixed */
     uint64_t formed_generation; /* generation of the last (re)forming; 0 before */
-    rank_slot_t *slots; /* world_size entries once formed */
-    int held_slots;     /* slots with held == true */
+    rank_slot_t *slots;         /* world_size entries once formed */
+    int held_slots;             /* slots with held == true */
 
     /* Join table: world_size entries once formed, indexed by rank; rank -1 marks a rank that
      * has not joined. Reset (with last_joiner) whenever the cluster (re)forms. */
@@ -708,9 +708,8 @@ pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id,
     return PSHARD_OK;
 }
 
-pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id,
-                                  const char *lease_key, int64_t now_ns, char *err,
-                                  size_t errlen)
+pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id, const char *lease_key,
+                                  int64_t now_ns, char *err, size_t errlen)
 {
     pshard_status_t rc;
     long i = find_keyed(st, member_id, lease_key, &rc, err, errlen);

@@ -24,8 +24,8 @@ typedef enum {
 } coord_role_t;
 
 typedef enum {
-    COORD_CLUSTER_FORMING = 1, /* rendezvous not complete yet */
-    COORD_CLUSTER_FORMED = 2,  /* ranks 0..world_size-1 assigned and all held by live members */
+    COORD_CLUSTER_FORMING = 1,  /* rendezvous not complete yet */
+    COORD_CLUSTER_FORMED = 2,   /* ranks 0..world_size-1 assigned and all held by live members */
     COORD_CLUSTER_DEGRADED = 3, /* formed once, but a ranked shard server is gone */
 } coord_cluster_state_t;
 
@@ -45,10 +45,10 @@ typedef struct {
     char address[COORD_FIELD_MAX + 1];
     char node[COORD_FIELD_MAX + 1];
     char device[COORD_FIELD_MAX + 1];
-    int rank;                     /* shard servers: 0..N-1 once formed, else -1; trainers: -1 */
-    int64_t registered_ns;        /* when this incarnation registered */
-    int64_t last_heartbeat_ns;    /* last register or heartbeat */
-    int64_t lease_deadline_ns;    /* evicted when now_ns passes this */
+    int rank;                  /* shard servers: 0..N-1 once formed, else -1; trainers: -1 */
+    int64_t registered_ns;     /* when this incarnation registered */
+    int64_t last_heartbeat_ns; /* last register or heartbeat */
+    int64_t lease_deadline_ns; /* evicted when now_ns passes this */
     uint64_t registered_generation;
 } coord_member_t;
 
@@ -103,18 +103,18 @@ typedef struct {
 typedef struct {
     uint64_t generation;
     coord_cluster_state_t state;
-    int world_size;           /* ranks assigned when formed, else 0 */
-    uint64_t formed_generation; /* see coord_member_view_t */
-    int min_nodes, max_nodes; /* from the config */
-    int shard_servers;        /* registered shard servers right now */
+    int world_size;                 /* ranks assigned when formed, else 0 */
+    uint64_t formed_generation;     /* see coord_member_view_t */
+    int min_nodes, max_nodes;       /* from the config */
+    int shard_servers;              /* registered shard servers right now */
     int64_t last_call_remaining_ms; /* -1 when no last call is running */
-    char awaiting[256];       /* human-readable: who the rendezvous still waits for, or "" */
+    char awaiting[256];             /* human-readable: who the rendezvous still waits for, or "" */
     size_t nmembers;
-    coord_member_t *members;  /* sorted: shard servers by rank (unranked last, by name), then
-                                 trainers by name */
+    coord_member_t *members; /* sorted: shard servers by rank (unranked last, by name), then
+                                trainers by name */
     size_t njoins;
-    coord_join_t *joins;      /* ranks joined now, by rank */
-    int last_joiner;          /* last rank of the most recent completed join, or -1 */
+    coord_join_t *joins; /* ranks joined now, by rank */
+    int last_joiner;     /* last rank of the most recent completed join, or -1 */
 } coord_snapshot_t;
 
 /* Called on every generation bump, synchronously inside the call that caused it (so under the
@@ -159,9 +159,8 @@ pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id,
 
 /* Removes a member at its own request (lease_key as for heartbeat); bumps the generation. A
  * ranked shard server leaving a formed cluster makes it DEGRADED. Errors: as heartbeat's. */
-pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id,
-                                  const char *lease_key, int64_t now_ns, char *err,
-                                  size_t errlen);
+pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id, const char *lease_key,
+                                  int64_t now_ns, char *err, size_t errlen);
 
 /* Advances time: evicts members whose lease lapsed (one bump per eviction, reason names the
  * member), forms the cluster when the last call expires. Returns how many changes happened. */

@@ -10,12 +10,12 @@
 
 #include "pshard/status.h"
 
-#define COORD_STORE_KEY_MAX 1024                /* bytes in a key */
-#define COORD_STORE_VALUE_MAX (1024 * 1024)     /* bytes in a value (1 MiB) */
-#define COORD_STORE_MAX_KEYS 65536              /* keys in the store */
-#define COORD_STORE_MAX_BYTES (256ull << 20)    /* keys + values in the store */
-#define COORD_STORE_WAIT_KEYS_MAX 1024          /* keys in one wait */
-#define COORD_STORE_MAX_WAITERS 16384           /* pending waits */
+#define COORD_STORE_KEY_MAX 1024             /* bytes in a key */
+#define COORD_STORE_VALUE_MAX (1024 * 1024)  /* bytes in a value (1 MiB) */
+#define COORD_STORE_MAX_KEYS 65536           /* keys in the store */
+#define COORD_STORE_MAX_BYTES (256ull << 20) /* keys + values in the store */
+#define COORD_STORE_WAIT_KEYS_MAX 1024       /* keys in one wait */
+#define COORD_STORE_MAX_WAITERS 16384        /* pending waits */
 
 typedef struct coord_store coord_store_t;
 
@@ -56,8 +56,8 @@ pshard_status_t coord_store_set(coord_store_t *store, const char *key, const uin
 
 /* Looks key up. On PSHARD_OK *value points into the store (valid until the next modifying
  * call) and *len is its size. Errors: NOT_FOUND, INVALID_ARGUMENT. */
-pshard_status_t coord_store_get(const coord_store_t *store, const char *key,
-                                const uint8_t **value, size_t *len, char *err, size_t errlen);
+pshard_status_t coord_store_get(const coord_store_t *store, const char *key, const uint8_t **value,
+                                size_t *len, char *err, size_t errlen);
 
 /* torch's compare_set: if key is absent and expected_len == 0, or the current value equals
  * expected, the value becomes desired and *swapped = 1; otherwise nothing changes and
@@ -76,8 +76,7 @@ pshard_status_t coord_store_add(coord_store_t *store, const char *key, int64_t d
                                 int64_t *result, char *err, size_t errlen);
 
 /* Deletes key (torch's delete_key). Returns PSHARD_OK or NOT_FOUND. */
-pshard_status_t coord_store_delete(coord_store_t *store, const char *key, char *err,
-                                   size_t errlen);
+pshard_status_t coord_store_delete(coord_store_t *store, const char *key, char *err, size_t errlen);
 
 /* Waits for every key in keys[0..nkeys) (1..COORD_STORE_WAIT_KEYS_MAX keys). If all exist now,
  * the callback runs before this returns. Otherwise it runs later from coord_store_set / add /

@@ -37,7 +37,9 @@ typedef struct {
 } coord_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
-    {flag, env, type, def, help, offsetof(coord_opts_t, field), lo, hi}
+    {                                                                                              \
+        flag, env, type, def, help, offsetof(coord_opts_t, field), lo, hi                          \
+    }
 
 static const ps_option_t options[] = {
     OPT("listen", "PSHARD_LISTEN", PS_OPT_STRING, "0.0.0.0:29500",
@@ -45,8 +47,8 @@ static const ps_option_t options[] = {
     OPT("port-file", "PSHARD_PORT_FILE", PS_OPT_STRING, NULL,
         "write the bound port to this file once serving", port_file, 0, 0),
     OPT("token-file", "PSHARD_TOKEN_FILE", PS_OPT_STRING, NULL,
-        "file holding the cluster token clients must send as 'authorization: Bearer'",
-        token_file, 0, 0),
+        "file holding the cluster token clients must send as 'authorization: Bearer'", token_file,
+        0, 0),
     OPT("tls-cert", "PSHARD_TLS_CERT", PS_OPT_STRING, NULL, "PEM server certificate (enables TLS)",
         tls_cert, 0, 0),
     OPT("tls-key", "PSHARD_TLS_KEY", PS_OPT_STRING, NULL, "PEM private key of --tls-cert", tls_key,
@@ -119,11 +121,11 @@ int main(int argc, char **argv)
     pshard_coordinator_t *coord = NULL;
     ps_metrics_server_t *metrics = NULL;
     char *token = NULL;
-    int start = ps_config_main(options, PS_ARRAY_LEN(options), argc, argv, &o, &res,
-                               "pshard-coordinator", "[OPTIONS]",
-                               "Tracks membership, rendezvous, Join state and timeouts for a pshard "
-                               "cluster, and serves a key/value store for bootstrapping collectives.",
-                               false);
+    int start = ps_config_main(
+        options, PS_ARRAY_LEN(options), argc, argv, &o, &res, "pshard-coordinator", "[OPTIONS]",
+        "Tracks membership, rendezvous, Join state and timeouts for a pshard "
+        "cluster, and serves a key/value store for bootstrapping collectives.",
+        false);
     if (start >= 0) {
         exit_code = start;
         goto out;
@@ -149,8 +151,9 @@ int main(int argc, char **argv)
     }
     int min_nodes = (int)o.world_size, max_nodes = (int)o.world_size;
     if (o.nnodes && parse_nnodes(o.nnodes, &min_nodes, &max_nodes) != 0) {
-        fprintf(stderr, "pshard-coordinator: --nnodes '%s' is not N or MIN:MAX with 1 <= MIN <= "
-                        "MAX <= 65536\n",
+        fprintf(stderr,
+                "pshard-coordinator: --nnodes '%s' is not N or MIN:MAX with 1 <= MIN <= "
+                "MAX <= 65536\n",
                 o.nnodes);
         exit_code = 2;
         goto out;

@@ -46,15 +46,14 @@ static void layer_params(pshard_client_t *c, int l, pshard_dtype_t dt, float *wt
  * each layer's gradients asynchronously as soon as they are written. Returns the batch loss
  * or NAN on a pshard error. */
 static pshard_status_t train_step(pshard_client_t *c, const mlp_dist_args_t *da,
-                                  mlp_workspace_t *ws, const float *x, const float *y,
-                                  float *wtmp, float *btmp, float *gwtmp, float *gbtmp,
-                                  double *loss_out)
+                                  mlp_workspace_t *ws, const float *x, const float *y, float *wtmp,
+                                  float *btmp, float *gwtmp, float *gbtmp, double *loss_out)
 {
     pshard_status_t first = PSHARD_OK;
-#define OK(expr)                                                                               \
-    do {                                                                                       \
-        if (first == PSHARD_OK)                                                                \
-            first = (expr);                                                                    \
+#define OK(expr)                                                                                   \
+    do {                                                                                           \
+        if (first == PSHARD_OK)                                                                    \
+            first = (expr);                                                                        \
     } while (0)
     const mlp_shape_t *shape = &da->common.shape;
     int nl = shape->nlayers, batch = da->common.batch;
@@ -154,8 +153,8 @@ int mlp_dist_train(const mlp_dist_args_t *da)
     mlp_workspace_t *ws = mlp_workspace_create(shape, a->batch);
     mlp_task_t *task = mlp_task_create(shape, a->task_seed);
     int rc = 1;
-    if (!params || !shapes || !names || !init || !tmp[0] || !tmp[1] || !tmp[2] || !tmp[3] ||
-        !x || !y || !ws || !task) {
+    if (!params || !shapes || !names || !init || !tmp[0] || !tmp[1] || !tmp[2] || !tmp[3] || !x ||
+        !y || !ws || !task) {
         fprintf(stderr, "pshard-mlp: out of memory\n");
         goto out;
     }
@@ -248,8 +247,7 @@ int mlp_dist_train(const mlp_dist_args_t *da)
             goto pshard_error;
         done_steps++;
         int64_t n = s + 1;
-        bool print = a->print_every > 0 &&
-                     (n == 1 || n % a->print_every == 0 || n == my_steps);
+        bool print = a->print_every > 0 && (n == 1 || n % a->print_every == 0 || n == my_steps);
         if (rank == printer && print)
             fprintf(out, "step %lld loss %.9g\n", (long long)n, (double)loss);
     }
@@ -268,8 +266,9 @@ int mlp_dist_train(const mlp_dist_args_t *da)
         pshard_join_result_t jr;
         if (pshard_join(c, &jo, &jr) != PSHARD_OK)
             goto pshard_error;
-        fprintf(out, "rank %d joined after %lld steps: %s (last rank to join: %d, %llu "
-                     "operations shadowed for the others)\n",
+        fprintf(out,
+                "rank %d joined after %lld steps: %s (last rank to join: %d, %llu "
+                "operations shadowed for the others)\n",
                 rank, (long long)done_steps, jr.is_last_joiner ? "last joiner" : "not last",
                 jr.last_rank, (unsigned long long)jr.shadowed_ops);
     }

@@ -23,8 +23,8 @@ typedef struct {
     bool join_mid_step;         /* --uneven: join after the first gather of one more step */
     int64_t fail_at_step;       /* first attempt only: rank fail_rank exits 3 before it */
     int fail_rank;
-    bool checkpoint_at_end;     /* pshard_checkpoint_save after the last step */
-    const char *init_from;      /* safetensors file with the initial weights, or NULL */
+    bool checkpoint_at_end; /* pshard_checkpoint_save after the last step */
+    const char *init_from;  /* safetensors file with the initial weights, or NULL */
 } mlp_dist_args_t;
 
 /* Connects through the environment (RANK, WORLD_SIZE, PSHARD_SERVER; pshardrun sets them),

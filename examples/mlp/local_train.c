@@ -184,8 +184,8 @@ int mlp_local_train(const mlp_local_args_t *a)
     }
     fprintf(out, "final checksum %.17g\n", checksum);
     fflush(out);
-    if (a->dump_weights && mlp_dump_weights(a->dump_weights, &a->shape,
-                                            (const float *const *)run.param) != 0)
+    if (a->dump_weights &&
+        mlp_dump_weights(a->dump_weights, &a->shape, (const float *const *)run.param) != 0)
         rc = 1;
 out:
     local_free(&run);

@@ -58,7 +58,9 @@ typedef struct {
 } mlp_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
-    {flag, env, type, def, help, offsetof(mlp_opts_t, field), lo, hi}
+    {                                                                                              \
+        flag, env, type, def, help, offsetof(mlp_opts_t, field), lo, hi                            \
+    }
 
 static const ps_option_t options[] = {
     OPT("steps", NULL, PS_OPT_INT, "20", "training steps (batches per rank)", steps, 0, 1000000000),
@@ -115,8 +117,7 @@ static const ps_option_t options[] = {
         "fault injection for restart tests: on the first attempt (PSHARD_RESTART_COUNT unset or "
         "0), rank --fail-rank exits with status 3 just before this step (0: never)",
         fail_at_step, 0, 1000000000),
-    OPT("fail-rank", NULL, PS_OPT_INT, "0", "the rank --fail-at-step stops", fail_rank, 0,
-        1000000),
+    OPT("fail-rank", NULL, PS_OPT_INT, "0", "the rank --fail-at-step stops", fail_rank, 0, 1000000),
     OPT("optimizer-in-backward", NULL, PS_OPT_BOOL, "false",
         "shard servers update each layer at its reduce-scatter and keep no gradient "
         "accumulator (needs --max-grad-norm 0)",
@@ -128,8 +129,8 @@ static const ps_option_t options[] = {
         "save a checkpoint after the last step (the servers' --checkpoint-dir)", checkpoint_at_end,
         0, 0),
     OPT("init-from", NULL, PS_OPT_STRING, NULL,
-        "initial weights from this safetensors file (e.g. pshardctl checkpoint export)",
-        init_from, 0, 0),
+        "initial weights from this safetensors file (e.g. pshardctl checkpoint export)", init_from,
+        0, 0),
 };
 
 /* The validated configuration every mode runs from. */

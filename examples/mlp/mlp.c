@@ -259,8 +259,8 @@ void mlp_layer_backward(const mlp_shape_t *shape, mlp_workspace_t *ws, int l, co
     const float *in = (l == 0) ? x : ws->act[l];
     const float *dz = ws->delta[ws->cur];
     /* dW = dZ^T [lo x batch] * in [batch x li] */
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, lo, li, batch, 1.0f, dz, lo, in, li,
-                0.0f, gw, li);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, lo, li, batch, 1.0f, dz, lo, in, li, 0.0f,
+                gw, li);
     memcpy(gb, dz, (size_t)lo * sizeof(float));
     for (int i = 1; i < batch; i++) {
         const float *row = dz + (size_t)i * lo;
@@ -271,8 +271,8 @@ void mlp_layer_backward(const mlp_shape_t *shape, mlp_workspace_t *ws, int l, co
         return; /* the input needs no gradient */
     /* dA = dZ [batch x lo] * W [lo x li], then through the ReLU that produced act[l]. */
     float *da = ws->delta[1 - ws->cur];
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, batch, li, lo, 1.0f, dz, lo, w, li,
-                0.0f, da, li);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, batch, li, lo, 1.0f, dz, lo, w, li, 0.0f,
+                da, li);
     const float *a = ws->act[l];
     size_t m = (size_t)batch * (size_t)li;
     for (size_t i = 0; i < m; i++)

@@ -23,7 +23,7 @@ typedef struct {
  * separately. Returns 0 or -1 (bad number, too many layers). */
 int mlp_parse_widths(const char *text, int input, int output, mlp_shape_t *shape);
 
-size_t mlp_num_params(const mlp_shape_t *shape);          /* 2 * nlayers tensors */
+size_t mlp_num_params(const mlp_shape_t *shape); /* 2 * nlayers tensors */
 void mlp_param_name(const mlp_shape_t *shape, size_t p, char *buf, size_t len);
 size_t mlp_param_numel(const mlp_shape_t *shape, size_t p);
 size_t mlp_param_rows(const mlp_shape_t *shape, size_t p); /* shape[0] */
@@ -44,8 +44,9 @@ void mlp_workspace_free(mlp_workspace_t *ws);
  * [batch x widths[nlayers]] (mean over batch and outputs, like torch.nn.MSELoss). If grads is
  * non-NULL, also runs backward and writes d(loss)/d(param) into grads[p] (overwriting).
  * params/grads are fp32 arrays per parameter. Returns the loss. */
-double mlp_forward_backward(const mlp_shape_t *shape, mlp_workspace_t *ws, const float *const *params,
-                            const float *x, const float *y, int batch, float *const *grads);
+double mlp_forward_backward(const mlp_shape_t *shape, mlp_workspace_t *ws,
+                            const float *const *params, const float *x, const float *y, int batch,
+                            float *const *grads);
 
 /* The same computation one layer at a time, for trainers that hold one layer's parameters at
  * a time (FSDP): mlp_layer_forward for l = 0 .. nlayers-1 in order (x is the batch, read by
@@ -70,7 +71,7 @@ int mlp_dump_weights(const char *path, const mlp_shape_t *shape, const float *co
 typedef struct mlp_task mlp_task_t;
 mlp_task_t *mlp_task_create(const mlp_shape_t *shape, uint64_t task_seed);
 void mlp_task_free(mlp_task_t *task);
-void mlp_task_batch(mlp_task_t *task, uint64_t data_seed, int rank, int64_t b, int batch,
-                    float *x, float *y);
+void mlp_task_batch(mlp_task_t *task, uint64_t data_seed, int rank, int64_t b, int batch, float *x,
+                    float *y);
 
 #endif

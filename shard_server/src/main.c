@@ -45,7 +45,9 @@ typedef struct {
 } server_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
-    {flag, env, type, def, help, offsetof(server_opts_t, field), lo, hi}
+    {                                                                                              \
+        flag, env, type, def, help, offsetof(server_opts_t, field), lo, hi                         \
+    }
 
 static const ps_option_t options[] = {
     OPT("coordinator", "PSHARD_COORDINATOR", PS_OPT_STRING, NULL,

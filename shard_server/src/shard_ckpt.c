@@ -91,16 +91,26 @@ static size_t bounce_chunk(const bounce_t *b, size_t done, size_t total)
 static pshard_status_t gather_words(pshard_comm_t *comm, const int64_t *mine, int64_t *out,
                                     size_t words, const char *label, char *err, size_t errlen)
 {
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_INT64, .send = mine,
-                            .recv = out, .count = words, .tag = CKPT_TAG, .label = label};
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER,
+                            .dtype = PSHARD_INT64,
+                            .send = mine,
+                            .recv = out,
+                            .count = words,
+                            .tag = CKPT_TAG,
+                            .label = label};
     return pshard_coll_run(comm, &a, err, errlen);
 }
 
 static pshard_status_t broadcast_words(pshard_comm_t *comm, int64_t *words, size_t n,
                                        const char *label, char *err, size_t errlen)
 {
-    pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64, .send = words,
-                            .recv = words, .count = n, .root = 0, .tag = CKPT_TAG + 1,
+    pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST,
+                            .dtype = PSHARD_INT64,
+                            .send = words,
+                            .recv = words,
+                            .count = n,
+                            .root = 0,
+                            .tag = CKPT_TAG + 1,
                             .label = label};
     return pshard_coll_run(comm, &a, err, errlen);
 }
@@ -116,8 +126,8 @@ static void fault_point(const char *name, int64_t step)
     int64_t at = -1;
     if (ps_parse_i64(f + n + 1, 0, INT64_MAX, &at) != 0 || at != step)
         return;
-    PS_ERROR(PS_SUB_SHARD, "PSHARD_FAULT_INJECT: killing this process at %s of step %" PRId64,
-             name, step);
+    PS_ERROR(PS_SUB_SHARD, "PSHARD_FAULT_INJECT: killing this process at %s of step %" PRId64, name,
+             step);
     raise(SIGKILL);
 }
 
@@ -244,8 +254,8 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
         ps_ckpt_step_dir(root, m->step, step_dir, sizeof(step_dir));
         local = ps_ckpt_step_dir_make(root, m->step, &dfd, local_err, sizeof(local_err));
         struct stat st;
-        committed = local == PSHARD_OK &&
-                    fstatat(dfd, PS_CKPT_MANIFEST, &st, AT_SYMLINK_NOFOLLOW) == 0;
+        committed =
+            local == PSHARD_OK && fstatat(dfd, PS_CKPT_MANIFEST, &st, AT_SYMLINK_NOFOLLOW) == 0;
     }
     int64_t t0 = ps_now_ns();
     /* Phase 1: every rank writes its shard (unless this step is committed already: saving the
@@ -285,8 +295,7 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
     char commit_err[PSHARD_ERRLEN] = "";
     if (rc == PSHARD_OK && rank == 0 && failed < 0 && !all_committed) {
         ps_ckpt_manifest_t man;
-        pshard_status_t mr = build_manifest(m, world, all, 3, &man, commit_err,
-                                            sizeof(commit_err));
+        pshard_status_t mr = build_manifest(m, world, all, 3, &man, commit_err, sizeof(commit_err));
         if (mr == PSHARD_OK)
             fault_point("ckpt-before-manifest", m->step);
         if (mr == PSHARD_OK)
@@ -295,8 +304,7 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
         verdict[0] = mr == PSHARD_OK;
         if (mr == PSHARD_OK) {
             char perr[PSHARD_ERRLEN] = "";
-            if (ps_ckpt_prune(root, (int)s->cfg.checkpoint_keep, perr, sizeof(perr)) !=
-                PSHARD_OK)
+            if (ps_ckpt_prune(root, (int)s->cfg.checkpoint_keep, perr, sizeof(perr)) != PSHARD_OK)
                 PS_WARN(PS_SUB_SHARD, "pruning old checkpoints: %s", perr);
         } else {
             PS_ERROR(PS_SUB_SHARD, "committing the checkpoint of step %" PRId64 ": %s", m->step,
@@ -322,8 +330,9 @@ pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, s
     if (!verdict[0])
         return ps_errf(err, errlen, PSHARD_ERR_SYSTEM,
                        "checkpoint of step %" PRId64 " not committed: %s", m->step,
-                       rank == 0 ? commit_err : "rank 0 could not write the manifest (its log "
-                                                "says why); the previous checkpoints are intact");
+                       rank == 0 ? commit_err
+                                 : "rank 0 could not write the manifest (its log "
+                                   "says why); the previous checkpoints are intact");
     char abs[PATH_MAX];
     if (!realpath(step_dir, abs))
         ps_strlcpy(abs, step_dir, sizeof(abs));
@@ -342,13 +351,12 @@ static pshard_status_t check_matches(const shard_model_t *m, const ps_ckpt_manif
 {
     if (man->nparams != m->nparams)
         return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
-                       "checkpoint %s has %zu parameters; the model defines %zu", dir,
-                       man->nparams, m->nparams);
+                       "checkpoint %s has %zu parameters; the model defines %zu", dir, man->nparams,
+                       m->nparams);
     for (size_t p = 0; p < m->nparams; p++) {
         const ps_ckpt_param_t *cp = &man->params[p];
         bool same = strcmp(cp->name, m->params[p].name) == 0 && cp->ndim == m->params[p].ndim &&
-                    memcmp(cp->shape, m->params[p].shape,
-                           (size_t)cp->ndim * sizeof(int64_t)) == 0;
+                    memcmp(cp->shape, m->params[p].shape, (size_t)cp->ndim * sizeof(int64_t)) == 0;
         if (!same)
             return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                            "checkpoint %s: parameter #%zu is '%s' (%d dims, first %" PRId64
@@ -412,8 +420,10 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
             ps_strlcpy(refused, local_err, sizeof(refused));
         if (pick[0] < 0 && refused[0]) {
             if (s->cfg.resume_allow_fresh)
-                PS_WARN(PS_SUB_SHARD, "no loadable checkpoint under %s (%s): starting fresh, as "
-                        "--resume-allow-fresh says", root, refused);
+                PS_WARN(PS_SUB_SHARD,
+                        "no loadable checkpoint under %s (%s): starting fresh, as "
+                        "--resume-allow-fresh says",
+                        root, refused);
             else
                 pick[0] = -2;
         }
@@ -425,8 +435,8 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
         /* Every rank's trainer gets rank 0's reasons, whichever reports first. */
         int64_t words[sizeof(refused) / 8];
         memcpy(words, refused, sizeof(words));
-        PS_CHECK(broadcast_words(comm, words, PS_ARRAY_LEN(words), "checkpoint refusals", err,
-                                 errlen));
+        PS_CHECK(
+            broadcast_words(comm, words, PS_ARRAY_LEN(words), "checkpoint refusals", err, errlen));
         memcpy(refused, words, sizeof(words));
         refused[sizeof(refused) - 1] = '\0';
         return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,

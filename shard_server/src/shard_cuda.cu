@@ -17,7 +17,7 @@
 
 static cudaStream_t g_stream;
 static bool g_stream_ready;
-static double *g_norm; // device: the squared norm's accumulator
+static double *g_norm;      // device: the squared norm's accumulator
 static unsigned int *g_max; // device: the inf-norm's maximum (bits of a non-negative float)
 
 static pshard_status_t cuda_fail(char *err, size_t errlen, cudaError_t rc, const char *what)

@@ -68,14 +68,14 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
     }
     uint64_t attempt = ++s->define_attempts;
     char key[128];
-    snprintf(key, sizeof(key), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
-             s->comm_generation, attempt, m->rank);
+    snprintf(key, sizeof(key), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d", s->comm_generation,
+             attempt, m->rank);
     size_t spec_len = strlen(m->spec_text);
     if (spec_len > (1u << 20))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "the model definition is too large to compare (%zu bytes)", spec_len);
-    pshard_status_t rc = ps_coord_store_put(s->coord, key, m->spec_text, spec_len, 10000, err,
-                                            errlen);
+    pshard_status_t rc =
+        ps_coord_store_put(s->coord, key, m->spec_text, spec_len, 10000, err, errlen);
     if (rc != PSHARD_OK)
         return rc;
     for (int r = 0; r < m->world; r++) {
@@ -102,9 +102,8 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
                 return rc;
             }
         }
-        char *text = wr->n_values == 1 ? strndup((const char *)wr->values[0].data,
-                                                 wr->values[0].len)
-                                       : NULL;
+        char *text =
+            wr->n_values == 1 ? strndup((const char *)wr->values[0].data, wr->values[0].len) : NULL;
         protobuf_c_message_free_unpacked(&wr->base, NULL);
         if (!text)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
@@ -121,8 +120,7 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
  * values, each inside the region of region_bytes. Definitions shard_model_create refuses
  * anyway (too many parameters, bad shapes) are left to it: it names the problem better. */
 static pshard_status_t check_init_offsets(const Pshard__DefineModelRequest *req,
-                                          uint64_t region_bytes, int rank, char *err,
-                                          size_t errlen)
+                                          uint64_t region_bytes, int rank, char *err, size_t errlen)
 {
     bool has_data = req->init != PSHARD__INIT_MODE__INIT_FROM_RANK0 || rank == 0;
     if (!has_data || req->n_params == 0 || req->n_params > SHARD_MAX_PARAMS)
@@ -170,9 +168,14 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
         if (has_data)
             src = (const float *)((uint8_t *)region->base + req->init_offsets[p]);
         if (from_rank0 && m->world > 1) {
-            pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_FP32, .root = 0,
-                                    .send = src, .recv = full, .count = numel,
-                                    .tag = ((uint64_t)1 << 63) | p, .label = m->params[p].name};
+            pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST,
+                                    .dtype = PSHARD_FP32,
+                                    .root = 0,
+                                    .send = src,
+                                    .recv = full,
+                                    .count = numel,
+                                    .tag = ((uint64_t)1 << 63) | p,
+                                    .label = m->params[p].name};
             rc = pshard_coll_run(comm, &a, err, errlen);
             src = full;
         }
@@ -228,7 +231,7 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
     }
     ps_optim_config_t oc;
     const Pshard__OptimizerConfig *po = req->optimizer;
-    ps_optim_kind_t kind = !po                                        ? PS_OPTIM_SGD
+    ps_optim_kind_t kind = !po                                         ? PS_OPTIM_SGD
                            : po->kind == PSHARD__OPTIMIZER_KIND__ADAM  ? PS_OPTIM_ADAM
                            : po->kind == PSHARD__OPTIMIZER_KIND__ADAMW ? PS_OPTIM_ADAMW
                                                                        : PS_OPTIM_SGD;
@@ -251,8 +254,8 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
             oc.eps = po->eps;
         }
     }
-    pshard_layout_t layout = req->layout == PSHARD__LAYOUT__FSDP1 ? PSHARD_LAYOUT_FSDP1
-                                                                  : PSHARD_LAYOUT_FSDP2;
+    pshard_layout_t layout =
+        req->layout == PSHARD__LAYOUT__FSDP1 ? PSHARD_LAYOUT_FSDP1 : PSHARD_LAYOUT_FSDP2;
     if (req->layout != PSHARD__LAYOUT__FSDP1 && req->layout != PSHARD__LAYOUT__FSDP2) {
         rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown layout %d",
                      (int)req->layout);
@@ -293,9 +296,8 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
         goto out;
     rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n, names,
                             shapes, ndims, &oc, groups, req->n_groups, req->param_groups,
-                            req->n_param_groups, po ? po->max_grad_norm : 0,
-                            po && po->in_backward, s->dev, s->cfg.device, s->max_model_bytes, &m,
-                            err, errlen);
+                            req->n_param_groups, po ? po->max_grad_norm : 0, po && po->in_backward,
+                            s->dev, s->cfg.device, s->max_model_bytes, &m, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
     rc = check_definitions(s, m, err, errlen);

@@ -46,8 +46,8 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
 }
 
 pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                         pshard_dtype_t dt, const void *send, int active,
-                                         char *err, size_t errlen)
+                                         pshard_dtype_t dt, const void *send, int active, char *err,
+                                         size_t errlen)
 {
     /* Checked before the collective, so every rank refuses alike and none waits. */
     if (m->in_backward && m->reduced[p])
@@ -81,10 +81,14 @@ pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op,
     int world = pshard_comm_world_size(comm);
     bool partial_avg = op->average && op->coll_op == PSHARD_COLL_ALL_REDUCE && active < world &&
                        op->dtype != PSHARD_INT64;
-    pshard_coll_args_t a = {.op = (pshard_coll_op_t)op->coll_op, .dtype = op->dtype,
-                            .reduce = op->average && !partial_avg ? PSHARD_REDUCE_AVG
-                                                                  : PSHARD_REDUCE_SUM,
-                            .root = op->root, .send = send, .recv = recv, .count = op->count,
+    pshard_coll_args_t a = {.op = (pshard_coll_op_t)op->coll_op,
+                            .dtype = op->dtype,
+                            .reduce =
+                                op->average && !partial_avg ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
+                            .root = op->root,
+                            .send = send,
+                            .recv = recv,
+                            .count = op->count,
                             .label = "trainer collective"};
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     if (partial_avg) {
@@ -124,9 +128,14 @@ static pshard_status_t global_norm(pshard_comm_t *comm, shard_model_t *m, bool i
     uint64_t tag = ((uint64_t)m->step << 32) | tag_low;
     if (!inf) {
         float sq = (float)local;
-        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32,
-                                .reduce = PSHARD_REDUCE_SUM, .send = &sq, .recv = &sq,
-                                .count = 1, .tag = tag, .label = label};
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE,
+                                .dtype = PSHARD_FP32,
+                                .reduce = PSHARD_REDUCE_SUM,
+                                .send = &sq,
+                                .recv = &sq,
+                                .count = 1,
+                                .tag = tag,
+                                .label = label};
         PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
         *norm = sqrt((double)sq);
         return PSHARD_OK;
@@ -136,8 +145,13 @@ static pshard_status_t global_norm(pshard_comm_t *comm, shard_model_t *m, bool i
     float *all = calloc((size_t)world, sizeof(float));
     if (!all)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32, .send = &mine,
-                            .recv = all, .count = 1, .tag = tag, .label = label};
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER,
+                            .dtype = PSHARD_FP32,
+                            .send = &mine,
+                            .recv = all,
+                            .count = 1,
+                            .tag = tag,
+                            .label = label};
     pshard_status_t rc = pshard_coll_run(comm, &a, err, errlen);
     if (rc == PSHARD_OK)
         *norm = (double)ps_max_abs(all, (size_t)world);

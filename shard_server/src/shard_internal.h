@@ -40,7 +40,7 @@ struct pshard_shard_server {
     int64_t register_backoff_ms;  /* the lease's thread only */
     pthread_t setup_thread, watch_thread;
     bool setup_started, watch_started;
-    int64_t last_contact_ns;  /* last successful heartbeat (mu) */
+    int64_t last_contact_ns; /* last successful heartbeat (mu) */
     atomic_bool stop;
     volatile int stop_flag; /* mirrors stop for the communicator's set-up (pshard_comm_config) */
 
@@ -51,7 +51,7 @@ struct pshard_shard_server {
     int rank, world;
     uint64_t generation, formed_generation, comm_generation;
     int64_t heartbeat_ms;
-    int64_t lease_ms;        /* the coordinator's lease, from heartbeats (mu) */
+    int64_t lease_ms; /* the coordinator's lease, from heartbeats (mu) */
     bool formed;
     pshard_comm_t *comm; /* set once built; replaced only by the setup thread */
     pshard_status_t fatal;
@@ -66,7 +66,7 @@ struct pshard_shard_server {
                                member of that name (mu) */
     int64_t attached_ns;    /* when the session began (mu) */
     shm_map_t scratch, model_shm;
-    shm_map_t pending_model; /* remote trainers: private model region filled before DefineModel */
+    shm_map_t pending_model;  /* remote trainers: private model region filled before DefineModel */
     uint64_t max_model_bytes; /* --max-model-memory, or what this machine / cgroup has */
     shard_model_t *model;
     /* Definitions compared in comm generation define_generation (op_mu): each attempt
@@ -75,12 +75,12 @@ struct pshard_shard_server {
     uint64_t define_attempts, define_generation;
 
     /* Join, guarded by op_mu (status reads the copies under mu). */
-    bool joined;             /* this rank's trainer joined; Join shadows the others */
+    bool joined; /* this rank's trainer joined; Join shadows the others */
     int64_t joined_step;
     uint64_t shadowed_ops;
-    int64_t *agree_buf;      /* world records of the agreement before each operation */
+    int64_t *agree_buf; /* world records of the agreement before each operation */
     size_t agree_cap;
-    void *follow_buf;        /* a joined rank's receive/zero buffers for the others' ops */
+    void *follow_buf; /* a joined rank's receive/zero buffers for the others' ops */
     size_t follow_cap;
 
     /* Checkpoints. ckpt_requested: the newest `pshardctl checkpoint save` request seen in the
@@ -93,15 +93,14 @@ struct pshard_shard_server {
     /* Statistics and health (shard_metrics.c): atomics, never behind op_mu. */
     int64_t started_ns;
     shard_op_stats_t op_stats[SHARD_OPK_COUNT];
-    atomic_int region_reads;      /* ReadRegion calls running (shard_service.c) */
-    atomic_int serving;           /* what "pshard.ShardServer" reports: 1 SERVING, 2 NOT */
-    pthread_mutex_t health_mu;    /* serializes shard_health_update's evaluate-and-set */
-    char health_reason[256];      /* why NOT_SERVING, "" when serving (health_mu) */
+    atomic_int region_reads;   /* ReadRegion calls running (shard_service.c) */
+    atomic_int serving;        /* what "pshard.ShardServer" reports: 1 SERVING, 2 NOT */
+    pthread_mutex_t health_mu; /* serializes shard_health_update's evaluate-and-set */
+    char health_reason[256];   /* why NOT_SERVING, "" when serving (health_mu) */
     pthread_t monitor_thread;
     bool monitor_started;
     struct ps_metrics_server *metrics; /* --metrics-listen, or NULL */
 };
-
 
 /* One trainer operation as the ranks agree on it before running it (shard_join.c). */
 typedef enum {
@@ -116,15 +115,15 @@ typedef enum {
 typedef struct {
     shard_sop_kind_t kind;
     pshard_dtype_t dtype;
-    size_t nids;          /* gather / reduce-scatter: the parameters, in order */
+    size_t nids; /* gather / reduce-scatter: the parameters, in order */
     const uint32_t *ids;
-    double lr;            /* step: with set_lr, this step's lr for every group */
+    double lr; /* step: with set_lr, this step's lr for every group */
     bool set_lr;
     size_t nwords;        /* step: the groups' new hyperparameters (shard_groups_encode); 0: */
     const int64_t *words; /* unchanged */
     double max_norm;      /* clip: clip_grad_norm's arguments */
     double norm_type;
-    uint32_t coll_op;     /* collective: pshard_coll_op_t, element count, root, average */
+    uint32_t coll_op; /* collective: pshard_coll_op_t, element count, root, average */
     uint64_t count;
     int root;
     bool average;
@@ -145,8 +144,8 @@ pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm
 const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, size_t len);
 
 /* The operations' cores (shard_exec.c), shared by the trainer operations and a joined rank
- * shadowing them (op_mu held). shard_gather_one all-gathers parameter p in dt into recv (full size);
- * shard_reduce_scatter_one reduce-scatters the full gradient send (dt) and adds this rank's
+ * shadowing them (op_mu held). shard_gather_one all-gathers parameter p in dt into recv (full
+ * size); shard_reduce_scatter_one reduce-scatters the full gradient send (dt) and adds this rank's
  * slice, averaged over active contributors, to the accumulator; shard_run_step (shard_exec.c)
  * takes the step op's groups, clips and runs the optimizer on every trained slice, each with
  * its group's hyperparameters; shard_run_clip (shard_exec.c) is clip_grad_norm: the global
@@ -156,17 +155,17 @@ const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, 
 pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
                                  pshard_dtype_t dt, void *recv, char *err, size_t errlen);
 pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                         pshard_dtype_t dt, const void *send, int active,
-                                         char *err, size_t errlen);
+                                         pshard_dtype_t dt, const void *send, int active, char *err,
+                                         size_t errlen);
 pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
-                               const shard_sop_t *op, int64_t ckpt_request, double *norm,
-                               char *err, size_t errlen);
+                               const shard_sop_t *op, int64_t ckpt_request, double *norm, char *err,
+                               size_t errlen);
 pshard_status_t shard_run_clip(pshard_comm_t *comm, shard_model_t *m, double max_norm,
                                double norm_type, double *total_norm, char *err, size_t errlen);
 
 /* Parameter groups from a DefineModel or Step request (n entries, kind the model's) into *out
- * (NULL for n == 0; free it; shard_define.c). Copies only: shard_model_create and shard_model_check_groups validate. Errors:
- * INVALID_ARGUMENT over SHARD_MAX_GROUPS, NO_MEMORY. */
+ * (NULL for n == 0; free it; shard_define.c). Copies only: shard_model_create and
+ * shard_model_check_groups validate. Errors: INVALID_ARGUMENT over SHARD_MAX_GROUPS, NO_MEMORY. */
 struct Pshard__OptimizerGroup;
 pshard_status_t shard_groups_from_pb(struct Pshard__OptimizerGroup *const *pb, size_t n,
                                      ps_optim_kind_t kind, shard_group_t **out, char *err,

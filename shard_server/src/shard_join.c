@@ -139,14 +139,12 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
     for (int r = 0; r < world; r++) {
         const int64_t *x = recs + (size_t)r * REC_WORDS;
         if (x[W_KIND] < REC_OP || x[W_KIND] > REC_JOINED ||
-            (x[W_KIND] == REC_OP && (x[W_SOP] < SHARD_SOP_GATHER ||
-                                     x[W_SOP] > SHARD_SOP_CLIP || x[W_NIDS] < 0 ||
-                                     x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 ||
-                                     x[W_DTYPE] > PSHARD_INT64 ||
-                                     (x[W_SOP] == SHARD_SOP_STEP &&
-                                      (x[W_COUNT] < 0 ||
-                                       x[W_COUNT] > SHARD_MAX_GROUPS * SHARD_GROUP_WORDS ||
-                                       x[W_COUNT] % SHARD_GROUP_WORDS != 0)))))
+            (x[W_KIND] == REC_OP &&
+             (x[W_SOP] < SHARD_SOP_GATHER || x[W_SOP] > SHARD_SOP_CLIP || x[W_NIDS] < 0 ||
+              x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 || x[W_DTYPE] > PSHARD_INT64 ||
+              (x[W_SOP] == SHARD_SOP_STEP &&
+               (x[W_COUNT] < 0 || x[W_COUNT] > SHARD_MAX_GROUPS * SHARD_GROUP_WORDS ||
+                x[W_COUNT] % SHARD_GROUP_WORDS != 0)))))
             return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
                            "rank %d sent a malformed agreement record (kind %" PRId64 ")", r,
                            x[W_KIND]);
@@ -226,9 +224,8 @@ pshard_status_t shard_agree_refusal(const agreement_t *ag, const shard_sop_t *op
                        "with throw_on_early_termination: this %s ran on no rank; call "
                        "pshard_join to finish",
                        ag->throw_rank, ag->throw_step, shard_sop_name(op->kind));
-    if (op->kind == SHARD_SOP_COLLECTIVE && op->coll_op == PSHARD_COLL_BROADCAST &&
-        op->root >= 0 && op->root < ag->world &&
-        recs[(size_t)op->root * REC_WORDS + W_KIND] != REC_OP)
+    if (op->kind == SHARD_SOP_COLLECTIVE && op->coll_op == PSHARD_COLL_BROADCAST && op->root >= 0 &&
+        op->root < ag->world && recs[(size_t)op->root * REC_WORDS + W_KIND] != REC_OP)
         return ps_errf(err, errlen, PSHARD_ERR_JOINED,
                        "the broadcast's root, rank %d, has joined (no more input)", op->root);
     return PSHARD_OK;

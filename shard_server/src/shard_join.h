@@ -14,7 +14,7 @@
 
 /* An agreement record: REC_WORDS int64 per rank. */
 #define REC_WORDS 16
-#define REC_INLINE_IDS 4 /* W_IDS + 4 == REC_WORDS */
+#define REC_INLINE_IDS 4      /* W_IDS + 4 == REC_WORDS */
 #define AGREE_TAG 0x41475245u /* "AGRE" */
 
 enum { REC_OP = 1, REC_JOIN = 2, REC_JOINED = 3 };
@@ -24,7 +24,7 @@ enum {
     W_SOP,
     W_DTYPE,
     W_NIDS,
-    W_ARG, /* lr bits (step), max_norm bits (clip) or collective op */
+    W_ARG,   /* lr bits (step), max_norm bits (clip) or collective op */
     W_COUNT, /* element count (collective), group words (step), norm_type bits (clip) */
     W_ROOT,  /* root (collective), set_lr (step) */
     W_AVERAGE,
@@ -40,17 +40,17 @@ _Static_assert(W_IDS + REC_INLINE_IDS == REC_WORDS, "the record's words are all 
 /* The outcome of one agreement round, the same on every rank. */
 typedef struct {
     int world;
-    int active;         /* ranks that asked for an operation */
-    int first_active;   /* whose operation the round runs; -1 when none */
-    int throw_rank;     /* a joined rank that asked for throw_on_early_termination; -1 */
+    int active;       /* ranks that asked for an operation */
+    int first_active; /* whose operation the round runs; -1 when none */
+    int throw_rank;   /* a joined rank that asked for throw_on_early_termination; -1 */
     int64_t throw_step;
-    bool any_joined;    /* some rank is joined or joining */
-    bool all_joined;    /* no rank asked for an operation: the post hook */
-    int last_rank;      /* with all_joined: the highest rank that joined in this round */
+    bool any_joined; /* some rank is joined or joining */
+    bool all_joined; /* no rank asked for an operation: the post hook */
+    int last_rank;   /* with all_joined: the highest rank that joined in this round */
     bool desync;
     char desync_msg[PSHARD_ERRLEN];
     int64_t ckpt_request; /* the newest checkpoint request any rank has seen */
-    shard_sop_t op;     /* the agreed operation (ids point into ids_buf or the records) */
+    shard_sop_t op;       /* the agreed operation (ids point into ids_buf or the records) */
     uint32_t ids_buf_inline[REC_INLINE_IDS];
     uint32_t *ids_heap;
     int64_t *words_heap; /* a step's groups, broadcast for joined ranks */

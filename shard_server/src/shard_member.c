@@ -34,8 +34,8 @@ void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *m
 }
 
 /* Cut off from the coordinator for longer than the lease while a collective is stalled (for
- * half a lease or more): this server has been evicted and its peers have stopped waiting for it, so its own
- * collectives stop too and its trainer gets an error instead of waiting for a ring that is
+ * half a lease or more): this server has been evicted and its peers have stopped waiting for it, so
+ * its own collectives stop too and its trainer gets an error instead of waiting for a ring that is
  * gone. A coordinator that is merely down (restarting) leaves the ring running: operations
  * keep completing, so nothing stalls and nothing is aborted. */
 static void lost_contact_check(pshard_shard_server_t *s)
@@ -78,8 +78,8 @@ static void poll_checkpoint_request(pshard_shard_server_t *s)
      * would answer every heartbeat, which status would count as errors. */
     int64_t v = 0;
     char err[PSHARD_ERRLEN] = "";
-    if (ps_coord_store_incr(s->coord, "pshard/checkpoint/request", 0, &v, 2000, err,
-                            sizeof(err)) != PSHARD_OK)
+    if (ps_coord_store_incr(s->coord, "pshard/checkpoint/request", 0, &v, 2000, err, sizeof(err)) !=
+        PSHARD_OK)
         return;
     pthread_mutex_lock(&s->mu);
     if (v > s->ckpt_requested)
@@ -96,8 +96,7 @@ static int64_t lease_event(void *ctx, const ps_coord_lease_event_t *ev)
 {
     pshard_shard_server_t *s = ctx;
     if (ev->registered && ev->rc != PSHARD_OK) {
-        PS_WARN(PS_SUB_SHARD, "cannot register with %s: %s; retrying", s->cfg.coordinator,
-                ev->err);
+        PS_WARN(PS_SUB_SHARD, "cannot register with %s: %s; retrying", s->cfg.coordinator, ev->err);
         int64_t wait = s->register_backoff_ms;
         s->register_backoff_ms = wait * 2 > 2000 ? 2000 : wait * 2;
         return wait;
@@ -192,8 +191,8 @@ static bool comm_stale(pshard_shard_server_t *s)
 void *shard_setup_main(void *arg)
 {
     pshard_shard_server_t *s = arg;
-    int64_t give_up = s->cfg.form_timeout_ms > 0 ? ps_now_ns() + s->cfg.form_timeout_ms * 1000000
-                                                 : INT64_MAX;
+    int64_t give_up =
+        s->cfg.form_timeout_ms > 0 ? ps_now_ns() + s->cfg.form_timeout_ms * 1000000 : INT64_MAX;
     while (!atomic_load(&s->stop)) {
         pthread_mutex_lock(&s->mu);
         while (!atomic_load(&s->stop) && (!s->formed || (s->comm && !comm_stale(s)))) {
@@ -222,8 +221,9 @@ void *shard_setup_main(void *arg)
         pthread_mutex_unlock(&s->mu);
         if (old) {
             /* The cluster re-formed: the old ring is not the new one. */
-            PS_WARN(PS_SUB_SHARD, "cluster re-formed (generation %" PRIu64 "); rebuilding the "
-                                  "communicator",
+            PS_WARN(PS_SUB_SHARD,
+                    "cluster re-formed (generation %" PRIu64 "); rebuilding the "
+                    "communicator",
                     gen);
             shard_health_update(s); /* s->comm is NULL now: NOT_SERVING */
             /* Abort first, without op_mu: a trainer operation may hold it inside a collective
@@ -256,8 +256,8 @@ void *shard_setup_main(void *arg)
         if (rc == PSHARD_ERR_RESOURCE_EXHAUSTED) {
             /* The coordinator's store is full: retrying cannot help, the job must be told. */
             char msg[PSHARD_ERRLEN];
-            snprintf(msg, sizeof(msg), "cannot build the communicator (rank %d of %d): %s",
-                     rank, world, err);
+            snprintf(msg, sizeof(msg), "cannot build the communicator (rank %d of %d): %s", rank,
+                     world, err);
             shard_set_fatal(s, rc, msg);
             break;
         }
@@ -277,7 +277,6 @@ void *shard_setup_main(void *arg)
     }
     return NULL;
 }
-
 
 /* What the watch thread remembers of a member between events: enough to name an evicted one. */
 typedef struct {
@@ -314,7 +313,8 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         /* Our own trainer is known by name: a job too large for one event may have left it
          * out of the member lists (members_omitted). */
         bool trainer = ours && (!who || who->role == PSHARD__ROLE__TRAINER);
-        bool matters = trainer || (who && who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0);
+        bool matters =
+            trainer || (who && who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0);
         if (matters && comm && pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
             char msg[PSHARD_ERRLEN];
             if (trainer)

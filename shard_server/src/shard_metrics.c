@@ -12,8 +12,8 @@
 #include "shard_internal.h"
 
 static const char *const opk_names[SHARD_OPK_COUNT] = {
-    "gather", "reduce_scatter", "step", "clip_grad_norm",
-    "all_gather", "all_reduce", "broadcast", "barrier",
+    "gather",     "reduce_scatter", "step",      "clip_grad_norm",
+    "all_gather", "all_reduce",     "broadcast", "barrier",
 };
 
 shard_opk_t shard_opk_of_coll(uint32_t coll_op)
@@ -30,8 +30,8 @@ shard_opk_t shard_opk_of_coll(uint32_t coll_op)
     }
 }
 
-void shard_stats_record(pshard_shard_server_t *s, shard_opk_t op, int64_t start_ns,
-                        uint64_t bytes, bool ok)
+void shard_stats_record(pshard_shard_server_t *s, shard_opk_t op, int64_t start_ns, uint64_t bytes,
+                        bool ok)
 {
     shard_op_stats_t *st = &s->op_stats[op];
     int64_t ns = ps_now_ns() - start_ns;
@@ -109,9 +109,8 @@ void shard_health_update(pshard_shard_server_t *s)
         if (want == 2 && had == 1)
             PS_WARN(PS_SUB_SHARD, "health NOT_SERVING: %s", why);
         else if (want == 1)
-            PS_INFO(PS_SUB_SHARD, "health SERVING%s%s", had == 2 && s->health_reason[0]
-                                                            ? " again; it was NOT_SERVING: "
-                                                            : "",
+            PS_INFO(PS_SUB_SHARD, "health SERVING%s%s",
+                    had == 2 && s->health_reason[0] ? " again; it was NOT_SERVING: " : "",
                     had == 2 ? s->health_reason : "");
         atomic_store(&s->serving, want);
         ps_rpc_server_set_health(s->srv, "pshard.ShardServer", want);
@@ -175,8 +174,9 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     uint64_t state_bytes = m ? shard_model_state_bytes(m) : 0;
     pthread_mutex_unlock(&s->mu);
 
-    const char *info[] = {"name", s->cfg.name, "backend", s->cfg.backend, "offload",
-                          s->cfg.offload, "version", PSHARD_VERSION_STRING, NULL};
+    const char *info[] = {"name",    s->cfg.name,    "backend", s->cfg.backend,
+                          "offload", s->cfg.offload, "version", PSHARD_VERSION_STRING,
+                          NULL};
     ps_metrics_family(w, "pshard_shard_info", PS_METRIC_GAUGE,
                       "Constant 1, labelled with this shard server's name, backend and offload.");
     ps_metrics_sample(w, info, 1);
@@ -199,8 +199,9 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     gauge(w, "pshard_shard_lease_age_seconds",
           "Seconds since the last successful heartbeat to the coordinator (-1: none yet).",
           last_contact > 0 ? (double)(ps_now_ns() - last_contact) / 1e9 : -1);
-    gauge(w, "pshard_shard_lease_seconds", "The coordinator's lease: evicted after this long "
-                                           "without a heartbeat (0: not known yet).",
+    gauge(w, "pshard_shard_lease_seconds",
+          "The coordinator's lease: evicted after this long "
+          "without a heartbeat (0: not known yet).",
           (double)lease_ms / 1e3);
     gauge(w, "pshard_shard_trainer_attached", "1 while a trainer is attached.", attached ? 1 : 0);
     gauge(w, "pshard_shard_step", "Optimizer steps taken on this rank's shard.", (double)step);
@@ -211,8 +212,9 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     gauge(w, "pshard_shard_state_bytes",
           "Bytes of shard state (master weights, gradients, optimizer state).",
           (double)state_bytes);
-    gauge(w, "pshard_shard_joined", "1 while this rank's trainer has joined (Join, uneven "
-                                    "inputs) and the server shadows the other ranks.",
+    gauge(w, "pshard_shard_joined",
+          "1 while this rank's trainer has joined (Join, uneven "
+          "inputs) and the server shadows the other ranks.",
           joined ? 1 : 0);
     gauge(w, "pshard_shard_joined_step", "The step at which this rank's trainer joined.",
           (double)joined_step);

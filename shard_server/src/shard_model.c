@@ -183,9 +183,10 @@ static pshard_status_t check_group(ps_optim_kind_t kind, const shard_group_t *g,
 /* The model's groups: the given ones (kind from optim) or one from optim; each parameter's
  * group; whether any is frozen; how many state arrays the optimizer needs (SGD: one when a
  * trained group has momentum). Errors are INVALID_ARGUMENT naming the group or parameter. */
-static pshard_status_t setup_groups(shard_model_t *m, const ps_optim_config_t *optim, const shard_group_t *groups,
-                                    size_t ngroups, const uint32_t *param_groups,
-                                    size_t nparam_groups, char *err, size_t errlen)
+static pshard_status_t setup_groups(shard_model_t *m, const ps_optim_config_t *optim,
+                                    const shard_group_t *groups, size_t ngroups,
+                                    const uint32_t *param_groups, size_t nparam_groups, char *err,
+                                    size_t errlen)
 {
     m->ngroups = ngroups ? ngroups : 1;
     m->explicit_groups = ngroups > 0;
@@ -231,8 +232,8 @@ static int append_group(char **buf, size_t *len, size_t *cap, const shard_group_
     return append(buf, len, cap,
                   "group %zu lr %.17g momentum %.17g dampening %.17g nesterov %d weight_decay "
                   "%.17g betas %.17g %.17g eps %.17g%s\n",
-                  i, c->lr, c->momentum, c->dampening, (int)c->nesterov, c->weight_decay,
-                  c->beta1, c->beta2, c->eps, g->frozen ? " frozen" : "");
+                  i, c->lr, c->momentum, c->dampening, (int)c->nesterov, c->weight_decay, c->beta1,
+                  c->beta2, c->eps, g->frozen ? " frozen" : "");
 }
 
 static void format_param(const shard_param_t *p, char *buf, size_t len)
@@ -262,11 +263,9 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "the model has no parameters");
     if (nparams > SHARD_MAX_PARAMS)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "the model has %zu parameters; the limit is %d", nparams,
-                       SHARD_MAX_PARAMS);
+                       "the model has %zu parameters; the limit is %d", nparams, SHARD_MAX_PARAMS);
     if (layout != PSHARD_LAYOUT_FSDP2 && layout != PSHARD_LAYOUT_FSDP1)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown layout %d",
-                       (int)layout);
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown layout %d", (int)layout);
     if (ngroups == 0 && nparam_groups != 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "param_groups has %zu entries, but no groups are defined", nparam_groups);
@@ -313,15 +312,15 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
         for (size_t k = 0; k < nl; k++) {
             if (name[k] <= ' ' || name[k] > '~') {
                 rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                             "parameter #%zu: the name has a space or non-printable byte at %zu",
-                             i, k);
+                             "parameter #%zu: the name has a space or non-printable byte at %zu", i,
+                             k);
                 goto fail;
             }
         }
         if (ndims[i] < 1 || ndims[i] > SHARD_MAX_DIMS) {
             rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                         "parameter '%s' has %zu dimensions; 1..%d are supported", name,
-                         ndims[i], SHARD_MAX_DIMS);
+                         "parameter '%s' has %zu dimensions; 1..%d are supported", name, ndims[i],
+                         SHARD_MAX_DIMS);
             goto fail;
         }
         shard_param_t *p = &m->params[i];
@@ -407,8 +406,7 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     }
     if (!m->master || (in_backward ? !m->reduced : !m->grad) || (nstate >= 1 && !m->state0) ||
         (nstate >= 2 && !m->state1) || !m->stage) {
-        rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
-                     "cannot allocate %zu bytes of shard state",
+        rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "cannot allocate %zu bytes of shard state",
                      bytes * (size_t)(1 + !in_backward + nstate));
         goto fail;
     }
@@ -420,8 +418,7 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
         append(&m->spec_text, &len, &cap, "layout %s world %d optimizer %d%s",
                layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1", world, (int)optim->kind,
                in_backward ? " in_backward" : "") != 0 ||
-        (m->explicit_groups &&
-         append(&m->spec_text, &len, &cap, " groups %zu", m->ngroups) != 0) ||
+        (m->explicit_groups && append(&m->spec_text, &len, &cap, " groups %zu", m->ngroups) != 0) ||
         append(&m->spec_text, &len, &cap, "\n") != 0) {
         rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
         goto fail;
@@ -498,8 +495,8 @@ pshard_status_t shard_model_compare(const shard_model_t *m, const char *other, i
             continue;
         if (i == 0)
             return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
-                           "model definitions differ: rank %d has '%s', rank %d has '%s'",
-                           m->rank, mine, other_rank, theirs);
+                           "model definitions differ: rank %d has '%s', rank %d has '%s'", m->rank,
+                           mine, other_rank, theirs);
         if (i > m->nparams)
             return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                            "model definitions differ in parameter group #%zu: rank %d defines "
@@ -523,8 +520,8 @@ size_t shard_model_state_bytes(const shard_model_t *m)
 bool shard_model_next_run(const shard_model_t *m, bool by_group, size_t *p, shard_run_t *run)
 {
     size_t i = *p;
-    while (i < m->nparams && (ps_layout_counts(m->layout, i)[m->rank] == 0 ||
-                              m->groups[m->param_group[i]].frozen))
+    while (i < m->nparams &&
+           (ps_layout_counts(m->layout, i)[m->rank] == 0 || m->groups[m->param_group[i]].frozen))
         i++;
     if (i >= m->nparams) {
         *p = i;
@@ -564,8 +561,8 @@ pshard_status_t shard_model_check_groups(const shard_model_t *m, const shard_gro
                            "group %zu: frozen cannot change after the definition (it is %s); "
                            "define the model again to change requires_grad",
                            g, m->groups[g].frozen ? "frozen" : "trained");
-        if (m->optim.kind == PS_OPTIM_SGD && !groups[g].frozen &&
-            groups[g].cfg.momentum != 0.0 && !m->state0)
+        if (m->optim.kind == PS_OPTIM_SGD && !groups[g].frozen && groups[g].cfg.momentum != 0.0 &&
+            !m->state0)
             return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                            "group %zu: momentum %g needs SGD momentum buffers, which were not "
                            "allocated because no trained group had momentum when the model was "
@@ -684,8 +681,8 @@ static pshard_status_t reduce_on_device(shard_model_t *m, uint32_t p, pshard_dty
  * buffer (an average over all ranks when active == world, else a sum over the active ones):
  * adds it, averaged over the active ranks, to the accumulator, or with optimizer_in_backward
  * applies the update at once. */
-pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype_t dt,
-                                      int active, char *err, size_t errlen)
+pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype_t dt, int active,
+                                      char *err, size_t errlen)
 {
     size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
     size_t off = ps_layout_shard_offset(m->layout, p, m->rank);
@@ -710,9 +707,8 @@ pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype
             for (size_t k = 0; k < cnt; k++)
                 r[k] *= scale;
         m->grad_sq += ps_sum_squares(r, cnt);
-        ps_optim_step(cfg, lr, m->step + 1, m->master + off, r,
-                      m->state0 ? m->state0 + off : NULL, m->state1 ? m->state1 + off : NULL,
-                      cnt);
+        ps_optim_step(cfg, lr, m->step + 1, m->master + off, r, m->state0 ? m->state0 + off : NULL,
+                      m->state1 ? m->state1 + off : NULL, cnt);
         m->reduced[p] = 1;
         return PSHARD_OK;
     }
@@ -800,8 +796,8 @@ pshard_status_t shard_model_optimize(shard_model_t *m, bool set_lr, double lr, c
         if (m->dev) {
             ps_optim_scalars_t sc;
             ps_optim_step_scalars(cfg, run_lr, m->step + 1, &sc);
-            PS_CHECK(m->dev->optim_step(m->device, &sc, master, grad, PSHARD_FP32, false, 1.0f,
-                                        s0, s1, run.n, err, errlen));
+            PS_CHECK(m->dev->optim_step(m->device, &sc, master, grad, PSHARD_FP32, false, 1.0f, s0,
+                                        s1, run.n, err, errlen));
         } else {
             ps_optim_step(cfg, run_lr, m->step + 1, master, grad, s0, s1, run.n);
         }
@@ -819,10 +815,10 @@ pshard_status_t shard_model_take_groups(shard_model_t *m, const int64_t *words, 
     if (!g)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     shard_groups_decode(words, n, m->optim.kind, g);
-    pshard_status_t rc = nwords % SHARD_GROUP_WORDS
-                             ? ps_errf(err, errlen, PSHARD_ERR_DESYNC,
-                                       "a step carried %zu group words", nwords)
-                             : shard_model_check_groups(m, g, n, err, errlen);
+    pshard_status_t rc =
+        nwords % SHARD_GROUP_WORDS
+            ? ps_errf(err, errlen, PSHARD_ERR_DESYNC, "a step carried %zu group words", nwords)
+            : shard_model_check_groups(m, g, n, err, errlen);
     if (rc == PSHARD_OK)
         shard_model_set_groups(m, g);
     free(g);

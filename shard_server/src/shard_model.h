@@ -47,16 +47,16 @@ typedef struct {
     ps_layout_t *layout;
     size_t nparams;
     shard_param_t *params;
-    size_t shard_numel; /* elements this rank owns */
+    size_t shard_numel;                     /* elements this rank owns */
     float *master, *grad, *state0, *state1; /* device memory when dev is set */
     /* GPU-resident shards (--backend nccl --offload none): the operations on that memory
      * (shard_cuda.h) and the CUDA device; NULL: host memory. */
     const struct shard_dev_ops *dev;
     int device;
-    size_t max_piece;   /* largest piece of one parameter on this rank */
-    size_t max_numel;   /* largest full parameter */
-    void *stage;        /* max_piece fp32-sized elements: conversions, reduce output (on
-                           the device too when dev is set) */
+    size_t max_piece;        /* largest piece of one parameter on this rank */
+    size_t max_numel;        /* largest full parameter */
+    void *stage;             /* max_piece fp32-sized elements: conversions, reduce output (on
+                                the device too when dev is set) */
     ps_optim_config_t optim; /* the kind, and group 0's hyperparameters at definition */
     /* Parameter groups: ngroups >= 1 (one from the model-wide config when the definition gave
      * none), param_group[p] the group of parameter p; groups[g].cfg changes with Step's groups. */
@@ -65,7 +65,7 @@ typedef struct {
     uint32_t *param_group;
     bool explicit_groups; /* the definition gave groups (they are in spec_text) */
     bool any_frozen;
-    int nstate;           /* fp32 state arrays per element (state0, state1) */
+    int nstate; /* fp32 state arrays per element (state0, state1) */
     double max_grad_norm;
     /* optimizer_in_backward: grad is NULL; each parameter's slice is updated at its
      * reduce-scatter with its group's hyperparameters and, when cur_lr_set, the lr cur_lr
@@ -78,8 +78,8 @@ typedef struct {
     double grad_sq;
     int64_t step;
     uint64_t fingerprint;
-    char *spec_text;    /* canonical text of the definition, compared across ranks */
-    bool pinned;        /* storage page-locked by shard_model_pin, on pin_device */
+    char *spec_text; /* canonical text of the definition, compared across ranks */
+    bool pinned;     /* storage page-locked by shard_model_pin, on pin_device */
     int pin_device;
 } shard_model_t;
 
@@ -114,8 +114,8 @@ pshard_status_t shard_model_pin(shard_model_t *m, int device, char *err, size_t 
 
 /* Compares this model's definition text with another rank's and, when they differ, writes a
  * message naming the first differing parameter into err and returns FAILED_PRECONDITION. */
-pshard_status_t shard_model_compare(const shard_model_t *m, const char *other_text,
-                                    int other_rank, char *err, size_t errlen);
+pshard_status_t shard_model_compare(const shard_model_t *m, const char *other_text, int other_rank,
+                                    char *err, size_t errlen);
 
 /* Bytes of master + gradient accumulator (none in backward mode) + optimizer state. */
 size_t shard_model_state_bytes(const shard_model_t *m);
@@ -156,8 +156,8 @@ void shard_groups_decode(const int64_t *words, size_t n, ps_optim_kind_t kind,
  * zeroes the accumulators. */
 pshard_status_t shard_model_slice_in(shard_model_t *m, uint32_t p, pshard_dtype_t dt,
                                      const void **out, char *err, size_t errlen);
-pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype_t dt,
-                                      int active, char *err, size_t errlen);
+pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype_t dt, int active,
+                                      char *err, size_t errlen);
 pshard_status_t shard_model_local_norm(shard_model_t *m, bool inf, double *out, char *err,
                                        size_t errlen);
 pshard_status_t shard_model_scale_grads(shard_model_t *m, float factor, char *err, size_t errlen);

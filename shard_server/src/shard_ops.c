@@ -40,8 +40,8 @@ pshard_comm_t *shard_op_comm(pshard_shard_server_t *s, pshard_status_t *rc, char
     return c;
 }
 
-pshard_status_t shard_session_check(const pshard_shard_server_t *s, const char *session,
-                                    char *err, size_t errlen)
+pshard_status_t shard_session_check(const pshard_shard_server_t *s, const char *session, char *err,
+                                    size_t errlen)
 {
     if (!s->session[0])
         return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
@@ -114,9 +114,13 @@ static pshard_status_t share_words(pshard_comm_t *comm, agreement_t *ag, int ran
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     if (rank == ag->first_active)
         memcpy(ag->words_heap, mine->words, op->nwords * sizeof(int64_t));
-    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64,
-                            .send = ag->words_heap, .recv = ag->words_heap, .count = op->nwords,
-                            .root = ag->first_active, .tag = AGREE_TAG + 2,
+    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST,
+                            .dtype = PSHARD_INT64,
+                            .send = ag->words_heap,
+                            .recv = ag->words_heap,
+                            .count = op->nwords,
+                            .root = ag->first_active,
+                            .tag = AGREE_TAG + 2,
                             .label = "agreement groups"};
     op->words = ag->words_heap;
     return pshard_coll_run(comm, &b, err, errlen);
@@ -126,8 +130,8 @@ static pshard_status_t share_words(pshard_comm_t *comm, agreement_t *ag, int ran
  * outcome (free with agreement_free); errors are the all-gather's, or DESYNC for records no
  * pshard server sends. */
 static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int kind,
-                             const shard_sop_t *mine, bool throw_flag, agreement_t *ag,
-                             char *err, size_t errlen)
+                             const shard_sop_t *mine, bool throw_flag, agreement_t *ag, char *err,
+                             size_t errlen)
 {
     memset(ag, 0, sizeof(*ag));
     int world = pshard_comm_world_size(comm), rank = pshard_comm_rank(comm);
@@ -145,10 +149,13 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
     pthread_mutex_unlock(&s->mu);
     shard_rec_encode(rec, kind, mine, throw_flag, s->model ? s->model->step : 0, ckpt);
     char label[64];
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_INT64, .send = rec,
-                            .recv = s->agree_buf, .count = REC_WORDS, .tag = AGREE_TAG,
-                            .label = shard_op_label(s->model, "agreement", label,
-                                                    sizeof(label))};
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER,
+                            .dtype = PSHARD_INT64,
+                            .send = rec,
+                            .recv = s->agree_buf,
+                            .count = REC_WORDS,
+                            .tag = AGREE_TAG,
+                            .label = shard_op_label(s->model, "agreement", label, sizeof(label))};
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     PS_CHECK(shard_agree_verdict(s->agree_buf, world, ag, err, errlen));
     shard_sop_t *op = &ag->op;
@@ -173,9 +180,14 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
     if (rank == ag->first_active)
         for (size_t i = 0; i < op->nids; i++)
             wide[i] = mine->ids[i];
-    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_INT64, .send = wide,
-                            .recv = wide, .count = op->nids, .root = ag->first_active,
-                            .tag = AGREE_TAG + 1, .label = "agreement ids"};
+    pshard_coll_args_t b = {.op = PSHARD_COLL_BROADCAST,
+                            .dtype = PSHARD_INT64,
+                            .send = wide,
+                            .recv = wide,
+                            .count = op->nids,
+                            .root = ag->first_active,
+                            .tag = AGREE_TAG + 1,
+                            .label = "agreement ids"};
     pshard_status_t rc = pshard_coll_run(comm, &b, err, errlen);
     for (size_t i = 0; rc == PSHARD_OK && i < op->nids; i++)
         ag->ids_heap[i] = (uint32_t)wide[i];
@@ -216,24 +228,22 @@ static void *follow_buffer(pshard_shard_server_t *s, size_t bytes)
 }
 
 /* The main hook: runs this rank's side of the operation the others agreed on. */
-static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm,
-                              const agreement_t *ag, char *err, size_t errlen)
+static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, const agreement_t *ag,
+                              char *err, size_t errlen)
 {
     shard_model_t *m = s->model;
     const shard_sop_t *op = &ag->op;
     if (op->kind == SHARD_SOP_COLLECTIVE) {
         size_t es = pshard_dtype_size(op->dtype);
         uint64_t world = (uint64_t)ag->world;
-        if (op->count > (1ull << 32) / es || (op->coll_op != PSHARD_COLL_ALL_GATHER &&
-                                              op->coll_op != PSHARD_COLL_ALL_REDUCE &&
-                                              op->coll_op != PSHARD_COLL_BROADCAST &&
-                                              op->coll_op != PSHARD_COLL_BARRIER))
+        if (op->count > (1ull << 32) / es ||
+            (op->coll_op != PSHARD_COLL_ALL_GATHER && op->coll_op != PSHARD_COLL_ALL_REDUCE &&
+             op->coll_op != PSHARD_COLL_BROADCAST && op->coll_op != PSHARD_COLL_BARRIER))
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                            "cannot shadow %s of %" PRIu64 " elements",
                            pshard_coll_op_name((pshard_coll_op_t)op->coll_op), op->count);
         size_t send_bytes = (size_t)op->count * es;
-        size_t recv_bytes = op->coll_op == PSHARD_COLL_ALL_GATHER ? send_bytes * world
-                                                                  : send_bytes;
+        size_t recv_bytes = op->coll_op == PSHARD_COLL_ALL_GATHER ? send_bytes * world : send_bytes;
         uint8_t *buf = follow_buffer(s, send_bytes + recv_bytes);
         if (!buf)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
@@ -268,8 +278,7 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm,
             PS_CHECK(shard_gather_one(comm, m, p, op->dtype, buf, err, errlen));
         } else {
             memset(buf, 0, bytes); /* this rank contributes no gradient */
-            PS_CHECK(shard_reduce_scatter_one(comm, m, p, op->dtype, buf, ag->active, err,
-                                              errlen));
+            PS_CHECK(shard_reduce_scatter_one(comm, m, p, op->dtype, buf, ag->active, err, errlen));
         }
     }
     return PSHARD_OK;
@@ -327,9 +336,8 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
             break;
         }
         bool skip = ag.desync || ag.throw_rank >= 0 ||
-                    (ag.op.kind == SHARD_SOP_COLLECTIVE &&
-                     ag.op.coll_op == PSHARD_COLL_BROADCAST && ag.op.root >= 0 &&
-                     ag.op.root < ag.world &&
+                    (ag.op.kind == SHARD_SOP_COLLECTIVE && ag.op.coll_op == PSHARD_COLL_BROADCAST &&
+                     ag.op.root >= 0 && ag.op.root < ag.world &&
                      s->agree_buf[(size_t)ag.op.root * REC_WORDS + W_KIND] != REC_OP);
         if (!skip)
             rc = follow(s, comm, &ag, err, errlen);
@@ -351,8 +359,7 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
         PS_WARN(PS_SUB_SHARD, "join ended with an error: %s", err);
         char why[PSHARD_ERRLEN];
         ps_strlcpy(why, err, sizeof(why));
-        return ps_errf(err, errlen, rc, "while shadowing the other ranks after the join: %s",
-                       why);
+        return ps_errf(err, errlen, rc, "while shadowing the other ranks after the join: %s", why);
     }
     PS_INFO(PS_SUB_SHARD, "every rank joined (last: rank %d) after %" PRIu64 " shadowed operations",
             last_rank, res->shadowed);

@@ -50,8 +50,8 @@ pshard_comm_t *shard_op_comm(pshard_shard_server_t *s, pshard_status_t *rc, char
 
 /* PSHARD_OK when session names the attached trainer, else FAILED_PRECONDITION saying why.
  * Call with op_mu held. */
-pshard_status_t shard_session_check(const pshard_shard_server_t *s, const char *session,
-                                    char *err, size_t errlen);
+pshard_status_t shard_session_check(const pshard_shard_server_t *s, const char *session, char *err,
+                                    size_t errlen);
 
 /* Join (shard_join.c): this rank's trainer ran out of input; its server shadows the other
  * ranks' operations (its real slice for gathers, zeros for gradients) until every rank has
@@ -93,8 +93,8 @@ typedef struct {
     pshard_status_t sent; /* out: ps_rpc_call_send's status for the chunk */
     bool finished;        /* out: the range was sent and the call finished */
 } shard_read_chunk_t;
-pshard_status_t shard_region_read_run(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                      shard_op_t *op, char *err, size_t errlen);
+pshard_status_t shard_region_read_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                      char *err, size_t errlen);
 
 /* A WriteRegion chunk (arg is the Pshard__RegionWriteRequest) copied into its region; a model
  * region with region_bytes is the private one filled before DefineModel, (re)allocated at that

@@ -31,8 +31,8 @@ pshard_status_t shard_map_shm(const char *name, uint64_t bytes, shm_map_t *out, 
                        SHM_NAME_MAX);
     for (size_t i = 1; i < n; i++) {
         char ch = name[i];
-        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-                  ch == '.' || ch == '_' || ch == '-';
+        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                  (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '-';
         if (!ok)
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                            "shared-memory name has an invalid character at %zu", i);
@@ -42,8 +42,8 @@ pshard_status_t shard_map_shm(const char *name, uint64_t bytes, shm_map_t *out, 
                        "shared-memory size %" PRIu64 " is out of range", bytes);
     int fd = shm_open(name, O_RDWR | O_NOFOLLOW, 0);
     if (fd < 0)
-        return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "cannot open shared memory %s: %s",
-                       name, strerror(errno));
+        return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "cannot open shared memory %s: %s", name,
+                       strerror(errno));
     struct stat stt;
     if (fstat(fd, &stt) != 0 || !S_ISREG(stt.st_mode) || (uint64_t)stt.st_size < bytes) {
         close(fd);
@@ -54,8 +54,7 @@ pshard_status_t shard_map_shm(const char *name, uint64_t bytes, shm_map_t *out, 
     void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (p == MAP_FAILED)
-        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot map %s: %s", name,
-                       strerror(errno));
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot map %s: %s", name, strerror(errno));
     out->base = p;
     out->bytes = (size_t)bytes;
     ps_strlcpy(out->name, name, sizeof(out->name));
@@ -68,8 +67,7 @@ pshard_status_t shard_alloc_private(uint64_t bytes, shm_map_t *out, char *err, s
     if (bytes == 0 || bytes > (1ull << 46))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "region size %" PRIu64 " is out of range", bytes);
-    void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
-                   0);
+    void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
                        "cannot allocate a %" PRIu64 "-byte region: %s", bytes, strerror(errno));
@@ -145,8 +143,8 @@ static pshard_status_t region_of(pshard_shard_server_t *s, Pshard__Region r, shm
     return PSHARD_OK;
 }
 
-pshard_status_t shard_region_read_run(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                      shard_op_t *op, char *err, size_t errlen)
+pshard_status_t shard_region_read_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                      char *err, size_t errlen)
 {
     /* Checked again for every chunk: a new session (a re-attach) replaces the regions. */
     shard_read_chunk_t *a = op->arg;
@@ -179,8 +177,7 @@ pshard_status_t shard_region_write_run(pshard_shard_server_t *s, pshard_comm_t *
     const Pshard__RegionWriteRequest *req = op->arg;
     if (req->data.len > CHUNK_MAX)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "a chunk of %zu bytes exceeds the %u-byte limit", req->data.len,
-                       CHUNK_MAX);
+                       "a chunk of %zu bytes exceeds the %u-byte limit", req->data.len, CHUNK_MAX);
     shm_map_t *m = NULL;
     if (req->region == PSHARD__REGION__MODEL && req->region_bytes) {
         /* Before DefineModel: the private model region being filled. */

@@ -34,8 +34,7 @@ int pshard_shard_server_metrics_port(const pshard_shard_server_t *s)
     return s->metrics ? ps_metrics_server_port(s->metrics) : 0;
 }
 
-pshard_status_t pshard_shard_server_error(const pshard_shard_server_t *s, char *err,
-                                          size_t errlen)
+pshard_status_t pshard_shard_server_error(const pshard_shard_server_t *s, char *err, size_t errlen)
 {
     pshard_shard_server_t *m = (pshard_shard_server_t *)s;
     pthread_mutex_lock(&m->mu);
@@ -62,8 +61,8 @@ static uint64_t machine_memory(void)
     return mem;
 }
 
-pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_config_t *cfg,
-                                                 char *err, size_t errlen)
+pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_config_t *cfg, char *err,
+                                                 size_t errlen)
 {
     if (!cfg->coordinator || !cfg->listen || !cfg->name) {
         ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
@@ -123,8 +122,8 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     s->cfg.checkpoint_dir = own(s, 9, cfg->checkpoint_dir);
     s->cfg.resume = own(s, 10, cfg->resume);
     s->cfg.job = own(s, 11, cfg->job);
-    s->max_model_bytes = cfg->max_model_memory > 0 ? (uint64_t)cfg->max_model_memory
-                                                   : machine_memory();
+    s->max_model_bytes =
+        cfg->max_model_memory > 0 ? (uint64_t)cfg->max_model_memory : machine_memory();
     if (s->cfg.checkpoint_keep <= 0)
         s->cfg.checkpoint_keep = 3;
     s->rank = -1;
@@ -191,8 +190,8 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     if (pthread_create(&s->monitor_thread, NULL, shard_monitor_main, s) == 0)
         s->monitor_started = true;
     if (cfg->metrics_listen && *cfg->metrics_listen) {
-        s->metrics = ps_metrics_server_start(cfg->metrics_listen, shard_metrics_collect, s, err,
-                                             errlen);
+        s->metrics =
+            ps_metrics_server_start(cfg->metrics_listen, shard_metrics_collect, s, err, errlen);
         if (!s->metrics) {
             pshard_shard_server_stop(s);
             return NULL;

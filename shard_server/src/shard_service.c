@@ -91,8 +91,8 @@ typedef struct {
 
 /* Refuses a trainer of another rank, and a rank a live trainer holds: under op_mu, which every
  * Attach takes, so two at once cannot both pass. */
-static pshard_status_t attach_check(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                    shard_op_t *op, char *err, size_t errlen)
+static pshard_status_t attach_check(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                    char *err, size_t errlen)
 {
     const Pshard__AttachRequest *req = ((attach_arg_t *)op->arg)->req;
     if (req->rank != pshard_comm_rank(comm))
@@ -132,16 +132,15 @@ static pshard_status_t attach_run(pshard_shard_server_t *s, pshard_comm_t *comm,
         snprintf(a->session + 2 * i, 3, "%02x", rnd[i]);
     pthread_mutex_lock(&s->mu);
     memcpy(s->session, a->session, sizeof(a->session));
-    ps_strlcpy(s->trainer_name, req->member_name ? req->member_name : "",
-               sizeof(s->trainer_name));
+    ps_strlcpy(s->trainer_name, req->member_name ? req->member_name : "", sizeof(s->trainer_name));
     s->trainer_seen = false; /* until the coordinator shows its lease */
     s->attached_ns = ps_now_ns();
     pthread_mutex_unlock(&s->mu);
     a->rank = pshard_comm_rank(comm);
     a->world = pshard_comm_world_size(comm);
     a->generation = s->comm_generation;
-    PS_INFO(PS_SUB_SHARD, "trainer '%s' attached (%" PRIu64 " bytes of scratch)",
-            req->trainer_name, req->shm_bytes);
+    PS_INFO(PS_SUB_SHARD, "trainer '%s' attached (%" PRIu64 " bytes of scratch)", req->trainer_name,
+            req->shm_bytes);
     return PSHARD_OK;
 }
 
@@ -149,11 +148,8 @@ static void handle_attach(ps_rpc_call_t *call, const ProtobufCMessage *request, 
 {
     pshard_shard_server_t *s = ctx;
     attach_arg_t a = {.req = (const Pshard__AttachRequest *)request};
-    shard_op_t op = {.no_session = true,
-                     .opk = -1,
-                     .check = attach_check,
-                     .run = attach_run,
-                     .arg = &a};
+    shard_op_t op = {
+        .no_session = true, .opk = -1, .check = attach_check, .run = attach_run, .arg = &a};
     char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(s, &op, err, sizeof(err));
     Pshard__AttachResponse out = PSHARD__ATTACH_RESPONSE__INIT;
@@ -195,8 +191,8 @@ typedef struct {
 /* Checks the tensor list of a Gather/ReduceScatter against the model and the region; a
  * reduce-scatter may not name a frozen parameter. Every rank checks its own request before the
  * agreement, so ranks that ask alike refuse alike and none waits in a collective. */
-static pshard_status_t tensors_check(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                     shard_op_t *op, char *err, size_t errlen)
+static pshard_status_t tensors_check(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                     char *err, size_t errlen)
 {
     tensors_arg_t *a = op->arg;
     Pshard__TensorRef **t = a->tensors;
@@ -241,8 +237,8 @@ static pshard_status_t tensors_check(pshard_shard_server_t *s, pshard_comm_t *co
 }
 
 /* One collective per tensor, in order, into or from the trainer's buffers. */
-static pshard_status_t tensors_run(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                   shard_op_t *op, char *err, size_t errlen)
+static pshard_status_t tensors_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                   char *err, size_t errlen)
 {
     tensors_arg_t *a = op->arg;
     shard_model_t *m = s->model;
@@ -299,8 +295,7 @@ static void handle_reduce_scatter(ps_rpc_call_t *call, const ProtobufCMessage *r
 {
     const Pshard__ReduceScatterRequest *req = (const Pshard__ReduceScatterRequest *)request;
     Pshard__ReduceScatterResponse out = PSHARD__REDUCE_SCATTER_RESPONSE__INIT;
-    tensor_op(ctx, call, false, req->session, req->tensors, req->n_tensors, req->dtype,
-              &out.base);
+    tensor_op(ctx, call, false, req->session, req->tensors, req->n_tensors, req->dtype, &out.base);
 }
 
 /* A plain collective's buffers lie in the scratch region (checked under op_mu: a
@@ -325,13 +320,13 @@ static pshard_status_t collective_check(pshard_shard_server_t *s, pshard_comm_t 
     return PSHARD_OK;
 }
 
-static pshard_status_t collective_run(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                      shard_op_t *op, char *err, size_t errlen)
+static pshard_status_t collective_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                      char *err, size_t errlen)
 {
     const Pshard__CollectiveRequest *req = op->arg;
     uint8_t *base = s->scratch.base;
-    return shard_run_collective(comm, &op->sop, base + req->send_offset,
-                                base + req->recv_offset, op->active, err, errlen);
+    return shard_run_collective(comm, &op->sop, base + req->send_offset, base + req->recv_offset,
+                                op->active, err, errlen);
 }
 
 static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
@@ -353,8 +348,12 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
     shard_op_t op = {
         .session = req->session,
         .agree = true,
-        .sop = {.kind = SHARD_SOP_COLLECTIVE, .dtype = dt, .coll_op = req->op,
-                .count = req->count, .root = req->root, .average = req->reduce != 0},
+        .sop = {.kind = SHARD_SOP_COLLECTIVE,
+                .dtype = dt,
+                .coll_op = req->op,
+                .count = req->count,
+                .root = req->root,
+                .average = req->reduce != 0},
         .opk = shard_opk_of_coll(req->op),
         .check = collective_check,
         .run = collective_run,
@@ -384,15 +383,15 @@ static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm,
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "a step carries either groups (each with its lr) or lr, not both");
     if (req->set_lr && (!(req->lr >= 0) || !isfinite(req->lr)))
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "learning rate %g is not >= 0", req->lr);
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "learning rate %g is not >= 0",
+                       req->lr);
     op->sop.set_lr = req->set_lr;
     op->sop.lr = req->set_lr ? req->lr : 0.0;
     if (req->n_groups == 0)
         return PSHARD_OK;
     shard_group_t *g = NULL;
-    pshard_status_t rc = shard_groups_from_pb(req->groups, req->n_groups, s->model->optim.kind,
-                                              &g, err, errlen);
+    pshard_status_t rc =
+        shard_groups_from_pb(req->groups, req->n_groups, s->model->optim.kind, &g, err, errlen);
     if (rc == PSHARD_OK)
         rc = shard_model_check_groups(s->model, g, req->n_groups, err, errlen);
     if (rc == PSHARD_OK) {
@@ -466,20 +465,19 @@ static pshard_status_t clip_run(pshard_shard_server_t *s, pshard_comm_t *comm, s
                           errlen);
 }
 
-static void handle_clip_grad_norm(ps_rpc_call_t *call, const ProtobufCMessage *request,
-                                  void *ctx)
+static void handle_clip_grad_norm(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
     const Pshard__ClipGradNormRequest *req = (const Pshard__ClipGradNormRequest *)request;
     double norm = 0;
-    shard_op_t op = {.session = req->session,
-                     .needs_model = "no model is defined",
-                     .agree = true,
-                     .sop = {.kind = SHARD_SOP_CLIP, .max_norm = req->max_norm,
-                             .norm_type = req->norm_type},
-                     .opk = SHARD_OPK_CLIP_GRAD_NORM,
-                     .check = clip_check,
-                     .run = clip_run,
-                     .arg = &norm};
+    shard_op_t op = {
+        .session = req->session,
+        .needs_model = "no model is defined",
+        .agree = true,
+        .sop = {.kind = SHARD_SOP_CLIP, .max_norm = req->max_norm, .norm_type = req->norm_type},
+        .opk = SHARD_OPK_CLIP_GRAD_NORM,
+        .check = clip_check,
+        .run = clip_run,
+        .arg = &norm};
     char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
     Pshard__ClipGradNormResponse out = PSHARD__CLIP_GRAD_NORM_RESPONSE__INIT;
@@ -541,7 +539,8 @@ static void handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
     answer(call, rc, err, &out.base);
 }
 
-#define READ_STALL_NS (60LL * 1000000000LL) /* ReadRegion: a client that reads nothing this long */
+/* ReadRegion: a client that reads nothing this long is dropped. */
+#define READ_STALL_NS (60LL * 1000000000LL)
 
 /* Chunks go out at the pace the client reads them (a bounded send queue), each one operation
  * (shard_region_read_run), which checks again that the session and the range are still valid;
@@ -619,10 +618,8 @@ static void handle_read_region(ps_rpc_call_t *call, const ProtobufCMessage *requ
 static void handle_write_region(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
     const Pshard__RegionWriteRequest *req = (const Pshard__RegionWriteRequest *)request;
-    shard_op_t op = {.session = req->session,
-                     .opk = -1,
-                     .run = shard_region_write_run,
-                     .arg = (void *)req};
+    shard_op_t op = {
+        .session = req->session, .opk = -1, .run = shard_region_write_run, .arg = (void *)req};
     char err[PSHARD_ERRLEN] = "";
     Pshard__RegionWriteResponse out = PSHARD__REGION_WRITE_RESPONSE__INIT;
     answer(call, shard_op_run(ctx, &op, err, sizeof(err)), err, &out.base);
@@ -704,8 +701,7 @@ void shard_service_add_methods(pshard_shard_server_t *s)
         {"WriteRegion", &pshard__region_write_request__descriptor, handle_write_region},
         {"Join", &pshard__join_request__descriptor, handle_join},
         {"Checkpoint", &pshard__checkpoint_request__descriptor, handle_checkpoint},
-        {"ClipGradNorm", &pshard__clip_grad_norm_request__descriptor,
-         handle_clip_grad_norm},
+        {"ClipGradNorm", &pshard__clip_grad_norm_request__descriptor, handle_clip_grad_norm},
     };
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);

@@ -582,8 +582,8 @@ static void on_registered(member_t *m)
     }
     if (!view || !view->member_id || !view->member_id[0] ||
         ps_strlcpy(m->member_id, view->member_id, sizeof(m->member_id)) != 0 ||
-        ps_strlcpy(m->lease_key, view->lease_key ? view->lease_key : "",
-                   sizeof(m->lease_key)) != 0) {
+        ps_strlcpy(m->lease_key, view->lease_key ? view->lease_key : "", sizeof(m->lease_key)) !=
+            0) {
         record_error(m->owner, "Register", m, "reply is not a MemberView with a member id");
     } else {
         Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;

@@ -82,9 +82,14 @@ int main(int argc, char **argv)
             return fail("creating shard files", path);
         close(fd);
     }
-    ps_ckpt_manifest_t m = {.step = 1, .world_size = world, .layout = PSHARD_LAYOUT_FSDP2,
-                            .nsections = 1, .nparams = nparams, .params = params,
-                            .nfiles = (size_t)world, .files = files};
+    ps_ckpt_manifest_t m = {.step = 1,
+                            .world_size = world,
+                            .layout = PSHARD_LAYOUT_FSDP2,
+                            .nsections = 1,
+                            .nparams = nparams,
+                            .params = params,
+                            .nfiles = (size_t)world,
+                            .files = files};
     strcpy(m.optim.kind, "sgd");
     strcpy(m.sections[0], "master");
     if (ps_ckpt_manifest_write(dir, &m, err, sizeof(err)) != PSHARD_OK)

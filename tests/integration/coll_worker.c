@@ -23,7 +23,7 @@ static uint64_t g_generation = 1;
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
         if (!(cond)) {                                                                             \
-            fprintf(stderr, "rank %d: CHECK FAILED %s:%d: ", g_rank, __FILE__, __LINE__);         \
+            fprintf(stderr, "rank %d: CHECK FAILED %s:%d: ", g_rank, __FILE__, __LINE__);          \
             fprintf(stderr, __VA_ARGS__);                                                          \
             fputc('\n', stderr);                                                                   \
             g_failures++;                                                                          \
@@ -298,8 +298,8 @@ static void run_case(pshard_comm_t *comm, const case_t *c, uint64_t id)
 static int scenario_correctness(bool big)
 {
     char err[1024] = "";
-    pshard_comm_t *comm = make_comm(big ? "big" : "correct", g_token, g_generation, 60000, NULL,
-                                    err, sizeof(err));
+    pshard_comm_t *comm =
+        make_comm(big ? "big" : "correct", g_token, g_generation, 60000, NULL, err, sizeof(err));
     if (!comm) {
         fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
         return 1;
@@ -309,10 +309,13 @@ static int scenario_correctness(bool big)
         /* 64 MiB of fp32 per operation, and bf16 reduce-scatter (window and rounds). */
         size_t n32 = (64u << 20) / 4;
         case_t cs[] = {
-            {PSHARD_COLL_ALL_GATHER, PSHARD_FP32, PSHARD_REDUCE_SUM, n32 / (size_t)g_world, NULL, 0},
-            {PSHARD_COLL_REDUCE_SCATTER, PSHARD_FP32, PSHARD_REDUCE_SUM, n32 / (size_t)g_world, NULL, 0},
+            {PSHARD_COLL_ALL_GATHER, PSHARD_FP32, PSHARD_REDUCE_SUM, n32 / (size_t)g_world, NULL,
+             0},
+            {PSHARD_COLL_REDUCE_SCATTER, PSHARD_FP32, PSHARD_REDUCE_SUM, n32 / (size_t)g_world,
+             NULL, 0},
             {PSHARD_COLL_ALL_REDUCE, PSHARD_FP32, PSHARD_REDUCE_AVG, n32, NULL, 0},
-            {PSHARD_COLL_REDUCE_SCATTER, PSHARD_BF16, PSHARD_REDUCE_SUM, n32 / (size_t)g_world + 3, NULL, 0},
+            {PSHARD_COLL_REDUCE_SCATTER, PSHARD_BF16, PSHARD_REDUCE_SUM, n32 / (size_t)g_world + 3,
+             NULL, 0},
         };
         for (size_t i = 0; i < PS_ARRAY_LEN(cs); i++)
             run_case(comm, &cs[i], id++);
@@ -326,10 +329,13 @@ static int scenario_correctness(bool big)
                 pshard_dtype_t dt = dtypes[d];
                 case_t ag = {PSHARD_COLL_ALL_GATHER, dt, PSHARD_REDUCE_SUM, n, NULL, 0};
                 case_t rs = {PSHARD_COLL_REDUCE_SCATTER, dt, PSHARD_REDUCE_SUM, n, NULL, 0};
-                case_t ar = {PSHARD_COLL_ALL_REDUCE, dt,
-                             dt == PSHARD_INT64 ? PSHARD_REDUCE_SUM : PSHARD_REDUCE_AVG, n, NULL,
+                case_t ar = {PSHARD_COLL_ALL_REDUCE,
+                             dt,
+                             dt == PSHARD_INT64 ? PSHARD_REDUCE_SUM : PSHARD_REDUCE_AVG,
+                             n,
+                             NULL,
                              0};
-                case_t bc = {PSHARD_COLL_BROADCAST, dt, PSHARD_REDUCE_SUM, n, NULL,
+                case_t bc = {PSHARD_COLL_BROADCAST,     dt, PSHARD_REDUCE_SUM, n, NULL,
                              (int)(s % (size_t)g_world)};
                 run_case(comm, &ag, id++);
                 run_case(comm, &rs, id++);
@@ -350,8 +356,12 @@ static int scenario_correctness(bool big)
         /* Many asynchronous operations in flight, completed in issue order. */
         running_t inflight[24];
         for (int i = 0; i < 24; i++) {
-            case_t c = {(pshard_coll_op_t)(1 + i % 4), (pshard_dtype_t)(i % 4),
-                        PSHARD_REDUCE_SUM, (size_t)(1000 + 17 * i), NULL, i % g_world};
+            case_t c = {(pshard_coll_op_t)(1 + i % 4),
+                        (pshard_dtype_t)(i % 4),
+                        PSHARD_REDUCE_SUM,
+                        (size_t)(1000 + 17 * i),
+                        NULL,
+                        i % g_world};
             inflight[i] = (running_t){.c = c, .id = id++};
             start_case(comm, &inflight[i]);
         }
@@ -363,12 +373,13 @@ static int scenario_correctness(bool big)
         pshard_coll_args_t b = {.op = PSHARD_COLL_BARRIER};
         CHECK(pshard_coll_run(comm, &b, err, sizeof(err)) == PSHARD_OK, "barrier: %s", err);
         /* Bad arguments are refused locally without breaking the communicator. */
-        pshard_coll_args_t bad = {.op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_FP32, .root = 99,
-                                  .count = 1};
+        pshard_coll_args_t bad = {
+            .op = PSHARD_COLL_BROADCAST, .dtype = PSHARD_FP32, .root = 99, .count = 1};
         pshard_coll_req_t *req = NULL;
         err[0] = '\0';
         CHECK(pshard_coll_start(comm, &bad, &req, err, sizeof(err)) ==
-                  PSHARD_ERR_INVALID_ARGUMENT && strstr(err, "root"),
+                      PSHARD_ERR_INVALID_ARGUMENT &&
+                  strstr(err, "root"),
               "bad root accepted: %s", err);
         case_t after = {PSHARD_COLL_ALL_REDUCE, PSHARD_FP32, PSHARD_REDUCE_SUM, 5, NULL, 0};
         run_case(comm, &after, id++);
@@ -388,8 +399,7 @@ static int scenario_correctness(bool big)
 static int scenario_desync(const char *what)
 {
     char err[1024] = "";
-    pshard_comm_t *comm = make_comm("desync", g_token, g_generation, 20000, NULL, err,
-                                    sizeof(err));
+    pshard_comm_t *comm = make_comm("desync", g_token, g_generation, 20000, NULL, err, sizeof(err));
     if (!comm) {
         fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
         return 1;
@@ -401,8 +411,12 @@ static int scenario_desync(const char *what)
     float buf[4096];
     for (int i = 0; i < 4096; i++)
         buf[i] = 1.0f + (float)i;
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32, .count = 1000,
-                            .send = buf, .recv = buf, .tag = 7};
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE,
+                            .dtype = PSHARD_FP32,
+                            .count = 1000,
+                            .send = buf,
+                            .recv = buf,
+                            .tag = 7};
     if (odd && strcmp(what, "dtype") == 0)
         a.dtype = PSHARD_BF16;
     else if (odd && strcmp(what, "count") == 0)
@@ -444,8 +458,8 @@ static int scenario_kill(void)
     float *buf = calloc(n, sizeof(float));
     for (size_t i = 0; i < n; i++)
         buf[i] = 1.0f;
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32, .count = n,
-                            .send = buf, .recv = buf};
+    pshard_coll_args_t a = {
+        .op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32, .count = n, .send = buf, .recv = buf};
     pshard_coll_req_t *req = NULL;
     pshard_coll_start(comm, &a, &req, err, sizeof(err));
     if (g_rank == 1) {
@@ -504,8 +518,11 @@ static int scenario_abort(bool big)
         aborter_t ab = {comm, 0};
         pthread_t t;
         pthread_create(&t, NULL, abort_thread, &ab);
-        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32,
-                                .count = count, .send = in, .recv = out};
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER,
+                                .dtype = PSHARD_FP32,
+                                .count = count,
+                                .send = in,
+                                .recv = out};
         pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
         int64_t released = ps_now_ns();
         pthread_join(t, NULL);
@@ -518,11 +535,14 @@ static int scenario_abort(bool big)
         /* Join late: by then rank 0 has aborted and told the ring. */
         struct timespec ts = {0, 600 * 1000000};
         nanosleep(&ts, NULL);
-        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32,
-                                .count = count, .send = in, .recv = out};
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER,
+                                .dtype = PSHARD_FP32,
+                                .count = count,
+                                .send = in,
+                                .recv = out};
         pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
-        CHECK(rc == PSHARD_ERR_ABORTED, "peer expected ABORTED, got %s: %s",
-              pshard_status_name(rc), err);
+        CHECK(rc == PSHARD_ERR_ABORTED, "peer expected ABORTED, got %s: %s", pshard_status_name(rc),
+              err);
         CHECK(strstr(err, "rank 0") != NULL, "peer message does not name rank 0: %s", err);
     }
     pshard_comm_destroy(comm);
@@ -535,8 +555,8 @@ static int scenario_abort(bool big)
 static int scenario_timeout(void)
 {
     char err[1024] = "";
-    pshard_comm_t *comm = make_comm("timeout", g_token, g_generation, 30000, NULL, err,
-                                    sizeof(err));
+    pshard_comm_t *comm =
+        make_comm("timeout", g_token, g_generation, 30000, NULL, err, sizeof(err));
     if (!comm) {
         fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
         return 1;
@@ -544,8 +564,12 @@ static int scenario_timeout(void)
     float in[4] = {1, 2, 3, 4}, out[64];
     int silent = g_world - 1;
     if (g_rank != silent) {
-        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER, .dtype = PSHARD_FP32, .count = 4,
-                                .send = in, .recv = out, .timeout_ms = 500};
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER,
+                                .dtype = PSHARD_FP32,
+                                .count = 4,
+                                .send = in,
+                                .recv = out,
+                                .timeout_ms = 500};
         int64_t t0 = ps_now_ns();
         pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
         double secs = (double)(ps_now_ns() - t0) / 1e9;
@@ -644,14 +668,17 @@ static int scenario_besieged(const char *link_ms)
     int64_t t0 = ps_now_ns();
     pshard_status_t rc = pshard_comm_create(&cfg, &comm, err, sizeof(err));
     double ms = (double)(ps_now_ns() - t0) / 1e6;
-    CHECK(rc == PSHARD_OK, "rank %d could not link in %lld ms: %s", g_rank, (long long)limit,
-          err);
+    CHECK(rc == PSHARD_OK, "rank %d could not link in %lld ms: %s", g_rank, (long long)limit, err);
     if (rc != PSHARD_OK)
         return 1;
     printf("rank %d: linked in %.0f ms\n", g_rank, ms);
     float v[4] = {1, 2, 3, (float)g_rank}, sum[4] = {0};
-    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP32, .count = 4,
-                            .reduce = PSHARD_REDUCE_SUM, .send = v, .recv = sum,
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE,
+                            .dtype = PSHARD_FP32,
+                            .count = 4,
+                            .reduce = PSHARD_REDUCE_SUM,
+                            .send = v,
+                            .recv = sum,
                             .timeout_ms = 10000};
     rc = pshard_coll_run(comm, &a, err, sizeof(err));
     CHECK(rc == PSHARD_OK && sum[0] == 2 && sum[3] == 1, "all-reduce: %s (%g %g)",

@@ -39,8 +39,8 @@ static size_t numel_of(int p)
 
 static float grad_value(float param, int rank, int64_t step, size_t i, int p)
 {
-    return 0.05f * param + 0.1f * sinf((float)(rank * 13 + (int)i * 7 + p * 3) * 0.37f +
-                                       (float)step * 0.11f);
+    return 0.05f * param +
+           0.1f * sinf((float)(rank * 13 + (int)i * 7 + p * 3) * 0.37f + (float)step * 0.11f);
 }
 
 static float *ref[NP], *st0[NP], *st1[NP], *avg[NP];
@@ -121,8 +121,13 @@ static void groups_at(pshard_optimizer_t opt, int step, pshard_optim_group_t g[N
                                   .beta1 = 0.8,
                                   .beta2 = 0.99,
                                   .eps = 1e-6};
-    g[2] = (pshard_optim_group_t){.lr = 1.0, .momentum = sgd ? 0.9 : 0.0, .weight_decay = 0.5,
-                                  .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .frozen = true};
+    g[2] = (pshard_optim_group_t){.lr = 1.0,
+                                  .momentum = sgd ? 0.9 : 0.0,
+                                  .weight_decay = 0.5,
+                                  .beta1 = 0.9,
+                                  .beta2 = 0.999,
+                                  .eps = 1e-8,
+                                  .frozen = true};
 }
 
 static ps_optim_config_t group_cfg(pshard_optimizer_t opt, const pshard_optim_group_t *g)
@@ -227,8 +232,8 @@ static int check_gathered(pshard_client_t *c, pshard_dtype_t dt, int rank, int s
             double tol = dt == PSHARD_BF16 ? fabs(want) / 128.0 + 1e-6 : 1e-5 * fabs(want) + 1e-7;
             bool frozen_changed = group_of[p] == 2 && got != round_param(init[p][i], dt);
             if ((fabs((double)got - (double)want) > tol || frozen_changed) && bad++ < 5)
-                fprintf(stderr, "rank %d step %d: %s[%zu] = %.9g, reference %.9g%s\n", rank,
-                        step, names[p], i, got, want, frozen_changed ? " (frozen: changed)" : "");
+                fprintf(stderr, "rank %d step %d: %s[%zu] = %.9g, reference %.9g%s\n", rank, step,
+                        names[p], i, got, want, frozen_changed ? " (frozen: changed)" : "");
         }
     }
     return bad;
@@ -331,12 +336,12 @@ static int run_groups(pshard_client_t *c, int rank, int world, pshard_layout_t l
             /* The frozen parameter's reduce-scatter is refused here and on every other rank,
              * before any collective (no rank waits), and so are wrong group lists. */
             static const size_t frozen = 1;
-            pshard_status_t st = pshard_grad(c, frozen) ? pshard_reduce_scatter(c, &frozen, 1)
-                                                        : PSHARD_ERR_INTERNAL;
+            pshard_status_t st =
+                pshard_grad(c, frozen) ? pshard_reduce_scatter(c, &frozen, 1) : PSHARD_ERR_INTERNAL;
             if (st != PSHARD_ERR_FAILED_PRECONDITION ||
                 !strstr(pshard_last_error(c), "'bias.b' is frozen")) {
-                fprintf(stderr, "rank %d: reduce-scatter of a frozen parameter gave %s: %s\n",
-                        rank, pshard_status_name(st), pshard_last_error(c));
+                fprintf(stderr, "rank %d: reduce-scatter of a frozen parameter gave %s: %s\n", rank,
+                        pshard_status_name(st), pshard_last_error(c));
                 failures++;
             }
             pshard_optim_group_t bad[NG];
@@ -370,9 +375,11 @@ static int run_groups(pshard_client_t *c, int rank, int world, pshard_layout_t l
                 failures++;
             }
         } else if (st != PSHARD_OK || !near(total, clip_ref, 1e-5)) {
-            fprintf(stderr, "rank %d step %d: clip_grad_norm(%g, %g) gave %s, total %.9g, "
-                    "reference %.9g: %s\n", rank, step, max_norm, norm_type,
-                    pshard_status_name(st), total, clip_ref, pshard_last_error(c));
+            fprintf(stderr,
+                    "rank %d step %d: clip_grad_norm(%g, %g) gave %s, total %.9g, "
+                    "reference %.9g: %s\n",
+                    rank, step, max_norm, norm_type, pshard_status_name(st), total, clip_ref,
+                    pshard_last_error(c));
             failures++;
         }
         groups_at(opt, step, g);
@@ -384,8 +391,10 @@ static int run_groups(pshard_client_t *c, int rank, int world, pshard_layout_t l
             goto out;
         }
         if (got_step != step || !near(norm, step_ref, 1e-5)) {
-            fprintf(stderr, "rank %d step %d: the step says step %lld, grad norm %.9g; "
-                    "reference %.9g\n", rank, step, (long long)got_step, norm, step_ref);
+            fprintf(stderr,
+                    "rank %d step %d: the step says step %lld, grad norm %.9g; "
+                    "reference %.9g\n",
+                    rank, step, (long long)got_step, norm, step_ref);
             failures++;
         }
     }
@@ -423,8 +432,8 @@ int main(int argc, char **argv)
     int rank = (int)v;
     ps_parse_i64(argv[3], 1, 64, &v);
     int world = (int)v;
-    pshard_layout_t layout = strcmp(argv[4], "fsdp1") == 0 ? PSHARD_LAYOUT_FSDP1
-                                                           : PSHARD_LAYOUT_FSDP2;
+    pshard_layout_t layout =
+        strcmp(argv[4], "fsdp1") == 0 ? PSHARD_LAYOUT_FSDP1 : PSHARD_LAYOUT_FSDP2;
     pshard_optimizer_t opt = strcmp(argv[5], "adam") == 0    ? PSHARD_ADAM
                              : strcmp(argv[5], "adamw") == 0 ? PSHARD_ADAMW
                                                              : PSHARD_SGD;
@@ -440,8 +449,11 @@ int main(int argc, char **argv)
         shapes[2][0] = 600;
 
     const char *remote = getenv("PSHARD_REMOTE");
-    pshard_client_config_t cfg = {.server = argv[1], .rank = rank, .world_size = world,
-                                  .connect_timeout_ms = 30000, .timeout_ms = 30000,
+    pshard_client_config_t cfg = {.server = argv[1],
+                                  .rank = rank,
+                                  .world_size = world,
+                                  .connect_timeout_ms = 30000,
+                                  .timeout_ms = 30000,
                                   .remote = remote && strcmp(remote, "1") == 0};
     pshard_client_t *c = NULL;
     char err[1024] = "";
@@ -460,10 +472,9 @@ int main(int argc, char **argv)
             for (size_t i = 0; i < n; i++)
                 ref[p][i] = 0.5f * sinf((float)(i * 31 + (size_t)p * 101) * 0.013f) + 0.01f;
         }
-        return run_groups(c, rank, world, layout, opt, dt, steps,
-                          strcmp(argv[8], "groups_join") == 0,
-                          strcmp(argv[8], "groups_in_backward") == 0,
-                          strcmp(argv[8], "groups_mismatch") == 0);
+        return run_groups(
+            c, rank, world, layout, opt, dt, steps, strcmp(argv[8], "groups_join") == 0,
+            strcmp(argv[8], "groups_in_backward") == 0, strcmp(argv[8], "groups_mismatch") == 0);
     }
     pshard_model_config_t mc;
     pshard_model_config_default(&mc, opt);
@@ -503,9 +514,10 @@ int main(int argc, char **argv)
     /* The remote path uses no shared memory at all; the local one does, and its objects
      * are already unlinked (nothing is left in /dev/shm if this process is killed). */
     if ((own_shm_mappings() == 0) != cfg.remote || own_shm_names() != 0) {
-        fprintf(stderr, "rank %d: %d shared-memory mappings, %d names in /dev/shm on the %s "
-                "path\n", rank, own_shm_mappings(), own_shm_names(),
-                cfg.remote ? "remote" : "local");
+        fprintf(stderr,
+                "rank %d: %d shared-memory mappings, %d names in /dev/shm on the %s "
+                "path\n",
+                rank, own_shm_mappings(), own_shm_names(), cfg.remote ? "remote" : "local");
         pshard_close(c);
         return 1;
     }
@@ -515,8 +527,9 @@ int main(int argc, char **argv)
         return 1;
     }
     ps_optim_config_t oc;
-    ps_optim_defaults(opt == PSHARD_ADAM ? PS_OPTIM_ADAM : opt == PSHARD_ADAMW ? PS_OPTIM_ADAMW
-                                                                              : PS_OPTIM_SGD,
+    ps_optim_defaults(opt == PSHARD_ADAM    ? PS_OPTIM_ADAM
+                      : opt == PSHARD_ADAMW ? PS_OPTIM_ADAMW
+                                            : PS_OPTIM_SGD,
                       &oc);
     oc.lr = mc.lr;
     oc.momentum = mc.momentum;
@@ -562,22 +575,23 @@ int main(int argc, char **argv)
             size_t n = numel_of(p);
             const void *g = pshard_param(c, (size_t)p);
             if (stable && g != pshard_param_buffer(c, (size_t)p)) {
-                fprintf(stderr, "rank %d step %d: %s is gathered at %p, not at its fixed "
-                        "address %p\n", rank, step, names[p], g, pshard_param_buffer(c, (size_t)p));
+                fprintf(stderr,
+                        "rank %d step %d: %s is gathered at %p, not at its fixed "
+                        "address %p\n",
+                        rank, step, names[p], g, pshard_param_buffer(c, (size_t)p));
                 return 1;
             }
             for (size_t i = 0; i < n; i++) {
                 float got = dt == PSHARD_BF16 ? ps_bf16_to_f32(((const uint16_t *)g)[i])
                                               : ((const float *)g)[i];
                 float want = round_param(ref[p][i], dt);
-                double tol = dt == PSHARD_BF16 ? fabs(want) / 128.0 + 1e-6
-                                               : 1e-5 * fabs(want) + 1e-7;
+                double tol =
+                    dt == PSHARD_BF16 ? fabs(want) / 128.0 + 1e-6 : 1e-5 * fabs(want) + 1e-7;
                 double d = fabs((double)got - (double)want);
                 if (d > tol) {
                     if (failures++ < 5)
-                        fprintf(stderr,
-                                "rank %d step %d: %s[%zu] = %.9g, reference %.9g\n", rank, step,
-                                names[p], i, got, want);
+                        fprintf(stderr, "rank %d step %d: %s[%zu] = %.9g, reference %.9g\n", rank,
+                                step, names[p], i, got, want);
                 }
                 if (d > worst)
                     worst = d;
@@ -614,8 +628,8 @@ int main(int argc, char **argv)
             pshard_status_t st = g0 ? pshard_reduce_scatter(c, &first, 1) : PSHARD_ERR_INTERNAL;
             if (st != PSHARD_ERR_FAILED_PRECONDITION ||
                 !strstr(pshard_last_error(c), "already reduce-scattered")) {
-                fprintf(stderr, "rank %d: a second reduce-scatter in one step gave %d: %s\n",
-                        rank, (int)st, pshard_last_error(c));
+                fprintf(stderr, "rank %d: a second reduce-scatter in one step gave %d: %s\n", rank,
+                        (int)st, pshard_last_error(c));
                 failures++;
             }
         }
@@ -642,8 +656,10 @@ int main(int argc, char **argv)
         }
         for (int p = 0; p < NP; p++) {
             if (pshard_param(c, (size_t)p) || pshard_grad(c, (size_t)p) == NULL) {
-                fprintf(stderr, "rank %d: after the step parameter %d is still gathered, or "
-                                "its gradient cannot be handed out\n", rank, p);
+                fprintf(stderr,
+                        "rank %d: after the step parameter %d is still gathered, or "
+                        "its gradient cannot be handed out\n",
+                        rank, p);
                 failures++;
             }
         }

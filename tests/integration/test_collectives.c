@@ -37,8 +37,9 @@ static int run_workers(int world, const char *scenario, const char *arg, int *st
     snprintf(world_s, sizeof(world_s), "%d", world);
     for (int r = 0; r < world; r++) {
         snprintf(rank_s[r], sizeof(rank_s[r]), "%d", r);
-        char *argv[] = {(char *)worker_bin, coord_target, rank_s[r], world_s, (char *)scenario,
-                        (char *)(arg ? arg : ""), NULL};
+        char *argv[] = {
+            (char *)worker_bin,       coord_target, rank_s[r], world_s, (char *)scenario,
+            (char *)(arg ? arg : ""), NULL};
         pids[r] = ps_proc_spawn(argv, NULL);
     }
     int64_t end = ps_now_ns() + timeout_ms * 1000000;
@@ -245,7 +246,8 @@ static void test_stalled_strangers(void)
     int nfd = 0;
     char *argv0[] = {(char *)worker_bin, coord_target, "0", "2", "besieged", "15000", NULL};
     pid_t w0 = ps_proc_spawn(argv0, NULL);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)p0),
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)p0),
                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     int64_t end = ps_now_ns() + 10 * 1000000000LL;
     while (nfd < STRANGERS && ps_now_ns() < end) {
@@ -291,8 +293,8 @@ int main(int argc, char **argv)
     worker_bin = argv[2];
     signal(SIGPIPE, SIG_IGN);
     const char *args[] = {"--store-wait-ms", "60000", NULL};
-    coord_pid = ps_proc_start_coordinator(coordinator_bin, args, coord_target,
-                                          sizeof(coord_target));
+    coord_pid =
+        ps_proc_start_coordinator(coordinator_bin, args, coord_target, sizeof(coord_target));
     if (coord_pid < 0)
         return 1;
     static const ps_test_case_t cases[] = {

@@ -55,9 +55,9 @@ static void sleep_ms(int ms)
     nanosleep(&ts, NULL);
 }
 
-static pshard_status_t do_register_key(ps_rpc_channel_t *ch, Pshard__Role role,
-                                       const char *name, const char *key,
-                                       Pshard__MemberView **view, char *err, size_t errlen)
+static pshard_status_t do_register_key(ps_rpc_channel_t *ch, Pshard__Role role, const char *name,
+                                       const char *key, Pshard__MemberView **view, char *err,
+                                       size_t errlen)
 {
     Pshard__RegisterRequest req = PSHARD__REGISTER_REQUEST__INIT;
     req.role = role;
@@ -144,8 +144,8 @@ static void test_watch_sees_generation(void)
     CU_ASSERT_FATAL(start(&f, args) == 0);
     Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
     char err[256] = "";
-    ps_rpc_stream_t *st = ps_rpc_stream_open(f.ch, "/pshard.Coordinator/Watch", &req.base, 10000,
-                                             err, sizeof(err));
+    ps_rpc_stream_t *st =
+        ps_rpc_stream_open(f.ch, "/pshard.Coordinator/Watch", &req.base, 10000, err, sizeof(err));
     CU_ASSERT_FATAL(st != NULL);
     ProtobufCMessage *msg = NULL;
     CU_ASSERT_FATAL(ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 5000, NULL,
@@ -220,13 +220,12 @@ static void test_watch_event_fits_the_limit(void)
     ps_rpc_channel_t *small = ps_rpc_channel_create(&cfg, err, sizeof(err));
     CU_ASSERT_FATAL(small != NULL);
     Pshard__WatchRequest wreq = PSHARD__WATCH_REQUEST__INIT;
-    ps_rpc_stream_t *st = ps_rpc_stream_open(small, "/pshard.Coordinator/Watch", &wreq.base,
-                                             30000, err, sizeof(err));
+    ps_rpc_stream_t *st =
+        ps_rpc_stream_open(small, "/pshard.Coordinator/Watch", &wreq.base, 30000, err, sizeof(err));
     CU_ASSERT_FATAL(st != NULL);
     ProtobufCMessage *msg = NULL;
-    pshard_status_t rc =
-        ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 10000, NULL, err,
-                           sizeof(err));
+    pshard_status_t rc = ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 10000,
+                                            NULL, err, sizeof(err));
     CU_ASSERT_EQUAL(rc, PSHARD_OK);
     if (rc != PSHARD_OK)
         fprintf(stderr, "first Watch event: %s\n", err);
@@ -481,8 +480,8 @@ static void test_graceful_shutdown(void)
     CU_ASSERT_FATAL(start(&f, NULL) == 0);
     Pshard__WatchRequest req = PSHARD__WATCH_REQUEST__INIT;
     char err[256] = "";
-    ps_rpc_stream_t *st = ps_rpc_stream_open(f.ch, "/pshard.Coordinator/Watch", &req.base, 0,
-                                             err, sizeof(err));
+    ps_rpc_stream_t *st =
+        ps_rpc_stream_open(f.ch, "/pshard.Coordinator/Watch", &req.base, 0, err, sizeof(err));
     CU_ASSERT_FATAL(st != NULL);
     ProtobufCMessage *msg = NULL;
     CU_ASSERT(ps_rpc_stream_next(st, &pshard__cluster_event__descriptor, &msg, 5000, NULL, err,
@@ -560,8 +559,8 @@ static void test_idempotent_retry(void)
     add.key = "k";
     ProtobufCMessage *resp = NULL;
     CU_ASSERT_EQUAL(ps_rpc_unary(ch, "/pshard.Coordinator/StoreAdd", &add.base,
-                                 &pshard__store_add_response__descriptor, &resp, 2000, 0, NULL,
-                                 err, sizeof(err)),
+                                 &pshard__store_add_response__descriptor, &resp, 2000, 0, NULL, err,
+                                 sizeof(err)),
                     PSHARD_ERR_UNAVAILABLE);
     ps_rpc_channel_destroy(ch);
 
@@ -615,7 +614,9 @@ static void test_bad_tokens(void)
         {"a token with spaces in it\n", 26, "cannot send"},
         {"0123456789abcdef\x01xyz\n", 21, "cannot send"},
         {"0123456789abcdef\xc3\xa9xyz", 21, "cannot send"},
-        {"abc\0" "0123456789abcdefgh\n", 23, "NUL byte"},
+        {"abc\0"
+         "0123456789abcdefgh\n",
+         23, "NUL byte"},
         {"\n\n", 2, "empty"},
     };
     char dir[] = "/tmp/pshard-token-test-XXXXXX";
@@ -628,8 +629,8 @@ static void test_bad_tokens(void)
         CU_ASSERT_PTR_NOT_NULL_FATAL(f);
         CU_ASSERT_EQUAL(fwrite(cases[i].text, 1, cases[i].len, f), cases[i].len);
         fclose(f);
-        char *argv[] = {(char *)coordinator_bin, "--listen", "127.0.0.1:0", "--token-file", tok,
-                        NULL};
+        char *argv[] = {(char *)coordinator_bin, "--listen", "127.0.0.1:0",
+                        "--token-file",          tok,        NULL};
         pid_t pid = ps_proc_spawn(argv, log);
         int status = 0;
         waitpid(pid, &status, 0);
@@ -645,8 +646,7 @@ static void test_bad_tokens(void)
     /* A FIFO as the token file is refused at once, not waited on. */
     unlink(tok);
     CU_ASSERT_EQUAL_FATAL(mkfifo(tok, 0600), 0);
-    char *fargv[] = {(char *)coordinator_bin, "--listen", "127.0.0.1:0", "--token-file", tok,
-                     NULL};
+    char *fargv[] = {(char *)coordinator_bin, "--listen", "127.0.0.1:0", "--token-file", tok, NULL};
     pid_t pid = ps_proc_spawn(fargv, log);
     int status = 0;
     for (int i = 0; i < 500 && waitpid(pid, &status, WNOHANG) == 0; i++) {

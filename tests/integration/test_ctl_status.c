@@ -304,8 +304,8 @@ static void test_status_joins_and_servers(void)
     CU_ASSERT_FATAL(report_join(ch, id0, 0, PSHARD__JOIN_PHASE__JOINED, 41, false, 0));
     CU_ASSERT_FATAL(report_join(ch, id0, 0, PSHARD__JOIN_PHASE__ALL_JOINED, 41, false, 0));
     /* Global options after the command, as git and kubectl take them, and "=value" too. */
-    const char *quick_args[] = {"status", "--coordinator", target, "--token-file", token_path,
-                                "--server-timeout-ms=0", NULL};
+    const char *quick_args[] = {"status",   "--coordinator",         target, "--token-file",
+                                token_path, "--server-timeout-ms=0", NULL};
     rc = run_ctl(quick_args, out_path, err_path, 20000, &elapsed);
     CU_ASSERT_EQUAL(rc, 0);
     out = slurp(out_path);
@@ -314,8 +314,9 @@ static void test_status_joins_and_servers(void)
     CU_ASSERT(strstr(out, "shard servers (") == NULL); /* --server-timeout-ms 0: not asked */
     free(out);
 
-    const char *late_json[] = {"--coordinator", target, "status", "--token-file", token_path,
-                               "--json", "--server-timeout-ms", "0", NULL};
+    const char *late_json[] = {"--coordinator",       target,     "status",
+                               "--token-file",        token_path, "--json",
+                               "--server-timeout-ms", "0",        NULL};
     rc = run_ctl(late_json, out_path, err_path, 20000, &elapsed);
     CU_ASSERT_EQUAL(rc, 0);
     out = slurp(out_path);
@@ -323,7 +324,7 @@ static void test_status_joins_and_servers(void)
     free(out);
     /* An unknown option is named. */
     const char *bogus[] = {"--coordinator", target, "--token-file", token_path, "status",
-                           "--bogus", NULL};
+                           "--bogus",       NULL};
     rc = run_ctl(bogus, out_path, err_path, 20000, &elapsed);
     CU_ASSERT_EQUAL(rc, 2);
     char *berr = slurp(err_path);
@@ -362,31 +363,31 @@ static void test_json_of_any_bytes(void)
     snprintf(err_path, sizeof(err_path), "%s/err", workdir);
     int64_t elapsed = 0;
 
-    const char *set_raw[] = {"--coordinator", target, "--token-file", token_path, "store", "set",
-                             "raw", "\xff\xfe", NULL};
+    const char *set_raw[] = {"--coordinator", target, "--token-file", token_path, "store",
+                             "set",           "raw",  "\xff\xfe",     NULL};
     CU_ASSERT_EQUAL(run_ctl(set_raw, out_path, err_path, 20000, &elapsed), 0);
     const char *get_raw[] = {"--coordinator", target, "--token-file", token_path, "--json",
-                             "store", "get", "raw", NULL};
+                             "store",         "get",  "raw",          NULL};
     CU_ASSERT_EQUAL(run_ctl(get_raw, out_path, err_path, 20000, &elapsed), 0);
     char *out = slurp(out_path);
     expect_contains(out, "{\"key\":\"raw\",\"value_base64\":\"//4=\"}\n");
     free(out);
 
-    const char *set_text[] = {"--coordinator", target, "--token-file", token_path, "store",
-                              "set", "text", "h\xc3\xa9 \"said\"", NULL};
+    const char *set_text[] = {"--coordinator", target, "--token-file",       token_path, "store",
+                              "set",           "text", "h\xc3\xa9 \"said\"", NULL};
     CU_ASSERT_EQUAL(run_ctl(set_text, out_path, err_path, 20000, &elapsed), 0);
     const char *get_text[] = {"--coordinator", target, "--token-file", token_path, "--json",
-                              "store", "get", "text", NULL};
+                              "store",         "get",  "text",         NULL};
     CU_ASSERT_EQUAL(run_ctl(get_text, out_path, err_path, 20000, &elapsed), 0);
     out = slurp(out_path);
     expect_contains(out, "{\"key\":\"text\",\"value\":\"h\xc3\xa9 \\\"said\\\"\"}\n");
     free(out);
 
     char id[64] = "";
-    CU_ASSERT_FATAL(ps_coord_register(ch, PSHARD__ROLE__SHARD_SERVER, "srv-\"q\\",
-                                      "127.0.0.1:1", id, sizeof(id)));
+    CU_ASSERT_FATAL(ps_coord_register(ch, PSHARD__ROLE__SHARD_SERVER, "srv-\"q\\", "127.0.0.1:1",
+                                      id, sizeof(id)));
     const char *status[] = {"--coordinator", target, "--token-file", token_path, "--json",
-                            "members", NULL};
+                            "members",       NULL};
     CU_ASSERT_EQUAL(run_ctl(status, out_path, err_path, 20000, &elapsed), 0);
     out = slurp(out_path);
     expect_contains(out, "\"name\":\"srv-\\\"q\\\\\"");

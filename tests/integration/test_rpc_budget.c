@@ -67,8 +67,8 @@ static void test_connection_budget(void)
     ps_rpc_server_t *srv = ps_rpc_server_create(&scfg, err, sizeof(err));
     CU_ASSERT_PTR_NOT_NULL_FATAL(srv);
     static const ps_rpc_method_t methods[] = {
-        {"/pshard.ShardServer/ReadRegion", &pshard__region_read_request__descriptor,
-         handle_flood, PS_RPC_STREAM, NULL},
+        {"/pshard.ShardServer/ReadRegion", &pshard__region_read_request__descriptor, handle_flood,
+         PS_RPC_STREAM, NULL},
     };
     CU_ASSERT_FATAL(ps_rpc_server_add_methods(srv, methods, 1) == PSHARD_OK);
     int port = ps_rpc_server_start(srv);
@@ -77,8 +77,8 @@ static void test_connection_budget(void)
     snprintf(target, sizeof(target), "127.0.0.1:%d", port);
 
     /* 8 streams on one connection, none read. */
-    ps_rpc_channel_config_t cc = {.target = target, .own_connection = true,
-                                  .max_message_bytes = 16 << 20};
+    ps_rpc_channel_config_t cc = {
+        .target = target, .own_connection = true, .max_message_bytes = 16 << 20};
     ps_rpc_channel_t *ch = ps_rpc_channel_create(&cc, err, sizeof(err));
     CU_ASSERT_PTR_NOT_NULL_FATAL(ch);
     Pshard__RegionReadRequest req = PSHARD__REGION_READ_REQUEST__INIT;
@@ -104,9 +104,8 @@ static void test_connection_budget(void)
     atomic_store(&accepted_bytes, 0);
     ps_rpc_channel_t *own = ps_rpc_channel_create(&cc, err, sizeof(err));
     CU_ASSERT_PTR_NOT_NULL_FATAL(own);
-    ps_rpc_stream_t *alone =
-        ps_rpc_stream_open(own, "/pshard.ShardServer/ReadRegion", &req.base, 30000, err,
-                           sizeof(err));
+    ps_rpc_stream_t *alone = ps_rpc_stream_open(own, "/pshard.ShardServer/ReadRegion", &req.base,
+                                                30000, err, sizeof(err));
     CU_ASSERT_PTR_NOT_NULL_FATAL(alone);
     wait_handlers(STREAMS + 1);
     size_t alone_bytes = atomic_load(&accepted_bytes);
@@ -129,8 +128,7 @@ int main(void)
     if (CU_initialize_registry() != CUE_SUCCESS)
         return 1;
     CU_pSuite suite = CU_add_suite("rpc send budgets", NULL, NULL);
-    CU_add_test(suite, "unread streams on one connection share its budget",
-                test_connection_budget);
+    CU_add_test(suite, "unread streams on one connection share its budget", test_connection_budget);
     CU_basic_set_mode(CU_BRM_VERBOSE);
     CU_basic_run_tests();
     unsigned failed = CU_get_number_of_failures() + CU_get_number_of_tests_failed();

@@ -43,8 +43,9 @@ static bool run_case_with(int world, const char *layout, const char *opt, const 
         snprintf(name, sizeof(name), "srv-%d", r);
         snprintf(port_file, sizeof(port_file), "%s/server-%d.port", dir, r);
         snprintf(log, sizeof(log), "%s/server-%d.log", dir, r);
-        char *argv[16] = {(char *)server_bin, "--coordinator", target, "--name", name,
-                          "--port-file", port_file, "--coll-timeout-ms", "30000", NULL};
+        char *argv[16] = {
+            (char *)server_bin, "--coordinator",     target,  "--name", name, "--port-file",
+            port_file,          "--coll-timeout-ms", "30000", NULL};
         for (int i = 0, n = 9; server_extra && server_extra[i] && n < 15; i++, n++)
             argv[n] = (char *)server_extra[i];
         servers[r] = ps_proc_spawn(argv, log);
@@ -62,8 +63,9 @@ static bool run_case_with(int world, const char *layout, const char *opt, const 
     for (int r = 0; ok && r < world; r++) {
         char rank_s[16];
         snprintf(rank_s, sizeof(rank_s), "%d", r);
-        char *argv[] = {(char *)trainer_bin, addr[r], rank_s, world_s, (char *)layout,
-                        (char *)opt, (char *)dtype, (char *)steps, (char *)extra, NULL};
+        char *argv[] = {(char *)trainer_bin, addr[r],     rank_s,        world_s,
+                        (char *)layout,      (char *)opt, (char *)dtype, (char *)steps,
+                        (char *)extra,       NULL};
         trainers[r] = ps_proc_spawn(argv, NULL);
     }
     int64_t end = ps_now_ns() + 120 * 1000000000LL;

@@ -27,7 +27,7 @@
 #include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
 
-#define NCALLS 7        /* more than the server's 4 workers */
+#define NCALLS 7 /* more than the server's 4 workers */
 #define SCRATCH 4096
 #define STATUS_BUDGET_MS 2000
 
@@ -75,8 +75,8 @@ static Pshard__ShardStatusResponse *status(ps_rpc_channel_t *ch, int64_t timeout
     ProtobufCMessage *resp = NULL;
     char err[512] = "";
     pshard_status_t rc = ps_rpc_unary(ch, "/pshard.ShardServer/Status", &req.base,
-                                      &pshard__shard_status_response__descriptor, &resp,
-                                      timeout_ms, 0, NULL, err, sizeof(err));
+                                      &pshard__shard_status_response__descriptor, &resp, timeout_ms,
+                                      0, NULL, err, sizeof(err));
     if (rc != PSHARD_OK)
         fprintf(stderr, "  Status: %s: %s\n", pshard_status_name(rc), err);
     return (Pshard__ShardStatusResponse *)resp;
@@ -161,10 +161,22 @@ static bool cluster_start(void)
         snprintf(port_file, sizeof(port_file), "%s/server-%d.port", cl.dir, r);
         snprintf(mport_file, sizeof(mport_file), "%s/server-%d.metrics-port", cl.dir, r);
         snprintf(log, sizeof(log), "%s/server-%d.log", cl.dir, r);
-        char *argv[] = {(char *)server_bin, "--coordinator", target, "--name", name,
-                        "--port-file", port_file, "--metrics-listen", "127.0.0.1:0",
-                        "--metrics-port-file", mport_file, "--coll-timeout-ms", "120000",
-                        "--log", "info", NULL};
+        char *argv[] = {(char *)server_bin,
+                        "--coordinator",
+                        target,
+                        "--name",
+                        name,
+                        "--port-file",
+                        port_file,
+                        "--metrics-listen",
+                        "127.0.0.1:0",
+                        "--metrics-port-file",
+                        mport_file,
+                        "--coll-timeout-ms",
+                        "120000",
+                        "--log",
+                        "info",
+                        NULL};
         cl.servers[r] = ps_proc_spawn(argv, log);
     }
     for (int r = 0; r < 2; r++) {
@@ -332,7 +344,7 @@ static void test_status_and_health_while_pool_is_stuck(void)
     CU_ASSERT(not_serving);
     if (!not_serving)
         fprintf(stderr, "  server 0 never reported NOT_SERVING with its workers stuck\n");
-    CU_ASSERT_EQUAL(health(cl.ch[0], ""), 1); /* liveness: the process serves */
+    CU_ASSERT_EQUAL(health(cl.ch[0], ""), 1);                   /* liveness: the process serves */
     CU_ASSERT_EQUAL(health(cl.ch[1], "pshard.ShardServer"), 1); /* its peer is not stuck */
 
     /* Status answers within ~2 s, and says what is stuck. */

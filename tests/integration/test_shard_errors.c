@@ -248,15 +248,13 @@ static res_t do_step(ps_rpc_channel_t *ch, const char *session, bool set_lr, dou
     return rpc(ch, "Step", &req.base, &pshard__step_response__descriptor, 10000);
 }
 
-static res_t do_clip(ps_rpc_channel_t *ch, const char *session, double max_norm,
-                     double norm_type)
+static res_t do_clip(ps_rpc_channel_t *ch, const char *session, double max_norm, double norm_type)
 {
     Pshard__ClipGradNormRequest req = PSHARD__CLIP_GRAD_NORM_REQUEST__INIT;
     req.session = (char *)session;
     req.max_norm = max_norm;
     req.norm_type = norm_type;
-    return rpc(ch, "ClipGradNorm", &req.base, &pshard__clip_grad_norm_response__descriptor,
-               10000);
+    return rpc(ch, "ClipGradNorm", &req.base, &pshard__clip_grad_norm_response__descriptor, 10000);
 }
 
 /* A Step carrying n groups (and, with set_lr, an lr too). */
@@ -832,8 +830,8 @@ static void test_attach_refused_while_trainer_lives(void)
     char err[256] = "", id[64];
     ps_rpc_channel_config_t cc = {.target = c.target};
     ps_rpc_channel_t *coord = ps_rpc_channel_create(&cc, err, sizeof(err));
-    CU_ASSERT_FATAL(coord && ps_coord_register(coord, PSHARD__ROLE__TRAINER, "trainer-0", "", id,
-                                               sizeof(id)));
+    CU_ASSERT_FATAL(
+        coord && ps_coord_register(coord, PSHARD__ROLE__TRAINER, "trainer-0", "", id, sizeof(id)));
     /* Once the server has seen that lease (on Watch), a second Attach is refused. */
     int64_t end = ps_now_ns() + 10 * 1000000000LL;
     do {
@@ -1239,8 +1237,8 @@ static void test_define_memory(void)
     d.opt.lr = 0.1;
     d.shapes[0][0] = 2048;
     d.offsets[1] = 2048 * 4;
-    ProtobufCMessage *r = EXPECT_OK("DefineModel within --max-model-memory",
-                                    do_define(c.ch[0], &d, 20000));
+    ProtobufCMessage *r =
+        EXPECT_OK("DefineModel within --max-model-memory", do_define(c.ch[0], &d, 20000));
     if (r)
         protobuf_c_message_free_unpacked(r, NULL);
     shm_t huge;
@@ -1467,8 +1465,7 @@ static void test_groups_bad(void)
                "1 parameter groups given; the model was defined with 2");
     EXPECT_ERR("Step with 3 groups of 2", do_step_groups(ch, s, g, 3, false), IA,
                "3 parameter groups given");
-    EXPECT_ERR("Step with groups and lr", do_step_groups(ch, s, g, 2, true), IA,
-               "either groups");
+    EXPECT_ERR("Step with groups and lr", do_step_groups(ch, s, g, 2, true), IA, "either groups");
     g[1].frozen = false;
     EXPECT_ERR("Step unfreezing group 1", do_step_groups(ch, s, g, 2, false), IA,
                "group 1: frozen cannot change");
@@ -1569,9 +1566,8 @@ static void test_clip_grad_norm(void)
     if (r)
         protobuf_c_message_free_unpacked(r, NULL);
     double want2 = sqrt(15.0 * 9.0 + 4.0 * 16.0);
-    Pshard__ClipGradNormResponse *c =
-        (Pshard__ClipGradNormResponse *)EXPECT_OK("ClipGradNorm inf, norm only",
-                                                  do_clip(ch, s, 0.0, INFINITY));
+    Pshard__ClipGradNormResponse *c = (Pshard__ClipGradNormResponse *)EXPECT_OK(
+        "ClipGradNorm inf, norm only", do_clip(ch, s, 0.0, INFINITY));
     CU_ASSERT(c && c->total_norm == 4.0);
     if (c)
         protobuf_c_message_free_unpacked(&c->base, NULL);
@@ -1580,8 +1576,7 @@ static void test_clip_grad_norm(void)
     CU_ASSERT(c && c->total_norm == (double)(float)want2);
     if (c)
         protobuf_c_message_free_unpacked(&c->base, NULL);
-    c = (Pshard__ClipGradNormResponse *)EXPECT_OK("ClipGradNorm 2 to 1",
-                                                  do_clip(ch, s, 1.0, 2.0));
+    c = (Pshard__ClipGradNormResponse *)EXPECT_OK("ClipGradNorm 2 to 1", do_clip(ch, s, 1.0, 2.0));
     CU_ASSERT(c && c->total_norm == (double)(float)want2);
     if (c)
         protobuf_c_message_free_unpacked(&c->base, NULL);
@@ -2095,9 +2090,9 @@ static void test_region_bad(void)
     /* A good write, then reading it back through the stream. */
     w.session = tr.session;
     memset(big, 0x5a, 16);
-    ProtobufCMessage *ok = EXPECT_OK(
-        "WriteRegion, 16 bytes",
-        rpc(ch, "WriteRegion", &w.base, &pshard__region_write_response__descriptor, 5000));
+    ProtobufCMessage *ok =
+        EXPECT_OK("WriteRegion, 16 bytes", rpc(ch, "WriteRegion", &w.base,
+                                               &pshard__region_write_response__descriptor, 5000));
     CU_ASSERT(ok != NULL);
     if (ok)
         protobuf_c_message_free_unpacked(ok, NULL);
@@ -2120,14 +2115,13 @@ static void test_region_bad(void)
     ps_rpc_stream_close(st);
     /* Reading past the end fails on the stream with INVALID_ARGUMENT. */
     rq.offset = (uint64_t)1 << 40;
-    st = ps_rpc_stream_open(ch, "/pshard.ShardServer/ReadRegion", &rq.base, 5000, err,
-                            sizeof(err));
+    st = ps_rpc_stream_open(ch, "/pshard.ShardServer/ReadRegion", &rq.base, 5000, err, sizeof(err));
     CU_ASSERT_FATAL(st != NULL);
     msg = NULL;
     err[0] = '\0';
     int code = 0;
-    pshard_status_t rc = ps_rpc_stream_next(st, &pshard__data_chunk__descriptor, &msg, 5000,
-                                            &code, err, sizeof(err));
+    pshard_status_t rc = ps_rpc_stream_next(st, &pshard__data_chunk__descriptor, &msg, 5000, &code,
+                                            err, sizeof(err));
     CU_ASSERT(rc == IA && strstr(err, "outside") != NULL);
     if (msg)
         protobuf_c_message_free_unpacked(msg, NULL);
@@ -2175,8 +2169,8 @@ static void test_read_region_unread(void)
     long before = status_kb(c.servers[0], "RssAnon");
     ps_rpc_stream_t *st[4];
     for (int i = 0; i < 4; i++) {
-        st[i] = ps_rpc_stream_open(c.ch[0], "/pshard.ShardServer/ReadRegion", &rq.base, 60000,
-                                   err, sizeof(err));
+        st[i] = ps_rpc_stream_open(c.ch[0], "/pshard.ShardServer/ReadRegion", &rq.base, 60000, err,
+                                   sizeof(err));
         CU_ASSERT_FATAL(st[i] != NULL);
     }
     /* Give the server time to queue what it would. */
@@ -2198,8 +2192,8 @@ static void test_read_region_unread(void)
     w.data.data = (uint8_t *)"\x3c\x3c\x3c\x3c";
     w.data.len = 4;
     int64_t t0 = ps_now_ns();
-    res_t wr = rpc(c.ch[0], "WriteRegion", &w.base, &pshard__region_write_response__descriptor,
-                   5000);
+    res_t wr =
+        rpc(c.ch[0], "WriteRegion", &w.base, &pshard__region_write_response__descriptor, 5000);
     fprintf(stderr, "  WriteRegion beside them: %s in %.1f ms\n", pshard_status_name(wr.rc),
             (double)(ps_now_ns() - t0) / 1e6);
     CU_ASSERT_EQUAL(wr.rc, PSHARD_OK);
@@ -2211,8 +2205,8 @@ static void test_read_region_unread(void)
     for (int i = 0; i < 4; i++) {
         ProtobufCMessage *msg = NULL;
         err[0] = '\0';
-        pshard_status_t rc = ps_rpc_stream_next(st[i], &pshard__data_chunk__descriptor, &msg,
-                                                10000, NULL, err, sizeof(err));
+        pshard_status_t rc = ps_rpc_stream_next(st[i], &pshard__data_chunk__descriptor, &msg, 10000,
+                                                NULL, err, sizeof(err));
         if (rc == PSHARD_ERR_RESOURCE_EXHAUSTED && strstr(err, "region reads are in progress"))
             refused++;
         else if (rc == PSHARD_OK && msg && reading < 0) {
@@ -2233,8 +2227,8 @@ static void test_read_region_unread(void)
         first = NULL;
         pshard_status_t rc = PSHARD_OK;
         if (!msg)
-            rc = ps_rpc_stream_next(st[reading], &pshard__data_chunk__descriptor, &msg, 30000,
-                                    NULL, err, sizeof(err));
+            rc = ps_rpc_stream_next(st[reading], &pshard__data_chunk__descriptor, &msg, 30000, NULL,
+                                    err, sizeof(err));
         if (rc != PSHARD_OK || !msg)
             break;
         Pshard__DataChunk *ch = (Pshard__DataChunk *)msg;
@@ -2283,7 +2277,8 @@ int main(int argc, char **argv)
         {"calls before Attach and before DefineModel", test_before_attach_and_define},
         {"wrong or replaced session", test_wrong_session},
         {"Attach: bad shm names and sizes, wrong rank", test_attach_bad},
-        {"Attach: refused while a live trainer holds the rank", test_attach_refused_while_trainer_lives},
+        {"Attach: refused while a live trainer holds the rank",
+         test_attach_refused_while_trainer_lives},
         {"DefineModel: bad shapes, names, enums, optimizer, init offsets", test_define_bad},
         {"a refused DefineModel keeps the defined model", test_define_refused_keeps_state},
         {"DefineModel: validated before allocating, capped by --max-model-memory",

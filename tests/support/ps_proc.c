@@ -85,8 +85,8 @@ int ps_proc_wait_healthy(const char *target, int64_t timeout_ms)
         ProtobufCMessage *resp = NULL;
         err[0] = '\0';
         if (ps_rpc_unary(ch, "/grpc.health.v1.Health/Check", &req.base,
-                         &grpc__health__v1__health_check_response__descriptor, &resp, 500, 0,
-                         NULL, err, sizeof(err)) == PSHARD_OK) {
+                         &grpc__health__v1__health_check_response__descriptor, &resp, 500, 0, NULL,
+                         err, sizeof(err)) == PSHARD_OK) {
             int status = ((Grpc__Health__V1__HealthCheckResponse *)resp)->status;
             protobuf_c_message_free_unpacked(resp, NULL);
             if (status == 1) {

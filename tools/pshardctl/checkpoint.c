@@ -27,7 +27,9 @@ typedef struct {
 } ckpt_cli_t;
 
 #define COPT(flag, env, type, def, help, field, lo, hi)                                            \
-    {flag, env, type, def, help, offsetof(ckpt_cli_t, field), lo, hi}
+    {                                                                                              \
+        flag, env, type, def, help, offsetof(ckpt_cli_t, field), lo, hi                            \
+    }
 #define COPT_DIR                                                                                   \
     COPT("checkpoint-dir", "PSHARD_CHECKPOINT_DIR", PS_OPT_STRING, NULL,                           \
          "directory holding the step-NNNNNNNN checkpoint directories", checkpoint_dir, 0, 0)
@@ -40,16 +42,15 @@ static const ps_option_t ckpt_list_options[] = {
 
 static const ps_option_t ckpt_export_options[] = {
     COPT_DIR,
-    COPT("format", NULL, PS_OPT_STRING, "safetensors", "output format (safetensors)", format, 0,
-         0),
+    COPT("format", NULL, PS_OPT_STRING, "safetensors", "output format (safetensors)", format, 0, 0),
     COPT("dtype", NULL, PS_OPT_STRING, "fp32", "element type written: fp32 or bf16", dtype, 0, 0),
     COPT("step", NULL, PS_OPT_INT, "-1", "step to export (-1: the newest committed)", step, -1,
          INT64_MAX),
 };
 
 static const ps_option_t ckpt_save_options[] = {
-    COPT("timeout-ms", NULL, PS_OPT_INT, "600000",
-         "how long to wait for the shard servers to save", timeout_ms, 1, 86400000),
+    COPT("timeout-ms", NULL, PS_OPT_INT, "600000", "how long to wait for the shard servers to save",
+         timeout_ms, 1, 86400000),
 };
 
 /* "12.3 MiB" */
@@ -125,8 +126,8 @@ static int ckpt_report_ignored(const char *root, const int64_t *steps, size_t ns
             malformed++;
         ps_ckpt_manifest_free(m);
         if (ignored) {
-            json_array_append_new(ignored, json_pack("{s:o,s:o}", "dir", ctl_jstr(dir), "reason",
-                                                     ctl_jstr(why)));
+            json_array_append_new(
+                ignored, json_pack("{s:o,s:o}", "dir", ctl_jstr(dir), "reason", ctl_jstr(why)));
         } else {
             printf("%signored: %s: %s\n", first ? "\n" : "", e->d_name, why);
         }
@@ -140,8 +141,8 @@ static int cmd_checkpoint_list(int argc, char **argv)
 {
     ckpt_cli_t c = {0};
     ps_config_result_t res;
-    int rc = ckpt_parse("list", ckpt_list_options, PS_ARRAY_LEN(ckpt_list_options), argc, argv,
-                        &c, &res, "[--verify] [--checkpoint-dir DIR]",
+    int rc = ckpt_parse("list", ckpt_list_options, PS_ARRAY_LEN(ckpt_list_options), argc, argv, &c,
+                        &res, "[--verify] [--checkpoint-dir DIR]",
                         "Lists the committed checkpoints under DIR (offline).");
     int64_t *steps = NULL;
     size_t n = 0;
@@ -200,13 +201,12 @@ static int cmd_checkpoint_list(int argc, char **argv)
             for (int k = 0; jsections && k < m->nsections; k++)
                 json_array_append_new(jsections, ctl_jstr(m->sections[k]));
             jfiles = json_array();
-            json_array_append_new(
-                list, json_pack("{s:I,s:o,s:i,s:s,s:o,s:o,s:I,s:I,s:O}", "step",
-                                (json_int_t)m->step, "dir", ctl_jstr(dir), "world_size",
-                                m->world_size, "layout", layout, "optimizer",
-                                ctl_jstr(m->optim.kind), "sections", jsections, "params",
-                                (json_int_t)m->nparams, "bytes", (json_int_t)bytes, "files",
-                                jfiles));
+            json_array_append_new(list, json_pack("{s:I,s:o,s:i,s:s,s:o,s:o,s:I,s:I,s:O}", "step",
+                                                  (json_int_t)m->step, "dir", ctl_jstr(dir),
+                                                  "world_size", m->world_size, "layout", layout,
+                                                  "optimizer", ctl_jstr(m->optim.kind), "sections",
+                                                  jsections, "params", (json_int_t)m->nparams,
+                                                  "bytes", (json_int_t)bytes, "files", jfiles));
         } else {
             char size[32];
             human_bytes(bytes, size, sizeof(size));
@@ -223,9 +223,9 @@ static int cmd_checkpoint_list(int argc, char **argv)
                 corrupt += !ok;
             }
             if (jfiles) {
-                json_t *jf = json_pack("{s:i,s:o,s:I,s:I}", "rank", file->rank, "path",
-                                       ctl_jstr(file->path), "bytes", (json_int_t)file->bytes,
-                                       "crc32c", (json_int_t)file->crc32c);
+                json_t *jf =
+                    json_pack("{s:i,s:o,s:I,s:I}", "rank", file->rank, "path", ctl_jstr(file->path),
+                              "bytes", (json_int_t)file->bytes, "crc32c", (json_int_t)file->crc32c);
                 if (jf && c.verify) {
                     json_object_set_new(jf, "status", json_string(ok ? "ok" : "corrupt"));
                     if (!ok)
@@ -258,8 +258,7 @@ static int cmd_checkpoint_list(int argc, char **argv)
         if (corrupt == 0)
             printf("\nverified %zu file%s: all ok\n", files, files == 1 ? "" : "s");
         else
-            printf("\nverified %zu file%s: %zu CORRUPT\n", files, files == 1 ? "" : "s",
-                   corrupt);
+            printf("\nverified %zu file%s: %zu CORRUPT\n", files, files == 1 ? "" : "s", corrupt);
         if (malformed)
             printf("%d step director%s with a malformed manifest\n", malformed,
                    malformed == 1 ? "y" : "ies");
@@ -295,7 +294,7 @@ static int cmd_checkpoint_export(int argc, char **argv)
             ctl_fail("checkpoint export needs the OUT file (after the options)");
         else
             ctl_fail("checkpoint export takes one OUT file, after the options; '%s' is extra",
-                 argv[res.first_positional + 1]);
+                     argv[res.first_positional + 1]);
         goto out;
     }
     const char *out_path = argv[res.first_positional];
@@ -328,8 +327,8 @@ static int cmd_checkpoint_export(int argc, char **argv)
             found = steps[i] == c.step;
         if (!found) {
             ctl_fail("checkpoint export: no committed checkpoint of step %" PRId64
-                 " in %s (the newest is step %" PRId64 ")",
-                 c.step, c.checkpoint_dir, steps[n - 1]);
+                     " in %s (the newest is step %" PRId64 ")",
+                     c.step, c.checkpoint_dir, steps[n - 1]);
             goto out;
         }
         step = c.step;
@@ -356,14 +355,14 @@ static int cmd_checkpoint_export(int argc, char **argv)
     uint64_t size = stat(out_path, &st) == 0 ? (uint64_t)st.st_size : 0;
     if (ctl_opts.json) {
         ctl_json_print(json_pack("{s:I,s:o,s:o,s:s,s:s,s:I,s:I}", "step", (json_int_t)step, "dir",
-                                 ctl_jstr(dir), "out", ctl_jstr(out_path), "format",
-                                 "safetensors", "dtype", pshard_dtype_name(dtype), "tensors",
+                                 ctl_jstr(dir), "out", ctl_jstr(out_path), "format", "safetensors",
+                                 "dtype", pshard_dtype_name(dtype), "tensors",
                                  (json_int_t)m->nparams, "bytes", (json_int_t)size));
     } else {
         char human[32];
         human_bytes(size, human, sizeof(human));
-        printf("exported step %" PRId64 " (%zu tensors, %s, %s) from %s to %s\n", step,
-               m->nparams, pshard_dtype_name(dtype), human, dir, out_path);
+        printf("exported step %" PRId64 " (%zu tensors, %s, %s) from %s to %s\n", step, m->nparams,
+               pshard_dtype_name(dtype), human, dir, out_path);
     }
     rc = EXIT_OK;
 out:
@@ -382,8 +381,8 @@ static int cmd_checkpoint_save(int argc, char **argv)
 {
     ckpt_cli_t c = {0};
     ps_config_result_t res;
-    int rc = ckpt_parse("save", ckpt_save_options, PS_ARRAY_LEN(ckpt_save_options), argc, argv,
-                        &c, &res, "[--timeout-ms T]",
+    int rc = ckpt_parse("save", ckpt_save_options, PS_ARRAY_LEN(ckpt_save_options), argc, argv, &c,
+                        &res, "[--timeout-ms T]",
                         "Asks the running shard servers (through the coordinator's store) to "
                         "save a checkpoint\nafter their next optimizer step, and waits for it.");
     Pshard__StoreWaitResponse *r = NULL;
@@ -478,7 +477,6 @@ int cmd_checkpoint(int argc, char **argv)
         return cmd_checkpoint_save(argc, argv);
     return ctl_fail("checkpoint: unknown subcommand '%s' (list, export or save)", argv[0]);
 }
-
 
 const ps_option_t *ctl_checkpoint_options(const char *sub, size_t *n)
 {

@@ -44,8 +44,8 @@ extern volatile sig_atomic_t ctl_interrupted;
 int ctl_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* One coordinator call through pshard/coord_client.h's ps_coord_rpc_<fn> on ctl_channel:
  * EXIT_OK with *resp set (NULL: dropped), or EXIT_ERROR after printing "<fn>: why (STATUS)". */
-#define CTL_CALL(fn, req, resp, timeout_ms)                                                      \
-    ctl_called(#fn, ps_coord_rpc_##fn(ctl_channel, (req), (resp), (timeout_ms), ctl_err,         \
+#define CTL_CALL(fn, req, resp, timeout_ms)                                                        \
+    ctl_called(#fn, ps_coord_rpc_##fn(ctl_channel, (req), (resp), (timeout_ms), ctl_err,           \
                                       sizeof(ctl_err)))
 extern char ctl_err[PSHARD_ERRLEN]; /* the last CTL_CALL's error */
 int ctl_called(const char *what, pshard_status_t rc);

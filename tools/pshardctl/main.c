@@ -16,7 +16,9 @@
 #include "ctl.h"
 
 #define GOPT(flag, env, type, def, help, field, lo, hi)                                            \
-    {flag, env, type, def, help, offsetof(ctl_opts_t, field), lo, hi}
+    {                                                                                              \
+        flag, env, type, def, help, offsetof(ctl_opts_t, field), lo, hi                            \
+    }
 
 static const ps_option_t global_options[] = {
     GOPT("coordinator", "PSHARD_COORDINATOR", PS_OPT_STRING, NULL,
@@ -28,8 +30,7 @@ static const ps_option_t global_options[] = {
          tls_ca, 0, 0),
     GOPT("tls-cert", "PSHARD_TLS_CERT", PS_OPT_STRING, NULL, "PEM client certificate (mTLS)",
          tls_cert, 0, 0),
-    GOPT("tls-key", "PSHARD_TLS_KEY", PS_OPT_STRING, NULL, "PEM key of --tls-cert", tls_key, 0,
-         0),
+    GOPT("tls-key", "PSHARD_TLS_KEY", PS_OPT_STRING, NULL, "PEM key of --tls-cert", tls_key, 0, 0),
     GOPT("tls-server-name", "PSHARD_TLS_SERVER_NAME", PS_OPT_STRING, NULL,
          "name the server certificate must carry, if not the address's host", tls_server_name, 0,
          0),
@@ -37,8 +38,8 @@ static const ps_option_t global_options[] = {
          "the job to look at or act in (torchrun's --rdzv-id; default: the coordinator's "
          "job \"default\")",
          job, 0, 0),
-    GOPT("timeout-ms", "PSHARD_TIMEOUT_MS", PS_OPT_INT, "5000", "deadline of each call",
-         timeout_ms, 1, 86400000),
+    GOPT("timeout-ms", "PSHARD_TIMEOUT_MS", PS_OPT_INT, "5000", "deadline of each call", timeout_ms,
+         1, 86400000),
     GOPT("server-timeout-ms", "PSHARD_SERVER_TIMEOUT_MS", PS_OPT_INT, "2000",
          "deadline of each shard server's Status call in 'status' (0: do not ask the servers)",
          server_timeout_ms, 0, 86400000),
@@ -173,7 +174,7 @@ int main(int argc, char **argv)
     }
     if ((strcmp(cmd, "status") == 0 || strcmp(cmd, "members") == 0) && cargc > 0)
         rc = ctl_fail("%s: unknown %s '%s' (see --help)", cmd,
-                  cargv[0][0] == '-' ? "option" : "argument", cargv[0]);
+                      cargv[0][0] == '-' ? "option" : "argument", cargv[0]);
     else if (strcmp(cmd, "status") == 0)
         rc = cmd_status(false);
     else if (strcmp(cmd, "members") == 0)
@@ -197,4 +198,3 @@ out:
     free(hoisted);
     return rc;
 }
-

@@ -27,9 +27,10 @@ static size_t utf8_at(const unsigned char *p, size_t n)
 {
     if (p[0] < 0x80)
         return 1;
-    size_t len = p[0] >= 0xc2 && p[0] <= 0xdf ? 2 : p[0] >= 0xe0 && p[0] <= 0xef ? 3
-                 : p[0] >= 0xf0 && p[0] <= 0xf4                             ? 4
-                                                                            : 0;
+    size_t len = p[0] >= 0xc2 && p[0] <= 0xdf   ? 2
+                 : p[0] >= 0xe0 && p[0] <= 0xef ? 3
+                 : p[0] >= 0xf0 && p[0] <= 0xf4 ? 4
+                                                : 0;
     if (len == 0 || len > n)
         return 0;
     for (size_t i = 1; i < len; i++)
@@ -78,8 +79,7 @@ json_t *ctl_jbytes(const void *data, size_t len)
     json_t *text = json_stringn(data ? data : "", data ? len : 0);
     if (text)
         return json_pack("{s:o}", "value", text);
-    static const char b64[] =
-        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    static const char b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     const unsigned char *p = data;
     char *out = malloc((len + 2) / 3 * 4 + 1);
     if (!out)
@@ -218,12 +218,11 @@ json_t *ctl_json_joins(Pshard__JoinEntry **joins, size_t n)
     json_t *a = json_array();
     for (size_t i = 0; a && i < n; i++) {
         const Pshard__JoinEntry *j = joins[i];
-        if (json_array_append_new(a, json_pack("{s:i,s:o,s:I,s:I,s:b}", "rank", j->rank,
-                                               "member_id", ctl_jstr(j->member_id), "step",
-                                               (json_int_t)j->step, "joined_ms_ago",
-                                               (json_int_t)j->joined_ms_ago,
-                                               "throw_on_early_termination",
-                                               j->throw_on_early_termination)) != 0) {
+        if (json_array_append_new(
+                a, json_pack("{s:i,s:o,s:I,s:I,s:b}", "rank", j->rank, "member_id",
+                             ctl_jstr(j->member_id), "step", (json_int_t)j->step, "joined_ms_ago",
+                             (json_int_t)j->joined_ms_ago, "throw_on_early_termination",
+                             j->throw_on_early_termination)) != 0) {
             json_decref(a);
             return NULL;
         }
@@ -258,4 +257,3 @@ void ctl_on_signal(int sig)
     (void)sig;
     ctl_interrupted = 1;
 }
-

@@ -20,8 +20,10 @@ typedef struct {
     bool hold;
 } reg_opts_t;
 
-#define ROPT(flag, type, def, help, field)                                                          \
-    {flag, NULL, type, def, help, offsetof(reg_opts_t, field), 0, 0}
+#define ROPT(flag, type, def, help, field)                                                         \
+    {                                                                                              \
+        flag, NULL, type, def, help, offsetof(reg_opts_t, field), 0, 0                             \
+    }
 
 static const ps_option_t reg_options[] = {
     ROPT("role", PS_OPT_STRING, NULL, "shard_server or trainer", role),
@@ -103,7 +105,6 @@ out:
     ps_config_free(reg_options, PS_ARRAY_LEN(reg_options), &r);
     return rc;
 }
-
 
 const ps_option_t *ctl_register_options(size_t *n)
 {

@@ -24,7 +24,7 @@
 typedef struct {
     const Pshard__Member *member;      /* borrowed from the coordinator's status */
     pshard_status_t rc;                /* PSHARD_OK when resp is set */
-    char err[PSHARD_ERRLEN];                     /* why it could not be asked */
+    char err[PSHARD_ERRLEN];           /* why it could not be asked */
     Pshard__ShardStatusResponse *resp; /* owned; free with protobuf_c_message_free_unpacked */
     pthread_t thread;
     bool started;
@@ -59,8 +59,8 @@ static void *probe_server_main(void *arg)
     Pshard__ShardStatusRequest req = PSHARD__SHARD_STATUS_REQUEST__INIT;
     ProtobufCMessage *msg = NULL;
     p->rc = ps_rpc_unary(ch, "/pshard.ShardServer/Status", &req.base,
-                         &pshard__shard_status_response__descriptor, &msg, ctl_opts.server_timeout_ms,
-                         0, NULL, p->err, sizeof(p->err));
+                         &pshard__shard_status_response__descriptor, &msg,
+                         ctl_opts.server_timeout_ms, 0, NULL, p->err, sizeof(p->err));
     if (p->rc == PSHARD_OK)
         p->resp = (Pshard__ShardStatusResponse *)msg;
     ps_rpc_channel_destroy(ch);
@@ -207,12 +207,11 @@ static json_t *json_servers(const server_probe_t *probes, size_t n)
                      !append(stuck, ctl_jstr(r->flight_records[k]))))
                     break;
             }
-            json_t *more = json_pack("{s:i,s:i,s:I,s:b,s:I,s:o,s:o,s:o,s:o}", "server_rank",
-                                     r->rank, "world_size", r->world_size, "step",
-                                     (json_int_t)r->step, "attached", r->attached, "generation",
-                                     (json_int_t)r->generation, "backend", ctl_jstr(r->backend),
-                                     "placement", ctl_jstr(r->placement), "stuck", stuck,
-                                     "flight_records", records);
+            json_t *more = json_pack(
+                "{s:i,s:i,s:I,s:b,s:I,s:o,s:o,s:o,s:o}", "server_rank", r->rank, "world_size",
+                r->world_size, "step", (json_int_t)r->step, "attached", r->attached, "generation",
+                (json_int_t)r->generation, "backend", ctl_jstr(r->backend), "placement",
+                ctl_jstr(r->placement), "stuck", stuck, "flight_records", records);
             if (!more || json_object_update(o, more) != 0)
                 json_decref(o), o = NULL;
             json_decref(more);
@@ -230,11 +229,11 @@ static json_t *json_jobs(const Pshard__StatusResponse *st)
     json_t *a = json_array();
     for (size_t i = 0; a && i < st->n_jobs; i++) {
         const Pshard__JobSummary *j = st->jobs[i];
-        if (!append(a, json_pack("{s:o,s:s,s:I,s:i,s:i,s:I,s:I}", "job", ctl_jstr(j->job), "state",
-                                 ctl_state_name(j->state), "generation",
-                                 (json_int_t)j->generation, "world_size", j->world_size,
-                                 "members", (int)j->members, "store_keys",
-                                 (json_int_t)j->store_keys, "idle_ms", (json_int_t)j->idle_ms))) {
+        if (!append(a,
+                    json_pack("{s:o,s:s,s:I,s:i,s:i,s:I,s:I}", "job", ctl_jstr(j->job), "state",
+                              ctl_state_name(j->state), "generation", (json_int_t)j->generation,
+                              "world_size", j->world_size, "members", (int)j->members, "store_keys",
+                              (json_int_t)j->store_keys, "idle_ms", (json_int_t)j->idle_ms))) {
             json_decref(a);
             return NULL;
         }
@@ -283,11 +282,10 @@ int cmd_status(bool members_only)
                           (json_int_t)st->uptime_ms, "store_keys", (json_int_t)st->store_keys,
                           "store_waiters", (json_int_t)st->store_waiters, "lease_ms",
                           (json_int_t)st->lease_ms, "heartbeat_ms", (json_int_t)st->heartbeat_ms);
-            json_t *rest = json_pack("{s:o,s:o,s:i,s:o,s:o}", "members",
-                                     ctl_json_members(st->members, st->n_members), "joins",
-                                     ctl_json_joins(st->joins, st->n_joins), "last_joiner",
-                                     st->last_joiner, "servers", json_servers(probes, nprobes),
-                                     "counters", json_counters(st));
+            json_t *rest = json_pack(
+                "{s:o,s:o,s:i,s:o,s:o}", "members", ctl_json_members(st->members, st->n_members),
+                "joins", ctl_json_joins(st->joins, st->n_joins), "last_joiner", st->last_joiner,
+                "servers", json_servers(probes, nprobes), "counters", json_counters(st));
             if (v && (!rest || json_object_update(v, rest) != 0)) {
                 json_decref(v);
                 v = NULL;
@@ -297,8 +295,8 @@ int cmd_status(bool members_only)
         rc = ctl_json_print(v);
     } else {
         if (!members_only) {
-            printf("coordinator  %s (pshard %s, up %" PRId64 " s)\n", ctl_opts.coordinator, st->version,
-                   st->uptime_ms / 1000);
+            printf("coordinator  %s (pshard %s, up %" PRId64 " s)\n", ctl_opts.coordinator,
+                   st->version, st->uptime_ms / 1000);
             printf("job          %s%s\n", st->job,
                    st->n_jobs > 1 ? "" : " (the only one on this coordinator)");
             printf("cluster      %s, generation %" PRIu64 "\n", ctl_state_name(st->state),
@@ -363,8 +361,8 @@ int cmd_health(int argc, char **argv)
     const char *service = *req.service ? req.service : "(server)";
     if (rc == PSHARD_ERR_NOT_FOUND) {
         if (ctl_opts.json)
-            ctl_json_print(json_pack("{s:o,s:s}", "service", ctl_jstr(service), "status",
-                                     "SERVICE_UNKNOWN"));
+            ctl_json_print(
+                json_pack("{s:o,s:s}", "service", ctl_jstr(service), "status", "SERVICE_UNKNOWN"));
         else
             printf("%s: SERVICE_UNKNOWN\n", service);
         return EXIT_NOT_SERVING;
@@ -372,7 +370,9 @@ int cmd_health(int argc, char **argv)
     if (rc != PSHARD_OK)
         return ctl_fail("health: %s (%s)", err, pshard_status_name(rc));
     Grpc__Health__V1__HealthCheckResponse *resp = (Grpc__Health__V1__HealthCheckResponse *)msg;
-    const char *name = resp->status == 1 ? "SERVING" : resp->status == 2 ? "NOT_SERVING" : "UNKNOWN";
+    const char *name = resp->status == 1   ? "SERVING"
+                       : resp->status == 2 ? "NOT_SERVING"
+                                           : "UNKNOWN";
     if (ctl_opts.json) {
         ctl_json_print(json_pack("{s:o,s:s}", "service", ctl_jstr(service), "status", name));
     } else {
@@ -382,4 +382,3 @@ int cmd_health(int argc, char **argv)
     protobuf_c_message_free_unpacked(msg, NULL);
     return exit_code;
 }
-

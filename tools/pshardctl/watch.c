@@ -12,13 +12,12 @@
 static void print_event(const Pshard__ClusterEvent *ev)
 {
     if (ctl_opts.json) {
-        ctl_json_print(json_pack("{s:I,s:s,s:i,s:o,s:o,s:o,s:i,s:I}", "generation",
-                                 (json_int_t)ev->generation, "state", ctl_state_name(ev->state),
-                                 "world_size", ev->world_size, "reason", ctl_jstr(ev->reason),
-                                 "members", ctl_json_members(ev->members, ev->n_members),
-                                 "joins", ctl_json_joins(ev->joins, ev->n_joins), "last_joiner",
-                                 ev->last_joiner, "members_omitted",
-                                 (json_int_t)ev->members_omitted));
+        ctl_json_print(
+            json_pack("{s:I,s:s,s:i,s:o,s:o,s:o,s:i,s:I}", "generation", (json_int_t)ev->generation,
+                      "state", ctl_state_name(ev->state), "world_size", ev->world_size, "reason",
+                      ctl_jstr(ev->reason), "members", ctl_json_members(ev->members, ev->n_members),
+                      "joins", ctl_json_joins(ev->joins, ev->n_joins), "last_joiner",
+                      ev->last_joiner, "members_omitted", (json_int_t)ev->members_omitted));
     } else {
         printf("generation %" PRIu64 "  %-8s  %zu members  %s", ev->generation,
                ctl_state_name(ev->state), ev->n_members + ev->members_omitted, ev->reason);
@@ -74,4 +73,3 @@ int cmd_watch(int argc, char **argv)
     ps_rpc_stream_close(st);
     return rc;
 }
-

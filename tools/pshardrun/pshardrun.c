@@ -101,13 +101,13 @@ static const ps_option_t options[] = {
     OPT("checkpoint-dir", "PSHARD_CHECKPOINT_DIR", PS_OPT_STRING, NULL,
         "checkpoint root of the shard servers (default: --resume's)", checkpoint_dir, 0, 0),
     OPT("checkpoint-every", "PSHARD_CHECKPOINT_EVERY", PS_OPT_INT, "0",
-        "save a checkpoint after every Kth optimizer step (0: only when asked)",
-        checkpoint_every, 0, INT64_MAX),
+        "save a checkpoint after every Kth optimizer step (0: only when asked)", checkpoint_every,
+        0, INT64_MAX),
     OPT("checkpoint-keep", "PSHARD_CHECKPOINT_KEEP", PS_OPT_INT, "3",
         "committed checkpoints kept, newest first", checkpoint_keep, 1, 1000000),
     OPT("resume", "PSHARD_RESUME", PS_OPT_STRING, NULL,
-        "restart from the newest committed checkpoint under this root (any world size)", resume,
-        0, 0),
+        "restart from the newest committed checkpoint under this root (any world size)", resume, 0,
+        0),
     OPT("resume-allow-fresh", "PSHARD_RESUME_ALLOW_FRESH", PS_OPT_BOOL, "false",
         "when every checkpoint under the root is refused (corrupt, a link, another step), "
         "start from the initial values with a warning instead of failing",
@@ -933,8 +933,7 @@ static void run_start_trainers(run_t *run, char *const argv[])
     for (int r = 0; r < n && run->stop == STOP_NONE; r++) {
         char rank[16], world[16], mport[16], server[64], attempt[24], max_restarts[24];
         ps_snprintf(attempt, sizeof(attempt), "%lld", (long long)run->attempt);
-        ps_snprintf(max_restarts, sizeof(max_restarts), "%lld",
-                    (long long)run->opts->max_restarts);
+        ps_snprintf(max_restarts, sizeof(max_restarts), "%lld", (long long)run->opts->max_restarts);
         ps_snprintf(rank, sizeof(rank), "%d", r);
         ps_snprintf(world, sizeof(world), "%d", n);
         ps_snprintf(mport, sizeof(mport), "%d", run->master_port);

@@ -29,8 +29,9 @@
  *               "pieces": [[0, 0, 37, 0], [1, 0, 1, 37], ...]}, ...]}
  * Numbers are JSON integers except the optimizer's, which are doubles written with 17
  * significant digits (round-trip exact); an integer field given as a real (1.0) is refused, as
- * is a duplicate key anywhere (the file is parsed by jansson). "crc32c" is the CRC-32C (Castagnoli) of the whole
- * file as an unsigned integer. Paths are plain file names (no '/', no "..", 1..255 bytes).
+ * is a duplicate key anywhere (the file is parsed by jansson). "crc32c" is the CRC-32C (Castagnoli)
+ * of the whole file as an unsigned integer. Paths are plain file names (no '/', no "..", 1..255
+ * bytes).
  *
  * Thread safety: every function is reentrant; a manifest object is used by one thread at a
  * time. Errors come back as pshard_status_t with a message in err that names the file. */
@@ -55,16 +56,16 @@
 uint32_t ps_crc32c(uint32_t crc, const void *buf, size_t len);
 
 typedef struct {
-    uint32_t param;    /* index into params */
-    uint64_t start;    /* first element of the flattened parameter */
-    uint64_t count;    /* elements */
-    uint64_t offset;   /* element offset within each section of the file */
+    uint32_t param;  /* index into params */
+    uint64_t start;  /* first element of the flattened parameter */
+    uint64_t count;  /* elements */
+    uint64_t offset; /* element offset within each section of the file */
 } ps_ckpt_piece_t;
 
 typedef struct {
     int rank;
-    char path[256];    /* file name inside the step directory */
-    uint64_t bytes;    /* = nsections * shard_numel * 4 */
+    char path[256]; /* file name inside the step directory */
+    uint64_t bytes; /* = nsections * shard_numel * 4 */
     uint32_t crc32c;
     uint64_t shard_numel;
     size_t npieces;
@@ -73,12 +74,12 @@ typedef struct {
 
 typedef struct {
     char name[256];
-    int ndim;          /* 1..8 */
+    int ndim; /* 1..8 */
     int64_t shape[8];
 } ps_ckpt_param_t;
 
 typedef struct {
-    char kind[16];     /* "sgd", "adam", "adamw" */
+    char kind[16]; /* "sgd", "adam", "adamw" */
     double lr, momentum, dampening, weight_decay, beta1, beta2, eps, max_grad_norm;
     bool nesterov;
 } ps_ckpt_optim_t;
@@ -93,12 +94,12 @@ typedef struct {
     int world_size;
     pshard_layout_t layout;
     ps_ckpt_optim_t optim;
-    int nsections;                              /* 1..PS_CKPT_MAX_SECTIONS */
-    char sections[PS_CKPT_MAX_SECTIONS][32];    /* "master", then the state names */
+    int nsections;                           /* 1..PS_CKPT_MAX_SECTIONS */
+    char sections[PS_CKPT_MAX_SECTIONS][32]; /* "master", then the state names */
     size_t nparams;
     ps_ckpt_param_t *params;
     size_t nfiles;
-    ps_ckpt_file_t *files;                      /* sorted by rank */
+    ps_ckpt_file_t *files; /* sorted by rank */
     /* Built by ps_ckpt_manifest_read (NULL in a manifest put together by hand): the pieces of
      * parameter p, in file order, are by_param[by_param_start[p] .. by_param_start[p + 1]), so
      * ps_ckpt_read_range looks at those instead of every piece of every file. */
@@ -116,16 +117,16 @@ const char *ps_ckpt_shard_name(int rank, int world, char *buf, size_t len);
  * fsync, rename, then fsync of the directory; only then is the checkpoint committed. Errors:
  * SYSTEM (message names the path and the errno text; ENOSPC and EACCES are spelled out), and
  * nothing of a previous checkpoint is touched either way. */
-pshard_status_t ps_ckpt_manifest_write(const char *step_dir, const ps_ckpt_manifest_t *m,
-                                       char *err, size_t errlen);
+pshard_status_t ps_ckpt_manifest_write(const char *step_dir, const ps_ckpt_manifest_t *m, char *err,
+                                       size_t errlen);
 
 /* Reads and validates STEP_DIR/manifest.json: JSON syntax, every key and type, plain file
  * names, pieces within each file and covering every parameter exactly once, sizes consistent
  * (bytes = nsections * shard_numel * 4). Does not read the shard files. Errors: NOT_FOUND (no
  * manifest: not a committed checkpoint), INVALID_ARGUMENT (malformed, with the JSON path of the
  * first problem), SYSTEM. Free with ps_ckpt_manifest_free. */
-pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t **out,
-                                      char *err, size_t errlen);
+pshard_status_t ps_ckpt_manifest_read(const char *step_dir, ps_ckpt_manifest_t **out, char *err,
+                                      size_t errlen);
 void ps_ckpt_manifest_free(ps_ckpt_manifest_t *m);
 
 /* Committed checkpoints under root (directories "step-N" holding a manifest that parses),
@@ -146,9 +147,9 @@ pshard_status_t ps_ckpt_verify_file(const char *step_dir, const ps_ckpt_file_t *
  * parameter `param` into out (fp32), from whichever files hold them (pread of just those byte
  * ranges). Errors: INVALID_ARGUMENT (range outside the parameter, unknown section), SYSTEM,
  * INVALID_ARGUMENT for a short read ("truncated"). Does not verify checksums. */
-pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_t *m,
-                                   int section, uint32_t param, uint64_t start, uint64_t count,
-                                   float *out, char *err, size_t errlen);
+pshard_status_t ps_ckpt_read_range(const char *step_dir, const ps_ckpt_manifest_t *m, int section,
+                                   uint32_t param, uint64_t start, uint64_t count, float *out,
+                                   char *err, size_t errlen);
 
 /* ---- Writing and reading one shard file as a stream ---------------------------------------
  * A rank's file is its sections back to back; a writer hands them over in any number of pieces

@@ -36,29 +36,29 @@ typedef struct pshard_client pshard_client_t;
 typedef struct pshard_work pshard_work_t;
 
 typedef struct {
-    const char *server;        /* shard server "HOST:PORT" (env PSHARD_SERVER) */
-    const char *token;         /* cluster token, or NULL (env PSHARD_TOKEN_FILE is read) */
-    int rank;                  /* this trainer's rank (env RANK) */
-    int world_size;            /* (env WORLD_SIZE); checked against the cluster */
-    size_t scratch_bytes;      /* shared memory for plain collectives (default 16 MiB) */
-    int64_t timeout_ms;        /* per operation (default 10 minutes) */
+    const char *server;         /* shard server "HOST:PORT" (env PSHARD_SERVER) */
+    const char *token;          /* cluster token, or NULL (env PSHARD_TOKEN_FILE is read) */
+    int rank;                   /* this trainer's rank (env RANK) */
+    int world_size;             /* (env WORLD_SIZE); checked against the cluster */
+    size_t scratch_bytes;       /* shared memory for plain collectives (default 16 MiB) */
+    int64_t timeout_ms;         /* per operation (default 10 minutes) */
     int64_t connect_timeout_ms; /* waiting for the cluster to form (default 5 minutes) */
-    bool remote;               /* the shard server is on another host: no shared memory, tensors
-                                  stream over gRPC in 1 MiB chunks (env PSHARD_REMOTE=1) */
+    bool remote;                /* the shard server is on another host: no shared memory, tensors
+                                   stream over gRPC in 1 MiB chunks (env PSHARD_REMOTE=1) */
 } pshard_client_config_t;
 
 /* Fills cfg from the environment (RANK, WORLD_SIZE, PSHARD_SERVER, PSHARD_TOKEN_FILE,
- * PSHARD_SCRATCH_BYTES, PSHARD_REMOTE) with defaults for the rest. Strings point into the environment or
- * static storage. Returns INVALID_ARGUMENT with a message on stderr-free err for malformed
- * values. Thread-safe if the environment is not modified concurrently. */
+ * PSHARD_SCRATCH_BYTES, PSHARD_REMOTE) with defaults for the rest. Strings point into the
+ * environment or static storage. Returns INVALID_ARGUMENT with a message on stderr-free err for
+ * malformed values. Thread-safe if the environment is not modified concurrently. */
 PSHARD_API pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char *err,
                                                          size_t errlen);
 
 /* Connects to the shard server, waiting (up to connect_timeout_ms) for the cluster to form, and
  * attaches a shared-memory scratch region. On error *out is NULL and err holds the reason.
  * Free with pshard_close. */
-PSHARD_API pshard_status_t pshard_connect(const pshard_client_config_t *cfg,
-                                          pshard_client_t **out, char *err, size_t errlen);
+PSHARD_API pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_t **out,
+                                          char *err, size_t errlen);
 
 /* Closes the connection and frees the client and its shared memory. NULL is a no-op. */
 PSHARD_API void pshard_close(pshard_client_t *c);
@@ -92,40 +92,40 @@ typedef struct pshard_optim_group {
 } pshard_optim_group_t;
 
 typedef struct {
-    pshard_layout_t layout;       /* FSDP2 (dim 0) or FSDP1 (flat) */
-    pshard_dtype_t param_dtype;   /* what gather returns: fp32, bf16, fp16 */
-    pshard_dtype_t reduce_dtype;  /* what gradients are reduced in: fp32, bf16 */
+    pshard_layout_t layout;      /* FSDP2 (dim 0) or FSDP1 (flat) */
+    pshard_dtype_t param_dtype;  /* what gather returns: fp32, bf16, fp16 */
+    pshard_dtype_t reduce_dtype; /* what gradients are reduced in: fp32, bf16 */
     pshard_optimizer_t optimizer;
     double lr, momentum, dampening, weight_decay, beta1, beta2, eps;
     bool nesterov;
-    double max_grad_norm;         /* clip_grad_norm over all shards; 0 = off */
-    bool init_from_rank0;         /* true: rank 0's values are used (sync_module_states);
-                                     false: every trainer passes the same values */
-    bool reshard_after_forward;   /* true (FULL_SHARD, the default): pshard_forward_done frees
-                                     the full parameters and backward gathers them again;
-                                     false (SHARD_GRAD_OP): they stay until backward is done */
-    int max_gathers_in_flight;    /* pshard_gather_start waits while this many gathers are
-                                     issued and unfinished (FSDP's limit_all_gathers); default
-                                     2, 0 = no bound */
-    size_t pool_bytes;            /* shared memory for full parameters and gradients; 0 = room
-                                     for all of them twice over (only what is unsharded at
-                                     once is ever backed by pages) */
-    bool optimizer_in_backward;   /* torch's _apply_optimizer_in_backward: each shard server
-                                     updates a parameter's slice as soon as its gradient is
-                                     reduce-scattered and keeps no gradient accumulator (1/N
-                                     of the fp32 parameters less per server). Refuses
-                                     max_grad_norm > 0 and a second reduce-scatter of a
-                                     parameter in one step (gradient accumulation); a
-                                     parameter not reduce-scattered in a step is not updated;
-                                     pshard_step ends the step and its lr applies to the next
-                                     step's updates. Default false. */
-    bool stable_param_buffers;    /* each parameter's full buffer has a fixed address for the
-                                     model's life (pshard_param_buffer), as FSDP2 keeps an
-                                     unsharded parameter's storage: a reshard gives its pages
-                                     back to the kernel (they read as zeros) and the next gather
-                                     writes the same addresses, so views a framework saved
-                                     stay valid. pool_bytes then sizes the gradients' pool
-                                     only. Default false: blocks come from the pool. */
+    double max_grad_norm;       /* clip_grad_norm over all shards; 0 = off */
+    bool init_from_rank0;       /* true: rank 0's values are used (sync_module_states);
+                                   false: every trainer passes the same values */
+    bool reshard_after_forward; /* true (FULL_SHARD, the default): pshard_forward_done frees
+                                   the full parameters and backward gathers them again;
+                                   false (SHARD_GRAD_OP): they stay until backward is done */
+    int max_gathers_in_flight;  /* pshard_gather_start waits while this many gathers are
+                                   issued and unfinished (FSDP's limit_all_gathers); default
+                                   2, 0 = no bound */
+    size_t pool_bytes;          /* shared memory for full parameters and gradients; 0 = room
+                                   for all of them twice over (only what is unsharded at
+                                   once is ever backed by pages) */
+    bool optimizer_in_backward; /* torch's _apply_optimizer_in_backward: each shard server
+                                   updates a parameter's slice as soon as its gradient is
+                                   reduce-scattered and keeps no gradient accumulator (1/N
+                                   of the fp32 parameters less per server). Refuses
+                                   max_grad_norm > 0 and a second reduce-scatter of a
+                                   parameter in one step (gradient accumulation); a
+                                   parameter not reduce-scattered in a step is not updated;
+                                   pshard_step ends the step and its lr applies to the next
+                                   step's updates. Default false. */
+    bool stable_param_buffers;  /* each parameter's full buffer has a fixed address for the
+                                   model's life (pshard_param_buffer), as FSDP2 keeps an
+                                   unsharded parameter's storage: a reshard gives its pages
+                                   back to the kernel (they read as zeros) and the next gather
+                                   writes the same addresses, so views a framework saved
+                                   stay valid. pool_bytes then sizes the gradients' pool
+                                   only. Default false: blocks come from the pool. */
     /* Parameter groups (torch.optim's param_groups). ngroups == 0: one group with the
      * hyperparameters above holds every parameter. Otherwise groups[0..ngroups) (at most
      * 1024; copied, only their hyperparameters are used, `optimizer` still picks the kind)
@@ -199,8 +199,7 @@ PSHARD_API pshard_status_t pshard_forward_done(pshard_client_t *c, const size_t 
 /* Reduce-scatters the gradients of ids[0..n) (n == 0: all that were handed out by
  * pshard_grad): each shard server keeps its averaged slice, accumulated until the next step.
  * The full gradient buffers go back to the pool when it finishes. */
-PSHARD_API pshard_status_t pshard_reduce_scatter(pshard_client_t *c, const size_t *ids,
-                                                 size_t n);
+PSHARD_API pshard_status_t pshard_reduce_scatter(pshard_client_t *c, const size_t *ids, size_t n);
 
 typedef struct {
     size_t pool_bytes;          /* the model region's size */
@@ -252,8 +251,8 @@ PSHARD_API pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *s
  * definition: its buffers were not allocated), the collectives' own; the groups are copied.
  * Not thread-safe (one thread per client). */
 PSHARD_API pshard_status_t pshard_step_groups(pshard_client_t *c,
-                                              const pshard_optim_group_t *groups,
-                                              size_t ngroups, int64_t *step, double *grad_norm);
+                                              const pshard_optim_group_t *groups, size_t ngroups,
+                                              int64_t *step, double *grad_norm);
 
 /* torch.nn.utils.clip_grad_norm_ on the shard servers, after backward and before the step:
  * *total_norm (may be NULL) gets the fp32 norm of every rank's accumulated gradients (frozen

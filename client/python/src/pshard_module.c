@@ -106,15 +106,14 @@ static PyObject *raise_status(pshard_status_t st, const char *msg)
 /* ---- Client ------------------------------------------------------------------------------ */
 
 typedef struct {
-    PyObject_HEAD
-    pshard_client_t *c;
+    PyObject_HEAD pshard_client_t *c;
     /* libpshard's client is used by one thread at a time: Python threads take turns here,
      * with the GIL released. */
     pthread_mutex_t op_mu;
     pshard_dtype_t param_dtype, reduce_dtype;
     size_t nparams;
-    PyObject *shapes; /* tuple of shape tuples of the defined model, or NULL */
-    bool closing;     /* close() was called while views of its memory were alive */
+    PyObject *shapes;   /* tuple of shape tuples of the defined model, or NULL */
+    bool closing;       /* close() was called while views of its memory were alive */
     Py_ssize_t exports; /* live Buffers (and DLPack tensors) pointing into its memory */
 } ClientObject;
 
@@ -156,8 +155,8 @@ static void client_really_close(ClientObject *self)
 
 static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"server", "token", "rank", "world_size", "timeout_ms",
-                             "connect_timeout_ms", NULL};
+    static char *kwlist[] = {
+        "server", "token", "rank", "world_size", "timeout_ms", "connect_timeout_ms", NULL};
     const char *server = NULL, *token = NULL;
     int rank = -1, world = -1;
     long long timeout_ms = 0, connect_ms = 0;
@@ -194,8 +193,8 @@ static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
         cfg.connect_timeout_ms = connect_ms;
     pshard_client_t *c = NULL;
     Py_BEGIN_ALLOW_THREADS st = pshard_connect(&cfg, &c, err, sizeof(err));
-    Py_END_ALLOW_THREADS
-    if (st != PSHARD_OK) {
+    Py_END_ALLOW_THREADS if (st != PSHARD_OK)
+    {
         raise_status(st, err);
         return -1;
     }
@@ -286,8 +285,9 @@ static int dl_acquire(PyObject *obj, pshard_dtype_t want, const char *what, dl_i
     if (!cap) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "%s: expected a tensor (an object with __dlpack__), "
-                                          "got %s",
+            PyErr_Format(PyExc_TypeError,
+                         "%s: expected a tensor (an object with __dlpack__), "
+                         "got %s",
                          what, Py_TYPE(obj)->tp_name);
         }
         return -1;
@@ -410,21 +410,28 @@ static int group_from_dict(PyObject *d, pshard_optim_group_t *g)
 
 static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"names",          "shapes",
-                             "init",           "optimizer",
-                             "groups",         "param_groups",
-                             "layout",         "param_dtype",
-                             "reduce_dtype",   "reshard_after_forward",
-                             "max_gathers_in_flight", "max_grad_norm",
-                             "init_from_rank0", NULL};
+    static char *kwlist[] = {"names",
+                             "shapes",
+                             "init",
+                             "optimizer",
+                             "groups",
+                             "param_groups",
+                             "layout",
+                             "param_dtype",
+                             "reduce_dtype",
+                             "reshard_after_forward",
+                             "max_gathers_in_flight",
+                             "max_grad_norm",
+                             "init_from_rank0",
+                             NULL};
     PyObject *names, *shapes, *init = Py_None, *groups = Py_None, *pgroups = Py_None;
     const char *optimizer = "sgd", *layout = "fsdp2";
     PyObject *pdt = NULL, *rdt = NULL;
     int reshard = 1, max_inflight = 2, from_rank0 = 1;
     double max_grad_norm = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OsOOsOOpidp", kwlist, &names, &shapes, &init,
-                                     &optimizer, &groups, &pgroups, &layout, &pdt, &rdt,
-                                     &reshard, &max_inflight, &max_grad_norm, &from_rank0))
+                                     &optimizer, &groups, &pgroups, &layout, &pdt, &rdt, &reshard,
+                                     &max_inflight, &max_grad_norm, &from_rank0))
         return NULL;
     if (!client_ok(self))
         return NULL;
@@ -565,8 +572,7 @@ static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObjec
     }
     if (groups != Py_None) {
         gseq = PySequence_Fast(groups, "groups must be a sequence of dicts");
-        pgseq = gseq ? PySequence_Fast(pgroups, "param_groups must be a sequence of ints")
-                     : NULL;
+        pgseq = gseq ? PySequence_Fast(pgroups, "param_groups must be a sequence of ints") : NULL;
         if (!pgseq)
             goto out;
         size_t ng = (size_t)PySequence_Fast_GET_SIZE(gseq);
@@ -583,11 +589,14 @@ static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObjec
             goto out;
         }
         for (size_t g = 0; g < ng; g++) {
-            garr[g] = (pshard_optim_group_t){.lr = mc.lr, .momentum = mc.momentum,
+            garr[g] = (pshard_optim_group_t){.lr = mc.lr,
+                                             .momentum = mc.momentum,
                                              .dampening = mc.dampening,
                                              .weight_decay = mc.weight_decay,
-                                             .beta1 = mc.beta1, .beta2 = mc.beta2,
-                                             .eps = mc.eps, .nesterov = mc.nesterov};
+                                             .beta1 = mc.beta1,
+                                             .beta2 = mc.beta2,
+                                             .eps = mc.eps,
+                                             .nesterov = mc.nesterov};
             if (group_from_dict(PySequence_Fast_GET_ITEM(gseq, g), &garr[g]) != 0)
                 goto out;
         }
@@ -650,8 +659,7 @@ out:
 /* ---- Buffer: a view of the client's shared memory ---------------------------------------- */
 
 typedef struct {
-    PyObject_HEAD
-    ClientObject *owner; /* keeps the mapping alive */
+    PyObject_HEAD ClientObject *owner; /* keeps the mapping alive */
     void *data;
     size_t nbytes;
     pshard_dtype_t dtype;
@@ -667,8 +675,7 @@ static void export_release(ClientObject *owner)
         client_really_close(owner);
 }
 
-static PyObject *buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype,
-                            PyObject *shape)
+static PyObject *buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype, PyObject *shape)
 {
     BufferObject *b = PyObject_New(BufferObject, &BufferType);
     if (!b)
@@ -793,8 +800,8 @@ static int Buffer_getbuffer(BufferObject *b, Py_buffer *view, int flags)
     view->itemsize = (Py_ssize_t)item;
     view->format = NULL;
     if (flags & PyBUF_FORMAT)
-        view->format = b->dtype == PSHARD_FP32   ? fmt_f
-                       : b->dtype == PSHARD_FP16 ? fmt_e
+        view->format = b->dtype == PSHARD_FP32    ? fmt_f
+                       : b->dtype == PSHARD_FP16  ? fmt_e
                        : b->dtype == PSHARD_INT64 ? fmt_q
                                                   : fmt_h; /* bf16: raw 16-bit words */
     view->ndim = b->ndim;
@@ -919,8 +926,7 @@ static int parse_ids(ClientObject *self, PyObject *o, size_t **ids, size_t *n)
             Py_DECREF(seq);
             PyMem_Free(*ids);
             *ids = NULL;
-            PyErr_Format(PyExc_IndexError, "parameter #%zd: the model has %zu", v,
-                         self->nparams);
+            PyErr_Format(PyExc_IndexError, "parameter #%zd: the model has %zu", v, self->nparams);
             return 0;
         }
         (*ids)[k] = (size_t)v;
@@ -931,15 +937,13 @@ static int parse_ids(ClientObject *self, PyObject *o, size_t **ids, size_t *n)
 }
 
 typedef struct {
-    PyObject_HEAD
-    ClientObject *owner;
+    PyObject_HEAD ClientObject *owner;
     pshard_work_t *w; /* NULL once waited */
     pshard_status_t status;
     char error[PSHARD_ERRLEN];
 } WorkObject;
 
-typedef pshard_status_t (*start_fn)(pshard_client_t *, const size_t *, size_t,
-                                    pshard_work_t **);
+typedef pshard_status_t (*start_fn)(pshard_client_t *, const size_t *, size_t, pshard_work_t **);
 typedef pshard_status_t (*sync_fn)(pshard_client_t *, const size_t *, size_t);
 
 static PyObject *ids_call(ClientObject *self, PyObject *arg, sync_fn fn)
@@ -1024,8 +1028,7 @@ static void work_finish(WorkObject *w)
     w->w = NULL;
     pshard_status_t st;
     Py_BEGIN_ALLOW_THREADS st = pshard_work_wait(work);
-    Py_END_ALLOW_THREADS
-    w->status = st;
+    Py_END_ALLOW_THREADS w->status = st;
     if (st != PSHARD_OK && w->owner->c)
         PyOS_snprintf(w->error, sizeof(w->error), "%s", pshard_last_error(w->owner->c));
 }
@@ -1139,10 +1142,9 @@ static PyObject *Client_join(ClientObject *self, PyObject *args, PyObject *kw)
     CLIENT_CALL(self, st = pshard_join(self->c, &o, &r));
     if (st != PSHARD_OK)
         return client_fail(self, st);
-    return Py_BuildValue("{s:O,s:i,s:L,s:K}", "is_last_joiner", r.is_last_joiner ? Py_True
-                                                                                 : Py_False,
-                         "last_rank", r.last_rank, "step", (long long)r.step, "shadowed_ops",
-                         (unsigned long long)r.shadowed_ops);
+    return Py_BuildValue("{s:O,s:i,s:L,s:K}", "is_last_joiner",
+                         r.is_last_joiner ? Py_True : Py_False, "last_rank", r.last_rank, "step",
+                         (long long)r.step, "shadowed_ops", (unsigned long long)r.shadowed_ops);
 }
 
 static PyObject *Client_checkpoint_save(ClientObject *self, PyObject *unused)
@@ -1164,13 +1166,12 @@ static PyObject *Client_memory_stats(ClientObject *self, PyObject *unused)
         return NULL;
     pshard_memory_stats_t m;
     pshard_memory_stats(self->c, &m);
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:K,s:K,s:i}", "pool_bytes", (Py_ssize_t)m.pool_bytes,
-                         "in_use_bytes", (Py_ssize_t)m.in_use_bytes, "peak_in_use_bytes",
-                         (Py_ssize_t)m.peak_in_use_bytes, "touched_bytes",
-                         (Py_ssize_t)m.touched_bytes, "params_gathered",
-                         (unsigned long long)m.params_gathered, "params_skipped",
-                         (unsigned long long)m.params_skipped, "peak_gathers_in_flight",
-                         m.peak_gathers_in_flight);
+    return Py_BuildValue(
+        "{s:n,s:n,s:n,s:n,s:K,s:K,s:i}", "pool_bytes", (Py_ssize_t)m.pool_bytes, "in_use_bytes",
+        (Py_ssize_t)m.in_use_bytes, "peak_in_use_bytes", (Py_ssize_t)m.peak_in_use_bytes,
+        "touched_bytes", (Py_ssize_t)m.touched_bytes, "params_gathered",
+        (unsigned long long)m.params_gathered, "params_skipped",
+        (unsigned long long)m.params_skipped, "peak_gathers_in_flight", m.peak_gathers_in_flight);
 }
 
 /* ---- plain collectives on tensors -------------------------------------------------------- */
@@ -1264,8 +1265,7 @@ static PyObject *Client_barrier(ClientObject *self, PyObject *unused)
 
 static PyMethodDef Client_methods[] = {
     {"close", (PyCFunction)Client_close, METH_NOARGS, "Leaves the cluster."},
-    {"define_model", (PyCFunction)(void (*)(void))Client_define_model,
-     METH_VARARGS | METH_KEYWORDS,
+    {"define_model", (PyCFunction)(void (*)(void))Client_define_model, METH_VARARGS | METH_KEYWORDS,
      "define_model(names, shapes, init=None, optimizer='sgd', groups=None, param_groups=None, "
      "layout='fsdp2', param_dtype=None, reduce_dtype=None, reshard_after_forward=True, "
      "max_gathers_in_flight=2, max_grad_norm=0.0, init_from_rank0=True) -> resumed step"},

@@ -61,44 +61,44 @@ typedef struct {
     const void *send;
     void *recv;
     size_t count;
-    const size_t *counts;   /* borrowed until the operation completes */
-    uint64_t tag;           /* caller's tag, e.g. (step << 32 | parameter id); compared */
-    int64_t timeout_ms;     /* 0: the communicator's default */
-    const char *label;      /* optional text for the flight recorder ("step 12, fc3.weight");
-                               copied; not compared */
-    bool send_device;       /* on a host_buffers communicator (nccl): send / recv is device
-                               memory after all, used as is (not staged). Refused on tcp */
+    const size_t *counts; /* borrowed until the operation completes */
+    uint64_t tag;         /* caller's tag, e.g. (step << 32 | parameter id); compared */
+    int64_t timeout_ms;   /* 0: the communicator's default */
+    const char *label;    /* optional text for the flight recorder ("step 12, fc3.weight");
+                             copied; not compared */
+    bool send_device;     /* on a host_buffers communicator (nccl): send / recv is device
+                             memory after all, used as is (not staged). Refused on tcp */
     bool recv_device;
 } pshard_coll_args_t;
 
 typedef struct {
-    int rank;                 /* 0..world_size-1 */
-    int world_size;           /* >= 1 */
-    const char *backend;      /* "tcp" (default) or "nccl" */
-    const char *name;         /* communicator name, part of store keys (default "default") */
+    int rank;            /* 0..world_size-1 */
+    int world_size;      /* >= 1 */
+    const char *backend; /* "tcp" (default) or "nccl" */
+    const char *name;    /* communicator name, part of store keys (default "default") */
     /* Bootstrap, one of: */
-    const char *const *peers; /* explicit data-plane addresses "host:port", one per rank; this
-                                 rank listens on peers[rank] */
-    const char *coordinator;  /* else: coordinator "host:port"; each rank publishes its
-                                 address under a generation-scoped store key and waits for the
-                                 others */
-    const char *job;          /* with coordinator: the job its store keys belong to (NULL:
-                                 the coordinator's default job) */
-    const char *listen_host;  /* with coordinator: interface to listen on (default 127.0.0.1);
-                                 port chosen by the kernel */
-    const char *advertise_host; /* host peers dial (default listen_host) */
-    const char *token;        /* cluster token: authenticates the handshake (HMAC challenge,
-                                 never sent in clear) and the store calls; NULL = empty key */
-    uint64_t generation;      /* cluster generation, stamped into handshakes and store keys */
-    int64_t timeout_ms;       /* default per-operation timeout; 0 = 600000 (10 min) */
-    int64_t connect_timeout_ms; /* bootstrap and handshakes; 0 = 60000 */
-    int device;               /* nccl: CUDA device ordinal */
-    bool host_buffers;        /* nccl: the caller's buffers are host memory; the backend copies
-                                 them to and from device buffers it owns (grown to the largest
-                                 operation, then reused). Pinned memory (pshard_host_pin) copies
-                                 faster. tcp: buffers are host memory anyway; ignored */
-    const volatile int *cancel; /* optional: when *cancel becomes non-zero, a connect in
-                                   progress gives up with PSHARD_ERR_CANCELLED within ~200 ms */
+    const char *const *peers;    /* explicit data-plane addresses "host:port", one per rank; this
+                                    rank listens on peers[rank] */
+    const char *coordinator;     /* else: coordinator "host:port"; each rank publishes its
+                                    address under a generation-scoped store key and waits for the
+                                    others */
+    const char *job;             /* with coordinator: the job its store keys belong to (NULL:
+                                    the coordinator's default job) */
+    const char *listen_host;     /* with coordinator: interface to listen on (default 127.0.0.1);
+                                    port chosen by the kernel */
+    const char *advertise_host;  /* host peers dial (default listen_host) */
+    const char *token;           /* cluster token: authenticates the handshake (HMAC challenge,
+                                    never sent in clear) and the store calls; NULL = empty key */
+    uint64_t generation;         /* cluster generation, stamped into handshakes and store keys */
+    int64_t timeout_ms;          /* default per-operation timeout; 0 = 600000 (10 min) */
+    int64_t connect_timeout_ms;  /* bootstrap and handshakes; 0 = 60000 */
+    int device;                  /* nccl: CUDA device ordinal */
+    bool host_buffers;           /* nccl: the caller's buffers are host memory; the backend copies
+                                    them to and from device buffers it owns (grown to the largest
+                                    operation, then reused). Pinned memory (pshard_host_pin) copies
+                                    faster. tcp: buffers are host memory anyway; ignored */
+    const volatile int *cancel;  /* optional: when *cancel becomes non-zero, a connect in
+                                    progress gives up with PSHARD_ERR_CANCELLED within ~200 ms */
     size_t flight_recorder_size; /* descriptors kept for status output; 0 = 64 */
 } pshard_comm_config_t;
 
@@ -107,8 +107,8 @@ typedef struct {
  * message names it), PERMISSION (a handshake was refused), UNIMPLEMENTED (nccl not built),
  * SYSTEM. On error *out is NULL and err holds the reason. Free with pshard_comm_destroy.
  * Thread-safe with respect to other communicators. */
-pshard_status_t pshard_comm_create(const pshard_comm_config_t *cfg, pshard_comm_t **out,
-                                   char *err, size_t errlen);
+pshard_status_t pshard_comm_create(const pshard_comm_config_t *cfg, pshard_comm_t **out, char *err,
+                                   size_t errlen);
 
 /* Aborts (if anything is in flight) and frees. NULL is a no-op. Not concurrently with other
  * calls on the same communicator except pshard_comm_abort. */
@@ -163,12 +163,12 @@ typedef struct {
     pshard_coll_op_t op;
     pshard_dtype_t dtype;
     uint64_t tag;
-    uint64_t total_count;  /* elements across ranks */
+    uint64_t total_count; /* elements across ranks */
     pshard_coll_state_t state;
     int64_t start_ns, end_ns; /* ps_now_ns clock; end 0 while running */
-    int waiting_on;        /* rank this one is blocked on while running, else -1 */
+    int waiting_on;           /* rank this one is blocked on while running, else -1 */
     char label[64];
-    char error[160];       /* first error, for FAILED */
+    char error[160]; /* first error, for FAILED */
 } pshard_coll_record_t;
 
 /* Copies up to max records into out (oldest first); returns how many. Thread-safe. */

@@ -35,9 +35,9 @@ typedef struct {
 
 /* What ps_config_parse found besides option values. */
 typedef struct {
-    bool help;            /* --help or -h was given: print usage, exit 0 */
-    bool version;         /* --version was given: print version, exit 0 */
-    int first_positional; /* argv index of the first non-option argument (or argc) */
+    bool help;                  /* --help or -h was given: print usage, exit 0 */
+    bool version;               /* --version was given: print version, exit 0 */
+    int first_positional;       /* argv index of the first non-option argument (or argc) */
     ps_opt_source_t source[64]; /* where each option's value came from, by table index */
 } ps_config_result_t;
 
@@ -48,8 +48,7 @@ typedef struct {
  * range, bad boolean). On error, strings already parsed stay in `config`; call
  * ps_config_free to release them. Not thread-safe (reads the environment). */
 pshard_status_t ps_config_parse(const ps_option_t *opts, size_t nopts, int argc, char **argv,
-                                void *config, ps_config_result_t *result, char *err,
-                                size_t errlen);
+                                void *config, ps_config_result_t *result, char *err, size_t errlen);
 
 /* The start every pshard daemon and tool shares: ps_config_parse, then usage on --help and
  * "PROG VERSION" on --version, a refusal of positional arguments unless allow_positional,

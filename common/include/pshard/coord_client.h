@@ -90,8 +90,8 @@ typedef struct {
     ps_rpc_channel_t *channel; /* borrowed: it must outlive the lease */
     Pshard__Role role;
     const char *name, *address, *node, *device; /* copied */
-    int64_t heartbeat_timeout_ms;              /* each Heartbeat's deadline; 0: twice the
-                                                  coordinator's heartbeat interval */
+    int64_t heartbeat_timeout_ms;               /* each Heartbeat's deadline; 0: twice the
+                                                   coordinator's heartbeat interval */
     /* After every attempt (NULL: none): returns how long to wait before the next one, in ms
      * (< 0: the coordinator's heartbeat interval). A member the coordinator forgot (NOT_FOUND:
      * evicted, or a restarted coordinator) registers again at the next attempt, under the

@@ -18,7 +18,7 @@
 typedef struct ps_metrics ps_metrics_t;
 
 typedef enum {
-    PS_METRIC_COUNTER = 1,   /* name must end in "_total" */
+    PS_METRIC_COUNTER = 1, /* name must end in "_total" */
     PS_METRIC_GAUGE = 2,
     PS_METRIC_HISTOGRAM = 3, /* samples name_bucket{le=...}, name_sum, name_count */
 } ps_metric_type_t;
@@ -41,8 +41,7 @@ void ps_metrics_destroy(ps_metrics_t *w); /* NULL is a no-op */
  * the writer, first one wins, see ps_metrics_error): a name outside [a-zA-Z_:][a-zA-Z0-9_:]*,
  * a counter not ending in "_total", a family written twice. A refused family writes nothing,
  * and neither do its samples. */
-void ps_metrics_family(ps_metrics_t *w, const char *name, ps_metric_type_t type,
-                       const char *help);
+void ps_metrics_family(ps_metrics_t *w, const char *name, ps_metric_type_t type, const char *help);
 
 /* One sample of the current counter or gauge family. labels: NULL, or name/value string pairs
  * ending with a NULL name ({"op", "gather", NULL}); label names must match

@@ -19,17 +19,21 @@ typedef struct {
     size_t len; /* items queued */
 } ps_queue_t;
 
-#define PS_QUEUE_INIT {NULL, NULL, 0}
+#define PS_QUEUE_INIT                                                                              \
+    {                                                                                              \
+        NULL, NULL, 0                                                                              \
+    }
 
 /* The struct of type `type` whose member `member` is the node at ptr. */
 #define PS_CONTAINER_OF(ptr, type, member) ((type *)(void *)((char *)(ptr)-offsetof(type, member)))
 
 /* The item of type `type` at the head of q (not removed), or NULL. */
-#define PS_QUEUE_PEEK(q, type, member)                                                          \
+#define PS_QUEUE_PEEK(q, type, member)                                                             \
     ((q)->head ? PS_CONTAINER_OF((q)->head, type, member) : (type *)NULL)
 
 /* Removes and returns the item of type `type` at the head of q, or NULL. */
-#define PS_QUEUE_POP(q, type, member) ((type *)ps_queue__entry(ps_queue_pop(q), offsetof(type, member)))
+#define PS_QUEUE_POP(q, type, member)                                                              \
+    ((type *)ps_queue__entry(ps_queue_pop(q), offsetof(type, member)))
 
 static inline bool ps_queue_empty(const ps_queue_t *q)
 {
@@ -72,8 +76,8 @@ static inline void *ps_queue__entry(ps_qnode_t *n, size_t off)
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    ps_queue_t q;  /* under mu */
-    bool closed;   /* under mu: takers return NULL once q is empty */
+    ps_queue_t q; /* under mu */
+    bool closed;  /* under mu: takers return NULL once q is empty */
 } ps_workq_t;
 
 /* Initialises an empty, open queue; ps_workq_destroy releases it (the items are the owner's). */

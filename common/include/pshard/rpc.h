@@ -36,8 +36,7 @@ typedef struct ps_rpc_call ps_rpc_call_t;
  * streaming handler sends with ps_rpc_call_send and ends with ps_rpc_call_finish, also exactly
  * once. A bidi handler runs once per client message and must not finish the call itself unless
  * it fails it; the runtime finishes with OK when the client half-closes. */
-typedef void (*ps_rpc_handler_fn)(ps_rpc_call_t *call, const ProtobufCMessage *request,
-                                  void *ctx);
+typedef void (*ps_rpc_handler_fn)(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx);
 
 typedef struct {
     const char *path; /* full method path: "/pshard.Coordinator/Register" (borrowed, static) */
@@ -66,8 +65,7 @@ typedef struct {
 /* Creates a server bound to cfg->listen (strings are copied). It serves health (service ""
  * SERVING once started) and reflection (v1alpha and v1) itself. Errors: NULL with a message
  * in err (bad address, port in use, unreadable TLS files). Free with ps_rpc_server_destroy. */
-ps_rpc_server_t *ps_rpc_server_create(const ps_rpc_server_config_t *cfg, char *err,
-                                      size_t errlen);
+ps_rpc_server_t *ps_rpc_server_create(const ps_rpc_server_config_t *cfg, char *err, size_t errlen);
 
 /* Adds methods (the table is borrowed and must outlive the server). Before start only. Not
  * thread-safe. Returns INVALID_ARGUMENT for a duplicate path or after start. */
@@ -187,9 +185,9 @@ typedef struct ps_rpc_channel ps_rpc_channel_t;
 typedef struct ps_rpc_stream ps_rpc_stream_t;
 
 typedef struct {
-    const char *target;          /* "HOST:PORT" */
-    const char *tls_ca_file;     /* PEM CA to verify the server; NULL = plaintext */
-    const char *tls_cert_file;   /* client certificate for mTLS (with tls_key_file) */
+    const char *target;        /* "HOST:PORT" */
+    const char *tls_ca_file;   /* PEM CA to verify the server; NULL = plaintext */
+    const char *tls_cert_file; /* client certificate for mTLS (with tls_key_file) */
     const char *tls_key_file;
     const char *tls_server_name; /* expected server name when it differs from target's host */
     const char *token;           /* sent as "authorization: Bearer TOKEN"; NULL = none */
@@ -235,8 +233,8 @@ pshard_status_t ps_rpc_unary_raw(ps_rpc_channel_t *ch, const char *path, const v
  * (only local failures; server errors surface from ps_rpc_stream_next). Not thread-safe: one
  * thread reads a stream. */
 ps_rpc_stream_t *ps_rpc_stream_open(ps_rpc_channel_t *ch, const char *path,
-                                    const ProtobufCMessage *request, int64_t timeout_ms,
-                                    char *err, size_t errlen);
+                                    const ProtobufCMessage *request, int64_t timeout_ms, char *err,
+                                    size_t errlen);
 
 /* Waits up to wait_ms (< 0: forever) for the next message. PSHARD_OK with *msg set (free with
  * protobuf_c_message_free_unpacked); PSHARD_OK with *msg NULL when the server ended the stream

@@ -12,25 +12,25 @@
 typedef struct pshard_coordinator pshard_coordinator_t;
 
 typedef struct {
-    const char *listen;             /* "HOST:PORT"; port 0 picks a free port */
-    const char *token;              /* cluster token, or NULL for none */
-    const char *tls_cert_file;      /* server certificate (TLS) or NULL */
+    const char *listen;        /* "HOST:PORT"; port 0 picks a free port */
+    const char *token;         /* cluster token, or NULL for none */
+    const char *tls_cert_file; /* server certificate (TLS) or NULL */
     const char *tls_key_file;
     const char *tls_client_ca_file; /* require client certificates signed by this CA (mTLS) */
     int min_nodes, max_nodes;       /* rendezvous size: fixed N is min == max == N */
     int64_t last_call_ms;           /* wait for more shard servers after min registered */
     int64_t lease_ms, heartbeat_ms;
     int64_t max_message_bytes;
-    int64_t store_wait_default_ms;  /* StoreWait with timeout 0 waits this long */
-    int64_t job_linger_ms;          /* an unused job other than "default" ends after this
-                                       (<= 0: 300000) */
+    int64_t store_wait_default_ms; /* StoreWait with timeout 0 waits this long */
+    int64_t job_linger_ms;         /* an unused job other than "default" ends after this
+                                      (<= 0: 300000) */
     int worker_threads;
 } pshard_coordinator_config_t;
 
 /* Starts serving (threads of its own). NULL with a message in err on a bad config or when the
  * address cannot be bound. Stop with pshard_coordinator_stop. Not thread-safe. */
-pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t *cfg,
-                                               char *err, size_t errlen);
+pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t *cfg, char *err,
+                                               size_t errlen);
 
 /* The bound port. Thread-safe. */
 int pshard_coordinator_port(const pshard_coordinator_t *c);

@@ -14,28 +14,28 @@
 typedef struct pshard_shard_server pshard_shard_server_t;
 
 typedef struct {
-    const char *coordinator;  /* "HOST:PORT" of the coordinator */
-    const char *job;          /* the job on the coordinator (torchrun's --rdzv-id); NULL: the
-                                 coordinator's default job */
-    const char *listen;       /* "HOST:PORT" for trainers; port 0 picks one */
-    const char *advertise;    /* address registered with the coordinator (default: listen) */
-    const char *name;         /* member name (stable across restarts, e.g. the pod name) */
-    const char *node;         /* node name for status */
-    const char *backend;      /* "tcp" or "nccl" */
-    const char *offload;      /* "none" or "cpu" */
-    const char *data_host;    /* interface the collectives listen on (default 127.0.0.1) */
-    const char *token;        /* cluster token, or NULL */
+    const char *coordinator; /* "HOST:PORT" of the coordinator */
+    const char *job;         /* the job on the coordinator (torchrun's --rdzv-id); NULL: the
+                                coordinator's default job */
+    const char *listen;      /* "HOST:PORT" for trainers; port 0 picks one */
+    const char *advertise;   /* address registered with the coordinator (default: listen) */
+    const char *name;        /* member name (stable across restarts, e.g. the pod name) */
+    const char *node;        /* node name for status */
+    const char *backend;     /* "tcp" or "nccl" */
+    const char *offload;     /* "none" or "cpu" */
+    const char *data_host;   /* interface the collectives listen on (default 127.0.0.1) */
+    const char *token;       /* cluster token, or NULL */
     const char *tls_cert_file, *tls_key_file, *tls_client_ca_file; /* trainer-facing TLS */
-    const char *coord_tls_ca_file;  /* to verify the coordinator's TLS certificate */
-    int64_t coll_timeout_ms;  /* per-collective timeout; 0 = 10 minutes */
-    int64_t form_timeout_ms;  /* how long to wait for the cluster to form; 0 = forever */
+    const char *coord_tls_ca_file; /* to verify the coordinator's TLS certificate */
+    int64_t coll_timeout_ms;       /* per-collective timeout; 0 = 10 minutes */
+    int64_t form_timeout_ms;       /* how long to wait for the cluster to form; 0 = forever */
     int64_t max_message_bytes;
-    int device;               /* CUDA device for nccl */
+    int device;                 /* CUDA device for nccl */
     const char *checkpoint_dir; /* where checkpoints are saved (shared by all ranks), or NULL */
-    int64_t checkpoint_every; /* save after every Kth optimizer step; 0 = only on request */
-    int64_t checkpoint_keep;  /* committed checkpoints kept (newest); 0 = 3 */
-    const char *resume;       /* restore the newest committed checkpoint under this root when
-                                 the model is defined (any world size, either layout); NULL */
+    int64_t checkpoint_every;   /* save after every Kth optimizer step; 0 = only on request */
+    int64_t checkpoint_keep;    /* committed checkpoints kept (newest); 0 = 3 */
+    const char *resume;         /* restore the newest committed checkpoint under this root when
+                                   the model is defined (any world size, either layout); NULL */
     bool resume_allow_fresh;
     int64_t max_model_memory; /* bytes one model's state may take on this server (shards,
                                  optimizer states, its region); 0 = the machine's memory or
@@ -50,8 +50,8 @@ typedef struct {
  * cluster formed and the communicator is up), registers with the coordinator and brings the
  * rest up in the background. NULL with a message in err on a bad config or when the address
  * cannot be bound. Not thread-safe. */
-pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_config_t *cfg,
-                                                 char *err, size_t errlen);
+pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_config_t *cfg, char *err,
+                                                 size_t errlen);
 
 int pshard_shard_server_port(const pshard_shard_server_t *s);
 
@@ -59,8 +59,7 @@ int pshard_shard_server_port(const pshard_shard_server_t *s);
 int pshard_shard_server_metrics_port(const pshard_shard_server_t *s);
 
 /* Fatal background error (lost coordinator, communicator failure at set-up), or PSHARD_OK. */
-pshard_status_t pshard_shard_server_error(const pshard_shard_server_t *s, char *err,
-                                          size_t errlen);
+pshard_status_t pshard_shard_server_error(const pshard_shard_server_t *s, char *err, size_t errlen);
 
 /* Leaves the cluster (Leave), stops serving, frees everything. NULL is a no-op. */
 void pshard_shard_server_stop(pshard_shard_server_t *s);

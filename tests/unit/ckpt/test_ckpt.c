@@ -1103,9 +1103,8 @@ static void test_root_links(void)
     int64_t *steps = NULL;
     size_t n = 0;
     char refused[512] = "x";
-    CU_ASSERT_EQUAL_FATAL(ps_ckpt_list(root, &steps, &n, refused, sizeof(refused), err,
-                                       sizeof(err)),
-                          PSHARD_OK);
+    CU_ASSERT_EQUAL_FATAL(
+        ps_ckpt_list(root, &steps, &n, refused, sizeof(refused), err, sizeof(err)), PSHARD_OK);
     CU_ASSERT(n == 2 && steps[0] == 10 && steps[1] == 20);
     CU_ASSERT_PTR_NOT_NULL(strstr(refused, "symbolic link"));
     free(steps);
@@ -1129,8 +1128,7 @@ static void test_root_links(void)
     err[0] = '\0';
     ps_ckpt_manifest_t *r = NULL;
     ps_ckpt_step_dir(root, 30, dir, sizeof(dir));
-    CU_ASSERT_EQUAL(ps_ckpt_manifest_read(dir, &r, err, sizeof(err)),
-                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_EQUAL(ps_ckpt_manifest_read(dir, &r, err, sizeof(err)), PSHARD_ERR_INVALID_ARGUMENT);
     CU_ASSERT_PTR_NULL(r);
     err[0] = '\0';
 
@@ -1139,17 +1137,16 @@ static void test_root_links(void)
     snprintf(target, sizeof(target), "%s/keep.txt", victim);
     snprintf(path, sizeof(path), "%s/step-00000040/shard-00000-of-00001.bin", root);
     CU_ASSERT_EQUAL_FATAL(symlink(target, path), 0);
-    CU_ASSERT_EQUAL(ps_atomic_file_put(dfd, "shard-00000-of-00001.bin", path, "data", 4, err,
-                                       sizeof(err)),
-                    PSHARD_OK);
+    CU_ASSERT_EQUAL(
+        ps_atomic_file_put(dfd, "shard-00000-of-00001.bin", path, "data", 4, err, sizeof(err)),
+        PSHARD_OK);
     CU_ASSERT(!is_link(path) && file_has(path, "data"));
     CU_ASSERT(file_has(target, "victim"));
     /* Reading a link inside the root is refused, and names it. */
     snprintf(path, sizeof(path), "%s/step-00000040/other.bin", root);
     CU_ASSERT_EQUAL_FATAL(symlink(target, path), 0);
     int fd = -1;
-    CU_ASSERT_EQUAL(ckpt_file_open(dfd, "other.bin", path, false, &fd, NULL, err,
-                                      sizeof(err)),
+    CU_ASSERT_EQUAL(ckpt_file_open(dfd, "other.bin", path, false, &fd, NULL, err, sizeof(err)),
                     PSHARD_ERR_INVALID_ARGUMENT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "symbolic link"));
     CU_ASSERT_EQUAL(fd, -1);
@@ -1222,8 +1219,7 @@ static void test_fifo_refused(void)
     unlink(path);
     CU_ASSERT_EQUAL_FATAL(mkfifo(path, 0644), 0);
     err[0] = '\0';
-    CU_ASSERT_EQUAL(ps_ckpt_manifest_read(dir, &r, err, sizeof(err)),
-                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_EQUAL(ps_ckpt_manifest_read(dir, &r, err, sizeof(err)), PSHARD_ERR_INVALID_ARGUMENT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "FIFO"));
     int64_t *steps = NULL;
     size_t n = 9;

@@ -91,7 +91,7 @@ typedef struct {
     int taken;
     int in_order; /* each producer's items came to this taker in increasing order */
     int last_seq[PRODUCERS];
-    int *seen;    /* shared: how often each item was taken (atomic adds) */
+    int *seen; /* shared: how often each item was taken (atomic adds) */
 } taker_arg_t;
 
 static void *producer_main(void *p)

@@ -160,8 +160,9 @@ static void test_register_heartbeat_lease_expiry(void)
     /* A heartbeat renews the lease and never bumps the generation. */
     coord_member_view_t hb;
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, v.lease_key, MS(3000), &hb, err, sizeof(err)),
-                    PSHARD_OK);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, v.member_id, v.lease_key, MS(3000), &hb, err, sizeof(err)),
+        PSHARD_OK);
     CU_ASSERT_EQUAL(hb.generation, 2);
     CU_ASSERT_STRING_EQUAL(hb.member_id, v.member_id);
     CU_ASSERT_EQUAL(changes.n, 1);
@@ -182,8 +183,9 @@ static void test_register_heartbeat_lease_expiry(void)
     coord_snapshot_free(snap);
 
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, v.lease_key, MS(8002), &hb, err, sizeof(err)),
-                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, v.member_id, v.lease_key, MS(8002), &hb, err, sizeof(err)),
+        PSHARD_ERR_NOT_FOUND);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, v.member_id));
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "register again"));
     CU_ASSERT_EQUAL(coord_state_generation(st), 3);
@@ -337,7 +339,8 @@ static void test_last_call_cancelled_below_min(void)
     coord_member_view_t b = reg(st, SRV, "b", MS(0));
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(1000));
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_leave(st, b.member_id, b.lease_key, MS(500), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, b.member_id, b.lease_key, MS(500), err, sizeof(err)),
+                    PSHARD_OK);
     CU_ASSERT_TRUE(last_reason_is("member b left"));
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5000) + 1);
     coord_snapshot_t *snap = coord_state_snapshot(st, MS(600));
@@ -362,13 +365,15 @@ static void test_last_call_eviction_below_min_cancels(void)
     reg(st, SRV, "b", MS(0));
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(5000) + 1);
     char err[64] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, a.lease_key, MS(4000), NULL, err, sizeof(err)),
-                    PSHARD_OK);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, a.member_id, a.lease_key, MS(4000), NULL, err, sizeof(err)),
+        PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_tick(st, MS(5000) + 1), 1); /* b lapses */
     CU_ASSERT_TRUE(last_reason_is("member b lease expired"));
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(9000) + 1); /* timer gone */
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, a.lease_key, MS(8000), NULL, err, sizeof(err)),
-                    PSHARD_OK);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, a.member_id, a.lease_key, MS(8000), NULL, err, sizeof(err)),
+        PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_tick(st, MS(10000)), 0);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMING);
     coord_state_destroy(st);
@@ -417,8 +422,9 @@ static void test_reregister_live_keeps_rank(void)
 
     coord_member_view_t hb;
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, v[1].lease_key, MS(200), &hb, err, sizeof(err)),
-                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, v[1].member_id, v[1].lease_key, MS(200), &hb, err, sizeof(err)),
+        PSHARD_ERR_NOT_FOUND);
     CU_ASSERT_EQUAL(rank_of(st, &again, MS(200)), 1);
     static const char *const names[] = {"s1", "s2", "s10"};
     static const int ranks[] = {0, 1, 2};
@@ -464,7 +470,8 @@ static void test_evicted_rank_returns_and_reforms(void)
     CU_ASSERT_EQUAL(coord_state_generation(st), gen + 4);
     coord_member_view_t again;
     char err[64] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, back.member_id, back.lease_key, MS(6001), &again, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, back.member_id, back.lease_key, MS(6001), &again, err,
+                                          sizeof(err)),
                     PSHARD_OK);
     CU_ASSERT_EQUAL(again.formed_generation, gen + 4);
     coord_state_destroy(st);
@@ -475,10 +482,12 @@ static void test_degraded_new_name_takes_lowest_vacant(void)
     coord_member_view_t v[3];
     coord_state_t *st = formed_three(v);
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[2].member_id, v[2].lease_key, MS(10), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[2].member_id, v[2].lease_key, MS(10), err, sizeof(err)),
+                    PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
     CU_ASSERT_STRING_EQUAL(changes.reason[changes.n - 2], "member s10 left");
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, v[1].lease_key, MS(20), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, v[1].lease_key, MS(20), err, sizeof(err)),
+                    PSHARD_OK);
     CU_ASSERT_TRUE(last_reason_is("member s2 left")); /* already degraded: one bump */
     coord_snapshot_t *snap = coord_state_snapshot(st, MS(20));
     CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 1 (was s2), rank 2 (was s10)");
@@ -503,7 +512,8 @@ static void test_degraded_new_name_takes_lowest_vacant(void)
     static const int ranks[] = {0, 1, 2, -1};
     expect_snapshot(st, MS(50), names, ranks, 4);
 
-    CU_ASSERT_EQUAL(coord_state_leave(st, x.member_id, x.lease_key, MS(60), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, x.member_id, x.lease_key, MS(60), err, sizeof(err)),
+                    PSHARD_OK);
     snap = coord_state_snapshot(st, MS(60));
     CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 1 (was x)");
     coord_snapshot_free(snap);
@@ -518,8 +528,10 @@ static void test_degraded_returning_names_get_their_own_ranks(void)
     coord_member_view_t v[3];
     coord_state_t *st = formed_three(v);
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, v[0].lease_key, MS(10), err, sizeof(err)), PSHARD_OK);
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[2].member_id, v[2].lease_key, MS(10), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, v[0].lease_key, MS(10), err, sizeof(err)),
+                    PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[2].member_id, v[2].lease_key, MS(10), err, sizeof(err)),
+                    PSHARD_OK);
     coord_snapshot_t *snap = coord_state_snapshot(st, MS(10));
     CU_ASSERT_STRING_EQUAL(snap->awaiting, "rank 0 (was s1), rank 2 (was s10)");
     coord_snapshot_free(snap);
@@ -542,12 +554,14 @@ static void test_leave(void)
     CU_ASSERT_EQUAL(t.rank, -1);
     uint64_t gen = coord_state_generation(st);
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_leave(st, t.member_id, t.lease_key, MS(1), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, t.member_id, t.lease_key, MS(1), err, sizeof(err)),
+                    PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_generation(st), gen + 1);
     CU_ASSERT_TRUE(last_reason_is("member t0 left"));
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
 
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, v[0].lease_key, MS(2), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[0].member_id, v[0].lease_key, MS(2), err, sizeof(err)),
+                    PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
     CU_ASSERT_EQUAL(coord_state_generation(st), gen + 3);
 
@@ -578,24 +592,27 @@ static void test_lease_key_is_the_credential(void)
 
     /* Heartbeat and Leave with the id alone, or with another member's key: refused. */
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, NULL, MS(100), &out, err,
-                                          sizeof(err)),
-                    PSHARD_ERR_PERMISSION);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, v[1].member_id, NULL, MS(100), &out, err, sizeof(err)),
+        PSHARD_ERR_PERMISSION);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "no lease key"));
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, v[2].lease_key, MS(100), &out, err,
-                                          sizeof(err)),
-                    PSHARD_ERR_PERMISSION);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, v[1].member_id, v[2].lease_key, MS(100), &out, err, sizeof(err)),
+        PSHARD_ERR_PERMISSION);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "wrong lease key"));
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, "short", MS(100), &out, err,
-                                          sizeof(err)),
-                    PSHARD_ERR_PERMISSION);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, v[1].member_id, "short", MS(100), &out, err, sizeof(err)),
+        PSHARD_ERR_PERMISSION);
     err[0] = '\0';
     CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, "", MS(100), err, sizeof(err)),
                     PSHARD_ERR_PERMISSION);
-    coord_join_report_t r = {.member_id = v[1].member_id, .lease_key = v[0].lease_key,
-                             .rank = 1, .phase = COORD_JOIN_PHASE_JOINED, .step = 1};
+    coord_join_report_t r = {.member_id = v[1].member_id,
+                             .lease_key = v[0].lease_key,
+                             .rank = 1,
+                             .phase = COORD_JOIN_PHASE_JOINED,
+                             .step = 1};
     coord_join_change_t change;
     err[0] = '\0';
     CU_ASSERT_EQUAL(coord_state_report_join(st, &r, MS(100), &change, err, sizeof(err)),
@@ -610,8 +627,8 @@ static void test_lease_key_is_the_credential(void)
 
     /* Its name is not for the taking while the lease runs, with no key or a wrong one. */
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_register(st, SRV, "s2", "10.9.9.9:1", "", "", NULL, MS(4500),
-                                         &out, err, sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_register(st, SRV, "s2", "10.9.9.9:1", "", "", NULL, MS(4500), &out,
+                                         err, sizeof(err)),
                     PSHARD_ERR_ALREADY_EXISTS);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "lapses in 500 ms"));
     err[0] = '\0';
@@ -633,9 +650,9 @@ static void test_lease_key_is_the_credential(void)
     coord_member_view_t back = reg(st, SRV, "s2", MS(5001));
     CU_ASSERT_EQUAL(back.rank, 1);
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v[1].member_id, v[1].lease_key, MS(5002), &out,
-                                          err, sizeof(err)),
-                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, v[1].member_id, v[1].lease_key, MS(5002), &out, err, sizeof(err)),
+        PSHARD_ERR_NOT_FOUND);
     CU_ASSERT_EQUAL(rank_of(st, &back, MS(5002)), 1);
     coord_state_destroy(st);
 }
@@ -666,8 +683,9 @@ static void test_trainers_and_names_per_role(void)
     /* Re-registering trainer t10 (with its key) replaces only the trainer. */
     coord_member_view_t tb2 = reg_as(st, TRN, "t10", tb.lease_key, MS(2));
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, tb.member_id, tb.lease_key, MS(3), NULL, err, sizeof(err)),
-                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, tb.member_id, tb.lease_key, MS(3), NULL, err, sizeof(err)),
+        PSHARD_ERR_NOT_FOUND);
     CU_ASSERT_EQUAL(rank_of(st, &tb2, MS(3)), -1);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
     snap = coord_state_snapshot(st, MS(3));
@@ -682,8 +700,8 @@ static void expect_register_error(coord_state_t *st, coord_role_t role, const ch
 {
     char err[512] = "";
     coord_member_view_t v;
-    pshard_status_t rc =
-        coord_state_register(st, role, name, address, "node", "dev", NULL, MS(0), &v, err, sizeof(err));
+    pshard_status_t rc = coord_state_register(st, role, name, address, "node", "dev", NULL, MS(0),
+                                              &v, err, sizeof(err));
     CU_ASSERT_EQUAL(rc, PSHARD_ERR_INVALID_ARGUMENT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, want));
     if (!strstr(err, want))
@@ -720,11 +738,11 @@ static void test_validation(void)
     long_addr[COORD_FIELD_MAX] = '\0';
     coord_member_view_t v;
     char err[256] = "";
-    CU_ASSERT_EQUAL(
-        coord_state_register(st, SRV, long_name, long_addr, NULL, "", NULL, MS(0), &v, err, sizeof(err)),
-        PSHARD_OK);
-    CU_ASSERT_EQUAL(coord_state_register(st, TRN, "t", "host with spaces:1", "", NULL, NULL, MS(0), &v,
+    CU_ASSERT_EQUAL(coord_state_register(st, SRV, long_name, long_addr, NULL, "", NULL, MS(0), &v,
                                          err, sizeof(err)),
+                    PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_register(st, TRN, "t", "host with spaces:1", "", NULL, NULL, MS(0),
+                                         &v, err, sizeof(err)),
                     PSHARD_OK);
 
     static const char *const bad_ids[] = {
@@ -745,8 +763,8 @@ static void test_validation(void)
     CU_ASSERT_EQUAL(coord_state_heartbeat(st, NULL, NULL, MS(1), NULL, err, sizeof(err)),
                     PSHARD_ERR_INVALID_ARGUMENT);
     err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, "0123456789abcdef0123456789abcdef", NULL, MS(1), NULL, err,
-                                          sizeof(err)),
+    CU_ASSERT_EQUAL(coord_state_heartbeat(st, "0123456789abcdef0123456789abcdef", NULL, MS(1), NULL,
+                                          err, sizeof(err)),
                     PSHARD_ERR_NOT_FOUND);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "unknown member id 0123456789abcdef0123456789abcdef"));
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "evicted or never registered; register again"));
@@ -769,8 +787,9 @@ static void test_next_deadline(void)
     CU_ASSERT_TRUE(last_reason_is("member t lease expired"));
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(6000) + 1);
     char err[64] = "";
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, a.member_id, a.lease_key, MS(6000), NULL, err, sizeof(err)),
-                    PSHARD_OK);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, a.member_id, a.lease_key, MS(6000), NULL, err, sizeof(err)),
+        PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_next_deadline_ns(st), MS(7000) + 1); /* b's lease */
     coord_state_destroy(st);
 }
@@ -813,8 +832,9 @@ static void test_snapshot_content(void)
     coord_snapshot_free(snap);
     coord_snapshot_free(NULL);
 
-    CU_ASSERT_EQUAL(coord_state_heartbeat(st, v.member_id, v.lease_key, MS(900), NULL, err, sizeof(err)),
-                    PSHARD_OK);
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, v.member_id, v.lease_key, MS(900), NULL, err, sizeof(err)),
+        PSHARD_OK);
     snap = coord_state_snapshot(st, MS(900));
     CU_ASSERT_EQUAL(snap->members[0].last_heartbeat_ns, MS(900));
     CU_ASSERT_EQUAL(snap->members[0].lease_deadline_ns, MS(5900));
@@ -886,7 +906,8 @@ static void test_many_members_index(void)
     coord_snapshot_free(snap);
     for (int i = 0; i < N; i++) {
         err[0] = '\0';
-        pshard_status_t rc = coord_state_heartbeat(st, ids[i], keys[i], MS(5002), NULL, err, sizeof(err));
+        pshard_status_t rc =
+            coord_state_heartbeat(st, ids[i], keys[i], MS(5002), NULL, err, sizeof(err));
         CU_ASSERT_EQUAL(rc, i % 3 == 1 ? PSHARD_OK : PSHARD_ERR_NOT_FOUND);
     }
     coord_state_destroy(st);
@@ -1074,7 +1095,8 @@ static void test_join_cleared_on_reform(void)
     uint64_t formed_gen = snap->formed_generation;
     coord_snapshot_free(snap);
     char err[256] = "";
-    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, v[1].lease_key, MS(5), err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_leave(st, v[1].member_id, v[1].lease_key, MS(5), err, sizeof(err)),
+                    PSHARD_OK);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
     expect_joins(st, ranks, steps, 2, 0);
     /* The old incarnation cannot report any more. */

@@ -669,9 +669,9 @@ static void test_shared_usage(void)
     char key[32], err[512] = "";
     for (int i = 0; i < COORD_STORE_MAX_KEYS; i++) {
         snprintf(key, sizeof(key), "key/%d", i);
-        CU_ASSERT_EQUAL_FATAL(coord_store_set(i % 2 ? a : b, key, (const uint8_t *)"v", 1, err,
-                                              sizeof(err)),
-                              PSHARD_OK);
+        CU_ASSERT_EQUAL_FATAL(
+            coord_store_set(i % 2 ? a : b, key, (const uint8_t *)"v", 1, err, sizeof(err)),
+            PSHARD_OK);
     }
     CU_ASSERT_EQUAL(usage.keys, COORD_STORE_MAX_KEYS);
     CU_ASSERT_EQUAL(coord_store_num_keys(a) + coord_store_num_keys(b), COORD_STORE_MAX_KEYS);

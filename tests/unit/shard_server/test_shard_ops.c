@@ -83,8 +83,8 @@ static void test_verdict_desync_names_both(void)
 static void test_verdict_joined_ranks(void)
 {
     int64_t recs[4 * REC_WORDS];
-    shard_sop_t rs = {.kind = SHARD_SOP_REDUCE_SCATTER, .dtype = PSHARD_FP32, .nids = 2,
-                      .ids = ids12};
+    shard_sop_t rs = {
+        .kind = SHARD_SOP_REDUCE_SCATTER, .dtype = PSHARD_FP32, .nids = 2, .ids = ids12};
     rec_op(recs, 0, &rs, 0);
     rec_join(recs, 1, REC_JOINED, false, 3);
     rec_op(recs, 2, &rs, 0);
@@ -123,8 +123,11 @@ static void test_verdict_joined_ranks(void)
 static void test_verdict_broadcast_root_joined(void)
 {
     int64_t recs[2 * REC_WORDS];
-    shard_sop_t b = {.kind = SHARD_SOP_COLLECTIVE, .dtype = PSHARD_FP32,
-                     .coll_op = PSHARD_COLL_BROADCAST, .count = 8, .root = 1};
+    shard_sop_t b = {.kind = SHARD_SOP_COLLECTIVE,
+                     .dtype = PSHARD_FP32,
+                     .coll_op = PSHARD_COLL_BROADCAST,
+                     .count = 8,
+                     .root = 1};
     rec_op(recs, 0, &b, 0);
     rec_join(recs, 1, REC_JOINED, false, 2);
     agreement_t ag;
@@ -253,8 +256,7 @@ static bool op_mu_free(pshard_shard_server_t *s)
 }
 
 /* shard_op_run into an emptied buffer (an error buffer keeps its first message). */
-static pshard_status_t run_fresh(pshard_shard_server_t *s, shard_op_t *op, char *err,
-                                 size_t errlen)
+static pshard_status_t run_fresh(pshard_shard_server_t *s, shard_op_t *op, char *err, size_t errlen)
 {
     err[0] = '\0';
     return shard_op_run(s, op, err, errlen);
@@ -266,9 +268,13 @@ static void test_op_refusals(void)
     CU_ASSERT_FATAL(one_rank(&o, false) == 0);
     pshard_shard_server_t *s = o.s;
     probe_t p = {0};
-    shard_op_t op = {.session = "session-1", .agree = true,
+    shard_op_t op = {.session = "session-1",
+                     .agree = true,
                      .sop = {.kind = SHARD_SOP_COLLECTIVE, .coll_op = PSHARD_COLL_BARRIER},
-                     .opk = SHARD_OPK_BARRIER, .check = probe_check, .run = probe_run, .arg = &p};
+                     .opk = SHARD_OPK_BARRIER,
+                     .check = probe_check,
+                     .run = probe_run,
+                     .arg = &p};
     char err[512] = "";
 
     s->comm = NULL; /* the cluster has not formed */
@@ -309,9 +315,13 @@ static void test_op_runs_under_the_lock(void)
     CU_ASSERT_FATAL(one_rank(&o, false) == 0);
     pshard_shard_server_t *s = o.s;
     probe_t p = {0};
-    shard_op_t op = {.session = "session-1", .agree = true,
+    shard_op_t op = {.session = "session-1",
+                     .agree = true,
                      .sop = {.kind = SHARD_SOP_COLLECTIVE, .coll_op = PSHARD_COLL_BARRIER},
-                     .opk = SHARD_OPK_BARRIER, .check = probe_check, .run = probe_run, .arg = &p};
+                     .opk = SHARD_OPK_BARRIER,
+                     .check = probe_check,
+                     .run = probe_run,
+                     .arg = &p};
     char err[512] = "";
     CU_ASSERT_EQUAL(shard_op_run(s, &op, err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_EQUAL(p.checks, 1);
@@ -343,8 +353,7 @@ static void test_model_ops_on_one_rank(void)
     for (int k = 0; k < 12; k++)
         grad[k] = 2.0f;
     CU_ASSERT_EQUAL_FATAL(
-        shard_reduce_scatter_one(o.comm, m, 0, PSHARD_FP32, grad, 1, err, sizeof(err)),
-        PSHARD_OK);
+        shard_reduce_scatter_one(o.comm, m, 0, PSHARD_FP32, grad, 1, err, sizeof(err)), PSHARD_OK);
     CU_ASSERT(m->grad[0] == 2.0f && m->grad[11] == 2.0f);
     shard_sop_t step = {.kind = SHARD_SOP_STEP};
     double norm = 0;
@@ -364,8 +373,11 @@ static void test_join_alone(void)
     one_rank_t o;
     CU_ASSERT_FATAL(one_rank(&o, true) == 0);
     shard_join_result_t r = {.throw_on_early_termination = false};
-    shard_op_t op = {.session = "session-1", .needs_model = "define the model before joining",
-                     .opk = -1, .run = shard_join_run, .arg = &r};
+    shard_op_t op = {.session = "session-1",
+                     .needs_model = "define the model before joining",
+                     .opk = -1,
+                     .run = shard_join_run,
+                     .arg = &r};
     char err[512] = "";
     CU_ASSERT_EQUAL(shard_op_run(o.s, &op, err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_TRUE(r.is_last_joiner);
