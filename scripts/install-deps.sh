@@ -9,6 +9,7 @@ packages=(
   libevent-dev libcunit1-dev libssl-dev openssl libopenblas-dev libjansson-dev
   python3 python3-venv python3-dev  # python3-dev: the pshard extension module
   iproute2  # ip netns, for the network-cut test
+  clang-format  # the format check (CTest format): the tree stays as .clang-format says
 )
 
 # The container smoke test (deploy/podman-smoke.sh, CTest deploy_podman_smoke): podman with
