@@ -255,9 +255,9 @@ void *shard_setup_main(void *arg)
         pshard_status_t rc = pshard_comm_create(&cc, &comm, err, sizeof(err));
         if (rc == PSHARD_ERR_RESOURCE_EXHAUSTED) {
             /* The coordinator's store is full: retrying cannot help, the job must be told. */
-            char msg[PSHARD_ERRLEN];
-            snprintf(msg, sizeof(msg), "cannot build the communicator (rank %d of %d): %s", rank,
-                     world, err);
+            char msg[PSHARD_ERRLEN]; /* cut at PSHARD_ERRLEN like every error message */
+            ps_snprintf(msg, sizeof(msg), "cannot build the communicator (rank %d of %d): %s", rank,
+                        world, err);
             shard_set_fatal(s, rc, msg);
             break;
         }
