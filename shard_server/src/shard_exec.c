@@ -26,13 +26,11 @@ const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, 
 #define TAG_STEP_NORM 0x7fffffffu
 #define TAG_CLIP_NORM 0x7ffffffeu
 
-pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                 pshard_dtype_t dt, void *recv, char *err, size_t errlen)
+/* The all-gather of parameter p in dt: this rank's slice send into the full buffer recv. */
+static pshard_coll_args_t gather_args(const shard_model_t *m, uint32_t p, pshard_dtype_t dt,
+                                      const void *send, void *recv, char *label, size_t labellen)
 {
-    const void *send = NULL;
-    PS_CHECK(shard_model_slice_in(m, p, dt, &send, err, errlen));
-    char label[64];
-    pshard_coll_args_t a = {
+    return (pshard_coll_args_t){
         .op = PSHARD_COLL_ALL_GATHER,
         .dtype = dt,
         .send = send,
@@ -40,8 +38,50 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
         .recv = recv,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | p,
-        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
+        .label = shard_op_label(m, m->params[p].name, label, labellen),
     };
+}
+
+/* The reduce-scatter of parameter p's full gradient send (dt) into this rank's slice recv: with
+ * every rank contributing the collective averages (as before Join existed); with fewer, it
+ * sums and shard_model_slice_out divides by the contributors. */
+static pshard_coll_args_t reduce_scatter_args(const shard_model_t *m, uint32_t p, pshard_dtype_t dt,
+                                              const void *send, void *recv, int active, char *label,
+                                              size_t labellen)
+{
+    return (pshard_coll_args_t){
+        .op = PSHARD_COLL_REDUCE_SCATTER,
+        .dtype = dt,
+        .reduce = active == m->world ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
+        .send = send,
+        .recv = recv,
+        .recv_device = m->dev && !m->dev->host_memory,
+        .counts = ps_layout_counts(m->layout, p),
+        .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
+        .label = shard_op_label(m, m->params[p].name, label, labellen),
+    };
+}
+
+/* Checked before any collective, so every rank refuses alike and none waits. */
+static pshard_status_t check_reduce_again(const shard_model_t *m, uint32_t p, char *err,
+                                          size_t errlen)
+{
+    if (m->in_backward && m->reduced[p])
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "'%s' was already reduce-scattered in step %" PRId64 ": "
+                       "optimizer_in_backward applies the update at the first one, so gradient "
+                       "accumulation needs optimizer_in_backward off",
+                       m->params[p].name, m->step + 1);
+    return PSHARD_OK;
+}
+
+pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
+                                 pshard_dtype_t dt, void *recv, char *err, size_t errlen)
+{
+    const void *send = NULL;
+    PS_CHECK(shard_model_slice_in(m, p, dt, m->stage, &send, err, errlen));
+    char label[64];
+    pshard_coll_args_t a = gather_args(m, p, dt, send, recv, label, sizeof(label));
     return pshard_coll_run(comm, &a, err, errlen);
 }
 
@@ -49,30 +89,76 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
                                          pshard_dtype_t dt, const void *send, int active, char *err,
                                          size_t errlen)
 {
-    /* Checked before the collective, so every rank refuses alike and none waits. */
-    if (m->in_backward && m->reduced[p])
-        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
-                       "'%s' was already reduce-scattered in step %" PRId64 ": "
-                       "optimizer_in_backward applies the update at the first one, so gradient "
-                       "accumulation needs optimizer_in_backward off",
-                       m->params[p].name, m->step + 1);
-    /* With every rank contributing the collective averages (as before Join existed); with
-     * fewer, it sums and the sum is divided by the contributors here. */
-    bool all = active == m->world;
+    PS_CHECK(check_reduce_again(m, p, err, errlen));
     char label[64];
-    pshard_coll_args_t a = {
-        .op = PSHARD_COLL_REDUCE_SCATTER,
-        .dtype = dt,
-        .reduce = all ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
-        .send = send,
-        .recv = m->stage,
-        .recv_device = m->dev && !m->dev->host_memory,
-        .counts = ps_layout_counts(m->layout, p),
-        .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
-        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
-    };
+    pshard_coll_args_t a =
+        reduce_scatter_args(m, p, dt, send, m->stage, active, label, sizeof(label));
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-    return shard_model_slice_out(m, p, dt, active, err, errlen);
+    return shard_model_slice_out(m, p, dt, active, m->stage, err, errlen);
+}
+
+pshard_status_t shard_tensors_run(pshard_comm_t *comm, shard_model_t *m, bool gather,
+                                  const uint32_t *ids, void *const *bufs, size_t n,
+                                  pshard_dtype_t dt, int active, char *err, size_t errlen)
+{
+    if (!gather) {
+        for (size_t i = 0; i < n; i++)
+            PS_CHECK(check_reduce_again(m, ids[i], err, errlen));
+    }
+    if (m->dev || n == 1) {
+        /* GPU-resident shards have one device staging buffer: one collective at a time. */
+        for (size_t i = 0; i < n; i++)
+            PS_CHECK(gather ? shard_gather_one(comm, m, ids[i], dt, bufs[i], err, errlen)
+                            : shard_reduce_scatter_one(comm, m, ids[i], dt, bufs[i], active, err,
+                                                       errlen));
+        return PSHARD_OK;
+    }
+    /* Up to SHARD_PIPE_DEPTH collectives in flight, each with a staging buffer of its own:
+     * the engine runs them back to back instead of waking this thread between tensors, and a
+     * reduce-scatter's slice is accumulated while the next ones move. In issue order, so the
+     * ranks' descriptors pair up as with one at a time. */
+    pshard_coll_req_t *req[SHARD_PIPE_DEPTH] = {0};
+    void *stage[SHARD_PIPE_DEPTH];
+    for (int k = 0; k < SHARD_PIPE_DEPTH; k++) {
+        stage[k] = shard_model_pipe_stage(m, k);
+        if (!stage[k])
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory for a staging buffer");
+    }
+    pshard_status_t rc = PSHARD_OK;
+    size_t started = 0, done = 0;
+    while (done < started || (rc == PSHARD_OK && started < n)) {
+        if (rc == PSHARD_OK && started < n && started - done < SHARD_PIPE_DEPTH) {
+            size_t k = started % SHARD_PIPE_DEPTH;
+            uint32_t p = ids[started];
+            char label[64];
+            pshard_coll_args_t a;
+            if (gather) {
+                const void *send = NULL;
+                rc = shard_model_slice_in(m, p, dt, stage[k], &send, err, errlen);
+                a = gather_args(m, p, dt, send, bufs[started], label, sizeof(label));
+            } else {
+                a = reduce_scatter_args(m, p, dt, bufs[started], stage[k], active, label,
+                                        sizeof(label));
+            }
+            if (rc == PSHARD_OK)
+                rc = pshard_coll_start(comm, &a, &req[k], err, errlen);
+            if (rc == PSHARD_OK)
+                started++;
+            continue;
+        }
+        size_t k = done % SHARD_PIPE_DEPTH;
+        /* After a failure the rest fail too; only the first error is kept. */
+        pshard_status_t w =
+            pshard_coll_wait(req[k], rc == PSHARD_OK ? err : NULL, rc == PSHARD_OK ? errlen : 0);
+        pshard_coll_req_free(req[k]);
+        req[k] = NULL;
+        if (rc == PSHARD_OK)
+            rc = w;
+        if (rc == PSHARD_OK && !gather)
+            rc = shard_model_slice_out(m, ids[done], dt, active, stage[k], err, errlen);
+        done++;
+    }
+    return rc;
 }
 
 pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,

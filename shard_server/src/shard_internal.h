@@ -157,6 +157,13 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
 pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
                                          pshard_dtype_t dt, const void *send, int active, char *err,
                                          size_t errlen);
+/* Gathers (gather) or reduce-scatters the n parameters ids, each into or from its full buffer
+ * bufs[i], as shard_gather_one / shard_reduce_scatter_one one after the other would, with
+ * several collectives in flight. Errors: the first one; every collective started is waited
+ * for before it returns. */
+pshard_status_t shard_tensors_run(pshard_comm_t *comm, shard_model_t *m, bool gather,
+                                  const uint32_t *ids, void *const *bufs, size_t n,
+                                  pshard_dtype_t dt, int active, char *err, size_t errlen);
 pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
                                const shard_sop_t *op, int64_t ckpt_request, double *norm, char *err,
                                size_t errlen);

@@ -108,6 +108,8 @@ void shard_model_free(shard_model_t *m)
         free_touched(m->state0, bytes);
         free_touched(m->state1, bytes);
         free_touched(m->stage, m->max_piece * 4);
+        for (int i = 0; i < SHARD_PIPE_DEPTH - 1; i++)
+            free_touched(m->pipe_stage[i], m->max_piece * 4);
     }
     free(m->reduced);
     free(m->spec_text);
@@ -632,7 +634,16 @@ void shard_groups_decode(const int64_t *words, size_t n, ps_optim_kind_t kind,
 
 /* This rank's slice of parameter p in dt for a gather: the master weights themselves in
  * fp32, else converted into the staging buffer (on the device for GPU-resident shards). */
-pshard_status_t shard_model_slice_in(shard_model_t *m, uint32_t p, pshard_dtype_t dt,
+void *shard_model_pipe_stage(shard_model_t *m, int k)
+{
+    if (k == 0)
+        return m->stage;
+    if (!m->pipe_stage[k - 1])
+        m->pipe_stage[k - 1] = alloc_touched(m->max_piece * 4);
+    return m->pipe_stage[k - 1];
+}
+
+pshard_status_t shard_model_slice_in(shard_model_t *m, uint32_t p, pshard_dtype_t dt, void *stage,
                                      const void **out, char *err, size_t errlen)
 {
     const float *mine = m->master + ps_layout_shard_offset(m->layout, p, m->rank);
@@ -642,11 +653,11 @@ pshard_status_t shard_model_slice_in(shard_model_t *m, uint32_t p, pshard_dtype_
         PS_CHECK(m->dev->convert(m->device, mine, m->stage, dt, cnt, err, errlen));
         *out = m->stage;
     } else if (dt == PSHARD_BF16) {
-        ps_convert_f32_to_bf16(mine, m->stage, cnt);
-        *out = m->stage;
+        ps_convert_f32_to_bf16(mine, stage, cnt);
+        *out = stage;
     } else if (dt == PSHARD_FP16) {
-        ps_convert_f32_to_f16(mine, m->stage, cnt);
-        *out = m->stage;
+        ps_convert_f32_to_f16(mine, stage, cnt);
+        *out = stage;
     }
     return PSHARD_OK;
 }
@@ -682,7 +693,7 @@ static pshard_status_t reduce_on_device(shard_model_t *m, uint32_t p, pshard_dty
  * adds it, averaged over the active ranks, to the accumulator, or with optimizer_in_backward
  * applies the update at once. */
 pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype_t dt, int active,
-                                      char *err, size_t errlen)
+                                      void *stage, char *err, size_t errlen)
 {
     size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
     size_t off = ps_layout_shard_offset(m->layout, p, m->rank);
@@ -697,9 +708,9 @@ pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype
     if (m->in_backward) {
         /* The averaged slice, in fp32 in the staging buffer (bf16 widened in place, from the
          * end, so no element is overwritten before it is read), updates the slice now. */
-        float *r = m->stage;
+        float *r = stage;
         if (dt != PSHARD_FP32) {
-            const uint16_t *r16 = m->stage;
+            const uint16_t *r16 = stage;
             for (size_t k = cnt; k-- > 0;)
                 r[k] = ps_bf16_to_f32(r16[k]);
         }
@@ -714,7 +725,7 @@ pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype
     }
     float *g = m->grad + off;
     if (dt == PSHARD_FP32) {
-        const float *r = m->stage;
+        const float *r = stage;
         if (all)
             for (size_t k = 0; k < cnt; k++)
                 g[k] += r[k];
@@ -722,7 +733,7 @@ pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype
             for (size_t k = 0; k < cnt; k++)
                 g[k] += r[k] * scale;
     } else {
-        const uint16_t *r = m->stage;
+        const uint16_t *r = stage;
         for (size_t k = 0; k < cnt; k++)
             g[k] += ps_bf16_to_f32(r[k]) * scale;
     }

@@ -241,16 +241,15 @@ static pshard_status_t tensors_run(pshard_shard_server_t *s, pshard_comm_t *comm
                                    char *err, size_t errlen)
 {
     tensors_arg_t *a = op->arg;
-    shard_model_t *m = s->model;
-    for (size_t i = 0; i < a->n; i++) {
-        uint8_t *buf = (uint8_t *)s->model_shm.base + a->tensors[i]->offset;
-        uint32_t p = a->tensors[i]->param;
-        PS_CHECK(op->sop.kind == SHARD_SOP_GATHER
-                     ? shard_gather_one(comm, m, p, op->sop.dtype, buf, err, errlen)
-                     : shard_reduce_scatter_one(comm, m, p, op->sop.dtype, buf, op->active, err,
-                                                errlen));
-    }
-    return PSHARD_OK;
+    void **bufs = malloc(a->n * sizeof(void *));
+    if (!bufs)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    for (size_t i = 0; i < a->n; i++)
+        bufs[i] = (uint8_t *)s->model_shm.base + a->tensors[i]->offset;
+    pshard_status_t rc = shard_tensors_run(comm, s->model, op->sop.kind == SHARD_SOP_GATHER, a->ids,
+                                           bufs, a->n, op->sop.dtype, op->active, err, errlen);
+    free(bufs);
+    return rc;
 }
 
 /* What Gather and ReduceScatter share: the dtype, then the operation. */
