@@ -123,6 +123,11 @@ int pshard_comm_rank(const pshard_comm_t *comm)
     return comm->rank;
 }
 
+const char *pshard_comm_transport(const pshard_comm_t *comm)
+{
+    return comm->backend->transport ? comm->backend->transport(comm) : comm->backend->name;
+}
+
 int pshard_comm_world_size(const pshard_comm_t *comm)
 {
     return comm->world_size;

@@ -47,6 +47,8 @@ typedef struct {
     void (*abort)(pshard_comm_t *comm);
     /* Stops threads and frees backend state; everything submitted has completed. */
     void (*destroy)(pshard_comm_t *comm);
+    /* What pshard_comm_transport says (NULL: the backend's name). */
+    const char *(*transport)(const pshard_comm_t *comm);
     /* Buffers are host memory: an operation of a one-rank communicator is then a local copy,
      * which coll_comm.c does in the caller's thread when nothing else is in flight. */
     bool host_buffers;

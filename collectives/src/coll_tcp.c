@@ -111,7 +111,22 @@ typedef struct engine {
     int waiting_on;
     float scale;
     int64_t busy_poll_ns; /* PSHARD_BUSY_POLL_US; 0: sleep in poll(2) at once */
+
+    /* The same-host transport (t.shm): the running operation reads the other ranks' buffers
+     * (their descriptors give the addresses) instead of streaming through the sockets, then
+     * says so around the ring with DONE notices; it completes once every rank has said it
+     * finished reading, so no buffer is let go while another rank may still read it. */
+    bool direct;
+    int dstage;       /* DS_* */
+    int dfinal;       /* the phase its last DONE carries: 1, or 2 for all-reduce */
+    int done_seen[3]; /* DONE notices received, by phase */
+    int dk;           /* read cursor: the k-th other rank (rank + k) */
+    size_t doff;      /* ... and the bytes (elements for a reduction) done of its chunk */
+    uint64_t *peer_send, *peer_recv; /* by rank: the buffer addresses of its descriptor */
+    uint64_t *daddr;                 /* scratch: one address per rank */
 } engine_t;
+
+enum { DS_DESCS, DS_READ1, DS_WAIT1, DS_READ2, DS_WAIT_FINAL, DS_COMPLETE };
 
 static engine_t *engine_of(pshard_comm_t *comm)
 {
@@ -465,6 +480,21 @@ static void free_phases(engine_t *e)
     e->bytes = e->displ = NULL;
 }
 
+/* What every operation starts from: its element sizes and scale, no phases, no descriptor. */
+static void op_init(engine_t *e)
+{
+    const pshard_coll_args_t *a = &e->req->op.args;
+    e->esize = pshard_dtype_size(a->dtype);
+    e->asize = pshard_dtype_size(coll_acc_dtype(a->dtype));
+    e->scale = a->reduce == PSHARD_REDUCE_AVG ? 1.0f / (float)e->t.n : 1.0f;
+    e->cur = 0;
+    e->nphases = 0;
+    e->descs_received = 0;
+    e->op_failed = false;
+    e->waiting_on = -1;
+    e->direct = false;
+}
+
 /* Sets up the phases of the request's operation. For n == 1 the work is a local copy and no
  * phase is created. */
 static pshard_status_t setup_op(engine_t *e)
@@ -472,14 +502,7 @@ static pshard_status_t setup_op(engine_t *e)
     coll_op_t *op = &e->req->op;
     const pshard_coll_args_t *a = &op->args;
     int n = e->t.n, r = e->t.rank;
-    e->esize = pshard_dtype_size(a->dtype);
-    e->asize = pshard_dtype_size(coll_acc_dtype(a->dtype));
-    e->scale = a->reduce == PSHARD_REDUCE_AVG ? 1.0f / (float)n : 1.0f;
-    e->cur = 0;
-    e->nphases = 0;
-    e->descs_received = 0;
-    e->op_failed = false;
-    e->waiting_on = -1;
+    op_init(e);
     e->bytes = calloc((size_t)n, sizeof(size_t));
     e->displ = calloc((size_t)n, sizeof(size_t));
     if (!e->bytes || !e->displ)
@@ -579,6 +602,164 @@ static bool phase_done(const engine_t *e, const phase_t *ph)
     bool data_frame_open = e->of_active && e->of_is_data && e->of_phase == ph;
     return ph->in_done == ph->in_total && ph->out_sent == ph->out_total && !data_frame_open &&
            ph->own_copied == ph->own_len;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The same-host transport                                                                   */
+
+/* Whether the request moves its data by reading the other ranks' memory (a barrier or a
+ * descriptor check carries none and stays on the sockets). */
+static bool is_direct_op(const engine_t *e, const coll_op_t *op)
+{
+    pshard_coll_op_t k = op->args.op;
+    return e->t.shm && e->t.n > 1 && !op->check_only &&
+           (k == PSHARD_COLL_ALL_GATHER || k == PSHARD_COLL_REDUCE_SCATTER ||
+            k == PSHARD_COLL_ALL_REDUCE || k == PSHARD_COLL_BROADCAST);
+}
+
+/* Sets up a direct operation. This rank's own block goes where it belongs first (all-gather:
+ * into the output; broadcast root: to recv), and the descriptor names where the others read
+ * it from, so that they never read a send buffer this copy overlaps. */
+static void setup_direct(engine_t *e)
+{
+    coll_op_t *op = &e->req->op;
+    const pshard_coll_args_t *a = &op->args;
+    int r = e->t.rank;
+    op_init(e);
+    e->direct = true;
+    e->dstage = DS_DESCS;
+    e->dfinal = a->op == PSHARD_COLL_ALL_REDUCE ? 2 : 1;
+    memset(e->done_seen, 0, sizeof(e->done_seen));
+    e->dk = 1;
+    e->doff = 0;
+    uint8_t *recv = a->recv;
+    const uint8_t *send = a->send;
+    op->desc.send_addr = (uint64_t)(uintptr_t)send;
+    op->desc.recv_addr = (uint64_t)(uintptr_t)recv;
+    if (a->op == PSHARD_COLL_ALL_GATHER) {
+        uint8_t *own = recv + op->displs[r] * e->esize;
+        size_t bytes = op->counts[r] * e->esize;
+        if (bytes && send != own)
+            memmove(own, send, bytes);
+        op->desc.send_addr = (uint64_t)(uintptr_t)own;
+    } else if (a->op == PSHARD_COLL_BROADCAST && r == a->root) {
+        size_t total = op->displs[e->t.n] * e->esize;
+        if (total && send != recv)
+            memmove(recv, send, total);
+        op->desc.send_addr = (uint64_t)(uintptr_t)recv;
+    }
+}
+
+static void queue_done(engine_t *e, uint32_t phase)
+{
+    coll_done_t d = {(uint32_t)e->t.rank, phase};
+    uint8_t buf[16];
+    size_t len = coll_done_encode(&d, buf, sizeof(buf));
+    queue_ctrl(e, COLL_FRAME_DONE, e->req->op.desc.seq, buf, len);
+}
+
+/* One piece of a direct operation's reading (at most COLL_SHM_PIECE bytes, or
+ * COLL_SHM_REDUCE_MAX elements of a reduction), so the engine serves the sockets between
+ * pieces. second: all-reduce's second half. *finished once the phase's reading is done. */
+static pshard_status_t direct_piece(engine_t *e, bool second, bool *finished, char *err,
+                                    size_t errlen)
+{
+    coll_op_t *op = &e->req->op;
+    const pshard_coll_args_t *a = &op->args;
+    int n = e->t.n, r = e->t.rank;
+    size_t es = e->esize;
+    uint8_t *recv = a->recv;
+    *finished = false;
+    if (!second && (a->op == PSHARD_COLL_REDUCE_SCATTER || a->op == PSHARD_COLL_ALL_REDUCE)) {
+        /* This rank's block: its own part plus every other rank's, read slice by slice. */
+        size_t count = op->counts[r], left = count - e->doff;
+        size_t nel = left < COLL_SHM_REDUCE_MAX ? left : COLL_SHM_REDUCE_MAX;
+        size_t first = op->displs[r] + e->doff;
+        for (int q = 0; q < n; q++)
+            e->daddr[q] = e->peer_send[q] + first * es;
+        uint8_t *out =
+            (a->op == PSHARD_COLL_ALL_REDUCE ? recv + op->displs[r] * es : recv) + e->doff * es;
+        if (nel)
+            PS_CHECK(coll_shm_reduce(e->t.shm, e->daddr, (const uint8_t *)a->send + first * es, out,
+                                     a->dtype, nel, e->scale, err, errlen));
+        e->doff += nel;
+        *finished = e->doff == count;
+        return PSHARD_OK;
+    }
+    if (a->op == PSHARD_COLL_BROADCAST) {
+        size_t total = op->displs[n] * es, left = total - e->doff;
+        size_t len = left < COLL_SHM_PIECE ? left : COLL_SHM_PIECE;
+        if (r != a->root && len)
+            PS_CHECK(coll_shm_read(e->t.shm, a->root, recv + e->doff,
+                                   e->peer_send[a->root] + e->doff, len, err, errlen));
+        e->doff += r == a->root ? left : len;
+        *finished = e->doff == total;
+        return PSHARD_OK;
+    }
+    /* Every other rank's block (all-gather: from its output, where its own block went first;
+     * all-reduce's second half: its reduced block), starting with the next rank's so that
+     * the ranks do not all read the same one at once. */
+    while (e->dk < n) {
+        int q = (r + e->dk) % n;
+        size_t bytes = op->counts[q] * es, at = op->displs[q] * es;
+        if (e->doff >= bytes) {
+            e->dk++;
+            e->doff = 0;
+            continue;
+        }
+        size_t len = bytes - e->doff < COLL_SHM_PIECE ? bytes - e->doff : COLL_SHM_PIECE;
+        uint64_t src = second ? e->peer_recv[q] + at : e->peer_send[q];
+        PS_CHECK(coll_shm_read(e->t.shm, q, recv + at + e->doff, src + e->doff, len, err, errlen));
+        e->doff += len;
+        return PSHARD_OK;
+    }
+    *finished = true;
+    return PSHARD_OK;
+}
+
+/* Moves the running direct operation on by one step; true when it did. */
+static bool direct_step(engine_t *e)
+{
+    int n = e->t.n;
+    switch (e->dstage) {
+    case DS_DESCS:
+        if (e->descs_received < n - 1)
+            return false;
+        e->dstage = DS_READ1;
+        return true;
+    case DS_READ1:
+    case DS_READ2: {
+        bool second = e->dstage == DS_READ2, finished = false;
+        char err[PSHARD_ERRLEN] = "";
+        pshard_status_t rc = direct_piece(e, second, &finished, err, sizeof(err));
+        if (rc != PSHARD_OK) {
+            char msg[PSHARD_ERRLEN];
+            ps_snprintf(msg, sizeof(msg), "%s seq %" PRIu64 " on rank %d: %s",
+                        pshard_coll_op_name(e->req->op.args.op), e->req->op.desc.seq, e->t.rank,
+                        err);
+            fail_op(e, rc, msg, true);
+            return true;
+        }
+        if (finished) {
+            queue_done(e, second ? 2 : 1);
+            e->dstage = !second && e->dfinal == 2 ? DS_WAIT1 : DS_WAIT_FINAL;
+        }
+        return true;
+    }
+    case DS_WAIT1:
+        if (e->done_seen[1] < n - 1)
+            return false;
+        e->dk = 1;
+        e->doff = 0;
+        e->dstage = DS_READ2;
+        return true;
+    case DS_WAIT_FINAL:
+        if (e->done_seen[e->dfinal] < n - 1)
+            return false;
+        e->dstage = DS_COMPLETE;
+        return true;
+    }
+    return false;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -709,6 +890,8 @@ static bool expecting_input(const engine_t *e)
         return false;
     if (e->descs_received < e->t.n - 1)
         return true;
+    if (e->direct) /* the ranks' last notices are the last frames of the operation */
+        return e->done_seen[e->dfinal] < e->t.n - 1;
     for (size_t i = e->cur; i < e->nphases; i++) {
         if (e->phases[i].in_recv < e->phases[i].in_total)
             return true;
@@ -736,9 +919,42 @@ static void handle_desc(engine_t *e)
         return;
     }
     e->descs_received++;
+    if (e->direct) {
+        e->peer_send[origin] = d.send_addr;
+        e->peer_recv[origin] = d.recv_addr;
+    }
     /* Forward it unless the next rank is where it came from. */
     if (origin != e->t.next)
         queue_ctrl(e, COLL_FRAME_DESC, e->if_h.seq, e->if_ctrl, e->if_h.len);
+}
+
+/* A rank says it finished a phase of the running direct operation (it read everything it
+ * needed from the others); forwarded like descriptors. */
+static void handle_done(engine_t *e)
+{
+    coll_done_t d;
+    char err[PSHARD_ERRLEN] = "";
+    if (!e->direct) {
+        fail_protocol(e, "it sent a DONE notice for an operation that moves data through the "
+                         "sockets (the ranks chose different transports)");
+        return;
+    }
+    if (coll_done_decode(e->if_ctrl, e->if_h.len, &d, err, sizeof(err)) != PSHARD_OK) {
+        fail_protocol(e, err);
+        return;
+    }
+    if (d.origin_rank >= (uint32_t)e->t.n || (int)d.origin_rank == e->t.rank || d.value < 1 ||
+        d.value > (uint32_t)e->dfinal || ++e->done_seen[d.value] > e->t.n - 1) {
+        char what[128];
+        snprintf(what, sizeof(what),
+                 "it sent a DONE notice of rank %u, phase %u, not one of "
+                 "this operation's",
+                 d.origin_rank, d.value);
+        fail_protocol(e, what);
+        return;
+    }
+    if ((int)d.origin_rank != e->t.next)
+        queue_ctrl(e, COLL_FRAME_DONE, e->if_h.seq, e->if_ctrl, e->if_h.len);
 }
 
 static void handle_abort(engine_t *e)
@@ -805,7 +1021,8 @@ static bool do_reads(engine_t *e)
             e->if_have_hdr = true;
             e->if_off = 0;
             uint8_t type = e->if_h.type;
-            if (type != COLL_FRAME_DESC && type != COLL_FRAME_DATA && type != COLL_FRAME_ABORT) {
+            if (type != COLL_FRAME_DESC && type != COLL_FRAME_DATA && type != COLL_FRAME_ABORT &&
+                type != COLL_FRAME_DONE) {
                 char what[96];
                 snprintf(what, sizeof(what), "unexpected frame type %u", type);
                 fail_protocol(e, what);
@@ -880,6 +1097,8 @@ static bool do_reads(engine_t *e)
             e->if_hdr_off = 0;
             if (e->if_h.type == COLL_FRAME_DESC)
                 handle_desc(e);
+            else if (e->if_h.type == COLL_FRAME_DONE)
+                handle_done(e);
             else
                 handle_abort(e);
             progress = true;
@@ -914,10 +1133,11 @@ static void fail_timeout(engine_t *e)
     int who = e->waiting_on >= 0 ? e->waiting_on : e->t.prev;
     snprintf(msg, sizeof(msg),
              "%s seq %" PRIu64 " timed out on rank %d waiting on rank %d: received %zu of %zu "
-             "bytes from rank %d, sent %zu of %zu bytes to rank %d, %d of %d descriptors",
+             "bytes from rank %d, sent %zu of %zu bytes to rank %d, %d of %d descriptors%s",
              pshard_coll_op_name(op->args.op), op->desc.seq, e->t.rank, who, ph ? ph->in_recv : 0,
              ph ? ph->in_total : 0, e->t.prev, ph ? ph->out_sent : 0, ph ? ph->out_total : 0,
-             e->t.next, e->descs_received, e->t.n - 1);
+             e->t.next, e->descs_received, e->t.n - 1,
+             e->direct ? " (same-host transport: some rank never said it finished reading)" : "");
     fail_op(e, PSHARD_ERR_TIMEOUT, msg, true);
 }
 
@@ -925,7 +1145,11 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
 {
     e->req = req;
     char msg[PSHARD_ERRLEN];
-    pshard_status_t rc = setup_op(e);
+    pshard_status_t rc = PSHARD_OK;
+    if (is_direct_op(e, &req->op))
+        setup_direct(e);
+    else
+        rc = setup_op(e);
     if (rc != PSHARD_OK) {
         snprintf(msg, sizeof(msg), "cannot set up %s: %s", pshard_coll_op_name(req->op.args.op),
                  pshard_status_str(rc));
@@ -956,13 +1180,16 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
                 progress = true;
             if (progress)
                 spin_until = 0;
+            if (!e->op_failed && e->direct && direct_step(e))
+                progress = true;
             while (!e->op_failed && e->cur < e->nphases && phase_done(e, &e->phases[e->cur])) {
                 e->cur++;
                 if (e->cur < e->nphases)
                     enter_phase(e);
                 progress = true;
             }
-            if (!e->op_failed && e->cur == e->nphases && e->descs_received == e->t.n - 1) {
+            if (!e->op_failed && e->cur == e->nphases && e->descs_received == e->t.n - 1 &&
+                (!e->direct || e->dstage == DS_COMPLETE)) {
                 /* Forwarded descriptors may still be queued; they go out before anything of
                  * the next operation. */
                 do_writes(e);
@@ -1168,6 +1395,15 @@ static pshard_status_t tcp_connect(pshard_comm_t *comm, const pshard_comm_config
         rc = tcp_connect_ring(t, cfg, err, errlen);
         if (rc != PSHARD_OK)
             goto fail;
+        if (t->shm) {
+            e->peer_send = calloc((size_t)t->n, sizeof(uint64_t));
+            e->peer_recv = calloc((size_t)t->n, sizeof(uint64_t));
+            e->daddr = calloc((size_t)t->n, sizeof(uint64_t));
+            if (!e->peer_send || !e->peer_recv || !e->daddr) {
+                rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+                goto fail;
+            }
+        }
     }
     if (pthread_create(&t->thread, NULL, engine_main, e) != 0) {
         rc = ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot start the engine thread");
@@ -1240,6 +1476,10 @@ static void tcp_destroy(pshard_comm_t *comm)
         close(t->wake_fd);
     free_ctrl_frames(e);
     free(e->of_ctrl);
+    coll_shm_destroy(t->shm);
+    free(e->peer_send);
+    free(e->peer_recv);
+    free(e->daddr);
     free(t->ring);
     free(t->conv);
     free(t->barrier_buf);
@@ -1248,8 +1488,15 @@ static void tcp_destroy(pshard_comm_t *comm)
     comm->impl = NULL;
 }
 
+static const char *tcp_transport(const pshard_comm_t *comm)
+{
+    const engine_t *e = comm->impl;
+    return e && e->t.shm ? "shm" : "tcp";
+}
+
 const coll_backend_t coll_tcp_backend = {
     .name = "tcp",
+    .transport = tcp_transport,
     .connect = tcp_connect,
     .submit = tcp_submit,
     .abort = tcp_abort,

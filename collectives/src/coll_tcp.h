@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "coll_internal.h"
+#include "coll_shm.h"
 
 typedef struct tcp {
     pshard_comm_t *comm;
@@ -33,12 +34,25 @@ typedef struct tcp {
     uint8_t *conv; /* half-type input converted to fp32 before it is sent */
     size_t conv_cap;
     uint64_t *barrier_buf;
+
+    /* The same-host transport (coll_shm.h), when set-up chose it; NULL: data goes through
+     * the sockets. probe is the secret the other ranks read back to test it. */
+    coll_shm_t *shm;
+    uint8_t probe[16];
 } tcp_t;
 
 /* Listens, exchanges addresses, connects to the next rank and accepts the previous one, both
  * links authenticated. Fills send_fd/recv_fd (non-blocking). */
 pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char *err,
                                  size_t errlen);
+
+/* After linking: decides, the same on every rank, whether data moves through the sockets or
+ * by the same-host transport (PSHARD_TRANSPORT, and whether every rank can read every other's
+ * memory), exchanging each rank's process identity and then its vote around the ring. Sets
+ * t->shm when it is the latter. Errors: the ring's (PEER_LOST, TIMEOUT), INVALID_ARGUMENT for
+ * PSHARD_TRANSPORT, FAILED_PRECONDITION when PSHARD_TRANSPORT=shm cannot be had (naming why),
+ * NO_MEMORY. */
+pshard_status_t tcp_choose_transport(tcp_t *t, int64_t deadline, char *err, size_t errlen);
 
 /* TCP_NODELAY, and PSHARD_SOCKET_BUFFER (bytes) for SO_SNDBUF/SO_RCVBUF when set. */
 void tcp_tune_socket(int fd);

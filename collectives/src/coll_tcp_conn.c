@@ -606,6 +606,121 @@ static void forget_address(tcp_t *t, const pshard_comm_config_t *cfg)
     ps_rpc_channel_destroy(ch);
 }
 
+/* One ring all-gather of fixed-size records during set-up: in round k this rank sends the
+ * record of rank (rank - k) to next and receives the one of rank (rank - 1 - k) from prev, as
+ * a frame of `type` that decode parses into slot (rank - 1 - k), which must name that rank. */
+typedef size_t (*rec_encode_fn)(const void *rec, uint8_t *out, size_t cap);
+typedef pshard_status_t (*rec_decode_fn)(const uint8_t *in, size_t len, void *rec, uint32_t *origin,
+                                         char *err, size_t errlen);
+
+static pshard_status_t ring_allgather(tcp_t *t, uint8_t type, void *recs, size_t rec_size,
+                                      rec_encode_fn encode, rec_decode_fn decode, int64_t deadline,
+                                      char *err, size_t errlen)
+{
+    uint8_t buf[COLL_FRAME_MAX_CONTROL];
+    for (int k = 0; k < t->n - 1; k++) {
+        int out_rank = (t->rank - k + t->n) % t->n, in_rank = (t->rank - 1 - k + t->n) % t->n;
+        size_t len = encode((uint8_t *)recs + (size_t)out_rank * rec_size, buf, sizeof(buf));
+        if (send_frame(t->send_fd, type, buf, len, deadline) != 0)
+            return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST,
+                           "choosing the transport: cannot send to rank %d: %s", t->next,
+                           strerror(errno));
+        coll_frame_header_t h;
+        char why[PSHARD_ERRLEN] = "";
+        pshard_status_t rc = recv_frame(t->recv_fd, &h, buf, deadline, why, sizeof(why));
+        uint32_t origin = UINT32_MAX;
+        if (rc == PSHARD_OK && h.type != type)
+            rc = ps_errf(why, sizeof(why), PSHARD_ERR_INVALID_ARGUMENT, "it sent frame type %u",
+                         h.type);
+        if (rc == PSHARD_OK)
+            rc = decode(buf, h.len, (uint8_t *)recs + (size_t)in_rank * rec_size, &origin, why,
+                        sizeof(why));
+        if (rc == PSHARD_OK && origin != (uint32_t)in_rank)
+            rc = ps_errf(why, sizeof(why), PSHARD_ERR_INVALID_ARGUMENT,
+                         "it forwarded rank %u's record where rank %d's belongs", origin, in_rank);
+        if (rc != PSHARD_OK)
+            return ps_errf(err, errlen, rc, "choosing the transport: rank %d: %s", t->prev, why);
+    }
+    return PSHARD_OK;
+}
+
+static size_t peer_encode(const void *rec, uint8_t *out, size_t cap)
+{
+    return coll_peer_encode(rec, out, cap);
+}
+
+static pshard_status_t peer_decode(const uint8_t *in, size_t len, void *rec, uint32_t *origin,
+                                   char *err, size_t errlen)
+{
+    PS_CHECK(coll_peer_decode(in, len, rec, err, errlen));
+    *origin = ((coll_peer_t *)rec)->origin_rank;
+    return PSHARD_OK;
+}
+
+static size_t vote_encode(const void *rec, uint8_t *out, size_t cap)
+{
+    return coll_done_encode(rec, out, cap);
+}
+
+static pshard_status_t vote_decode(const uint8_t *in, size_t len, void *rec, uint32_t *origin,
+                                   char *err, size_t errlen)
+{
+    PS_CHECK(coll_done_decode(in, len, rec, err, errlen));
+    *origin = ((coll_done_t *)rec)->origin_rank;
+    return PSHARD_OK;
+}
+
+pshard_status_t tcp_choose_transport(tcp_t *t, int64_t deadline, char *err, size_t errlen)
+{
+    coll_transport_t mode;
+    PS_CHECK(coll_transport_from_env(&mode, err, errlen));
+    coll_peer_t *recs = calloc((size_t)t->n, sizeof(*recs));
+    coll_done_t *votes = calloc((size_t)t->n, sizeof(*votes));
+    if (!recs || !votes) {
+        free(recs);
+        free(votes);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    coll_random_nonce(t->probe);
+    coll_shm_self((uint32_t)t->rank, t->probe, &recs[t->rank]);
+    pshard_status_t rc = ring_allgather(t, COLL_FRAME_PEER, recs, sizeof(*recs), peer_encode,
+                                        peer_decode, deadline, err, errlen);
+    char why[PSHARD_ERRLEN] = "PSHARD_TRANSPORT=tcp";
+    bool mine = mode != COLL_TRANSPORT_TCP;
+    for (int q = 0; rc == PSHARD_OK && mine && q < t->n; q++)
+        if (q != t->rank)
+            mine = coll_shm_can_read(&recs[t->rank], &recs[q], why, sizeof(why));
+    votes[t->rank] = (coll_done_t){(uint32_t)t->rank, mine};
+    if (rc == PSHARD_OK)
+        rc = ring_allgather(t, COLL_FRAME_DONE, votes, sizeof(*votes), vote_encode, vote_decode,
+                            deadline, err, errlen);
+    int refuser = -1;
+    for (int q = 0; rc == PSHARD_OK && q < t->n && refuser < 0; q++)
+        if (!votes[q].value)
+            refuser = q;
+    if (rc == PSHARD_OK && refuser < 0) {
+        t->shm = coll_shm_create(t->n, t->rank, recs);
+        if (!t->shm)
+            rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    } else if (rc == PSHARD_OK && mode == COLL_TRANSPORT_SHM) {
+        rc = refuser == t->rank
+                 ? ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                           "PSHARD_TRANSPORT=shm, but %s (use tcp or auto)", why)
+                 : ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                           "PSHARD_TRANSPORT=shm, but rank %d cannot read every other rank's "
+                           "memory (its log says why; use tcp or auto)",
+                           refuser);
+    }
+    if (rc == PSHARD_OK)
+        PS_INFO(PS_SUB_COLL, "ring %s generation %llu: rank %d moves data %s%s%s", t->comm->name,
+                (unsigned long long)t->comm->generation, t->rank,
+                t->shm ? "by reading the others' memory (same host)" : "through the sockets",
+                t->shm || refuser != t->rank ? "" : ": ", t->shm || refuser != t->rank ? "" : why);
+    free(recs);
+    free(votes);
+    return rc;
+}
+
 pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char *err,
                                  size_t errlen)
 {
@@ -662,5 +777,5 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
     PS_INFO(PS_SUB_COLL, "ring %s generation %llu: rank %d linked to %d (%s) and from %d",
             t->comm->name, (unsigned long long)t->comm->generation, t->rank, t->next, next_addr,
             t->prev);
-    return PSHARD_OK;
+    return tcp_choose_transport(t, deadline, err, errlen);
 }

@@ -6,9 +6,13 @@
  *   CHALLENGE  (48) nonce[16] @0, mac[32] @16
  *   AUTH       (32) mac[32] @0
  *   REJECT (2 + n)  n u16 @0, reason bytes[n] @2 (n <= COLL_FRAME_MAX_CONTROL - 2)
- *   DESC       (48) seq u64 @0, op u8 @8, dtype u8 @9, reduce u8 @10, zero u8 @11, root i32 @12,
- *                   tag u64 @16, total_count u64 @24, counts_hash u64 @32, rank_count u64 @40
+ *   DESC       (64) seq u64 @0, op u8 @8, dtype u8 @9, reduce u8 @10, zero u8 @11, root i32 @12,
+ *                   tag u64 @16, total_count u64 @24, counts_hash u64 @32, rank_count u64 @40,
+ *                   send_addr u64 @48, recv_addr u64 @56
  *   ABORT (10 + n)  origin_rank u32 @0, status i32 @4, n u16 @8, message bytes[n] @10 (n <= 511)
+ *   PEER       (56) origin_rank u32 @0, pid u32 @4, pidns u64 @8, boot_id[16] @16,
+ *                   probe_addr u64 @32, probe[16] @40
+ *   DONE        (8) origin_rank u32 @0, value u32 @4
  */
 #include "coll_wire.h"
 
@@ -33,7 +37,9 @@
 #define HELLO_SIZE (40 + COLL_NAME_MAX + 1)
 #define CHALLENGE_SIZE (COLL_NONCE_SIZE + COLL_MAC_SIZE)
 #define AUTH_SIZE COLL_MAC_SIZE
-#define DESC_SIZE 48
+#define DESC_SIZE 64
+#define PEER_SIZE 56
+#define DONE_SIZE 8
 #define REJECT_MAX_TEXT (COLL_FRAME_MAX_CONTROL - 2)
 #define ABORT_HEAD_SIZE 10
 #define ABORT_MAX_TEXT (sizeof(((coll_abort_t *)0)->message) - 1)
@@ -130,6 +136,10 @@ static const char *frame_type_name(unsigned type)
         return "DATA";
     case COLL_FRAME_ABORT:
         return "ABORT";
+    case COLL_FRAME_PEER:
+        return "PEER";
+    case COLL_FRAME_DONE:
+        return "DONE";
     }
     return "unknown";
 }
@@ -157,7 +167,7 @@ pshard_status_t coll_frame_header_decode(const uint8_t in[COLL_FRAME_HEADER_SIZE
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "bad frame magic 0x%04x (expected 0x%04x)", magic, COLL_WIRE_MAGIC);
     uint8_t type = in[2];
-    if (type < COLL_FRAME_HELLO || type > COLL_FRAME_ABORT)
+    if (type < COLL_FRAME_HELLO || type > COLL_FRAME_DONE)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown frame type %u", type);
     uint8_t flags = in[3];
     if (flags != 0)
@@ -312,6 +322,8 @@ size_t coll_desc_encode(const coll_desc_t *m, uint8_t *out, size_t cap)
     put_u64(out + 24, m->total_count);
     put_u64(out + 32, m->counts_hash);
     put_u64(out + 40, m->rank_count);
+    put_u64(out + 48, m->send_addr);
+    put_u64(out + 56, m->recv_addr);
     return DESC_SIZE;
 }
 
@@ -341,6 +353,56 @@ pshard_status_t coll_desc_decode(const uint8_t *in, size_t len, coll_desc_t *m, 
     m->total_count = get_u64(in + 24);
     m->counts_hash = get_u64(in + 32);
     m->rank_count = get_u64(in + 40);
+    m->send_addr = get_u64(in + 48);
+    m->recv_addr = get_u64(in + 56);
+    return PSHARD_OK;
+}
+
+size_t coll_peer_encode(const coll_peer_t *m, uint8_t *out, size_t cap)
+{
+    if (cap < PEER_SIZE)
+        return 0;
+    put_u32(out, m->origin_rank);
+    put_u32(out + 4, m->pid);
+    put_u64(out + 8, m->pidns);
+    memcpy(out + 16, m->boot_id, 16);
+    put_u64(out + 32, m->probe_addr);
+    memcpy(out + 40, m->probe, 16);
+    return PEER_SIZE;
+}
+
+pshard_status_t coll_peer_decode(const uint8_t *in, size_t len, coll_peer_t *m, char *err,
+                                 size_t errlen)
+{
+    if (len != PEER_SIZE)
+        return bad_size(err, errlen, "PEER", len, PEER_SIZE);
+    m->origin_rank = get_u32(in);
+    m->pid = get_u32(in + 4);
+    if (m->pid == 0 || m->pid > INT32_MAX)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "PEER has pid %u", m->pid);
+    m->pidns = get_u64(in + 8);
+    memcpy(m->boot_id, in + 16, 16);
+    m->probe_addr = get_u64(in + 32);
+    memcpy(m->probe, in + 40, 16);
+    return PSHARD_OK;
+}
+
+size_t coll_done_encode(const coll_done_t *m, uint8_t *out, size_t cap)
+{
+    if (cap < DONE_SIZE)
+        return 0;
+    put_u32(out, m->origin_rank);
+    put_u32(out + 4, m->value);
+    return DONE_SIZE;
+}
+
+pshard_status_t coll_done_decode(const uint8_t *in, size_t len, coll_done_t *m, char *err,
+                                 size_t errlen)
+{
+    if (len != DONE_SIZE)
+        return bad_size(err, errlen, "DONE", len, DONE_SIZE);
+    m->origin_rank = get_u32(in);
+    m->value = get_u32(in + 4);
     return PSHARD_OK;
 }
 

@@ -12,7 +12,7 @@
 #include "pshard/status.h"
 
 #define COLL_WIRE_MAGIC 0x5350u /* bytes 'P' 'S' */
-#define COLL_WIRE_VERSION 1u
+#define COLL_WIRE_VERSION 2u
 #define COLL_FRAME_HEADER_SIZE 16
 #define COLL_FRAME_MAX_DATA (4u << 20) /* largest DATA payload */
 #define COLL_FRAME_MAX_CONTROL 4096u   /* largest payload of any other frame */
@@ -29,6 +29,8 @@ typedef enum {
     COLL_FRAME_DESC = 6,      /* an operation's descriptor, sent to the next rank */
     COLL_FRAME_DATA = 7,      /* a piece of an operation's data stream */
     COLL_FRAME_ABORT = 8,     /* the communicator failed; forwarded around the ring */
+    COLL_FRAME_PEER = 9,      /* after linking: a rank's process identity, around the ring */
+    COLL_FRAME_DONE = 10,     /* a rank finished a phase (or its vote); around the ring */
 } coll_frame_type_t;
 
 typedef struct {
@@ -76,7 +78,28 @@ typedef struct {
     uint64_t total_count; /* elements across all ranks */
     uint64_t counts_hash; /* FNV-1a of the per-rank counts (u64 LE each) */
     uint64_t rank_count;  /* the sender's own count */
+    /* Where the sender's send and recv buffers are in its address space: what same-host
+     * peers read (coll_shm.h); 0 on a tcp ring. Not compared. */
+    uint64_t send_addr, recv_addr;
 } coll_desc_t;
+
+/* A rank's process, for the same-host transport's test of whether the others can read its
+ * memory (coll_shm.h): its pid in the pid namespace pidns, on the boot boot_id, and where a
+ * secret only it holds lies. */
+typedef struct {
+    uint32_t origin_rank;
+    uint32_t pid;
+    uint64_t pidns;
+    uint8_t boot_id[16];
+    uint64_t probe_addr;
+    uint8_t probe[16];
+} coll_peer_t;
+
+/* A rank finished phase `value` of the current operation, or (seq 0, during set-up) its vote. */
+typedef struct {
+    uint32_t origin_rank;
+    uint32_t value;
+} coll_done_t;
 
 typedef struct {
     uint32_t origin_rank; /* the rank where the failure started */
@@ -103,6 +126,12 @@ pshard_status_t coll_reject_decode(const uint8_t *in, size_t len, char *reason, 
 size_t coll_desc_encode(const coll_desc_t *m, uint8_t *out, size_t cap);
 pshard_status_t coll_desc_decode(const uint8_t *in, size_t len, coll_desc_t *m, char *err,
                                  size_t errlen);
+size_t coll_peer_encode(const coll_peer_t *m, uint8_t *out, size_t cap);
+pshard_status_t coll_peer_decode(const uint8_t *in, size_t len, coll_peer_t *m, char *err,
+                                 size_t errlen);
+size_t coll_done_encode(const coll_done_t *m, uint8_t *out, size_t cap);
+pshard_status_t coll_done_decode(const uint8_t *in, size_t len, coll_done_t *m, char *err,
+                                 size_t errlen);
 size_t coll_abort_encode(const coll_abort_t *m, uint8_t *out, size_t cap);
 pshard_status_t coll_abort_decode(const uint8_t *in, size_t len, coll_abort_t *m, char *err,
                                   size_t errlen);
@@ -127,7 +156,8 @@ void coll_random_nonce(uint8_t nonce[COLL_NONCE_SIZE]);
 /* FNV-1a over counts[0..n) encoded as u64 LE (what counts_hash holds). */
 uint64_t coll_counts_hash(const size_t *counts, size_t n);
 
-/* True when two descriptors describe the same operation (every field but rank_count). */
+/* True when two descriptors describe the same operation (every field but rank_count and the
+ * buffer addresses). */
 bool coll_desc_same(const coll_desc_t *a, const coll_desc_t *b);
 
 /* "all_gather seq 418 fp32 tag 0x2a total 1024 (this rank 256, counts #9c3a...)". */

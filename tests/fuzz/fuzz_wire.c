@@ -14,7 +14,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 /* How many inputs each decoder accepted, indexed by coll_frame_type_t (0: frame header).
  * Read by the replay driver to prove that valid inputs reached every decoder. */
-size_t fuzz_wire_accepted[COLL_FRAME_ABORT + 1];
+size_t fuzz_wire_accepted[COLL_FRAME_DONE + 1];
 
 #define FUZZ_CHECK(cond)                                                                           \
     do {                                                                                           \
@@ -56,7 +56,7 @@ static void fuzz_header(const uint8_t *data, size_t size)
     coll_frame_header_t h2;
     FUZZ_CHECK(coll_frame_header_decode(again, &h2, NULL, 0) == PSHARD_OK);
     FUZZ_CHECK(h2.type == h.type && h2.flags == h.flags && h2.len == h.len && h2.seq == h.seq);
-    FUZZ_CHECK(h.flags == 0 && h.type >= COLL_FRAME_HELLO && h.type <= COLL_FRAME_ABORT);
+    FUZZ_CHECK(h.flags == 0 && h.type >= COLL_FRAME_HELLO && h.type <= COLL_FRAME_DONE);
 }
 
 static void fuzz_hello(const uint8_t *data, size_t size)
@@ -165,7 +165,8 @@ static void fuzz_desc(const uint8_t *data, size_t size)
     FUZZ_CHECK(n == size && memcmp(buf, data, n) == 0);
     coll_desc_t m2;
     FUZZ_CHECK(coll_desc_decode(buf, n, &m2, NULL, 0) == PSHARD_OK);
-    FUZZ_CHECK(coll_desc_same(&m, &m2) && m.rank_count == m2.rank_count);
+    FUZZ_CHECK(coll_desc_same(&m, &m2) && m.rank_count == m2.rank_count &&
+               m.send_addr == m2.send_addr && m.recv_addr == m2.recv_addr);
 
     char text[256];
     coll_desc_format(&m, text, sizeof text);
@@ -192,6 +193,35 @@ static void fuzz_abort(const uint8_t *data, size_t size)
     FUZZ_CHECK(coll_abort_decode(buf, n, &m2, NULL, 0) == PSHARD_OK);
     FUZZ_CHECK(m2.origin_rank == m.origin_rank && m2.status == m.status &&
                strcmp(m2.message, m.message) == 0);
+}
+
+static void fuzz_peer(const uint8_t *data, size_t size)
+{
+    coll_peer_t m;
+    char err[256] = "";
+    if (coll_peer_decode(data, size, &m, err, sizeof err) != PSHARD_OK) {
+        check_err_text(err, sizeof err);
+        return;
+    }
+    fuzz_wire_accepted[COLL_FRAME_PEER]++;
+    FUZZ_CHECK(m.pid != 0 && m.pid <= INT32_MAX);
+    uint8_t buf[128];
+    size_t n = coll_peer_encode(&m, buf, sizeof buf);
+    FUZZ_CHECK(n == size && memcmp(buf, data, n) == 0);
+}
+
+static void fuzz_done(const uint8_t *data, size_t size)
+{
+    coll_done_t m;
+    char err[256] = "";
+    if (coll_done_decode(data, size, &m, err, sizeof err) != PSHARD_OK) {
+        check_err_text(err, sizeof err);
+        return;
+    }
+    fuzz_wire_accepted[COLL_FRAME_DONE]++;
+    uint8_t buf[32];
+    size_t n = coll_done_encode(&m, buf, sizeof buf);
+    FUZZ_CHECK(n == size && memcmp(buf, data, n) == 0);
 }
 
 /* The receive path: a header, then (within what the input holds) the payload its type names. */
@@ -222,6 +252,12 @@ static void fuzz_framed(const uint8_t *data, size_t size)
     case COLL_FRAME_ABORT:
         fuzz_abort(payload, len);
         break;
+    case COLL_FRAME_PEER:
+        fuzz_peer(payload, len);
+        break;
+    case COLL_FRAME_DONE:
+        fuzz_done(payload, len);
+        break;
     default:
         break;
     }
@@ -244,6 +280,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fuzz_reject(copy, size);
     fuzz_desc(copy, size);
     fuzz_abort(copy, size);
+    fuzz_peer(copy, size);
+    fuzz_done(copy, size);
     fuzz_framed(copy, size);
 
     size_t counts[64];

@@ -15,7 +15,7 @@
 #include "pshard/util.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-extern size_t fuzz_wire_accepted[COLL_FRAME_ABORT + 1];
+extern size_t fuzz_wire_accepted[COLL_FRAME_DONE + 1];
 
 #define MAX_INPUT 8192
 
@@ -66,7 +66,7 @@ static void rnd_text(char *p, size_t cap)
  * its length and the type. */
 static size_t make_payload(uint8_t *out, size_t cap, uint8_t *type)
 {
-    *type = (uint8_t)(COLL_FRAME_HELLO + rnd_below(COLL_FRAME_ABORT));
+    *type = (uint8_t)(COLL_FRAME_HELLO + rnd_below(COLL_FRAME_DONE));
     switch (*type) {
     case COLL_FRAME_HELLO: {
         coll_hello_t m;
@@ -109,7 +109,23 @@ static size_t make_payload(uint8_t *out, size_t cap, uint8_t *type)
         m.total_count = rnd_value();
         m.counts_hash = xorshift64();
         m.rank_count = rnd_value();
+        m.send_addr = rnd_value();
+        m.recv_addr = rnd_value();
         return coll_desc_encode(&m, out, cap);
+    }
+    case COLL_FRAME_PEER: {
+        coll_peer_t m;
+        m.origin_rank = (uint32_t)rnd_value();
+        m.pid = rnd_below(8) == 0 ? (uint32_t)rnd_value() : (uint32_t)(1 + rnd_below(1 << 22));
+        m.pidns = rnd_value();
+        rnd_bytes(m.boot_id, sizeof m.boot_id);
+        m.probe_addr = rnd_value();
+        rnd_bytes(m.probe, sizeof m.probe);
+        return coll_peer_encode(&m, out, cap);
+    }
+    case COLL_FRAME_DONE: {
+        coll_done_t m = {(uint32_t)rnd_value(), (uint32_t)rnd_value()};
+        return coll_done_encode(&m, out, cap);
     }
     case COLL_FRAME_DATA: {
         size_t n = rnd_below(200);
@@ -226,11 +242,11 @@ int main(int argc, char **argv)
         LLVMFuzzerTestOneInput(buf, n);
     }
 
-    static const char *const names[] = {"header", "HELLO", "CHALLENGE", "AUTH", "ACCEPT",
-                                        "REJECT", "DESC",  "DATA",      "ABORT"};
+    static const char *const names[] = {"header", "HELLO", "CHALLENGE", "AUTH", "ACCEPT", "REJECT",
+                                        "DESC",   "DATA",  "ABORT",     "PEER", "DONE"};
     int missing = 0;
     printf("fuzz_wire_replay: %lld inputs; accepted:", (long long)runs);
-    for (int i = 0; i <= COLL_FRAME_ABORT; i++) {
+    for (int i = 0; i <= COLL_FRAME_DONE; i++) {
         if (i == COLL_FRAME_ACCEPT || i == COLL_FRAME_DATA)
             continue; /* no payload decoder */
         printf(" %s %zu", names[i], fuzz_wire_accepted[i]);

@@ -304,6 +304,11 @@ static int scenario_correctness(bool big)
         fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
         return 1;
     }
+    /* PSHARD_EXPECT_TRANSPORT: how a ring of several ranks must have chosen to move data. */
+    const char *want = getenv("PSHARD_EXPECT_TRANSPORT");
+    if (want && *want && g_world > 1)
+        CHECK(strcmp(pshard_comm_transport(comm), want) == 0, "transport %s, expected %s",
+              pshard_comm_transport(comm), want);
     uint64_t id = 1000;
     if (big) {
         /* 64 MiB of fp32 per operation, and bf16 reduce-scatter (window and rounds). */

@@ -117,6 +117,10 @@ void pshard_comm_destroy(pshard_comm_t *comm);
 int pshard_comm_rank(const pshard_comm_t *comm);
 int pshard_comm_world_size(const pshard_comm_t *comm);
 
+/* How the communicator's data moves: "tcp" (the sockets), "shm" (every rank on one host reads
+ * the others' memory; PSHARD_TRANSPORT=tcp|shm|auto chooses), or "nccl". Thread-safe. */
+const char *pshard_comm_transport(const pshard_comm_t *comm);
+
 /* Starts an operation; operations run in issue order, several may be queued. On success *req
  * is a handle to wait on and free with pshard_coll_req_free. Errors: INVALID_ARGUMENT (bad
  * arguments, checked locally before anything moves; message in err) with *req NULL. A

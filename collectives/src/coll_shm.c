@@ -1,0 +1,215 @@
+/* The same-host transport (coll_shm.h): reading other ranks' memory with process_vm_readv,
+ * the set-up test that proves it works for a peer, and reductions that read through a small
+ * bounce buffer so each peer's bytes cross memory once. */
+#include "coll_shm.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "coll_reduce.h"
+#include "pshard/util.h"
+
+/* Elements a reduction handles at a time: its fp32 partial sums and one peer's slice stay in
+ * the core's cache between the read and the add. */
+#define SLICE_ELEMS (64u << 10)
+
+struct coll_shm {
+    int n, rank;
+    pid_t *pid;  /* by rank */
+    int *pidfd;  /* by rank: readable once that process exits; -1 where unknown */
+    void *acc;   /* SLICE_ELEMS partial sums (fp32 or int64) */
+    void *slice; /* SLICE_ELEMS elements of one peer, in its dtype */
+};
+
+pshard_status_t coll_transport_from_env(coll_transport_t *out, char *err, size_t errlen)
+{
+    const char *v = getenv("PSHARD_TRANSPORT");
+    if (!v || !*v || strcmp(v, "auto") == 0)
+        *out = COLL_TRANSPORT_AUTO;
+    else if (strcmp(v, "tcp") == 0)
+        *out = COLL_TRANSPORT_TCP;
+    else if (strcmp(v, "shm") == 0)
+        *out = COLL_TRANSPORT_SHM;
+    else
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "PSHARD_TRANSPORT='%.64s': use tcp, shm or auto", v);
+    return PSHARD_OK;
+}
+
+/* The kernel's boot id (16 bytes from /proc/sys/kernel/random/boot_id), zeros if unreadable. */
+static void boot_id(uint8_t out[16])
+{
+    memset(out, 0, 16);
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (!f)
+        return;
+    char text[64] = "";
+    if (fgets(text, sizeof(text), f)) {
+        size_t k = 0;
+        for (const char *p = text; *p && k < 32; p++) {
+            int v = *p >= '0' && *p <= '9' ? *p - '0' : *p >= 'a' && *p <= 'f' ? *p - 'a' + 10 : -1;
+            if (v < 0)
+                continue;
+            out[k / 2] = (uint8_t)(out[k / 2] | (k % 2 ? v : v << 4));
+            k++;
+        }
+    }
+    fclose(f);
+}
+
+void coll_shm_self(uint32_t rank, const uint8_t probe[16], coll_peer_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->origin_rank = rank;
+    out->pid = (uint32_t)getpid();
+    struct stat st;
+    if (stat("/proc/self/ns/pid", &st) == 0)
+        out->pidns = (uint64_t)st.st_ino;
+    boot_id(out->boot_id);
+    out->probe_addr = (uint64_t)(uintptr_t)probe;
+    memcpy(out->probe, probe, 16);
+}
+
+bool coll_shm_can_read(const coll_peer_t *me, const coll_peer_t *peer, char *why, size_t whylen)
+{
+    static const uint8_t zero[16];
+    if (memcmp(me->boot_id, zero, 16) == 0 || memcmp(me->boot_id, peer->boot_id, 16) != 0) {
+        snprintf(why, whylen, "rank %u runs on another host (or its boot id is unknown)",
+                 peer->origin_rank);
+        return false;
+    }
+    if (me->pidns == 0 || me->pidns != peer->pidns) {
+        snprintf(why, whylen, "rank %u runs in another pid namespace (another container)",
+                 peer->origin_rank);
+        return false;
+    }
+    uint8_t got[16];
+    struct iovec local = {got, sizeof(got)};
+    struct iovec remote = {(void *)(uintptr_t)peer->probe_addr, sizeof(got)};
+    ssize_t r = process_vm_readv((pid_t)peer->pid, &local, 1, &remote, 1, 0);
+    if (r != (ssize_t)sizeof(got)) {
+        snprintf(why, whylen, "cannot read rank %u's memory (pid %u): %s", peer->origin_rank,
+                 peer->pid, r < 0 ? strerror(errno) : "short read");
+        return false;
+    }
+    if (memcmp(got, peer->probe, sizeof(got)) != 0) {
+        snprintf(why, whylen, "pid %u is not rank %u's process (its secret did not read back)",
+                 peer->pid, peer->origin_rank);
+        return false;
+    }
+    return true;
+}
+
+coll_shm_t *coll_shm_create(int n, int rank, const coll_peer_t *recs)
+{
+    coll_shm_t *s = calloc(1, sizeof(*s));
+    if (!s)
+        return NULL;
+    s->n = n;
+    s->rank = rank;
+    s->pid = calloc((size_t)n, sizeof(pid_t));
+    s->pidfd = malloc((size_t)n * sizeof(int));
+    /* 8 bytes an element covers every partial-sum and element type. */
+    s->acc = malloc((size_t)SLICE_ELEMS * 8);
+    s->slice = malloc((size_t)SLICE_ELEMS * 8);
+    if (!s->pid || !s->pidfd || !s->acc || !s->slice) {
+        if (s->pidfd)
+            for (int i = 0; i < n; i++)
+                s->pidfd[i] = -1;
+        coll_shm_destroy(s);
+        return NULL;
+    }
+    memset(s->acc, 0, (size_t)SLICE_ELEMS * 8); /* pages backed before the first operation */
+    memset(s->slice, 0, (size_t)SLICE_ELEMS * 8);
+    for (int i = 0; i < n; i++) {
+        s->pid[i] = (pid_t)recs[i].pid;
+        s->pidfd[i] = -1;
+#ifdef SYS_pidfd_open
+        if (i != rank)
+            s->pidfd[i] = (int)syscall(SYS_pidfd_open, s->pid[i], 0);
+#endif
+    }
+    return s;
+}
+
+void coll_shm_destroy(coll_shm_t *s)
+{
+    if (!s)
+        return;
+    for (int i = 0; s->pidfd && i < s->n; i++)
+        if (s->pidfd[i] >= 0)
+            close(s->pidfd[i]);
+    free(s->pid);
+    free(s->pidfd);
+    free(s->acc);
+    free(s->slice);
+    free(s);
+}
+
+/* False once rank q's process has exited (its pid may then name another process). */
+static bool alive(const coll_shm_t *s, int q)
+{
+    if (s->pidfd[q] < 0)
+        return true;
+    struct pollfd p = {s->pidfd[q], POLLIN, 0};
+    return poll(&p, 1, 0) == 0;
+}
+
+pshard_status_t coll_shm_read(coll_shm_t *s, int q, void *dst, uint64_t src_addr, size_t len,
+                              char *err, size_t errlen)
+{
+    uint8_t *d = dst;
+    uint64_t a = src_addr;
+    while (len > 0) {
+        if (!alive(s, q))
+            return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST,
+                           "lost rank %d: its process (pid %d) exited", q, (int)s->pid[q]);
+        struct iovec local = {d, len};
+        struct iovec remote = {(void *)(uintptr_t)a, len};
+        ssize_t r = process_vm_readv(s->pid[q], &local, 1, &remote, 1, 0);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && errno == ESRCH)
+            return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST,
+                           "lost rank %d: its process (pid %d) is gone", q, (int)s->pid[q]);
+        if (r == 0 || (r < 0 && errno == EFAULT))
+            return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
+                           "rank %d named %zu bytes at 0x%llx that its process does not have", q,
+                           len, (unsigned long long)a);
+        if (r < 0)
+            return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot read rank %d's memory: %s", q,
+                           strerror(errno));
+        d += r;
+        a += (uint64_t)r;
+        len -= (size_t)r;
+    }
+    return PSHARD_OK;
+}
+
+pshard_status_t coll_shm_reduce(coll_shm_t *s, const uint64_t *addrs, const void *own, void *out,
+                                pshard_dtype_t dt, size_t count, float scale, char *err,
+                                size_t errlen)
+{
+    size_t es = pshard_dtype_size(dt);
+    for (size_t done = 0; done < count;) {
+        size_t nel = count - done < SLICE_ELEMS ? count - done : SLICE_ELEMS;
+        coll_reduce_load(s->acc, (const uint8_t *)own + done * es, dt, nel);
+        for (int q = 0; q < s->n; q++) {
+            if (q == s->rank)
+                continue;
+            PS_CHECK(coll_shm_read(s, q, s->slice, addrs[q] + done * es, nel * es, err, errlen));
+            coll_reduce_accumulate(s->acc, s->slice, dt, nel);
+        }
+        coll_reduce_store((uint8_t *)out + done * es, dt, s->acc, nel, scale);
+        done += nel;
+    }
+    return PSHARD_OK;
+}
