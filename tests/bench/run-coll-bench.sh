@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
-# Runs pshard's tcp collectives side by side with OpenMPI over TCP and a raw loopback TCP
-# stream, and prints the ratios: installs OpenMPI if it is missing, builds (Release) into
-# build-bench/, runs pshard-tcp-ref, then for n = 2 and 4 pshard-coll-bench and pshard-mpi-ref
-# (all_gather and reduce_scatter, fp32, 16M and 128M), then a summary table.
+# Runs pshard's collectives side by side with OpenMPI, each over both of its same-host paths:
+# pshard through the sockets (PSHARD_TRANSPORT=tcp) and by reading the other ranks' memory
+# (PSHARD_TRANSPORT=shm), OpenMPI over TCP (--mca btl tcp,self) and over shared memory (--mca
+# btl vader,self, single copy by CMA), plus a raw loopback TCP stream; then prints the ratios.
+# Installs OpenMPI if it is missing, builds (Release) into build-bench/, runs pshard-tcp-ref,
+# then for each n in RANKS and op in OPS the four configurations interleaved, then an 8-byte
+# all_reduce latency for each, then a summary table.
 #
 # Environment: BUILD_DIR (default <repo>/build-bench), ITERS (20), WARMUP (5), SIZES
-# ("-b 16M -e 128M -f 8"), RANKS ("2 4"), OPS ("all_gather reduce_scatter"), OUT (a directory
-# for the raw outputs; default a fresh temporary one, kept), SUMMARY_ONLY=1 (with OUT: only
-# print the summary of an earlier run's outputs). Extra arguments go to pshard-coll-bench (e.g.
-# --timeout-ms). The machine should be otherwise idle: the load is printed before and after.
+# ("-b 1M -e 128M -f 16": 1 MiB, 16 MiB, 128 MiB), RANKS ("2 4"), OPS ("all_gather
+# reduce_scatter all_reduce"), LAT_ITERS (2000), OUT (a directory for the raw outputs; default a
+# fresh temporary one, kept), SUMMARY_ONLY=1 (with OUT: only print the summary of an earlier
+# run's outputs). Extra arguments go to pshard-coll-bench (e.g. --timeout-ms). The machine
+# should be otherwise idle: the load is printed before and after.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-bench}"
 ITERS="${ITERS:-20}"
 WARMUP="${WARMUP:-5}"
-SIZES="${SIZES:--b 16M -e 128M -f 8}"
+SIZES="${SIZES:--b 1M -e 128M -f 16}"
 RANKS="${RANKS:-2 4}"
-OPS="${OPS:-all_gather reduce_scatter}"
+OPS="${OPS:-all_gather reduce_scatter all_reduce}"
+LAT_ITERS="${LAT_ITERS:-2000}"
 OUT="${OUT:-$(mktemp -d /tmp/pshard-coll-bench-run.XXXXXX)}"
 mkdir -p "$OUT"
 
@@ -56,48 +61,79 @@ log "loopback TCP reference"
 "$TCPREF" --total 1G --pairs 1 | tee "$OUT/tcp_ref_1.txt"
 "$TCPREF" --total 1G --pairs 2 --repeat 1 | tee "$OUT/tcp_ref_2.txt"
 
-# 4. pshard and OpenMPI, interleaved per n and op so drifting machine load hits both alike.
+# 4. pshard and OpenMPI, each over both paths, interleaved per n and op so drifting machine load
+# hits all alike.
+ompi() { # BTL N ARGS...: OpenMPI's reference on this host
+    local btl=$1 n=$2
+    shift 2
+    mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl "$btl" \
+        --mca btl_tcp_if_include lo -np "$n" "$MPIREF" "$@"
+}
 for n in $RANKS; do
     for op in $OPS; do
-        log "n=$n $op: pshard"
+        for tr in tcp shm; do
+            log "n=$n $op: pshard $tr"
+            # shellcheck disable=SC2086
+            PSHARD_TRANSPORT=$tr "$BENCH" -n "$n" $SIZES -o "$op" -d fp32 -w "$WARMUP" \
+                -i "$ITERS" "$@" | tee "$OUT/pshard-${tr}_${op}_n${n}.txt"
+        done
+        log "n=$n $op: OpenMPI tcp"
         # shellcheck disable=SC2086
-        "$BENCH" -n "$n" $SIZES -o "$op" -d fp32 -w "$WARMUP" -i "$ITERS" "$@" |
-            tee "$OUT/pshard_${op}_n${n}.txt"
-        log "n=$n $op: OpenMPI"
+        ompi tcp,self "$n" $SIZES -o "$op" -d fp32 -w "$WARMUP" -i "$ITERS" |
+            tee "$OUT/mpi-tcp_${op}_n${n}.txt"
+        log "n=$n $op: OpenMPI shared memory"
         # shellcheck disable=SC2086
-        mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl tcp,self \
-            --mca btl_tcp_if_include lo -np "$n" "$MPIREF" $SIZES -o "$op" -d fp32 \
-            -w "$WARMUP" -i "$ITERS" | tee "$OUT/mpi_${op}_n${n}.txt"
+        ompi vader,self "$n" $SIZES -o "$op" -d fp32 -w "$WARMUP" -i "$ITERS" |
+            tee "$OUT/mpi-shm_${op}_n${n}.txt"
     done
+    log "n=$n: 8-byte all_reduce latency"
+    for tr in tcp shm; do
+        PSHARD_TRANSPORT=$tr "$BENCH" -n "$n" -b 8 -e 8 -o all_reduce -d fp32 -w 100 \
+            -i "$LAT_ITERS" -c 0 "$@" | tee "$OUT/lat_pshard-${tr}_n${n}.txt"
+    done
+    ompi tcp,self "$n" -b 8 -e 8 -o all_reduce -d fp32 -w 100 -i "$LAT_ITERS" |
+        tee "$OUT/lat_mpi-tcp_n${n}.txt"
+    ompi vader,self "$n" -b 8 -e 8 -o all_reduce -d fp32 -w 100 -i "$LAT_ITERS" |
+        tee "$OUT/lat_mpi-shm_n${n}.txt"
 done
 
 echo "# load after the runs: $(cut -d' ' -f1-3 /proc/loadavg)"
 fi
 
-# 5. Summary. Rows: n, op, size; pshard/OpenMPI compares algbw at n=2 and busbw at n=4 (for a
-# given n the two ratios are the same number); pshard/TCP compares pshard's busbw, the rate
-# each rank's link carries, with one loopback stream's best rate.
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else printf "n/a" }'; }
+# 5. Summary. busbw (nccl-tests' bus bandwidth: what each rank's link carries) compared per path:
+# pshard shm with OpenMPI's shared memory, pshard tcp with OpenMPI's TCP, and pshard's tcp busbw
+# with one loopback stream's best rate.
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "" && b > 0) printf "%.2f", a / b; else printf "n/a" }'; }
+rows() { awk '!/^#/ && NF >= 7 {print $1, $7}' "$1" | sort; } # size busbw
 tcp1=$(awk '$3 == "best" {print $5}' "$OUT/tcp_ref_1.txt")
 tcp2=$(awk '$3 == "best" {print $4}' "$OUT/tcp_ref_2.txt")
 echo
-echo "# Summary (GB/s = 1e9 B/s). Loopback TCP: 1 stream $tcp1 GB/s; 2 concurrent streams" \
-     "$tcp2 GB/s each."
-printf '%-3s %-15s %10s %11s %11s %11s %11s %10s %11s\n' "n" "op" "size(B)" "pshard-alg" \
-    "pshard-bus" "ompi-alg" "ompi-bus" "ps/ompi" "ps-bus/tcp"
+echo "# Summary (busbw in GB/s = 1e9 B/s). Loopback TCP: 1 stream $tcp1 GB/s; 2 concurrent" \
+     "streams $tcp2 GB/s each."
+printf '%-3s %-15s %10s %9s %9s %8s %9s %9s %8s %9s\n' "n" "op" "size(B)" "ps-shm" "ompi-shm" \
+    "ps/ompi" "ps-tcp" "ompi-tcp" "ps/ompi" "tcp/lo"
 for n in $RANKS; do
     for op in $OPS; do
-        join <(awk '!/^#/ && NF >= 7 {print $1, $6, $7}' "$OUT/pshard_${op}_n${n}.txt" | sort) \
-             <(awk '!/^#/ && NF >= 7 {print $1, $6, $7}' "$OUT/mpi_${op}_n${n}.txt" | sort) |
-            sort -n | while read -r size palg pbus malg mbus; do
-                if [ "$n" -ge 4 ]; then
-                    vs_mpi="$(ratio "$pbus" "$mbus") bus"
-                else
-                    vs_mpi="$(ratio "$palg" "$malg") alg"
-                fi
-                printf '%-3s %-15s %10s %11s %11s %11s %11s %10s %11s\n' "$n" "$op" "$size" \
-                    "$palg" "$pbus" "$malg" "$mbus" "$vs_mpi" "$(ratio "$pbus" "$tcp1")"
+        join <(rows "$OUT/pshard-shm_${op}_n${n}.txt") <(rows "$OUT/mpi-shm_${op}_n${n}.txt") |
+            join - <(rows "$OUT/pshard-tcp_${op}_n${n}.txt") |
+            join - <(rows "$OUT/mpi-tcp_${op}_n${n}.txt") |
+            sort -n | while read -r size pshm mshm ptcp mtcp; do
+                printf '%-3s %-15s %10s %9s %9s %8s %9s %9s %8s %9s\n' "$n" "$op" "$size" \
+                    "$pshm" "$mshm" "$(ratio "$pshm" "$mshm")" "$ptcp" "$mtcp" \
+                    "$(ratio "$ptcp" "$mtcp")" "$(ratio "$ptcp" "$tcp1")"
             done
     done
 done
-echo "# targets: n=2 pshard/OpenMPI algbw >= 1.0; n=4 pshard/OpenMPI busbw >= 1.2"
+echo
+echo "# 8-byte all_reduce latency (us per operation, back to back)"
+printf '%-3s %9s %9s %8s %9s %9s %8s\n' "n" "ps-shm" "ompi-shm" "ps/ompi" "ps-tcp" "ompi-tcp" \
+    "ps/ompi"
+lat() { awk '!/^#/ && NF >= 7 {print $5; exit}' "$1"; }
+for n in $RANKS; do
+    ps=$(lat "$OUT/lat_pshard-shm_n${n}.txt") ms=$(lat "$OUT/lat_mpi-shm_n${n}.txt")
+    pt=$(lat "$OUT/lat_pshard-tcp_n${n}.txt") mt=$(lat "$OUT/lat_mpi-tcp_n${n}.txt")
+    printf '%-3s %9s %9s %8s %9s %9s %8s\n' "$n" "$ps" "$ms" "$(ratio "$ps" "$ms")" "$pt" "$mt" \
+        "$(ratio "$pt" "$mt")"
+done
+echo "# targets (issue #16): ps-shm/ompi-shm busbw >= 1.0 at 16 MiB and above; 8-byte latency" \
+     "ps-shm <= ompi-shm; tcp unchanged or better"
