@@ -173,8 +173,17 @@ void pshard_comm_abort_status(pshard_comm_t *comm, pshard_status_t status, const
     comm->backend->abort(comm);
 }
 
+/* Frees what prepare_op allocated. */
+static void coll_op_free(coll_op_t *op)
+{
+    free(op->counts);
+    free(op->displs);
+    coll_buf_free(&op->sbuf);
+    coll_buf_free(&op->rbuf);
+}
+
 /* Checks the arguments against the communicator and fills op (counts, displacements,
- * descriptor). Allocates op->counts/displs. */
+ * buffers, descriptor). Allocates op->counts/displs and the pieces' tables. */
 static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a, coll_op_t *op,
                                   char *err, size_t errlen)
 {
@@ -208,6 +217,8 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
 
     op->args = *a;
     op->args.label = NULL;
+    op->args.send_segs = op->args.recv_segs = NULL; /* borrowed: op->sbuf / rbuf keep copies */
+    op->args.n_send_segs = op->args.n_recv_segs = 0;
     op->counts = calloc((size_t)n, sizeof(size_t));
     op->displs = calloc((size_t)n + 1, sizeof(size_t));
     if (!op->counts || !op->displs)
@@ -234,15 +245,29 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
     size_t mine = per_rank ? op->counts[c->rank] : total;
     bool needs_send =
         a->op != PSHARD_COLL_BARRIER && (a->op != PSHARD_COLL_BROADCAST || a->root == c->rank);
-    if (needs_send && !a->send &&
-        (per_rank ? (a->op == PSHARD_COLL_ALL_GATHER ? mine : total) : total) > 0)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: send buffer is NULL",
-                       pshard_coll_op_name(a->op));
+    size_t send_elems = per_rank ? (a->op == PSHARD_COLL_ALL_GATHER ? mine : total) : total;
     size_t recv_elems = a->op == PSHARD_COLL_ALL_GATHER       ? total
                         : a->op == PSHARD_COLL_REDUCE_SCATTER ? mine
                         : a->op == PSHARD_COLL_BARRIER        ? 0
                                                               : total;
-    if (!a->recv && recv_elems > 0)
+    if ((a->send_segs || a->recv_segs) && !c->backend->pieces)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%s: the %s backend takes whole buffers, not pieces",
+                       pshard_coll_op_name(a->op), c->backend->name);
+    if ((a->send_segs || a->recv_segs) && a->op == PSHARD_COLL_BARRIER)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "a barrier has no buffers");
+    op->sbuf = coll_buf_flat(a->send);
+    op->rbuf = coll_buf_flat(a->recv);
+    if (a->send_segs && needs_send)
+        PS_CHECK(coll_buf_from_segs(&op->sbuf, a->send_segs, a->n_send_segs, esize, send_elems,
+                                    "send", err, errlen));
+    if (a->recv_segs)
+        PS_CHECK(coll_buf_from_segs(&op->rbuf, a->recv_segs, a->n_recv_segs, esize, recv_elems,
+                                    "recv", err, errlen));
+    if (needs_send && !a->send && !a->send_segs && send_elems > 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: send buffer is NULL",
+                       pshard_coll_op_name(a->op));
+    if (!a->recv && !a->recv_segs && recv_elems > 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: recv buffer is NULL",
                        pshard_coll_op_name(a->op));
 
@@ -312,8 +337,7 @@ pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     pshard_status_t rc = prepare_op(comm, args, &r->op, err, errlen);
     if (rc != PSHARD_OK) {
-        free(r->op.counts);
-        free(r->op.displs);
+        coll_op_free(&r->op);
         free(r);
         return rc;
     }
@@ -347,8 +371,8 @@ pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
          * recv (a sum or average over one rank is the value itself); a barrier does nothing. */
         size_t nbytes =
             args->op == PSHARD_COLL_BARRIER ? 0 : r->op.displs[1] * pshard_dtype_size(args->dtype);
-        if (nbytes && args->send && args->recv && args->send != args->recv)
-            memmove(args->recv, args->send, nbytes);
+        if (nbytes)
+            coll_buf_copy(&r->op.rbuf, 0, &r->op.sbuf, 0, nbytes);
         coll_complete(r, PSHARD_OK, NULL);
     } else {
         comm->backend->submit(comm, r);
@@ -368,8 +392,7 @@ pshard_status_t coll_start_check(pshard_comm_t *comm, const coll_desc_t *desc, c
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     pshard_status_t rc = prepare_op(comm, &a, &r->op, err, errlen);
     if (rc != PSHARD_OK) {
-        free(r->op.counts);
-        free(r->op.displs);
+        coll_op_free(&r->op);
         free(r);
         return rc;
     }
@@ -471,8 +494,7 @@ void pshard_coll_req_free(pshard_coll_req_t *req)
     pshard_coll_wait(req, NULL, 0);
     pthread_mutex_destroy(&req->mu);
     pthread_cond_destroy(&req->cv);
-    free(req->op.counts);
-    free(req->op.displs);
+    coll_op_free(&req->op);
     free(req);
 }
 

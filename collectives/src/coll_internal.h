@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "coll_buf.h"
 #include "coll_wire.h"
 #include "pshard/collectives.h"
 #include "pshard/queue.h"
@@ -16,9 +17,10 @@ typedef struct coll_op {
     size_t *counts;          /* world_size entries, always filled (equal counts expanded) */
     size_t *displs;          /* prefix sums of counts, world_size + 1 entries */
     coll_desc_t desc;
-    int64_t deadline_ns; /* ps_now_ns clock */
-    size_t record_slot;  /* index into the flight recorder ring */
-    bool check_only;     /* exchange and compare the descriptor; move no data */
+    coll_buf_t sbuf, rbuf; /* send and recv, whole or in pieces (freed with the op) */
+    int64_t deadline_ns;   /* ps_now_ns clock */
+    size_t record_slot;    /* index into the flight recorder ring */
+    bool check_only;       /* exchange and compare the descriptor; move no data */
 } coll_op_t;
 
 struct pshard_coll_req {
@@ -49,6 +51,8 @@ typedef struct {
     void (*destroy)(pshard_comm_t *comm);
     /* What pshard_comm_transport says (NULL: the backend's name). */
     const char *(*transport)(const pshard_comm_t *comm);
+    /* Takes send / recv in pieces (pshard_coll_seg_t). */
+    bool pieces;
     /* Buffers are host memory: an operation of a one-rank communicator is then a local copy,
      * which coll_comm.c does in the caller's thread when nothing else is in flight. */
     bool host_buffers;

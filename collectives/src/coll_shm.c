@@ -194,21 +194,87 @@ pshard_status_t coll_shm_read(coll_shm_t *s, int q, void *dst, uint64_t src_addr
     return PSHARD_OK;
 }
 
-pshard_status_t coll_shm_reduce(coll_shm_t *s, const uint64_t *addrs, const void *own, void *out,
+pshard_status_t coll_shm_read_buf(coll_shm_t *s, int q, coll_buf_t *local, uint64_t loff,
+                                  coll_buf_t *remote, uint64_t roff, size_t len, char *err,
+                                  size_t errlen)
+{
+    while (len > 0) {
+        uint64_t lc, rc;
+        uint8_t *d = (uint8_t *)(uintptr_t)coll_buf_at(local, loff, &lc);
+        uint64_t src = coll_buf_at(remote, roff, &rc);
+        uint64_t n = len;
+        n = n < lc ? n : lc;
+        n = n < rc ? n : rc;
+        PS_CHECK(coll_shm_read(s, q, d, src, (size_t)n, err, errlen));
+        loff += n;
+        roff += n;
+        len -= (size_t)n;
+    }
+    return PSHARD_OK;
+}
+
+pshard_status_t coll_shm_fetch_buf(coll_shm_t *s, int q, uint64_t addr, uint32_t npieces,
+                                   uint64_t bytes, coll_buf_t *out, char *err, size_t errlen)
+{
+    memset(out, 0, sizeof(*out));
+    if (npieces == 0) {
+        out->base = addr;
+        return PSHARD_OK;
+    }
+    out->pieces = malloc((size_t)npieces * sizeof(coll_piece_t));
+    out->ends = malloc((size_t)npieces * sizeof(uint64_t));
+    if (!out->pieces || !out->ends) {
+        coll_buf_free(out);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    size_t table = (size_t)npieces * sizeof(coll_piece_t);
+    for (size_t done = 0; done < table;) {
+        size_t len = table - done < COLL_SHM_PIECE ? table - done : COLL_SHM_PIECE;
+        pshard_status_t rc =
+            coll_shm_read(s, q, (uint8_t *)out->pieces + done, addr + done, len, err, errlen);
+        if (rc != PSHARD_OK) {
+            coll_buf_free(out);
+            return rc;
+        }
+        done += len;
+    }
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < npieces; i++) {
+        if (out->pieces[i].bytes > bytes - total) {
+            total = bytes + 1;
+            break;
+        }
+        total += out->pieces[i].bytes;
+        out->ends[i] = total;
+    }
+    if (total != bytes) {
+        coll_buf_free(out);
+        return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
+                       "rank %d's buffer pieces do not hold the operation's %llu bytes", q,
+                       (unsigned long long)bytes);
+    }
+    out->npieces = npieces;
+    return PSHARD_OK;
+}
+
+pshard_status_t coll_shm_reduce(coll_shm_t *s, coll_buf_t *bufs, uint64_t off, coll_buf_t *own,
+                                uint64_t own_off, coll_buf_t *out, uint64_t out_off,
                                 pshard_dtype_t dt, size_t count, float scale, char *err,
                                 size_t errlen)
 {
     size_t es = pshard_dtype_size(dt);
+    coll_buf_t slice = coll_buf_flat(s->slice);
     for (size_t done = 0; done < count;) {
         size_t nel = count - done < SLICE_ELEMS ? count - done : SLICE_ELEMS;
-        coll_reduce_load(s->acc, (const uint8_t *)own + done * es, dt, nel);
+        coll_buf_load(s->acc, own, own_off + done * es, dt, nel);
         for (int q = 0; q < s->n; q++) {
             if (q == s->rank)
                 continue;
-            PS_CHECK(coll_shm_read(s, q, s->slice, addrs[q] + done * es, nel * es, err, errlen));
+            PS_CHECK(coll_shm_read_buf(s, q, &slice, 0, &bufs[q], off + done * es, nel * es, err,
+                                       errlen));
             coll_reduce_accumulate(s->acc, s->slice, dt, nel);
         }
-        coll_reduce_store((uint8_t *)out + done * es, dt, s->acc, nel, scale);
+        coll_buf_store(out, out_off + done * es, dt, s->acc, nel, scale);
         done += nel;
     }
     return PSHARD_OK;

@@ -14,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "coll_buf.h"
 #include "coll_wire.h"
 #include "pshard/dtype.h"
 #include "pshard/status.h"
@@ -52,11 +53,24 @@ void coll_shm_destroy(coll_shm_t *s);
 pshard_status_t coll_shm_read(coll_shm_t *s, int q, void *dst, uint64_t src_addr, size_t len,
                               char *err, size_t errlen);
 
-/* out[0..count) = scale * the sum over every rank q of the count elements (dtype dt) at
- * addrs[q] in q's memory, this rank's own at `own` (addrs[rank] is not read); half types add
- * in fp32 and round once, as the ring does. count <= COLL_SHM_REDUCE_MAX. out may be own.
- * Errors as coll_shm_read's. */
-pshard_status_t coll_shm_reduce(coll_shm_t *s, const uint64_t *addrs, const void *own, void *out,
+/* Copies len bytes from logical offset roff of rank q's buffer `remote` (its addresses) to
+ * logical offset loff of this rank's buffer `local`, piece by piece. Errors as coll_shm_read's. */
+pshard_status_t coll_shm_read_buf(coll_shm_t *s, int q, coll_buf_t *local, uint64_t loff,
+                                  coll_buf_t *remote, uint64_t roff, size_t len, char *err,
+                                  size_t errlen);
+
+/* Reads rank q's table of npieces pieces at addr into *out (a buffer of `bytes` bytes in all;
+ * free with coll_buf_free), or makes *out the whole buffer at addr when npieces is 0. Errors:
+ * coll_shm_read's, DESYNC when the pieces do not hold `bytes`, NO_MEMORY. */
+pshard_status_t coll_shm_fetch_buf(coll_shm_t *s, int q, uint64_t addr, uint32_t npieces,
+                                   uint64_t bytes, coll_buf_t *out, char *err, size_t errlen);
+
+/* Writes scale * the sum over every rank q of the count elements (dtype dt) at byte offset
+ * off of q's buffer bufs[q] to `out` at out_off; this rank's own come from `own` at own_off
+ * (bufs[rank] is not read); half types add in fp32 and round once, as the ring does.
+ * count <= COLL_SHM_REDUCE_MAX. out may be own. Errors as coll_shm_read's. */
+pshard_status_t coll_shm_reduce(coll_shm_t *s, coll_buf_t *bufs, uint64_t off, coll_buf_t *own,
+                                uint64_t own_off, coll_buf_t *out, uint64_t out_off,
                                 pshard_dtype_t dt, size_t count, float scale, char *err,
                                 size_t errlen);
 

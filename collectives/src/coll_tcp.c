@@ -50,9 +50,10 @@ typedef struct {
 /* One phase of an operation: the byte stream sent to next and the one received from prev. */
 typedef struct {
     phase_kind_t kind;
-    uint8_t *buf;                 /* AG/BCAST: the output buffer; RS: unused */
-    const uint8_t *src;           /* RS: the local input (dtype) */
-    uint8_t *dst;                 /* RS: where this rank's reduced chunk goes (dtype) */
+    coll_buf_t *buf;              /* AG/BCAST: the output buffer; RS: unused */
+    coll_buf_t *src;              /* RS: the local input (dtype) */
+    coll_buf_t *dst;              /* RS: the buffer this rank's reduced chunk goes to (dtype), */
+    uint64_t dst_off;             /* ... from this byte on */
     size_t *in_chunk, *out_chunk; /* chunk id of each block */
     size_t *in_off, *out_off;     /* block start offsets in the stream, nblocks + 1 entries */
     size_t nblocks;
@@ -68,8 +69,8 @@ typedef struct {
     /* AG out of place: this rank's block is sent straight from the caller's input and copied
      * into the output in slices while the sockets would block, instead of one serial memmove
      * before anything is sent (64 MiB at 128 MiB n=2: about a fifth of the operation). */
-    const uint8_t *own_src;
-    uint8_t *own_dst;
+    coll_buf_t *own_src; /* NULL: none; else its first own_len bytes go to buf at own_dst */
+    uint64_t own_dst;
     size_t own_len, own_copied;
 } phase_t;
 
@@ -117,13 +118,15 @@ typedef struct engine {
      * says so around the ring with DONE notices; it completes once every rank has said it
      * finished reading, so no buffer is let go while another rank may still read it. */
     bool direct;
-    int dstage;       /* DS_* */
-    int dfinal;       /* the phase its last DONE carries: 1, or 2 for all-reduce */
-    int done_seen[3]; /* DONE notices received, by phase */
-    int dk;           /* read cursor: the k-th other rank (rank + k) */
-    size_t doff;      /* ... and the bytes (elements for a reduction) done of its chunk */
-    uint64_t *peer_send, *peer_recv; /* by rank: the buffer addresses of its descriptor */
-    uint64_t *daddr;                 /* scratch: one address per rank */
+    int dstage;             /* DS_* */
+    int dfinal;             /* the phase its last DONE carries: 1, or 2 for all-reduce */
+    int done_seen[3];       /* DONE notices received, by phase */
+    int dk;                 /* read cursor: the k-th other rank (rank + k) */
+    size_t doff;            /* ... and the bytes (elements for a reduction) done of its chunk */
+    coll_desc_t *peer_desc; /* by rank: its descriptor, with its buffers' addresses */
+    coll_buf_t *peer_sbuf, *peer_rbuf; /* by rank: its buffers, fetched at the first read */
+    bool peer_bufs;                    /* fetched for the running operation */
+    coll_buf_t barrier_vb;             /* a barrier's words (t.barrier_buf) as a buffer */
 } engine_t;
 
 enum { DS_DESCS, DS_READ1, DS_WAIT1, DS_READ2, DS_WAIT_FINAL, DS_COMPLETE };
@@ -312,11 +315,16 @@ static const uint8_t *rs_out(engine_t *e, phase_t *ph, size_t *avail)
         size_t chunk = ph->out_chunk[0];
         size_t off = j * ph->slice + inner; /* bytes into the chunk, accumulation type */
         *avail = ph->o.len - inner;
-        if (coll_acc_dtype(dt) == dt)
-            return ph->src + op->displs[chunk] * e->esize + off;
+        if (coll_acc_dtype(dt) == dt) {
+            uint64_t contig;
+            uint64_t at = coll_buf_at(ph->src, op->displs[chunk] * e->esize + off, &contig);
+            if (*avail > contig)
+                *avail = (size_t)contig;
+            return (const uint8_t *)(uintptr_t)at;
+        }
         if (ph->conv_round != j) {
             size_t first = (j * ph->slice) / e->asize, nel = ph->o.len / e->asize;
-            coll_reduce_load(e->t.conv, ph->src + (op->displs[chunk] + first) * e->esize, dt, nel);
+            coll_buf_load(e->t.conv, ph->src, (op->displs[chunk] + first) * e->esize, dt, nel);
             ph->conv_round = j;
         }
         return e->t.conv + inner;
@@ -335,30 +343,40 @@ static const uint8_t *rs_out(engine_t *e, phase_t *ph, size_t *avail)
 /* Pointer to out stream byte p and the contiguous bytes available there. */
 static const uint8_t *out_ptr(engine_t *e, phase_t *ph, size_t p, size_t *contig)
 {
+    uint64_t c, at;
     if (ph->kind == PH_BCAST) {
         *contig = ph->out_total - p;
-        return ph->buf + p;
+        at = coll_buf_at(ph->buf, p, &c);
+    } else {
+        size_t inner = locate(ph->out_off, ph->nblocks, &ph->out_k, p);
+        size_t chunk = ph->out_chunk[ph->out_k];
+        *contig = ph->out_off[ph->out_k + 1] - p;
+        if (ph->out_k == 0 && ph->own_src)
+            at = coll_buf_at(ph->own_src, inner, &c); /* block 0 is this rank's own */
+        else
+            at = coll_buf_at(ph->buf, e->displ[chunk] + inner, &c);
     }
-    size_t inner = locate(ph->out_off, ph->nblocks, &ph->out_k, p);
-    size_t blk_left = ph->out_off[ph->out_k + 1] - p;
-    size_t chunk = ph->out_chunk[ph->out_k];
-    *contig = blk_left;
-    if (ph->out_k == 0 && ph->own_src)
-        return ph->own_src + inner; /* block 0 is this rank's own */
-    return ph->buf + e->displ[chunk] + inner;
+    if (*contig > c)
+        *contig = (size_t)c;
+    return (const uint8_t *)(uintptr_t)at;
 }
 
 /* Where incoming byte q goes and how many contiguous bytes may land there now. */
 static uint8_t *in_ptr(engine_t *e, phase_t *ph, size_t q, size_t *room)
 {
-    if (ph->kind == PH_BCAST) {
-        *room = ph->in_total - q;
-        return ph->buf + q;
-    }
-    if (ph->kind == PH_AG) {
-        size_t inner = locate(ph->in_off, ph->nblocks, &ph->in_k, q);
-        *room = ph->in_off[ph->in_k + 1] - q;
-        return ph->buf + e->displ[ph->in_chunk[ph->in_k]] + inner;
+    if (ph->kind == PH_BCAST || ph->kind == PH_AG) {
+        uint64_t c, at;
+        if (ph->kind == PH_BCAST) {
+            *room = ph->in_total - q;
+            at = coll_buf_at(ph->buf, q, &c);
+        } else {
+            size_t inner = locate(ph->in_off, ph->nblocks, &ph->in_k, q);
+            *room = ph->in_off[ph->in_k + 1] - q;
+            at = coll_buf_at(ph->buf, e->displ[ph->in_chunk[ph->in_k]] + inner, &c);
+        }
+        if (*room > c)
+            *room = (size_t)c;
+        return (uint8_t *)(uintptr_t)at;
     }
     /* RS: bounded window; a slot is free once its bytes were forwarded (or, for the last block,
      * reduced into the output). */
@@ -397,9 +415,9 @@ static void rs_process(engine_t *e, phase_t *ph)
         size_t chunk = ph->in_chunk[ph->pr.k];
         size_t e0 = (ph->pr.j * ph->slice + (q - ph->pr.start)) / asz, nel = span / asz;
         uint8_t *acc = e->t.ring + pos;
-        coll_reduce_accumulate(acc, ph->src + (op->displs[chunk] + e0) * e->esize, dt, nel);
+        coll_buf_accumulate(acc, ph->src, (op->displs[chunk] + e0) * e->esize, dt, nel);
         if (ph->pr.k + 1 == ph->nblocks)
-            coll_reduce_store(ph->dst + e0 * e->esize, dt, acc, nel, e->scale);
+            coll_buf_store(ph->dst, ph->dst_off + e0 * e->esize, dt, acc, nel, e->scale);
         ph->in_done += span;
     }
 }
@@ -464,8 +482,11 @@ static pshard_status_t setup_ring_phase(engine_t *e, phase_t *ph, phase_kind_t k
     return PSHARD_OK;
 }
 
+static void direct_free(engine_t *e);
+
 static void free_phases(engine_t *e)
 {
+    direct_free(e);
     for (size_t i = 0; i < e->nphases; i++) {
         phase_t *ph = &e->phases[i];
         free(ph->in_chunk);
@@ -509,12 +530,13 @@ static pshard_status_t setup_op(engine_t *e)
         return PSHARD_ERR_NO_MEMORY;
     uint8_t *recv = a->recv;
     const uint8_t *send = a->send;
+    bool whole = !op->sbuf.npieces && !op->rbuf.npieces; /* no pieces: may be in place */
     size_t es = e->esize;
 
     if (n == 1) {
         size_t nbytes = a->op == PSHARD_COLL_BARRIER ? 0 : op->displs[1] * es;
-        if (nbytes && send && recv && send != recv)
-            memmove(recv, send, nbytes);
+        if (nbytes)
+            coll_buf_copy(&op->rbuf, 0, &op->sbuf, 0, nbytes);
         return PSHARD_OK;
     }
     switch (a->op) {
@@ -525,20 +547,20 @@ static pshard_status_t setup_op(engine_t *e)
             e->bytes[i] = barrier ? 8 : op->counts[i] * es;
             e->displ[i] = barrier ? (size_t)i * 8 : op->displs[i] * es;
         }
-        uint8_t *buf = barrier ? (uint8_t *)e->t.barrier_buf : recv;
         size_t out_bytes = op->displs[n] * es;
         if (barrier) {
             e->t.barrier_buf[r] = op->desc.seq;
-        } else if (e->bytes[r] && send != buf + e->displ[r]) {
-            if (send + e->bytes[r] <= buf || send >= buf + out_bytes) {
-                e->phases[0].own_src = send;
-                e->phases[0].own_dst = buf + e->displ[r];
+            e->barrier_vb = coll_buf_flat(e->t.barrier_buf);
+        } else if (e->bytes[r] && (!whole || send != recv + e->displ[r])) {
+            if (!whole || send + e->bytes[r] <= recv || send >= recv + out_bytes) {
+                e->phases[0].own_src = &op->sbuf;
+                e->phases[0].own_dst = e->displ[r];
                 e->phases[0].own_len = e->bytes[r];
             } else {
-                memmove(buf + e->displ[r], send, e->bytes[r]); /* overlapping: copy first */
+                memmove(recv + e->displ[r], send, e->bytes[r]); /* overlapping: copy first */
             }
         }
-        e->phases[0].buf = buf;
+        e->phases[0].buf = barrier ? &e->barrier_vb : &op->rbuf;
         e->nphases = 1;
         return setup_ring_phase(e, &e->phases[0], PH_AG, e->bytes);
     }
@@ -549,8 +571,9 @@ static pshard_status_t setup_op(engine_t *e)
             e->displ[i] = op->displs[i] * es;
         }
         phase_t *rs = &e->phases[0];
-        rs->src = send;
-        rs->dst = a->op == PSHARD_COLL_ALL_REDUCE ? recv + e->displ[r] : recv;
+        rs->src = &op->sbuf;
+        rs->dst = &op->rbuf;
+        rs->dst_off = a->op == PSHARD_COLL_ALL_REDUCE ? e->displ[r] : 0;
         e->nphases = 1;
         PS_CHECK(setup_ring_phase(e, rs, PH_RS, e->bytes));
         if (a->op == PSHARD_COLL_ALL_REDUCE) {
@@ -560,7 +583,7 @@ static pshard_status_t setup_op(engine_t *e)
             for (int i = 0; i < n; i++)
                 ag_bytes[i] = op->counts[i] * es;
             phase_t *ag = &e->phases[1];
-            ag->buf = recv;
+            ag->buf = &op->rbuf;
             e->nphases = 2;
             pshard_status_t rc = setup_ring_phase(e, ag, PH_AG, ag_bytes);
             free(ag_bytes);
@@ -570,11 +593,11 @@ static pshard_status_t setup_op(engine_t *e)
     }
     case PSHARD_COLL_BROADCAST: {
         size_t total = op->displs[n] * es;
-        if (r == a->root && total && send != recv)
-            memmove(recv, send, total);
+        if (r == a->root && total)
+            coll_buf_copy(&op->rbuf, 0, &op->sbuf, 0, total);
         phase_t *ph = &e->phases[0];
         ph->kind = PH_BCAST;
-        ph->buf = recv;
+        ph->buf = &op->rbuf;
         ph->in_total = r == a->root ? 0 : total;
         ph->out_total = e->t.next == a->root ? 0 : total;
         e->nphases = 1;
@@ -632,22 +655,64 @@ static void setup_direct(engine_t *e)
     memset(e->done_seen, 0, sizeof(e->done_seen));
     e->dk = 1;
     e->doff = 0;
+    e->peer_bufs = false;
+    /* Published: a whole buffer's address, or the address of its piece table. */
+    op->desc.send_addr = op->sbuf.npieces ? (uint64_t)(uintptr_t)op->sbuf.pieces : op->sbuf.base;
+    op->desc.send_pieces = (uint32_t)op->sbuf.npieces;
+    op->desc.recv_addr = op->rbuf.npieces ? (uint64_t)(uintptr_t)op->rbuf.pieces : op->rbuf.base;
+    op->desc.recv_pieces = (uint32_t)op->rbuf.npieces;
+    bool whole = !op->sbuf.npieces && !op->rbuf.npieces;
     uint8_t *recv = a->recv;
-    const uint8_t *send = a->send;
-    op->desc.send_addr = (uint64_t)(uintptr_t)send;
-    op->desc.recv_addr = (uint64_t)(uintptr_t)recv;
     if (a->op == PSHARD_COLL_ALL_GATHER) {
-        uint8_t *own = recv + op->displs[r] * e->esize;
-        size_t bytes = op->counts[r] * e->esize;
-        if (bytes && send != own)
-            memmove(own, send, bytes);
-        op->desc.send_addr = (uint64_t)(uintptr_t)own;
+        size_t at = op->displs[r] * e->esize, bytes = op->counts[r] * e->esize;
+        if (whole) { /* in place, or overlapping send: the others read it from recv */
+            if (bytes && a->send != recv + at)
+                memmove(recv + at, a->send, bytes);
+            op->desc.send_addr = (uint64_t)(uintptr_t)(recv + at);
+        } else if (bytes) {
+            coll_buf_copy(&op->rbuf, at, &op->sbuf, 0, bytes);
+        }
     } else if (a->op == PSHARD_COLL_BROADCAST && r == a->root) {
         size_t total = op->displs[e->t.n] * e->esize;
-        if (total && send != recv)
-            memmove(recv, send, total);
-        op->desc.send_addr = (uint64_t)(uintptr_t)recv;
+        if (total)
+            coll_buf_copy(&op->rbuf, 0, &op->sbuf, 0, total);
+        if (whole)
+            op->desc.send_addr = op->rbuf.base;
     }
+}
+
+/* Frees the other ranks' piece tables read for the running operation. */
+static void direct_free(engine_t *e)
+{
+    for (int q = 0; e->peer_bufs && q < e->t.n; q++) {
+        coll_buf_free(&e->peer_sbuf[q]);
+        coll_buf_free(&e->peer_rbuf[q]);
+    }
+    e->peer_bufs = false;
+}
+
+/* The other ranks' buffers, from their descriptors: what this operation reads of each. */
+static pshard_status_t direct_fetch(engine_t *e, char *err, size_t errlen)
+{
+    coll_op_t *op = &e->req->op;
+    const pshard_coll_args_t *a = &op->args;
+    int n = e->t.n;
+    uint64_t total = op->displs[n] * e->esize;
+    e->peer_bufs = true;
+    for (int q = 0; q < n; q++) {
+        const coll_desc_t *d = &e->peer_desc[q];
+        bool reads_send = a->op != PSHARD_COLL_BROADCAST || q == a->root;
+        uint64_t sbytes = a->op == PSHARD_COLL_ALL_GATHER ? op->counts[q] * e->esize : total;
+        if (q == e->t.rank)
+            continue;
+        if (reads_send)
+            PS_CHECK(coll_shm_fetch_buf(e->t.shm, q, d->send_addr, d->send_pieces, sbytes,
+                                        &e->peer_sbuf[q], err, errlen));
+        if (a->op == PSHARD_COLL_ALL_REDUCE)
+            PS_CHECK(coll_shm_fetch_buf(e->t.shm, q, d->recv_addr, d->recv_pieces, total,
+                                        &e->peer_rbuf[q], err, errlen));
+    }
+    return PSHARD_OK;
 }
 
 static void queue_done(engine_t *e, uint32_t phase)
@@ -668,20 +733,18 @@ static pshard_status_t direct_piece(engine_t *e, bool second, bool *finished, ch
     const pshard_coll_args_t *a = &op->args;
     int n = e->t.n, r = e->t.rank;
     size_t es = e->esize;
-    uint8_t *recv = a->recv;
     *finished = false;
+    if (!e->peer_bufs)
+        PS_CHECK(direct_fetch(e, err, errlen));
     if (!second && (a->op == PSHARD_COLL_REDUCE_SCATTER || a->op == PSHARD_COLL_ALL_REDUCE)) {
         /* This rank's block: its own part plus every other rank's, read slice by slice. */
         size_t count = op->counts[r], left = count - e->doff;
         size_t nel = left < COLL_SHM_REDUCE_MAX ? left : COLL_SHM_REDUCE_MAX;
-        size_t first = op->displs[r] + e->doff;
-        for (int q = 0; q < n; q++)
-            e->daddr[q] = e->peer_send[q] + first * es;
-        uint8_t *out =
-            (a->op == PSHARD_COLL_ALL_REDUCE ? recv + op->displs[r] * es : recv) + e->doff * es;
+        uint64_t first = (op->displs[r] + e->doff) * es;
+        uint64_t out = (a->op == PSHARD_COLL_ALL_REDUCE ? op->displs[r] * es : 0) + e->doff * es;
         if (nel)
-            PS_CHECK(coll_shm_reduce(e->t.shm, e->daddr, (const uint8_t *)a->send + first * es, out,
-                                     a->dtype, nel, e->scale, err, errlen));
+            PS_CHECK(coll_shm_reduce(e->t.shm, e->peer_sbuf, first, &op->sbuf, first, &op->rbuf,
+                                     out, a->dtype, nel, e->scale, err, errlen));
         e->doff += nel;
         *finished = e->doff == count;
         return PSHARD_OK;
@@ -690,8 +753,8 @@ static pshard_status_t direct_piece(engine_t *e, bool second, bool *finished, ch
         size_t total = op->displs[n] * es, left = total - e->doff;
         size_t len = left < COLL_SHM_PIECE ? left : COLL_SHM_PIECE;
         if (r != a->root && len)
-            PS_CHECK(coll_shm_read(e->t.shm, a->root, recv + e->doff,
-                                   e->peer_send[a->root] + e->doff, len, err, errlen));
+            PS_CHECK(coll_shm_read_buf(e->t.shm, a->root, &op->rbuf, e->doff,
+                                       &e->peer_sbuf[a->root], e->doff, len, err, errlen));
         e->doff += r == a->root ? left : len;
         *finished = e->doff == total;
         return PSHARD_OK;
@@ -708,8 +771,9 @@ static pshard_status_t direct_piece(engine_t *e, bool second, bool *finished, ch
             continue;
         }
         size_t len = bytes - e->doff < COLL_SHM_PIECE ? bytes - e->doff : COLL_SHM_PIECE;
-        uint64_t src = second ? e->peer_recv[q] + at : e->peer_send[q];
-        PS_CHECK(coll_shm_read(e->t.shm, q, recv + at + e->doff, src + e->doff, len, err, errlen));
+        PS_CHECK(coll_shm_read_buf(e->t.shm, q, &op->rbuf, at + e->doff,
+                                   second ? &e->peer_rbuf[q] : &e->peer_sbuf[q],
+                                   (second ? at : 0) + e->doff, len, err, errlen));
         e->doff += len;
         return PSHARD_OK;
     }
@@ -920,8 +984,7 @@ static void handle_desc(engine_t *e)
     }
     e->descs_received++;
     if (e->direct) {
-        e->peer_send[origin] = d.send_addr;
-        e->peer_recv[origin] = d.recv_addr;
+        e->peer_desc[origin] = d;
     }
     /* Forward it unless the next rank is where it came from. */
     if (origin != e->t.next)
@@ -1234,7 +1297,8 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
             if (ph->own_copied < ph->own_len) {
                 size_t step = ph->own_len - ph->own_copied;
                 step = step < OWN_COPY_SLICE ? step : OWN_COPY_SLICE;
-                memcpy(ph->own_dst + ph->own_copied, ph->own_src + ph->own_copied, step);
+                coll_buf_copy(ph->buf, ph->own_dst + ph->own_copied, ph->own_src, ph->own_copied,
+                              step);
                 ph->own_copied += step;
                 continue;
             }
@@ -1396,10 +1460,10 @@ static pshard_status_t tcp_connect(pshard_comm_t *comm, const pshard_comm_config
         if (rc != PSHARD_OK)
             goto fail;
         if (t->shm) {
-            e->peer_send = calloc((size_t)t->n, sizeof(uint64_t));
-            e->peer_recv = calloc((size_t)t->n, sizeof(uint64_t));
-            e->daddr = calloc((size_t)t->n, sizeof(uint64_t));
-            if (!e->peer_send || !e->peer_recv || !e->daddr) {
+            e->peer_desc = calloc((size_t)t->n, sizeof(coll_desc_t));
+            e->peer_sbuf = calloc((size_t)t->n, sizeof(coll_buf_t));
+            e->peer_rbuf = calloc((size_t)t->n, sizeof(coll_buf_t));
+            if (!e->peer_desc || !e->peer_sbuf || !e->peer_rbuf) {
                 rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
                 goto fail;
             }
@@ -1477,9 +1541,9 @@ static void tcp_destroy(pshard_comm_t *comm)
     free_ctrl_frames(e);
     free(e->of_ctrl);
     coll_shm_destroy(t->shm);
-    free(e->peer_send);
-    free(e->peer_recv);
-    free(e->daddr);
+    free(e->peer_desc);
+    free(e->peer_sbuf);
+    free(e->peer_rbuf);
     free(t->ring);
     free(t->conv);
     free(t->barrier_buf);
@@ -1497,6 +1561,7 @@ static const char *tcp_transport(const pshard_comm_t *comm)
 const coll_backend_t coll_tcp_backend = {
     .name = "tcp",
     .transport = tcp_transport,
+    .pieces = true,
     .connect = tcp_connect,
     .submit = tcp_submit,
     .abort = tcp_abort,

@@ -6,9 +6,10 @@
  *   CHALLENGE  (48) nonce[16] @0, mac[32] @16
  *   AUTH       (32) mac[32] @0
  *   REJECT (2 + n)  n u16 @0, reason bytes[n] @2 (n <= COLL_FRAME_MAX_CONTROL - 2)
- *   DESC       (64) seq u64 @0, op u8 @8, dtype u8 @9, reduce u8 @10, zero u8 @11, root i32 @12,
+ *   DESC       (72) seq u64 @0, op u8 @8, dtype u8 @9, reduce u8 @10, zero u8 @11, root i32 @12,
  *                   tag u64 @16, total_count u64 @24, counts_hash u64 @32, rank_count u64 @40,
- *                   send_addr u64 @48, recv_addr u64 @56
+ *                   send_addr u64 @48, recv_addr u64 @56, send_pieces u32 @64,
+ *                   recv_pieces u32 @68 (<= PSHARD_COLL_MAX_SEGS each)
  *   ABORT (10 + n)  origin_rank u32 @0, status i32 @4, n u16 @8, message bytes[n] @10 (n <= 511)
  *   PEER       (56) origin_rank u32 @0, pid u32 @4, pidns u64 @8, boot_id[16] @16,
  *                   probe_addr u64 @32, probe[16] @40
@@ -37,7 +38,7 @@
 #define HELLO_SIZE (40 + COLL_NAME_MAX + 1)
 #define CHALLENGE_SIZE (COLL_NONCE_SIZE + COLL_MAC_SIZE)
 #define AUTH_SIZE COLL_MAC_SIZE
-#define DESC_SIZE 64
+#define DESC_SIZE 72
 #define PEER_SIZE 56
 #define DONE_SIZE 8
 #define REJECT_MAX_TEXT (COLL_FRAME_MAX_CONTROL - 2)
@@ -324,6 +325,8 @@ size_t coll_desc_encode(const coll_desc_t *m, uint8_t *out, size_t cap)
     put_u64(out + 40, m->rank_count);
     put_u64(out + 48, m->send_addr);
     put_u64(out + 56, m->recv_addr);
+    put_u32(out + 64, m->send_pieces);
+    put_u32(out + 68, m->recv_pieces);
     return DESC_SIZE;
 }
 
@@ -355,6 +358,12 @@ pshard_status_t coll_desc_decode(const uint8_t *in, size_t len, coll_desc_t *m, 
     m->rank_count = get_u64(in + 40);
     m->send_addr = get_u64(in + 48);
     m->recv_addr = get_u64(in + 56);
+    m->send_pieces = get_u32(in + 64);
+    m->recv_pieces = get_u32(in + 68);
+    if (m->send_pieces > PSHARD_COLL_MAX_SEGS || m->recv_pieces > PSHARD_COLL_MAX_SEGS)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "DESC names %u and %u buffer pieces; at most %d are allowed", m->send_pieces,
+                       m->recv_pieces, PSHARD_COLL_MAX_SEGS);
     return PSHARD_OK;
 }
 

@@ -78,9 +78,11 @@ typedef struct {
     uint64_t total_count; /* elements across all ranks */
     uint64_t counts_hash; /* FNV-1a of the per-rank counts (u64 LE each) */
     uint64_t rank_count;  /* the sender's own count */
-    /* Where the sender's send and recv buffers are in its address space: what same-host
-     * peers read (coll_shm.h); 0 on a tcp ring. Not compared. */
+    /* Where the sender's send and recv buffers are in its address space, what same-host peers
+     * read (coll_shm.h): the buffer itself when its pieces count is 0, else a table of that
+     * many {u64 address, u64 bytes} pieces. 0 on a tcp ring. Not compared. */
     uint64_t send_addr, recv_addr;
+    uint32_t send_pieces, recv_pieces;
 } coll_desc_t;
 
 /* A rank's process, for the same-host transport's test of whether the others can read its

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "coll_wire.h"
+#include "pshard/collectives.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -166,7 +167,9 @@ static void fuzz_desc(const uint8_t *data, size_t size)
     coll_desc_t m2;
     FUZZ_CHECK(coll_desc_decode(buf, n, &m2, NULL, 0) == PSHARD_OK);
     FUZZ_CHECK(coll_desc_same(&m, &m2) && m.rank_count == m2.rank_count &&
-               m.send_addr == m2.send_addr && m.recv_addr == m2.recv_addr);
+               m.send_addr == m2.send_addr && m.recv_addr == m2.recv_addr &&
+               m.send_pieces == m2.send_pieces && m.recv_pieces == m2.recv_pieces &&
+               m.send_pieces <= PSHARD_COLL_MAX_SEGS && m.recv_pieces <= PSHARD_COLL_MAX_SEGS);
 
     char text[256];
     coll_desc_format(&m, text, sizeof text);

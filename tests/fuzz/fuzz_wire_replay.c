@@ -111,6 +111,8 @@ static size_t make_payload(uint8_t *out, size_t cap, uint8_t *type)
         m.rank_count = rnd_value();
         m.send_addr = rnd_value();
         m.recv_addr = rnd_value();
+        m.send_pieces = (uint32_t)rnd_below(rnd_below(8) == 0 ? 1u << 20 : 70000);
+        m.recv_pieces = (uint32_t)rnd_below(rnd_below(8) == 0 ? 1u << 20 : 70000);
         return coll_desc_encode(&m, out, cap);
     }
     case COLL_FRAME_PEER: {

@@ -155,7 +155,45 @@ typedef struct {
     size_t total, mine;
     void *send, *recv;
     pshard_coll_req_t *req;
+    /* pieces: send and recv are handed over as pieces of their own allocations (some empty),
+     * which the check reads back in order */
+    bool pieces;
+    pshard_coll_seg_t *send_segs, *recv_segs;
+    size_t n_send_segs, n_recv_segs;
 } running_t;
+
+/* Splits n elements of es bytes into pieces of separately allocated memory (a few empty ones
+ * among them), copying from src when it is not NULL; returns the piece count. */
+static size_t make_pieces(uint64_t id, const void *src, size_t n, size_t es,
+                          pshard_coll_seg_t **out)
+{
+    size_t cap = 2 + n / 3 + 8, k = 0, done = 0;
+    pshard_coll_seg_t *segs = calloc(cap, sizeof(*segs));
+    uint64_t x = id * 0x9e3779b97f4a7c15ull + 1;
+    while (done < n || k < 2) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        size_t want = x % 4 == 0 ? 0 : 1 + (size_t)(x >> 8) % (n / 3 + 7);
+        if (k + 1 == cap)
+            want = n - done; /* the last slot takes the rest */
+        if (want > n - done)
+            want = n - done;
+        segs[k].count = want;
+        segs[k].ptr = want ? malloc(want * es) : NULL;
+        if (want && src)
+            memcpy(segs[k].ptr, (const uint8_t *)src + done * es, want * es);
+        done += want;
+        k++;
+    }
+    *out = segs;
+    return k;
+}
+
+static void free_pieces(pshard_coll_seg_t *segs, size_t k)
+{
+    for (size_t i = 0; segs && i < k; i++)
+        free(segs[i].ptr);
+    free(segs);
+}
 
 static void counts_of(const case_t *c, size_t *counts, size_t *total)
 {
@@ -217,6 +255,16 @@ static void start_case(pshard_comm_t *comm, running_t *r)
         .tag = r->id,
         .label = "test",
     };
+    if (r->pieces && c->op != PSHARD_COLL_BARRIER) {
+        if (c->op != PSHARD_COLL_BROADCAST || c->root == g_rank) {
+            r->n_send_segs = make_pieces(r->id * 2, r->send, send_n, es, &r->send_segs);
+            a.send_segs = r->send_segs;
+            a.n_send_segs = r->n_send_segs;
+        }
+        r->n_recv_segs = make_pieces(r->id * 2 + 1, NULL, recv_n, es, &r->recv_segs);
+        a.recv_segs = r->recv_segs;
+        a.n_recv_segs = r->n_recv_segs;
+    }
     char err[1024] = "";
     pshard_status_t rc = pshard_coll_start(comm, &a, &r->req, err, sizeof(err));
     CHECK(rc == PSHARD_OK, "start case %" PRIu64 ": %s", r->id, err);
@@ -230,6 +278,14 @@ static void finish_case(running_t *r)
     CHECK(rc == PSHARD_OK, "case %" PRIu64 " (%s %s count %zu): %s", r->id,
           pshard_coll_op_name(c->op), pshard_dtype_name(c->dtype), r->total, err);
     pshard_coll_req_free(r->req);
+    size_t es = pshard_dtype_size(c->dtype);
+    for (size_t i = 0, at = 0; rc == PSHARD_OK && i < r->n_recv_segs; i++) {
+        if (r->recv_segs[i].count)
+            memcpy((uint8_t *)r->recv + at * es, r->recv_segs[i].ptr, r->recv_segs[i].count * es);
+        at += r->recv_segs[i].count;
+    }
+    free_pieces(r->send_segs, r->n_send_segs);
+    free_pieces(r->recv_segs, r->n_recv_segs);
     if (rc == PSHARD_OK) {
         size_t bad = 0, first_bad = 0;
         double got_bad = 0, ref_bad = 0;
@@ -276,23 +332,28 @@ static void finish_case(running_t *r)
             }
         }
         CHECK(bad == 0,
-              "case %" PRIu64 " (%s %s %s count %zu): %zu wrong elements, first at %zu: got %.9g "
-              "want %.9g",
+              "case %" PRIu64 " (%s %s %s count %zu%s): %zu wrong elements, first at %zu: got "
+              "%.9g want %.9g",
               r->id, pshard_coll_op_name(c->op), pshard_dtype_name(c->dtype),
-              c->reduce == PSHARD_REDUCE_AVG ? "avg" : "sum", r->total, bad, first_bad, got_bad,
-              ref_bad);
+              c->reduce == PSHARD_REDUCE_AVG ? "avg" : "sum", r->total,
+              r->pieces ? ", in pieces" : "", bad, first_bad, got_bad, ref_bad);
     }
     free(r->counts);
     free(r->send);
     free(r->recv);
 }
 
-static void run_case(pshard_comm_t *comm, const case_t *c, uint64_t id)
+static void run_case_as(pshard_comm_t *comm, const case_t *c, uint64_t id, bool pieces)
 {
-    running_t r = {.c = *c, .id = id};
+    running_t r = {.c = *c, .id = id, .pieces = pieces};
     start_case(comm, &r);
     if (r.req)
         finish_case(&r);
+}
+
+static void run_case(pshard_comm_t *comm, const case_t *c, uint64_t id)
+{
+    run_case_as(comm, c, id, false);
 }
 
 static int scenario_correctness(bool big)
@@ -357,6 +418,28 @@ static int scenario_correctness(bool big)
             case_t rsv = {PSHARD_COLL_REDUCE_SCATTER, dtypes[d], PSHARD_REDUCE_SUM, 0, vc, 0};
             run_case(comm, &agv, id++);
             run_case(comm, &rsv, id++);
+        }
+        /* Buffers in pieces (some empty), every op and dtype, even and v counts. */
+        static const size_t piece_sizes[] = {0, 1, 13, 1021, 65537};
+        for (size_t d = 0; d < PS_ARRAY_LEN(dtypes); d++) {
+            pshard_dtype_t dt = dtypes[d];
+            for (size_t s = 0; s < PS_ARRAY_LEN(piece_sizes); s++) {
+                size_t n = piece_sizes[s];
+                case_t cs[] = {
+                    {PSHARD_COLL_ALL_GATHER, dt, PSHARD_REDUCE_SUM, n, NULL, 0},
+                    {PSHARD_COLL_REDUCE_SCATTER, dt, PSHARD_REDUCE_SUM, n, NULL, 0},
+                    {PSHARD_COLL_ALL_REDUCE, dt,
+                     dt == PSHARD_INT64 ? PSHARD_REDUCE_SUM : PSHARD_REDUCE_AVG, n, NULL, 0},
+                    {PSHARD_COLL_BROADCAST, dt, PSHARD_REDUCE_SUM, n, NULL,
+                     (int)((s + 1) % (size_t)g_world)},
+                };
+                for (size_t k = 0; k < PS_ARRAY_LEN(cs); k++)
+                    run_case_as(comm, &cs[k], id++, true);
+            }
+            case_t agv = {PSHARD_COLL_ALL_GATHER, dt, PSHARD_REDUCE_SUM, 0, vc, 0};
+            case_t rsv = {PSHARD_COLL_REDUCE_SCATTER, dt, PSHARD_REDUCE_SUM, 0, vc, 0};
+            run_case_as(comm, &agv, id++, true);
+            run_case_as(comm, &rsv, id++, true);
         }
         /* Many asynchronous operations in flight, completed in issue order. */
         running_t inflight[24];

@@ -41,6 +41,14 @@ typedef enum {
     PSHARD_REDUCE_AVG = 1, /* sum divided by the world size */
 } pshard_reduce_t;
 
+/* A piece of a buffer given in pieces (pshard_coll_args_t's send_segs / recv_segs). */
+typedef struct {
+    void *ptr;    /* host memory; NULL only for an empty piece */
+    size_t count; /* elements */
+} pshard_coll_seg_t;
+
+#define PSHARD_COLL_MAX_SEGS 65536
+
 /* One collective. Buffers are host memory for "tcp" and device memory for "nccl".
  *  all_gather:     send holds counts[rank] elements; recv receives sum(counts), rank-major.
  *                  In place when send == recv + offset of this rank's block.
@@ -69,6 +77,17 @@ typedef struct {
     bool send_device;     /* on a host_buffers communicator (nccl): send / recv is device
                              memory after all, used as is (not staged). Refused on tcp */
     bool recv_device;
+    /* Optional, "tcp" only: send or recv given as pieces laid end to end instead of one range
+     * (e.g. the full buffers of several tensors, so that gathering them is one operation).
+     * The operation reads or writes the buffer the pieces make, in order: their counts add up
+     * to what send or recv holds above (all_gather send: this rank's count, recv: the total;
+     * reduce_scatter the other way round; all_reduce and broadcast: count). At most
+     * PSHARD_COLL_MAX_SEGS pieces; copied by pshard_coll_start; send / recv are then ignored.
+     * Pieces must not overlap each other or the other buffer. */
+    const pshard_coll_seg_t *send_segs;
+    size_t n_send_segs;
+    const pshard_coll_seg_t *recv_segs;
+    size_t n_recv_segs;
 } pshard_coll_args_t;
 
 typedef struct {

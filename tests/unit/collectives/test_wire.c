@@ -269,7 +269,9 @@ static coll_desc_t sample_desc(void)
                      .counts_hash = 0x9c3a000000000001ull,
                      .rank_count = 256,
                      .send_addr = 0x7f0012345000ull,
-                     .recv_addr = 0x7f0067890000ull};
+                     .recv_addr = 0x7f0067890000ull,
+                     .send_pieces = 12,
+                     .recv_pieces = 0};
     return d;
 }
 
@@ -280,7 +282,7 @@ static void test_desc_round_trip_and_rejections(void)
     d.root = INT32_MIN;
     uint8_t buf[128];
     size_t n = coll_desc_encode(&d, buf, sizeof buf);
-    CU_ASSERT_EQUAL(n, 64);
+    CU_ASSERT_EQUAL(n, 72);
     CU_ASSERT_EQUAL(coll_desc_encode(&d, buf, n - 1), 0);
     CU_ASSERT_EQUAL(buf[16], 0x11); /* tag LE */
     CU_ASSERT_EQUAL(coll_desc_decode(buf, n, &back, NULL, 0), PSHARD_OK);
@@ -288,6 +290,8 @@ static void test_desc_round_trip_and_rejections(void)
     CU_ASSERT_EQUAL(back.rank_count, d.rank_count);
     CU_ASSERT_EQUAL(back.send_addr, d.send_addr);
     CU_ASSERT_EQUAL(back.recv_addr, d.recv_addr);
+    CU_ASSERT_EQUAL(back.send_pieces, d.send_pieces);
+    CU_ASSERT_EQUAL(back.recv_pieces, d.recv_pieces);
     /* The buffer addresses are where the sender's buffers are, not part of what must agree. */
     back.send_addr ^= 0x1000;
     back.recv_addr = 0;
@@ -301,8 +305,9 @@ static void test_desc_round_trip_and_rejections(void)
         size_t offset;
         uint8_t value;
         const char *word;
-    } bad[] = {{8, 0, "op"},      {8, 6, "op"},      {8, 255, "op"},     {9, 4, "dtype"},
-               {9, 200, "dtype"}, {10, 2, "reduce"}, {11, 1, "reserved"}};
+    } bad[] = {{8, 0, "op"},        {8, 6, "op"},      {8, 255, "op"},
+               {9, 4, "dtype"},     {9, 200, "dtype"}, {10, 2, "reduce"},
+               {11, 1, "reserved"}, {66, 2, "pieces"}, {70, 9, "pieces"}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         n = coll_desc_encode(&d, buf, sizeof buf);
         buf[bad[i].offset] = bad[i].value;
