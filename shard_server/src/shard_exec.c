@@ -97,6 +97,96 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
     return shard_model_slice_out(m, p, dt, active, m->stage, err, errlen);
 }
 
+/* Whether comm takes buffers in pieces (the tcp backend, through the sockets or the same-host
+ * transport; not nccl). */
+static bool takes_pieces(const pshard_comm_t *comm)
+{
+    return strcmp(pshard_comm_transport(comm), "nccl") != 0;
+}
+
+/* The gather or reduce-scatter of n parameters as one collective: each rank's block is its
+ * pieces of every parameter in turn, so the pieces of the full buffers bufs[i] are listed rank
+ * by rank, and this rank's slices go out from (gather: the master weights, or converted into
+ * the unit stage) or come back to (reduce-scatter: the unit stage, 4 bytes an element so that
+ * a bf16 slice widens in place) staging of their own. */
+static pshard_status_t tensors_fused(pshard_comm_t *comm, shard_model_t *m, bool gather,
+                                     const uint32_t *ids, void *const *bufs, size_t n,
+                                     pshard_dtype_t dt, int active, char *err, size_t errlen)
+{
+    int world = m->world, r = m->rank;
+    size_t es = pshard_dtype_size(dt);
+    size_t *counts = calloc((size_t)world, sizeof(size_t));
+    size_t *stage_at = calloc(n, sizeof(size_t)); /* each slice's byte offset in unit_stage */
+    pshard_coll_seg_t *full = calloc((size_t)world * n, sizeof(*full));
+    pshard_coll_seg_t *mine = calloc(n, sizeof(*mine));
+    pshard_status_t rc = PSHARD_OK;
+    if (!counts || !stage_at || !full || !mine) {
+        rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        goto out;
+    }
+    size_t stage_bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        stage_at[i] = stage_bytes;
+        stage_bytes += ps_layout_counts(m->layout, ids[i])[r] * (gather ? es : 4);
+    }
+    uint8_t *stage = NULL;
+    if (!gather || dt != PSHARD_FP32) {
+        stage = shard_model_unit_stage(m, stage_bytes ? stage_bytes : 1);
+        if (!stage) {
+            rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
+                         "out of memory for %zu bytes of staging", stage_bytes);
+            goto out;
+        }
+    }
+    for (int q = 0; q < world; q++) {
+        for (size_t i = 0; i < n; i++) {
+            uint32_t p = ids[i];
+            size_t cnt = ps_layout_counts(m->layout, p)[q];
+            counts[q] += cnt;
+            full[(size_t)q * n + i] = (pshard_coll_seg_t){
+                (uint8_t *)bufs[i] + ps_layout_piece_offset(m->layout, p, q) * es, cnt};
+        }
+    }
+    for (size_t i = 0; i < n && rc == PSHARD_OK; i++) {
+        uint32_t p = ids[i];
+        mine[i].count = ps_layout_counts(m->layout, p)[r];
+        if (!gather) {
+            mine[i].ptr = stage + stage_at[i];
+        } else {
+            const void *send = NULL;
+            rc = shard_model_slice_in(m, p, dt, stage ? stage + stage_at[i] : NULL, &send, err,
+                                      errlen);
+            mine[i].ptr = (void *)send;
+        }
+    }
+    char label[64];
+    if (rc == PSHARD_OK) {
+        ps_snprintf(label, sizeof(label), "step %" PRId64 ", %zu tensors from %s", m->step + 1, n,
+                    m->params[ids[0]].name);
+        pshard_coll_args_t a = {
+            .op = gather ? PSHARD_COLL_ALL_GATHER : PSHARD_COLL_REDUCE_SCATTER,
+            .dtype = dt,
+            .reduce = active == m->world ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
+            .counts = counts,
+            .tag = ((uint64_t)m->step << 32) | (gather ? 0 : 1u << 31) | ids[0],
+            .label = label,
+            .send_segs = gather ? mine : full,
+            .n_send_segs = gather ? n : (size_t)world * n,
+            .recv_segs = gather ? full : mine,
+            .n_recv_segs = gather ? (size_t)world * n : n,
+        };
+        rc = pshard_coll_run(comm, &a, err, errlen);
+    }
+    for (size_t i = 0; i < n && rc == PSHARD_OK && !gather; i++)
+        rc = shard_model_slice_out(m, ids[i], dt, active, stage + stage_at[i], err, errlen);
+out:
+    free(counts);
+    free(stage_at);
+    free(full);
+    free(mine);
+    return rc;
+}
+
 pshard_status_t shard_tensors_run(pshard_comm_t *comm, shard_model_t *m, bool gather,
                                   const uint32_t *ids, void *const *bufs, size_t n,
                                   pshard_dtype_t dt, int active, char *err, size_t errlen)
@@ -105,60 +195,14 @@ pshard_status_t shard_tensors_run(pshard_comm_t *comm, shard_model_t *m, bool ga
         for (size_t i = 0; i < n; i++)
             PS_CHECK(check_reduce_again(m, ids[i], err, errlen));
     }
-    if (m->dev || n == 1) {
-        /* GPU-resident shards have one device staging buffer: one collective at a time. */
-        for (size_t i = 0; i < n; i++)
-            PS_CHECK(gather ? shard_gather_one(comm, m, ids[i], dt, bufs[i], err, errlen)
-                            : shard_reduce_scatter_one(comm, m, ids[i], dt, bufs[i], active, err,
-                                                       errlen));
-        return PSHARD_OK;
-    }
-    /* Up to SHARD_PIPE_DEPTH collectives in flight, each with a staging buffer of its own:
-     * the engine runs them back to back instead of waking this thread between tensors, and a
-     * reduce-scatter's slice is accumulated while the next ones move. In issue order, so the
-     * ranks' descriptors pair up as with one at a time. */
-    pshard_coll_req_t *req[SHARD_PIPE_DEPTH] = {0};
-    void *stage[SHARD_PIPE_DEPTH];
-    for (int k = 0; k < SHARD_PIPE_DEPTH; k++) {
-        stage[k] = shard_model_pipe_stage(m, k);
-        if (!stage[k])
-            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory for a staging buffer");
-    }
-    pshard_status_t rc = PSHARD_OK;
-    size_t started = 0, done = 0;
-    while (done < started || (rc == PSHARD_OK && started < n)) {
-        if (rc == PSHARD_OK && started < n && started - done < SHARD_PIPE_DEPTH) {
-            size_t k = started % SHARD_PIPE_DEPTH;
-            uint32_t p = ids[started];
-            char label[64];
-            pshard_coll_args_t a;
-            if (gather) {
-                const void *send = NULL;
-                rc = shard_model_slice_in(m, p, dt, stage[k], &send, err, errlen);
-                a = gather_args(m, p, dt, send, bufs[started], label, sizeof(label));
-            } else {
-                a = reduce_scatter_args(m, p, dt, bufs[started], stage[k], active, label,
-                                        sizeof(label));
-            }
-            if (rc == PSHARD_OK)
-                rc = pshard_coll_start(comm, &a, &req[k], err, errlen);
-            if (rc == PSHARD_OK)
-                started++;
-            continue;
-        }
-        size_t k = done % SHARD_PIPE_DEPTH;
-        /* After a failure the rest fail too; only the first error is kept. */
-        pshard_status_t w =
-            pshard_coll_wait(req[k], rc == PSHARD_OK ? err : NULL, rc == PSHARD_OK ? errlen : 0);
-        pshard_coll_req_free(req[k]);
-        req[k] = NULL;
-        if (rc == PSHARD_OK)
-            rc = w;
-        if (rc == PSHARD_OK && !gather)
-            rc = shard_model_slice_out(m, ids[done], dt, active, stage[k], err, errlen);
-        done++;
-    }
-    return rc;
+    if (!m->dev && takes_pieces(comm))
+        return tensors_fused(comm, m, gather, ids, bufs, n, dt, active, err, errlen);
+    /* GPU-resident shards (one device staging buffer) and nccl: a collective per tensor. */
+    for (size_t i = 0; i < n; i++)
+        PS_CHECK(gather
+                     ? shard_gather_one(comm, m, ids[i], dt, bufs[i], err, errlen)
+                     : shard_reduce_scatter_one(comm, m, ids[i], dt, bufs[i], active, err, errlen));
+    return PSHARD_OK;
 }
 
 pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op, const void *send,

@@ -158,9 +158,10 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
                                          pshard_dtype_t dt, const void *send, int active, char *err,
                                          size_t errlen);
 /* Gathers (gather) or reduce-scatters the n parameters ids, each into or from its full buffer
- * bufs[i], as shard_gather_one / shard_reduce_scatter_one one after the other would, with
- * several collectives in flight. Errors: the first one; every collective started is waited
- * for before it returns. */
+ * bufs[i] (the same buffer for several ids is allowed: a joined rank's scratch): one
+ * collective for all of them on host shards over tcp (their pieces end to end), else one per
+ * parameter as shard_gather_one / shard_reduce_scatter_one. Every rank must pass the same ids
+ * in the same order. Errors: the collective's, the model's. */
 pshard_status_t shard_tensors_run(pshard_comm_t *comm, shard_model_t *m, bool gather,
                                   const uint32_t *ids, void *const *bufs, size_t n,
                                   pshard_dtype_t dt, int active, char *err, size_t errlen);

@@ -108,8 +108,7 @@ void shard_model_free(shard_model_t *m)
         free_touched(m->state0, bytes);
         free_touched(m->state1, bytes);
         free_touched(m->stage, m->max_piece * 4);
-        for (int i = 0; i < SHARD_PIPE_DEPTH - 1; i++)
-            free_touched(m->pipe_stage[i], m->max_piece * 4);
+        free_touched(m->unit_stage, m->unit_stage_bytes);
     }
     free(m->reduced);
     free(m->spec_text);
@@ -634,13 +633,17 @@ void shard_groups_decode(const int64_t *words, size_t n, ps_optim_kind_t kind,
 
 /* This rank's slice of parameter p in dt for a gather: the master weights themselves in
  * fp32, else converted into the staging buffer (on the device for GPU-resident shards). */
-void *shard_model_pipe_stage(shard_model_t *m, int k)
+void *shard_model_unit_stage(shard_model_t *m, size_t bytes)
 {
-    if (k == 0)
-        return m->stage;
-    if (!m->pipe_stage[k - 1])
-        m->pipe_stage[k - 1] = alloc_touched(m->max_piece * 4);
-    return m->pipe_stage[k - 1];
+    if (bytes > m->unit_stage_bytes) {
+        void *p = alloc_touched(bytes);
+        if (!p)
+            return NULL;
+        free_touched(m->unit_stage, m->unit_stage_bytes);
+        m->unit_stage = p;
+        m->unit_stage_bytes = bytes;
+    }
+    return m->unit_stage;
 }
 
 pshard_status_t shard_model_slice_in(shard_model_t *m, uint32_t p, pshard_dtype_t dt, void *stage,

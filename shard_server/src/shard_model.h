@@ -37,9 +37,6 @@ typedef struct {
 
 /* A run of this rank's shard, elements [off, off + n): the pieces of consecutive parameters
  * (shard_model_next_run). */
-/* Collectives a multi-tensor gather or reduce-scatter keeps in flight (shard_exec.c). */
-#define SHARD_PIPE_DEPTH 4
-
 typedef struct {
     size_t off, n;
     uint32_t group; /* the group of the run's first parameter */
@@ -60,9 +57,10 @@ typedef struct {
     size_t max_numel; /* largest full parameter */
     void *stage;      /* max_piece fp32-sized elements: conversions, reduce output (on
                          the device too when dev is set) */
-    /* Host shards: the staging buffers of the other collectives a multi-tensor gather or
-     * reduce-scatter keeps in flight (shard_exec.c), like stage; made on first use. */
-    void *pipe_stage[SHARD_PIPE_DEPTH - 1];
+    /* Host shards: where a gather or reduce-scatter of several tensors as one operation
+     * stages this rank's slices (shard_exec.c), grown to the largest such operation. */
+    void *unit_stage;
+    size_t unit_stage_bytes;
     ps_optim_config_t optim; /* the kind, and group 0's hyperparameters at definition */
     /* Parameter groups: ngroups >= 1 (one from the model-wide config when the definition gave
      * none), param_group[p] the group of parameter p; groups[g].cfg changes with Step's groups. */
@@ -151,8 +149,8 @@ void shard_groups_decode(const int64_t *words, size_t n, ps_optim_kind_t kind,
 
 /* The model's numerics on this rank's slices (host, or GPU-resident through m->dev). Errors are
  * the device's. shard_model_slice_in: this rank's slice of parameter p in dt, for a gather
- * (*out is the master weights in fp32, else stage, a staging buffer: m->stage, or with host
- * shards one of m->pipe_stage). shard_model_slice_out: after p's reduce-scatter in dt with the
+ * (*out is the master weights in fp32, else stage: m->stage, or with host shards a place in
+ * m->unit_stage). shard_model_slice_out: after p's reduce-scatter in dt with the
  * reduced slice in stage (m->stage on a device), accumulates it
  * averaged over the active ranks, or with optimizer_in_backward applies the update.
  * shard_model_local_norm: this rank's part of the gradient norm of the trained accumulators,
@@ -165,9 +163,8 @@ pshard_status_t shard_model_slice_in(shard_model_t *m, uint32_t p, pshard_dtype_
                                      const void **out, char *err, size_t errlen);
 pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype_t dt, int active,
                                       void *stage, char *err, size_t errlen);
-/* Staging buffer k (0 <= k < SHARD_PIPE_DEPTH) of host shards: m->stage for 0, the others made
- * on first use; NULL when out of memory. */
-void *shard_model_pipe_stage(shard_model_t *m, int k);
+/* Host shards: m->unit_stage grown to at least bytes; NULL when out of memory. */
+void *shard_model_unit_stage(shard_model_t *m, size_t bytes);
 pshard_status_t shard_model_local_norm(shard_model_t *m, bool inf, double *out, char *err,
                                        size_t errlen);
 pshard_status_t shard_model_scale_grads(shard_model_t *m, float factor, char *err, size_t errlen);

@@ -263,25 +263,32 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, con
         char dir[512];
         return shard_ckpt_save(s, comm, m, dir, sizeof(dir), err, errlen);
     }
-    size_t es = pshard_dtype_size(op->dtype);
+    /* The same operation as the others', on one scratch buffer as large as the largest of its
+     * tensors: what is gathered into it is thrown away, and zeros are this rank's gradient. */
+    size_t es = pshard_dtype_size(op->dtype), largest = 0;
     for (size_t i = 0; i < op->nids; i++) {
         uint32_t p = op->ids[i];
         if (p >= m->nparams)
             return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
                            "the others run %s of parameter #%u; the model has %zu",
                            shard_sop_name(op->kind), p, m->nparams);
-        size_t bytes = m->params[p].numel * es;
-        void *buf = follow_buffer(s, bytes);
-        if (!buf)
-            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        if (op->kind == SHARD_SOP_GATHER) {
-            PS_CHECK(shard_gather_one(comm, m, p, op->dtype, buf, err, errlen));
-        } else {
-            memset(buf, 0, bytes); /* this rank contributes no gradient */
-            PS_CHECK(shard_reduce_scatter_one(comm, m, p, op->dtype, buf, ag->active, err, errlen));
-        }
+        largest = m->params[p].numel * es > largest ? m->params[p].numel * es : largest;
     }
-    return PSHARD_OK;
+    void *buf = follow_buffer(s, largest);
+    void **bufs = malloc((op->nids ? op->nids : 1) * sizeof(void *));
+    if (!buf || !bufs) {
+        free(bufs);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    for (size_t i = 0; i < op->nids; i++)
+        bufs[i] = buf;
+    bool gather = op->kind == SHARD_SOP_GATHER;
+    if (!gather)
+        memset(buf, 0, largest); /* this rank contributes no gradient */
+    pshard_status_t rc = shard_tensors_run(comm, m, gather, op->ids, bufs, op->nids, op->dtype,
+                                           ag->active, err, errlen);
+    free(bufs);
+    return rc;
 }
 
 /* Tells the coordinator (best effort, short deadline: the join goes on without it). */
