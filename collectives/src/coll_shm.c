@@ -163,6 +163,16 @@ static bool alive(const coll_shm_t *s, int q)
     return poll(&p, 1, 0) == 0;
 }
 
+/* After a failed read: whether rank q's process is on its way out (its memory goes before its
+ * pidfd says it exited, so wait a little for that). */
+static bool exiting(const coll_shm_t *s, int q)
+{
+    if (s->pidfd[q] < 0)
+        return false;
+    struct pollfd p = {s->pidfd[q], POLLIN, 0};
+    return poll(&p, 1, 50) > 0;
+}
+
 pshard_status_t coll_shm_read(coll_shm_t *s, int q, void *dst, uint64_t src_addr, size_t len,
                               char *err, size_t errlen)
 {
@@ -180,6 +190,10 @@ pshard_status_t coll_shm_read(coll_shm_t *s, int q, void *dst, uint64_t src_addr
         if (r < 0 && errno == ESRCH)
             return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST,
                            "lost rank %d: its process (pid %d) is gone", q, (int)s->pid[q]);
+        if ((r == 0 || (r < 0 && errno == EFAULT)) && exiting(s, q))
+            return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST,
+                           "lost rank %d: its process (pid %d) exited while this rank read it", q,
+                           (int)s->pid[q]);
         if (r == 0 || (r < 0 && errno == EFAULT))
             return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
                            "rank %d named %zu bytes at 0x%llx that its process does not have", q,

@@ -126,10 +126,17 @@ typedef struct engine {
     coll_desc_t *peer_desc; /* by rank: its descriptor, with its buffers' addresses */
     coll_buf_t *peer_sbuf, *peer_rbuf; /* by rank: its buffers, fetched at the first read */
     bool peer_bufs;                    /* fetched for the running operation */
-    coll_buf_t barrier_vb;             /* a barrier's words (t.barrier_buf) as a buffer */
+    bool inline_op;                    /* the running operation's data travels in the descriptors */
+    uint8_t *inline_in; /* by rank: COLL_DESC_INLINE_MAX bytes of an inline reduction's input */
+    bool abort_waiting; /* an abort notice is next on the socket: read it (take_pending_abort) */
+    /* A read of another rank's memory failed: its error, kept for a grace period in which the
+     * ring's abort notice (the real cause: that rank gave up) may still arrive. */
+    pshard_status_t read_failed;
+    int64_t read_failed_ns;
+    char read_failed_msg[PSHARD_ERRLEN];
 } engine_t;
 
-enum { DS_DESCS, DS_READ1, DS_WAIT1, DS_READ2, DS_WAIT_FINAL, DS_COMPLETE };
+enum { DS_DESCS, DS_READ1, DS_WAIT1, DS_READ2, DS_WAIT_FINAL, DS_COMPLETE, DS_READ_FAILED };
 
 static engine_t *engine_of(pshard_comm_t *comm)
 {
@@ -514,6 +521,7 @@ static void op_init(engine_t *e)
     e->op_failed = false;
     e->waiting_on = -1;
     e->direct = false;
+    e->inline_op = false;
 }
 
 /* Sets up the phases of the request's operation. For n == 1 the work is a local copy and no
@@ -540,18 +548,15 @@ static pshard_status_t setup_op(engine_t *e)
         return PSHARD_OK;
     }
     switch (a->op) {
-    case PSHARD_COLL_ALL_GATHER:
-    case PSHARD_COLL_BARRIER: {
-        bool barrier = a->op == PSHARD_COLL_BARRIER;
+    case PSHARD_COLL_BARRIER:
+        return PSHARD_OK; /* the descriptors' round is the barrier */
+    case PSHARD_COLL_ALL_GATHER: {
         for (int i = 0; i < n; i++) {
-            e->bytes[i] = barrier ? 8 : op->counts[i] * es;
-            e->displ[i] = barrier ? (size_t)i * 8 : op->displs[i] * es;
+            e->bytes[i] = op->counts[i] * es;
+            e->displ[i] = op->displs[i] * es;
         }
         size_t out_bytes = op->displs[n] * es;
-        if (barrier) {
-            e->t.barrier_buf[r] = op->desc.seq;
-            e->barrier_vb = coll_buf_flat(e->t.barrier_buf);
-        } else if (e->bytes[r] && (!whole || send != recv + e->displ[r])) {
+        if (e->bytes[r] && (!whole || send != recv + e->displ[r])) {
             if (!whole || send + e->bytes[r] <= recv || send >= recv + out_bytes) {
                 e->phases[0].own_src = &op->sbuf;
                 e->phases[0].own_dst = e->displ[r];
@@ -560,7 +565,7 @@ static pshard_status_t setup_op(engine_t *e)
                 memmove(recv + e->displ[r], send, e->bytes[r]); /* overlapping: copy first */
             }
         }
-        e->phases[0].buf = barrier ? &e->barrier_vb : &op->rbuf;
+        e->phases[0].buf = &op->rbuf;
         e->nphases = 1;
         return setup_ring_phase(e, &e->phases[0], PH_AG, e->bytes);
     }
@@ -638,6 +643,81 @@ static bool is_direct_op(const engine_t *e, const coll_op_t *op)
     return e->t.shm && e->t.n > 1 && !op->check_only &&
            (k == PSHARD_COLL_ALL_GATHER || k == PSHARD_COLL_REDUCE_SCATTER ||
             k == PSHARD_COLL_ALL_REDUCE || k == PSHARD_COLL_BROADCAST);
+}
+
+/* The bytes of data a rank's descriptor carries in an inline operation: its block of an
+ * all-gather, its whole input of a reduce-scatter or all-reduce, the root's of a broadcast. */
+static size_t inline_bytes(const engine_t *e, const coll_op_t *op, int rank)
+{
+    size_t total = op->displs[e->t.n] * e->esize;
+    switch (op->args.op) {
+    case PSHARD_COLL_ALL_GATHER:
+        return op->counts[rank] * e->esize;
+    case PSHARD_COLL_REDUCE_SCATTER:
+    case PSHARD_COLL_ALL_REDUCE:
+        return total;
+    case PSHARD_COLL_BROADCAST:
+        return rank == op->args.root ? total : 0;
+    case PSHARD_COLL_BARRIER:
+        return 0;
+    }
+    return 0;
+}
+
+/* Whether the request's data is small enough to travel in the descriptors (at most
+ * COLL_DESC_INLINE_MAX bytes a rank: the shard servers' agreement records, a norm, an 8-byte
+ * all-reduce; a barrier has none): one round of descriptors then does it all, and a reduction
+ * is summed on every rank in rank order, so every rank gets the same result. The same on
+ * every rank. */
+static bool is_inline_op(const engine_t *e, const coll_op_t *op)
+{
+    if (op->check_only || e->t.n < 2)
+        return false;
+    for (int q = 0; q < e->t.n; q++)
+        if (inline_bytes(e, op, q) > COLL_DESC_INLINE_MAX)
+            return false;
+    return true;
+}
+
+/* Sets up an inline operation: this rank's data goes into its descriptor (and an all-gather's
+ * block into its own output, a broadcast root's into recv); the others' arrive with theirs
+ * (handle_desc) and reductions are done once all have (inline_finish). */
+static void setup_inline(engine_t *e)
+{
+    coll_op_t *op = &e->req->op;
+    int r = e->t.rank;
+    size_t bytes = inline_bytes(e, op, r);
+    e->inline_op = true;
+    coll_buf_t inl = coll_buf_flat(op->desc.inline_data);
+    coll_buf_copy(&inl, 0, &op->sbuf, 0, bytes);
+    op->desc.inline_len = (uint16_t)bytes;
+    if (op->args.op == PSHARD_COLL_ALL_GATHER)
+        coll_buf_copy(&op->rbuf, op->displs[r] * e->esize, &op->sbuf, 0, bytes);
+    else if (op->args.op == PSHARD_COLL_BROADCAST && bytes)
+        coll_buf_copy(&op->rbuf, 0, &op->sbuf, 0, bytes);
+}
+
+/* A reduce-scatter's or all-reduce's result from every rank's input (this rank's own and the
+ * others' as their descriptors carried them, in e->inline_in), summed in rank order. */
+static void inline_finish(engine_t *e)
+{
+    coll_op_t *op = &e->req->op;
+    pshard_coll_op_t k = op->args.op;
+    if (k != PSHARD_COLL_REDUCE_SCATTER && k != PSHARD_COLL_ALL_REDUCE)
+        return;
+    int r = e->t.rank;
+    size_t first = k == PSHARD_COLL_REDUCE_SCATTER ? op->displs[r] : 0;
+    size_t nel = k == PSHARD_COLL_REDUCE_SCATTER ? op->counts[r] : op->displs[e->t.n];
+    uint64_t acc[COLL_DESC_INLINE_MAX / 2]; /* partial sums of 2-byte elements are 4 bytes */
+    for (int q = 0; q < e->t.n; q++) {
+        coll_buf_t in =
+            q == r ? op->sbuf : coll_buf_flat(e->inline_in + (size_t)q * COLL_DESC_INLINE_MAX);
+        if (q == 0)
+            coll_buf_load(acc, &in, first * e->esize, op->args.dtype, nel);
+        else
+            coll_buf_accumulate(acc, &in, first * e->esize, op->args.dtype, nel);
+    }
+    coll_buf_store(&op->rbuf, 0, op->args.dtype, acc, nel, e->scale);
 }
 
 /* Sets up a direct operation. This rank's own block goes where it belongs first (all-gather:
@@ -797,11 +877,15 @@ static bool direct_step(engine_t *e)
         char err[PSHARD_ERRLEN] = "";
         pshard_status_t rc = direct_piece(e, second, &finished, err, sizeof(err));
         if (rc != PSHARD_OK) {
-            char msg[PSHARD_ERRLEN];
-            ps_snprintf(msg, sizeof(msg), "%s seq %" PRIu64 " on rank %d: %s",
-                        pshard_coll_op_name(e->req->op.args.op), e->req->op.desc.seq, e->t.rank,
-                        err);
-            fail_op(e, rc, msg, true);
+            /* A rank whose memory cannot be read any more may have given up on this operation
+             * (lost another rank, timed out) and let its buffers go: its abort notice, which
+             * says why, wins if it comes within the grace period. */
+            e->read_failed = rc;
+            e->read_failed_ns = ps_now_ns();
+            ps_snprintf(
+                e->read_failed_msg, sizeof(e->read_failed_msg), "%s seq %" PRIu64 " on rank %d: %s",
+                pshard_coll_op_name(e->req->op.args.op), e->req->op.desc.seq, e->t.rank, err);
+            e->dstage = DS_READ_FAILED;
             return true;
         }
         if (finished) {
@@ -821,6 +905,11 @@ static bool direct_step(engine_t *e)
         if (e->done_seen[e->dfinal] < n - 1)
             return false;
         e->dstage = DS_COMPLETE;
+        return true;
+    case DS_READ_FAILED:
+        if (ps_now_ns() - e->read_failed_ns < NEXT_LOST_GRACE_NS)
+            return false;
+        fail_op(e, e->read_failed, e->read_failed_msg, true);
         return true;
     }
     return false;
@@ -952,6 +1041,8 @@ static bool expecting_input(const engine_t *e)
 {
     if (!e->req || e->op_failed)
         return false;
+    if (e->abort_waiting)
+        return true;
     if (e->descs_received < e->t.n - 1)
         return true;
     if (e->direct) /* the ranks' last notices are the last frames of the operation */
@@ -981,6 +1072,23 @@ static void handle_desc(engine_t *e)
                  e->t.rank, mine);
         fail_op(e, PSHARD_ERR_DESYNC, msg, true);
         return;
+    }
+    if (e->inline_op) {
+        size_t want = inline_bytes(e, op, origin);
+        if (d.inline_len != want) {
+            char what[128];
+            snprintf(what, sizeof(what), "rank %d's descriptor carried %u bytes of data, not %zu",
+                     origin, d.inline_len, want);
+            fail_protocol(e, what);
+            return;
+        }
+        coll_buf_t inl = coll_buf_flat(d.inline_data);
+        if (op->args.op == PSHARD_COLL_ALL_GATHER)
+            coll_buf_copy(&op->rbuf, op->displs[origin] * e->esize, &inl, 0, want);
+        else if (op->args.op == PSHARD_COLL_BROADCAST)
+            coll_buf_copy(&op->rbuf, 0, &inl, 0, want);
+        else
+            memcpy(e->inline_in + (size_t)origin * COLL_DESC_INLINE_MAX, d.inline_data, want);
     }
     e->descs_received++;
     if (e->direct) {
@@ -1170,6 +1278,26 @@ static bool do_reads(engine_t *e)
     return progress;
 }
 
+/* Whether an abort notice waits on the socket, right behind the frames this operation
+ * needed: it is read (failing the operation) before the operation reports success, so a rank
+ * that joins an operation after another rank aborted it learns so even when every frame the
+ * operation needed had already arrived (a small all-gather carried in the descriptors). */
+static bool take_pending_abort(engine_t *e)
+{
+    if (e->t.n < 2 || e->if_have_hdr || e->if_hdr_off)
+        return false;
+    uint8_t hdr[COLL_FRAME_HEADER_SIZE];
+    coll_frame_header_t h;
+    ssize_t r = recv(e->t.recv_fd, hdr, sizeof(hdr), MSG_PEEK | MSG_DONTWAIT);
+    if (r != (ssize_t)sizeof(hdr) || coll_frame_header_decode(hdr, &h, NULL, 0) != PSHARD_OK ||
+        h.type != COLL_FRAME_ABORT)
+        return false;
+    e->abort_waiting = true;
+    do_reads(e);
+    e->abort_waiting = false;
+    return e->op_failed;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* The engine                                                                                */
 
@@ -1209,7 +1337,10 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
     e->req = req;
     char msg[PSHARD_ERRLEN];
     pshard_status_t rc = PSHARD_OK;
-    if (is_direct_op(e, &req->op))
+    op_init(e);
+    if (is_inline_op(e, &req->op))
+        setup_inline(e);
+    else if (is_direct_op(e, &req->op))
         setup_direct(e);
     else
         rc = setup_op(e);
@@ -1252,7 +1383,9 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
                 progress = true;
             }
             if (!e->op_failed && e->cur == e->nphases && e->descs_received == e->t.n - 1 &&
-                (!e->direct || e->dstage == DS_COMPLETE)) {
+                (!e->direct || e->dstage == DS_COMPLETE) && !take_pending_abort(e)) {
+                if (e->inline_op)
+                    inline_finish(e);
                 /* Forwarded descriptors may still be queued; they go out before anything of
                  * the next operation. */
                 do_writes(e);
@@ -1321,7 +1454,7 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
             pfds[np++] = (struct pollfd){e->t.send_fd, POLLOUT, 0};
         int64_t left_ms = (req->op.deadline_ns - now) / 1000000 + 1;
         int timeout = left_ms > 1000 ? 1000 : (int)left_ms;
-        if (e->next_lost_errno && timeout > 20)
+        if ((e->next_lost_errno || (e->direct && e->dstage == DS_READ_FAILED)) && timeout > 20)
             timeout = 20;
         int pr = poll(pfds, (nfds_t)np, timeout);
         if (pr > 0 && (pfds[0].revents & POLLIN))
@@ -1451,8 +1584,8 @@ static pshard_status_t tcp_connect(pshard_comm_t *comm, const pshard_comm_config
         t->ring_cap = RING_CAP;
         t->conv_cap = CONV_CAP;
         t->ring = alloc_touched(t->ring_cap);
-        t->barrier_buf = calloc((size_t)t->n, sizeof(uint64_t));
-        if (!t->ring || !t->barrier_buf) {
+        e->inline_in = calloc((size_t)t->n, COLL_DESC_INLINE_MAX);
+        if (!t->ring || !e->inline_in) {
             rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
             goto fail;
         }
@@ -1544,9 +1677,9 @@ static void tcp_destroy(pshard_comm_t *comm)
     free(e->peer_desc);
     free(e->peer_sbuf);
     free(e->peer_rbuf);
+    free(e->inline_in);
     free(t->ring);
     free(t->conv);
-    free(t->barrier_buf);
     pthread_mutex_destroy(&t->qmu);
     free(e);
     comm->impl = NULL;

@@ -33,7 +33,6 @@ typedef struct tcp {
     size_t ring_cap;
     uint8_t *conv; /* half-type input converted to fp32 before it is sent */
     size_t conv_cap;
-    uint64_t *barrier_buf;
 
     /* The same-host transport (coll_shm.h), when set-up chose it; NULL: data goes through
      * the sockets. probe is the secret the other ranks read back to test it. */

@@ -9,7 +9,8 @@
  *   DESC       (72) seq u64 @0, op u8 @8, dtype u8 @9, reduce u8 @10, zero u8 @11, root i32 @12,
  *                   tag u64 @16, total_count u64 @24, counts_hash u64 @32, rank_count u64 @40,
  *                   send_addr u64 @48, recv_addr u64 @56, send_pieces u32 @64,
- *                   recv_pieces u32 @68 (<= PSHARD_COLL_MAX_SEGS each)
+ *                   recv_pieces u32 @68 (<= PSHARD_COLL_MAX_SEGS each), then up to
+ *                   COLL_DESC_INLINE_MAX bytes of inline data (the rest of the payload)
  *   ABORT (10 + n)  origin_rank u32 @0, status i32 @4, n u16 @8, message bytes[n] @10 (n <= 511)
  *   PEER       (56) origin_rank u32 @0, pid u32 @4, pidns u64 @8, boot_id[16] @16,
  *                   probe_addr u64 @32, probe[16] @40
@@ -311,7 +312,7 @@ pshard_status_t coll_reject_decode(const uint8_t *in, size_t len, char *reason, 
 
 size_t coll_desc_encode(const coll_desc_t *m, uint8_t *out, size_t cap)
 {
-    if (cap < DESC_SIZE)
+    if (m->inline_len > COLL_DESC_INLINE_MAX || cap < DESC_SIZE + (size_t)m->inline_len)
         return 0;
     put_u64(out, m->seq);
     out[8] = m->op;
@@ -327,14 +328,17 @@ size_t coll_desc_encode(const coll_desc_t *m, uint8_t *out, size_t cap)
     put_u64(out + 56, m->recv_addr);
     put_u32(out + 64, m->send_pieces);
     put_u32(out + 68, m->recv_pieces);
-    return DESC_SIZE;
+    memcpy(out + DESC_SIZE, m->inline_data, m->inline_len);
+    return DESC_SIZE + m->inline_len;
 }
 
 pshard_status_t coll_desc_decode(const uint8_t *in, size_t len, coll_desc_t *m, char *err,
                                  size_t errlen)
 {
-    if (len != DESC_SIZE)
-        return bad_size(err, errlen, "DESC", len, DESC_SIZE);
+    if (len < DESC_SIZE || len > DESC_SIZE + COLL_DESC_INLINE_MAX)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "DESC payload is %zu bytes, expected %d to %d", len, DESC_SIZE,
+                       DESC_SIZE + COLL_DESC_INLINE_MAX);
     uint8_t op = in[8], dtype = in[9], reduce = in[10];
     if (op < PSHARD_COLL_ALL_GATHER || op > PSHARD_COLL_BARRIER)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "DESC has unknown op %u", op);
@@ -364,6 +368,8 @@ pshard_status_t coll_desc_decode(const uint8_t *in, size_t len, coll_desc_t *m, 
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "DESC names %u and %u buffer pieces; at most %d are allowed", m->send_pieces,
                        m->recv_pieces, PSHARD_COLL_MAX_SEGS);
+    m->inline_len = (uint16_t)(len - DESC_SIZE);
+    memcpy(m->inline_data, in + DESC_SIZE, m->inline_len);
     return PSHARD_OK;
 }
 

@@ -19,6 +19,7 @@
 #define COLL_NONCE_SIZE 16
 #define COLL_MAC_SIZE 32 /* HMAC-SHA256 */
 #define COLL_NAME_MAX 63
+#define COLL_DESC_INLINE_MAX 256 /* bytes of data a DESC may carry */
 
 typedef enum {
     COLL_FRAME_HELLO = 1,     /* connector -> acceptor: who I am */
@@ -83,6 +84,10 @@ typedef struct {
      * many {u64 address, u64 bytes} pieces. 0 on a tcp ring. Not compared. */
     uint64_t send_addr, recv_addr;
     uint32_t send_pieces, recv_pieces;
+    /* A small all-gather (or a barrier) travels in the descriptors themselves: the sender's
+     * block, which every rank receives as the descriptor passes. Not compared. */
+    uint16_t inline_len;
+    uint8_t inline_data[COLL_DESC_INLINE_MAX];
 } coll_desc_t;
 
 /* A rank's process, for the same-host transport's test of whether the others can read its

@@ -161,7 +161,8 @@ static void fuzz_desc(const uint8_t *data, size_t size)
         return;
     }
     fuzz_wire_accepted[COLL_FRAME_DESC]++;
-    uint8_t buf[128];
+    FUZZ_CHECK(m.inline_len <= COLL_DESC_INLINE_MAX);
+    uint8_t buf[128 + COLL_DESC_INLINE_MAX];
     size_t n = coll_desc_encode(&m, buf, sizeof buf);
     FUZZ_CHECK(n == size && memcmp(buf, data, n) == 0);
     coll_desc_t m2;
@@ -169,7 +170,9 @@ static void fuzz_desc(const uint8_t *data, size_t size)
     FUZZ_CHECK(coll_desc_same(&m, &m2) && m.rank_count == m2.rank_count &&
                m.send_addr == m2.send_addr && m.recv_addr == m2.recv_addr &&
                m.send_pieces == m2.send_pieces && m.recv_pieces == m2.recv_pieces &&
-               m.send_pieces <= PSHARD_COLL_MAX_SEGS && m.recv_pieces <= PSHARD_COLL_MAX_SEGS);
+               m.send_pieces <= PSHARD_COLL_MAX_SEGS && m.recv_pieces <= PSHARD_COLL_MAX_SEGS &&
+               m.inline_len == m2.inline_len &&
+               memcmp(m.inline_data, m2.inline_data, m.inline_len) == 0);
 
     char text[256];
     coll_desc_format(&m, text, sizeof text);

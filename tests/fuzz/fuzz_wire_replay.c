@@ -113,6 +113,8 @@ static size_t make_payload(uint8_t *out, size_t cap, uint8_t *type)
         m.recv_addr = rnd_value();
         m.send_pieces = (uint32_t)rnd_below(rnd_below(8) == 0 ? 1u << 20 : 70000);
         m.recv_pieces = (uint32_t)rnd_below(rnd_below(8) == 0 ? 1u << 20 : 70000);
+        m.inline_len = (uint16_t)(rnd_below(2) ? 0 : rnd_below(COLL_DESC_INLINE_MAX + 1));
+        rnd_bytes(m.inline_data, m.inline_len);
         return coll_desc_encode(&m, out, cap);
     }
     case COLL_FRAME_PEER: {

@@ -597,7 +597,10 @@ static int scenario_abort(bool big)
     /* big: 64 MiB per rank, so rank 0 is blocked in the middle of a DATA frame when it aborts
      * (its peers are not reading yet); the rest of that frame is padded and the abort notice
      * must still arrive intact. */
-    size_t count = big ? (16u << 20) : 4;
+    /* Not big: 4 KiB a rank, more than a descriptor carries, so the late ranks' all-gather
+     * needs rank 0's data after its descriptor and must see its abort (a few bytes would
+     * travel in the descriptors, and a late rank could complete before the notice came). */
+    size_t count = big ? (16u << 20) : 1024;
     float *in = calloc(count, sizeof(float));
     float *out = calloc(count * (size_t)g_world, sizeof(float));
     if (!in || !out)

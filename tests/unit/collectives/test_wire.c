@@ -275,6 +275,8 @@ static coll_desc_t sample_desc(void)
     return d;
 }
 
+#define DESC_BUF (72 + COLL_DESC_INLINE_MAX + 16)
+
 static void test_desc_round_trip_and_rejections(void)
 {
     coll_desc_t d = sample_desc(), back;
@@ -298,8 +300,24 @@ static void test_desc_round_trip_and_rejections(void)
     CU_ASSERT(coll_desc_same(&d, &back));
     CU_ASSERT_EQUAL(back.root, INT32_MIN);
 
+    CU_ASSERT_EQUAL(back.inline_len, 0);
     CU_ASSERT_EQUAL(coll_desc_decode(buf, n - 1, &back, NULL, 0), PSHARD_ERR_INVALID_ARGUMENT);
-    CU_ASSERT_EQUAL(coll_desc_decode(buf, n + 1, &back, NULL, 0), PSHARD_ERR_INVALID_ARGUMENT);
+
+    /* A small all-gather's block rides along: up to COLL_DESC_INLINE_MAX bytes, no more. */
+    coll_desc_t in = d;
+    in.inline_len = COLL_DESC_INLINE_MAX;
+    for (int i = 0; i < COLL_DESC_INLINE_MAX; i++)
+        in.inline_data[i] = (uint8_t)(i * 7);
+    uint8_t big[DESC_BUF];
+    size_t bn = coll_desc_encode(&in, big, sizeof big);
+    CU_ASSERT_EQUAL(bn, 72 + COLL_DESC_INLINE_MAX);
+    CU_ASSERT_EQUAL(coll_desc_decode(big, bn, &back, NULL, 0), PSHARD_OK);
+    CU_ASSERT(back.inline_len == COLL_DESC_INLINE_MAX &&
+              memcmp(back.inline_data, in.inline_data, COLL_DESC_INLINE_MAX) == 0);
+    CU_ASSERT(coll_desc_same(&d, &back));
+    CU_ASSERT_EQUAL(coll_desc_decode(big, bn + 1, &back, NULL, 0), PSHARD_ERR_INVALID_ARGUMENT);
+    in.inline_len = COLL_DESC_INLINE_MAX + 1;
+    CU_ASSERT_EQUAL(coll_desc_encode(&in, big, sizeof big), 0);
 
     struct {
         size_t offset;
