@@ -431,10 +431,12 @@ static void rs_process(engine_t *e, phase_t *ph)
 
 static void *alloc_touched(size_t n)
 {
-    void *p = malloc(n);
-    if (p)
-        memset(p, 0, n); /* first touch now, not on the hot path */
-    return p;
+    /* First touch now, not on the hot path. Not memset: gcc turns malloc + memset(0) into
+     * calloc, which leaves fresh pages untouched. */
+    volatile uint8_t *p = malloc(n);
+    for (size_t i = 0; p && i < n; i += 4096)
+        p[i] = 0;
+    return (void *)p;
 }
 
 /* Builds the block lists of a phase. kind AG: out blocks rank, rank-1, ...; in blocks rank-1,
@@ -463,6 +465,14 @@ static pshard_status_t setup_ring_phase(engine_t *e, phase_t *ph, phase_kind_t k
     ph->out_total = ph->out_off[nb];
     ph->in_total = ph->in_off[nb];
     if (kind == PH_RS) {
+        if (!e->t.ring) {
+            /* The window, made by the first reduction through the sockets (on the same-host
+             * transport, and for reductions small enough to ride in the descriptors, none
+             * ever needs its 8 MiB). */
+            e->t.ring = alloc_touched(e->t.ring_cap);
+            if (!e->t.ring)
+                return PSHARD_ERR_NO_MEMORY;
+        }
         /* Two rounds fit in the window; slices are whole 64-byte multiples. */
         size_t slice = e->t.ring_cap / (2 * (size_t)n);
         slice -= slice % 64;
@@ -1583,9 +1593,8 @@ static pshard_status_t tcp_connect(pshard_comm_t *comm, const pshard_comm_config
     if (t->n > 1) {
         t->ring_cap = RING_CAP;
         t->conv_cap = CONV_CAP;
-        t->ring = alloc_touched(t->ring_cap);
         e->inline_in = calloc((size_t)t->n, COLL_DESC_INLINE_MAX);
-        if (!t->ring || !e->inline_in) {
+        if (!e->inline_in) {
             rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
             goto fail;
         }

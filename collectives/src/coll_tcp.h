@@ -29,7 +29,7 @@ typedef struct tcp {
     bool stop;
 
     /* Buffers allocated once, pre-touched, reused by every operation. */
-    uint8_t *ring; /* reduce-scatter pipeline window (accumulation type) */
+    uint8_t *ring; /* reduce-scatter pipeline window (accumulation type), made on first use */
     size_t ring_cap;
     uint8_t *conv; /* half-type input converted to fp32 before it is sent */
     size_t conv_cap;
