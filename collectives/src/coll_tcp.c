@@ -20,8 +20,8 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "coll_engine.h"
 #include "coll_reduce.h"
-#include "coll_tcp.h"
 #include "pshard/log.h"
 #include "pshard/util.h"
 
@@ -29,198 +29,12 @@
 #define CONV_CAP (4u << 20)         /* fp32 staging for half-type inputs */
 #define DATA_FRAME (1u << 20)       /* payload of one DATA frame we send */
 #define OWN_COPY_SLICE (256u << 10) /* all-gather's local copy, done while the sockets block */
-#define DRAIN_NS (2000000000LL)
-#define LINGER_MS 2000 /* destroy: wait this long for the previous rank to close */
-#define NEXT_LOST_GRACE_NS (300000000LL) /* a send failed: wait for an abort notice first */
+#define LINGER_MS 2000              /* destroy: wait this long for the previous rank to close */
 #define MAX_PHASES 2
-
-typedef enum { PH_AG, PH_RS, PH_BCAST } phase_kind_t;
-
-typedef struct ctrl_frame {
-    ps_qnode_t node;
-    size_t len;
-    uint8_t buf[COLL_FRAME_HEADER_SIZE + COLL_FRAME_MAX_CONTROL];
-} ctrl_frame_t;
-
-/* A position in a reduce-scatter stream: item (round j, block k) starting at `start`. */
-typedef struct {
-    size_t j, k, start, len;
-} rs_cur_t;
-
-/* One phase of an operation: the byte stream sent to next and the one received from prev. */
-typedef struct {
-    phase_kind_t kind;
-    coll_buf_t *buf;              /* AG/BCAST: the output buffer; RS: unused */
-    coll_buf_t *src;              /* RS: the local input (dtype) */
-    coll_buf_t *dst;              /* RS: the buffer this rank's reduced chunk goes to (dtype), */
-    uint64_t dst_off;             /* ... from this byte on */
-    size_t *in_chunk, *out_chunk; /* chunk id of each block */
-    size_t *in_off, *out_off;     /* block start offsets in the stream, nblocks + 1 entries */
-    size_t nblocks;
-    size_t in_total, out_total;
-    size_t in_recv, in_done, out_sent;
-    size_t in_k, out_k; /* block cursors */
-    /* RS streams are ordered in rounds: round j carries slice j of every block, so a rank
-     * never needs more than about two rounds of window to keep the ring moving (a plain
-     * block order deadlocks once a block outgrows the window plus the socket buffers). */
-    size_t slice, rounds;
-    rs_cur_t o, fw, pr; /* out cursor, its forwarded in-item, processing cursor */
-    size_t conv_round;  /* round whose input slice sits converted in conv (SIZE_MAX: none) */
-    /* AG out of place: this rank's block is sent straight from the caller's input and copied
-     * into the output in slices while the sockets would block, instead of one serial memmove
-     * before anything is sent (64 MiB at 128 MiB n=2: about a fifth of the operation). */
-    coll_buf_t *own_src; /* NULL: none; else its first own_len bytes go to buf at own_dst */
-    uint64_t own_dst;
-    size_t own_len, own_copied;
-} phase_t;
-
-typedef struct engine {
-    tcp_t t; /* first: coll_tcp_conn.c sees only this part */
-
-    /* Link state that outlives single operations. */
-    ps_queue_t ctrl; /* ctrl_frame_t to send before the next data frame */
-    bool of_active, of_is_data, of_zero_pad;
-    uint8_t of_hdr[COLL_FRAME_HEADER_SIZE];
-    size_t of_hdr_off;
-    const uint8_t *of_payload;
-    size_t of_len, of_off;
-    ctrl_frame_t *of_ctrl;
-    phase_t *of_phase; /* the phase whose out stream a DATA frame belongs to */
-
-    uint8_t if_hdr[COLL_FRAME_HEADER_SIZE];
-    size_t if_hdr_off;
-    bool if_have_hdr;
-    coll_frame_header_t if_h;
-    size_t if_off;
-    uint8_t if_ctrl[COLL_FRAME_MAX_CONTROL];
-
-    bool failed;
-    int64_t drain_until_ns;
-    int next_lost_errno;  /* a send to next failed with this errno (0: none) */
-    int64_t next_lost_ns; /* when */
-
-    /* The running operation. */
-    pshard_coll_req_t *req;
-    phase_t phases[MAX_PHASES];
-    size_t nphases, cur;
-    size_t esize, asize;
-    size_t *bytes; /* per-chunk byte sizes for the current phase kind */
-    size_t *displ; /* per-chunk byte offsets */
-    int descs_received;
-    bool op_failed;
-    bool read_blocked, write_blocked;
-    int waiting_on;
-    float scale;
-    int64_t busy_poll_ns; /* PSHARD_BUSY_POLL_US; 0: sleep in poll(2) at once */
-
-    /* The same-host transport (t.shm): the running operation reads the other ranks' buffers
-     * (their descriptors give the addresses) instead of streaming through the sockets, then
-     * says so around the ring with DONE notices; it completes once every rank has said it
-     * finished reading, so no buffer is let go while another rank may still read it. */
-    bool direct;
-    int dstage;             /* DS_* */
-    int dfinal;             /* the phase its last DONE carries: 1, or 2 for all-reduce */
-    int done_seen[3];       /* DONE notices received, by phase */
-    int dk;                 /* read cursor: the k-th other rank (rank + k) */
-    size_t doff;            /* ... and the bytes (elements for a reduction) done of its chunk */
-    coll_desc_t *peer_desc; /* by rank: its descriptor, with its buffers' addresses */
-    coll_buf_t *peer_sbuf, *peer_rbuf; /* by rank: its buffers, fetched at the first read */
-    bool peer_bufs;                    /* fetched for the running operation */
-    bool inline_op;                    /* the running operation's data travels in the descriptors */
-    uint8_t *inline_in; /* by rank: COLL_DESC_INLINE_MAX bytes of an inline reduction's input */
-    bool abort_waiting; /* an abort notice is next on the socket: read it (take_pending_abort) */
-    /* A read of another rank's memory failed: its error, kept for a grace period in which the
-     * ring's abort notice (the real cause: that rank gave up) may still arrive. */
-    pshard_status_t read_failed;
-    int64_t read_failed_ns;
-    char read_failed_msg[PSHARD_ERRLEN];
-} engine_t;
-
-enum { DS_DESCS, DS_READ1, DS_WAIT1, DS_READ2, DS_WAIT_FINAL, DS_COMPLETE, DS_READ_FAILED };
 
 static engine_t *engine_of(pshard_comm_t *comm)
 {
     return comm->impl;
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* Control frames                                                                            */
-
-static void queue_ctrl(engine_t *e, uint8_t type, uint64_t seq, const uint8_t *payload, size_t len)
-{
-    ctrl_frame_t *f = malloc(sizeof(*f));
-    if (!f)
-        return; /* out of memory: peers will time out and name us */
-    coll_frame_header_t h = {type, 0, (uint32_t)len, seq};
-    coll_frame_header_encode(&h, f->buf);
-    memcpy(f->buf + COLL_FRAME_HEADER_SIZE, payload, len);
-    f->len = COLL_FRAME_HEADER_SIZE + len;
-    ps_queue_push(&e->ctrl, &f->node);
-}
-
-/* Drops the control frames not yet sent (the link is gone, or the engine is). */
-static void free_ctrl_frames(engine_t *e)
-{
-    ctrl_frame_t *f;
-    while ((f = PS_QUEUE_POP(&e->ctrl, ctrl_frame_t, node)) != NULL)
-        free(f);
-}
-
-static void queue_abort(engine_t *e, uint32_t origin, pshard_status_t status, const char *msg,
-                        uint64_t seq)
-{
-    coll_abort_t a;
-    memset(&a, 0, sizeof(a));
-    a.origin_rank = origin;
-    a.status = (int32_t)status;
-    ps_strlcpy(a.message, msg, sizeof(a.message));
-    uint8_t buf[COLL_FRAME_MAX_CONTROL];
-    size_t n = coll_abort_encode(&a, buf, sizeof(buf));
-    if (n)
-        queue_ctrl(e, COLL_FRAME_ABORT, seq, buf, n);
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* Failure                                                                                   */
-
-static void fail_op(engine_t *e, pshard_status_t st, const char *msg, bool originate)
-{
-    if (e->op_failed || !e->req)
-        return;
-    e->op_failed = true;
-    PS_WARN(PS_SUB_COLL, "%s", msg);
-    /* A half-written DATA frame is finished with zeros: the caller's buffer may be freed once
-     * the request completes. */
-    if (e->of_active && e->of_is_data)
-        e->of_zero_pad = true;
-    if (originate && e->t.n > 1)
-        queue_abort(e, (uint32_t)e->t.rank, st, msg, e->req->op.desc.seq);
-    e->failed = true;
-    e->drain_until_ns = ps_now_ns() + DRAIN_NS;
-    coll_complete(e->req, st, msg);
-}
-
-static void fail_errno(engine_t *e, bool sending, int err_no)
-{
-    char msg[PSHARD_ERRLEN];
-    const coll_op_t *op = &e->req->op;
-    int peer = sending ? e->t.next : e->t.prev;
-    snprintf(msg, sizeof(msg),
-             "%s seq %" PRIu64 " on rank %d: lost rank %d (%s while %s it); the process died, "
-             "closed the communicator, or the network failed",
-             pshard_coll_op_name(op->args.op), op->desc.seq, e->t.rank, peer,
-             err_no ? strerror(err_no) : "connection closed",
-             sending ? "sending to" : "receiving from");
-    fail_op(e, PSHARD_ERR_PEER_LOST, msg, true);
-}
-
-static void fail_protocol(engine_t *e, const char *what)
-{
-    char msg[PSHARD_ERRLEN];
-    snprintf(msg, sizeof(msg), "%s seq %" PRIu64 " on rank %d: rank %d broke the protocol: %s",
-             pshard_coll_op_name(e->req->op.args.op), e->req->op.desc.seq, e->t.rank, e->t.prev,
-             what);
-    fail_op(e, PSHARD_ERR_DESYNC, msg, true);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -499,11 +313,9 @@ static pshard_status_t setup_ring_phase(engine_t *e, phase_t *ph, phase_kind_t k
     return PSHARD_OK;
 }
 
-static void direct_free(engine_t *e);
-
 static void free_phases(engine_t *e)
 {
-    direct_free(e);
+    coll_direct_free(e);
     for (size_t i = 0; i < e->nphases; i++) {
         phase_t *ph = &e->phases[i];
         free(ph->in_chunk);
@@ -518,22 +330,6 @@ static void free_phases(engine_t *e)
     e->bytes = e->displ = NULL;
 }
 
-/* What every operation starts from: its element sizes and scale, no phases, no descriptor. */
-static void op_init(engine_t *e)
-{
-    const pshard_coll_args_t *a = &e->req->op.args;
-    e->esize = pshard_dtype_size(a->dtype);
-    e->asize = pshard_dtype_size(coll_acc_dtype(a->dtype));
-    e->scale = a->reduce == PSHARD_REDUCE_AVG ? 1.0f / (float)e->t.n : 1.0f;
-    e->cur = 0;
-    e->nphases = 0;
-    e->descs_received = 0;
-    e->op_failed = false;
-    e->waiting_on = -1;
-    e->direct = false;
-    e->inline_op = false;
-}
-
 /* Sets up the phases of the request's operation. For n == 1 the work is a local copy and no
  * phase is created. */
 static pshard_status_t setup_op(engine_t *e)
@@ -541,7 +337,7 @@ static pshard_status_t setup_op(engine_t *e)
     coll_op_t *op = &e->req->op;
     const pshard_coll_args_t *a = &op->args;
     int n = e->t.n, r = e->t.rank;
-    op_init(e);
+    coll_engine_op_init(e);
     e->bytes = calloc((size_t)n, sizeof(size_t));
     e->displ = calloc((size_t)n, sizeof(size_t));
     if (!e->bytes || !e->displ)
@@ -643,289 +439,6 @@ static bool phase_done(const engine_t *e, const phase_t *ph)
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* The same-host transport                                                                   */
-
-/* Whether the request moves its data by reading the other ranks' memory (a barrier or a
- * descriptor check carries none and stays on the sockets). */
-static bool is_direct_op(const engine_t *e, const coll_op_t *op)
-{
-    pshard_coll_op_t k = op->args.op;
-    return e->t.shm && e->t.n > 1 && !op->check_only &&
-           (k == PSHARD_COLL_ALL_GATHER || k == PSHARD_COLL_REDUCE_SCATTER ||
-            k == PSHARD_COLL_ALL_REDUCE || k == PSHARD_COLL_BROADCAST);
-}
-
-/* The bytes of data a rank's descriptor carries in an inline operation: its block of an
- * all-gather, its whole input of a reduce-scatter or all-reduce, the root's of a broadcast. */
-static size_t inline_bytes(const engine_t *e, const coll_op_t *op, int rank)
-{
-    size_t total = op->displs[e->t.n] * e->esize;
-    switch (op->args.op) {
-    case PSHARD_COLL_ALL_GATHER:
-        return op->counts[rank] * e->esize;
-    case PSHARD_COLL_REDUCE_SCATTER:
-    case PSHARD_COLL_ALL_REDUCE:
-        return total;
-    case PSHARD_COLL_BROADCAST:
-        return rank == op->args.root ? total : 0;
-    case PSHARD_COLL_BARRIER:
-        return 0;
-    }
-    return 0;
-}
-
-/* Whether the request's data is small enough to travel in the descriptors (at most
- * COLL_DESC_INLINE_MAX bytes a rank: the shard servers' agreement records, a norm, an 8-byte
- * all-reduce; a barrier has none): one round of descriptors then does it all, and a reduction
- * is summed on every rank in rank order, so every rank gets the same result. The same on
- * every rank. */
-static bool is_inline_op(const engine_t *e, const coll_op_t *op)
-{
-    if (op->check_only || e->t.n < 2)
-        return false;
-    for (int q = 0; q < e->t.n; q++)
-        if (inline_bytes(e, op, q) > COLL_DESC_INLINE_MAX)
-            return false;
-    return true;
-}
-
-/* Sets up an inline operation: this rank's data goes into its descriptor (and an all-gather's
- * block into its own output, a broadcast root's into recv); the others' arrive with theirs
- * (handle_desc) and reductions are done once all have (inline_finish). */
-static void setup_inline(engine_t *e)
-{
-    coll_op_t *op = &e->req->op;
-    int r = e->t.rank;
-    size_t bytes = inline_bytes(e, op, r);
-    e->inline_op = true;
-    coll_buf_t inl = coll_buf_flat(op->desc.inline_data);
-    coll_buf_copy(&inl, 0, &op->sbuf, 0, bytes);
-    op->desc.inline_len = (uint16_t)bytes;
-    if (op->args.op == PSHARD_COLL_ALL_GATHER)
-        coll_buf_copy(&op->rbuf, op->displs[r] * e->esize, &op->sbuf, 0, bytes);
-    else if (op->args.op == PSHARD_COLL_BROADCAST && bytes)
-        coll_buf_copy(&op->rbuf, 0, &op->sbuf, 0, bytes);
-}
-
-/* A reduce-scatter's or all-reduce's result from every rank's input (this rank's own and the
- * others' as their descriptors carried them, in e->inline_in), summed in rank order. */
-static void inline_finish(engine_t *e)
-{
-    coll_op_t *op = &e->req->op;
-    pshard_coll_op_t k = op->args.op;
-    if (k != PSHARD_COLL_REDUCE_SCATTER && k != PSHARD_COLL_ALL_REDUCE)
-        return;
-    int r = e->t.rank;
-    size_t first = k == PSHARD_COLL_REDUCE_SCATTER ? op->displs[r] : 0;
-    size_t nel = k == PSHARD_COLL_REDUCE_SCATTER ? op->counts[r] : op->displs[e->t.n];
-    uint64_t acc[COLL_DESC_INLINE_MAX / 2]; /* partial sums of 2-byte elements are 4 bytes */
-    for (int q = 0; q < e->t.n; q++) {
-        coll_buf_t in =
-            q == r ? op->sbuf : coll_buf_flat(e->inline_in + (size_t)q * COLL_DESC_INLINE_MAX);
-        if (q == 0)
-            coll_buf_load(acc, &in, first * e->esize, op->args.dtype, nel);
-        else
-            coll_buf_accumulate(acc, &in, first * e->esize, op->args.dtype, nel);
-    }
-    coll_buf_store(&op->rbuf, 0, op->args.dtype, acc, nel, e->scale);
-}
-
-/* Sets up a direct operation. This rank's own block goes where it belongs first (all-gather:
- * into the output; broadcast root: to recv), and the descriptor names where the others read
- * it from, so that they never read a send buffer this copy overlaps. */
-static void setup_direct(engine_t *e)
-{
-    coll_op_t *op = &e->req->op;
-    const pshard_coll_args_t *a = &op->args;
-    int r = e->t.rank;
-    op_init(e);
-    e->direct = true;
-    e->dstage = DS_DESCS;
-    e->dfinal = a->op == PSHARD_COLL_ALL_REDUCE ? 2 : 1;
-    memset(e->done_seen, 0, sizeof(e->done_seen));
-    e->dk = 1;
-    e->doff = 0;
-    e->peer_bufs = false;
-    /* Published: a whole buffer's address, or the address of its piece table. */
-    op->desc.send_addr = op->sbuf.npieces ? (uint64_t)(uintptr_t)op->sbuf.pieces : op->sbuf.base;
-    op->desc.send_pieces = (uint32_t)op->sbuf.npieces;
-    op->desc.recv_addr = op->rbuf.npieces ? (uint64_t)(uintptr_t)op->rbuf.pieces : op->rbuf.base;
-    op->desc.recv_pieces = (uint32_t)op->rbuf.npieces;
-    bool whole = !op->sbuf.npieces && !op->rbuf.npieces;
-    uint8_t *recv = a->recv;
-    if (a->op == PSHARD_COLL_ALL_GATHER) {
-        size_t at = op->displs[r] * e->esize, bytes = op->counts[r] * e->esize;
-        if (whole) { /* in place, or overlapping send: the others read it from recv */
-            if (bytes && a->send != recv + at)
-                memmove(recv + at, a->send, bytes);
-            op->desc.send_addr = (uint64_t)(uintptr_t)(recv + at);
-        } else if (bytes) {
-            coll_buf_copy(&op->rbuf, at, &op->sbuf, 0, bytes);
-        }
-    } else if (a->op == PSHARD_COLL_BROADCAST && r == a->root) {
-        size_t total = op->displs[e->t.n] * e->esize;
-        if (total)
-            coll_buf_copy(&op->rbuf, 0, &op->sbuf, 0, total);
-        if (whole)
-            op->desc.send_addr = op->rbuf.base;
-    }
-}
-
-/* Frees the other ranks' piece tables read for the running operation. */
-static void direct_free(engine_t *e)
-{
-    for (int q = 0; e->peer_bufs && q < e->t.n; q++) {
-        coll_buf_free(&e->peer_sbuf[q]);
-        coll_buf_free(&e->peer_rbuf[q]);
-    }
-    e->peer_bufs = false;
-}
-
-/* The other ranks' buffers, from their descriptors: what this operation reads of each. */
-static pshard_status_t direct_fetch(engine_t *e, char *err, size_t errlen)
-{
-    coll_op_t *op = &e->req->op;
-    const pshard_coll_args_t *a = &op->args;
-    int n = e->t.n;
-    uint64_t total = op->displs[n] * e->esize;
-    e->peer_bufs = true;
-    for (int q = 0; q < n; q++) {
-        const coll_desc_t *d = &e->peer_desc[q];
-        bool reads_send = a->op != PSHARD_COLL_BROADCAST || q == a->root;
-        uint64_t sbytes = a->op == PSHARD_COLL_ALL_GATHER ? op->counts[q] * e->esize : total;
-        if (q == e->t.rank)
-            continue;
-        if (reads_send)
-            PS_CHECK(coll_shm_fetch_buf(e->t.shm, q, d->send_addr, d->send_pieces, sbytes,
-                                        &e->peer_sbuf[q], err, errlen));
-        if (a->op == PSHARD_COLL_ALL_REDUCE)
-            PS_CHECK(coll_shm_fetch_buf(e->t.shm, q, d->recv_addr, d->recv_pieces, total,
-                                        &e->peer_rbuf[q], err, errlen));
-    }
-    return PSHARD_OK;
-}
-
-static void queue_done(engine_t *e, uint32_t phase)
-{
-    coll_done_t d = {(uint32_t)e->t.rank, phase};
-    uint8_t buf[16];
-    size_t len = coll_done_encode(&d, buf, sizeof(buf));
-    queue_ctrl(e, COLL_FRAME_DONE, e->req->op.desc.seq, buf, len);
-}
-
-/* One piece of a direct operation's reading (at most COLL_SHM_PIECE bytes, or
- * COLL_SHM_REDUCE_MAX elements of a reduction), so the engine serves the sockets between
- * pieces. second: all-reduce's second half. *finished once the phase's reading is done. */
-static pshard_status_t direct_piece(engine_t *e, bool second, bool *finished, char *err,
-                                    size_t errlen)
-{
-    coll_op_t *op = &e->req->op;
-    const pshard_coll_args_t *a = &op->args;
-    int n = e->t.n, r = e->t.rank;
-    size_t es = e->esize;
-    *finished = false;
-    if (!e->peer_bufs)
-        PS_CHECK(direct_fetch(e, err, errlen));
-    if (!second && (a->op == PSHARD_COLL_REDUCE_SCATTER || a->op == PSHARD_COLL_ALL_REDUCE)) {
-        /* This rank's block: its own part plus every other rank's, read slice by slice. */
-        size_t count = op->counts[r], left = count - e->doff;
-        size_t nel = left < COLL_SHM_REDUCE_MAX ? left : COLL_SHM_REDUCE_MAX;
-        uint64_t first = (op->displs[r] + e->doff) * es;
-        uint64_t out = (a->op == PSHARD_COLL_ALL_REDUCE ? op->displs[r] * es : 0) + e->doff * es;
-        if (nel)
-            PS_CHECK(coll_shm_reduce(e->t.shm, e->peer_sbuf, first, &op->sbuf, first, &op->rbuf,
-                                     out, a->dtype, nel, e->scale, err, errlen));
-        e->doff += nel;
-        *finished = e->doff == count;
-        return PSHARD_OK;
-    }
-    if (a->op == PSHARD_COLL_BROADCAST) {
-        size_t total = op->displs[n] * es, left = total - e->doff;
-        size_t len = left < COLL_SHM_PIECE ? left : COLL_SHM_PIECE;
-        if (r != a->root && len)
-            PS_CHECK(coll_shm_read_buf(e->t.shm, a->root, &op->rbuf, e->doff,
-                                       &e->peer_sbuf[a->root], e->doff, len, err, errlen));
-        e->doff += r == a->root ? left : len;
-        *finished = e->doff == total;
-        return PSHARD_OK;
-    }
-    /* Every other rank's block (all-gather: from its output, where its own block went first;
-     * all-reduce's second half: its reduced block), starting with the next rank's so that
-     * the ranks do not all read the same one at once. */
-    while (e->dk < n) {
-        int q = (r + e->dk) % n;
-        size_t bytes = op->counts[q] * es, at = op->displs[q] * es;
-        if (e->doff >= bytes) {
-            e->dk++;
-            e->doff = 0;
-            continue;
-        }
-        size_t len = bytes - e->doff < COLL_SHM_PIECE ? bytes - e->doff : COLL_SHM_PIECE;
-        PS_CHECK(coll_shm_read_buf(e->t.shm, q, &op->rbuf, at + e->doff,
-                                   second ? &e->peer_rbuf[q] : &e->peer_sbuf[q],
-                                   (second ? at : 0) + e->doff, len, err, errlen));
-        e->doff += len;
-        return PSHARD_OK;
-    }
-    *finished = true;
-    return PSHARD_OK;
-}
-
-/* Moves the running direct operation on by one step; true when it did. */
-static bool direct_step(engine_t *e)
-{
-    int n = e->t.n;
-    switch (e->dstage) {
-    case DS_DESCS:
-        if (e->descs_received < n - 1)
-            return false;
-        e->dstage = DS_READ1;
-        return true;
-    case DS_READ1:
-    case DS_READ2: {
-        bool second = e->dstage == DS_READ2, finished = false;
-        char err[PSHARD_ERRLEN] = "";
-        pshard_status_t rc = direct_piece(e, second, &finished, err, sizeof(err));
-        if (rc != PSHARD_OK) {
-            /* A rank whose memory cannot be read any more may have given up on this operation
-             * (lost another rank, timed out) and let its buffers go: its abort notice, which
-             * says why, wins if it comes within the grace period. */
-            e->read_failed = rc;
-            e->read_failed_ns = ps_now_ns();
-            ps_snprintf(
-                e->read_failed_msg, sizeof(e->read_failed_msg), "%s seq %" PRIu64 " on rank %d: %s",
-                pshard_coll_op_name(e->req->op.args.op), e->req->op.desc.seq, e->t.rank, err);
-            e->dstage = DS_READ_FAILED;
-            return true;
-        }
-        if (finished) {
-            queue_done(e, second ? 2 : 1);
-            e->dstage = !second && e->dfinal == 2 ? DS_WAIT1 : DS_WAIT_FINAL;
-        }
-        return true;
-    }
-    case DS_WAIT1:
-        if (e->done_seen[1] < n - 1)
-            return false;
-        e->dk = 1;
-        e->doff = 0;
-        e->dstage = DS_READ2;
-        return true;
-    case DS_WAIT_FINAL:
-        if (e->done_seen[e->dfinal] < n - 1)
-            return false;
-        e->dstage = DS_COMPLETE;
-        return true;
-    case DS_READ_FAILED:
-        if (ps_now_ns() - e->read_failed_ns < NEXT_LOST_GRACE_NS)
-            return false;
-        fail_op(e, e->read_failed, e->read_failed_msg, true);
-        return true;
-    }
-    return false;
-}
-
-/* ---------------------------------------------------------------------------------------- */
 /* Socket I/O                                                                                */
 
 static bool do_writes(engine_t *e)
@@ -1021,7 +534,7 @@ static bool do_writes(engine_t *e)
             e->of_active = false; /* the link is dead: drop what is queued */
             free(e->of_ctrl);
             e->of_ctrl = NULL;
-            free_ctrl_frames(e);
+            coll_engine_free_ctrl(e);
             e->drain_until_ns = 0;
             return true;
         }
@@ -1070,7 +583,7 @@ static void handle_desc(engine_t *e)
     coll_desc_t d;
     char err[PSHARD_ERRLEN] = "";
     if (coll_desc_decode(e->if_ctrl, e->if_h.len, &d, err, sizeof(err)) != PSHARD_OK) {
-        fail_protocol(e, err);
+        coll_engine_fail_protocol(e, err);
         return;
     }
     int origin = (int)mod((long long)e->t.rank - 1 - e->descs_received, e->t.n);
@@ -1080,16 +593,16 @@ static void handle_desc(engine_t *e)
         coll_desc_format(&op->desc, mine, sizeof(mine));
         snprintf(msg, sizeof(msg), "desync: rank %d ran %s but rank %d ran %s", origin, theirs,
                  e->t.rank, mine);
-        fail_op(e, PSHARD_ERR_DESYNC, msg, true);
+        coll_engine_fail_op(e, PSHARD_ERR_DESYNC, msg, true);
         return;
     }
     if (e->inline_op) {
-        size_t want = inline_bytes(e, op, origin);
+        size_t want = coll_inline_bytes(e, op, origin);
         if (d.inline_len != want) {
             char what[128];
             snprintf(what, sizeof(what), "rank %d's descriptor carried %u bytes of data, not %zu",
                      origin, d.inline_len, want);
-            fail_protocol(e, what);
+            coll_engine_fail_protocol(e, what);
             return;
         }
         coll_buf_t inl = coll_buf_flat(d.inline_data);
@@ -1106,36 +619,7 @@ static void handle_desc(engine_t *e)
     }
     /* Forward it unless the next rank is where it came from. */
     if (origin != e->t.next)
-        queue_ctrl(e, COLL_FRAME_DESC, e->if_h.seq, e->if_ctrl, e->if_h.len);
-}
-
-/* A rank says it finished a phase of the running direct operation (it read everything it
- * needed from the others); forwarded like descriptors. */
-static void handle_done(engine_t *e)
-{
-    coll_done_t d;
-    char err[PSHARD_ERRLEN] = "";
-    if (!e->direct) {
-        fail_protocol(e, "it sent a DONE notice for an operation that moves data through the "
-                         "sockets (the ranks chose different transports)");
-        return;
-    }
-    if (coll_done_decode(e->if_ctrl, e->if_h.len, &d, err, sizeof(err)) != PSHARD_OK) {
-        fail_protocol(e, err);
-        return;
-    }
-    if (d.origin_rank >= (uint32_t)e->t.n || (int)d.origin_rank == e->t.rank || d.value < 1 ||
-        d.value > (uint32_t)e->dfinal || ++e->done_seen[d.value] > e->t.n - 1) {
-        char what[128];
-        snprintf(what, sizeof(what),
-                 "it sent a DONE notice of rank %u, phase %u, not one of "
-                 "this operation's",
-                 d.origin_rank, d.value);
-        fail_protocol(e, what);
-        return;
-    }
-    if ((int)d.origin_rank != e->t.next)
-        queue_ctrl(e, COLL_FRAME_DONE, e->if_h.seq, e->if_ctrl, e->if_h.len);
+        coll_engine_queue_ctrl(e, COLL_FRAME_DESC, e->if_h.seq, e->if_ctrl, e->if_h.len);
 }
 
 static void handle_abort(engine_t *e)
@@ -1143,7 +627,7 @@ static void handle_abort(engine_t *e)
     coll_abort_t a;
     char err[PSHARD_ERRLEN] = "";
     if (coll_abort_decode(e->if_ctrl, e->if_h.len, &a, err, sizeof(err)) != PSHARD_OK) {
-        fail_protocol(e, err);
+        coll_engine_fail_protocol(e, err);
         return;
     }
     if ((int)a.origin_rank == e->t.rank || a.origin_rank >= (uint32_t)e->t.n)
@@ -1152,10 +636,10 @@ static void handle_abort(engine_t *e)
     if (st >= 0 || st < PSHARD_ERR_CANCELLED)
         st = PSHARD_ERR_ABORTED;
     if ((int)a.origin_rank != e->t.next)
-        queue_abort(e, a.origin_rank, st, a.message, e->if_h.seq);
+        coll_engine_queue_abort(e, a.origin_rank, st, a.message, e->if_h.seq);
     char msg[PSHARD_ERRLEN];
     snprintf(msg, sizeof(msg), "%s (reported by rank %u)", a.message, a.origin_rank);
-    fail_op(e, st, msg, false);
+    coll_engine_fail_op(e, st, msg, false);
 }
 
 /* Reads up to len bytes from the previous rank. Returns 1 with *got > 0, 0 when nothing is
@@ -1174,7 +658,7 @@ static int recv_some(engine_t *e, void *buf, size_t len, size_t *got)
             e->read_blocked = true;
             return 0;
         }
-        fail_errno(e, false, r == 0 ? 0 : errno);
+        coll_engine_fail_errno(e, false, r == 0 ? 0 : errno);
         return -1;
     }
 }
@@ -1196,7 +680,7 @@ static bool do_reads(engine_t *e)
                 continue;
             char err[PSHARD_ERRLEN] = "";
             if (coll_frame_header_decode(e->if_hdr, &e->if_h, err, sizeof(err)) != PSHARD_OK) {
-                fail_protocol(e, err);
+                coll_engine_fail_protocol(e, err);
                 return true;
             }
             e->if_have_hdr = true;
@@ -1206,7 +690,7 @@ static bool do_reads(engine_t *e)
                 type != COLL_FRAME_DONE) {
                 char what[96];
                 snprintf(what, sizeof(what), "unexpected frame type %u", type);
-                fail_protocol(e, what);
+                coll_engine_fail_protocol(e, what);
                 return true;
             }
             if (type != COLL_FRAME_ABORT && e->if_h.seq != e->req->op.desc.seq) {
@@ -1215,17 +699,17 @@ static bool do_reads(engine_t *e)
                          "it sent a frame of operation seq %" PRIu64 " while this rank runs seq "
                          "%" PRIu64 " (the ranks issued different numbers of collectives)",
                          e->if_h.seq, e->req->op.desc.seq);
-                fail_protocol(e, what);
+                coll_engine_fail_protocol(e, what);
                 return true;
             }
             if (type == COLL_FRAME_DATA && e->descs_received == 0) {
-                fail_protocol(e, "it sent data before its descriptor");
+                coll_engine_fail_protocol(e, "it sent data before its descriptor");
                 return true;
             }
         }
         if (e->if_h.type == COLL_FRAME_DATA) {
             if (e->cur >= e->nphases) {
-                fail_protocol(e, "it sent more data than the operation holds");
+                coll_engine_fail_protocol(e, "it sent more data than the operation holds");
                 return true;
             }
             phase_t *ph = &e->phases[e->cur];
@@ -1238,7 +722,7 @@ static bool do_reads(engine_t *e)
             if (ph->in_recv == ph->in_total) {
                 if (e->cur + 1 < e->nphases)
                     return progress; /* data of the next phase: wait for the switch */
-                fail_protocol(e, "it sent more data than the operation holds");
+                coll_engine_fail_protocol(e, "it sent more data than the operation holds");
                 return true;
             }
             size_t room;
@@ -1279,7 +763,7 @@ static bool do_reads(engine_t *e)
             if (e->if_h.type == COLL_FRAME_DESC)
                 handle_desc(e);
             else if (e->if_h.type == COLL_FRAME_DONE)
-                handle_done(e);
+                coll_direct_done(e);
             else
                 handle_abort(e);
             progress = true;
@@ -1339,7 +823,7 @@ static void fail_timeout(engine_t *e)
              ph ? ph->in_total : 0, e->t.prev, ph ? ph->out_sent : 0, ph ? ph->out_total : 0,
              e->t.next, e->descs_received, e->t.n - 1,
              e->direct ? " (same-host transport: some rank never said it finished reading)" : "");
-    fail_op(e, PSHARD_ERR_TIMEOUT, msg, true);
+    coll_engine_fail_op(e, PSHARD_ERR_TIMEOUT, msg, true);
 }
 
 static void run_request(engine_t *e, pshard_coll_req_t *req)
@@ -1347,11 +831,11 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
     e->req = req;
     char msg[PSHARD_ERRLEN];
     pshard_status_t rc = PSHARD_OK;
-    op_init(e);
-    if (is_inline_op(e, &req->op))
-        setup_inline(e);
-    else if (is_direct_op(e, &req->op))
-        setup_direct(e);
+    coll_engine_op_init(e);
+    if (coll_inline_is(e, &req->op))
+        coll_inline_setup(e);
+    else if (coll_direct_is(e, &req->op))
+        coll_direct_setup(e);
     else
         rc = setup_op(e);
     if (rc != PSHARD_OK) {
@@ -1371,7 +855,7 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
     }
     uint8_t buf[COLL_FRAME_MAX_CONTROL];
     size_t n = coll_desc_encode(&req->op.desc, buf, sizeof(buf));
-    queue_ctrl(e, COLL_FRAME_DESC, req->op.desc.seq, buf, n);
+    coll_engine_queue_ctrl(e, COLL_FRAME_DESC, req->op.desc.seq, buf, n);
     if (e->cur < e->nphases)
         enter_phase(e);
 
@@ -1384,7 +868,7 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
                 progress = true;
             if (progress)
                 spin_until = 0;
-            if (!e->op_failed && e->direct && direct_step(e))
+            if (!e->op_failed && e->direct && coll_direct_step(e))
                 progress = true;
             while (!e->op_failed && e->cur < e->nphases && phase_done(e, &e->phases[e->cur])) {
                 e->cur++;
@@ -1395,7 +879,7 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
             if (!e->op_failed && e->cur == e->nphases && e->descs_received == e->t.n - 1 &&
                 (!e->direct || e->dstage == DS_COMPLETE) && !take_pending_abort(e)) {
                 if (e->inline_op)
-                    inline_finish(e);
+                    coll_inline_finish(e);
                 /* Forwarded descriptors may still be queued; they go out before anything of
                  * the next operation. */
                 do_writes(e);
@@ -1414,13 +898,13 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
                 st = PSHARD_ERR_ABORTED;
                 ps_strlcpy(why, "aborted", sizeof(why));
             }
-            fail_op(e, st, why, true);
+            coll_engine_fail_op(e, st, why, true);
             break;
         }
         int64_t now = ps_now_ns();
         if (e->next_lost_errno &&
             (now - e->next_lost_ns >= NEXT_LOST_GRACE_NS || !expecting_input(e))) {
-            fail_errno(e, true, e->next_lost_errno);
+            coll_engine_fail_errno(e, true, e->next_lost_errno);
             break;
         }
         if (now >= req->op.deadline_ns) {
@@ -1519,7 +1003,7 @@ static void *engine_main(void *arg)
                 ps_strlcpy(msg, "aborted", sizeof(msg));
             }
             if (e->t.n > 1)
-                queue_abort(e, (uint32_t)e->t.rank, st, msg, 0);
+                coll_engine_queue_abort(e, (uint32_t)e->t.rank, st, msg, 0);
         }
         if (e->failed) {
             fail_queued(e);
@@ -1680,7 +1164,7 @@ static void tcp_destroy(pshard_comm_t *comm)
         close(t->listen_fd);
     if (t->wake_fd >= 0)
         close(t->wake_fd);
-    free_ctrl_frames(e);
+    coll_engine_free_ctrl(e);
     free(e->of_ctrl);
     coll_shm_destroy(t->shm);
     free(e->peer_desc);

@@ -7,8 +7,9 @@
 # then for each n in RANKS and op in OPS the four configurations interleaved, then an 8-byte
 # all_reduce latency for each, then a summary table.
 #
-# Environment: BUILD_DIR (default <repo>/build-bench), ITERS (20), WARMUP (5), SIZES
-# ("-b 1M -e 128M -f 16": 1 MiB, 16 MiB, 128 MiB), RANKS ("2 4"), OPS ("all_gather
+# Environment: BUILD_DIR (default <repo>/build-bench), ITERS (20), WARMUP (5), SIZES (size
+# ranges run one after another, ";"-separated: "-b 1M -e 1M;-b 16M -e 128M -f 8" is 1 MiB,
+# 16 MiB and 128 MiB), RANKS ("2 4"), OPS ("all_gather
 # reduce_scatter all_reduce"), LAT_ITERS (2000), OUT (a directory for the raw outputs; default a
 # fresh temporary one, kept), SUMMARY_ONLY=1 (with OUT: only print the summary of an earlier
 # run's outputs). Extra arguments go to pshard-coll-bench (e.g. --timeout-ms). The machine
@@ -19,7 +20,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-bench}"
 ITERS="${ITERS:-20}"
 WARMUP="${WARMUP:-5}"
-SIZES="${SIZES:--b 1M -e 128M -f 16}"
+SIZES="${SIZES:--b 1M -e 1M;-b 16M -e 128M -f 8}"
 RANKS="${RANKS:-2 4}"
 OPS="${OPS:-all_gather reduce_scatter all_reduce}"
 LAT_ITERS="${LAT_ITERS:-2000}"
@@ -69,22 +70,27 @@ ompi() { # BTL N ARGS...: OpenMPI's reference on this host
     mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl "$btl" \
         --mca btl_tcp_if_include lo -np "$n" "$MPIREF" "$@"
 }
+IFS=';' read -r -a ranges <<<"$SIZES"
 for n in $RANKS; do
     for op in $OPS; do
         for tr in tcp shm; do
             log "n=$n $op: pshard $tr"
-            # shellcheck disable=SC2086
-            PSHARD_TRANSPORT=$tr "$BENCH" -n "$n" $SIZES -o "$op" -d fp32 -w "$WARMUP" \
-                -i "$ITERS" "$@" | tee "$OUT/pshard-${tr}_${op}_n${n}.txt"
+            : >"$OUT/pshard-${tr}_${op}_n${n}.txt"
+            for range in "${ranges[@]}"; do
+                # shellcheck disable=SC2086
+                PSHARD_TRANSPORT=$tr "$BENCH" -n "$n" $range -o "$op" -d fp32 -w "$WARMUP" \
+                    -i "$ITERS" "$@" | tee -a "$OUT/pshard-${tr}_${op}_n${n}.txt"
+            done
         done
-        log "n=$n $op: OpenMPI tcp"
-        # shellcheck disable=SC2086
-        ompi tcp,self "$n" $SIZES -o "$op" -d fp32 -w "$WARMUP" -i "$ITERS" |
-            tee "$OUT/mpi-tcp_${op}_n${n}.txt"
-        log "n=$n $op: OpenMPI shared memory"
-        # shellcheck disable=SC2086
-        ompi vader,self "$n" $SIZES -o "$op" -d fp32 -w "$WARMUP" -i "$ITERS" |
-            tee "$OUT/mpi-shm_${op}_n${n}.txt"
+        for btl in tcp shm; do
+            log "n=$n $op: OpenMPI $btl"
+            : >"$OUT/mpi-${btl}_${op}_n${n}.txt"
+            for range in "${ranges[@]}"; do
+                # shellcheck disable=SC2086
+                ompi "$([ "$btl" = tcp ] && echo tcp,self || echo vader,self)" "$n" $range \
+                    -o "$op" -d fp32 -w "$WARMUP" -i "$ITERS" | tee -a "$OUT/mpi-${btl}_${op}_n${n}.txt"
+            done
+        done
     done
     log "n=$n: 8-byte all_reduce latency"
     for tr in tcp shm; do
