@@ -441,15 +441,22 @@ pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_
     return step_request(c, false, 0.0, groups, ngroups, step, grad_norm);
 }
 
-pshard_status_t pshard_clip_grad_norm(pshard_client_t *c, double max_norm, double norm_type,
-                                      double *total_norm)
+/* PSHARD_OK once a model is defined and everything issued before it has finished. */
+static pshard_status_t model_drained(pshard_client_t *c)
 {
     if (!c->nparams)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
-    /* The reduce-scatters issued before are part of the gradients it clips. */
     pthread_mutex_lock(&c->mu);
     client_wait_idle(c);
     pthread_mutex_unlock(&c->mu);
+    return PSHARD_OK;
+}
+
+pshard_status_t pshard_clip_grad_norm(pshard_client_t *c, double max_norm, double norm_type,
+                                      double *total_norm)
+{
+    /* The reduce-scatters issued before are part of the gradients it clips. */
+    PS_CHECK(model_drained(c));
     Pshard__ClipGradNormRequest req = PSHARD__CLIP_GRAD_NORM_REQUEST__INIT;
     req.session = c->session;
     req.max_norm = max_norm;
@@ -474,11 +481,7 @@ int64_t pshard_model_step(const pshard_client_t *c)
 
 pshard_status_t pshard_checkpoint_save(pshard_client_t *c, int64_t *step, char *dir, size_t dirlen)
 {
-    if (!c->nparams)
-        return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "no model is defined");
-    pthread_mutex_lock(&c->mu);
-    client_wait_idle(c);
-    pthread_mutex_unlock(&c->mu);
+    PS_CHECK(model_drained(c));
     Pshard__CheckpointRequest req = PSHARD__CHECKPOINT_REQUEST__INIT;
     req.session = c->session;
     ProtobufCMessage *resp = NULL;
