@@ -191,6 +191,8 @@ pshard_status_t shard_tensors_run(pshard_comm_t *comm, shard_model_t *m, bool ga
                                   const uint32_t *ids, void *const *bufs, size_t n,
                                   pshard_dtype_t dt, int active, char *err, size_t errlen)
 {
+    if (n == 0)
+        return PSHARD_OK; /* nothing to move (a handler refuses an empty request first) */
     if (!gather) {
         for (size_t i = 0; i < n; i++)
             PS_CHECK(check_reduce_again(m, ids[i], err, errlen));
