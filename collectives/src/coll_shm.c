@@ -127,8 +127,12 @@ coll_shm_t *coll_shm_create(int n, int rank, const coll_peer_t *recs)
         coll_shm_destroy(s);
         return NULL;
     }
-    memset(s->acc, 0, (size_t)SLICE_ELEMS * 8); /* pages backed before the first operation */
-    memset(s->slice, 0, (size_t)SLICE_ELEMS * 8);
+    /* Pages backed before the first operation: a store per page (gcc may turn malloc + memset
+     * into calloc, which leaves them untouched). */
+    for (size_t i = 0; i < (size_t)SLICE_ELEMS * 8; i += 4096) {
+        ((volatile uint8_t *)s->acc)[i] = 0;
+        ((volatile uint8_t *)s->slice)[i] = 0;
+    }
     for (int i = 0; i < n; i++) {
         s->pid[i] = (pid_t)recs[i].pid;
         s->pidfd[i] = -1;
