@@ -29,9 +29,10 @@ struct coll_shm {
     void *slice; /* SLICE_ELEMS elements of one peer, in its dtype */
 };
 
-pshard_status_t coll_transport_from_env(coll_transport_t *out, char *err, size_t errlen)
+pshard_status_t coll_transport_parse(const char *value, coll_transport_t *out, char *err,
+                                     size_t errlen)
 {
-    const char *v = getenv("PSHARD_TRANSPORT");
+    const char *v = value ? value : getenv("PSHARD_TRANSPORT");
     if (!v || !*v || strcmp(v, "auto") == 0)
         *out = COLL_TRANSPORT_AUTO;
     else if (strcmp(v, "tcp") == 0)
@@ -40,7 +41,8 @@ pshard_status_t coll_transport_from_env(coll_transport_t *out, char *err, size_t
         *out = COLL_TRANSPORT_SHM;
     else
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "PSHARD_TRANSPORT='%.64s': use tcp, shm or auto", v);
+                       "transport '%.64s' (PSHARD_TRANSPORT, --transport): use auto, tcp or shm",
+                       v);
     return PSHARD_OK;
 }
 

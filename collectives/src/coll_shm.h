@@ -25,8 +25,10 @@ typedef enum {
     COLL_TRANSPORT_SHM, /* shm or a set-up error saying why not */
 } coll_transport_t;
 
-/* PSHARD_TRANSPORT: unset, "" or "auto", "tcp", "shm". INVALID_ARGUMENT naming the value. */
-pshard_status_t coll_transport_from_env(coll_transport_t *out, char *err, size_t errlen);
+/* value (NULL: the environment's PSHARD_TRANSPORT): NULL, "" or "auto", "tcp", "shm".
+ * INVALID_ARGUMENT naming the value. */
+pshard_status_t coll_transport_parse(const char *value, coll_transport_t *out, char *err,
+                                     size_t errlen);
 
 /* The largest piece one coll_shm_read copies (the engine checks abort and deadlines between
  * pieces) and the elements one coll_shm_reduce call reduces. */

@@ -670,10 +670,9 @@ static pshard_status_t vote_decode(const uint8_t *in, size_t len, void *rec, uin
     return PSHARD_OK;
 }
 
-pshard_status_t tcp_choose_transport(tcp_t *t, int64_t deadline, char *err, size_t errlen)
+pshard_status_t tcp_choose_transport(tcp_t *t, coll_transport_t mode, int64_t deadline, char *err,
+                                     size_t errlen)
 {
-    coll_transport_t mode;
-    PS_CHECK(coll_transport_from_env(&mode, err, errlen));
     coll_peer_t *recs = calloc((size_t)t->n, sizeof(*recs));
     coll_done_t *votes = calloc((size_t)t->n, sizeof(*votes));
     if (!recs || !votes) {
@@ -728,6 +727,9 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
     t->cancel = cfg->cancel;
     tl_cancel = cfg->cancel;
     int64_t deadline = ps_now_ns() + connect_ms * 1000000;
+    coll_transport_t mode;
+    /* A wrong transport is said before anything connects. */
+    PS_CHECK(coll_transport_parse(cfg->transport, &mode, err, errlen));
     char host[256], port[32], my_addr[300], next_addr[300];
     if (cfg->peers) {
         for (int i = 0; i < t->n; i++) {
@@ -777,5 +779,5 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
     PS_INFO(PS_SUB_COLL, "ring %s generation %llu: rank %d linked to %d (%s) and from %d",
             t->comm->name, (unsigned long long)t->comm->generation, t->rank, t->next, next_addr,
             t->prev);
-    return tcp_choose_transport(t, deadline, err, errlen);
+    return tcp_choose_transport(t, mode, deadline, err, errlen);
 }

@@ -24,6 +24,7 @@ typedef struct {
     char *node;
     char *backend;
     char *offload;
+    char *transport;
     char *data_host;
     char *token_file;
     char *tls_cert;
@@ -72,6 +73,10 @@ static const ps_option_t options[] = {
         "where shards live: none (host memory with tcp; GPU memory with nccl) or "
         "cpu (host memory, pinned with nccl)",
         offload, 0, 0),
+    OPT("transport", "PSHARD_TRANSPORT", PS_OPT_STRING, "auto",
+        "how the tcp backend moves data between shard servers: auto (read each other's memory "
+        "when every server is on this host and may, else the sockets), tcp or shm",
+        transport, 0, 0),
     OPT("data-host", "PSHARD_DATA_HOST", PS_OPT_STRING, "127.0.0.1",
         "interface the collectives listen on", data_host, 0, 0),
     OPT("token-file", "PSHARD_TOKEN_FILE", PS_OPT_STRING, NULL, "file holding the cluster token",
@@ -162,6 +167,7 @@ int main(int argc, char **argv)
         .node = o.node,
         .backend = o.backend,
         .offload = o.offload,
+        .transport = o.transport,
         .data_host = o.data_host,
         .token = token,
         .tls_cert_file = o.tls_cert,

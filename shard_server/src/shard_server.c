@@ -79,6 +79,13 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--offload must be none or cpu");
         return NULL;
     }
+    const char *transport = cfg->transport ? cfg->transport : "auto";
+    if (strcmp(transport, "auto") != 0 && strcmp(transport, "tcp") != 0 &&
+        strcmp(transport, "shm") != 0) {
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                "--transport (PSHARD_TRANSPORT) must be auto, tcp or shm, not '%.64s'", transport);
+        return NULL;
+    }
     bool emulate = getenv("PSHARD_TEST_EMULATE_DEVICE") &&
                    strcmp(getenv("PSHARD_TEST_EMULATE_DEVICE"), "1") == 0;
     if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0 && !shard_dev_cuda()) {
@@ -122,6 +129,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     s->cfg.checkpoint_dir = own(s, 9, cfg->checkpoint_dir);
     s->cfg.resume = own(s, 10, cfg->resume);
     s->cfg.job = own(s, 11, cfg->job);
+    s->cfg.transport = own(s, 12, transport);
     s->max_model_bytes =
         cfg->max_model_memory > 0 ? (uint64_t)cfg->max_model_memory : machine_memory();
     if (s->cfg.checkpoint_keep <= 0)

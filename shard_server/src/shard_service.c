@@ -655,6 +655,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.joined = s->joined;
     out.joined_step = s->joined_step;
     out.shadowed_ops = s->shadowed_ops;
+    out.transport = comm ? (char *)pshard_comm_transport(comm) : "";
     if (comm) {
         pshard_coll_record_t recs[32];
         size_t n = pshard_comm_flight_records(comm, recs, 32);

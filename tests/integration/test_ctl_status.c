@@ -54,6 +54,7 @@ static void handle_fake_status(ps_rpc_call_t *call, const ProtobufCMessage *requ
     out.backend = "tcp";
     out.offload = "none";
     out.placement = "cuda:0";
+    out.transport = "shm";
     out.attached = true;
     out.step = 12;
     out.n_flight_records = PS_ARRAY_LEN(fake_records);
@@ -249,7 +250,7 @@ static void test_status_joins_and_servers(void)
     expect_contains(out, "shard servers (Status of each, 2000 ms deadline)\n");
     char want[512];
     snprintf(want, sizeof(want),
-             "rank 0 (%s): step 12, attached, generation 7, tcp, shards in cuda:0\n"
+             "rank 0 (%s): step 12, attached, generation 7, tcp, shards in cuda:0, data over shm\n"
              "    rank 0 is stuck in all_gather seq 418 (step 12, fc3.weight), waiting on rank 1 "
              "for 5.2 s\n"
              "    rank 0 finished all_gather seq 413 (step 12 fc1.weight) in 0.220 ms\n"
@@ -278,7 +279,8 @@ static void test_status_joins_and_servers(void)
     snprintf(want, sizeof(want),
              "{\"rank\":0,\"name\":\"srv-0\",\"address\":\"%s\",\"reachable\":true,"
              "\"server_rank\":0,\"world_size\":2,\"step\":12,\"attached\":true,\"generation\":7,"
-             "\"backend\":\"tcp\",\"placement\":\"cuda:0\",\"stuck\":[\"rank 0 is stuck in "
+             "\"backend\":\"tcp\",\"placement\":\"cuda:0\",\"transport\":\"shm\",\"stuck\":[\"rank "
+             "0 is stuck in "
              "all_gather seq 418",
              addr0);
     expect_contains(out, want);

@@ -1730,6 +1730,26 @@ static void test_garbage(void)
     CHECK_SERVING(ch, &tr);
 }
 
+/* --transport tcp keeps two servers of one host on the sockets, and Status says so. */
+static void test_transport_option(void)
+{
+    cluster_t c;
+    const char *args[] = {"--transport", "tcp", NULL};
+    bool up = cluster_start(&c, 2, args);
+    CU_ASSERT(up);
+    if (!up)
+        return;
+    for (int r = 0; r < 2; r++) {
+        Pshard__ShardStatusResponse *st = get_status(c.ch[r]);
+        CU_ASSERT(st != NULL);
+        if (st) {
+            CU_ASSERT_STRING_EQUAL(st->transport, "tcp");
+            protobuf_c_message_free_unpacked(&st->base, NULL);
+        }
+    }
+    CU_ASSERT(cluster_stop(&c));
+}
+
 static void test_offload_and_backend_options(void)
 {
     /* Default: Status says "none" (the shared server). */
@@ -1764,7 +1784,7 @@ static void test_offload_and_backend_options(void)
 
     /* Refused at start with a message: --offload gpu, a CUDA device that is not there for
      * --backend nccl with shards in GPU or host memory (on any machine: no GPU, or no device
-     * 1000), an unknown backend. */
+     * 1000), an unknown backend, an unknown transport. */
     static const struct {
         const char *flag, *value, *flag2, *value2, *sub1, *sub2;
     } refused[] = {
@@ -1772,6 +1792,7 @@ static void test_offload_and_backend_options(void)
         {"--backend", "nccl", NULL, NULL, "--backend nccl needs a GPU", "--device 1000"},
         {"--backend", "nccl", "--offload", "cpu", "--backend nccl needs a GPU", "--device 1000"},
         {"--backend", "mpi", NULL, NULL, "--backend", "tcp or nccl"},
+        {"--transport", "infiniband", NULL, NULL, "--transport", "auto, tcp or shm"},
     };
     for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
         char dir[] = "/tmp/pshard-shard-errors-XXXXXX";
@@ -1948,6 +1969,13 @@ static void test_trainer_killed_mid_step(void)
         goto out;
     int me = c.rank_of[0] == 0 ? 0 : 1, other = 1 - me; /* me: the server of rank 0 */
     ps_rpc_channel_t *ch = c.ch[me];
+    /* Two servers of one host: by default they read each other's memory. */
+    Pshard__ShardStatusResponse *st0 = get_status(ch);
+    CU_ASSERT(st0 != NULL);
+    if (st0) {
+        CU_ASSERT_STRING_EQUAL(st0->transport, "shm");
+        protobuf_c_message_free_unpacked(&st0->base, NULL);
+    }
     if (!trainer_attach(ch, &t, 0, "none")) {
         CU_FAIL("trainer 0 cannot attach");
         goto out;
@@ -2292,6 +2320,7 @@ int main(int argc, char **argv)
         {"ReadRegion: unread streams hold a bounded queue each", test_read_region_unread},
         {"--offload cpu/none, --offload gpu and --backend nccl refused",
          test_offload_and_backend_options},
+        {"--transport tcp: two servers of one host use the sockets", test_transport_option},
         {"a trainer killed mid-step: ReduceScatter times out naming the rank",
          test_trainer_killed_mid_step},
         {NULL, NULL},

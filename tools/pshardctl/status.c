@@ -146,6 +146,8 @@ static void print_servers_table(FILE *out, const server_probe_t *probes, size_t 
             fprintf(out, ", %s", r->backend);
         if (*r->placement)
             fprintf(out, ", shards in %s", r->placement);
+        if (*r->transport)
+            fprintf(out, ", data over %s", r->transport);
         if (r->rank != p->member->rank)
             fprintf(out, " (the server says it is rank %d)", r->rank);
         fputc('\n', out);
@@ -207,11 +209,12 @@ static json_t *json_servers(const server_probe_t *probes, size_t n)
                      !append(stuck, ctl_jstr(r->flight_records[k]))))
                     break;
             }
-            json_t *more = json_pack(
-                "{s:i,s:i,s:I,s:b,s:I,s:o,s:o,s:o,s:o}", "server_rank", r->rank, "world_size",
-                r->world_size, "step", (json_int_t)r->step, "attached", r->attached, "generation",
-                (json_int_t)r->generation, "backend", ctl_jstr(r->backend), "placement",
-                ctl_jstr(r->placement), "stuck", stuck, "flight_records", records);
+            json_t *more =
+                json_pack("{s:i,s:i,s:I,s:b,s:I,s:o,s:o,s:o,s:o,s:o}", "server_rank", r->rank,
+                          "world_size", r->world_size, "step", (json_int_t)r->step, "attached",
+                          r->attached, "generation", (json_int_t)r->generation, "backend",
+                          ctl_jstr(r->backend), "placement", ctl_jstr(r->placement), "transport",
+                          ctl_jstr(r->transport), "stuck", stuck, "flight_records", records);
             if (!more || json_object_update(o, more) != 0)
                 json_decref(o), o = NULL;
             json_decref(more);

@@ -119,6 +119,10 @@ typedef struct {
     const volatile int *cancel;  /* optional: when *cancel becomes non-zero, a connect in
                                     progress gives up with PSHARD_ERR_CANCELLED within ~200 ms */
     size_t flight_recorder_size; /* descriptors kept for status output; 0 = 64 */
+    const char *transport;       /* tcp: "auto" (the same-host transport when every rank can
+                                    read every other's memory, else the sockets), "tcp" or
+                                    "shm" (or a set-up error saying why not); NULL: the
+                                    environment's PSHARD_TRANSPORT, else auto */
 } pshard_comm_config_t;
 
 /* Creates a communicator and connects it (blocks until every rank has joined or the connect

@@ -23,6 +23,7 @@ typedef struct {
     const char *node;        /* node name for status */
     const char *backend;     /* "tcp" or "nccl" */
     const char *offload;     /* "none" or "cpu" */
+    const char *transport;   /* tcp backend: "auto", "tcp" or "shm" (collectives.h); NULL: auto */
     const char *data_host;   /* interface the collectives listen on (default 127.0.0.1) */
     const char *token;       /* cluster token, or NULL */
     const char *tls_cert_file, *tls_key_file, *tls_client_ca_file; /* trainer-facing TLS */

@@ -20,17 +20,22 @@ static void test_transport_env(void)
     coll_transport_t t;
     char err[PSHARD_ERRLEN] = "";
     unsetenv("PSHARD_TRANSPORT");
-    CU_ASSERT_EQUAL(coll_transport_from_env(&t, err, sizeof err), PSHARD_OK);
+    CU_ASSERT_EQUAL(coll_transport_parse(NULL, &t, err, sizeof err), PSHARD_OK);
     CU_ASSERT_EQUAL(t, COLL_TRANSPORT_AUTO);
     setenv("PSHARD_TRANSPORT", "tcp", 1);
-    CU_ASSERT_EQUAL(coll_transport_from_env(&t, err, sizeof err), PSHARD_OK);
+    CU_ASSERT_EQUAL(coll_transport_parse(NULL, &t, err, sizeof err), PSHARD_OK);
     CU_ASSERT_EQUAL(t, COLL_TRANSPORT_TCP);
     setenv("PSHARD_TRANSPORT", "shm", 1);
-    CU_ASSERT_EQUAL(coll_transport_from_env(&t, err, sizeof err), PSHARD_OK);
+    CU_ASSERT_EQUAL(coll_transport_parse(NULL, &t, err, sizeof err), PSHARD_OK);
     CU_ASSERT_EQUAL(t, COLL_TRANSPORT_SHM);
     setenv("PSHARD_TRANSPORT", "infiniband", 1);
-    CU_ASSERT_EQUAL(coll_transport_from_env(&t, err, sizeof err), PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_EQUAL(coll_transport_parse(NULL, &t, err, sizeof err), PSHARD_ERR_INVALID_ARGUMENT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "'infiniband'"));
+    unsetenv("PSHARD_TRANSPORT");
+    /* A value given (pshard-server --transport) comes before the environment. */
+    setenv("PSHARD_TRANSPORT", "tcp", 1);
+    CU_ASSERT_EQUAL(coll_transport_parse("shm", &t, err, sizeof err), PSHARD_OK);
+    CU_ASSERT_EQUAL(t, COLL_TRANSPORT_SHM);
     unsetenv("PSHARD_TRANSPORT");
 }
 
