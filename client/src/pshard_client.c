@@ -239,9 +239,9 @@ pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opt
 /* ---------------------------------------------------------------------------------------- */
 /* Plain collectives                                                                         */
 
-static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_t dt, bool average,
-                                  int root, size_t count, size_t send_off, size_t recv_off,
-                                  size_t recv_bytes)
+static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_t dt,
+                                  uint32_t reduce, int root, size_t count, size_t send_off,
+                                  size_t recv_off, size_t recv_bytes)
 {
     char err[PSHARD_ERRLEN] = "";
     size_t send_bytes = count * pshard_dtype_size(dt);
@@ -253,7 +253,7 @@ static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_
     req.session = c->session;
     req.op = op;
     req.dtype = client_dtype_pb(dt);
-    req.reduce = average ? 1 : 0;
+    req.reduce = reduce;
     req.root = root;
     req.count = count;
     req.send_offset = send_off;
@@ -278,15 +278,27 @@ static pshard_status_t fits(pshard_client_t *c, size_t bytes)
     return PSHARD_OK;
 }
 
-pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count, pshard_dtype_t dtype,
-                                  bool average)
+pshard_status_t pshard_all_reduce_op(pshard_client_t *c, void *buf, size_t count,
+                                     pshard_dtype_t dtype, pshard_reduce_t op)
 {
+    if ((unsigned)op >= PSHARD_REDUCE_COUNT)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "all_reduce: unknown reduction %d (use sum, avg, product, min, max, "
+                           "band, bor or bxor)",
+                           (int)op);
     size_t bytes = count * pshard_dtype_size(dtype);
     PS_CHECK(fits(c, bytes));
     memcpy(c->scratch.base, buf, bytes);
-    PS_CHECK(collective(c, 3, dtype, average, 0, count, 0, 0, bytes));
+    PS_CHECK(collective(c, 3, dtype, (uint32_t)op, 0, count, 0, 0, bytes));
     memcpy(buf, c->scratch.base, bytes);
     return PSHARD_OK;
+}
+
+pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count, pshard_dtype_t dtype,
+                                  bool average)
+{
+    return pshard_all_reduce_op(c, buf, count, dtype,
+                                average ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM);
 }
 
 pshard_status_t pshard_broadcast(pshard_client_t *c, void *buf, size_t count, pshard_dtype_t dtype,
@@ -296,7 +308,7 @@ pshard_status_t pshard_broadcast(pshard_client_t *c, void *buf, size_t count, ps
     PS_CHECK(fits(c, bytes));
     if (c->rank == root)
         memcpy(c->scratch.base, buf, bytes);
-    PS_CHECK(collective(c, 4, dtype, false, root, count, 0, 0, bytes));
+    PS_CHECK(collective(c, 4, dtype, 0, root, count, 0, 0, bytes));
     memcpy(buf, c->scratch.base, bytes);
     return PSHARD_OK;
 }
@@ -308,12 +320,12 @@ pshard_status_t pshard_all_gather(pshard_client_t *c, const void *send, void *re
     size_t recv_off = client_align(bytes);
     PS_CHECK(fits(c, recv_off + bytes * (size_t)c->world));
     memcpy(c->scratch.base, send, bytes);
-    PS_CHECK(collective(c, 1, dtype, false, 0, count, 0, recv_off, bytes * (size_t)c->world));
+    PS_CHECK(collective(c, 1, dtype, 0, 0, count, 0, recv_off, bytes * (size_t)c->world));
     memcpy(recv, (uint8_t *)c->scratch.base + recv_off, bytes * (size_t)c->world);
     return PSHARD_OK;
 }
 
 pshard_status_t pshard_barrier(pshard_client_t *c)
 {
-    return collective(c, 5, PSHARD_FP32, false, 0, 0, 0, 0, 0);
+    return collective(c, 5, PSHARD_FP32, 0, 0, 0, 0, 0, 0);
 }

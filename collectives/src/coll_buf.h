@@ -45,7 +45,8 @@ void coll_buf_copy(coll_buf_t *dst, uint64_t doff, coll_buf_t *src, uint64_t sof
 
 /* The reductions of coll_reduce.h over a logical range of nel elements of dt at off. */
 void coll_buf_load(void *acc, coll_buf_t *src, uint64_t off, pshard_dtype_t dt, size_t nel);
-void coll_buf_accumulate(void *acc, coll_buf_t *src, uint64_t off, pshard_dtype_t dt, size_t nel);
+void coll_buf_accumulate(void *acc, coll_buf_t *src, uint64_t off, pshard_dtype_t dt, int red,
+                         size_t nel);
 void coll_buf_store(coll_buf_t *dst, uint64_t off, pshard_dtype_t dt, const void *acc, size_t nel,
                     float scale);
 

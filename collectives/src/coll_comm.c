@@ -195,12 +195,14 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
     if (esize == 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown dtype %d", (int)a->dtype);
     bool reduces = a->op == PSHARD_COLL_REDUCE_SCATTER || a->op == PSHARD_COLL_ALL_REDUCE;
-    if (reduces && a->reduce != PSHARD_REDUCE_SUM && a->reduce != PSHARD_REDUCE_AVG)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown reduction %d",
-                       (int)a->reduce);
-    if (reduces && a->reduce == PSHARD_REDUCE_AVG && a->dtype == PSHARD_INT64)
+    const char *why = reduces ? pshard_reduce_problem(a->reduce, a->dtype) : NULL;
+    if (why)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: %s",
+                       pshard_coll_op_name(a->op), why);
+    if (reduces && a->reduce >= PSHARD_REDUCE_BAND && !c->backend->bitwise)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "average is not defined for int64; use sum");
+                       "%s: the %s backend has no %s (bitwise reductions)",
+                       pshard_coll_op_name(a->op), c->backend->name, pshard_reduce_name(a->reduce));
     if (a->op == PSHARD_COLL_BROADCAST && (a->root < 0 || a->root >= n))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "broadcast root %d is not a rank of this %d-rank communicator", a->root, n);

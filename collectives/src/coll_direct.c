@@ -90,7 +90,8 @@ void coll_inline_finish(engine_t *e)
         if (q == 0)
             coll_buf_load(acc, &in, first * e->esize, op->args.dtype, nel);
         else
-            coll_buf_accumulate(acc, &in, first * e->esize, op->args.dtype, nel);
+            coll_buf_accumulate(acc, &in, first * e->esize, op->args.dtype, (int)op->args.reduce,
+                                nel);
     }
     coll_buf_store(&op->rbuf, 0, op->args.dtype, acc, nel, e->scale);
 }
@@ -199,7 +200,7 @@ static pshard_status_t direct_piece(engine_t *e, bool second, bool *finished, ch
         uint64_t out = (a->op == PSHARD_COLL_ALL_REDUCE ? op->displs[r] * es : 0) + e->doff * es;
         if (nel)
             PS_CHECK(coll_shm_reduce(e->t.shm, e->peer_sbuf, first, &op->sbuf, first, &op->rbuf,
-                                     out, a->dtype, nel, e->scale, err, errlen));
+                                     out, a->dtype, (int)a->reduce, nel, e->scale, err, errlen));
         e->doff += nel;
         *finished = e->doff == count;
         return PSHARD_OK;

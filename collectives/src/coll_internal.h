@@ -53,6 +53,8 @@ typedef struct {
     const char *(*transport)(const pshard_comm_t *comm);
     /* Takes send / recv in pieces (pshard_coll_seg_t). */
     bool pieces;
+    /* Has the bitwise reductions (band, bor, bxor); NCCL has none. */
+    bool bitwise;
     /* Buffers are host memory: an operation of a one-rank communicator is then a local copy,
      * which coll_comm.c does in the caller's thread when nothing else is in flight. */
     bool host_buffers;

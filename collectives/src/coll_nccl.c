@@ -225,7 +225,18 @@ static ncclDataType_t nccl_dtype(pshard_dtype_t dtype)
 
 static ncclRedOp_t nccl_redop(pshard_reduce_t reduce)
 {
-    return reduce == PSHARD_REDUCE_AVG ? ncclAvg : ncclSum;
+    switch (reduce) {
+    case PSHARD_REDUCE_AVG:
+        return ncclAvg;
+    case PSHARD_REDUCE_PRODUCT:
+        return ncclProd;
+    case PSHARD_REDUCE_MIN:
+        return ncclMin;
+    case PSHARD_REDUCE_MAX:
+        return ncclMax;
+    default:
+        return ncclSum; /* sum; the bitwise ones are refused before (nccl has none) */
+    }
 }
 
 /* Waits until NCCL has launched what was issued (stream == false: a non-blocking communicator

@@ -5,10 +5,53 @@
  * vectoriser cost model accepts (see dtype.c). */
 #include "coll_reduce.h"
 
+#include "pshard/collectives.h"
+
+#include <math.h>
 #include <string.h>
 
 #define COLL_REDUCE_BLOCK 1024
 #define VEC 16
+
+const char *pshard_reduce_name(pshard_reduce_t reduce)
+{
+    static const char *const names[PSHARD_REDUCE_COUNT] = {"sum", "avg",  "product", "min",
+                                                           "max", "band", "bor",     "bxor"};
+    return (unsigned)reduce < PSHARD_REDUCE_COUNT ? names[reduce] : "unknown";
+}
+
+const char *pshard_reduce_problem(pshard_reduce_t reduce, pshard_dtype_t dtype)
+{
+    if ((unsigned)reduce >= PSHARD_REDUCE_COUNT)
+        return "unknown reduction (use sum, avg, product, min, max, band, bor or bxor)";
+    if (reduce == PSHARD_REDUCE_AVG && dtype == PSHARD_INT64)
+        return "avg is not defined for int64; use sum";
+    if (reduce >= PSHARD_REDUCE_BAND && dtype != PSHARD_INT64)
+        return reduce == PSHARD_REDUCE_BAND  ? "band is for int64 only"
+               : reduce == PSHARD_REDUCE_BOR ? "bor is for int64 only"
+                                             : "bxor is for int64 only";
+    return NULL;
+}
+
+int pshard_reduce_identity(pshard_reduce_t reduce, pshard_dtype_t dtype, void *out)
+{
+    if (pshard_reduce_problem(reduce, dtype))
+        return -1;
+    if (dtype == PSHARD_INT64) {
+        int64_t v = reduce == PSHARD_REDUCE_PRODUCT ? 1
+                    : reduce == PSHARD_REDUCE_MIN   ? INT64_MAX
+                    : reduce == PSHARD_REDUCE_MAX   ? INT64_MIN
+                    : reduce == PSHARD_REDUCE_BAND  ? -1
+                                                    : 0;
+        memcpy(out, &v, sizeof(v));
+        return 0;
+    }
+    float f = reduce == PSHARD_REDUCE_PRODUCT ? 1.0f
+              : reduce == PSHARD_REDUCE_MIN   ? INFINITY
+              : reduce == PSHARD_REDUCE_MAX   ? -INFINITY
+                                              : 0.0f;
+    return pshard_convert(&f, PSHARD_FP32, out, dtype, 1);
+}
 
 pshard_dtype_t coll_acc_dtype(pshard_dtype_t dtype)
 {
@@ -39,36 +82,92 @@ void coll_reduce_load(void *acc, const void *in, pshard_dtype_t dtype, size_t n)
     }
 }
 
-static void add_f32(float *restrict acc, const float *restrict in, size_t n)
+/* One loop per operation, each in the shape the vectoriser takes (see the file comment). */
+#define REDUCE_LOOP(name, T, EXPR)                                                                 \
+    static void name(T *restrict acc, const T *restrict in, size_t n)                              \
+    {                                                                                              \
+        size_t i = 0;                                                                              \
+        for (; i + VEC <= n; i += VEC)                                                             \
+            for (size_t j = 0; j < VEC; j++) {                                                     \
+                T a = acc[i + j], b = in[i + j];                                                   \
+                acc[i + j] = (EXPR);                                                               \
+            }                                                                                      \
+        for (; i < n; i++) {                                                                       \
+            T a = acc[i], b = in[i];                                                               \
+            acc[i] = (EXPR);                                                                       \
+        }                                                                                          \
+    }
+
+REDUCE_LOOP(add_f32, float, a + b)
+REDUCE_LOOP(mul_f32, float, a *b)
+/* NaN wins, as in torch.maximum / torch.minimum: a NaN in acc stays (both comparisons are
+ * false), a NaN in `in` is taken (b != b). */
+REDUCE_LOOP(max_f32, float, (b > a || b != b) ? b : a)
+REDUCE_LOOP(min_f32, float, (b < a || b != b) ? b : a)
+/* int64 sums and products wrap modulo 2^64 (two's complement) instead of overflowing, which
+ * would be undefined behaviour on signed integers. */
+REDUCE_LOOP(add_i64, int64_t, (int64_t)((uint64_t)a + (uint64_t)b))
+REDUCE_LOOP(mul_i64, int64_t, (int64_t)((uint64_t)a *(uint64_t)b))
+REDUCE_LOOP(max_i64, int64_t, b > a ? b : a)
+REDUCE_LOOP(min_i64, int64_t, b < a ? b : a)
+REDUCE_LOOP(and_i64, int64_t, a &b)
+REDUCE_LOOP(or_i64, int64_t, a | b)
+REDUCE_LOOP(xor_i64, int64_t, a ^ b)
+
+static void combine_f32(float *acc, const float *in, int op, size_t n)
 {
-    size_t i = 0;
-    for (; i + VEC <= n; i += VEC)
-        for (size_t j = 0; j < VEC; j++)
-            acc[i + j] += in[i + j];
-    for (; i < n; i++)
-        acc[i] += in[i];
+    switch (op) {
+    case PSHARD_REDUCE_PRODUCT:
+        mul_f32(acc, in, n);
+        return;
+    case PSHARD_REDUCE_MIN:
+        min_f32(acc, in, n);
+        return;
+    case PSHARD_REDUCE_MAX:
+        max_f32(acc, in, n);
+        return;
+    case PSHARD_REDUCE_SUM:
+    case PSHARD_REDUCE_AVG:
+        add_f32(acc, in, n);
+        return;
+    }
 }
 
-/* int64 sums wrap modulo 2^64 (two's complement) instead of overflowing, which would be
- * undefined behaviour on signed integers. */
-static void add_i64(int64_t *restrict acc, const int64_t *restrict in, size_t n)
+static void combine_i64(int64_t *acc, const int64_t *in, int op, size_t n)
 {
-    size_t i = 0;
-    for (; i + VEC <= n; i += VEC)
-        for (size_t j = 0; j < VEC; j++)
-            acc[i + j] = (int64_t)((uint64_t)acc[i + j] + (uint64_t)in[i + j]);
-    for (; i < n; i++)
-        acc[i] = (int64_t)((uint64_t)acc[i] + (uint64_t)in[i]);
+    switch (op) {
+    case PSHARD_REDUCE_SUM:
+        add_i64(acc, in, n);
+        return;
+    case PSHARD_REDUCE_PRODUCT:
+        mul_i64(acc, in, n);
+        return;
+    case PSHARD_REDUCE_MIN:
+        min_i64(acc, in, n);
+        return;
+    case PSHARD_REDUCE_MAX:
+        max_i64(acc, in, n);
+        return;
+    case PSHARD_REDUCE_BAND:
+        and_i64(acc, in, n);
+        return;
+    case PSHARD_REDUCE_BOR:
+        or_i64(acc, in, n);
+        return;
+    case PSHARD_REDUCE_BXOR:
+        xor_i64(acc, in, n);
+        return;
+    }
 }
 
-void coll_reduce_accumulate(void *acc, const void *in, pshard_dtype_t dtype, size_t n)
+void coll_reduce_accumulate(void *acc, const void *in, pshard_dtype_t dtype, int op, size_t n)
 {
     switch (dtype) {
     case PSHARD_FP32:
-        add_f32(acc, in, n);
+        combine_f32(acc, in, op, n);
         return;
     case PSHARD_INT64:
-        add_i64(acc, in, n);
+        combine_i64(acc, in, op, n);
         return;
     case PSHARD_BF16:
     case PSHARD_FP16: {
@@ -78,7 +177,7 @@ void coll_reduce_accumulate(void *acc, const void *in, pshard_dtype_t dtype, siz
         while (n > 0) {
             size_t chunk = n < COLL_REDUCE_BLOCK ? n : COLL_REDUCE_BLOCK;
             widen_half(in_h, dtype, block, chunk);
-            add_f32(acc_f, block, chunk);
+            combine_f32(acc_f, block, op, chunk);
             acc_f += chunk;
             in_h += chunk;
             n -= chunk;

@@ -15,8 +15,10 @@ pshard_dtype_t coll_acc_dtype(pshard_dtype_t dtype);
 /* acc[0..n) = in[0..n) converted to the accumulation type (a copy for fp32/int64). */
 void coll_reduce_load(void *acc, const void *in, pshard_dtype_t dtype, size_t n);
 
-/* acc[i] += in[i], in being of `dtype` and acc of coll_acc_dtype(dtype). */
-void coll_reduce_accumulate(void *acc, const void *in, pshard_dtype_t dtype, size_t n);
+/* acc[i] = acc[i] (op) in[i], in being of `dtype` and acc of coll_acc_dtype(dtype); op is a
+ * pshard_reduce_t (avg accumulates as sum; the caller scales at the store). The bitwise ops
+ * apply to int64 only (for other types they leave acc as it is: coll_comm.c refuses them). */
+void coll_reduce_accumulate(void *acc, const void *in, pshard_dtype_t dtype, int op, size_t n);
 
 /* out[i] = acc[i] * scale rounded to `dtype` (round to nearest even; scale 1 means a plain
  * conversion; int64 ignores scale). out may alias acc only when dtype is fp32 or int64. */

@@ -67,13 +67,14 @@ pshard_status_t coll_shm_read_buf(coll_shm_t *s, int q, coll_buf_t *local, uint6
 pshard_status_t coll_shm_fetch_buf(coll_shm_t *s, int q, uint64_t addr, uint32_t npieces,
                                    uint64_t bytes, coll_buf_t *out, char *err, size_t errlen);
 
-/* Writes scale * the sum over every rank q of the count elements (dtype dt) at byte offset
- * off of q's buffer bufs[q] to `out` at out_off; this rank's own come from `own` at own_off
- * (bufs[rank] is not read); half types add in fp32 and round once, as the ring does.
+/* Writes scale * the reduction (red, a pshard_reduce_t) over every rank q of the count elements
+ * (dtype dt) at byte offset off of q's buffer bufs[q] to `out` at out_off; this rank's own
+ * come from `own` at own_off (bufs[rank] is not read); half types reduce in fp32 and round
+ * once, as the ring does.
  * count <= COLL_SHM_REDUCE_MAX. out may be own. Errors as coll_shm_read's. */
 pshard_status_t coll_shm_reduce(coll_shm_t *s, coll_buf_t *bufs, uint64_t off, coll_buf_t *own,
                                 uint64_t own_off, coll_buf_t *out, uint64_t out_off,
-                                pshard_dtype_t dt, size_t count, float scale, char *err,
+                                pshard_dtype_t dt, int red, size_t count, float scale, char *err,
                                 size_t errlen);
 
 #endif

@@ -236,7 +236,8 @@ static void rs_process(engine_t *e, phase_t *ph)
         size_t chunk = ph->in_chunk[ph->pr.k];
         size_t e0 = (ph->pr.j * ph->slice + (q - ph->pr.start)) / asz, nel = span / asz;
         uint8_t *acc = e->t.ring + pos;
-        coll_buf_accumulate(acc, ph->src, (op->displs[chunk] + e0) * e->esize, dt, nel);
+        coll_buf_accumulate(acc, ph->src, (op->displs[chunk] + e0) * e->esize, dt,
+                            (int)op->args.reduce, nel);
         if (ph->pr.k + 1 == ph->nblocks)
             coll_buf_store(ph->dst, ph->dst_off + e0 * e->esize, dt, acc, nel, e->scale);
         ph->in_done += span;
@@ -1188,6 +1189,7 @@ const coll_backend_t coll_tcp_backend = {
     .name = "tcp",
     .transport = tcp_transport,
     .pieces = true,
+    .bitwise = true,
     .connect = tcp_connect,
     .submit = tcp_submit,
     .abort = tcp_abort,

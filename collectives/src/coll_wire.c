@@ -345,7 +345,7 @@ pshard_status_t coll_desc_decode(const uint8_t *in, size_t len, coll_desc_t *m, 
     if (dtype >= PSHARD_DTYPE_COUNT)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "DESC has unknown dtype %u",
                        dtype);
-    if (reduce > PSHARD_REDUCE_AVG)
+    if (reduce >= PSHARD_REDUCE_COUNT)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "DESC has unknown reduce %u",
                        reduce);
     if (in[11] != 0)
@@ -635,10 +635,8 @@ void coll_desc_format(const coll_desc_t *d, char *buf, size_t len)
         snprintf(dtype_text, sizeof dtype_text, "dtype(%u)", (unsigned)d->dtype);
     char extra[32] = "";
     if (d->op == PSHARD_COLL_REDUCE_SCATTER || d->op == PSHARD_COLL_ALL_REDUCE) {
-        if (d->reduce == PSHARD_REDUCE_SUM)
-            snprintf(extra, sizeof extra, " sum");
-        else if (d->reduce == PSHARD_REDUCE_AVG)
-            snprintf(extra, sizeof extra, " avg");
+        if (d->reduce < PSHARD_REDUCE_COUNT)
+            snprintf(extra, sizeof extra, " %s", pshard_reduce_name((pshard_reduce_t)d->reduce));
         else
             snprintf(extra, sizeof extra, " reduce(%u)", (unsigned)d->reduce);
     } else if (d->op == PSHARD_COLL_BROADCAST) {

@@ -211,12 +211,12 @@ pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op,
                                      void *recv, int active, char *err, size_t errlen)
 {
     int world = pshard_comm_world_size(comm);
-    bool partial_avg = op->average && op->coll_op == PSHARD_COLL_ALL_REDUCE && active < world &&
-                       op->dtype != PSHARD_INT64;
+    bool avg = op->reduce == PSHARD_REDUCE_AVG;
+    bool partial_avg =
+        avg && op->coll_op == PSHARD_COLL_ALL_REDUCE && active < world && op->dtype != PSHARD_INT64;
     pshard_coll_args_t a = {.op = (pshard_coll_op_t)op->coll_op,
                             .dtype = op->dtype,
-                            .reduce =
-                                op->average && !partial_avg ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
+                            .reduce = partial_avg ? PSHARD_REDUCE_SUM : (pshard_reduce_t)op->reduce,
                             .root = op->root,
                             .send = send,
                             .recv = recv,

@@ -123,10 +123,10 @@ typedef struct {
     const int64_t *words; /* unchanged */
     double max_norm;      /* clip: clip_grad_norm's arguments */
     double norm_type;
-    uint32_t coll_op; /* collective: pshard_coll_op_t, element count, root, average */
+    uint32_t coll_op; /* collective: pshard_coll_op_t, element count, root, reduction */
     uint64_t count;
     int root;
-    bool average;
+    uint32_t reduce; /* pshard_reduce_t (all_reduce) */
 } shard_sop_t;
 
 /* Before every operation a trainer asks for, the shard servers agree on it: each sends a

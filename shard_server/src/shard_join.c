@@ -84,7 +84,7 @@ void shard_rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_fl
         r[W_COUNT] = (int64_t)op->count;
         r[W_ROOT] = op->root;
     }
-    r[W_AVERAGE] = op->average;
+    r[W_REDUCE] = op->reduce;
     for (size_t i = 0; i < op->nids && i < REC_INLINE_IDS; i++)
         r[W_IDS + i] = op->ids[i];
 }
@@ -142,6 +142,7 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
             (x[W_KIND] == REC_OP &&
              (x[W_SOP] < SHARD_SOP_GATHER || x[W_SOP] > SHARD_SOP_CLIP || x[W_NIDS] < 0 ||
               x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 || x[W_DTYPE] > PSHARD_INT64 ||
+              x[W_REDUCE] < 0 || x[W_REDUCE] >= PSHARD_REDUCE_COUNT ||
               (x[W_SOP] == SHARD_SOP_STEP &&
                (x[W_COUNT] < 0 || x[W_COUNT] > SHARD_MAX_GROUPS * SHARD_GROUP_WORDS ||
                 x[W_COUNT] % SHARD_GROUP_WORDS != 0)))))
@@ -173,7 +174,7 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
         const int64_t *x = recs + (size_t)r * REC_WORDS;
         if (x[W_KIND] != REC_OP)
             continue;
-        /* Compared: W_SOP..W_AVERAGE and W_HASH onwards (not the flags, step or request). */
+        /* Compared: W_SOP..W_REDUCE and W_HASH onwards (not the flags, step or request). */
         bool same = memcmp(&x[W_SOP], &f[W_SOP], (W_THROW - W_SOP) * sizeof(int64_t)) == 0 &&
                     memcmp(&x[W_HASH], &f[W_HASH], (REC_WORDS - W_HASH) * sizeof(int64_t)) == 0;
         if (!same && !ag->desync) {
@@ -190,7 +191,7 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
     op->kind = (shard_sop_kind_t)f[W_SOP];
     op->dtype = (pshard_dtype_t)f[W_DTYPE];
     op->nids = (size_t)f[W_NIDS];
-    op->average = f[W_AVERAGE] != 0;
+    op->reduce = (uint32_t)f[W_REDUCE];
     if (op->kind == SHARD_SOP_STEP) {
         op->lr = bits_double(f[W_ARG]);
         op->nwords = (size_t)f[W_COUNT];

@@ -24,10 +24,10 @@ enum {
     W_SOP,
     W_DTYPE,
     W_NIDS,
-    W_ARG,   /* lr bits (step), max_norm bits (clip) or collective op */
-    W_COUNT, /* element count (collective), group words (step), norm_type bits (clip) */
-    W_ROOT,  /* root (collective), set_lr (step) */
-    W_AVERAGE,
+    W_ARG,    /* lr bits (step), max_norm bits (clip) or collective op */
+    W_COUNT,  /* element count (collective), group words (step), norm_type bits (clip) */
+    W_ROOT,   /* root (collective), set_lr (step) */
+    W_REDUCE, /* collective: pshard_reduce_t */
     W_THROW,
     W_STEP,
     W_CKPT, /* the newest checkpoint request this rank has seen (not compared) */

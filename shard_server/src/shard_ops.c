@@ -247,7 +247,13 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, con
         uint8_t *buf = follow_buffer(s, send_bytes + recv_bytes);
         if (!buf)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        /* Nothing to contribute: the reduction's identity (zeros for a sum, and for the other
+         * operations, which send nothing this rank's result depends on). */
         memset(buf, 0, send_bytes);
+        if (op->coll_op == PSHARD_COLL_ALL_REDUCE && op->count > 0 &&
+            pshard_reduce_identity((pshard_reduce_t)op->reduce, op->dtype, buf) == 0)
+            for (size_t k = 1; k < (size_t)op->count; k++)
+                memcpy(buf + k * es, buf, es);
         /* A broadcast runs in place: the receive buffer is the send buffer. */
         void *recv = op->coll_op == PSHARD_COLL_BROADCAST ? buf : buf + send_bytes;
         return shard_run_collective(comm, op, buf, recv, ag->active, err, errlen);

@@ -344,6 +344,14 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
                          req->op);
         return;
     }
+    const char *why = req->op == PSHARD_COLL_ALL_REDUCE
+                          ? pshard_reduce_problem((pshard_reduce_t)req->reduce, dt)
+                          : NULL;
+    if (why) {
+        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "all_reduce reduce %u: %s", req->reduce,
+                         why);
+        return;
+    }
     shard_op_t op = {
         .session = req->session,
         .agree = true,
@@ -352,7 +360,8 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
                 .coll_op = req->op,
                 .count = req->count,
                 .root = req->root,
-                .average = req->reduce != 0},
+                /* Only all_reduce reduces: other ops carry sum, whatever was sent. */
+                .reduce = req->op == PSHARD_COLL_ALL_REDUCE ? req->reduce : 0},
         .opk = shard_opk_of_coll(req->op),
         .check = collective_check,
         .run = collective_run,

@@ -270,6 +270,27 @@ static void start_case(pshard_comm_t *comm, running_t *r)
     CHECK(rc == PSHARD_OK, "start case %" PRIu64 ": %s", r->id, err);
 }
 
+/* a (reduce) b on int64 bits, wrapping as the kernels do. */
+static uint64_t reduce_i64(pshard_reduce_t reduce, uint64_t a, uint64_t b)
+{
+    switch (reduce) {
+    case PSHARD_REDUCE_PRODUCT:
+        return a * b;
+    case PSHARD_REDUCE_MIN:
+        return (int64_t)a < (int64_t)b ? a : b;
+    case PSHARD_REDUCE_MAX:
+        return (int64_t)a > (int64_t)b ? a : b;
+    case PSHARD_REDUCE_BAND:
+        return a & b;
+    case PSHARD_REDUCE_BOR:
+        return a | b;
+    case PSHARD_REDUCE_BXOR:
+        return a ^ b;
+    default:
+        return a + b;
+    }
+}
+
 static void finish_case(running_t *r)
 {
     const case_t *c = &r->c;
@@ -310,18 +331,36 @@ static void finish_case(running_t *r)
             } else if (c->op == PSHARD_COLL_BROADCAST) {
                 ref = input_value(r->id, c->root, i, c->dtype);
                 ok = got == ref;
+            } else if (c->dtype == PSHARD_INT64) {
+                /* Exact, wrapping modulo 2^64 as the kernels do. */
+                size_t gi = c->op == PSHARD_COLL_REDUCE_SCATTER ? offset_mine + i : i;
+                uint64_t want = (uint64_t)(int64_t)input_value(r->id, 0, gi, c->dtype);
+                for (int q = 1; q < g_world; q++) {
+                    uint64_t v = (uint64_t)(int64_t)input_value(r->id, q, gi, c->dtype);
+                    want = reduce_i64(c->reduce, want, v);
+                }
+                ref = (double)(int64_t)want;
+                ok = ((const int64_t *)r->recv)[i] == (int64_t)want;
             } else {
                 size_t gi = c->op == PSHARD_COLL_REDUCE_SCATTER ? offset_mine + i : i;
+                bool sum = c->reduce == PSHARD_REDUCE_SUM || c->reduce == PSHARD_REDUCE_AVG;
                 for (int q = 0; q < g_world; q++) {
                     double v = input_value(r->id, q, gi, c->dtype);
-                    ref += v;
+                    ref = q == 0 || sum                        ? (sum ? ref + v : v)
+                          : c->reduce == PSHARD_REDUCE_PRODUCT ? ref * v
+                          : c->reduce == PSHARD_REDUCE_MIN     ? fmin(ref, v)
+                                                               : fmax(ref, v);
                     abs_terms += fabs(v);
                 }
                 if (c->reduce == PSHARD_REDUCE_AVG) {
                     ref /= g_world;
                     abs_terms /= g_world;
                 }
-                ok = close_enough(got, ref, abs_terms, c->dtype);
+                if (c->reduce == PSHARD_REDUCE_PRODUCT)
+                    abs_terms = fabs(ref); /* each product rounds relative to its size */
+                ok = c->reduce == PSHARD_REDUCE_MIN || c->reduce == PSHARD_REDUCE_MAX
+                         ? got == ref
+                         : close_enough(got, ref, abs_terms, c->dtype);
             }
             if (!ok) {
                 if (bad++ == 0) {
@@ -335,8 +374,8 @@ static void finish_case(running_t *r)
               "case %" PRIu64 " (%s %s %s count %zu%s): %zu wrong elements, first at %zu: got "
               "%.9g want %.9g",
               r->id, pshard_coll_op_name(c->op), pshard_dtype_name(c->dtype),
-              c->reduce == PSHARD_REDUCE_AVG ? "avg" : "sum", r->total,
-              r->pieces ? ", in pieces" : "", bad, first_bad, got_bad, ref_bad);
+              pshard_reduce_name(c->reduce), r->total, r->pieces ? ", in pieces" : "", bad,
+              first_bad, got_bad, ref_bad);
     }
     free(r->counts);
     free(r->send);
@@ -441,6 +480,36 @@ static int scenario_correctness(bool big)
             run_case_as(comm, &agv, id++, true);
             run_case_as(comm, &rsv, id++, true);
         }
+        /* The other reductions: product, min, max for every dtype, the bitwise ones for int64;
+         * all_reduce and reduce_scatter, contiguous and in pieces. */
+        static const size_t op_sizes[] = {0, 1, 13, 1021, 65537};
+        for (size_t d = 0; d < PS_ARRAY_LEN(dtypes); d++) {
+            pshard_dtype_t dt = dtypes[d];
+            for (int red = PSHARD_REDUCE_PRODUCT; red < PSHARD_REDUCE_COUNT; red++) {
+                if (pshard_reduce_problem((pshard_reduce_t)red, dt))
+                    continue;
+                for (size_t s = 0; s < PS_ARRAY_LEN(op_sizes); s++) {
+                    size_t n = op_sizes[s];
+                    case_t ar = {PSHARD_COLL_ALL_REDUCE, dt, (pshard_reduce_t)red, n, NULL, 0};
+                    case_t rs = {PSHARD_COLL_REDUCE_SCATTER, dt, (pshard_reduce_t)red, n, NULL, 0};
+                    run_case_as(comm, &ar, id++, s % 2 == 1);
+                    run_case_as(comm, &rs, id++, s % 2 == 0);
+                }
+            }
+        }
+        /* A bitwise reduction of floats is refused locally. */
+        pshard_coll_args_t band = {.op = PSHARD_COLL_ALL_REDUCE,
+                                   .dtype = PSHARD_FP32,
+                                   .reduce = PSHARD_REDUCE_BAND,
+                                   .count = 1,
+                                   .send = &(float){1},
+                                   .recv = &(float){0}};
+        pshard_coll_req_t *band_req = NULL;
+        err[0] = '\0';
+        CHECK(pshard_coll_start(comm, &band, &band_req, err, sizeof(err)) ==
+                      PSHARD_ERR_INVALID_ARGUMENT &&
+                  strstr(err, "band is for int64 only"),
+              "band of fp32: %s", err);
         /* Many asynchronous operations in flight, completed in issue order. */
         running_t inflight[24];
         for (int i = 0; i < 24; i++) {

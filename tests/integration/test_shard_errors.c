@@ -273,17 +273,24 @@ static res_t do_step_groups(ps_rpc_channel_t *ch, const char *session, Pshard__O
     return rpc(ch, "Step", &req.base, &pshard__step_response__descriptor, 10000);
 }
 
-static res_t do_coll(ps_rpc_channel_t *ch, const char *session, uint32_t op, int dtype,
-                     uint64_t count, uint64_t send_off, uint64_t recv_off)
+static res_t do_coll_reduce(ps_rpc_channel_t *ch, const char *session, uint32_t op, int dtype,
+                            uint64_t count, uint64_t send_off, uint64_t recv_off, uint32_t reduce)
 {
     Pshard__CollectiveRequest req = PSHARD__COLLECTIVE_REQUEST__INIT;
     req.session = (char *)session;
     req.op = op;
+    req.reduce = reduce;
     req.dtype = (Pshard__DType)dtype;
     req.count = count;
     req.send_offset = send_off;
     req.recv_offset = recv_off;
     return rpc(ch, "Collective", &req.base, &pshard__collective_response__descriptor, 10000);
+}
+
+static res_t do_coll(ps_rpc_channel_t *ch, const char *session, uint32_t op, int dtype,
+                     uint64_t count, uint64_t send_off, uint64_t recv_off)
+{
+    return do_coll_reduce(ch, session, op, dtype, count, send_off, recv_off, 0);
 }
 
 /* The test model: "w" [5, 3] and "b" [4]; in the model region, fp32 init values at 0 and 64,
@@ -1660,6 +1667,21 @@ static void test_collective_bad(void)
     EXPECT_ERR("Collective, count overflowing bytes",
                do_coll(ch, s, 3, PSHARD__DTYPE__INT64, 1ull << 61, 0, 0), IA, "outside");
     EXPECT_ERR("Collective, misaligned", do_coll(ch, s, 3, F32, 4, 2, 64), IA, "misaligned");
+    /* Reductions: unknown ones, bitwise on floats, avg on int64. */
+    EXPECT_ERR("Collective, reduce 8", do_coll_reduce(ch, s, 3, F32, 4, 0, 64, 8), IA,
+               "unknown reduction");
+    EXPECT_ERR("Collective, reduce UINT32_MAX", do_coll_reduce(ch, s, 3, F32, 4, 0, 64, UINT32_MAX),
+               IA, "unknown reduction");
+    EXPECT_ERR("Collective, band of fp32", do_coll_reduce(ch, s, 3, F32, 4, 0, 64, 5), IA,
+               "band is for int64 only");
+    EXPECT_ERR("Collective, avg of int64",
+               do_coll_reduce(ch, s, 3, PSHARD__DTYPE__INT64, 4, 0, 64, 1), IA,
+               "avg is not defined for int64");
+    /* A reduction sent with an op that does not reduce is ignored (as before). */
+    ProtobufCMessage *ok = EXPECT_OK("Collective, broadcast with reduce 99",
+                                     do_coll_reduce(ch, s, 4, F32, 4, 0, 0, 99));
+    if (ok)
+        protobuf_c_message_free_unpacked(ok, NULL);
     CHECK_SERVING(ch, &tr);
 }
 

@@ -56,6 +56,35 @@ def main():
             dist.all_gather_into_tensor(o, t)
             expect(f"all_gather {dtype} {n}",
                    torch.equal(o, torch.cat([data(r, n, dtype, salt) for r in range(world)])))
+    # The other reductions against torch's own element-wise ones, ours and torch's ReduceOp.
+    import torch.distributed as tdist
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        for n in (0, 1, 97, 1001):
+            salt = 3 + n % 100
+            ins = [data(r, n, dtype, salt) for r in range(world)]
+            ops = [("product", dist.ReduceOp.PRODUCT), ("min", dist.ReduceOp.MIN),
+                   ("max", tdist.ReduceOp.MAX)]
+            if dtype == torch.int64:
+                ops += [("band", dist.ReduceOp.BAND), ("bor", dist.ReduceOp.BOR),
+                        ("bxor", dist.ReduceOp.BXOR)]
+            for name, op in ops:
+                want = ins[0].double() if dtype.is_floating_point else ins[0].clone()
+                for y in ins[1:]:
+                    y = y.double() if dtype.is_floating_point else y
+                    want = {"product": torch.mul, "min": torch.minimum, "max": torch.maximum,
+                            "band": torch.bitwise_and, "bor": torch.bitwise_or,
+                            "bxor": torch.bitwise_xor}[name](want, y)
+                x = ins[rank].clone()
+                dist.all_reduce(x, op=op)
+                if dtype.is_floating_point and name == "product":
+                    # fp32 products in another order, rounded once to the dtype.
+                    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+                    ok = torch.allclose(x.double(), want, rtol=tol, atol=1e-6)
+                elif dtype.is_floating_point:
+                    ok = torch.equal(x.double(), want)
+                else:
+                    ok = torch.equal(x, want)
+                expect(f"{name} {dtype} {n}", ok)
     # Non-contiguous in place; 2-D all_gather output.
     m = data(rank, 60, torch.float32, 5).view(6, 10)
     tv = m.t()
@@ -75,6 +104,8 @@ def main():
         ("size", lambda: dist.all_gather_into_tensor(torch.zeros(1), torch.zeros(2)),
          ValueError),
         ("op", lambda: dist.all_reduce(torch.zeros(2), op="max"), ValueError),
+        ("band of floats", lambda: dist.all_reduce(torch.zeros(2), op=dist.ReduceOp.BAND),
+         TypeError),
         ("group", lambda: dist.all_reduce(torch.zeros(2), group=object()), ValueError),
     ]:
         try:

@@ -37,3 +37,25 @@ def test_disabled_join_is_plain(train):
     results, final, _ = train(cfg, 2)
     check(results, final, cfg, 2)
     assert all(r["join"] is None for r in results)
+
+
+def test_joined_rank_changes_no_reduction(tmp_path):
+    """Rank 0 joins at once; ranks 1 and 2 all-reduce with every reduction: the result is
+    theirs alone (the joined rank's server sends each reduction's identity)."""
+    import json
+    import os
+
+    from conftest import HERE, pshardrun
+    p = pshardrun(3, os.path.join(HERE, "join_coll_worker.py"), [str(tmp_path)])
+    assert p.returncode == 0, p.stdout[-4000:]
+    ranks = [2.0, 3.0]  # rank + 1 of the contributors
+    want = {"SUM": [5.0, -5.0], "AVG": [2.5, -2.5], "PRODUCT": [6.0, 6.0],
+            "MIN": [2.0, -3.0], "MAX": [3.0, -2.0],
+            "BAND": [2 & 3, 11 & 10], "BOR": [2 | 3, 11 | 10], "BXOR": [2 ^ 3, 11 ^ 10]}
+    assert sum(ranks) == 5.0
+    assert json.loads((tmp_path / "rank-0.json").read_text()) == {}
+    for r in (1, 2):
+        got = json.loads((tmp_path / f"rank-{r}.json").read_text())
+        for step in (0, 1):
+            for name, w in want.items():
+                assert got[f"{name} {step}"] == w, (r, name, step, got)

@@ -301,6 +301,12 @@ PSHARD_API pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_opt
  * count elements per rank into recv (world_size * count), barrier. */
 PSHARD_API pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count,
                                              pshard_dtype_t dtype, bool average);
+/* all_reduce with any reduction (types.h; torch.distributed.ReduceOp's numbers): sum, avg,
+ * product, min, max for every dtype, band / bor / bxor for int64 (an INVALID_ARGUMENT error
+ * otherwise, and from the nccl backend, which has no bitwise reductions). A joined rank
+ * contributes the reduction's identity (0, 1, +Inf, -Inf, all ones), so it changes nothing. */
+PSHARD_API pshard_status_t pshard_all_reduce_op(pshard_client_t *c, void *buf, size_t count,
+                                                pshard_dtype_t dtype, pshard_reduce_t op);
 PSHARD_API pshard_status_t pshard_broadcast(pshard_client_t *c, void *buf, size_t count,
                                             pshard_dtype_t dtype, int root);
 PSHARD_API pshard_status_t pshard_all_gather(pshard_client_t *c, const void *send, void *recv,

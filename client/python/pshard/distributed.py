@@ -1,6 +1,7 @@
 """Collectives on torch tensors through this trainer's shard server, with torch.distributed's
 names: all_reduce, broadcast, all_gather_into_tensor, barrier. While some trainers have joined
-(pshard.torch.Join), their ranks contribute zeros and an average is over the others.
+(pshard.torch.Join), their ranks contribute the reduction's identity (zeros for a sum, ones for
+a product, -inf for a max, ...) and an average is over the others.
 
 Tensors must be on the CPU, of dtype float32, bfloat16, float16 or int64; non-contiguous
 tensors are handled through a contiguous copy. ``async_op=True`` runs the operation at once
@@ -27,8 +28,31 @@ _CHUNK_BYTES = 4 << 20
 
 
 class ReduceOp(enum.Enum):
-    SUM = "sum"
-    AVG = "avg"
+    """torch.distributed.ReduceOp's reductions, with its numbers. all_reduce also takes torch's
+    own ReduceOp members (by name). BAND, BOR and BXOR are for int64 tensors."""
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+
+
+def _reduce_op(op):
+    """Our ReduceOp for op: one of ours, or torch.distributed's (matched by name)."""
+    if isinstance(op, ReduceOp):
+        return op
+    name = getattr(op, "name", None)
+    if not isinstance(name, str):
+        # torch.distributed.ReduceOp.SUM is a RedOpType in some versions: str() ends in its name
+        name = str(op).rsplit(".", 1)[-1]
+    try:
+        return ReduceOp[name]
+    except KeyError:
+        raise ValueError(f"op {op!r} is not supported; use one of "
+                         f"{', '.join('ReduceOp.' + m.name for m in ReduceOp)}") from None
 
 
 class _DoneWork:
@@ -74,14 +98,16 @@ def _in_place(tensor, fn):
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    """Sums (or averages, op=ReduceOp.AVG) tensor over all ranks, in place."""
+    """Reduces tensor over all ranks in place: op is a ReduceOp (SUM, AVG, PRODUCT, MIN, MAX;
+    BAND, BOR, BXOR for int64), ours or torch.distributed's."""
     c = _check(group)
     dt = _dtype_of(tensor, "tensor")
-    if op not in (ReduceOp.SUM, ReduceOp.AVG):
-        raise ValueError(f"op {op!r} is not supported; use ReduceOp.SUM or ReduceOp.AVG")
+    op = _reduce_op(op)
     if op is ReduceOp.AVG and dt == "int64":
         raise TypeError("ReduceOp.AVG needs a floating-point tensor")
-    _in_place(tensor, lambda piece: c.all_reduce(piece, dt, op is ReduceOp.AVG))
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dt != "int64":
+        raise TypeError(f"ReduceOp.{op.name} needs an int64 tensor, not {tensor.dtype}")
+    _in_place(tensor, lambda piece: c.all_reduce(piece, dt, op.value))
     return _DoneWork() if async_op else None
 
 

@@ -1179,8 +1179,8 @@ static PyObject *Client_memory_stats(ClientObject *self, PyObject *unused)
 static PyObject *Client_all_reduce(ClientObject *self, PyObject *args)
 {
     PyObject *t, *dt;
-    int average = 0;
-    if (!PyArg_ParseTuple(args, "OO|p", &t, &dt, &average))
+    int op = PSHARD_REDUCE_SUM; /* torch.distributed.ReduceOp's numbers; True is avg */
+    if (!PyArg_ParseTuple(args, "OO|i", &t, &dt, &op))
         return NULL;
     pshard_dtype_t dtype;
     if (!client_ok(self) || !parse_dtype(dt, &dtype))
@@ -1189,7 +1189,8 @@ static PyObject *Client_all_reduce(ClientObject *self, PyObject *args)
     if (dl_acquire(t, dtype, "all_reduce tensor", &in) != 0)
         return NULL;
     pshard_status_t st;
-    CLIENT_CALL(self, st = pshard_all_reduce(self->c, in.data, in.numel, dtype, average != 0));
+    CLIENT_CALL(self,
+                st = pshard_all_reduce_op(self->c, in.data, in.numel, dtype, (pshard_reduce_t)op));
     dl_release(&in);
     if (st != PSHARD_OK)
         return client_fail(self, st);

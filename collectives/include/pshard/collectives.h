@@ -36,10 +36,22 @@ typedef enum {
     PSHARD_COLL_BARRIER = 5,
 } pshard_coll_op_t;
 
-typedef enum {
-    PSHARD_REDUCE_SUM = 0,
-    PSHARD_REDUCE_AVG = 1, /* sum divided by the world size */
-} pshard_reduce_t;
+/* Reductions (pshard_reduce_t, types.h): floating types reduce in fp32 (half types widened,
+ * rounded once at the end), int64 in int64 (sums and products wrap modulo 2^64). MIN and MAX
+ * propagate NaN as torch does. The bitwise ones are for int64 only. */
+
+/* "sum", "avg", "product", "min", "max", "band", "bor", "bxor", or "unknown". */
+const char *pshard_reduce_name(pshard_reduce_t reduce);
+
+/* Whether reduce is defined for dtype (NULL: yes); else why not, e.g. "band is for int64
+ * only". */
+const char *pshard_reduce_problem(pshard_reduce_t reduce, pshard_dtype_t dtype);
+
+/* Writes one element of dtype that leaves any value unchanged under reduce (0 for sum, avg,
+ * bor and bxor; 1 for product; +Inf / the largest int64 for min; -Inf / the smallest for max;
+ * all bits set for band): what a rank with nothing to contribute (a joined rank) sends. Returns
+ * 0, or -1 when pshard_reduce_problem says no. */
+int pshard_reduce_identity(pshard_reduce_t reduce, pshard_dtype_t dtype, void *out);
 
 /* A piece of a buffer given in pieces (pshard_coll_args_t's send_segs / recv_segs). */
 typedef struct {

@@ -1,5 +1,6 @@
 /* The value types of pshard's public API, shared by every component: element types (fp32,
- * bf16, fp16, int64) with their sizes, names and conversions, and the two shard layouts.
+ * bf16, fp16, int64) with their sizes, names and conversions, the reductions, and the two
+ * shard layouts.
  * Installed with libpshard; everything declared here is exported by it. Pure, thread-safe. */
 #ifndef PSHARD_TYPES_H
 #define PSHARD_TYPES_H
@@ -34,6 +35,20 @@ int pshard_dtype_parse(const char *text, pshard_dtype_t *dtype);
  * src and dst must not overlap. Returns 0, or -1 for an unsupported pair. */
 int pshard_convert(const void *src, pshard_dtype_t src_type, void *dst, pshard_dtype_t dst_type,
                    size_t n);
+
+/* Reductions of the collectives, numbered as torch.distributed.ReduceOp's. */
+typedef enum {
+    PSHARD_REDUCE_SUM = 0,
+    PSHARD_REDUCE_AVG = 1, /* sum divided by the number of contributing ranks (not int64) */
+    PSHARD_REDUCE_PRODUCT = 2,
+    PSHARD_REDUCE_MIN = 3,
+    PSHARD_REDUCE_MAX = 4,
+    PSHARD_REDUCE_BAND = 5, /* bitwise: int64 only */
+    PSHARD_REDUCE_BOR = 6,
+    PSHARD_REDUCE_BXOR = 7,
+} pshard_reduce_t;
+
+#define PSHARD_REDUCE_COUNT 8
 
 /* How parameters are cut into shards (see pshard/pshard.h, pshard_model_config_t). */
 typedef enum {

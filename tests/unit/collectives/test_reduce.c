@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "coll_reduce.h"
+#include "pshard/collectives.h"
 #include "ps_test.h"
 
 #define N_ELEMS 2500 /* spans more than one internal block */
@@ -135,7 +136,7 @@ static void test_fp32_sum_and_scale(void)
             in[r][i] = rnd_f32();
     coll_reduce_load(acc, in[0], PSHARD_FP32, N_ELEMS);
     for (int r = 1; r < RANKS; r++)
-        coll_reduce_accumulate(acc, in[r], PSHARD_FP32, N_ELEMS);
+        coll_reduce_accumulate(acc, in[r], PSHARD_FP32, PSHARD_REDUCE_SUM, N_ELEMS);
 
     const float scale = 1.0f / RANKS;
     unsigned bad = 0;
@@ -176,7 +177,7 @@ static void check_half_sum(pshard_dtype_t dtype, int ranks)
             in[r][i] = rnd_half(dtype);
     coll_reduce_load(acc, in[0], dtype, N_ELEMS);
     for (int r = 1; r < ranks; r++)
-        coll_reduce_accumulate(acc, in[r], dtype, N_ELEMS);
+        coll_reduce_accumulate(acc, in[r], dtype, PSHARD_REDUCE_SUM, N_ELEMS);
     unsigned bad = 0, rounded = 0;
     for (size_t i = 0; i < N_ELEMS; i++) {
         exact[i] = 0.0;
@@ -229,7 +230,7 @@ static void test_int64_sum(void)
         }
     coll_reduce_load(acc, in[0], PSHARD_INT64, N_ELEMS);
     for (int r = 1; r < RANKS; r++)
-        coll_reduce_accumulate(acc, in[r], PSHARD_INT64, N_ELEMS);
+        coll_reduce_accumulate(acc, in[r], PSHARD_INT64, PSHARD_REDUCE_SUM, N_ELEMS);
     unsigned bad = 0;
     for (size_t i = 0; i < N_ELEMS; i++) {
         uint64_t want = 0;
@@ -263,7 +264,7 @@ static void check_round_once(pshard_dtype_t dtype, int ulp_exp)
     uint16_t once;
     coll_reduce_load(&acc, &in[0], dtype, 1);
     for (int r = 1; r < 4; r++)
-        coll_reduce_accumulate(&acc, &in[r], dtype, 1);
+        coll_reduce_accumulate(&acc, &in[r], dtype, PSHARD_REDUCE_SUM, 1);
     coll_reduce_store(&once, dtype, &acc, 1, 1.0f);
 
     double exact = 1.0 + 3.0 * ldexp(1.0, ulp_exp - 2);
@@ -413,6 +414,115 @@ static void test_store_specials(void)
     CU_ASSERT_EQUAL(out[0], 0x7f80);
 }
 
+/* product, min, max over fp32 (NaN winning, in either position; -0/+0; Inf) and over bf16,
+ * against the element-wise reference, for lengths that cover the vector loop and its tail. */
+static void test_float_ops(void)
+{
+    enum { N = 37 };
+    float a[N], b[N];
+    for (int i = 0; i < N; i++) {
+        a[i] = (float)(i % 7) - 3.5f;
+        b[i] = (float)((i * 5) % 11) - 4.25f;
+    }
+    a[3] = NAN;
+    b[9] = NAN;
+    a[20] = INFINITY;
+    b[21] = -INFINITY;
+    static const int ops[] = {PSHARD_REDUCE_PRODUCT, PSHARD_REDUCE_MIN, PSHARD_REDUCE_MAX};
+    for (size_t k = 0; k < sizeof(ops) / sizeof(ops[0]); k++) {
+        float acc[N];
+        coll_reduce_load(acc, a, PSHARD_FP32, N);
+        coll_reduce_accumulate(acc, b, PSHARD_FP32, ops[k], N);
+        for (int i = 0; i < N; i++) {
+            float want = ops[k] == PSHARD_REDUCE_PRODUCT ? a[i] * b[i]
+                         : isnan(a[i]) || isnan(b[i])    ? NAN
+                         : ops[k] == PSHARD_REDUCE_MIN   ? fminf(a[i], b[i])
+                                                         : fmaxf(a[i], b[i]);
+            if (isnan(want)) {
+                CU_ASSERT(isnan(acc[i]));
+            } else {
+                CU_ASSERT_EQUAL(acc[i], want);
+            }
+        }
+    }
+    /* bf16: max of exactly representable values stores back exactly. */
+    uint16_t ha[N], hb[N], out[N];
+    for (int i = 0; i < N; i++) {
+        ha[i] = ps_f32_to_bf16((float)(i % 5) - 2.0f);
+        hb[i] = ps_f32_to_bf16((float)(i % 3) - 1.0f);
+    }
+    float acc[N];
+    coll_reduce_load(acc, ha, PSHARD_BF16, N);
+    coll_reduce_accumulate(acc, hb, PSHARD_BF16, PSHARD_REDUCE_MAX, N);
+    coll_reduce_store(out, PSHARD_BF16, acc, N, 1.0f);
+    for (int i = 0; i < N; i++) {
+        float x = (float)(i % 5) - 2.0f, y = (float)(i % 3) - 1.0f;
+        CU_ASSERT_EQUAL(ps_bf16_to_f32(out[i]), x > y ? x : y);
+    }
+}
+
+/* int64: product and sum wrap modulo 2^64; min, max, band, bor, bxor. */
+static void test_int64_ops(void)
+{
+    enum { N = 21 };
+    int64_t a[N], b[N];
+    for (int i = 0; i < N; i++) {
+        a[i] = (int64_t)i * 0x0123456789abLL - 7;
+        b[i] = -(int64_t)i * 977 + 0x5555;
+    }
+    a[4] = INT64_MAX;
+    b[4] = 2; /* the product wraps */
+    static const int ops[] = {PSHARD_REDUCE_SUM, PSHARD_REDUCE_PRODUCT, PSHARD_REDUCE_MIN,
+                              PSHARD_REDUCE_MAX, PSHARD_REDUCE_BAND,    PSHARD_REDUCE_BOR,
+                              PSHARD_REDUCE_BXOR};
+    for (size_t k = 0; k < sizeof(ops) / sizeof(ops[0]); k++) {
+        int64_t acc[N];
+        coll_reduce_load(acc, a, PSHARD_INT64, N);
+        coll_reduce_accumulate(acc, b, PSHARD_INT64, ops[k], N);
+        for (int i = 0; i < N; i++) {
+            uint64_t x = (uint64_t)a[i], y = (uint64_t)b[i];
+            int64_t want = 0;
+            switch (ops[k]) {
+            case PSHARD_REDUCE_SUM:
+                want = (int64_t)(x + y);
+                break;
+            case PSHARD_REDUCE_PRODUCT:
+                want = (int64_t)(x * y);
+                break;
+            case PSHARD_REDUCE_MIN:
+                want = a[i] < b[i] ? a[i] : b[i];
+                break;
+            case PSHARD_REDUCE_MAX:
+                want = a[i] > b[i] ? a[i] : b[i];
+                break;
+            case PSHARD_REDUCE_BAND:
+                want = (int64_t)(x & y);
+                break;
+            case PSHARD_REDUCE_BOR:
+                want = (int64_t)(x | y);
+                break;
+            default:
+                want = (int64_t)(x ^ y);
+            }
+            CU_ASSERT_EQUAL(acc[i], want);
+        }
+    }
+    CU_ASSERT_EQUAL((int64_t)((uint64_t)INT64_MAX * 2u), -2);
+}
+
+/* Names and which dtypes each reduction is defined for. */
+static void test_reduce_names_and_problems(void)
+{
+    CU_ASSERT_STRING_EQUAL(pshard_reduce_name(PSHARD_REDUCE_MAX), "max");
+    CU_ASSERT_STRING_EQUAL(pshard_reduce_name(PSHARD_REDUCE_BXOR), "bxor");
+    CU_ASSERT_STRING_EQUAL(pshard_reduce_name((pshard_reduce_t)99), "unknown");
+    CU_ASSERT_PTR_NULL(pshard_reduce_problem(PSHARD_REDUCE_MIN, PSHARD_BF16));
+    CU_ASSERT_PTR_NULL(pshard_reduce_problem(PSHARD_REDUCE_BOR, PSHARD_INT64));
+    CU_ASSERT_PTR_NOT_NULL(pshard_reduce_problem(PSHARD_REDUCE_AVG, PSHARD_INT64));
+    CU_ASSERT_PTR_NOT_NULL(strstr(pshard_reduce_problem(PSHARD_REDUCE_BAND, PSHARD_FP32), "int64"));
+    CU_ASSERT_PTR_NOT_NULL(pshard_reduce_problem((pshard_reduce_t)8, PSHARD_FP32));
+}
+
 int main(void)
 {
     static const ps_test_case_t cases[] = {
@@ -426,6 +536,9 @@ int main(void)
         {"scaled_store_rounds_once", test_scaled_store_rounds_once},
         {"scaled_store_subnormal_ties", test_scaled_store_subnormal_ties},
         {"store_specials", test_store_specials},
+        {"float_ops", test_float_ops},
+        {"int64_ops", test_int64_ops},
+        {"reduce_names_and_problems", test_reduce_names_and_problems},
         {NULL, NULL},
     };
     return ps_test_main("coll_reduce", cases);

@@ -165,8 +165,8 @@ static void test_read_and_reduce(void)
     for (int i = 0; i < 1024; i++)
         own[i] = 100.0f;
     coll_buf_t ownb = coll_buf_flat(own), outb = coll_buf_flat(out);
-    CU_ASSERT_EQUAL(coll_shm_reduce(s, bufs, 400 * 4, &ownb, 400 * 4, &outb, 0, PSHARD_FP32, 300,
-                                    0.5f, err, sizeof err),
+    CU_ASSERT_EQUAL(coll_shm_reduce(s, bufs, 400 * 4, &ownb, 400 * 4, &outb, 0, PSHARD_FP32,
+                                    PSHARD_REDUCE_SUM, 300, 0.5f, err, sizeof err),
                     PSHARD_OK);
     same = 1;
     for (int k = 0; k < 300; k++) {
@@ -209,7 +209,7 @@ static void test_buf_pieces(void)
     CU_ASSERT_TRUE(ok);
     float acc[8];
     coll_buf_load(acc, &vb, 2 * 4, PSHARD_FP32, 5);
-    coll_buf_accumulate(acc, &vb, 2 * 4, PSHARD_FP32, 5);
+    coll_buf_accumulate(acc, &vb, 2 * 4, PSHARD_FP32, PSHARD_REDUCE_SUM, 5);
     coll_buf_store(&vb, 2 * 4, PSHARD_FP32, acc, 5, 1.0f);
     CU_ASSERT(a[2] == 6 && b[0] == 8 && c[0] == 10 && c[2] == 14 && c[3] == 8);
     coll_buf_free(&vb);

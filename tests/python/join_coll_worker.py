@@ -1,0 +1,48 @@
+"""Trainer for test_join.py's collectives case: rank 0 has no batches and joins at once; the
+others train a few steps under pshard.torch.Join and all-reduce metrics with every reduction.
+A joined rank must change no result: its server contributes the reduction's identity (zeros for
+a sum, ones for a product, +inf for a min, -inf for a max), and an average is over the others.
+Writes OUTDIR/rank-R.json with what each all_reduce gave."""
+import json
+import os
+import sys
+
+import torch
+
+import pshard
+import pshard.distributed as dist
+import pshard.torch as pt
+
+torch.set_num_threads(1)
+
+
+def main():
+    out = sys.argv[1]
+    pshard.init_process_group()
+    rank = pshard.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    pt.fully_shard(model)
+    opt = pt.optim.SGD(model.parameters(), lr=0.1)
+    got = {}
+    with pt.Join([model, opt]):
+        for step in range(0 if rank == 0 else 2):
+            loss = model(torch.full((3, 4), float(rank))).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
+                x = torch.tensor([rank + 1.0, -(rank + 1.0)])
+                dist.all_reduce(x, op=dist.ReduceOp[name])
+                got[f"{name} {step}"] = x.tolist()
+            for name in ("BAND", "BOR", "BXOR"):
+                x = torch.tensor([rank + 1, 12 - rank], dtype=torch.int64)
+                dist.all_reduce(x, op=dist.ReduceOp[name])
+                got[f"{name} {step}"] = x.tolist()
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump(got, f)
+    pshard.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
