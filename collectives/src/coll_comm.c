@@ -26,6 +26,12 @@ const char *pshard_coll_op_name(pshard_coll_op_t op)
         return "broadcast";
     case PSHARD_COLL_BARRIER:
         return "barrier";
+    case PSHARD_COLL_REDUCE:
+        return "reduce";
+    case PSHARD_COLL_GATHER:
+        return "gather";
+    case PSHARD_COLL_SCATTER:
+        return "scatter";
     }
     return "unknown";
 }
@@ -180,6 +186,77 @@ static void coll_op_free(coll_op_t *op)
     free(op->displs);
     coll_buf_free(&op->sbuf);
     coll_buf_free(&op->rbuf);
+    free(op->temp);
+}
+
+/* reduce, gather and scatter: the operation the engines run instead (all_reduce, all_gather,
+ * broadcast), in *eff, with a temporary recv where the caller's does not take the whole
+ * result (op->temp, op->post_*). *eff keeps a's counts pointer. */
+static pshard_status_t rooted_args(pshard_comm_t *c, const pshard_coll_args_t *a, coll_op_t *op,
+                                   pshard_coll_args_t *eff, char *err, size_t errlen)
+{
+    int n = c->world_size;
+    const char *name = pshard_coll_op_name(a->op);
+    if (a->root < 0 || a->root >= n)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%s root %d is not a rank of this %d-rank communicator", name, a->root, n);
+    if (a->send_segs || a->recv_segs)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%s takes whole buffers, not pieces", name);
+    if (!c->backend->host_buffers)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%s is not on the %s backend yet (use all_reduce, all_gather or "
+                       "broadcast)",
+                       name, c->backend->name);
+    if (a->counts && a->op == PSHARD_COLL_REDUCE)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "reduce takes one count, not per-rank counts");
+    size_t es = pshard_dtype_size(a->dtype);
+    const size_t limit = (SIZE_MAX / 16) / es;
+    size_t total = 0, mine = 0, before = 0;
+    for (int i = 0; i < n && a->op != PSHARD_COLL_REDUCE; i++) {
+        size_t ci = a->counts ? a->counts[i] : a->count;
+        if (ci > limit || total > limit - ci)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "element counts overflow (%zu elements of %zu bytes)", ci, es);
+        if (i == c->rank) {
+            mine = ci;
+            before = total;
+        }
+        total += ci;
+    }
+    if (a->op == PSHARD_COLL_REDUCE) {
+        if (a->count > limit)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "element counts overflow (%zu elements of %zu bytes)", a->count, es);
+        total = a->count;
+    }
+    bool root = c->rank == a->root;
+    *eff = *a;
+    if (a->op == PSHARD_COLL_SCATTER) {
+        eff->op = PSHARD_COLL_BROADCAST;
+        eff->counts = NULL;
+        eff->count = total;
+        if (root && total > 0 && !a->send)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "scatter: send buffer is NULL");
+        if (mine > 0 && !a->recv)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "scatter: recv buffer is NULL");
+        op->post_dst = a->recv;
+        op->post_off = before * es;
+        op->post_len = mine * es;
+    } else {
+        eff->op = a->op == PSHARD_COLL_REDUCE ? PSHARD_COLL_ALL_REDUCE : PSHARD_COLL_ALL_GATHER;
+        if (root)
+            return PSHARD_OK; /* root's recv takes the whole result */
+    }
+    op->temp = malloc(total * es > 0 ? total * es : 1);
+    if (!op->temp)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
+                       "%s: out of memory for a %zu-byte temporary buffer", name, total * es);
+    eff->recv = op->temp;
+    return PSHARD_OK;
 }
 
 /* Checks the arguments against the communicator and fills op (counts, displacements,
@@ -188,12 +265,23 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
                                   char *err, size_t errlen)
 {
     int n = c->world_size;
-    if (a->op < PSHARD_COLL_ALL_GATHER || a->op > PSHARD_COLL_BARRIER)
+    if (a->op < PSHARD_COLL_ALL_GATHER || a->op > PSHARD_COLL_SCATTER)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown collective op %d",
                        (int)a->op);
     size_t esize = pshard_dtype_size(a->dtype);
     if (esize == 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown dtype %d", (int)a->dtype);
+    /* reduce, gather, scatter: checked here, then run as the operation in eff. */
+    pshard_coll_op_t user_op = a->op;
+    int user_root = a->root;
+    pshard_coll_args_t eff;
+    if (a->op >= PSHARD_COLL_REDUCE) {
+        if (a->op == PSHARD_COLL_REDUCE && pshard_reduce_problem(a->reduce, a->dtype))
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "reduce: %s",
+                           pshard_reduce_problem(a->reduce, a->dtype));
+        PS_CHECK(rooted_args(c, a, op, &eff, err, errlen));
+        a = &eff;
+    }
     bool reduces = a->op == PSHARD_COLL_REDUCE_SCATTER || a->op == PSHARD_COLL_ALL_REDUCE;
     const char *why = reduces ? pshard_reduce_problem(a->reduce, a->dtype) : NULL;
     if (why)
@@ -275,10 +363,10 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
 
     coll_desc_t *d = &op->desc;
     memset(d, 0, sizeof(*d));
-    d->op = (uint8_t)a->op;
+    d->op = (uint8_t)user_op;
     d->dtype = (uint8_t)a->dtype;
     d->reduce = reduces ? (uint8_t)a->reduce : 0;
-    d->root = a->op == PSHARD_COLL_BROADCAST ? a->root : 0;
+    d->root = a->op == PSHARD_COLL_BROADCAST || user_op >= PSHARD_COLL_REDUCE ? user_root : 0;
     d->tag = a->tag;
     d->total_count = total;
     d->counts_hash = coll_counts_hash(op->counts, (size_t)n);
@@ -297,7 +385,7 @@ static void record_fill(pshard_comm_t *c, coll_op_t *op, const char *label)
     pshard_coll_record_t *r = &c->records[slot];
     memset(r, 0, sizeof(*r));
     r->seq = op->desc.seq;
-    r->op = op->args.op;
+    r->op = (pshard_coll_op_t)op->desc.op;
     r->dtype = op->args.dtype;
     r->tag = op->args.tag;
     r->total_count = op->desc.total_count;
@@ -457,6 +545,9 @@ void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *m
             ps_strlcpy(r->error, msg ? msg : pshard_status_str(status), sizeof(r->error));
     }
     pthread_mutex_unlock(&c->mu);
+    if (status == PSHARD_OK && req->op.post_len)
+        memcpy(req->op.post_dst, (const uint8_t *)req->op.temp + req->op.post_off,
+               req->op.post_len);
     pthread_mutex_lock(&req->mu);
     req->status = status;
     if (status != PSHARD_OK)

@@ -34,6 +34,9 @@ size_t coll_inline_bytes(const engine_t *e, const coll_op_t *op, int rank)
     case PSHARD_COLL_BROADCAST:
         return rank == op->args.root ? total : 0;
     case PSHARD_COLL_BARRIER:
+    case PSHARD_COLL_REDUCE: /* never here: coll_comm.c runs these three as others */
+    case PSHARD_COLL_GATHER:
+    case PSHARD_COLL_SCATTER:
         return 0;
     }
     return 0;

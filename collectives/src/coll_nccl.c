@@ -350,6 +350,10 @@ static ncclResult_t issue_one(nccl_engine_t *e, const coll_op_t *op, bool groupe
     case PSHARD_COLL_BARRIER:
         *what = "ncclAllReduce (barrier)";
         return ncclAllReduce(e->scratch, e->scratch, 1, ncclInt32, ncclSum, e->nccl, e->stream);
+    case PSHARD_COLL_REDUCE: /* refused before (coll_comm.c): not on nccl yet */
+    case PSHARD_COLL_GATHER:
+    case PSHARD_COLL_SCATTER:
+        break;
     }
     *what = "unknown collective";
     return ncclInvalidArgument;
@@ -468,6 +472,9 @@ static void staged_sizes(const nccl_engine_t *e, const coll_op_t *op, size_t *se
         *recv_bytes = total;
         break;
     case PSHARD_COLL_BARRIER:
+    case PSHARD_COLL_REDUCE: /* refused before (coll_comm.c): not on nccl yet */
+    case PSHARD_COLL_GATHER:
+    case PSHARD_COLL_SCATTER:
         break;
     }
     if (a->send_device)

@@ -415,6 +415,10 @@ static pshard_status_t setup_op(engine_t *e)
         e->nphases = 1;
         return PSHARD_OK;
     }
+    case PSHARD_COLL_REDUCE:
+    case PSHARD_COLL_GATHER:
+    case PSHARD_COLL_SCATTER:
+        break; /* never here: coll_comm.c runs them as all_reduce, all_gather, broadcast */
     }
     return PSHARD_ERR_INVALID_ARGUMENT;
 }

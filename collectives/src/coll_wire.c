@@ -340,7 +340,7 @@ pshard_status_t coll_desc_decode(const uint8_t *in, size_t len, coll_desc_t *m, 
                        "DESC payload is %zu bytes, expected %d to %d", len, DESC_SIZE,
                        DESC_SIZE + COLL_DESC_INLINE_MAX);
     uint8_t op = in[8], dtype = in[9], reduce = in[10];
-    if (op < PSHARD_COLL_ALL_GATHER || op > PSHARD_COLL_BARRIER)
+    if (op < PSHARD_COLL_ALL_GATHER || op > PSHARD_COLL_SCATTER)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "DESC has unknown op %u", op);
     if (dtype >= PSHARD_DTYPE_COUNT)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "DESC has unknown dtype %u",
@@ -612,6 +612,12 @@ static const char *op_wire_name(unsigned op)
         return "broadcast";
     case PSHARD_COLL_BARRIER:
         return "barrier";
+    case PSHARD_COLL_REDUCE:
+        return "reduce";
+    case PSHARD_COLL_GATHER:
+        return "gather";
+    case PSHARD_COLL_SCATTER:
+        return "scatter";
     }
     return NULL;
 }
@@ -634,13 +640,16 @@ void coll_desc_format(const coll_desc_t *d, char *buf, size_t len)
     else
         snprintf(dtype_text, sizeof dtype_text, "dtype(%u)", (unsigned)d->dtype);
     char extra[32] = "";
-    if (d->op == PSHARD_COLL_REDUCE_SCATTER || d->op == PSHARD_COLL_ALL_REDUCE) {
+    if (d->op == PSHARD_COLL_REDUCE_SCATTER || d->op == PSHARD_COLL_ALL_REDUCE ||
+        d->op == PSHARD_COLL_REDUCE) {
         if (d->reduce < PSHARD_REDUCE_COUNT)
             snprintf(extra, sizeof extra, " %s", pshard_reduce_name((pshard_reduce_t)d->reduce));
         else
             snprintf(extra, sizeof extra, " reduce(%u)", (unsigned)d->reduce);
-    } else if (d->op == PSHARD_COLL_BROADCAST) {
-        snprintf(extra, sizeof extra, " root %d", (int)d->root);
+    }
+    if (d->op == PSHARD_COLL_BROADCAST || d->op >= PSHARD_COLL_REDUCE) {
+        size_t used = strlen(extra);
+        snprintf(extra + used, sizeof extra - used, " root %d", (int)d->root);
     }
     snprintf(buf, len, "%s seq %llu %s%s tag 0x%llx total %llu (this rank %llu, counts #%016llx)",
              op, (unsigned long long)d->seq, dtype_text, extra, (unsigned long long)d->tag,

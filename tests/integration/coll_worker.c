@@ -199,13 +199,15 @@ static void counts_of(const case_t *c, size_t *counts, size_t *total)
 {
     *total = 0;
     for (int i = 0; i < g_world; i++) {
-        if (c->op == PSHARD_COLL_ALL_GATHER || c->op == PSHARD_COLL_REDUCE_SCATTER)
+        if (c->op == PSHARD_COLL_ALL_GATHER || c->op == PSHARD_COLL_REDUCE_SCATTER ||
+            c->op == PSHARD_COLL_GATHER || c->op == PSHARD_COLL_SCATTER)
             counts[i] = c->counts ? c->counts[i] : c->count;
         else
             counts[i] = 0;
         *total += counts[i];
     }
-    if (c->op == PSHARD_COLL_ALL_REDUCE || c->op == PSHARD_COLL_BROADCAST)
+    if (c->op == PSHARD_COLL_ALL_REDUCE || c->op == PSHARD_COLL_BROADCAST ||
+        c->op == PSHARD_COLL_REDUCE)
         *total = c->count;
 }
 
@@ -235,6 +237,19 @@ static void start_case(pshard_comm_t *comm, running_t *r)
         recv_n = r->total;
         break;
     case PSHARD_COLL_BARRIER:
+        break;
+    case PSHARD_COLL_REDUCE: /* only the root receives */
+        send_n = r->total;
+        recv_n = g_rank == c->root ? r->total : 0;
+        break;
+    case PSHARD_COLL_GATHER:
+        send_n = r->counts[g_rank];
+        recv_n = g_rank == c->root ? r->total : 0;
+        send_first = offset_mine;
+        break;
+    case PSHARD_COLL_SCATTER: /* only the root sends */
+        send_n = g_rank == c->root ? r->total : 0;
+        recv_n = r->counts[g_rank];
         break;
     }
     r->send = malloc(send_n * es + 8);
@@ -313,14 +328,17 @@ static void finish_case(running_t *r)
         size_t offset_mine = 0;
         for (int i = 0; i < g_rank; i++)
             offset_mine += r->counts[i];
-        size_t n = c->op == PSHARD_COLL_ALL_GATHER       ? r->total
+        bool rooted_recv = c->op == PSHARD_COLL_REDUCE || c->op == PSHARD_COLL_GATHER;
+        size_t n = rooted_recv && g_rank != c->root      ? 0
+                   : c->op == PSHARD_COLL_ALL_GATHER     ? r->total
                    : c->op == PSHARD_COLL_REDUCE_SCATTER ? r->counts[g_rank]
+                   : c->op == PSHARD_COLL_SCATTER        ? r->counts[g_rank]
                    : c->op == PSHARD_COLL_BARRIER        ? 0
                                                          : r->total;
         for (size_t i = 0; i < n; i++) {
             double got = get(r->recv, c->dtype, i), ref = 0, abs_terms = 0;
             bool ok;
-            if (c->op == PSHARD_COLL_ALL_GATHER) {
+            if (c->op == PSHARD_COLL_ALL_GATHER || c->op == PSHARD_COLL_GATHER) {
                 /* Element i came from the rank whose block holds it. */
                 int owner = 0;
                 size_t acc = 0;
@@ -330,6 +348,10 @@ static void finish_case(running_t *r)
                 ok = got == ref;
             } else if (c->op == PSHARD_COLL_BROADCAST) {
                 ref = input_value(r->id, c->root, i, c->dtype);
+                ok = got == ref;
+            } else if (c->op == PSHARD_COLL_SCATTER) {
+                /* This rank's block of the root's input. */
+                ref = input_value(r->id, c->root, offset_mine + i, c->dtype);
                 ok = got == ref;
             } else if (c->dtype == PSHARD_INT64) {
                 /* Exact, wrapping modulo 2^64 as the kernels do. */
@@ -497,6 +519,27 @@ static int scenario_correctness(bool big)
                 }
             }
         }
+        /* reduce, gather and scatter to and from every root, even and v counts. */
+        for (size_t d = 0; d < PS_ARRAY_LEN(dtypes); d++) {
+            pshard_dtype_t dt = dtypes[d];
+            for (size_t s = 0; s < PS_ARRAY_LEN(op_sizes); s++) {
+                for (int root = 0; root < g_world; root++) {
+                    size_t n = op_sizes[s];
+                    case_t cs[] = {
+                        {PSHARD_COLL_REDUCE, dt,
+                         dt == PSHARD_INT64 ? PSHARD_REDUCE_MAX : PSHARD_REDUCE_AVG, n, NULL, root},
+                        {PSHARD_COLL_GATHER, dt, PSHARD_REDUCE_SUM, n, NULL, root},
+                        {PSHARD_COLL_SCATTER, dt, PSHARD_REDUCE_SUM, n, NULL, root},
+                    };
+                    for (size_t k = 0; k < PS_ARRAY_LEN(cs); k++)
+                        run_case(comm, &cs[k], id++);
+                }
+            }
+            case_t gv = {PSHARD_COLL_GATHER, dt, PSHARD_REDUCE_SUM, 0, vc, g_world - 1};
+            case_t sv = {PSHARD_COLL_SCATTER, dt, PSHARD_REDUCE_SUM, 0, vc, 0};
+            run_case(comm, &gv, id++);
+            run_case(comm, &sv, id++);
+        }
         /* A bitwise reduction of floats is refused locally. */
         pshard_coll_args_t band = {.op = PSHARD_COLL_ALL_REDUCE,
                                    .dtype = PSHARD_FP32,
@@ -582,6 +625,10 @@ static int scenario_desync(const char *what)
         a.op = PSHARD_COLL_BROADCAST;
     else if (odd && strcmp(what, "tag") == 0)
         a.tag = 8;
+    if (strcmp(what, "root") == 0) { /* a reduce to rank 0, but the last rank names rank 1 */
+        a.op = PSHARD_COLL_REDUCE;
+        a.root = odd ? 1 : 0;
+    }
     err[0] = '\0';
     int64_t t0 = ps_now_ns();
     pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
@@ -589,7 +636,10 @@ static int scenario_desync(const char *what)
     CHECK(rc == PSHARD_ERR_DESYNC, "expected DESYNC, got %s: %s", pshard_status_name(rc), err);
     char r_last[32];
     snprintf(r_last, sizeof(r_last), "rank %d", g_world - 1);
-    CHECK(strstr(err, "desync") && strstr(err, r_last) && strstr(err, "all_reduce"),
+    bool root_case = strcmp(what, "root") == 0;
+    CHECK(strstr(err, "desync") && strstr(err, r_last) &&
+              strstr(err, root_case ? "reduce" : "all_reduce") &&
+              (!root_case || (strstr(err, "root 0") && strstr(err, "root 1"))),
           "message does not name both sides: %s", err);
     CHECK(secs < 10, "desync took %.1f s", secs);
     /* The communicator stays failed. */

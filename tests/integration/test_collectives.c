@@ -161,6 +161,10 @@ static void test_desync_tag(void)
 {
     desync("tag");
 }
+static void test_desync_root(void)
+{
+    desync("root");
+}
 
 static void test_kill(void)
 {
@@ -308,6 +312,7 @@ int main(int argc, char **argv)
         {"desync: count", test_desync_count},
         {"desync: op", test_desync_op},
         {"desync: tag", test_desync_tag},
+        {"desync: reduce roots differ", test_desync_root},
         {"kill -9 a rank mid-operation", test_kill},
         {"abort from another thread", test_abort},
         {"abort in the middle of a DATA frame", test_abort_mid_frame},

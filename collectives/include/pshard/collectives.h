@@ -34,6 +34,9 @@ typedef enum {
     PSHARD_COLL_ALL_REDUCE = 3,
     PSHARD_COLL_BROADCAST = 4,
     PSHARD_COLL_BARRIER = 5,
+    PSHARD_COLL_REDUCE = 6,  /* to a root */
+    PSHARD_COLL_GATHER = 7,  /* to a root */
+    PSHARD_COLL_SCATTER = 8, /* from a root */
 } pshard_coll_op_t;
 
 /* Reductions (pshard_reduce_t, types.h): floating types reduce in fp32 (half types widened,
@@ -70,7 +73,19 @@ typedef struct {
  *  broadcast:      root's send goes to every rank's recv (`count` elements; root may pass
  *                  send == recv).
  *  barrier:        no buffers.
- * counts == NULL means every rank has `count` elements (all_gather, reduce_scatter); otherwise
+ *  reduce:         like all_reduce, but only root's recv receives the result (the others may
+ *                  pass recv = NULL).
+ *  gather:         like all_gather, but only root's recv receives the blocks.
+ *  scatter:        root's send holds sum(counts) elements, rank-major; every rank's recv
+ *                  receives its counts[rank] (other ranks may pass send = NULL).
+ *                  reduce, gather and scatter run as all_reduce, all_gather and broadcast into
+ *                  a temporary buffer on the ranks whose recv does not take the whole result
+ *                  (ring cost of those operations; memory of the whole result on those ranks);
+ *                  they take whole buffers (not pieces) and are not on the nccl backend yet.
+ *                  Their descriptors name the operation and root, so a rank running another
+ *                  operation or root fails with PSHARD_ERR_DESYNC as for the others.
+ * counts == NULL means every rank has `count` elements (all_gather, reduce_scatter, gather,
+ * scatter); otherwise
  * counts[0..world_size) gives each rank's count (zeros allowed) and `count` is ignored.
  * Sums of bf16/fp16 accumulate in fp32 and round once at the end (round to nearest even). */
 typedef struct {
