@@ -239,12 +239,24 @@ pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opt
 /* ---------------------------------------------------------------------------------------- */
 /* Plain collectives                                                                         */
 
+/* CollectiveRequest.op (shard.proto): collectives.h's pshard_coll_op_t numbers. */
+enum {
+    OP_ALL_GATHER = 1,
+    OP_ALL_REDUCE = 3,
+    OP_BROADCAST = 4,
+    OP_BARRIER = 5,
+    OP_REDUCE = 6,
+    OP_GATHER = 7,
+    OP_SCATTER = 8,
+};
+
+/* One Collective: this rank's send_bytes at send_off in the scratch region, its recv_bytes at
+ * recv_off after (both moved over the wire on the remote path). */
 static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_t dt,
                                   uint32_t reduce, int root, size_t count, size_t send_off,
-                                  size_t recv_off, size_t recv_bytes)
+                                  size_t send_bytes, size_t recv_off, size_t recv_bytes)
 {
     char err[PSHARD_ERRLEN] = "";
-    size_t send_bytes = count * pshard_dtype_size(dt);
     if (c->cfg.remote && send_bytes &&
         client_remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, send_off, send_bytes, 0, err,
                             sizeof(err)) != PSHARD_OK)
@@ -289,7 +301,7 @@ pshard_status_t pshard_all_reduce_op(pshard_client_t *c, void *buf, size_t count
     size_t bytes = count * pshard_dtype_size(dtype);
     PS_CHECK(fits(c, bytes));
     memcpy(c->scratch.base, buf, bytes);
-    PS_CHECK(collective(c, 3, dtype, (uint32_t)op, 0, count, 0, 0, bytes));
+    PS_CHECK(collective(c, OP_ALL_REDUCE, dtype, (uint32_t)op, 0, count, 0, bytes, 0, bytes));
     memcpy(buf, c->scratch.base, bytes);
     return PSHARD_OK;
 }
@@ -308,7 +320,8 @@ pshard_status_t pshard_broadcast(pshard_client_t *c, void *buf, size_t count, ps
     PS_CHECK(fits(c, bytes));
     if (c->rank == root)
         memcpy(c->scratch.base, buf, bytes);
-    PS_CHECK(collective(c, 4, dtype, 0, root, count, 0, 0, bytes));
+    PS_CHECK(collective(c, OP_BROADCAST, dtype, 0, root, count, 0, c->rank == root ? bytes : 0, 0,
+                        bytes));
     memcpy(buf, c->scratch.base, bytes);
     return PSHARD_OK;
 }
@@ -320,12 +333,85 @@ pshard_status_t pshard_all_gather(pshard_client_t *c, const void *send, void *re
     size_t recv_off = client_align(bytes);
     PS_CHECK(fits(c, recv_off + bytes * (size_t)c->world));
     memcpy(c->scratch.base, send, bytes);
-    PS_CHECK(collective(c, 1, dtype, 0, 0, count, 0, recv_off, bytes * (size_t)c->world));
+    PS_CHECK(collective(c, OP_ALL_GATHER, dtype, 0, 0, count, 0, bytes, recv_off,
+                        bytes * (size_t)c->world));
     memcpy(recv, (uint8_t *)c->scratch.base + recv_off, bytes * (size_t)c->world);
     return PSHARD_OK;
 }
 
 pshard_status_t pshard_barrier(pshard_client_t *c)
 {
-    return collective(c, 5, PSHARD_FP32, 0, 0, 0, 0, 0, 0);
+    return collective(c, OP_BARRIER, PSHARD_FP32, 0, 0, 0, 0, 0, 0, 0);
+}
+
+/* count elements of dtype, times mult, in bytes; an error when that overflows or the root is
+ * not a rank. */
+static pshard_status_t rooted_bytes(pshard_client_t *c, const char *what, size_t count,
+                                    pshard_dtype_t dtype, size_t mult, int root, size_t *bytes)
+{
+    size_t es = pshard_dtype_size(dtype);
+    if (es == 0)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "%s: unknown dtype %d", what,
+                           (int)dtype);
+    if (root < 0 || root >= c->world)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "%s: root %d is not a rank of this %d-rank job", what, root, c->world);
+    if (count > SIZE_MAX / 4 / es / mult)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "%s: %zu elements are too many", what,
+                           count);
+    *bytes = count * es * mult;
+    return PSHARD_OK;
+}
+
+pshard_status_t pshard_reduce_to(pshard_client_t *c, void *buf, size_t count, pshard_dtype_t dtype,
+                                 pshard_reduce_t op, int root)
+{
+    size_t bytes = 0;
+    PS_CHECK(rooted_bytes(c, "reduce", count, dtype, 1, root, &bytes));
+    if ((unsigned)op >= PSHARD_REDUCE_COUNT)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "reduce: unknown reduction %d", (int)op);
+    PS_CHECK(fits(c, bytes));
+    memcpy(c->scratch.base, buf, bytes);
+    bool me = c->rank == root;
+    PS_CHECK(
+        collective(c, OP_REDUCE, dtype, (uint32_t)op, root, count, 0, bytes, 0, me ? bytes : 0));
+    if (me)
+        memcpy(buf, c->scratch.base, bytes);
+    return PSHARD_OK;
+}
+
+pshard_status_t pshard_gather_to(pshard_client_t *c, const void *send, void *recv, size_t count,
+                                 pshard_dtype_t dtype, int root)
+{
+    size_t bytes = 0, all = 0;
+    PS_CHECK(rooted_bytes(c, "gather", count, dtype, 1, root, &bytes));
+    PS_CHECK(rooted_bytes(c, "gather", count, dtype, (size_t)c->world, root, &all));
+    bool me = c->rank == root;
+    size_t recv_off = client_align(bytes);
+    PS_CHECK(fits(c, recv_off + (me ? all : 0)));
+    if (me && all && !recv)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "gather: the root's recv is NULL");
+    memcpy(c->scratch.base, send, bytes);
+    PS_CHECK(collective(c, OP_GATHER, dtype, 0, root, count, 0, bytes, recv_off, me ? all : 0));
+    if (me)
+        memcpy(recv, (uint8_t *)c->scratch.base + recv_off, all);
+    return PSHARD_OK;
+}
+
+pshard_status_t pshard_scatter_from(pshard_client_t *c, const void *send, void *recv, size_t count,
+                                    pshard_dtype_t dtype, int root)
+{
+    size_t bytes = 0, all = 0;
+    PS_CHECK(rooted_bytes(c, "scatter", count, dtype, 1, root, &bytes));
+    PS_CHECK(rooted_bytes(c, "scatter", count, dtype, (size_t)c->world, root, &all));
+    bool me = c->rank == root;
+    size_t recv_off = client_align(me ? all : 0);
+    PS_CHECK(fits(c, recv_off + bytes));
+    if (me && all && !send)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "scatter: the root's send is NULL");
+    if (me)
+        memcpy(c->scratch.base, send, all);
+    PS_CHECK(collective(c, OP_SCATTER, dtype, 0, root, count, 0, me ? all : 0, recv_off, bytes));
+    memcpy(recv, (uint8_t *)c->scratch.base + recv_off, bytes);
+    return PSHARD_OK;
 }

@@ -212,8 +212,8 @@ pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op,
 {
     int world = pshard_comm_world_size(comm);
     bool avg = op->reduce == PSHARD_REDUCE_AVG;
-    bool partial_avg =
-        avg && op->coll_op == PSHARD_COLL_ALL_REDUCE && active < world && op->dtype != PSHARD_INT64;
+    bool reduces = op->coll_op == PSHARD_COLL_ALL_REDUCE || op->coll_op == PSHARD_COLL_REDUCE;
+    bool partial_avg = avg && reduces && active < world && op->dtype != PSHARD_INT64;
     pshard_coll_args_t a = {.op = (pshard_coll_op_t)op->coll_op,
                             .dtype = op->dtype,
                             .reduce = partial_avg ? PSHARD_REDUCE_SUM : (pshard_reduce_t)op->reduce,
@@ -223,7 +223,9 @@ pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op,
                             .count = op->count,
                             .label = "trainer collective"};
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-    if (partial_avg) {
+    /* (a reduce's result is the root's alone: the others' recv was not written) */
+    if (partial_avg &&
+        (op->coll_op == PSHARD_COLL_ALL_REDUCE || pshard_comm_rank(comm) == op->root)) {
         /* Joined ranks added zeros: the mean is over the ranks that contributed. */
         float inv = (float)(1.0 / (double)(active > 0 ? active : 1));
         if (op->dtype == PSHARD_FP32) {

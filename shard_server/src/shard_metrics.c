@@ -12,8 +12,8 @@
 #include "shard_internal.h"
 
 static const char *const opk_names[SHARD_OPK_COUNT] = {
-    "gather",     "reduce_scatter", "step",      "clip_grad_norm",
-    "all_gather", "all_reduce",     "broadcast", "barrier",
+    "gather",    "reduce_scatter", "step",   "clip_grad_norm", "all_gather", "all_reduce",
+    "broadcast", "barrier",        "reduce", "gather_to_root", "scatter",
 };
 
 shard_opk_t shard_opk_of_coll(uint32_t coll_op)
@@ -25,6 +25,12 @@ shard_opk_t shard_opk_of_coll(uint32_t coll_op)
         return SHARD_OPK_BROADCAST;
     case PSHARD_COLL_BARRIER:
         return SHARD_OPK_BARRIER;
+    case PSHARD_COLL_REDUCE:
+        return SHARD_OPK_REDUCE;
+    case PSHARD_COLL_GATHER:
+        return SHARD_OPK_GATHER_TO_ROOT;
+    case PSHARD_COLL_SCATTER:
+        return SHARD_OPK_SCATTER;
     default:
         return SHARD_OPK_ALL_REDUCE;
     }

@@ -236,21 +236,24 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, con
     if (op->kind == SHARD_SOP_COLLECTIVE) {
         size_t es = pshard_dtype_size(op->dtype);
         uint64_t world = (uint64_t)ag->world;
-        if (op->count > (1ull << 32) / es ||
-            (op->coll_op != PSHARD_COLL_ALL_GATHER && op->coll_op != PSHARD_COLL_ALL_REDUCE &&
-             op->coll_op != PSHARD_COLL_BROADCAST && op->coll_op != PSHARD_COLL_BARRIER))
+        if (op->count > (1ull << 32) / es || op->coll_op < PSHARD_COLL_ALL_GATHER ||
+            op->coll_op > PSHARD_COLL_SCATTER || op->coll_op == PSHARD_COLL_REDUCE_SCATTER)
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                            "cannot shadow %s of %" PRIu64 " elements",
                            pshard_coll_op_name((pshard_coll_op_t)op->coll_op), op->count);
         size_t send_bytes = (size_t)op->count * es;
-        size_t recv_bytes = op->coll_op == PSHARD_COLL_ALL_GATHER ? send_bytes * world : send_bytes;
+        bool gathers = op->coll_op == PSHARD_COLL_ALL_GATHER || op->coll_op == PSHARD_COLL_GATHER;
+        size_t recv_bytes = gathers ? send_bytes * world : send_bytes;
+        if (op->coll_op == PSHARD_COLL_SCATTER)
+            send_bytes *= world; /* whether or not this rank is the root: zeros if it is */
         uint8_t *buf = follow_buffer(s, send_bytes + recv_bytes);
         if (!buf)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
         /* Nothing to contribute: the reduction's identity (zeros for a sum, and for the other
          * operations, which send nothing this rank's result depends on). */
         memset(buf, 0, send_bytes);
-        if (op->coll_op == PSHARD_COLL_ALL_REDUCE && op->count > 0 &&
+        if ((op->coll_op == PSHARD_COLL_ALL_REDUCE || op->coll_op == PSHARD_COLL_REDUCE) &&
+            op->count > 0 &&
             pshard_reduce_identity((pshard_reduce_t)op->reduce, op->dtype, buf) == 0)
             for (size_t k = 1; k < (size_t)op->count; k++)
                 memcpy(buf + k * es, buf, es);

@@ -304,10 +304,20 @@ static pshard_status_t collective_check(pshard_shard_server_t *s, pshard_comm_t 
 {
     const Pshard__CollectiveRequest *req = op->arg;
     size_t es = pshard_dtype_size(op->sop.dtype);
-    uint64_t send_bytes = req->count * es;
-    uint64_t recv_bytes = req->op == PSHARD_COLL_ALL_GATHER
-                              ? send_bytes * (uint64_t)pshard_comm_world_size(comm)
-                              : send_bytes;
+    int world = pshard_comm_world_size(comm);
+    bool rooted = req->op == PSHARD_COLL_BROADCAST || req->op >= PSHARD_COLL_REDUCE;
+    if (rooted && (req->root < 0 || req->root >= world))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%s root %d is not a rank of this %d-rank cluster",
+                       pshard_coll_op_name((pshard_coll_op_t)req->op), req->root, world);
+    bool root = pshard_comm_rank(comm) == req->root;
+    uint64_t send_bytes = req->count * es, recv_bytes = send_bytes;
+    if (req->op == PSHARD_COLL_ALL_GATHER || (req->op == PSHARD_COLL_GATHER && root))
+        recv_bytes = send_bytes * (uint64_t)world; /* count is per rank */
+    else if (req->op == PSHARD_COLL_GATHER || req->op == PSHARD_COLL_REDUCE)
+        recv_bytes = root ? send_bytes : 0; /* only the root receives */
+    if (req->op == PSHARD_COLL_SCATTER)
+        send_bytes = root ? send_bytes * (uint64_t)world : 0; /* only the root sends */
     if (req->count > (1ull << 40) ||
         !shard_in_region(&s->scratch, req->send_offset, send_bytes, es) ||
         !shard_in_region(&s->scratch, req->recv_offset, recv_bytes, es))
@@ -337,19 +347,20 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
         return;
     }
     if (req->op != PSHARD_COLL_ALL_GATHER && req->op != PSHARD_COLL_ALL_REDUCE &&
-        req->op != PSHARD_COLL_BROADCAST && req->op != PSHARD_COLL_BARRIER) {
+        req->op != PSHARD_COLL_BROADCAST && req->op != PSHARD_COLL_BARRIER &&
+        req->op != PSHARD_COLL_REDUCE && req->op != PSHARD_COLL_GATHER &&
+        req->op != PSHARD_COLL_SCATTER) {
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
                          "op %u is not one of all_gather (1), all_reduce (3), broadcast (4), "
-                         "barrier (5)",
+                         "barrier (5), reduce (6), gather (7), scatter (8)",
                          req->op);
         return;
     }
-    const char *why = req->op == PSHARD_COLL_ALL_REDUCE
-                          ? pshard_reduce_problem((pshard_reduce_t)req->reduce, dt)
-                          : NULL;
+    bool reduces = req->op == PSHARD_COLL_ALL_REDUCE || req->op == PSHARD_COLL_REDUCE;
+    const char *why = reduces ? pshard_reduce_problem((pshard_reduce_t)req->reduce, dt) : NULL;
     if (why) {
-        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "all_reduce reduce %u: %s", req->reduce,
-                         why);
+        ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "%s reduce %u: %s",
+                         pshard_coll_op_name((pshard_coll_op_t)req->op), req->reduce, why);
         return;
     }
     shard_op_t op = {
@@ -360,8 +371,8 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
                 .coll_op = req->op,
                 .count = req->count,
                 .root = req->root,
-                /* Only all_reduce reduces: other ops carry sum, whatever was sent. */
-                .reduce = req->op == PSHARD_COLL_ALL_REDUCE ? req->reduce : 0},
+                /* Only all_reduce and reduce reduce: others carry sum, whatever was sent. */
+                .reduce = reduces ? req->reduce : 0},
         .opk = shard_opk_of_coll(req->op),
         .check = collective_check,
         .run = collective_run,

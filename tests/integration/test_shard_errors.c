@@ -273,18 +273,26 @@ static res_t do_step_groups(ps_rpc_channel_t *ch, const char *session, Pshard__O
     return rpc(ch, "Step", &req.base, &pshard__step_response__descriptor, 10000);
 }
 
-static res_t do_coll_reduce(ps_rpc_channel_t *ch, const char *session, uint32_t op, int dtype,
-                            uint64_t count, uint64_t send_off, uint64_t recv_off, uint32_t reduce)
+static res_t do_coll_full(ps_rpc_channel_t *ch, const char *session, uint32_t op, int dtype,
+                          uint64_t count, uint64_t send_off, uint64_t recv_off, uint32_t reduce,
+                          int root)
 {
     Pshard__CollectiveRequest req = PSHARD__COLLECTIVE_REQUEST__INIT;
     req.session = (char *)session;
     req.op = op;
     req.reduce = reduce;
+    req.root = root;
     req.dtype = (Pshard__DType)dtype;
     req.count = count;
     req.send_offset = send_off;
     req.recv_offset = recv_off;
     return rpc(ch, "Collective", &req.base, &pshard__collective_response__descriptor, 10000);
+}
+
+static res_t do_coll_reduce(ps_rpc_channel_t *ch, const char *session, uint32_t op, int dtype,
+                            uint64_t count, uint64_t send_off, uint64_t recv_off, uint32_t reduce)
+{
+    return do_coll_full(ch, session, op, dtype, count, send_off, recv_off, reduce, 0);
 }
 
 static res_t do_coll(ps_rpc_channel_t *ch, const char *session, uint32_t op, int dtype,
@@ -1646,7 +1654,7 @@ static void test_collective_bad(void)
     const pshard_status_t IA = PSHARD_ERR_INVALID_ARGUMENT;
     const char *s = tr.session;
     const int F32 = PSHARD__DTYPE__FP32;
-    const uint32_t bad_ops[] = {0, 2, 6, 99, UINT32_MAX};
+    const uint32_t bad_ops[] = {0, 2, 9, 99, UINT32_MAX};
     for (size_t i = 0; i < sizeof(bad_ops) / sizeof(bad_ops[0]); i++) {
         char sub[32];
         snprintf(sub, sizeof(sub), "op %u is not one of", bad_ops[i]);
@@ -1677,6 +1685,36 @@ static void test_collective_bad(void)
     EXPECT_ERR("Collective, avg of int64",
                do_coll_reduce(ch, s, 3, PSHARD__DTYPE__INT64, 4, 0, 64, 1), IA,
                "avg is not defined for int64");
+    /* reduce, gather, scatter: the root must be a rank; reduce's reduction is checked. */
+    EXPECT_ERR("Collective, reduce to rank 1 of 1", do_coll_full(ch, s, 6, F32, 4, 0, 64, 0, 1), IA,
+               "reduce root 1 is not a rank of this 1-rank cluster");
+    EXPECT_ERR("Collective, gather to rank -1", do_coll_full(ch, s, 7, F32, 4, 0, 64, 0, -1), IA,
+               "gather root -1 is not a rank");
+    EXPECT_ERR("Collective, scatter from rank 7", do_coll_full(ch, s, 8, F32, 4, 0, 64, 0, 7), IA,
+               "scatter root 7 is not a rank");
+    EXPECT_ERR("Collective, reduce band of fp32", do_coll_full(ch, s, 6, F32, 4, 0, 64, 5, 0), IA,
+               "band is for int64 only");
+    EXPECT_ERR("Collective, gather recv past the end",
+               do_coll_full(ch, s, 7, F32, 1024, 0, 4, 0, 0), IA, "outside");
+    EXPECT_ERR("Collective, scatter send past the end",
+               do_coll_full(ch, s, 8, F32, 1024, 4, 0, 0, 0), IA, "outside");
+    /* ... and on one rank they are copies. */
+    {
+        float *sc = (float *)tr.scratch.base;
+        for (int i = 0; i < 4; i++)
+            sc[i] = (float)i + 0.5f;
+        static const uint32_t rooted_ops[] = {6, 7, 8};
+        for (int k = 0; k < 3; k++) {
+            memset(sc + 16, 0, 4 * sizeof(float));
+            ProtobufCMessage *r =
+                EXPECT_OK("Collective, rooted op on one rank",
+                          do_coll_full(ch, s, rooted_ops[k], F32, 4, 0, 64, 4 /* max */, 0));
+            if (r)
+                protobuf_c_message_free_unpacked(r, NULL);
+            for (int i = 0; i < 4; i++)
+                CU_ASSERT_EQUAL(sc[16 + i], (float)i + 0.5f);
+        }
+    }
     /* A reduction sent with an op that does not reduce is ignored (as before). */
     ProtobufCMessage *ok = EXPECT_OK("Collective, broadcast with reduce 99",
                                      do_coll_reduce(ch, s, 4, F32, 4, 0, 0, 99));

@@ -85,6 +85,34 @@ def main():
                 else:
                     ok = torch.equal(x, want)
                 expect(f"{name} {dtype} {n}", ok)
+    # reduce, gather, scatter to and from every rank; sizes past one 4 MiB piece.
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for n in (0, 1, 97, 1_200_001 if dtype == torch.float32 else 1001):
+            salt = 11 + n % 100
+            ins = [data(r, n, dtype, salt) for r in range(world)]
+            for root in range(world):
+                x = ins[rank].clone()
+                op = dist.ReduceOp.MAX
+                dist.reduce(x, root, op=op)
+                want = ins[0].clone()
+                for y in ins[1:]:
+                    want = torch.maximum(want, y)
+                expect(f"reduce {dtype} {n} to {root}",
+                       torch.equal(x, want if rank == root else ins[rank]))
+                outs = [torch.full((n,), -7, dtype=dtype) for _ in range(world)]
+                dist.gather(ins[rank], outs if rank == root else None, dst=root)
+                if rank == root:
+                    expect(f"gather {dtype} {n} to {root}",
+                           all(torch.equal(o, i) for o, i in zip(outs, ins)))
+                got = torch.full((n,), -7, dtype=dtype)
+                blocks = [data(root * 10 + r, n, dtype, salt) for r in range(world)]
+                dist.scatter(got, blocks if rank == root else None, src=root)
+                expect(f"scatter {dtype} {n} from {root}", torch.equal(got, blocks[rank]))
+    # A non-contiguous scatter target and gather source.
+    m = torch.zeros(4, 6)
+    dist.scatter(m.t(), [torch.full((6, 4), float(r)) for r in range(world)] if rank == 0
+                 else None, src=0)
+    expect("scatter non-contiguous", torch.equal(m, torch.full((4, 6), float(rank))))
     # Non-contiguous in place; 2-D all_gather output.
     m = data(rank, 60, torch.float32, 5).view(6, 10)
     tv = m.t()
@@ -106,6 +134,14 @@ def main():
         ("op", lambda: dist.all_reduce(torch.zeros(2), op="max"), ValueError),
         ("band of floats", lambda: dist.all_reduce(torch.zeros(2), op=dist.ReduceOp.BAND),
          TypeError),
+        ("reduce dst", lambda: dist.reduce(torch.zeros(2), world), ValueError),
+        ("gather list", lambda: dist.gather(torch.zeros(2), [torch.zeros(2)] * (world + 1),
+                                            dst=rank), ValueError),
+        ("gather list shape", lambda: dist.gather(torch.zeros(2), [torch.zeros(3)] * world,
+                                                  dst=rank), ValueError),
+        ("scatter src", lambda: dist.scatter(torch.zeros(2), None, src=-1), ValueError),
+        ("scatter list missing", lambda: dist.scatter(torch.zeros(2), None, src=rank),
+         ValueError),
         ("group", lambda: dist.all_reduce(torch.zeros(2), group=object()), ValueError),
     ]:
         try:

@@ -35,6 +35,19 @@ def main():
                 x = torch.tensor([rank + 1.0, -(rank + 1.0)])
                 dist.all_reduce(x, op=dist.ReduceOp[name])
                 got[f"{name} {step}"] = x.tolist()
+            # To and from a root while rank 0 has joined: its server takes part with the
+            # reduction's identity (reduce) or zeros (its gather block).
+            x = torch.tensor([rank + 1.0, -(rank + 1.0)])
+            dist.reduce(x, 2, op=dist.ReduceOp.MIN)
+            got[f"reduce {step}"] = x.tolist()
+            outs = [torch.zeros(2) for _ in range(3)] if rank == 1 else None
+            dist.gather(torch.tensor([rank * 1.0, step * 1.0]), outs, dst=1)
+            if outs is not None:
+                got[f"gather {step}"] = [o.tolist() for o in outs]
+            y = torch.zeros(2)
+            dist.scatter(y, [torch.tensor([r * 10.0, step * 1.0]) for r in range(3)]
+                         if rank == 2 else None, src=2)
+            got[f"scatter {step}"] = y.tolist()
             for name in ("BAND", "BOR", "BXOR"):
                 x = torch.tensor([rank + 1, 12 - rank], dtype=torch.int64)
                 dist.all_reduce(x, op=dist.ReduceOp[name])

@@ -59,3 +59,9 @@ def test_joined_rank_changes_no_reduction(tmp_path):
         for step in (0, 1):
             for name, w in want.items():
                 assert got[f"{name} {step}"] == w, (r, name, step, got)
+            assert got[f"scatter {step}"] == [r * 10.0, float(step)], (r, got)
+            if r == 2:  # the root of the reduce: min over ranks 1 and 2 only
+                assert got[f"reduce {step}"] == [2.0, -3.0], got
+            if r == 1:  # the gather's root: rank 0's block is zeros
+                assert got[f"gather {step}"] == [[0.0, 0.0], [1.0, float(step)],
+                                                 [2.0, float(step)]], got

@@ -312,6 +312,18 @@ PSHARD_API pshard_status_t pshard_broadcast(pshard_client_t *c, void *buf, size_
 PSHARD_API pshard_status_t pshard_all_gather(pshard_client_t *c, const void *send, void *recv,
                                              size_t count, pshard_dtype_t dtype);
 PSHARD_API pshard_status_t pshard_barrier(pshard_client_t *c);
+/* To and from a root (torch.distributed's reduce, gather, scatter): reduce_to leaves the
+ * reduction of every rank's buf in root's buf (the others' buf is unchanged); gather_to puts
+ * every rank's count elements into root's recv (world_size * count, rank-major; the others may
+ * pass recv = NULL); scatter_from gives each rank its count elements of root's send (world_size *
+ * count; the others may pass send = NULL). Ranks that joined take part with their identity
+ * (reduce) or zeros. */
+PSHARD_API pshard_status_t pshard_reduce_to(pshard_client_t *c, void *buf, size_t count,
+                                            pshard_dtype_t dtype, pshard_reduce_t op, int root);
+PSHARD_API pshard_status_t pshard_gather_to(pshard_client_t *c, const void *send, void *recv,
+                                            size_t count, pshard_dtype_t dtype, int root);
+PSHARD_API pshard_status_t pshard_scatter_from(pshard_client_t *c, const void *send, void *recv,
+                                               size_t count, pshard_dtype_t dtype, int root);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,5 @@
 """Collectives on torch tensors through this trainer's shard server, with torch.distributed's
-names: all_reduce, broadcast, all_gather_into_tensor, barrier. While some trainers have joined
+names: all_reduce, reduce, broadcast, all_gather_into_tensor, gather, scatter, barrier. While some trainers have joined
 (pshard.torch.Join), their ranks contribute the reduction's identity (zeros for a sum, ones for
 a product, -inf for a max, ...) and an average is over the others.
 
@@ -14,8 +14,8 @@ import torch
 
 import pshard
 
-__all__ = ["ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor", "barrier",
-           "get_rank", "get_world_size"]
+__all__ = ["ReduceOp", "all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "gather",
+           "scatter", "barrier", "get_rank", "get_world_size"]
 
 get_rank = pshard.get_rank
 get_world_size = pshard.get_world_size
@@ -102,11 +102,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     BAND, BOR, BXOR for int64), ours or torch.distributed's."""
     c = _check(group)
     dt = _dtype_of(tensor, "tensor")
-    op = _reduce_op(op)
-    if op is ReduceOp.AVG and dt == "int64":
-        raise TypeError("ReduceOp.AVG needs a floating-point tensor")
-    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dt != "int64":
-        raise TypeError(f"ReduceOp.{op.name} needs an int64 tensor, not {tensor.dtype}")
+    op = _check_op(op, dt, tensor)
     _in_place(tensor, lambda piece: c.all_reduce(piece, dt, op.value))
     return _DoneWork() if async_op else None
 
@@ -143,6 +139,96 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
         out_flat[:, i:i + piece.numel()].copy_(recv.view(world, -1))
     if out is not output_tensor:
         output_tensor.copy_(out)
+    return _DoneWork() if async_op else None
+
+
+def _check_op(op, dt, tensor):
+    op = _reduce_op(op)
+    if op is ReduceOp.AVG and dt == "int64":
+        raise TypeError("ReduceOp.AVG needs a floating-point tensor")
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dt != "int64":
+        raise TypeError(f"ReduceOp.{op.name} needs an int64 tensor, not {tensor.dtype}")
+    return op
+
+
+def _rank_arg(c, value, what):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int rank, not {type(value).__name__}")
+    if not 0 <= value < c.world_size:
+        raise ValueError(f"{what} {value} is not a rank (world size {c.world_size})")
+    return value
+
+
+def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
+    """Reduces tensor over all ranks into rank dst's tensor (in place there; the others'
+    tensors are left as they were). op as all_reduce's."""
+    c = _check(group)
+    dt = _dtype_of(tensor, "tensor")
+    op = _check_op(op, dt, tensor)
+    dst = _rank_arg(c, dst, "dst")
+    # (only dst's pieces are written; the others' stay as they were)
+    _in_place(tensor, lambda piece: c.reduce(piece, dt, op.value, dst))
+    return _DoneWork() if async_op else None
+
+
+def _rooted_list(c, lst, tensor, what, root, name):
+    """The root's list of world_size tensors shaped and typed like tensor; None elsewhere."""
+    if c.rank != root:
+        return None
+    if lst is None or len(lst) != c.world_size:
+        raise ValueError(f"{what} must be a list of world_size ({c.world_size}) tensors on "
+                         f"rank {root} ({name})")
+    dt = _dtype_of(tensor, "tensor")
+    for i, t in enumerate(lst):
+        if _dtype_of(t, f"{what}[{i}]") != dt or t.numel() != tensor.numel():
+            raise ValueError(f"{what}[{i}] must have tensor's dtype {tensor.dtype} and its "
+                             f"{tensor.numel()} elements")
+    return lst
+
+
+def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
+    """Collects every rank's tensor into rank dst's gather_list (world_size tensors like tensor,
+    in rank order); the other ranks pass gather_list=None."""
+    c = _check(group)
+    dt = _dtype_of(tensor, "tensor")
+    dst = _rank_arg(c, dst, "dst")
+    outs = _rooted_list(c, gather_list, tensor, "gather_list", dst, "dst")
+    world = c.world_size
+    src = tensor.detach().contiguous().view(-1)
+    step = max(1, _CHUNK_BYTES // max(1, src.element_size() * (world + 1)))
+    for i in range(0, max(src.numel(), 1), step):
+        piece = src[i:i + step]
+        if piece.numel() == 0:
+            break
+        recv = torch.empty(world * piece.numel(), dtype=src.dtype) if outs is not None else None
+        c.gather_to(recv, piece, dt, dst)
+        if outs is not None:
+            for r, o in enumerate(recv.view(world, -1)):
+                outs[r].view(-1)[i:i + piece.numel()].copy_(o)
+    return _DoneWork() if async_op else None
+
+
+def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
+    """Copies scatter_list[r] of rank src (world_size tensors like tensor) into rank r's tensor;
+    the other ranks pass scatter_list=None."""
+    c = _check(group)
+    dt = _dtype_of(tensor, "tensor")
+    src = _rank_arg(c, src, "src")
+    ins = _rooted_list(c, scatter_list, tensor, "scatter_list", src, "src")
+    world = c.world_size
+    out = tensor if tensor.is_contiguous() else tensor.contiguous()
+    flat = out.detach().view(-1)
+    srcs = [t.detach().contiguous().view(-1) for t in ins] if ins is not None else None
+    step = max(1, _CHUNK_BYTES // max(1, flat.element_size() * (world + 1)))
+    for i in range(0, max(flat.numel(), 1), step):
+        piece = flat[i:i + step]
+        if piece.numel() == 0:
+            break
+        send = (torch.cat([t[i:i + piece.numel()] for t in srcs]) if srcs is not None
+                else None)
+        c.scatter_from(piece, send, dt, src)
+    if out is not tensor:
+        tensor.copy_(out)
     return _DoneWork() if async_op else None
 
 

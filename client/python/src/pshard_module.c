@@ -1253,6 +1253,96 @@ static PyObject *Client_all_gather(ClientObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* A rank of this job, or ValueError naming what it was for. */
+static int check_root(ClientObject *self, int root, const char *what)
+{
+    int world = pshard_world_size(self->c);
+    if (root >= 0 && root < world)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s %d is not a rank (world size %d)", what, root, world);
+    return -1;
+}
+
+static PyObject *Client_reduce(ClientObject *self, PyObject *args)
+{
+    PyObject *t, *dt;
+    int op, root;
+    if (!PyArg_ParseTuple(args, "OOii", &t, &dt, &op, &root))
+        return NULL;
+    pshard_dtype_t dtype;
+    if (!client_ok(self) || !parse_dtype(dt, &dtype) || check_root(self, root, "dst") != 0)
+        return NULL;
+    dl_in_t in;
+    if (dl_acquire(t, dtype, "reduce tensor", &in) != 0)
+        return NULL;
+    pshard_status_t st;
+    CLIENT_CALL(
+        self, st = pshard_reduce_to(self->c, in.data, in.numel, dtype, (pshard_reduce_t)op, root));
+    dl_release(&in);
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    Py_RETURN_NONE;
+}
+
+/* gather(output or None, input, dtype, dst) and scatter(output, input or None, dtype, src):
+ * the root's side has world size times the other side's elements. */
+static PyObject *rooted_move(ClientObject *self, PyObject *args, bool gather)
+{
+    PyObject *out, *t, *dt;
+    int root;
+    if (!PyArg_ParseTuple(args, "OOOi", &out, &t, &dt, &root))
+        return NULL;
+    pshard_dtype_t dtype;
+    if (!client_ok(self) || !parse_dtype(dt, &dtype) ||
+        check_root(self, root, gather ? "dst" : "src") != 0)
+        return NULL;
+    bool me = pshard_rank(self->c) == root;
+    PyObject *big_obj = gather ? out : t, *small_obj = gather ? t : out;
+    const char *big_what = gather ? "gather output" : "scatter input";
+    const char *small_what = gather ? "gather input" : "scatter output";
+    if (me && big_obj == Py_None)
+        return PyErr_Format(PyExc_ValueError, "the root needs a %s", big_what);
+    dl_in_t small, big;
+    memset(&big, 0, sizeof(big));
+    if (dl_acquire(small_obj, dtype, small_what, &small) != 0)
+        return NULL;
+    if (me && dl_acquire(big_obj, dtype, big_what, &big) != 0) {
+        dl_release(&small);
+        return NULL;
+    }
+    size_t world = (size_t)pshard_world_size(self->c);
+    if (me && big.numel != small.numel * world) {
+        PyErr_Format(PyExc_ValueError,
+                     "the %s has %zu elements; world size %zu times the %s's %zu is %zu", big_what,
+                     big.numel, world, small_what, small.numel, small.numel * world);
+        dl_release(&small);
+        dl_release(&big);
+        return NULL;
+    }
+    pshard_status_t st;
+    if (gather)
+        CLIENT_CALL(self,
+                    st = pshard_gather_to(self->c, small.data, big.data, small.numel, dtype, root));
+    else
+        CLIENT_CALL(self, st = pshard_scatter_from(self->c, big.data, small.data, small.numel,
+                                                   dtype, root));
+    dl_release(&small);
+    dl_release(&big);
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Client_gather_to(ClientObject *self, PyObject *args)
+{
+    return rooted_move(self, args, true);
+}
+
+static PyObject *Client_scatter_from(ClientObject *self, PyObject *args)
+{
+    return rooted_move(self, args, false);
+}
+
 static PyObject *Client_barrier(ClientObject *self, PyObject *unused)
 {
     if (!client_ok(self))
@@ -1295,6 +1385,11 @@ static PyMethodDef Client_methods[] = {
     {"all_gather", (PyCFunction)Client_all_gather, METH_VARARGS,
      "all_gather(output, input, dtype)"},
     {"barrier", (PyCFunction)Client_barrier, METH_NOARGS, "barrier()"},
+    {"reduce", (PyCFunction)Client_reduce, METH_VARARGS, "reduce(tensor, dtype, op, dst)"},
+    {"gather_to", (PyCFunction)Client_gather_to, METH_VARARGS,
+     "gather_to(output or None, input, dtype, dst)"},
+    {"scatter_from", (PyCFunction)Client_scatter_from, METH_VARARGS,
+     "scatter_from(output, input or None, dtype, src)"},
     {NULL}};
 
 static PyGetSetDef Client_getset[] = {
