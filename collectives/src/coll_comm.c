@@ -435,7 +435,8 @@ pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv, NULL);
     int64_t timeout_ms = args->timeout_ms ? args->timeout_ms : comm->timeout_ms;
-    r->op.deadline_ns = ps_now_ns() + timeout_ms * 1000000;
+    r->op.start_ns = ps_now_ns();
+    r->op.deadline_ns = r->op.start_ns + timeout_ms * 1000000;
 
     pthread_mutex_lock(&comm->mu);
     r->op.desc.seq = comm->next_seq++;
@@ -491,7 +492,8 @@ pshard_status_t coll_start_check(pshard_comm_t *comm, const coll_desc_t *desc, c
     r->comm = comm;
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv, NULL);
-    r->op.deadline_ns = ps_now_ns() + (timeout_ms ? timeout_ms : comm->timeout_ms) * 1000000;
+    r->op.start_ns = ps_now_ns();
+    r->op.deadline_ns = r->op.start_ns + (timeout_ms ? timeout_ms : comm->timeout_ms) * 1000000;
     pthread_mutex_lock(&comm->mu);
     r->op.desc.seq = comm->next_seq++;
     record_fill(comm, &r->op, label);
@@ -524,9 +526,27 @@ static void log_flight_records(pshard_comm_t *c)
     }
 }
 
+/* PSHARD_LOG=info PSHARD_LOG_SUBSYS=coll: one line per operation, in each rank's call order,
+ * as NCCL_DEBUG_SUBSYS=COLL prints (op, communicator, seq, dtype, counts, root, tag, ranks,
+ * outcome, time). */
+static void log_op(pshard_comm_t *c, const pshard_coll_req_t *req, pshard_status_t status,
+                   const char *msg)
+{
+    char what[256];
+    coll_desc_format(&req->op.desc, what, sizeof(what));
+    double ms = (double)(ps_now_ns() - req->op.start_ns) / 1e6;
+    PS_INFO(
+        PS_SUB_COLL, "coll %s (communicator %s generation %llu, rank %d of %d%s): %s%s in %.3f ms",
+        what, c->name, (unsigned long long)c->generation, c->rank, c->world_size,
+        req->op.check_only ? ", descriptor check" : "", status == PSHARD_OK ? "done" : "FAILED: ",
+        status == PSHARD_OK ? "" : (msg ? msg : pshard_status_str(status)), ms);
+}
+
 void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *msg)
 {
     pshard_comm_t *c = req->comm;
+    if (ps_log_named(PS_LOG_INFO, PS_SUB_COLL))
+        log_op(c, req, status, msg);
     if (status == PSHARD_ERR_TIMEOUT)
         log_flight_records(c);
     if (status != PSHARD_OK)

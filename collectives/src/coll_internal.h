@@ -21,6 +21,7 @@ typedef struct coll_op {
     int64_t deadline_ns;   /* ps_now_ns clock */
     size_t record_slot;    /* index into the flight recorder ring */
     bool check_only;       /* exchange and compare the descriptor; move no data */
+    int64_t start_ns;      /* when it was started (ps_now_ns), for the per-operation log line */
     /* reduce / gather / scatter run as the operation in args (all_reduce, all_gather,
      * broadcast) with recv = temp where the caller's recv does not take the whole result; on
      * success, post_len bytes at temp + post_off go to post_dst (scatter: this rank's block). */

@@ -14,6 +14,7 @@
 
 static atomic_int log_level = PS_LOG_WARN;
 static atomic_uint log_subsys = PS_SUB_ALL;
+static atomic_uint log_named = 0; /* named in PSHARD_LOG_SUBSYS (not through "^...") */
 static atomic_int log_rank = -1;
 static char log_role[32] = "pshard";
 static char log_host[64] = "localhost";
@@ -66,6 +67,7 @@ static void parse_subsys(const char *text)
             text++;
     }
     atomic_store(&log_subsys, invert ? ~mask : mask);
+    atomic_store(&log_named, invert ? 0u : mask);
 }
 
 void ps_log_init(const char *role)
@@ -104,6 +106,11 @@ bool ps_log_enabled(ps_log_level_t level, unsigned subsys)
 {
     return (int)level <= atomic_load(&log_level) &&
            (level == PS_LOG_ERROR || (atomic_load(&log_subsys) & subsys) != 0);
+}
+
+bool ps_log_named(ps_log_level_t level, unsigned subsys)
+{
+    return (atomic_load(&log_named) & subsys) != 0 && ps_log_enabled(level, subsys);
 }
 
 void ps_log_write(ps_log_level_t level, unsigned subsys, const char *file, int line,

@@ -3,6 +3,7 @@
  * the reference result of every operation by itself and check its own output; exit 0 means
  * every check passed. Scenarios: correctness, big, desync, kill, abort, timeout, impostor,
  * besieged. */
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -14,6 +15,7 @@
 #include <unistd.h>
 
 #include "pshard/collectives.h"
+#include "pshard/log.h"
 #include "pshard/util.h"
 
 static int g_rank, g_world, g_failures;
@@ -897,6 +899,85 @@ static int scenario_besieged(const char *link_ms)
     return g_failures ? 1 : 0;
 }
 
+/* Runs an all_reduce, a reduce and a barrier with stderr going to a file, first with
+ * PSHARD_LOG=info alone (no per-operation lines), then with PSHARD_LOG_SUBSYS=coll (one line
+ * each, in call order, naming op, seq, dtype, count, root and the communicator). */
+static int scenario_logline(void)
+{
+    char err[1024] = "";
+    pshard_comm_t *comm =
+        make_comm("logline", g_token, g_generation, 20000, NULL, err, sizeof(err));
+    if (!comm) {
+        fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
+        return 1;
+    }
+    char path[] = "/tmp/pshard-logline-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp: %s", strerror(errno));
+    if (fd < 0)
+        return 1;
+    unlink(path);
+    int saved = dup(2);
+    fflush(stderr);
+    dup2(fd, 2);
+    float buf[37] = {0};
+    for (int round = 0; round < 2; round++) {
+        setenv("PSHARD_LOG", "info", 1);
+        if (round == 0)
+            unsetenv("PSHARD_LOG_SUBSYS");
+        else
+            setenv("PSHARD_LOG_SUBSYS", "coll", 1);
+        ps_log_init("logline");
+        if (round == 1) /* the first round's lines end before this mark */
+            (void)!write(2, "--- named ---\n", 14);
+        pshard_coll_args_t ar = {.op = PSHARD_COLL_ALL_REDUCE,
+                                 .dtype = PSHARD_FP32,
+                                 .count = 37,
+                                 .send = buf,
+                                 .recv = buf,
+                                 .tag = 0x51};
+        pshard_coll_args_t rd = ar;
+        rd.op = PSHARD_COLL_REDUCE;
+        rd.root = g_world - 1;
+        rd.reduce = PSHARD_REDUCE_MAX;
+        pshard_coll_args_t b = {.op = PSHARD_COLL_BARRIER};
+        CHECK(pshard_coll_run(comm, &ar, err, sizeof(err)) == PSHARD_OK &&
+                  pshard_coll_run(comm, &rd, err, sizeof(err)) == PSHARD_OK &&
+                  pshard_coll_run(comm, &b, err, sizeof(err)) == PSHARD_OK,
+              "operations: %s", err);
+    }
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    ps_log_set_level(PS_LOG_WARN);
+    char text[8192] = "";
+    ssize_t n = pread(fd, text, sizeof(text) - 1, 0);
+    close(fd);
+    text[n > 0 ? n : 0] = '\0';
+    const char *mark = strstr(text, "--- named ---");
+    CHECK(mark != NULL, "no mark in the log:\n%s", text);
+    if (mark) {
+        CHECK(strstr(text, "coll ") == NULL || strstr(text, "coll ") > mark,
+              "per-operation lines without PSHARD_LOG_SUBSYS=coll:\n%s", text);
+        char want[3][96];
+        snprintf(want[0], sizeof(want[0]), "coll all_reduce seq %d fp32 sum tag 0x51 total 37", 3);
+        snprintf(want[1], sizeof(want[1]), "coll reduce seq %d fp32 max root %d tag 0x51", 4,
+                 g_world - 1);
+        snprintf(want[2], sizeof(want[2]), "coll barrier seq %d", 5);
+        const char *at = mark;
+        for (int i = 0; i < 3; i++) {
+            const char *p = strstr(at, want[i]);
+            CHECK(p != NULL, "no line '%s' (in order) in:\n%s", want[i], mark);
+            if (p)
+                at = p;
+        }
+        CHECK(strstr(mark, "communicator logline") && strstr(mark, "done in"),
+              "lines lack the communicator or the outcome:\n%s", mark);
+    }
+    pshard_comm_destroy(comm);
+    return g_failures ? 1 : 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 5) {
@@ -932,6 +1013,8 @@ int main(int argc, char **argv)
         return scenario_impostor(arg);
     if (strcmp(scenario, "besieged") == 0)
         return scenario_besieged(arg);
+    if (strcmp(scenario, "logline") == 0)
+        return scenario_logline();
     fprintf(stderr, "unknown scenario %s\n", scenario);
     return 2;
 }

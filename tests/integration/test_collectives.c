@@ -166,6 +166,16 @@ static void test_desync_root(void)
     desync("root");
 }
 
+/* PSHARD_LOG=info PSHARD_LOG_SUBSYS=coll: one line per operation on every rank (checked by the
+ * workers on their own stderr). */
+static void test_log_lines(void)
+{
+    int st[8];
+    CU_ASSERT_FATAL(run_workers(3, "logline", NULL, st, 60000) == 0);
+    for (int r = 0; r < 3; r++)
+        CU_ASSERT(exited_ok(st[r]));
+}
+
 static void test_kill(void)
 {
     int st[8];
@@ -313,6 +323,7 @@ int main(int argc, char **argv)
         {"desync: op", test_desync_op},
         {"desync: tag", test_desync_tag},
         {"desync: reduce roots differ", test_desync_root},
+        {"PSHARD_LOG_SUBSYS=coll: a line per operation", test_log_lines},
         {"kill -9 a rank mid-operation", test_kill},
         {"abort from another thread", test_abort},
         {"abort in the middle of a DATA frame", test_abort_mid_frame},

@@ -43,6 +43,11 @@ void ps_log_set_rank(int rank);
 /* True when a line at this level and subsystem would be printed. Thread-safe. */
 bool ps_log_enabled(ps_log_level_t level, unsigned subsys);
 
+/* True when a line at this level and subsystem would be printed and PSHARD_LOG_SUBSYS names the
+ * subsystem (not just "everything"): for lines too many to print by default, such as one per
+ * collective (as NCCL_DEBUG_SUBSYS=COLL). Thread-safe; two atomic loads when off. */
+bool ps_log_named(ps_log_level_t level, unsigned subsys);
+
 /* Writes one line to stderr. Use the PS_LOG_* macros, which check the level first.
  * Thread-safe: each line is written with a single write(2). */
 void ps_log_write(ps_log_level_t level, unsigned subsys, const char *file, int line,
