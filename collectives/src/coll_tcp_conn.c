@@ -5,6 +5,8 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -670,6 +672,50 @@ static pshard_status_t vote_decode(const uint8_t *in, size_t len, void *rec, uin
     return PSHARD_OK;
 }
 
+pshard_status_t pshard_socket_ifname_address(const char *names, char *out, size_t outlen, char *err,
+                                             size_t errlen)
+{
+    struct ifaddrs *all = NULL;
+    if (getifaddrs(&all) != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot list the network interfaces: %s",
+                       strerror(errno));
+    pshard_status_t rc = PSHARD_ERR_INVALID_ARGUMENT;
+    for (const char *p = names; *p && rc != PSHARD_OK;) {
+        size_t len = strcspn(p, ",");
+        for (struct ifaddrs *a = all; a && rc != PSHARD_OK; a = a->ifa_next) {
+            if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET || strlen(a->ifa_name) != len ||
+                strncmp(a->ifa_name, p, len) != 0)
+                continue;
+            const struct sockaddr_in *in = (const struct sockaddr_in *)a->ifa_addr;
+            char text[INET_ADDRSTRLEN];
+            if (inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text)) &&
+                ps_strlcpy(out, text, outlen) == 0)
+                rc = PSHARD_OK;
+        }
+        p += len;
+        if (*p == ',')
+            p++;
+    }
+    if (rc != PSHARD_OK) {
+        /* Which interfaces have an IPv4 address: what the user can choose from. */
+        char have[256] = "";
+        size_t used = 0;
+        for (struct ifaddrs *a = all; a && used + 1 < sizeof(have); a = a->ifa_next) {
+            if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET)
+                continue;
+            int k =
+                snprintf(have + used, sizeof(have) - used, "%s%s", used ? ", " : "", a->ifa_name);
+            used += k > 0 ? (size_t)k : 0;
+        }
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                "socket interface '%.64s' (PSHARD_SOCKET_IFNAME): no such interface with an IPv4 "
+                "address (interfaces with one: %s)",
+                names, used ? have : "none");
+    }
+    freeifaddrs(all);
+    return rc;
+}
+
 pshard_status_t tcp_choose_transport(tcp_t *t, coll_transport_t mode, int64_t deadline, char *err,
                                      size_t errlen)
 {
@@ -743,8 +789,17 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
         ps_strlcpy(next_addr, cfg->peers[t->next], sizeof(next_addr));
     } else {
         const char *lh = cfg->listen_host ? cfg->listen_host : "127.0.0.1";
+        const char *adv = cfg->advertise_host;
+        const char *ifname =
+            cfg->socket_ifname ? cfg->socket_ifname : getenv("PSHARD_SOCKET_IFNAME");
+        char if_addr[INET_ADDRSTRLEN];
+        if (ifname && *ifname) {
+            PS_CHECK(pshard_socket_ifname_address(ifname, if_addr, sizeof(if_addr), err, errlen));
+            lh = adv = if_addr;
+        }
         PS_CHECK(listen_on(t, lh, "0", err, errlen));
-        const char *adv = cfg->advertise_host ? cfg->advertise_host : lh;
+        if (!adv)
+            adv = lh;
         snprintf(my_addr, sizeof(my_addr), "%s:%d", adv, t->listen_port);
         pshard_status_t rc = exchange_via_store(t, cfg, my_addr, next_addr, sizeof(next_addr),
                                                 deadline, err, errlen);

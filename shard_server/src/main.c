@@ -26,6 +26,7 @@ typedef struct {
     char *offload;
     char *transport;
     char *data_host;
+    char *socket_ifname;
     char *token_file;
     char *tls_cert;
     char *tls_key;
@@ -79,6 +80,10 @@ static const ps_option_t options[] = {
         transport, 0, 0),
     OPT("data-host", "PSHARD_DATA_HOST", PS_OPT_STRING, "127.0.0.1",
         "interface the collectives listen on", data_host, 0, 0),
+    OPT("socket-ifname", "PSHARD_SOCKET_IFNAME", PS_OPT_STRING, NULL,
+        "listen for the collectives on this network interface's IPv4 address instead (eth0; a "
+        "comma list: the first that has one), as GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME",
+        socket_ifname, 0, 0),
     OPT("token-file", "PSHARD_TOKEN_FILE", PS_OPT_STRING, NULL, "file holding the cluster token",
         token_file, 0, 0),
     OPT("tls-cert", "PSHARD_TLS_CERT", PS_OPT_STRING, NULL, "PEM certificate for trainers",
@@ -169,6 +174,7 @@ int main(int argc, char **argv)
         .offload = o.offload,
         .transport = o.transport,
         .data_host = o.data_host,
+        .socket_ifname = o.socket_ifname,
         .token = token,
         .tls_cert_file = o.tls_cert,
         .tls_key_file = o.tls_key,

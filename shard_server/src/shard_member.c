@@ -250,13 +250,16 @@ void *shard_setup_main(void *arg)
             .host_buffers = true, /* shards and trainer regions live in host memory */
             .cancel = &s->stop_flag,
             .transport = s->cfg.transport,
+            .socket_ifname = s->cfg.socket_ifname,
         };
         char err[PSHARD_ERRLEN] = "";
         pshard_comm_t *comm = NULL;
         pshard_status_t rc = pshard_comm_create(&cc, &comm, err, sizeof(err));
-        if (rc == PSHARD_ERR_RESOURCE_EXHAUSTED || rc == PSHARD_ERR_FAILED_PRECONDITION) {
-            /* The coordinator's store is full, or --transport shm cannot be had: retrying
-             * cannot help, the job must be told. */
+        if (rc == PSHARD_ERR_RESOURCE_EXHAUSTED || rc == PSHARD_ERR_FAILED_PRECONDITION ||
+            rc == PSHARD_ERR_INVALID_ARGUMENT) {
+            /* The coordinator's store is full, --transport shm cannot be had, or a setting is
+             * wrong (an interface that went away): retrying cannot help, the job must be
+             * told. */
             char msg[PSHARD_ERRLEN]; /* cut at PSHARD_ERRLEN like every error message */
             ps_snprintf(msg, sizeof(msg), "cannot build the communicator (rank %d of %d): %s", rank,
                         world, err);

@@ -86,6 +86,14 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
                 "--transport (PSHARD_TRANSPORT) must be auto, tcp or shm, not '%.64s'", transport);
         return NULL;
     }
+    if (cfg->socket_ifname && *cfg->socket_ifname) {
+        char addr[64], why[PSHARD_ERRLEN];
+        if (pshard_socket_ifname_address(cfg->socket_ifname, addr, sizeof(addr), why,
+                                         sizeof(why)) != PSHARD_OK) {
+            ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--socket-ifname: %s", why);
+            return NULL;
+        }
+    }
     bool emulate = getenv("PSHARD_TEST_EMULATE_DEVICE") &&
                    strcmp(getenv("PSHARD_TEST_EMULATE_DEVICE"), "1") == 0;
     if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0 && !shard_dev_cuda()) {
@@ -130,6 +138,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     s->cfg.resume = own(s, 10, cfg->resume);
     s->cfg.job = own(s, 11, cfg->job);
     s->cfg.transport = own(s, 12, transport);
+    s->cfg.socket_ifname = own(s, 13, cfg->socket_ifname);
     s->max_model_bytes =
         cfg->max_model_memory > 0 ? (uint64_t)cfg->max_model_memory : machine_memory();
     if (s->cfg.checkpoint_keep <= 0)

@@ -1790,11 +1790,12 @@ static void test_garbage(void)
     CHECK_SERVING(ch, &tr);
 }
 
-/* --transport tcp keeps two servers of one host on the sockets, and Status says so. */
+/* --transport tcp keeps two servers of one host on the sockets, and Status says so; the ring
+ * listens on the first of --socket-ifname's interfaces that exists (lo). */
 static void test_transport_option(void)
 {
     cluster_t c;
-    const char *args[] = {"--transport", "tcp", NULL};
+    const char *args[] = {"--transport", "tcp", "--socket-ifname", "nosuch0,lo", NULL};
     bool up = cluster_start(&c, 2, args);
     CU_ASSERT(up);
     if (!up)
@@ -1853,6 +1854,7 @@ static void test_offload_and_backend_options(void)
         {"--backend", "nccl", "--offload", "cpu", "--backend nccl needs a GPU", "--device 1000"},
         {"--backend", "mpi", NULL, NULL, "--backend", "tcp or nccl"},
         {"--transport", "infiniband", NULL, NULL, "--transport", "auto, tcp or shm"},
+        {"--socket-ifname", "nosuch0", NULL, NULL, "--socket-ifname", "no such interface"},
     };
     for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
         char dir[] = "/tmp/pshard-shard-errors-XXXXXX";

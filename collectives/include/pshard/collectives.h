@@ -133,6 +133,11 @@ typedef struct {
     const char *listen_host;     /* with coordinator: interface to listen on (default 127.0.0.1);
                                     port chosen by the kernel */
     const char *advertise_host;  /* host peers dial (default listen_host) */
+    const char *socket_ifname;   /* with coordinator: listen on (and advertise) the IPv4 address
+                                    of this network interface, e.g. "eth0" (a comma list: the
+                                    first that has one), as GLOO_SOCKET_IFNAME; NULL: the
+                                    environment's PSHARD_SOCKET_IFNAME; either wins over
+                                    listen_host / advertise_host */
     const char *token;           /* cluster token: authenticates the handshake (HMAC challenge,
                                     never sent in clear) and the store calls; NULL = empty key */
     uint64_t generation;         /* cluster generation, stamped into handshakes and store keys */
@@ -151,6 +156,12 @@ typedef struct {
                                     "shm" (or a set-up error saying why not); NULL: the
                                     environment's PSHARD_TRANSPORT, else auto */
 } pshard_comm_config_t;
+
+/* The IPv4 address (dotted) of the first interface in names ("eth0" or "eth0,ib0") that has
+ * one, into out (16 bytes suffice): what socket_ifname / PSHARD_SOCKET_IFNAME resolve to.
+ * INVALID_ARGUMENT naming what was asked and which interfaces have an address. */
+pshard_status_t pshard_socket_ifname_address(const char *names, char *out, size_t outlen, char *err,
+                                             size_t errlen);
 
 /* Creates a communicator and connects it (blocks until every rank has joined or the connect
  * timeout passes). Errors: INVALID_ARGUMENT (bad config), TIMEOUT (a peer never came; the

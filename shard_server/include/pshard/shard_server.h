@@ -14,18 +14,20 @@
 typedef struct pshard_shard_server pshard_shard_server_t;
 
 typedef struct {
-    const char *coordinator; /* "HOST:PORT" of the coordinator */
-    const char *job;         /* the job on the coordinator (torchrun's --rdzv-id); NULL: the
-                                coordinator's default job */
-    const char *listen;      /* "HOST:PORT" for trainers; port 0 picks one */
-    const char *advertise;   /* address registered with the coordinator (default: listen) */
-    const char *name;        /* member name (stable across restarts, e.g. the pod name) */
-    const char *node;        /* node name for status */
-    const char *backend;     /* "tcp" or "nccl" */
-    const char *offload;     /* "none" or "cpu" */
-    const char *transport;   /* tcp backend: "auto", "tcp" or "shm" (collectives.h); NULL: auto */
-    const char *data_host;   /* interface the collectives listen on (default 127.0.0.1) */
-    const char *token;       /* cluster token, or NULL */
+    const char *coordinator;   /* "HOST:PORT" of the coordinator */
+    const char *job;           /* the job on the coordinator (torchrun's --rdzv-id); NULL: the
+                                  coordinator's default job */
+    const char *listen;        /* "HOST:PORT" for trainers; port 0 picks one */
+    const char *advertise;     /* address registered with the coordinator (default: listen) */
+    const char *name;          /* member name (stable across restarts, e.g. the pod name) */
+    const char *node;          /* node name for status */
+    const char *backend;       /* "tcp" or "nccl" */
+    const char *offload;       /* "none" or "cpu" */
+    const char *transport;     /* tcp backend: "auto", "tcp" or "shm" (collectives.h); NULL: auto */
+    const char *data_host;     /* interface the collectives listen on (default 127.0.0.1) */
+    const char *socket_ifname; /* or: listen on this network interface's IPv4 address ("eth0";
+                                  a comma list: the first that has one); wins over data_host */
+    const char *token;         /* cluster token, or NULL */
     const char *tls_cert_file, *tls_key_file, *tls_client_ca_file; /* trainer-facing TLS */
     const char *coord_tls_ca_file; /* to verify the coordinator's TLS certificate */
     int64_t coll_timeout_ms;       /* per-collective timeout; 0 = 10 minutes */
