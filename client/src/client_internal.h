@@ -169,4 +169,9 @@ void client_model_free(pshard_client_t *c);
  * order. */
 void *client_worker_main(void *arg);
 
+/* client_locate.c: the address of cfg->rank's shard server, from cfg->coordinator's Status
+ * once the cluster has formed (polled until connect_timeout_ms). *server is malloc'd. */
+pshard_status_t client_locate_server(const pshard_client_config_t *cfg, const char *token,
+                                     char **server, char *err, size_t errlen);
+
 #endif

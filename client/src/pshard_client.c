@@ -57,10 +57,19 @@ pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char 
     e = getenv("PSHARD_REMOTE");
     cfg->remote = e && (strcmp(e, "1") == 0 || strcmp(e, "true") == 0);
     cfg->server = getenv("PSHARD_SERVER");
-    if (!cfg->server || !*cfg->server)
+    if (cfg->server && !*cfg->server)
+        cfg->server = NULL;
+    cfg->coordinator = getenv("PSHARD_COORDINATOR");
+    if (cfg->coordinator && !*cfg->coordinator)
+        cfg->coordinator = NULL;
+    cfg->job = getenv("PSHARD_JOB");
+    if (cfg->job && !*cfg->job)
+        cfg->job = NULL;
+    if (!cfg->server && !cfg->coordinator)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "PSHARD_SERVER is not set (this trainer's shard server, HOST:PORT; "
-                       "pshardrun sets it)");
+                       "neither PSHARD_SERVER (this trainer's shard server, HOST:PORT) nor "
+                       "PSHARD_COORDINATOR (the coordinator that names it) is set; pshardrun "
+                       "sets both");
     return PSHARD_OK;
 }
 
@@ -68,12 +77,15 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
                                size_t errlen)
 {
     *out = NULL;
-    if (!cfg->server || !*cfg->server)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "no shard server address");
+    bool have_server = cfg->server && *cfg->server;
+    if (!have_server && !(cfg->coordinator && *cfg->coordinator))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "no shard server address and no coordinator to ask for it");
     pshard_client_t *c = calloc(1, sizeof(*c));
     if (!c)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     c->cfg = *cfg;
+    c->cfg.server = c->cfg.coordinator = c->cfg.job = NULL; /* the caller's; copied where kept */
     if (c->cfg.timeout_ms <= 0)
         c->cfg.timeout_ms = 600000;
     if (c->cfg.connect_timeout_ms <= 0)
@@ -82,7 +94,7 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
         c->cfg.scratch_bytes = DEFAULT_SCRATCH;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
-    c->server = strdup(cfg->server);
+    c->server = have_server ? strdup(cfg->server) : NULL;
     pshard_status_t rc = PSHARD_OK;
     if (cfg->token) {
         c->token = strdup(cfg->token);
@@ -95,6 +107,11 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
                 goto fail;
             }
         }
+    }
+    if (!have_server) {
+        rc = client_locate_server(cfg, c->token, &c->server, err, errlen);
+        if (rc != PSHARD_OK)
+            goto fail;
     }
     ps_rpc_channel_config_t ccfg = {
         .target = c->server, .token = c->token, .max_message_bytes = 64 << 20};

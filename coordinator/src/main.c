@@ -12,6 +12,7 @@
 #include "pshard/coordinator.h"
 #include "pshard/log.h"
 #include "pshard/metrics.h"
+#include "pshard/rdzv_file.h"
 #include "pshard/rpc.h"
 #include "pshard/util.h"
 
@@ -34,6 +35,7 @@ typedef struct {
     char *log;
     char *metrics_listen;
     char *metrics_port_file;
+    char *rdzv_file;
 } coord_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
@@ -46,6 +48,11 @@ static const ps_option_t options[] = {
         "address to serve on; port 0 picks a free port (MASTER_PORT sets the port)", listen, 0, 0),
     OPT("port-file", "PSHARD_PORT_FILE", PS_OPT_STRING, NULL,
         "write the bound port to this file once serving", port_file, 0, 0),
+    OPT("rdzv-file", "PSHARD_RDZV_FILE", PS_OPT_STRING, NULL,
+        "rendezvous file (init_method file://PATH): write HOST:PORT into it once serving, for "
+        "trainers to find this coordinator; it must be absent or empty at start, and is "
+        "emptied at a clean stop",
+        rdzv_file, 0, 0),
     OPT("token-file", "PSHARD_TOKEN_FILE", PS_OPT_STRING, NULL,
         "file holding the cluster token clients must send as 'authorization: Bearer'", token_file,
         0, 0),
@@ -119,6 +126,7 @@ int main(int argc, char **argv)
     char err[PSHARD_ERRLEN] = "";
     int exit_code = 0;
     pshard_coordinator_t *coord = NULL;
+    ps_rdzv_file_t rdzv = {.fd = -1};
     ps_metrics_server_t *metrics = NULL;
     char *token = NULL;
     int start = ps_config_main(
@@ -192,6 +200,12 @@ int main(int argc, char **argv)
         .job_linger_ms = o.job_linger_ms,
         .worker_threads = (int)o.threads,
     };
+    /* Claimed before serving: a file another run left is refused before anything starts. */
+    if (o.rdzv_file && ps_rdzv_file_claim(&rdzv, o.rdzv_file, err, sizeof(err)) != PSHARD_OK) {
+        fprintf(stderr, "pshard-coordinator: --rdzv-file: %s\n", err);
+        exit_code = 2;
+        goto out;
+    }
     coord = pshard_coordinator_start(&cfg, err, sizeof(err));
     if (!coord) {
         fprintf(stderr, "pshard-coordinator: %s\n", err);
@@ -213,6 +227,24 @@ int main(int argc, char **argv)
         }
     }
     int port = pshard_coordinator_port(coord);
+    if (o.rdzv_file) {
+        /* The address trainers dial: the listen host, or this host's name for a wildcard. */
+        char host[256], addr[320];
+        const char *colon = strrchr(o.listen, ':');
+        size_t hlen = colon ? (size_t)(colon - o.listen) : 0;
+        snprintf(host, sizeof(host), "%.*s", (int)hlen, o.listen);
+        if (!*host || strcmp(host, "0.0.0.0") == 0 || strcmp(host, "[::]") == 0) {
+            if (gethostname(host, sizeof(host) - 1) != 0)
+                snprintf(host, sizeof(host), "localhost");
+            host[sizeof(host) - 1] = '\0';
+        }
+        snprintf(addr, sizeof(addr), "%s:%d", host, port);
+        if (ps_rdzv_file_publish(&rdzv, addr, err, sizeof(err)) != PSHARD_OK) {
+            fprintf(stderr, "pshard-coordinator: --rdzv-file: %s\n", err);
+            exit_code = 1;
+            goto out;
+        }
+    }
     if (ps_announce_listening("pshard-coordinator", o.listen, port, o.port_file) != 0) {
         exit_code = 1;
         goto out;
@@ -227,6 +259,7 @@ out:
     /* Scrapes read the coordinator: stop them first. */
     ps_metrics_server_stop(metrics);
     pshard_coordinator_stop(coord);
+    ps_rdzv_file_release(&rdzv);
     free(token);
     ps_config_free(options, PS_ARRAY_LEN(options), &o);
     return exit_code;

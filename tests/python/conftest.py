@@ -52,13 +52,14 @@ class Cluster:
     trainer when one dies), on ephemeral loopback ports; trainers are started with
     trainer_env(rank). stop() kills what it started, by PID."""
 
-    def __init__(self, tmp, n, lease_ms=2000, heartbeat_ms=500):
+    def __init__(self, tmp, n, lease_ms=2000, heartbeat_ms=500, rdzv_file=None):
         import time
         self.n, self.tmp, self.procs = n, tmp, []
         self.lease_ms = lease_ms
+        extra = ["--rdzv-file", str(rdzv_file)] if rdzv_file else []
         self._start([os.path.join(BIN, "pshard-coordinator"), "--listen", "127.0.0.1:0",
                      "--port-file", str(tmp / "coord.port"), "--world-size", str(n),
-                     "--lease-ms", str(lease_ms), "--heartbeat-ms", str(heartbeat_ms)],
+                     "--lease-ms", str(lease_ms), "--heartbeat-ms", str(heartbeat_ms), *extra],
                     tmp / "coord.log")
         self.coord = "127.0.0.1:" + self._port(tmp / "coord.port")
         for r in range(n):

@@ -45,20 +45,33 @@ typedef struct {
     int64_t connect_timeout_ms; /* waiting for the cluster to form (default 5 minutes) */
     bool remote;                /* the shard server is on another host: no shared memory, tensors
                                    stream over gRPC in 1 MiB chunks (env PSHARD_REMOTE=1) */
+    const char *coordinator;    /* with server NULL: the coordinator "HOST:PORT" (env
+                                   PSHARD_COORDINATOR; init_method tcp://), which names the shard
+                                   server of this rank once the cluster has formed */
+    const char *job;            /* the coordinator's job (env PSHARD_JOB; NULL: its default) */
 } pshard_client_config_t;
 
-/* Fills cfg from the environment (RANK, WORLD_SIZE, PSHARD_SERVER, PSHARD_TOKEN_FILE,
- * PSHARD_SCRATCH_BYTES, PSHARD_REMOTE) with defaults for the rest. Strings point into the
+/* Fills cfg from the environment (RANK, WORLD_SIZE, PSHARD_SERVER or PSHARD_COORDINATOR,
+ * PSHARD_JOB, PSHARD_TOKEN_FILE, PSHARD_SCRATCH_BYTES, PSHARD_REMOTE) with defaults for the
+ * rest. Strings point into the
  * environment or static storage. Returns INVALID_ARGUMENT with a message on stderr-free err for
  * malformed values. Thread-safe if the environment is not modified concurrently. */
 PSHARD_API pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char *err,
                                                          size_t errlen);
 
-/* Connects to the shard server, waiting (up to connect_timeout_ms) for the cluster to form, and
- * attaches a shared-memory scratch region. On error *out is NULL and err holds the reason.
+/* Connects to the shard server (cfg->server, or the one of cfg->rank that cfg->coordinator
+ * names), waiting (up to connect_timeout_ms) for the cluster to form, and attaches a
+ * shared-memory scratch region. On error *out is NULL and err holds the reason.
  * Free with pshard_close. */
 PSHARD_API pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_t **out,
                                           char *err, size_t errlen);
+
+/* init_method file://PATH: the coordinator address "HOST:PORT" a coordinator started with
+ * --rdzv-file PATH wrote there, read under a shared lock. PSHARD_ERR_NOT_FOUND while the file is
+ * absent or empty (the coordinator has not started yet: poll), INVALID_ARGUMENT when it holds
+ * something else. */
+PSHARD_API pshard_status_t pshard_rendezvous_file_read(const char *path, char *addr, size_t addrlen,
+                                                       char *err, size_t errlen);
 
 /* Closes the connection and frees the client and its shared memory. NULL is a no-op. */
 PSHARD_API void pshard_close(pshard_client_t *c);

@@ -40,8 +40,14 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     """Connects this trainer to its shard server, like torch.distributed.init_process_group.
 
     ``init_method`` is ``"env://"`` (the default): ``RANK``, ``WORLD_SIZE`` and
-    ``PSHARD_SERVER`` (this trainer's shard server, ``HOST:PORT``) come from the environment,
-    as ``pshardrun`` sets them; ``rank`` and ``world_size`` override the first two.
+    ``PSHARD_SERVER`` (this trainer's shard server, ``HOST:PORT``; or ``PSHARD_COORDINATOR``,
+    which names it) come from the environment, as ``pshardrun`` sets them; ``rank`` and
+    ``world_size`` override the first two. ``"tcp://HOST:PORT"`` names the coordinator (torch's
+    rank 0 store), and ``"file:///PATH"`` a rendezvous file that a coordinator started with
+    ``--rdzv-file PATH`` writes its address into (waited for up to ``timeout``); with either,
+    the coordinator names this rank's shard server once the cluster has formed, and ``rank``
+    and ``world_size`` are required (arguments or ``RANK`` / ``WORLD_SIZE``), as torch
+    requires them.
     ``timeout`` (a ``datetime.timedelta``) bounds every operation (default 10 minutes, like
     NCCL's). ``backend`` is accepted for torch compatibility: the shard servers' own backend
     (tcp or nccl) is chosen when they start. Raises pshard.Error subclasses, or ValueError for
@@ -51,9 +57,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     if _client is not None:
         raise FailedPreconditionError(
             "init_process_group was already called; call destroy_process_group first")
-    if init_method not in (None, "env://"):
-        raise ValueError(f"init_method {init_method!r} is not supported; use 'env://' under "
-                         "pshardrun")
+    if init_method is not None and not isinstance(init_method, str):
+        raise TypeError("init_method must be a string such as 'env://', 'tcp://HOST:PORT' or "
+                        "'file:///PATH'")
     if store is not None or pg_options is not None:
         raise ValueError("store and pg_options are not supported: the coordinator is the store")
     if backend not in (None, "pshard", "gloo", "nccl", "cpu:gloo", "cuda:nccl",
@@ -66,14 +72,71 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         timeout_ms = int(timeout.total_seconds() * 1000)
         if timeout_ms <= 0:
             raise ValueError("timeout must be positive")
-    server = _os.environ.get("PSHARD_SERVER")
-    if not server:
-        raise InvalidArgumentError(
-            "PSHARD_SERVER is not set: launch the trainer with "
-            "'pshardrun --nproc N -- python train.py', which starts the shard servers and sets "
-            "it (or set it to this trainer's shard server, HOST:PORT)")
-    _client = _C.Client(server=server, rank=int(rank), world_size=int(world_size),
-                        timeout_ms=timeout_ms)
+    server = coordinator = None
+    connect_ms = timeout_ms or 300000
+    if init_method in (None, "env://"):
+        server = _os.environ.get("PSHARD_SERVER") or None
+        coordinator = None if server else (_os.environ.get("PSHARD_COORDINATOR") or None)
+        if not server and not coordinator:
+            raise InvalidArgumentError(
+                "PSHARD_SERVER is not set: launch the trainer with "
+                "'pshardrun --nproc N -- python train.py', which starts the shard servers and "
+                "sets it (or set it to this trainer's shard server, HOST:PORT, or "
+                "PSHARD_COORDINATOR, or use init_method='tcp://HOST:PORT')")
+    elif init_method.startswith("tcp://"):
+        coordinator = _host_port(init_method[len("tcp://"):], init_method)
+    elif init_method.startswith("file://"):
+        coordinator = _wait_rendezvous_file(init_method[len("file://"):], connect_ms)
+    else:
+        raise ValueError(f"init_method {init_method!r} is not supported; use 'env://', "
+                         "'tcp://HOST:PORT' (the coordinator) or 'file:///PATH' (a rendezvous "
+                         "file)")
+    if coordinator and init_method not in (None, "env://"):
+        rank = int(rank) if rank is not None and int(rank) >= 0 else _env_int("RANK")
+        world_size = (int(world_size) if world_size is not None and int(world_size) > 0
+                      else _env_int("WORLD_SIZE"))
+        if rank is None or world_size is None:
+            raise ValueError(f"init_method {init_method!r} needs rank and world_size (the "
+                             "arguments, or RANK and WORLD_SIZE), as torch does")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size {world_size})")
+    _client = _C.Client(server=server, coordinator=coordinator, rank=int(rank),
+                        world_size=int(world_size), timeout_ms=timeout_ms,
+                        connect_timeout_ms=connect_ms,
+                        job=_os.environ.get("PSHARD_JOB") or None)
+
+
+def _env_int(name):
+    v = _os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not an integer") from None
+
+
+def _host_port(text, what):
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in text:
+        raise ValueError(f"init_method {what!r}: expected tcp://HOST:PORT")
+    return text
+
+
+def _wait_rendezvous_file(path, timeout_ms):
+    """The coordinator's address from a rendezvous file, polled until it is written."""
+    import time
+    if not path.startswith("/"):
+        raise ValueError(f"init_method file://{path}: expected file:///ABSOLUTE/PATH")
+    give_up = time.monotonic() + timeout_ms / 1000
+    while True:
+        addr = _C.rendezvous_file_read(path)
+        if addr:
+            return addr
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"rendezvous file {path} stayed absent or empty for "
+                               f"{timeout_ms} ms: start the coordinator with --rdzv-file {path}")
+        time.sleep(0.05)
 
 
 def is_initialized():

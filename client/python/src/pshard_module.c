@@ -155,13 +155,14 @@ static void client_really_close(ClientObject *self)
 
 static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {
-        "server", "token", "rank", "world_size", "timeout_ms", "connect_timeout_ms", NULL};
-    const char *server = NULL, *token = NULL;
+    static char *kwlist[] = {"server",      "token",      "rank",
+                             "world_size",  "timeout_ms", "connect_timeout_ms",
+                             "coordinator", "job",        NULL};
+    const char *server = NULL, *token = NULL, *coordinator = NULL, *job = NULL;
     int rank = -1, world = -1;
     long long timeout_ms = 0, connect_ms = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zziiLL", kwlist, &server, &token, &rank, &world,
-                                     &timeout_ms, &connect_ms))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zziiLLzz", kwlist, &server, &token, &rank, &world,
+                                     &timeout_ms, &connect_ms, &coordinator, &job))
         return -1;
     if (self->c) {
         PyErr_SetString(PyExc_RuntimeError, "Client is already connected");
@@ -170,17 +171,22 @@ static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
     pshard_client_config_t cfg;
     char err[PSHARD_ERRLEN] = "";
     pshard_status_t st = pshard_client_config_from_env(&cfg, err, sizeof(err));
-    /* An explicit server stands in for a missing PSHARD_SERVER (the only error left then). */
-    if (st != PSHARD_OK && !(server && *server && !cfg.server)) {
+    /* An explicit server or coordinator stands in for a missing PSHARD_SERVER and
+     * PSHARD_COORDINATOR (the only error left then). */
+    bool given = (server && *server) || (coordinator && *coordinator);
+    if (st != PSHARD_OK && !(given && strncmp(err, "neither PSHARD_SERVER", 21) == 0)) {
         raise_status(st, err);
         return -1;
     }
-    if (st != PSHARD_OK && cfg.server == NULL && strncmp(err, "PSHARD_SERVER", 13) != 0) {
-        raise_status(st, err);
-        return -1;
-    }
-    if (server && *server)
+    err[0] = '\0'; /* the error stood in for: messages below are the connect's own */
+    if (server && *server) {
         cfg.server = server;
+    } else if (coordinator && *coordinator) {
+        cfg.server = NULL; /* an explicit init_method wins over the environment's server */
+        cfg.coordinator = coordinator;
+    }
+    if (job && *job)
+        cfg.job = job;
     if (token)
         cfg.token = token;
     if (rank >= 0)
@@ -1431,8 +1437,30 @@ static int add_error(PyObject *m, PyObject **slot, const char *name, PyObject *e
     return PyModule_AddObject(m, name, *slot);
 }
 
+/* rendezvous_file_read(path) -> "HOST:PORT", or None while the file is absent or empty. */
+static PyObject *mod_rendezvous_file_read(PyObject *mod, PyObject *arg)
+{
+    (void)mod;
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (!path)
+        return NULL;
+    char addr[320], err[PSHARD_ERRLEN] = "";
+    pshard_status_t st;
+    Py_BEGIN_ALLOW_THREADS st =
+        pshard_rendezvous_file_read(path, addr, sizeof(addr), err, sizeof(err));
+    Py_END_ALLOW_THREADS if (st == PSHARD_ERR_NOT_FOUND) Py_RETURN_NONE;
+    if (st != PSHARD_OK)
+        return raise_status(st, err);
+    return PyUnicode_FromString(addr);
+}
+
+static PyMethodDef module_methods[] = {
+    {"rendezvous_file_read", mod_rendezvous_file_read, METH_O,
+     "rendezvous_file_read(path): the coordinator's HOST:PORT, or None while not written"},
+    {NULL, NULL, 0, NULL}};
+
 static struct PyModuleDef pshard_module = {PyModuleDef_HEAD_INIT, "pshard._C",
-                                           "CPython binding of libpshard.", -1, NULL};
+                                           "CPython binding of libpshard.", -1, module_methods};
 
 PyMODINIT_FUNC PyInit__C(void)
 {
