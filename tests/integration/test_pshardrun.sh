@@ -266,6 +266,16 @@ grep -q "no trainer command" "$work/usage.err" || fail "(5) missing command not 
 expect_rc 2 --nproc 2 --
 expect_rc 2 --nproc 2 true
 grep -q "after '--'" "$work/usage.err" || fail "(5) command without -- not explained"
+# Multi-node flags (test_multinode.sh runs two nodes): what cannot work is refused up front.
+expect_rc 2 --nnodes 2 -- true
+grep -q -- "--rdzv-endpoint" "$work/usage.err" || fail "(5) --nnodes without an endpoint"
+expect_rc 2 --nnodes 2 --node-rank 2 --rdzv-endpoint 127.0.0.1:1 -- true
+grep -q "not below --nnodes" "$work/usage.err" || fail "(5) --node-rank past --nnodes"
+expect_rc 2 --nnodes 2 --node-rank 1 --rdzv-endpoint 127.0.0.1:0 -- true
+grep -q "is not HOST:PORT" "$work/usage.err" || fail "(5) port 0 on node rank 1"
+expect_rc 2 --nnodes 2 --rdzv-endpoint 127.0.0.1:1 --coordinator 127.0.0.1:2 -- true
+expect_rc 2 --nproc 2 --nproc-per-node 3 -- true
+expect_rc 2 --nnodes 2 --rdzv-endpoint 127.0.0.1:1 --max-restarts 1 -- true
 PSHARD_NPROC=zero expect_rc 2 -- true
 grep -q "PSHARD_NPROC" "$work/usage.err" || fail "(5) bad PSHARD_NPROC not named"
 expect_rc 0 --help

@@ -21,7 +21,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -67,6 +71,10 @@ typedef struct {
     bool resume_allow_fresh;
     int64_t max_restarts;
     char *rdzv_id;
+    int64_t nnodes;
+    int64_t node_rank;
+    int64_t nproc_per_node;
+    char *rdzv_endpoint;
 } run_opts_t;
 
 /* clang-format off */
@@ -77,6 +85,21 @@ typedef struct {
 static const ps_option_t options[] = {
     OPT("nproc", "PSHARD_NPROC", PS_OPT_INT, "1", "number of shard servers and trainers to start",
         nproc, 1, 4096),
+    OPT("nproc-per-node", "PSHARD_NPROC_PER_NODE", PS_OPT_INT, "0",
+        "torchrun's name for --nproc: shard servers and trainers on this node", nproc_per_node, 0,
+        4096),
+    OPT("nnodes", "PSHARD_NNODES", PS_OPT_INT, "1",
+        "nodes of the job, each running its own pshardrun with --node-rank (a fixed number, "
+        "not torchrun's MIN:MAX)",
+        nnodes, 1, 4096),
+    OPT("node-rank", "PSHARD_NODE_RANK", PS_OPT_INT, "0",
+        "this node's rank, 0..NNODES-1: its trainers get RANK = node rank * NPROC + LOCAL_RANK",
+        node_rank, 0, 4095),
+    OPT("rdzv-endpoint", "PSHARD_RDZV_ENDPOINT", PS_OPT_STRING, NULL,
+        "with --nnodes > 1: HOST:PORT of the job's coordinator; node rank 0 starts it listening "
+        "there (port 0: a free one, printed as 'coordinator for N nodes on HOST:PORT'), the "
+        "other nodes use it (torchrun's --rdzv-endpoint)",
+        rdzv_endpoint, 0, 0),
     OPT("coordinator", "PSHARD_COORDINATOR", PS_OPT_STRING, NULL,
         "use this coordinator HOST:PORT instead of starting one on 127.0.0.1", coordinator, 0, 0),
     OPT("backend", "PSHARD_BACKEND", PS_OPT_STRING, "tcp", "collectives backend: tcp or nccl",
@@ -194,6 +217,9 @@ typedef struct {
     char job[72];         /* the job id servers get (--job), or "" for the default job */
     char master_addr[256];
     int master_port;
+    int node_rank, nnodes; /* multi-node: this node among nnodes (0 of 1 otherwise) */
+    bool endpoint;         /* --rdzv-endpoint: node 0's coordinator listens on coord_addr */
+    char data_host[64];    /* multi-node: the address servers' rings listen on ("": default) */
 } run_t;
 
 /* ---------------------------------------------------------------------------------------- */
@@ -773,13 +799,13 @@ static char *run_find_binary(const char *flag_value, const char *flag, const cha
 
 /* Splits "HOST:PORT" (or "[V6]:PORT") into the run's MASTER_ADDR and MASTER_PORT.
  * Returns 0, or -1 when it is not of that form. */
-static int run_parse_coordinator(run_t *run, const char *addr)
+static int run_parse_coordinator(run_t *run, const char *addr, bool allow_port_zero)
 {
     const char *colon = strrchr(addr, ':');
     if (!colon || colon == addr)
         return -1;
     int64_t port;
-    if (ps_parse_i64(colon + 1, 1, 65535, &port) != 0)
+    if (ps_parse_i64(colon + 1, allow_port_zero ? 0 : 1, 65535, &port) != 0)
         return -1;
     const char *host = addr;
     size_t hlen = (size_t)(colon - addr);
@@ -793,6 +819,46 @@ static int run_parse_coordinator(run_t *run, const char *addr)
     run->master_addr[hlen] = '\0';
     run->master_port = (int)port;
     return ps_strlcpy(run->coord_addr, addr, sizeof(run->coord_addr));
+}
+
+/* Multi-node: the address of this host that the rendezvous endpoint is reached from (what a
+ * UDP socket connected there is bound to), for the shard servers' rings, unless
+ * PSHARD_SOCKET_IFNAME or PSHARD_DATA_HOST chooses. Returns 0, or -1 after saying why. */
+static int run_local_address(run_t *run)
+{
+    const char *ifname = getenv("PSHARD_SOCKET_IFNAME"), *dh = getenv("PSHARD_DATA_HOST");
+    if ((ifname && *ifname) || (dh && *dh))
+        return 0; /* the servers read it themselves */
+    struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_DGRAM}, *ai = NULL;
+    char port[16];
+    ps_snprintf(port, sizeof(port), "%d", run->master_port ? run->master_port : 9); /* no packet */
+    int rc = getaddrinfo(run->master_addr, port, &hints, &ai);
+    if (rc != 0 || !ai) {
+        fprintf(stderr, RUN_PROG ": --rdzv-endpoint host '%s': %s\n", run->master_addr,
+                rc ? gai_strerror(rc) : "no IPv4 address");
+        return -1;
+    }
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in me;
+    socklen_t len = sizeof(me);
+    bool ok = fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+              getsockname(fd, (struct sockaddr *)&me, &len) == 0 &&
+              inet_ntop(AF_INET, &me.sin_addr, run->data_host, sizeof(run->data_host));
+    int e = errno;
+    if (fd >= 0)
+        close(fd);
+    freeaddrinfo(ai);
+    if (!ok) {
+        fprintf(stderr,
+                RUN_PROG ": no route from this node to the rendezvous endpoint %s: %s (set "
+                         "PSHARD_SOCKET_IFNAME to choose the interface)\n",
+                run->coord_addr, strerror(e));
+        run->data_host[0] = '\0';
+        return -1;
+    }
+    PS_INFO(PS_SUB_MAIN, "node %d: shard servers' rings listen on %s", run->node_rank,
+            run->data_host);
+    return 0;
 }
 
 /* Removes the run's temporary directory and the port files in it. */
@@ -819,12 +885,12 @@ static void run_start_coordinator(run_t *run, const char *bin)
     run_child_t *c = run->coord;
     ps_snprintf(c->port_file, sizeof(c->port_file), "%s/coordinator.port", run->tmpdir);
     char world[24], lease[24], heartbeat[24];
-    ps_snprintf(world, sizeof(world), "%lld", (long long)run->opts->nproc);
+    ps_snprintf(world, sizeof(world), "%lld", (long long)run->opts->nproc * run->nnodes);
     char *argv[20];
     int a = 0;
     argv[a++] = (char *)bin;
     argv[a++] = "--listen";
-    argv[a++] = "127.0.0.1:0";
+    argv[a++] = run->endpoint ? run->coord_addr : "127.0.0.1:0";
     argv[a++] = "--port-file";
     argv[a++] = c->port_file;
     argv[a++] = "--world-size";
@@ -858,6 +924,19 @@ static void run_start_coordinator(run_t *run, const char *bin)
     run_wait_ports(run, c, 1);
     if (run->stop != STOP_NONE)
         return;
+    if (run->endpoint) {
+        /* Listening on the endpoint the other nodes were given; port 0 picked one, which they
+         * learn from this line. */
+        if (run->master_port == 0) {
+            run->master_port = c->port;
+            ps_snprintf(run->coord_addr, sizeof(run->coord_addr), "%s%s%s:%d",
+                        strchr(run->master_addr, ':') ? "[" : "", run->master_addr,
+                        strchr(run->master_addr, ':') ? "]" : "", c->port);
+        }
+        fprintf(stderr, RUN_PROG ": coordinator for %d nodes on %s\n", run->nnodes,
+                run->coord_addr);
+        return;
+    }
     ps_snprintf(run->coord_addr, sizeof(run->coord_addr), "127.0.0.1:%d", c->port);
     ps_strlcpy(run->master_addr, "127.0.0.1", sizeof(run->master_addr));
     run->master_port = c->port;
@@ -871,7 +950,12 @@ static void run_start_servers(run_t *run, const char *bin)
         run_child_t *c = &run->servers[r];
         ps_snprintf(c->port_file, sizeof(c->port_file), "%s/server-%d.port", run->tmpdir, r);
         char name[64], device[24], every[24], keep[24];
-        ps_snprintf(name, sizeof(name), "pshardrun-%d-%d", (int)getpid(), r);
+        /* The coordinator ranks servers by name (natural order): across nodes the names sort
+         * by node rank, then local rank, so server K * NPROC + r is this node's r-th. */
+        if (run->nnodes > 1)
+            ps_snprintf(name, sizeof(name), "pshardrun-node%d-%d", run->node_rank, r);
+        else
+            ps_snprintf(name, sizeof(name), "pshardrun-%d-%d", (int)getpid(), r);
         ps_snprintf(device, sizeof(device), "%d", r);
         ps_snprintf(every, sizeof(every), "%lld", (long long)run->opts->checkpoint_every);
         ps_snprintf(keep, sizeof(keep), "%lld", (long long)run->opts->checkpoint_keep);
@@ -889,6 +973,10 @@ static void run_start_servers(run_t *run, const char *bin)
         if (run->job[0]) {
             argv[a++] = "--job";
             argv[a++] = run->job;
+        }
+        if (run->data_host[0]) {
+            argv[a++] = "--data-host";
+            argv[a++] = run->data_host;
         }
         argv[a++] = "--backend";
         argv[a++] = run->opts->backend;
@@ -931,19 +1019,27 @@ static void run_start_trainers(run_t *run, char *const argv[])
 {
     int n = (int)run->opts->nproc;
     for (int r = 0; r < n && run->stop == STOP_NONE; r++) {
-        char rank[16], world[16], mport[16], server[64], attempt[24], max_restarts[24];
+        char rank[16], local_rank[16], world[16], local_world[16], group_rank[16], group_world[16],
+            mport[16], server[64], attempt[24], max_restarts[24];
         ps_snprintf(attempt, sizeof(attempt), "%lld", (long long)run->attempt);
         ps_snprintf(max_restarts, sizeof(max_restarts), "%lld", (long long)run->opts->max_restarts);
-        ps_snprintf(rank, sizeof(rank), "%d", r);
-        ps_snprintf(world, sizeof(world), "%d", n);
+        ps_snprintf(rank, sizeof(rank), "%d", run->node_rank * n + r);
+        ps_snprintf(local_rank, sizeof(local_rank), "%d", r);
+        ps_snprintf(world, sizeof(world), "%d", n * run->nnodes);
+        ps_snprintf(local_world, sizeof(local_world), "%d", n);
+        ps_snprintf(group_rank, sizeof(group_rank), "%d", run->node_rank);
+        ps_snprintf(group_world, sizeof(group_world), "%d", run->nnodes);
         ps_snprintf(mport, sizeof(mport), "%d", run->master_port);
         ps_snprintf(server, sizeof(server), "127.0.0.1:%d", run->servers[r].port);
         const run_env_t env[] = {
             {"RANK", rank},
-            {"LOCAL_RANK", rank},
+            {"LOCAL_RANK", local_rank},
             {"WORLD_SIZE", world},
-            {"LOCAL_WORLD_SIZE", world},
-            {"GROUP_RANK", "0"},
+            {"LOCAL_WORLD_SIZE", local_world},
+            {"GROUP_RANK", group_rank},
+            {"GROUP_WORLD_SIZE", group_world},
+            {"ROLE_RANK", rank},
+            {"ROLE_WORLD_SIZE", world},
             {"MASTER_ADDR", run->master_addr},
             {"MASTER_PORT", mport},
             {"PSHARD_COORDINATOR", run->coord_addr},
@@ -992,7 +1088,7 @@ static void run_restart(run_t *run)
 }
 
 /* Checks option values the config table cannot. Returns 0, or 2 after printing why. */
-static int run_check_opts(run_t *run, const run_opts_t *o)
+static int run_check_opts(run_t *run, run_opts_t *o)
 {
     ps_log_level_t level;
     if (!ps_log_parse_level(o->log, &level)) {
@@ -1012,7 +1108,52 @@ static int run_check_opts(run_t *run, const run_opts_t *o)
         fprintf(stderr, RUN_PROG ": --token-file %s: %s\n", o->token_file, strerror(errno));
         return 2;
     }
-    if (o->coordinator && run_parse_coordinator(run, o->coordinator) != 0) {
+    run->nnodes = (int)o->nnodes;
+    run->node_rank = (int)o->node_rank;
+    if (o->nproc_per_node > 0) {
+        if (o->nproc != 1 && o->nproc != o->nproc_per_node) {
+            fprintf(stderr, RUN_PROG ": --nproc %lld and --nproc-per-node %lld differ: give one\n",
+                    (long long)o->nproc, (long long)o->nproc_per_node);
+            return 2;
+        }
+        o->nproc = o->nproc_per_node;
+    }
+    if (o->node_rank >= o->nnodes) {
+        fprintf(stderr, RUN_PROG ": --node-rank %lld is not below --nnodes %lld\n",
+                (long long)o->node_rank, (long long)o->nnodes);
+        return 2;
+    }
+    if (o->nnodes > 1 && !o->rdzv_endpoint && !o->coordinator) {
+        fprintf(stderr,
+                RUN_PROG ": --nnodes %lld needs --rdzv-endpoint HOST:PORT (where node "
+                         "rank 0 starts the coordinator) or --coordinator\n",
+                (long long)o->nnodes);
+        return 2;
+    }
+    if (o->nnodes > 1 && o->max_restarts > 0) {
+        fprintf(stderr, RUN_PROG ": --max-restarts with --nnodes > 1 is not supported yet (a "
+                                 "restart is not coordinated across nodes)\n");
+        return 2;
+    }
+    if (o->rdzv_endpoint && o->coordinator) {
+        fprintf(stderr, RUN_PROG ": give --rdzv-endpoint or --coordinator, not both\n");
+        return 2;
+    }
+    if (o->rdzv_endpoint && o->nproc * o->nnodes > 65536) {
+        fprintf(stderr, RUN_PROG ": %lld nodes of %lld are more than 65536 ranks\n",
+                (long long)o->nnodes, (long long)o->nproc);
+        return 2;
+    }
+    if (o->rdzv_endpoint) {
+        if (run_parse_coordinator(run, o->rdzv_endpoint, o->node_rank == 0) != 0) {
+            fprintf(stderr, RUN_PROG ": --rdzv-endpoint '%s' is not HOST:PORT\n", o->rdzv_endpoint);
+            return 2;
+        }
+        run->endpoint = o->node_rank == 0;
+        if (o->nnodes > 1 && run_local_address(run) != 0)
+            return 2;
+    }
+    if (o->coordinator && run_parse_coordinator(run, o->coordinator, false) != 0) {
         fprintf(stderr, RUN_PROG ": --coordinator '%s' is not HOST:PORT\n", o->coordinator);
         return 2;
     }
@@ -1138,7 +1279,9 @@ int main(int argc, char **argv)
         exit_code = o.server_bin ? 2 : 1;
         goto out;
     }
-    if (!o.coordinator) {
+    /* A coordinator of its own unless one is named, or another node starts it. */
+    bool own_coord = !o.coordinator && (!o.rdzv_endpoint || o.node_rank == 0);
+    if (own_coord) {
         coord_bin =
             run_find_binary(o.coordinator_bin, "coordinator-bin", "coordinator", RUN_COORD_BIN);
         if (!coord_bin) {
@@ -1148,7 +1291,7 @@ int main(int argc, char **argv)
     }
 
     size_t n = (size_t)o.nproc;
-    run.nchildren = (o.coordinator ? 0 : 1) + 2 * n;
+    run.nchildren = (own_coord ? 1 : 0) + 2 * n;
     run.children = calloc(run.nchildren, sizeof(*run.children));
     run.pfds = calloc(1 + 2 * run.nchildren, sizeof(*run.pfds));
     run.pfd_child = calloc(1 + 2 * run.nchildren, sizeof(*run.pfd_child));
@@ -1159,16 +1302,18 @@ int main(int argc, char **argv)
         goto out;
     }
     size_t at = 0;
-    if (!o.coordinator) {
+    if (own_coord) {
         run.coord = &run.children[at];
         run_child_init(&run.children[at++], ROLE_COORDINATOR, -1);
     }
+    /* Labelled with their global ranks ("[trainer 5]" on node 1 of 4-process nodes). */
+    int base = run.node_rank * (int)n;
     run.servers = &run.children[at];
     for (size_t r = 0; r < n; r++)
-        run_child_init(&run.children[at++], ROLE_SERVER, (int)r);
+        run_child_init(&run.children[at++], ROLE_SERVER, base + (int)r);
     run.trainers = &run.children[at];
     for (size_t r = 0; r < n; r++)
-        run_child_init(&run.children[at++], ROLE_TRAINER, (int)r);
+        run_child_init(&run.children[at++], ROLE_TRAINER, base + (int)r);
 
     if (run_setup_signals(&run) != 0) {
         exit_code = 1;
