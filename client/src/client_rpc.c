@@ -127,6 +127,12 @@ Pshard__DType client_dtype_pb(pshard_dtype_t d)
         return PSHARD__DTYPE__FP16;
     case PSHARD_INT64:
         return PSHARD__DTYPE__INT64;
+    case PSHARD_FP64:
+        return PSHARD__DTYPE__FP64;
+    case PSHARD_INT32:
+        return PSHARD__DTYPE__INT32;
+    case PSHARD_UINT8:
+        return PSHARD__DTYPE__UINT8;
     default:
         return PSHARD__DTYPE__FP32;
     }

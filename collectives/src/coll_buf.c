@@ -113,11 +113,11 @@ void coll_buf_copy(coll_buf_t *dst, uint64_t doff, coll_buf_t *src, uint64_t sof
 
 /* Runs fn over the contiguous stretches of nel elements of dt at off in b, with acc advancing
  * by the partial-sum size per element. */
-typedef void (*span_fn)(uint8_t *acc, uint8_t *p, pshard_dtype_t dt, size_t nel, float scale,
+typedef void (*span_fn)(uint8_t *acc, uint8_t *p, pshard_dtype_t dt, size_t nel, double scale,
                         int red);
 
 static void over_spans(coll_buf_t *b, uint64_t off, pshard_dtype_t dt, size_t nel, uint8_t *acc,
-                       float scale, int red, span_fn fn)
+                       double scale, int red, span_fn fn)
 {
     size_t es = pshard_dtype_size(dt), as = pshard_dtype_size(coll_acc_dtype(dt));
     while (nel > 0) {
@@ -131,21 +131,22 @@ static void over_spans(coll_buf_t *b, uint64_t off, pshard_dtype_t dt, size_t ne
     }
 }
 
-static void load_span(uint8_t *acc, uint8_t *p, pshard_dtype_t dt, size_t nel, float scale, int red)
+static void load_span(uint8_t *acc, uint8_t *p, pshard_dtype_t dt, size_t nel, double scale,
+                      int red)
 {
     (void)scale;
     (void)red;
     coll_reduce_load(acc, p, dt, nel);
 }
 
-static void accumulate_span(uint8_t *acc, uint8_t *p, pshard_dtype_t dt, size_t nel, float scale,
+static void accumulate_span(uint8_t *acc, uint8_t *p, pshard_dtype_t dt, size_t nel, double scale,
                             int red)
 {
     (void)scale;
     coll_reduce_accumulate(acc, p, dt, red, nel);
 }
 
-static void store_span(uint8_t *acc, uint8_t *p, pshard_dtype_t dt, size_t nel, float scale,
+static void store_span(uint8_t *acc, uint8_t *p, pshard_dtype_t dt, size_t nel, double scale,
                        int red)
 {
     (void)red;
@@ -154,17 +155,17 @@ static void store_span(uint8_t *acc, uint8_t *p, pshard_dtype_t dt, size_t nel, 
 
 void coll_buf_load(void *acc, coll_buf_t *src, uint64_t off, pshard_dtype_t dt, size_t nel)
 {
-    over_spans(src, off, dt, nel, acc, 1.0f, 0, load_span);
+    over_spans(src, off, dt, nel, acc, 1.0, 0, load_span);
 }
 
 void coll_buf_accumulate(void *acc, coll_buf_t *src, uint64_t off, pshard_dtype_t dt, int red,
                          size_t nel)
 {
-    over_spans(src, off, dt, nel, acc, 1.0f, red, accumulate_span);
+    over_spans(src, off, dt, nel, acc, 1.0, red, accumulate_span);
 }
 
 void coll_buf_store(coll_buf_t *dst, uint64_t off, pshard_dtype_t dt, const void *acc, size_t nel,
-                    float scale)
+                    double scale)
 {
     over_spans(dst, off, dt, nel, (uint8_t *)acc, scale, 0, store_span);
 }

@@ -48,6 +48,6 @@ void coll_buf_load(void *acc, coll_buf_t *src, uint64_t off, pshard_dtype_t dt, 
 void coll_buf_accumulate(void *acc, coll_buf_t *src, uint64_t off, pshard_dtype_t dt, int red,
                          size_t nel);
 void coll_buf_store(coll_buf_t *dst, uint64_t off, pshard_dtype_t dt, const void *acc, size_t nel,
-                    float scale);
+                    double scale);
 
 #endif

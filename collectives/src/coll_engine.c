@@ -98,7 +98,7 @@ void coll_engine_op_init(engine_t *e)
     const pshard_coll_args_t *a = &e->req->op.args;
     e->esize = pshard_dtype_size(a->dtype);
     e->asize = pshard_dtype_size(coll_acc_dtype(a->dtype));
-    e->scale = a->reduce == PSHARD_REDUCE_AVG ? 1.0f / (float)e->t.n : 1.0f;
+    e->scale = a->reduce == PSHARD_REDUCE_AVG ? 1.0 / (double)e->t.n : 1.0;
     e->cur = 0;
     e->nphases = 0;
     e->descs_received = 0;

@@ -87,7 +87,7 @@ typedef struct engine {
     bool op_failed;
     bool read_blocked, write_blocked;
     int waiting_on;
-    float scale;
+    double scale;         /* 1/n for avg (as a float, 1.0f/n exactly for n <= 2^20), else 1 */
     int64_t busy_poll_ns; /* PSHARD_BUSY_POLL_US; 0: sleep in poll(2) at once */
 
     /* The same-host transport (t.shm): the running operation reads the other ranks' buffers

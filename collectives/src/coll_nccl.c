@@ -219,6 +219,12 @@ static ncclDataType_t nccl_dtype(pshard_dtype_t dtype)
         return ncclFloat16;
     case PSHARD_INT64:
         return ncclInt64;
+    case PSHARD_FP64:
+        return ncclFloat64;
+    case PSHARD_INT32:
+        return ncclInt32;
+    case PSHARD_UINT8:
+        return ncclUint8;
     }
     return ncclFloat32; /* unreachable: prepare_op rejected other values */
 }

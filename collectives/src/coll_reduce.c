@@ -13,6 +13,11 @@
 #define COLL_REDUCE_BLOCK 1024
 #define VEC 16
 
+static bool is_integer(pshard_dtype_t dtype)
+{
+    return dtype == PSHARD_INT64 || dtype == PSHARD_INT32 || dtype == PSHARD_UINT8;
+}
+
 const char *pshard_reduce_name(pshard_reduce_t reduce)
 {
     static const char *const names[PSHARD_REDUCE_COUNT] = {"sum", "avg",  "product", "min",
@@ -24,12 +29,16 @@ const char *pshard_reduce_problem(pshard_reduce_t reduce, pshard_dtype_t dtype)
 {
     if ((unsigned)reduce >= PSHARD_REDUCE_COUNT)
         return "unknown reduction (use sum, avg, product, min, max, band, bor or bxor)";
-    if (reduce == PSHARD_REDUCE_AVG && dtype == PSHARD_INT64)
-        return "avg is not defined for int64; use sum";
-    if (reduce >= PSHARD_REDUCE_BAND && dtype != PSHARD_INT64)
-        return reduce == PSHARD_REDUCE_BAND  ? "band is for int64 only"
-               : reduce == PSHARD_REDUCE_BOR ? "bor is for int64 only"
-                                             : "bxor is for int64 only";
+    if ((unsigned)dtype >= PSHARD_DTYPE_COUNT)
+        return "unknown dtype";
+    if (reduce == PSHARD_REDUCE_AVG && is_integer(dtype))
+        return dtype == PSHARD_INT64   ? "avg is not defined for int64; use sum"
+               : dtype == PSHARD_INT32 ? "avg is not defined for int32; use sum"
+                                       : "avg is not defined for uint8; use sum";
+    if (reduce >= PSHARD_REDUCE_BAND && !is_integer(dtype))
+        return reduce == PSHARD_REDUCE_BAND  ? "band is for integer dtypes only"
+               : reduce == PSHARD_REDUCE_BOR ? "bor is for integer dtypes only"
+                                             : "bxor is for integer dtypes only";
     return NULL;
 }
 
@@ -37,25 +46,42 @@ int pshard_reduce_identity(pshard_reduce_t reduce, pshard_dtype_t dtype, void *o
 {
     if (pshard_reduce_problem(reduce, dtype))
         return -1;
-    if (dtype == PSHARD_INT64) {
+    if (dtype == PSHARD_INT64 || dtype == PSHARD_INT32) {
+        bool wide = dtype == PSHARD_INT64;
         int64_t v = reduce == PSHARD_REDUCE_PRODUCT ? 1
-                    : reduce == PSHARD_REDUCE_MIN   ? INT64_MAX
-                    : reduce == PSHARD_REDUCE_MAX   ? INT64_MIN
+                    : reduce == PSHARD_REDUCE_MIN   ? (wide ? INT64_MAX : INT32_MAX)
+                    : reduce == PSHARD_REDUCE_MAX   ? (wide ? INT64_MIN : INT32_MIN)
                     : reduce == PSHARD_REDUCE_BAND  ? -1
                                                     : 0;
-        memcpy(out, &v, sizeof(v));
+        if (wide) {
+            memcpy(out, &v, sizeof(v));
+        } else {
+            int32_t v32 = (int32_t)v;
+            memcpy(out, &v32, sizeof(v32));
+        }
         return 0;
     }
-    float f = reduce == PSHARD_REDUCE_PRODUCT ? 1.0f
-              : reduce == PSHARD_REDUCE_MIN   ? INFINITY
-              : reduce == PSHARD_REDUCE_MAX   ? -INFINITY
-                                              : 0.0f;
+    if (dtype == PSHARD_UINT8) {
+        *(uint8_t *)out = reduce == PSHARD_REDUCE_PRODUCT                               ? 1
+                          : reduce == PSHARD_REDUCE_MIN || reduce == PSHARD_REDUCE_BAND ? 0xff
+                                                                                        : 0;
+        return 0;
+    }
+    double d = reduce == PSHARD_REDUCE_PRODUCT ? 1.0
+               : reduce == PSHARD_REDUCE_MIN   ? INFINITY
+               : reduce == PSHARD_REDUCE_MAX   ? -INFINITY
+                                               : 0.0;
+    if (dtype == PSHARD_FP64) {
+        memcpy(out, &d, sizeof(d));
+        return 0;
+    }
+    float f = (float)d;
     return pshard_convert(&f, PSHARD_FP32, out, dtype, 1);
 }
 
 pshard_dtype_t coll_acc_dtype(pshard_dtype_t dtype)
 {
-    return dtype == PSHARD_INT64 ? PSHARD_INT64 : PSHARD_FP32;
+    return dtype == PSHARD_BF16 || dtype == PSHARD_FP16 ? PSHARD_FP32 : dtype;
 }
 
 static void widen_half(const uint16_t *in, pshard_dtype_t dtype, float *out, size_t n)
@@ -73,7 +99,10 @@ void coll_reduce_load(void *acc, const void *in, pshard_dtype_t dtype, size_t n)
         memcpy(acc, in, n * sizeof(float));
         return;
     case PSHARD_INT64:
-        memcpy(acc, in, n * sizeof(int64_t));
+    case PSHARD_FP64:
+    case PSHARD_INT32:
+    case PSHARD_UINT8:
+        memcpy(acc, in, n * pshard_dtype_size(dtype));
         return;
     case PSHARD_BF16:
     case PSHARD_FP16:
@@ -113,6 +142,67 @@ REDUCE_LOOP(min_i64, int64_t, b < a ? b : a)
 REDUCE_LOOP(and_i64, int64_t, a &b)
 REDUCE_LOOP(or_i64, int64_t, a | b)
 REDUCE_LOOP(xor_i64, int64_t, a ^ b)
+REDUCE_LOOP(add_f64, double, a + b)
+REDUCE_LOOP(mul_f64, double, a *b)
+REDUCE_LOOP(max_f64, double, (b > a || b != b) ? b : a)
+REDUCE_LOOP(min_f64, double, (b < a || b != b) ? b : a)
+REDUCE_LOOP(add_i32, int32_t, (int32_t)((uint32_t)a + (uint32_t)b))
+REDUCE_LOOP(mul_i32, int32_t, (int32_t)((uint32_t)a *(uint32_t)b))
+REDUCE_LOOP(max_i32, int32_t, b > a ? b : a)
+REDUCE_LOOP(min_i32, int32_t, b < a ? b : a)
+REDUCE_LOOP(and_i32, int32_t, a &b)
+REDUCE_LOOP(or_i32, int32_t, a | b)
+REDUCE_LOOP(xor_i32, int32_t, a ^ b)
+/* uint8 wraps modulo 256, as torch's uint8 arithmetic does. */
+REDUCE_LOOP(add_u8, uint8_t, (uint8_t)(a + b))
+REDUCE_LOOP(mul_u8, uint8_t, (uint8_t)(a *b))
+REDUCE_LOOP(max_u8, uint8_t, b > a ? b : a)
+REDUCE_LOOP(min_u8, uint8_t, b < a ? b : a)
+REDUCE_LOOP(and_u8, uint8_t, a &b)
+REDUCE_LOOP(or_u8, uint8_t, a | b)
+REDUCE_LOOP(xor_u8, uint8_t, a ^ b)
+
+/* The same operation table for each element type: op -> loop. */
+#define COMBINE(name, T, add, mul, min, max, band, bor, bxor)                                      \
+    static void name(T *acc, const T *in, int op, size_t n)                                        \
+    {                                                                                              \
+        switch (op) {                                                                              \
+        case PSHARD_REDUCE_SUM:                                                                    \
+        case PSHARD_REDUCE_AVG:                                                                    \
+            add(acc, in, n);                                                                       \
+            return;                                                                                \
+        case PSHARD_REDUCE_PRODUCT:                                                                \
+            mul(acc, in, n);                                                                       \
+            return;                                                                                \
+        case PSHARD_REDUCE_MIN:                                                                    \
+            min(acc, in, n);                                                                       \
+            return;                                                                                \
+        case PSHARD_REDUCE_MAX:                                                                    \
+            max(acc, in, n);                                                                       \
+            return;                                                                                \
+        case PSHARD_REDUCE_BAND:                                                                   \
+            band(acc, in, n);                                                                      \
+            return;                                                                                \
+        case PSHARD_REDUCE_BOR:                                                                    \
+            bor(acc, in, n);                                                                       \
+            return;                                                                                \
+        case PSHARD_REDUCE_BXOR:                                                                   \
+            bxor(acc, in, n);                                                                      \
+            return;                                                                                \
+        }                                                                                          \
+    }
+
+/* Floating types have no bitwise reductions (refused before): those leave acc as it is. */
+static void keep_f64(double *acc, const double *in, size_t n)
+{
+    (void)acc;
+    (void)in;
+    (void)n;
+}
+
+COMBINE(combine_f64, double, add_f64, mul_f64, min_f64, max_f64, keep_f64, keep_f64, keep_f64)
+COMBINE(combine_i32, int32_t, add_i32, mul_i32, min_i32, max_i32, and_i32, or_i32, xor_i32)
+COMBINE(combine_u8, uint8_t, add_u8, mul_u8, min_u8, max_u8, and_u8, or_u8, xor_u8)
 
 static void combine_f32(float *acc, const float *in, int op, size_t n)
 {
@@ -168,6 +258,15 @@ void coll_reduce_accumulate(void *acc, const void *in, pshard_dtype_t dtype, int
         return;
     case PSHARD_INT64:
         combine_i64(acc, in, op, n);
+        return;
+    case PSHARD_FP64:
+        combine_f64(acc, in, op, n);
+        return;
+    case PSHARD_INT32:
+        combine_i32(acc, in, op, n);
+        return;
+    case PSHARD_UINT8:
+        combine_u8(acc, in, op, n);
         return;
     case PSHARD_BF16:
     case PSHARD_FP16: {
@@ -254,9 +353,26 @@ static void scale_f32_in_place(float *buf, size_t n, float scale)
         buf[i] *= scale;
 }
 
-void coll_reduce_store(void *out, pshard_dtype_t dtype, const void *acc, size_t n, float scale)
+void coll_reduce_store(void *out, pshard_dtype_t dtype, const void *acc, size_t n, double scale64)
 {
+    float scale = (float)scale64; /* 1/n: the same as 1.0f/n for every n <= 2^20 */
     switch (dtype) {
+    case PSHARD_FP64: {
+        double *o = out;
+        const double *a = acc;
+        if (scale64 != 1.0) {
+            for (size_t i = 0; i < n; i++)
+                o[i] = a[i] * scale64;
+        } else if (out != acc) {
+            memmove(out, acc, n * sizeof(double));
+        }
+        return;
+    }
+    case PSHARD_INT32:
+    case PSHARD_UINT8:
+        if (out != acc)
+            memmove(out, acc, n * pshard_dtype_size(dtype));
+        return;
     case PSHARD_FP32:
         if (scale == 1.0f) {
             if (out != acc)

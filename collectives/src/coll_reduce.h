@@ -1,5 +1,6 @@
-/* Reduction kernels for the collectives: partial sums travel as fp32 for fp32/bf16/fp16 (so
- * half types accumulate in fp32 and round once) and as int64 for int64. Pure, thread-safe. */
+/* Reduction kernels for the collectives: partial results travel as fp32 for fp32/bf16/fp16 (so
+ * half types accumulate in fp32 and round once) and in their own type for fp64, int64, int32
+ * and uint8 (integers wrap). Pure, thread-safe. */
 #ifndef PSHARD_COLL_REDUCE_H
 #define PSHARD_COLL_REDUCE_H
 
@@ -8,8 +9,8 @@
 
 #include "pshard/dtype.h"
 
-/* The element type partial sums travel in: PSHARD_FP32 for the float types, PSHARD_INT64 for
- * int64. */
+/* The element type partial results travel in: PSHARD_FP32 for fp32, bf16 and fp16; the type
+ * itself for the others. */
 pshard_dtype_t coll_acc_dtype(pshard_dtype_t dtype);
 
 /* acc[0..n) = in[0..n) converted to the accumulation type (a copy for fp32/int64). */
@@ -21,7 +22,8 @@ void coll_reduce_load(void *acc, const void *in, pshard_dtype_t dtype, size_t n)
 void coll_reduce_accumulate(void *acc, const void *in, pshard_dtype_t dtype, int op, size_t n);
 
 /* out[i] = acc[i] * scale rounded to `dtype` (round to nearest even; scale 1 means a plain
- * conversion; int64 ignores scale). out may alias acc only when dtype is fp32 or int64. */
-void coll_reduce_store(void *out, pshard_dtype_t dtype, const void *acc, size_t n, float scale);
+ * conversion; fp32 and the half types scale by (float)scale, fp64 by scale; integers ignore
+ * it). out may alias acc except for the half types. */
+void coll_reduce_store(void *out, pshard_dtype_t dtype, const void *acc, size_t n, double scale);
 
 #endif

@@ -74,7 +74,7 @@ pshard_status_t coll_shm_fetch_buf(coll_shm_t *s, int q, uint64_t addr, uint32_t
  * count <= COLL_SHM_REDUCE_MAX. out may be own. Errors as coll_shm_read's. */
 pshard_status_t coll_shm_reduce(coll_shm_t *s, coll_buf_t *bufs, uint64_t off, coll_buf_t *own,
                                 uint64_t own_off, coll_buf_t *out, uint64_t out_off,
-                                pshard_dtype_t dt, int red, size_t count, float scale, char *err,
+                                pshard_dtype_t dt, int red, size_t count, double scale, char *err,
                                 size_t errlen);
 
 #endif

@@ -19,7 +19,12 @@ size_t pshard_dtype_size(pshard_dtype_t dtype)
     case PSHARD_FP16:
         return 2;
     case PSHARD_INT64:
+    case PSHARD_FP64:
         return 8;
+    case PSHARD_INT32:
+        return 4;
+    case PSHARD_UINT8:
+        return 1;
     }
     return 0;
 }
@@ -35,6 +40,12 @@ const char *pshard_dtype_name(pshard_dtype_t dtype)
         return "fp16";
     case PSHARD_INT64:
         return "int64";
+    case PSHARD_FP64:
+        return "fp64";
+    case PSHARD_INT32:
+        return "int32";
+    case PSHARD_UINT8:
+        return "uint8";
     }
     return "unknown";
 }
@@ -47,7 +58,8 @@ int pshard_dtype_parse(const char *text, pshard_dtype_t *dtype)
     } names[] = {
         {"fp32", PSHARD_FP32},     {"float32", PSHARD_FP32}, {"bf16", PSHARD_BF16},
         {"bfloat16", PSHARD_BF16}, {"fp16", PSHARD_FP16},    {"float16", PSHARD_FP16},
-        {"int64", PSHARD_INT64},
+        {"int64", PSHARD_INT64},   {"fp64", PSHARD_FP64},    {"float64", PSHARD_FP64},
+        {"int32", PSHARD_INT32},   {"uint8", PSHARD_UINT8},
     };
     if (!text || !dtype)
         return -1;
@@ -152,14 +164,16 @@ int pshard_convert(const void *src, pshard_dtype_t src_type, void *dst, pshard_d
     size_t dst_size = pshard_dtype_size(dst_type);
     if (src_size == 0 || dst_size == 0)
         return -1;
-    if ((src_type == PSHARD_INT64) != (dst_type == PSHARD_INT64))
+    if (src_type == dst_type) {
+        if (n)
+            memcpy(dst, src, n * src_size);
+        return 0;
+    }
+    /* Between different types: only among fp32, bf16 and fp16. */
+    if (src_type > PSHARD_FP16 || dst_type > PSHARD_FP16)
         return -1;
     if (n == 0)
         return 0;
-    if (src_type == dst_type) {
-        memcpy(dst, src, n * src_size);
-        return 0;
-    }
     if (src_type == PSHARD_FP32) {
         if (dst_type == PSHARD_BF16)
             ps_convert_f32_to_bf16(src, dst, n);

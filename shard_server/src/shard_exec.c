@@ -213,7 +213,10 @@ pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op,
     int world = pshard_comm_world_size(comm);
     bool avg = op->reduce == PSHARD_REDUCE_AVG;
     bool reduces = op->coll_op == PSHARD_COLL_ALL_REDUCE || op->coll_op == PSHARD_COLL_REDUCE;
-    bool partial_avg = avg && reduces && active < world && op->dtype != PSHARD_INT64;
+    /* (avg exists for the floating types only: the collectives refuse it for integers) */
+    bool partial_avg = avg && reduces && active < world &&
+                       (op->dtype == PSHARD_FP32 || op->dtype == PSHARD_BF16 ||
+                        op->dtype == PSHARD_FP16 || op->dtype == PSHARD_FP64);
     pshard_coll_args_t a = {.op = (pshard_coll_op_t)op->coll_op,
                             .dtype = op->dtype,
                             .reduce = partial_avg ? PSHARD_REDUCE_SUM : (pshard_reduce_t)op->reduce,
@@ -227,8 +230,13 @@ pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op,
     if (partial_avg &&
         (op->coll_op == PSHARD_COLL_ALL_REDUCE || pshard_comm_rank(comm) == op->root)) {
         /* Joined ranks added zeros: the mean is over the ranks that contributed. */
-        float inv = (float)(1.0 / (double)(active > 0 ? active : 1));
-        if (op->dtype == PSHARD_FP32) {
+        double inv64 = 1.0 / (double)(active > 0 ? active : 1);
+        float inv = (float)inv64;
+        if (op->dtype == PSHARD_FP64) {
+            double *v = recv;
+            for (uint64_t k = 0; k < op->count; k++)
+                v[k] *= inv64;
+        } else if (op->dtype == PSHARD_FP32) {
             float *v = recv;
             for (uint64_t k = 0; k < op->count; k++)
                 v[k] *= inv;

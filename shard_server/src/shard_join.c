@@ -141,7 +141,7 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
         if (x[W_KIND] < REC_OP || x[W_KIND] > REC_JOINED ||
             (x[W_KIND] == REC_OP &&
              (x[W_SOP] < SHARD_SOP_GATHER || x[W_SOP] > SHARD_SOP_CLIP || x[W_NIDS] < 0 ||
-              x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 || x[W_DTYPE] > PSHARD_INT64 ||
+              x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 || x[W_DTYPE] >= PSHARD_DTYPE_COUNT ||
               x[W_REDUCE] < 0 || x[W_REDUCE] >= PSHARD_REDUCE_COUNT ||
               (x[W_SOP] == SHARD_SOP_STEP &&
                (x[W_COUNT] < 0 || x[W_COUNT] > SHARD_MAX_GROUPS * SHARD_GROUP_WORDS ||

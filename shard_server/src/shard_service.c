@@ -42,6 +42,15 @@ static bool dtype_from_pb(Pshard__DType d, pshard_dtype_t *out)
     case PSHARD__DTYPE__INT64:
         *out = PSHARD_INT64;
         return true;
+    case PSHARD__DTYPE__FP64:
+        *out = PSHARD_FP64;
+        return true;
+    case PSHARD__DTYPE__INT32:
+        *out = PSHARD_INT32;
+        return true;
+    case PSHARD__DTYPE__UINT8:
+        *out = PSHARD_UINT8;
+        return true;
     default:
         return false;
     }
@@ -259,7 +268,8 @@ static void tensor_op(pshard_shard_server_t *s, ps_rpc_call_t *call, bool gather
 {
     pshard_dtype_t dt;
     bool dt_ok = dtype_from_pb(dtype_pb, &dt) &&
-                 (gather ? dt != PSHARD_INT64 : (dt == PSHARD_FP32 || dt == PSHARD_BF16));
+                 (gather ? (dt == PSHARD_FP32 || dt == PSHARD_BF16 || dt == PSHARD_FP16)
+                         : (dt == PSHARD_FP32 || dt == PSHARD_BF16));
     if (!dt_ok) {
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
                          gather ? "param dtype must be fp32, bf16 or fp16"

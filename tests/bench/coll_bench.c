@@ -247,6 +247,15 @@ static void store_value(void *buf, pshard_dtype_t dt, size_t i, float v)
     case PSHARD_INT64:
         ((int64_t *)buf)[i] = (int64_t)v;
         break;
+    case PSHARD_FP64:
+        ((double *)buf)[i] = v;
+        break;
+    case PSHARD_INT32:
+        ((int32_t *)buf)[i] = (int32_t)v;
+        break;
+    case PSHARD_UINT8:
+        ((uint8_t *)buf)[i] = (uint8_t)v; /* small worlds only: wraps past 255 */
+        break;
     }
 }
 
@@ -261,6 +270,12 @@ static float load_value(const void *buf, pshard_dtype_t dt, size_t i)
         return ps_f16_to_f32(((const uint16_t *)buf)[i]);
     case PSHARD_INT64:
         return (float)((const int64_t *)buf)[i];
+    case PSHARD_FP64:
+        return (float)((const double *)buf)[i];
+    case PSHARD_INT32:
+        return (float)((const int32_t *)buf)[i];
+    case PSHARD_UINT8:
+        return (float)((const uint8_t *)buf)[i];
     }
     return 0;
 }

@@ -42,15 +42,24 @@ static uint64_t mix(uint64_t x)
     return x;
 }
 
+static bool is_int(pshard_dtype_t dt)
+{
+    return dt == PSHARD_INT64 || dt == PSHARD_INT32 || dt == PSHARD_UINT8;
+}
+
 /* Element i of rank r's input for case c, as a double exactly representable in dtype. */
 static double input_value(uint64_t c, int r, size_t i, pshard_dtype_t dt)
 {
     uint64_t h = mix(c * 0x9e3779b97f4a7c15ULL ^ mix((uint64_t)r + 1) ^ mix(i + 7));
-    if (dt == PSHARD_INT64) {
+    if (dt == PSHARD_INT64 || dt == PSHARD_INT32) {
         int64_t v = (int64_t)(h % 2000001) - 1000000;
         return (double)(v == 0 ? 1 : v);
     }
+    if (dt == PSHARD_UINT8)
+        return (double)(h % 256);
     double u = ((double)(h >> 11) + 1.0) / 9007199254740992.0; /* (0, 1] */
+    if (dt == PSHARD_FP64)
+        return (h & 1) ? -4.0 * u : 4.0 * u; /* all 53 bits */
     float f = (float)((h & 1) ? -u : u) * 4.0f;
     if (dt == PSHARD_BF16)
         return ps_bf16_to_f32(ps_f32_to_bf16(f));
@@ -76,6 +85,15 @@ static void fill(void *buf, pshard_dtype_t dt, uint64_t c, int r, size_t first, 
         case PSHARD_INT64:
             ((int64_t *)buf)[i] = (int64_t)v;
             break;
+        case PSHARD_FP64:
+            ((double *)buf)[i] = v;
+            break;
+        case PSHARD_INT32:
+            ((int32_t *)buf)[i] = (int32_t)v;
+            break;
+        case PSHARD_UINT8:
+            ((uint8_t *)buf)[i] = (uint8_t)v;
+            break;
         }
     }
 }
@@ -91,6 +109,12 @@ static double get(const void *buf, pshard_dtype_t dt, size_t i)
         return ps_f16_to_f32(((const uint16_t *)buf)[i]);
     case PSHARD_INT64:
         return (double)((const int64_t *)buf)[i];
+    case PSHARD_FP64:
+        return ((const double *)buf)[i];
+    case PSHARD_INT32:
+        return (double)((const int32_t *)buf)[i];
+    case PSHARD_UINT8:
+        return (double)((const uint8_t *)buf)[i];
     }
     return NAN;
 }
@@ -108,7 +132,11 @@ static bool close_enough(double got, double ref, double abs_terms, pshard_dtype_
         return diff <= ldexp(fabs(ref) > 1e-30 ? fabs(ref) : 1e-30, -7) + 1e-6 * abs_terms;
     case PSHARD_FP16:
         return diff <= ldexp(fabs(ref) > 6e-5 ? fabs(ref) : 6e-5, -10) + 1e-5 * abs_terms;
+    case PSHARD_FP64:
+        return diff <= 1e-13 * fabs(ref) + 1e-14 * abs_terms;
     case PSHARD_INT64:
+    case PSHARD_INT32:
+    case PSHARD_UINT8:
         return diff == 0;
     }
     return false;
@@ -355,16 +383,23 @@ static void finish_case(running_t *r)
                 /* This rank's block of the root's input. */
                 ref = input_value(r->id, c->root, offset_mine + i, c->dtype);
                 ok = got == ref;
-            } else if (c->dtype == PSHARD_INT64) {
-                /* Exact, wrapping modulo 2^64 as the kernels do. */
+            } else if (is_int(c->dtype)) {
+                /* Exact, wrapping modulo 2^width as the kernels do: computed in 64 bits on
+                 * the (sign- or zero-extended) values, then cut to the width. */
                 size_t gi = c->op == PSHARD_COLL_REDUCE_SCATTER ? offset_mine + i : i;
                 uint64_t want = (uint64_t)(int64_t)input_value(r->id, 0, gi, c->dtype);
                 for (int q = 1; q < g_world; q++) {
                     uint64_t v = (uint64_t)(int64_t)input_value(r->id, q, gi, c->dtype);
                     want = reduce_i64(c->reduce, want, v);
                 }
-                ref = (double)(int64_t)want;
-                ok = ((const int64_t *)r->recv)[i] == (int64_t)want;
+                int64_t w = c->dtype == PSHARD_INT32   ? (int64_t)(int32_t)(uint32_t)want
+                            : c->dtype == PSHARD_UINT8 ? (int64_t)(uint8_t)want
+                                                       : (int64_t)want;
+                int64_t g = c->dtype == PSHARD_INT32   ? ((const int32_t *)r->recv)[i]
+                            : c->dtype == PSHARD_UINT8 ? ((const uint8_t *)r->recv)[i]
+                                                       : ((const int64_t *)r->recv)[i];
+                ref = (double)w;
+                ok = g == w;
             } else {
                 size_t gi = c->op == PSHARD_COLL_REDUCE_SCATTER ? offset_mine + i : i;
                 bool sum = c->reduce == PSHARD_REDUCE_SUM || c->reduce == PSHARD_REDUCE_AVG;
@@ -450,8 +485,9 @@ static int scenario_correctness(bool big)
             run_case(comm, &cs[i], id++);
     } else {
         static const size_t sizes[] = {0, 1, 2, 3, 7, 13, 97, 1021, 65537};
-        static const pshard_dtype_t dtypes[] = {PSHARD_FP32, PSHARD_BF16, PSHARD_FP16,
-                                                PSHARD_INT64};
+        static const pshard_dtype_t dtypes[] = {PSHARD_FP32,  PSHARD_BF16, PSHARD_FP16,
+                                                PSHARD_INT64, PSHARD_FP64, PSHARD_INT32,
+                                                PSHARD_UINT8};
         for (size_t d = 0; d < PS_ARRAY_LEN(dtypes); d++) {
             for (size_t s = 0; s < PS_ARRAY_LEN(sizes); s++) {
                 size_t n = sizes[s];
@@ -460,7 +496,7 @@ static int scenario_correctness(bool big)
                 case_t rs = {PSHARD_COLL_REDUCE_SCATTER, dt, PSHARD_REDUCE_SUM, n, NULL, 0};
                 case_t ar = {PSHARD_COLL_ALL_REDUCE,
                              dt,
-                             dt == PSHARD_INT64 ? PSHARD_REDUCE_SUM : PSHARD_REDUCE_AVG,
+                             is_int(dt) ? PSHARD_REDUCE_SUM : PSHARD_REDUCE_AVG,
                              n,
                              NULL,
                              0};
@@ -491,8 +527,8 @@ static int scenario_correctness(bool big)
                 case_t cs[] = {
                     {PSHARD_COLL_ALL_GATHER, dt, PSHARD_REDUCE_SUM, n, NULL, 0},
                     {PSHARD_COLL_REDUCE_SCATTER, dt, PSHARD_REDUCE_SUM, n, NULL, 0},
-                    {PSHARD_COLL_ALL_REDUCE, dt,
-                     dt == PSHARD_INT64 ? PSHARD_REDUCE_SUM : PSHARD_REDUCE_AVG, n, NULL, 0},
+                    {PSHARD_COLL_ALL_REDUCE, dt, is_int(dt) ? PSHARD_REDUCE_SUM : PSHARD_REDUCE_AVG,
+                     n, NULL, 0},
                     {PSHARD_COLL_BROADCAST, dt, PSHARD_REDUCE_SUM, n, NULL,
                      (int)((s + 1) % (size_t)g_world)},
                 };
@@ -528,8 +564,8 @@ static int scenario_correctness(bool big)
                 for (int root = 0; root < g_world; root++) {
                     size_t n = op_sizes[s];
                     case_t cs[] = {
-                        {PSHARD_COLL_REDUCE, dt,
-                         dt == PSHARD_INT64 ? PSHARD_REDUCE_MAX : PSHARD_REDUCE_AVG, n, NULL, root},
+                        {PSHARD_COLL_REDUCE, dt, is_int(dt) ? PSHARD_REDUCE_MAX : PSHARD_REDUCE_AVG,
+                         n, NULL, root},
                         {PSHARD_COLL_GATHER, dt, PSHARD_REDUCE_SUM, n, NULL, root},
                         {PSHARD_COLL_SCATTER, dt, PSHARD_REDUCE_SUM, n, NULL, root},
                     };
@@ -553,13 +589,13 @@ static int scenario_correctness(bool big)
         err[0] = '\0';
         CHECK(pshard_coll_start(comm, &band, &band_req, err, sizeof(err)) ==
                       PSHARD_ERR_INVALID_ARGUMENT &&
-                  strstr(err, "band is for int64 only"),
+                  strstr(err, "band is for integer dtypes only"),
               "band of fp32: %s", err);
         /* Many asynchronous operations in flight, completed in issue order. */
         running_t inflight[24];
         for (int i = 0; i < 24; i++) {
             case_t c = {(pshard_coll_op_t)(1 + i % 4),
-                        (pshard_dtype_t)(i % 4),
+                        (pshard_dtype_t)(i % PSHARD_DTYPE_COUNT),
                         PSHARD_REDUCE_SUM,
                         (size_t)(1000 + 17 * i),
                         NULL,

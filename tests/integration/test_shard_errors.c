@@ -1681,7 +1681,7 @@ static void test_collective_bad(void)
     EXPECT_ERR("Collective, reduce UINT32_MAX", do_coll_reduce(ch, s, 3, F32, 4, 0, 64, UINT32_MAX),
                IA, "unknown reduction");
     EXPECT_ERR("Collective, band of fp32", do_coll_reduce(ch, s, 3, F32, 4, 0, 64, 5), IA,
-               "band is for int64 only");
+               "band is for integer dtypes only");
     EXPECT_ERR("Collective, avg of int64",
                do_coll_reduce(ch, s, 3, PSHARD__DTYPE__INT64, 4, 0, 64, 1), IA,
                "avg is not defined for int64");
@@ -1693,7 +1693,7 @@ static void test_collective_bad(void)
     EXPECT_ERR("Collective, scatter from rank 7", do_coll_full(ch, s, 8, F32, 4, 0, 64, 0, 7), IA,
                "scatter root 7 is not a rank");
     EXPECT_ERR("Collective, reduce band of fp32", do_coll_full(ch, s, 6, F32, 4, 0, 64, 5, 0), IA,
-               "band is for int64 only");
+               "band is for integer dtypes only");
     EXPECT_ERR("Collective, gather recv past the end",
                do_coll_full(ch, s, 7, F32, 1024, 0, 4, 0, 0), IA, "outside");
     EXPECT_ERR("Collective, scatter send past the end",

@@ -15,9 +15,13 @@ torch.set_num_threads(1)
 
 def data(rank, n, dtype, salt):
     g = torch.Generator().manual_seed(rank * 7 + salt)
-    if dtype == torch.int64:
-        return torch.randint(-1000, 1000, (n,), generator=g)
-    return torch.randn(n, generator=g).to(dtype)
+    if dtype in (torch.int64, torch.int32):
+        return torch.randint(-1000, 1000, (n,), generator=g).to(dtype)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, (n,), generator=g).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
 
 
 def main():
@@ -113,6 +117,40 @@ def main():
     dist.scatter(m.t(), [torch.full((6, 4), float(r)) for r in range(world)] if rank == 0
                  else None, src=0)
     expect("scatter non-contiguous", torch.equal(m, torch.full((4, 6), float(rank))))
+    # float64, int32, uint8 and bool against torch's own reductions; broadcast and gather.
+    for dtype in (torch.float64, torch.int32, torch.uint8, torch.bool):
+        for n in (0, 1, 97, 1001):
+            salt = 23 + n % 100
+            ins = [data(r, n, dtype, salt) for r in range(world)]
+            wide = [t.to(torch.int64) if not dtype.is_floating_point else t for t in ins]
+            ops = {"SUM": lambda a, b: a + b, "PRODUCT": lambda a, b: a * b,
+                   "MIN": torch.minimum, "MAX": torch.maximum}
+            if not dtype.is_floating_point:
+                ops.update(BAND=torch.bitwise_and, BOR=torch.bitwise_or, BXOR=torch.bitwise_xor)
+            for name, fn in ops.items():
+                want = wide[0]
+                for y in wide[1:]:
+                    want = fn(want, y)
+                # torch's results in the dtype: integers wrap, bools are any / all
+                want = want.bool() if dtype == torch.bool else want.to(dtype)
+                if dtype == torch.bool and name in ("MIN", "PRODUCT", "BAND"):
+                    want = torch.stack(ins).all(0) if n else want
+                x = ins[rank].clone()
+                dist.all_reduce(x, op=dist.ReduceOp[name])
+                ok = (torch.allclose(x, want, rtol=1e-12, atol=1e-12) if dtype.is_floating_point
+                      else torch.equal(x, want))
+                expect(f"{name} {dtype} {n}", ok)
+            if dtype.is_floating_point:
+                x = ins[rank].clone()
+                dist.all_reduce(x, op=dist.ReduceOp.AVG)
+                expect(f"avg {dtype} {n}", torch.allclose(x, sum(ins) / world, rtol=1e-12,
+                                                          atol=1e-12))
+            x = ins[rank].clone()
+            dist.broadcast(x, world - 1)
+            expect(f"broadcast {dtype} {n}", torch.equal(x, ins[world - 1]))
+            o = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(o, ins[rank])
+            expect(f"all_gather {dtype} {n}", torch.equal(o, torch.cat(ins)))
     # Non-contiguous in place; 2-D all_gather output.
     m = data(rank, 60, torch.float32, 5).view(6, 10)
     tv = m.t()
@@ -126,7 +164,9 @@ def main():
     dist.barrier()
     # Bad arguments: clear errors, and the group keeps working.
     for name, fn, exc in [
-        ("fp64", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.float64)), TypeError),
+        ("int16", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.int16)), TypeError),
+        ("avg of int32", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.int32),
+                                                 op=dist.ReduceOp.AVG), TypeError),
         ("list", lambda: dist.all_reduce([1.0]), TypeError),
         ("src", lambda: dist.broadcast(torch.zeros(2), world), ValueError),
         ("size", lambda: dist.all_gather_into_tensor(torch.zeros(1), torch.zeros(2)),

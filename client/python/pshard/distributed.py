@@ -3,7 +3,8 @@ names: all_reduce, reduce, broadcast, all_gather_into_tensor, gather, scatter, b
 (pshard.torch.Join), their ranks contribute the reduction's identity (zeros for a sum, ones for
 a product, -inf for a max, ...) and an average is over the others.
 
-Tensors must be on the CPU, of dtype float32, bfloat16, float16 or int64; non-contiguous
+Tensors must be on the CPU, of dtype float32, bfloat16, float16, float64, int64, int32, uint8
+or bool (sum and max are "any", product and min "all"); non-contiguous
 tensors are handled through a contiguous copy. ``async_op=True`` runs the operation at once
 and returns a completed Work. Errors are pshard.Error subclasses (PeerLostError, TimeoutError,
 ...) with pshard's message, or TypeError/ValueError for bad arguments.
@@ -21,7 +22,9 @@ get_rank = pshard.get_rank
 get_world_size = pshard.get_world_size
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-           torch.int64: "int64"}
+           torch.int64: "int64", torch.float64: "fp64", torch.int32: "int32",
+           torch.uint8: "uint8", torch.bool: "uint8"}
+_INTEGER = ("int64", "int32", "uint8")
 # Pieces of this many bytes at most go through the shard server's scratch region at once
 # (PSHARD_SCRATCH_BYTES, 16 MiB by default).
 _CHUNK_BYTES = 4 << 20
@@ -74,7 +77,7 @@ def _dtype_of(t, what):
         return _DTYPES[t.dtype]
     except KeyError:
         raise TypeError(f"{what} has dtype {t.dtype}; supported: float32, bfloat16, float16, "
-                        "int64") from None
+                        "float64, int64, int32, uint8, bool") from None
 
 
 def _check(group):
@@ -143,11 +146,17 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
 
 
 def _check_op(op, dt, tensor):
+    """The reduction to run on tensor (of pshard dtype dt): op itself, or for bool tensors
+    (one byte, 0 or 1) the byte reduction that gives torch's result (sum -> max, product ->
+    min)."""
     op = _reduce_op(op)
-    if op is ReduceOp.AVG and dt == "int64":
-        raise TypeError("ReduceOp.AVG needs a floating-point tensor")
-    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dt != "int64":
-        raise TypeError(f"ReduceOp.{op.name} needs an int64 tensor, not {tensor.dtype}")
+    if op is ReduceOp.AVG and dt in _INTEGER:
+        raise TypeError(f"ReduceOp.AVG needs a floating-point tensor, not {tensor.dtype}")
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dt not in _INTEGER:
+        raise TypeError(f"ReduceOp.{op.name} needs an integer or bool tensor, not "
+                        f"{tensor.dtype}")
+    if tensor.dtype == torch.bool:
+        op = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}.get(op, op)
     return op
 
 

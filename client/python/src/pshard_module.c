@@ -45,8 +45,10 @@ typedef struct DLManagedTensor {
 
 #define DL_CPU 1
 #define DL_INT 0
+#define DL_UINT 1
 #define DL_FLOAT 2
 #define DL_BFLOAT 4
+#define DL_BOOL 6
 
 /* ---- errors ------------------------------------------------------------------------------ */
 
@@ -277,6 +279,12 @@ static int dl_dtype_is(const DLDataType *t, pshard_dtype_t want)
         return t->code == DL_BFLOAT && t->bits == 16;
     case PSHARD_INT64:
         return t->code == DL_INT && t->bits == 64;
+    case PSHARD_FP64:
+        return t->code == DL_FLOAT && t->bits == 64;
+    case PSHARD_INT32:
+        return t->code == DL_INT && t->bits == 32;
+    case PSHARD_UINT8: /* torch.bool is one byte too (0 or 1) */
+        return (t->code == DL_UINT || t->code == DL_BOOL) && t->bits == 8;
     }
     return 0;
 }
@@ -762,6 +770,15 @@ static PyObject *Buffer_dlpack(BufferObject *b, PyObject *args, PyObject *kw)
         break;
     case PSHARD_INT64:
         t->dtype = (DLDataType){DL_INT, 64, 1};
+        break;
+    case PSHARD_FP64:
+        t->dtype = (DLDataType){DL_FLOAT, 64, 1};
+        break;
+    case PSHARD_INT32:
+        t->dtype = (DLDataType){DL_INT, 32, 1};
+        break;
+    case PSHARD_UINT8:
+        t->dtype = (DLDataType){DL_UINT, 8, 1};
         break;
     }
     memcpy(o->shape, b->shape, sizeof(o->shape));

@@ -17,22 +17,28 @@ typedef enum {
     PSHARD_BF16 = 1,
     PSHARD_FP16 = 2,
     PSHARD_INT64 = 3,
+    /* Collectives only (parameters and gradients are fp32, bf16 or fp16): */
+    PSHARD_FP64 = 4,
+    PSHARD_INT32 = 5,
+    PSHARD_UINT8 = 6, /* also torch.bool's storage */
 } pshard_dtype_t;
 
-#define PSHARD_DTYPE_COUNT 4
+#define PSHARD_DTYPE_COUNT 7
 
-/* Bytes per element (4, 2, 2, 8), or 0 for an unknown value. */
+/* Bytes per element (4, 2, 2, 8, 8, 4, 1), or 0 for an unknown value. */
 size_t pshard_dtype_size(pshard_dtype_t dtype);
 
-/* "fp32", "bf16", "fp16", "int64", or "unknown". */
+/* "fp32", "bf16", "fp16", "int64", "fp64", "int32", "uint8", or "unknown". */
 const char *pshard_dtype_name(pshard_dtype_t dtype);
 
-/* Parses the names above (also "float32", "bfloat16", "float16"); returns 0 or -1. */
+/* Parses the names above (also "float32", "bfloat16", "float16", "float64"); returns 0 or
+ * -1. */
 int pshard_dtype_parse(const char *text, pshard_dtype_t *dtype);
 
-/* Converts n elements of src_type to dst_type via fp32 (int64 only to/from int64): round to
+/* Converts n elements of src_type to dst_type via fp32 between fp32, bf16 and fp16: round to
  * nearest even, NaN stays NaN (quiet), Inf stays Inf, subnormals kept where representable.
- * src and dst must not overlap. Returns 0, or -1 for an unsupported pair. */
+ * Other types convert only to themselves (a copy). src and dst must not overlap. Returns 0, or
+ * -1 for an unsupported pair. */
 int pshard_convert(const void *src, pshard_dtype_t src_type, void *dst, pshard_dtype_t dst_type,
                    size_t n);
 

@@ -519,7 +519,8 @@ static void test_reduce_names_and_problems(void)
     CU_ASSERT_PTR_NULL(pshard_reduce_problem(PSHARD_REDUCE_MIN, PSHARD_BF16));
     CU_ASSERT_PTR_NULL(pshard_reduce_problem(PSHARD_REDUCE_BOR, PSHARD_INT64));
     CU_ASSERT_PTR_NOT_NULL(pshard_reduce_problem(PSHARD_REDUCE_AVG, PSHARD_INT64));
-    CU_ASSERT_PTR_NOT_NULL(strstr(pshard_reduce_problem(PSHARD_REDUCE_BAND, PSHARD_FP32), "int64"));
+    CU_ASSERT_PTR_NOT_NULL(
+        strstr(pshard_reduce_problem(PSHARD_REDUCE_BAND, PSHARD_FP32), "integer"));
     CU_ASSERT_PTR_NOT_NULL(pshard_reduce_problem((pshard_reduce_t)8, PSHARD_FP32));
 }
 

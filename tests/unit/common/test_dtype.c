@@ -119,7 +119,13 @@ static void test_names_and_sizes(void)
     CU_ASSERT_EQUAL(pshard_dtype_size(PSHARD_BF16), 2);
     CU_ASSERT_EQUAL(pshard_dtype_size(PSHARD_FP16), 2);
     CU_ASSERT_EQUAL(pshard_dtype_size(PSHARD_INT64), 8);
+    CU_ASSERT_EQUAL(pshard_dtype_size(PSHARD_FP64), 8);
+    CU_ASSERT_EQUAL(pshard_dtype_size(PSHARD_INT32), 4);
+    CU_ASSERT_EQUAL(pshard_dtype_size(PSHARD_UINT8), 1);
     CU_ASSERT_EQUAL(pshard_dtype_size((pshard_dtype_t)PSHARD_DTYPE_COUNT), 0);
+    CU_ASSERT_STRING_EQUAL(pshard_dtype_name(PSHARD_FP64), "fp64");
+    CU_ASSERT_STRING_EQUAL(pshard_dtype_name(PSHARD_INT32), "int32");
+    CU_ASSERT_STRING_EQUAL(pshard_dtype_name(PSHARD_UINT8), "uint8");
     CU_ASSERT_STRING_EQUAL(pshard_dtype_name(PSHARD_FP32), "fp32");
     CU_ASSERT_STRING_EQUAL(pshard_dtype_name(PSHARD_BF16), "bf16");
     CU_ASSERT_STRING_EQUAL(pshard_dtype_name(PSHARD_FP16), "fp16");
@@ -131,13 +137,14 @@ static void test_names_and_sizes(void)
         pshard_dtype_t dtype;
     } ok[] = {{"fp32", PSHARD_FP32},     {"float32", PSHARD_FP32}, {"bf16", PSHARD_BF16},
               {"bfloat16", PSHARD_BF16}, {"fp16", PSHARD_FP16},    {"float16", PSHARD_FP16},
-              {"int64", PSHARD_INT64}};
+              {"int64", PSHARD_INT64},   {"fp64", PSHARD_FP64},    {"float64", PSHARD_FP64},
+              {"int32", PSHARD_INT32},   {"uint8", PSHARD_UINT8}};
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
         pshard_dtype_t d = (pshard_dtype_t)99;
         CU_ASSERT_EQUAL(pshard_dtype_parse(ok[i].text, &d), 0);
         CU_ASSERT_EQUAL(d, ok[i].dtype);
     }
-    static const char *const bad[] = {"", "fp", "fp64", "int32", "fp32 ", "FP32x", "bf16\n"};
+    static const char *const bad[] = {"", "fp", "fp8", "int16", "fp32 ", "FP32x", "bf16\n"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         pshard_dtype_t d = PSHARD_INT64;
         CU_ASSERT_EQUAL(pshard_dtype_parse(bad[i], &d), -1);
@@ -502,7 +509,10 @@ static void test_convert_pairs(void)
     CU_ASSERT_EQUAL(pshard_convert(i64, PSHARD_INT64, h_out, PSHARD_BF16, 4), -1);
     CU_ASSERT_EQUAL(pshard_convert(f16, PSHARD_FP16, i64_out, PSHARD_INT64, 4), -1);
     CU_ASSERT_EQUAL(pshard_convert(f32, (pshard_dtype_t)7, f32_out, PSHARD_FP32, 4), -1);
-    CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, f32_out, (pshard_dtype_t)4, 4), -1);
+    CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, f32_out, (pshard_dtype_t)9, 4), -1);
+    CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, i64_out, PSHARD_FP64, 4), -1);
+    CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, i64_out, PSHARD_INT32, 4), -1);
+    CU_ASSERT_EQUAL(pshard_convert(f16, PSHARD_FP16, i64_out, PSHARD_UINT8, 4), -1);
     CU_ASSERT_EQUAL(i64_out[0], 0);
     CU_ASSERT_EQUAL(pshard_convert(f32, PSHARD_FP32, h_out, PSHARD_BF16, 0), 0);
 }
