@@ -13,29 +13,6 @@
 #define DEFAULT_TIMEOUT_MS 600000
 #define DEFAULT_RECORDS 64
 
-const char *pshard_coll_op_name(pshard_coll_op_t op)
-{
-    switch (op) {
-    case PSHARD_COLL_ALL_GATHER:
-        return "all_gather";
-    case PSHARD_COLL_REDUCE_SCATTER:
-        return "reduce_scatter";
-    case PSHARD_COLL_ALL_REDUCE:
-        return "all_reduce";
-    case PSHARD_COLL_BROADCAST:
-        return "broadcast";
-    case PSHARD_COLL_BARRIER:
-        return "barrier";
-    case PSHARD_COLL_REDUCE:
-        return "reduce";
-    case PSHARD_COLL_GATHER:
-        return "gather";
-    case PSHARD_COLL_SCATTER:
-        return "scatter";
-    }
-    return "unknown";
-}
-
 static bool printable_name(const char *s)
 {
     size_t n = strlen(s);

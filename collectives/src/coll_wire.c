@@ -599,7 +599,7 @@ bool coll_desc_same(const coll_desc_t *a, const coll_desc_t *b)
            a->counts_hash == b->counts_hash;
 }
 
-static const char *op_wire_name(unsigned op)
+const char *pshard_coll_op_name(pshard_coll_op_t op)
 {
     switch (op) {
     case PSHARD_COLL_ALL_GATHER:
@@ -619,7 +619,7 @@ static const char *op_wire_name(unsigned op)
     case PSHARD_COLL_SCATTER:
         return "scatter";
     }
-    return NULL;
+    return "unknown";
 }
 
 /* Reducing ops also show sum/avg, broadcast shows its root: the fields a desync message needs
@@ -629,8 +629,8 @@ void coll_desc_format(const coll_desc_t *d, char *buf, size_t len)
     if (!buf || len == 0)
         return;
     char op_text[24];
-    const char *op = op_wire_name(d->op);
-    if (!op) {
+    const char *op = pshard_coll_op_name((pshard_coll_op_t)d->op);
+    if (strcmp(op, "unknown") == 0) {
         snprintf(op_text, sizeof op_text, "op(%u)", (unsigned)d->op);
         op = op_text;
     }
