@@ -12,49 +12,8 @@
 set -euo pipefail
 run="$1"
 trainer="$2"
-id=$$
-nsa="pshard-ma-$id"
-nsb="pshard-mb-$id"
-va="pma$id"
-vb="pmb$id"
-net="10.232.$((id % 250)).0"
-ipa="${net%.0}.1"
-ipb="${net%.0}.2"
 work=$(mktemp -d)
-pids=()
-fails=0
-
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  ip netns del "$nsa" 2>/dev/null || true
-  ip netns del "$nsb" 2>/dev/null || true
-  if [ "$fails" -eq 0 ]; then rm -rf "$work"; else echo "logs kept in $work"; fi
-}
-trap cleanup EXIT
-
-if ! ip netns add "$nsa" 2>/dev/null; then
-  echo "SKIP: cannot create network namespaces here (needs root and CAP_SYS_ADMIN)"
-  exit 77
-fi
-ip netns add "$nsb"
-ip link add "$va" type veth peer name "$vb"
-ip link set "$va" netns "$nsa"
-ip link set "$vb" netns "$nsb"
-ip -n "$nsa" addr add "$ipa/24" dev "$va"
-ip -n "$nsb" addr add "$ipb/24" dev "$vb"
-for ns in "$nsa" "$nsb"; do ip -n "$ns" link set lo up; done
-ip -n "$nsa" link set "$va" up
-ip -n "$nsb" link set "$vb" up
-
-now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
-wait_for() {
-  local end=$(( $(now_ms) + $1 * 1000 )); shift
-  until "$@"; do
-    [ "$(now_ms)" -gt "$end" ] && return 1
-    sleep 0.02
-  done
-}
+. "$(dirname "$0")/netns_pair.sh" 232 mn
 fail() { echo "FAIL: $*"; fails=1; }
 
 # Each trainer writes torchrun's variables, then trains 6 AdamW steps against the reference.

@@ -17,49 +17,8 @@ LEASE_MS=2000
 HB_MS=500
 BOUND_MS=$((LEASE_MS + 1000 + 2000))
 export OPENBLAS_NUM_THREADS=1
-id=$$
-nsa="pshard-a-$id"
-nsb="pshard-b-$id"
-va="psa$id"
-vb="psb$id"
-net="10.231.$((id % 250)).0"
-ipa="${net%.0}.1"
-ipb="${net%.0}.2"
 work=$(mktemp -d)
-pids=()
-fails=0
-
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  ip netns del "$nsa" 2>/dev/null || true
-  ip netns del "$nsb" 2>/dev/null || true
-  if [ "$fails" -eq 0 ]; then rm -rf "$work"; else echo "logs kept in $work"; fi
-}
-trap cleanup EXIT
-
-if ! ip netns add "$nsa" 2>/dev/null; then
-  echo "SKIP: cannot create network namespaces here (needs root and CAP_SYS_ADMIN)"
-  exit 77
-fi
-ip netns add "$nsb"
-ip link add "$va" type veth peer name "$vb"
-ip link set "$va" netns "$nsa"
-ip link set "$vb" netns "$nsb"
-ip -n "$nsa" addr add "$ipa/24" dev "$va"
-ip -n "$nsb" addr add "$ipb/24" dev "$vb"
-for ns in "$nsa" "$nsb"; do ip -n "$ns" link set lo up; done
-ip -n "$nsa" link set "$va" up
-ip -n "$nsb" link set "$vb" up
-
-now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
-wait_for() {
-  local end=$(( $(now_ms) + $1 * 1000 )); shift
-  until "$@"; do
-    [ "$(now_ms)" -gt "$end" ] && return 1
-    sleep 0.02
-  done
-}
+. "$(dirname "$0")/netns_pair.sh" 231 nc
 gone() { ! kill -0 "$1" 2>/dev/null; }
 steps_printed() { [ "$(grep -c '^step' "$1" 2>/dev/null || true)" -ge "$2" ]; }
 
