@@ -1135,6 +1135,14 @@ static int run_check_opts(run_t *run, run_opts_t *o)
                                  "restart is not coordinated across nodes)\n");
         return 2;
     }
+    if (o->nnodes > 1 && o->coordinator && !o->rdzv_id) {
+        /* Each node would make up a job id of its own, and the nodes would never meet. */
+        fprintf(stderr,
+                RUN_PROG ": --nnodes %lld with --coordinator needs --rdzv-id (the same "
+                         "on every node)\n",
+                (long long)o->nnodes);
+        return 2;
+    }
     if (o->rdzv_endpoint && o->coordinator) {
         fprintf(stderr, RUN_PROG ": give --rdzv-endpoint or --coordinator, not both\n");
         return 2;
