@@ -1086,6 +1086,7 @@ static pshard_status_t add_method(ps_rpc_server_t *srv, const ps_rpc_method_t *m
     }
     method_entry_t *e = &srv->methods[srv->nmethods++];
     e->m = *m;
+    e->registered = NULL; /* set at start, for the methods that are registered */
     atomic_init(&e->calls, 0);
     atomic_init(&e->errors, 0);
     return PSHARD_OK;
