@@ -166,15 +166,15 @@ static void coll_op_free(coll_op_t *op)
     free(op->temp);
 }
 
-/* reduce, gather and scatter: the operation the engines run instead (all_reduce, all_gather,
- * broadcast), in *eff, with a temporary recv where the caller's does not take the whole
- * result (op->temp, op->post_*). *eff keeps a's counts pointer. */
+/* reduce, gather, scatter and all_to_all: the operation the engines run instead (all_reduce,
+ * all_gather, broadcast, all_gather), in *eff, with a temporary recv where the caller's does not
+ * take the whole result (op->temp, op->post_*). *eff keeps a's counts pointer. */
 static pshard_status_t rooted_args(pshard_comm_t *c, const pshard_coll_args_t *a, coll_op_t *op,
                                    pshard_coll_args_t *eff, char *err, size_t errlen)
 {
     int n = c->world_size;
     const char *name = pshard_coll_op_name(a->op);
-    if (a->root < 0 || a->root >= n)
+    if (a->op != PSHARD_COLL_ALL_TO_ALL && (a->root < 0 || a->root >= n))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "%s root %d is not a rank of this %d-rank communicator", name, a->root, n);
     if (a->send_segs || a->recv_segs)
@@ -185,9 +185,36 @@ static pshard_status_t rooted_args(pshard_comm_t *c, const pshard_coll_args_t *a
                        "%s is not on the %s backend yet (use all_reduce, all_gather or "
                        "broadcast)",
                        name, c->backend->name);
-    if (a->counts && a->op == PSHARD_COLL_REDUCE)
+    if (a->counts && (a->op == PSHARD_COLL_REDUCE || a->op == PSHARD_COLL_ALL_TO_ALL))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "reduce takes one count, not per-rank counts");
+                       "%s takes one count, not per-rank counts", name);
+    if (a->op == PSHARD_COLL_ALL_TO_ALL) {
+        size_t es = pshard_dtype_size(a->dtype);
+        size_t nn = (size_t)n * (size_t)n;
+        if (a->count > ((SIZE_MAX / 16) / es) / nn)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "all_to_all: %zu elements per block of %d ranks overflow", a->count, n);
+        if (a->count > 0 && (!a->send || !a->recv))
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "all_to_all: send or recv buffer is NULL");
+        /* Every rank's whole send gathered, rank-major; this rank's block of each is at
+         * rank * count within it. */
+        *eff = *a;
+        eff->op = PSHARD_COLL_ALL_GATHER;
+        eff->count = a->count * (size_t)n;
+        op->temp = malloc(a->count * nn * es > 0 ? a->count * nn * es : 1);
+        if (!op->temp)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
+                           "all_to_all: out of memory for a %zu-byte temporary buffer",
+                           a->count * nn * es);
+        eff->recv = op->temp;
+        op->post_dst = a->recv;
+        op->post_off = (size_t)c->rank * a->count * es;
+        op->post_len = a->count * es;
+        op->post_stride = (size_t)n * a->count * es;
+        op->post_blocks = (size_t)n;
+        return PSHARD_OK;
+    }
     size_t es = pshard_dtype_size(a->dtype);
     const size_t limit = (SIZE_MAX / 16) / es;
     size_t total = 0, mine = 0, before = 0;
@@ -223,6 +250,7 @@ static pshard_status_t rooted_args(pshard_comm_t *c, const pshard_coll_args_t *a
         op->post_dst = a->recv;
         op->post_off = before * es;
         op->post_len = mine * es;
+        op->post_blocks = 1;
     } else {
         eff->op = a->op == PSHARD_COLL_REDUCE ? PSHARD_COLL_ALL_REDUCE : PSHARD_COLL_ALL_GATHER;
         if (root)
@@ -242,7 +270,7 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
                                   char *err, size_t errlen)
 {
     int n = c->world_size;
-    if (a->op < PSHARD_COLL_ALL_GATHER || a->op > PSHARD_COLL_SCATTER)
+    if (a->op < PSHARD_COLL_ALL_GATHER || a->op > PSHARD_COLL_ALL_TO_ALL)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "unknown collective op %d",
                        (int)a->op);
     size_t esize = pshard_dtype_size(a->dtype);
@@ -343,7 +371,9 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
     d->op = (uint8_t)user_op;
     d->dtype = (uint8_t)a->dtype;
     d->reduce = reduces ? (uint8_t)a->reduce : 0;
-    d->root = a->op == PSHARD_COLL_BROADCAST || user_op >= PSHARD_COLL_REDUCE ? user_root : 0;
+    bool rooted = a->op == PSHARD_COLL_BROADCAST ||
+                  (user_op >= PSHARD_COLL_REDUCE && user_op != PSHARD_COLL_ALL_TO_ALL);
+    d->root = rooted ? user_root : 0;
     d->tag = a->tag;
     d->total_count = total;
     d->counts_hash = coll_counts_hash(op->counts, (size_t)n);
@@ -542,8 +572,9 @@ void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *m
             ps_strlcpy(r->error, msg ? msg : pshard_status_str(status), sizeof(r->error));
     }
     pthread_mutex_unlock(&c->mu);
-    if (status == PSHARD_OK && req->op.post_len)
-        memcpy(req->op.post_dst, (const uint8_t *)req->op.temp + req->op.post_off,
+    for (size_t k = 0; status == PSHARD_OK && req->op.post_len && k < req->op.post_blocks; k++)
+        memcpy((uint8_t *)req->op.post_dst + k * req->op.post_len,
+               (const uint8_t *)req->op.temp + req->op.post_off + k * req->op.post_stride,
                req->op.post_len);
     pthread_mutex_lock(&req->mu);
     req->status = status;

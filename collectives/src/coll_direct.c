@@ -37,6 +37,7 @@ size_t coll_inline_bytes(const engine_t *e, const coll_op_t *op, int rank)
     case PSHARD_COLL_REDUCE: /* never here: coll_comm.c runs these three as others */
     case PSHARD_COLL_GATHER:
     case PSHARD_COLL_SCATTER:
+    case PSHARD_COLL_ALL_TO_ALL:
         return 0;
     }
     return 0;

@@ -22,12 +22,14 @@ typedef struct coll_op {
     size_t record_slot;    /* index into the flight recorder ring */
     bool check_only;       /* exchange and compare the descriptor; move no data */
     int64_t start_ns;      /* when it was started (ps_now_ns), for the per-operation log line */
-    /* reduce / gather / scatter run as the operation in args (all_reduce, all_gather,
-     * broadcast) with recv = temp where the caller's recv does not take the whole result; on
-     * success, post_len bytes at temp + post_off go to post_dst (scatter: this rank's block). */
+    /* reduce / gather / scatter / all_to_all run as the operation in args (all_reduce,
+     * all_gather, broadcast, all_gather) with recv = temp where the caller's recv does not take
+     * the whole result; on success post_blocks blocks of post_len bytes, at temp + post_off +
+     * k * post_stride, go to post_dst one after another (scatter: this rank's block; all_to_all:
+     * its block of every rank's send). */
     void *temp;
     void *post_dst;
-    size_t post_off, post_len;
+    size_t post_off, post_len, post_stride, post_blocks;
 } coll_op_t;
 
 struct pshard_coll_req {

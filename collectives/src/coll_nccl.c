@@ -359,6 +359,7 @@ static ncclResult_t issue_one(nccl_engine_t *e, const coll_op_t *op, bool groupe
     case PSHARD_COLL_REDUCE: /* refused before (coll_comm.c): not on nccl yet */
     case PSHARD_COLL_GATHER:
     case PSHARD_COLL_SCATTER:
+    case PSHARD_COLL_ALL_TO_ALL:
         break;
     }
     *what = "unknown collective";
@@ -481,6 +482,7 @@ static void staged_sizes(const nccl_engine_t *e, const coll_op_t *op, size_t *se
     case PSHARD_COLL_REDUCE: /* refused before (coll_comm.c): not on nccl yet */
     case PSHARD_COLL_GATHER:
     case PSHARD_COLL_SCATTER:
+    case PSHARD_COLL_ALL_TO_ALL:
         break;
     }
     if (a->send_device)

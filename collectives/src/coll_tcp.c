@@ -418,6 +418,7 @@ static pshard_status_t setup_op(engine_t *e)
     case PSHARD_COLL_REDUCE:
     case PSHARD_COLL_GATHER:
     case PSHARD_COLL_SCATTER:
+    case PSHARD_COLL_ALL_TO_ALL:
         break; /* never here: coll_comm.c runs them as all_reduce, all_gather, broadcast */
     }
     return PSHARD_ERR_INVALID_ARGUMENT;

@@ -340,7 +340,7 @@ pshard_status_t coll_desc_decode(const uint8_t *in, size_t len, coll_desc_t *m, 
                        "DESC payload is %zu bytes, expected %d to %d", len, DESC_SIZE,
                        DESC_SIZE + COLL_DESC_INLINE_MAX);
     uint8_t op = in[8], dtype = in[9], reduce = in[10];
-    if (op < PSHARD_COLL_ALL_GATHER || op > PSHARD_COLL_SCATTER)
+    if (op < PSHARD_COLL_ALL_GATHER || op > PSHARD_COLL_ALL_TO_ALL)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "DESC has unknown op %u", op);
     if (dtype >= PSHARD_DTYPE_COUNT)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "DESC has unknown dtype %u",
@@ -618,6 +618,8 @@ const char *pshard_coll_op_name(pshard_coll_op_t op)
         return "gather";
     case PSHARD_COLL_SCATTER:
         return "scatter";
+    case PSHARD_COLL_ALL_TO_ALL:
+        return "all_to_all";
     }
     return "unknown";
 }
@@ -647,7 +649,8 @@ void coll_desc_format(const coll_desc_t *d, char *buf, size_t len)
         else
             snprintf(extra, sizeof extra, " reduce(%u)", (unsigned)d->reduce);
     }
-    if (d->op == PSHARD_COLL_BROADCAST || d->op >= PSHARD_COLL_REDUCE) {
+    if (d->op == PSHARD_COLL_BROADCAST ||
+        (d->op >= PSHARD_COLL_REDUCE && d->op != PSHARD_COLL_ALL_TO_ALL)) {
         size_t used = strlen(extra);
         snprintf(extra + used, sizeof extra - used, " root %d", (int)d->root);
     }

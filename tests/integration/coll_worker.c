@@ -281,6 +281,9 @@ static void start_case(pshard_comm_t *comm, running_t *r)
         send_n = g_rank == c->root ? r->total : 0;
         recv_n = r->counts[g_rank];
         break;
+    case PSHARD_COLL_ALL_TO_ALL: /* a block of count for (and from) every rank */
+        send_n = recv_n = c->count * (size_t)g_world;
+        break;
     }
     r->send = malloc(send_n * es + 8);
     r->recv = malloc(recv_n * es + 8);
@@ -363,6 +366,7 @@ static void finish_case(running_t *r)
                    : c->op == PSHARD_COLL_ALL_GATHER     ? r->total
                    : c->op == PSHARD_COLL_REDUCE_SCATTER ? r->counts[g_rank]
                    : c->op == PSHARD_COLL_SCATTER        ? r->counts[g_rank]
+                   : c->op == PSHARD_COLL_ALL_TO_ALL     ? c->count * (size_t)g_world
                    : c->op == PSHARD_COLL_BARRIER        ? 0
                                                          : r->total;
         for (size_t i = 0; i < n; i++) {
@@ -378,6 +382,11 @@ static void finish_case(running_t *r)
                 ok = got == ref;
             } else if (c->op == PSHARD_COLL_BROADCAST) {
                 ref = input_value(r->id, c->root, i, c->dtype);
+                ok = got == ref;
+            } else if (c->op == PSHARD_COLL_ALL_TO_ALL) {
+                /* Block q came from rank q: its block for this rank. */
+                size_t q = c->count ? i / c->count : 0, j = c->count ? i % c->count : 0;
+                ref = input_value(r->id, (int)q, (size_t)g_rank * c->count + j, c->dtype);
                 ok = got == ref;
             } else if (c->op == PSHARD_COLL_SCATTER) {
                 /* This rank's block of the root's input. */
@@ -572,6 +581,10 @@ static int scenario_correctness(bool big)
                     for (size_t k = 0; k < PS_ARRAY_LEN(cs); k++)
                         run_case(comm, &cs[k], id++);
                 }
+            }
+            for (size_t s = 0; s < PS_ARRAY_LEN(op_sizes); s++) {
+                case_t aa = {PSHARD_COLL_ALL_TO_ALL, dt, PSHARD_REDUCE_SUM, op_sizes[s], NULL, 0};
+                run_case(comm, &aa, id++);
             }
             case_t gv = {PSHARD_COLL_GATHER, dt, PSHARD_REDUCE_SUM, 0, vc, g_world - 1};
             case_t sv = {PSHARD_COLL_SCATTER, dt, PSHARD_REDUCE_SUM, 0, vc, 0};

@@ -37,6 +37,7 @@ typedef enum {
     PSHARD_COLL_REDUCE = 6,  /* to a root */
     PSHARD_COLL_GATHER = 7,  /* to a root */
     PSHARD_COLL_SCATTER = 8, /* from a root */
+    PSHARD_COLL_ALL_TO_ALL = 9,
 } pshard_coll_op_t;
 
 /* Reductions (pshard_reduce_t, types.h): floating types reduce in fp32 (half types widened,
@@ -84,6 +85,12 @@ typedef struct {
  *                  they take whole buffers (not pieces) and are not on the nccl backend yet.
  *                  Their descriptors name the operation and root, so a rank running another
  *                  operation or root fails with PSHARD_ERR_DESYNC as for the others.
+ *  all_to_all:     send holds world_size blocks of `count` elements, block k for rank k; recv
+ *                  receives world_size blocks, block k from rank k (torch's
+ *                  all_to_all_single with equal splits; per-rank counts are refused). It runs
+ *                  as an all_gather of every rank's whole send into a temporary buffer of
+ *                  world_size^2 * count elements on every rank, from which each takes its
+ *                  blocks: world_size times the data of a direct exchange, for small tensors.
  * counts == NULL means every rank has `count` elements (all_gather, reduce_scatter, gather,
  * scatter); otherwise
  * counts[0..world_size) gives each rank's count (zeros allowed) and `count` is ignored.

@@ -323,7 +323,7 @@ static void test_desc_round_trip_and_rejections(void)
         size_t offset;
         uint8_t value;
         const char *word;
-    } bad[] = {{8, 0, "op"},        {8, 9, "op"},      {8, 255, "op"},
+    } bad[] = {{8, 0, "op"},        {8, 10, "op"},     {8, 255, "op"},
                {9, 7, "dtype"},     {9, 200, "dtype"}, {10, 8, "reduce"},
                {11, 1, "reserved"}, {66, 2, "pieces"}, {70, 9, "pieces"}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
