@@ -265,6 +265,7 @@ enum {
     OP_REDUCE = 6,
     OP_GATHER = 7,
     OP_SCATTER = 8,
+    OP_ALL_TO_ALL = 9,
 };
 
 /* One Collective: this rank's send_bytes at send_off in the scratch region, its recv_bytes at
@@ -412,6 +413,19 @@ pshard_status_t pshard_gather_to(pshard_client_t *c, const void *send, void *rec
     PS_CHECK(collective(c, OP_GATHER, dtype, 0, root, count, 0, bytes, recv_off, me ? all : 0));
     if (me)
         memcpy(recv, (uint8_t *)c->scratch.base + recv_off, all);
+    return PSHARD_OK;
+}
+
+pshard_status_t pshard_all_to_all(pshard_client_t *c, const void *send, void *recv, size_t count,
+                                  pshard_dtype_t dtype)
+{
+    size_t all = 0;
+    PS_CHECK(rooted_bytes(c, "all_to_all", count, dtype, (size_t)c->world, 0, &all));
+    size_t recv_off = client_align(all);
+    PS_CHECK(fits(c, recv_off + all));
+    memcpy(c->scratch.base, send, all);
+    PS_CHECK(collective(c, OP_ALL_TO_ALL, dtype, 0, 0, count, 0, all, recv_off, all));
+    memcpy(recv, (uint8_t *)c->scratch.base + recv_off, all);
     return PSHARD_OK;
 }
 

@@ -13,7 +13,7 @@
 
 static const char *const opk_names[SHARD_OPK_COUNT] = {
     "gather",    "reduce_scatter", "step",   "clip_grad_norm", "all_gather", "all_reduce",
-    "broadcast", "barrier",        "reduce", "gather_to_root", "scatter",
+    "broadcast", "barrier",        "reduce", "gather_to_root", "scatter",    "all_to_all",
 };
 
 shard_opk_t shard_opk_of_coll(uint32_t coll_op)
@@ -31,6 +31,8 @@ shard_opk_t shard_opk_of_coll(uint32_t coll_op)
         return SHARD_OPK_GATHER_TO_ROOT;
     case PSHARD_COLL_SCATTER:
         return SHARD_OPK_SCATTER;
+    case PSHARD_COLL_ALL_TO_ALL:
+        return SHARD_OPK_ALL_TO_ALL;
     default:
         return SHARD_OPK_ALL_REDUCE;
     }

@@ -24,6 +24,7 @@ typedef enum {
     SHARD_OPK_REDUCE, /* plain collectives to and from a root */
     SHARD_OPK_GATHER_TO_ROOT,
     SHARD_OPK_SCATTER,
+    SHARD_OPK_ALL_TO_ALL,
     SHARD_OPK_COUNT
 } shard_opk_t;
 

@@ -237,14 +237,15 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, con
         size_t es = pshard_dtype_size(op->dtype);
         uint64_t world = (uint64_t)ag->world;
         if (op->count > (1ull << 32) / es || op->coll_op < PSHARD_COLL_ALL_GATHER ||
-            op->coll_op > PSHARD_COLL_SCATTER || op->coll_op == PSHARD_COLL_REDUCE_SCATTER)
+            op->coll_op > PSHARD_COLL_ALL_TO_ALL || op->coll_op == PSHARD_COLL_REDUCE_SCATTER)
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                            "cannot shadow %s of %" PRIu64 " elements",
                            pshard_coll_op_name((pshard_coll_op_t)op->coll_op), op->count);
         size_t send_bytes = (size_t)op->count * es;
-        bool gathers = op->coll_op == PSHARD_COLL_ALL_GATHER || op->coll_op == PSHARD_COLL_GATHER;
+        bool gathers = op->coll_op == PSHARD_COLL_ALL_GATHER || op->coll_op == PSHARD_COLL_GATHER ||
+                       op->coll_op == PSHARD_COLL_ALL_TO_ALL;
         size_t recv_bytes = gathers ? send_bytes * world : send_bytes;
-        if (op->coll_op == PSHARD_COLL_SCATTER)
+        if (op->coll_op == PSHARD_COLL_SCATTER || op->coll_op == PSHARD_COLL_ALL_TO_ALL)
             send_bytes *= world; /* whether or not this rank is the root: zeros if it is */
         uint8_t *buf = follow_buffer(s, send_bytes + recv_bytes);
         if (!buf)

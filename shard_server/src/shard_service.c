@@ -315,7 +315,8 @@ static pshard_status_t collective_check(pshard_shard_server_t *s, pshard_comm_t 
     const Pshard__CollectiveRequest *req = op->arg;
     size_t es = pshard_dtype_size(op->sop.dtype);
     int world = pshard_comm_world_size(comm);
-    bool rooted = req->op == PSHARD_COLL_BROADCAST || req->op >= PSHARD_COLL_REDUCE;
+    bool rooted = req->op == PSHARD_COLL_BROADCAST ||
+                  (req->op >= PSHARD_COLL_REDUCE && req->op != PSHARD_COLL_ALL_TO_ALL);
     if (rooted && (req->root < 0 || req->root >= world))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "%s root %d is not a rank of this %d-rank cluster",
@@ -328,6 +329,8 @@ static pshard_status_t collective_check(pshard_shard_server_t *s, pshard_comm_t 
         recv_bytes = root ? send_bytes : 0; /* only the root receives */
     if (req->op == PSHARD_COLL_SCATTER)
         send_bytes = root ? send_bytes * (uint64_t)world : 0; /* only the root sends */
+    if (req->op == PSHARD_COLL_ALL_TO_ALL) /* count is per block, a block for every rank */
+        send_bytes = recv_bytes = send_bytes * (uint64_t)world;
     if (req->count > (1ull << 40) ||
         !shard_in_region(&s->scratch, req->send_offset, send_bytes, es) ||
         !shard_in_region(&s->scratch, req->recv_offset, recv_bytes, es))
@@ -359,10 +362,10 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
     if (req->op != PSHARD_COLL_ALL_GATHER && req->op != PSHARD_COLL_ALL_REDUCE &&
         req->op != PSHARD_COLL_BROADCAST && req->op != PSHARD_COLL_BARRIER &&
         req->op != PSHARD_COLL_REDUCE && req->op != PSHARD_COLL_GATHER &&
-        req->op != PSHARD_COLL_SCATTER) {
+        req->op != PSHARD_COLL_SCATTER && req->op != PSHARD_COLL_ALL_TO_ALL) {
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
                          "op %u is not one of all_gather (1), all_reduce (3), broadcast (4), "
-                         "barrier (5), reduce (6), gather (7), scatter (8)",
+                         "barrier (5), reduce (6), gather (7), scatter (8), all_to_all (9)",
                          req->op);
         return;
     }

@@ -1654,7 +1654,7 @@ static void test_collective_bad(void)
     const pshard_status_t IA = PSHARD_ERR_INVALID_ARGUMENT;
     const char *s = tr.session;
     const int F32 = PSHARD__DTYPE__FP32;
-    const uint32_t bad_ops[] = {0, 2, 9, 99, UINT32_MAX};
+    const uint32_t bad_ops[] = {0, 2, 10, 99, UINT32_MAX};
     for (size_t i = 0; i < sizeof(bad_ops) / sizeof(bad_ops[0]); i++) {
         char sub[32];
         snprintf(sub, sizeof(sub), "op %u is not one of", bad_ops[i]);
@@ -1703,8 +1703,8 @@ static void test_collective_bad(void)
         float *sc = (float *)tr.scratch.base;
         for (int i = 0; i < 4; i++)
             sc[i] = (float)i + 0.5f;
-        static const uint32_t rooted_ops[] = {6, 7, 8};
-        for (int k = 0; k < 3; k++) {
+        static const uint32_t rooted_ops[] = {6, 7, 8, 9};
+        for (int k = 0; k < 4; k++) {
             memset(sc + 16, 0, 4 * sizeof(float));
             ProtobufCMessage *r =
                 EXPECT_OK("Collective, rooted op on one rank",

@@ -112,6 +112,23 @@ def main():
                 blocks = [data(root * 10 + r, n, dtype, salt) for r in range(world)]
                 dist.scatter(got, blocks if rank == root else None, src=root)
                 expect(f"scatter {dtype} {n} from {root}", torch.equal(got, blocks[rank]))
+    # all_to_all_single and all_to_all, past one 4 MiB piece; equal splits given explicitly.
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        for rows_per in (0, 1, 3, 400_003 if dtype == torch.float32 else 7):
+            salt = 31 + rows_per % 100
+            mine = data(rank, world * rows_per * 2, dtype, salt).view(world * rows_per, 2)
+            res = torch.full_like(mine, 0)
+            splits = [rows_per] * world if rows_per % 2 else None
+            dist.all_to_all_single(res, mine, output_split_sizes=splits,
+                                   input_split_sizes=splits)
+            want = torch.cat([data(r, world * rows_per * 2, dtype, salt)
+                              .view(world, rows_per, 2)[rank] for r in range(world)])
+            expect(f"all_to_all_single {dtype} {rows_per}", torch.equal(res, want))
+    ins = [torch.full((3,), float(rank * 10 + k)) for k in range(world)]
+    outs = [torch.zeros(3) for _ in range(world)]
+    dist.all_to_all(outs, ins)
+    expect("all_to_all lists", all(torch.equal(o, torch.full((3,), float(k * 10 + rank)))
+                                   for k, o in enumerate(outs)))
     # A non-contiguous scatter target and gather source.
     m = torch.zeros(4, 6)
     dist.scatter(m.t(), [torch.full((6, 4), float(r)) for r in range(world)] if rank == 0
@@ -180,6 +197,15 @@ def main():
         ("gather list shape", lambda: dist.gather(torch.zeros(2), [torch.zeros(3)] * world,
                                                   dst=rank), ValueError),
         ("scatter src", lambda: dist.scatter(torch.zeros(2), None, src=-1), ValueError),
+        ("uneven all_to_all", lambda: dist.all_to_all_single(
+            torch.zeros(world + 1), torch.zeros(world + 1)) if world > 1 else
+         (_ for _ in ()).throw(ValueError("one rank: nothing uneven")), ValueError),
+        ("all_to_all sizes", lambda: dist.all_to_all_single(
+            torch.zeros(2 * world), torch.zeros(4 * world)), ValueError),
+        ("uneven splits", lambda: dist.all_to_all_single(
+            torch.zeros(2 * world), torch.zeros(2 * world),
+            input_split_sizes=[2 * world] + [0] * (world - 1)) if world > 1 else
+         (_ for _ in ()).throw(ValueError("one rank: nothing uneven")), ValueError),
         ("scatter list missing", lambda: dist.scatter(torch.zeros(2), None, src=rank),
          ValueError),
         ("group", lambda: dist.all_reduce(torch.zeros(2), group=object()), ValueError),

@@ -48,6 +48,9 @@ def main():
             dist.scatter(y, [torch.tensor([r * 10.0, step * 1.0]) for r in range(3)]
                          if rank == 2 else None, src=2)
             got[f"scatter {step}"] = y.tolist()
+            a2a = torch.zeros(3)
+            dist.all_to_all_single(a2a, torch.tensor([rank * 10.0 + k for k in range(3)]))
+            got[f"all_to_all {step}"] = a2a.tolist()
             for name in ("BAND", "BOR", "BXOR"):
                 x = torch.tensor([rank + 1, 12 - rank], dtype=torch.int64)
                 dist.all_reduce(x, op=dist.ReduceOp[name])

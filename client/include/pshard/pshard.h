@@ -335,6 +335,11 @@ PSHARD_API pshard_status_t pshard_reduce_to(pshard_client_t *c, void *buf, size_
                                             pshard_dtype_t dtype, pshard_reduce_t op, int root);
 PSHARD_API pshard_status_t pshard_gather_to(pshard_client_t *c, const void *send, void *recv,
                                             size_t count, pshard_dtype_t dtype, int root);
+/* all_to_all: send holds world_size blocks of count elements, block k for rank k; recv gets
+ * world_size blocks, block k from rank k (torch's all_to_all_single with equal splits). A
+ * joined rank sends zeros. */
+PSHARD_API pshard_status_t pshard_all_to_all(pshard_client_t *c, const void *send, void *recv,
+                                             size_t count, pshard_dtype_t dtype);
 PSHARD_API pshard_status_t pshard_scatter_from(pshard_client_t *c, const void *send, void *recv,
                                                size_t count, pshard_dtype_t dtype, int root);
 

@@ -1,5 +1,6 @@
 """Collectives on torch tensors through this trainer's shard server, with torch.distributed's
-names: all_reduce, reduce, broadcast, all_gather_into_tensor, gather, scatter, barrier. While some trainers have joined
+names: all_reduce, reduce, broadcast, all_gather_into_tensor, gather, scatter,
+all_to_all_single, all_to_all, barrier. While some trainers have joined
 (pshard.torch.Join), their ranks contribute the reduction's identity (zeros for a sum, ones for
 a product, -inf for a max, ...) and an average is over the others.
 
@@ -16,7 +17,8 @@ import torch
 import pshard
 
 __all__ = ["ReduceOp", "all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "gather",
-           "scatter", "barrier", "get_rank", "get_world_size"]
+           "scatter", "all_to_all_single", "all_to_all", "barrier", "get_rank",
+           "get_world_size"]
 
 get_rank = pshard.get_rank
 get_world_size = pshard.get_world_size
@@ -238,6 +240,66 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
         c.scatter_from(piece, send, dt, src)
     if out is not tensor:
         tensor.copy_(out)
+    return _DoneWork() if async_op else None
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op=False):
+    """Splits input into world_size equal blocks along dim 0, sends block k to rank k, and
+    concatenates the blocks received (block k from rank k) into output. Split sizes, when
+    given, must be the equal ones: uneven splits are not supported yet. (Costs world_size
+    times the data of a direct exchange: meant for small tensors for now.)"""
+    c = _check(group)
+    dt = _dtype_of(input, "input")
+    if _dtype_of(output, "output") != dt:
+        raise TypeError("output and input must have the same dtype")
+    world = c.world_size
+    rows = input.shape[0] if input.dim() > 0 else 1
+    for name, splits in (("output_split_sizes", output_split_sizes),
+                         ("input_split_sizes", input_split_sizes)):
+        if splits is not None and (len(splits) != world or
+                                   any(int(s) * world != rows for s in splits)):
+            raise ValueError(f"{name} {list(splits)}: only equal splits of the {rows} rows "
+                             f"over {world} ranks are supported for now")
+    if input.numel() != output.numel() or input.numel() % world or rows % world:
+        raise ValueError(f"input ({tuple(input.shape)}) and output ({tuple(output.shape)}) "
+                         f"must have the same size, with dim 0 a multiple of the world size "
+                         f"{world}")
+    src = input.detach().contiguous().view(world, -1)
+    out = output if output.is_contiguous() else output.contiguous()
+    out_view = out.detach().view(world, -1)
+    blk = src.shape[1]
+    step = max(1, _CHUNK_BYTES // max(1, src.element_size() * world * 2))
+    for i in range(0, blk, step):
+        send = src[:, i:i + step].contiguous()
+        recv = torch.empty_like(send)
+        c.all_to_all(recv, send, dt)
+        out_view[:, i:i + step].copy_(recv)
+    if out is not output:
+        output.copy_(out)
+    return _DoneWork() if async_op else None
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    """Sends input_tensor_list[k] to rank k and receives rank k's into output_tensor_list[k]
+    (world_size tensors each, all of one size and dtype)."""
+    c = _check(group)
+    world = c.world_size
+    if len(output_tensor_list) != world or len(input_tensor_list) != world:
+        raise ValueError(f"all_to_all needs world_size ({world}) tensors in each list")
+    n = input_tensor_list[0].numel()
+    dt = _dtype_of(input_tensor_list[0], "input_tensor_list[0]")
+    for what, lst in (("input_tensor_list", input_tensor_list),
+                      ("output_tensor_list", output_tensor_list)):
+        for i, t in enumerate(lst):
+            if _dtype_of(t, f"{what}[{i}]") != dt or t.numel() != n:
+                raise ValueError(f"{what}[{i}] must have {n} elements of the same dtype "
+                                 "(uneven sizes are not supported yet)")
+    flat_in = torch.cat([t.detach().reshape(-1) for t in input_tensor_list])
+    flat_out = torch.empty_like(flat_in)
+    all_to_all_single(flat_out, flat_in, group=group)
+    for k, t in enumerate(output_tensor_list):
+        t.copy_(flat_out[k * n:(k + 1) * n].view_as(t))
     return _DoneWork() if async_op else None
 
 

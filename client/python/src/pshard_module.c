@@ -1356,6 +1356,41 @@ static PyObject *rooted_move(ClientObject *self, PyObject *args, bool gather)
     Py_RETURN_NONE;
 }
 
+static PyObject *Client_all_to_all(ClientObject *self, PyObject *args)
+{
+    PyObject *out, *t, *dt;
+    if (!PyArg_ParseTuple(args, "OOO", &out, &t, &dt))
+        return NULL;
+    pshard_dtype_t dtype;
+    if (!client_ok(self) || !parse_dtype(dt, &dtype))
+        return NULL;
+    dl_in_t src, dst;
+    if (dl_acquire(t, dtype, "all_to_all input", &src) != 0)
+        return NULL;
+    if (dl_acquire(out, dtype, "all_to_all output", &dst) != 0) {
+        dl_release(&src);
+        return NULL;
+    }
+    size_t world = (size_t)pshard_world_size(self->c);
+    if (dst.numel != src.numel || src.numel % world != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "all_to_all needs input and output of the same size, a multiple of the "
+                     "world size %zu (got %zu and %zu elements)",
+                     world, src.numel, dst.numel);
+        dl_release(&src);
+        dl_release(&dst);
+        return NULL;
+    }
+    pshard_status_t st;
+    CLIENT_CALL(self,
+                st = pshard_all_to_all(self->c, src.data, dst.data, src.numel / world, dtype));
+    dl_release(&src);
+    dl_release(&dst);
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Client_gather_to(ClientObject *self, PyObject *args)
 {
     return rooted_move(self, args, true);
@@ -1409,6 +1444,8 @@ static PyMethodDef Client_methods[] = {
      "all_gather(output, input, dtype)"},
     {"barrier", (PyCFunction)Client_barrier, METH_NOARGS, "barrier()"},
     {"reduce", (PyCFunction)Client_reduce, METH_VARARGS, "reduce(tensor, dtype, op, dst)"},
+    {"all_to_all", (PyCFunction)Client_all_to_all, METH_VARARGS,
+     "all_to_all(output, input, dtype): equal blocks, block k to and from rank k"},
     {"gather_to", (PyCFunction)Client_gather_to, METH_VARARGS,
      "gather_to(output or None, input, dtype, dst)"},
     {"scatter_from", (PyCFunction)Client_scatter_from, METH_VARARGS,
