@@ -1243,7 +1243,10 @@ static PyObject *Client_broadcast(ClientObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *Client_all_gather(ClientObject *self, PyObject *args)
+/* all_gather(output, input, dtype): output has world size times the input's elements;
+ * all_to_all(output, input, dtype): both the same size, a multiple of the world size (equal
+ * blocks, block k to and from rank k). */
+static PyObject *output_input_call(ClientObject *self, PyObject *args, bool to_all)
 {
     PyObject *out, *t, *dt;
     if (!PyArg_ParseTuple(args, "OOO", &out, &t, &dt))
@@ -1251,29 +1254,56 @@ static PyObject *Client_all_gather(ClientObject *self, PyObject *args)
     pshard_dtype_t dtype;
     if (!client_ok(self) || !parse_dtype(dt, &dtype))
         return NULL;
+    const char *op = to_all ? "all_to_all" : "all_gather";
+    char in_what[32], out_what[32];
+    snprintf(in_what, sizeof(in_what), "%s input", op);
+    snprintf(out_what, sizeof(out_what), "%s output", op);
     dl_in_t src, dst;
-    if (dl_acquire(t, dtype, "all_gather input", &src) != 0)
+    if (dl_acquire(t, dtype, in_what, &src) != 0)
         return NULL;
-    if (dl_acquire(out, dtype, "all_gather output", &dst) != 0) {
+    if (dl_acquire(out, dtype, out_what, &dst) != 0) {
         dl_release(&src);
         return NULL;
     }
     size_t world = (size_t)pshard_world_size(self->c);
-    if (dst.numel != src.numel * world) {
-        PyErr_Format(PyExc_ValueError,
-                     "the output has %zu elements; world size %zu times the input's %zu is %zu",
-                     dst.numel, world, src.numel, src.numel * world);
+    bool ok =
+        to_all ? dst.numel == src.numel && src.numel % world == 0 : dst.numel == src.numel * world;
+    if (!ok) {
+        if (to_all)
+            PyErr_Format(PyExc_ValueError,
+                         "all_to_all needs input and output of the same size, a multiple of "
+                         "the world size %zu (got %zu and %zu elements)",
+                         world, src.numel, dst.numel);
+        else
+            PyErr_Format(PyExc_ValueError,
+                         "the output has %zu elements; world size %zu times the input's %zu is "
+                         "%zu",
+                         dst.numel, world, src.numel, src.numel * world);
         dl_release(&src);
         dl_release(&dst);
         return NULL;
     }
     pshard_status_t st;
-    CLIENT_CALL(self, st = pshard_all_gather(self->c, src.data, dst.data, src.numel, dtype));
+    if (to_all)
+        CLIENT_CALL(self,
+                    st = pshard_all_to_all(self->c, src.data, dst.data, src.numel / world, dtype));
+    else
+        CLIENT_CALL(self, st = pshard_all_gather(self->c, src.data, dst.data, src.numel, dtype));
     dl_release(&src);
     dl_release(&dst);
     if (st != PSHARD_OK)
         return client_fail(self, st);
     Py_RETURN_NONE;
+}
+
+static PyObject *Client_all_gather(ClientObject *self, PyObject *args)
+{
+    return output_input_call(self, args, false);
+}
+
+static PyObject *Client_all_to_all(ClientObject *self, PyObject *args)
+{
+    return output_input_call(self, args, true);
 }
 
 /* A rank of this job, or ValueError naming what it was for. */
@@ -1351,41 +1381,6 @@ static PyObject *rooted_move(ClientObject *self, PyObject *args, bool gather)
                                                    dtype, root));
     dl_release(&small);
     dl_release(&big);
-    if (st != PSHARD_OK)
-        return client_fail(self, st);
-    Py_RETURN_NONE;
-}
-
-static PyObject *Client_all_to_all(ClientObject *self, PyObject *args)
-{
-    PyObject *out, *t, *dt;
-    if (!PyArg_ParseTuple(args, "OOO", &out, &t, &dt))
-        return NULL;
-    pshard_dtype_t dtype;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype))
-        return NULL;
-    dl_in_t src, dst;
-    if (dl_acquire(t, dtype, "all_to_all input", &src) != 0)
-        return NULL;
-    if (dl_acquire(out, dtype, "all_to_all output", &dst) != 0) {
-        dl_release(&src);
-        return NULL;
-    }
-    size_t world = (size_t)pshard_world_size(self->c);
-    if (dst.numel != src.numel || src.numel % world != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "all_to_all needs input and output of the same size, a multiple of the "
-                     "world size %zu (got %zu and %zu elements)",
-                     world, src.numel, dst.numel);
-        dl_release(&src);
-        dl_release(&dst);
-        return NULL;
-    }
-    pshard_status_t st;
-    CLIENT_CALL(self,
-                st = pshard_all_to_all(self->c, src.data, dst.data, src.numel / world, dtype));
-    dl_release(&src);
-    dl_release(&dst);
     if (st != PSHARD_OK)
         return client_fail(self, st);
     Py_RETURN_NONE;
