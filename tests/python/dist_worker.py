@@ -179,6 +179,15 @@ def main():
     expect("2-d gather", torch.equal(o, torch.arange(world, dtype=torch.float32)[:, None]
                                      .expand(world, 3)))
     dist.barrier()
+    # The default group by name, as torch code passes it; new_group of every rank is it.
+    x = torch.ones(2)
+    dist.all_reduce(x, group=dist.group.WORLD)
+    expect("group.WORLD", torch.equal(x, torch.full((2,), float(world))))
+    g = dist.new_group(list(reversed(range(world))))
+    expect("new_group of every rank", g is dist.group.WORLD and g.size() == world and
+           g.rank() == rank)
+    expect("group ranks", dist.get_process_group_ranks(g) == list(range(world)) and
+           dist.get_group_rank(g, rank) == rank and dist.get_global_rank(g, rank) == rank)
     # Bad arguments: clear errors, and the group keeps working.
     for name, fn, exc in [
         ("int16", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.int16)), TypeError),
@@ -209,6 +218,9 @@ def main():
         ("scatter list missing", lambda: dist.scatter(torch.zeros(2), None, src=rank),
          ValueError),
         ("group", lambda: dist.all_reduce(torch.zeros(2), group=object()), ValueError),
+        ("subset group", lambda: dist.new_group([0]) if world > 1 else dist.new_group([1]),
+         ValueError),
+        ("duplicate ranks", lambda: dist.new_group([0, 0]), ValueError),
     ]:
         try:
             fn()

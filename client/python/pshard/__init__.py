@@ -26,7 +26,8 @@ from . import _C
 
 __version__ = "0.1.0"
 __all__ = [
-    "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
+    "init_process_group", "destroy_process_group", "is_initialized", "get_rank", "group",
+    "ProcessGroup",
     "get_world_size", "Error", "PeerLostError", "DesyncError", "JoinedError", "TimeoutError",
     "AbortedError", "InvalidArgumentError", "NotFoundError", "OutOfMemoryError",
     "FailedPreconditionError", "UnavailableError",
@@ -174,6 +175,25 @@ def destroy_process_group(group=None):
         c.close()
 
 
-def _no_group(group):
-    if group is not None:
-        raise ValueError("process groups other than the default one are not supported yet")
+class ProcessGroup:
+    """The default process group (every rank), as torch.distributed's group.WORLD. Groups over
+    a subset of the ranks are not supported yet."""
+
+    def rank(self):
+        return get_rank()
+
+    def size(self):
+        return get_world_size()
+
+    def __repr__(self):
+        return "pshard.ProcessGroup(WORLD)"
+
+
+class group:  # noqa: N801 (torch.distributed.group's name)
+    WORLD = ProcessGroup()
+
+
+def _no_group(group_):
+    if group_ is not None and group_ is not group.WORLD:
+        raise ValueError("process groups other than the default one (None or group.WORLD) are "
+                         "not supported yet")

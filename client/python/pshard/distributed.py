@@ -18,10 +18,54 @@ import pshard
 
 __all__ = ["ReduceOp", "all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "gather",
            "scatter", "all_to_all_single", "all_to_all", "barrier", "get_rank",
-           "get_world_size"]
+           "get_world_size", "group", "ProcessGroup", "new_group", "get_process_group_ranks",
+           "get_group_rank", "get_global_rank"]
 
 get_rank = pshard.get_rank
 get_world_size = pshard.get_world_size
+group = pshard.group
+ProcessGroup = pshard.ProcessGroup
+
+
+def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
+              use_local_synchronization=False, group_desc=None):
+    """torch's new_group, for now only over every rank (ranks None or all of them), which is
+    the default group: a subset of the ranks is a clear ValueError, not yet supported."""
+    world = get_world_size()
+    if ranks is None:
+        return group.WORLD
+    try:
+        rs = [int(r) for r in ranks]
+    except (TypeError, ValueError):
+        raise TypeError(f"ranks must be a list of int ranks, not {ranks!r}") from None
+    if len(set(rs)) != len(rs) or any(not 0 <= r < world for r in rs):
+        raise ValueError(f"ranks {rs} must be distinct ranks of 0..{world - 1}")
+    if sorted(rs) != list(range(world)):
+        raise ValueError(f"new_group({rs}): groups over a subset of the {world} ranks are not "
+                         "supported yet; only the group of every rank is")
+    return group.WORLD
+
+
+def get_process_group_ranks(group_):
+    """The global ranks of group_ (the default group: every rank)."""
+    pshard._no_group(None if group_ is group.WORLD else group_)
+    return list(range(get_world_size()))
+
+
+def get_group_rank(group_, global_rank):
+    """global_rank's rank in group_ (the default group: the same)."""
+    ranks = get_process_group_ranks(group_)
+    if global_rank not in ranks:
+        raise ValueError(f"rank {global_rank} is not in the group")
+    return ranks.index(global_rank)
+
+
+def get_global_rank(group_, group_rank):
+    """The global rank of group_'s rank group_rank (the default group: the same)."""
+    ranks = get_process_group_ranks(group_)
+    if not 0 <= group_rank < len(ranks):
+        raise ValueError(f"group rank {group_rank} is not in 0..{len(ranks) - 1}")
+    return ranks[group_rank]
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
            torch.int64: "int64", torch.float64: "fp64", torch.int32: "int32",
