@@ -47,13 +47,21 @@ pshard_status_t client_locate_server(const pshard_client_config_t *cfg, const ch
                 protobuf_c_message_free_unpacked(&st->base, NULL);
                 break;
             }
-            for (size_t i = 0; i < st->n_members && !*server; i++) {
+            const char *found = NULL;
+            for (size_t i = 0; i < st->n_members && !found; i++) {
                 const Pshard__Member *m = st->members[i];
                 if (m->role == PSHARD__ROLE__SHARD_SERVER && m->rank == cfg->rank && m->address &&
                     *m->address)
-                    *server = strdup(m->address);
+                    found = m->address;
             }
-            if (!*server && st->formed_generation > 0 && cfg->rank >= st->world_size) {
+            if (found) {
+                *server = strdup(found);
+                rc = *server ? PSHARD_OK
+                             : ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+                protobuf_c_message_free_unpacked(&st->base, NULL);
+                break;
+            }
+            if (st->formed_generation > 0 && cfg->rank >= st->world_size) {
                 rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                              "rank %d is not a rank of the %d-server cluster at coordinator %s",
                              cfg->rank, st->world_size, cfg->coordinator);
@@ -63,10 +71,6 @@ pshard_status_t client_locate_server(const pshard_client_config_t *cfg, const ch
             snprintf(last, sizeof(last), "no shard server has rank %d yet (cluster: %s)", cfg->rank,
                      st->awaiting && *st->awaiting ? st->awaiting : "forming");
             protobuf_c_message_free_unpacked(&st->base, NULL);
-            if (*server) {
-                rc = PSHARD_OK;
-                break;
-            }
         } else {
             snprintf(last, sizeof(last), "%s", e);
         }
@@ -76,8 +80,6 @@ pshard_status_t client_locate_server(const pshard_client_config_t *cfg, const ch
     if (rc == PSHARD_ERR_TIMEOUT)
         ps_errf(err, errlen, rc, "no shard server for rank %d at coordinator %s within %lld ms: %s",
                 cfg->rank, cfg->coordinator, (long long)connect_ms, last);
-    if (rc == PSHARD_ERR_NO_MEMORY || (rc == PSHARD_OK && !*server))
-        rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     ps_rpc_channel_destroy(ch);
     return rc;
 }

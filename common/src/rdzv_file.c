@@ -145,6 +145,12 @@ pshard_status_t ps_rdzv_file_read(const char *path, char *addr, size_t addrlen, 
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "rendezvous file %s: %s", path,
                        errno == ELOOP ? "is a symbolic link (not followed)" : strerror(errno));
     }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd); /* a FIFO or device would read as "empty" for ever */
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "rendezvous file %s is not a regular file", path);
+    }
     char buf[RDZV_MAX];
     ssize_t n = -1;
     if (lock_fd(fd, F_RDLCK) == 0) {

@@ -93,6 +93,18 @@ static void test_bad_content_and_kinds(void)
     path_of(sub, sizeof sub, "sub");
     CU_ASSERT_FATAL(mkdir(sub, 0700) == 0);
     CU_ASSERT_EQUAL(ps_rdzv_file_claim(&f, sub, err, sizeof err), PSHARD_ERR_SYSTEM);
+    /* A FIFO would read as empty for ever: refused by both sides. */
+    char fifo[128];
+    path_of(fifo, sizeof fifo, "fifo");
+    CU_ASSERT_FATAL(mkfifo(fifo, 0600) == 0);
+    char addr2[64];
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(ps_rdzv_file_read(fifo, addr2, sizeof addr2, err, sizeof err),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "not a regular file"));
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(ps_rdzv_file_claim(&f, fifo, err, sizeof err), PSHARD_ERR_INVALID_ARGUMENT);
+    unlink(fifo);
     path_of(link, sizeof link, "link");
     CU_ASSERT_FATAL(symlink(sub, link) == 0);
     err[0] = '\0';
