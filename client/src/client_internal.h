@@ -64,6 +64,7 @@ struct pshard_client {
     char *server, *token;
     ps_rpc_channel_t *ch;
     char session[64];
+    uint64_t serial; /* this client's number among the process's clients (client_group.c) */
     int rank, world;
     region_t scratch, model;
     char last_error[PSHARD_ERRLEN];
@@ -108,6 +109,18 @@ struct pshard_client {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     ps_queue_t queue; /* pshard_work_t issued, not yet taken by the worker (mu) */
+};
+
+/* A process group's handle (client_group.c): the id NewGroups gave it, the world ranks it
+ * holds in group-rank order, and the client it was made on (serial and session), so a handle
+ * of another or a closed client is refused instead of naming another session's group. */
+struct pshard_group {
+    uint32_t id;            /* CollectiveRequest.group */
+    int rank;               /* this trainer's group rank, -1 when it is not a member */
+    int size;               /* the number of ranks */
+    uint64_t client_serial; /* pshard_client_t.serial of the client that made it */
+    char session[64];       /* that client's session */
+    int ranks[];            /* size world ranks, strictly increasing */
 };
 
 /* Holding c->mu: nothing is queued or running. */
@@ -164,6 +177,13 @@ void client_params_reset(pshard_client_t *c);
 
 /* client_model.c: the model's definition, its buffers' accessors, steps and checkpoints. */
 void client_model_free(pshard_client_t *c);
+
+/* client_group.c: a serial number for a new client (never 0, unique within the process). */
+uint64_t client_next_serial(void);
+/* client_group.c: PSHARD_OK when g (not NULL) may be used on c, else the error, set on c,
+ * saying why: made by another client (UNAVAILABLE) or not holding this trainer
+ * (FAILED_PRECONDITION). what names the operation. */
+pshard_status_t client_group_check(pshard_client_t *c, const pshard_group_t *g, const char *what);
 
 /* client_work.c: the worker thread that runs asynchronous gathers and reduce-scatters in issue
  * order. */

@@ -2,8 +2,9 @@
  * scratch region for plain collectives and a model region holding every parameter's full
  * buffer (param_dtype) and gradient buffer (reduce_dtype). Requests go over gRPC; asynchronous
  * ones run in issue order on the client's worker thread. This file connects and closes a
- * client, and runs Join and the plain collectives; the model, the buffers, the work queue,
- * the regions, the RPC wrappers and the lease each have a client_*.c of their own. */
+ * client, and runs Join and the plain collectives (pshard_collective, on the world or a process
+ * group); the model, the buffers, the work queue, the regions, the RPC wrappers, the lease and
+ * the process groups each have a client_*.c of their own. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -85,6 +86,7 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
     if (!c)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     c->cfg = *cfg;
+    c->serial = client_next_serial();
     c->cfg.server = c->cfg.coordinator = c->cfg.job = NULL; /* the caller's; copied where kept */
     if (c->cfg.timeout_ms <= 0)
         c->cfg.timeout_ms = 600000;
@@ -256,72 +258,184 @@ pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opt
 /* ---------------------------------------------------------------------------------------- */
 /* Plain collectives                                                                         */
 
-/* CollectiveRequest.op (shard.proto): collectives.h's pshard_coll_op_t numbers. */
-enum {
-    OP_ALL_GATHER = 1,
-    OP_ALL_REDUCE = 3,
-    OP_BROADCAST = 4,
-    OP_BARRIER = 5,
-    OP_REDUCE = 6,
-    OP_GATHER = 7,
-    OP_SCATTER = 8,
-    OP_ALL_TO_ALL = 9,
-};
-
-/* One Collective: this rank's send_bytes at send_off in the scratch region, its recv_bytes at
- * recv_off after (both moved over the wire on the remote path). */
-static pshard_status_t collective(pshard_client_t *c, uint32_t op, pshard_dtype_t dt,
-                                  uint32_t reduce, int root, size_t count, size_t send_off,
-                                  size_t send_bytes, size_t recv_off, size_t recv_bytes)
+/* torch.distributed's name of op (for messages), or NULL when op is none of them. */
+static const char *op_name(pshard_op_t op)
 {
+    switch (op) {
+    case PSHARD_OP_ALL_GATHER:
+        return "all_gather";
+    case PSHARD_OP_ALL_REDUCE:
+        return "all_reduce";
+    case PSHARD_OP_BROADCAST:
+        return "broadcast";
+    case PSHARD_OP_BARRIER:
+        return "barrier";
+    case PSHARD_OP_REDUCE:
+        return "reduce";
+    case PSHARD_OP_GATHER:
+        return "gather";
+    case PSHARD_OP_SCATTER:
+        return "scatter";
+    case PSHARD_OP_ALL_TO_ALL:
+        return "all_to_all";
+    }
+    return NULL;
+}
+
+/* Where one collective's bytes lie in the scratch region: this rank's send_bytes (copied from
+ * src) at offset 0, and its recv_bytes (copied to dst) at recv_off. On the remote path both
+ * also cross the wire. A rank sends and receives only what its role in the collective uses. */
+typedef struct {
+    size_t send_bytes, recv_off, recv_bytes;
+    const void *src;
+    void *dst;
+} coll_layout_t;
+
+/* a's layout for a rank that is group rank me of n ranks; fails (set on c) for arguments the
+ * collective cannot run with. */
+static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_args_t *a,
+                                   const char *what, int n, int me, coll_layout_t *l)
+{
+    bool rooted = a->op == PSHARD_OP_BROADCAST || a->op == PSHARD_OP_REDUCE ||
+                  a->op == PSHARD_OP_GATHER || a->op == PSHARD_OP_SCATTER;
+    bool reduces = a->op == PSHARD_OP_ALL_REDUCE || a->op == PSHARD_OP_REDUCE;
+    memset(l, 0, sizeof(*l));
+    if (a->op == PSHARD_OP_BARRIER)
+        return PSHARD_OK;
+    size_t es = pshard_dtype_size(a->dtype);
+    if (es == 0)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "%s: unknown dtype %d", what,
+                           (int)a->dtype);
+    if (rooted && (a->root < 0 || a->root >= n)) {
+        if (a->group)
+            return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                               "%s: root %d is not a rank of the %d-rank group (a group rank)",
+                               what, a->root, n);
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "%s: root %d is not a rank of this %d-rank job", what, a->root, n);
+    }
+    if (reduces && (unsigned)a->reduce >= PSHARD_REDUCE_COUNT)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "%s: unknown reduction %d (use sum, avg, product, min, max, band, bor "
+                           "or bxor)",
+                           what, (int)a->reduce);
+    if (a->count > SIZE_MAX / 4 / es / (size_t)n)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "%s: %zu elements are too many", what,
+                           a->count);
+    size_t bytes = a->count * es, all = bytes * (size_t)n;
+    bool root = rooted && me == a->root;
+    l->src = a->send;
+    l->dst = a->recv;
+    switch (a->op) {
+    case PSHARD_OP_ALL_REDUCE: /* in place at offset 0 */
+        l->send_bytes = l->recv_bytes = bytes;
+        break;
+    case PSHARD_OP_BROADCAST:
+        l->send_bytes = root ? bytes : 0;
+        l->recv_bytes = bytes;
+        if (!l->src)
+            l->src = a->recv; /* the root's send may be its recv */
+        break;
+    case PSHARD_OP_REDUCE:
+        l->send_bytes = bytes;
+        l->recv_bytes = root ? bytes : 0;
+        break;
+    case PSHARD_OP_ALL_GATHER:
+        l->send_bytes = bytes;
+        l->recv_off = client_align(bytes);
+        l->recv_bytes = all;
+        break;
+    case PSHARD_OP_GATHER:
+        l->send_bytes = bytes;
+        l->recv_off = client_align(bytes);
+        l->recv_bytes = root ? all : 0;
+        break;
+    case PSHARD_OP_SCATTER:
+        l->send_bytes = root ? all : 0;
+        l->recv_off = client_align(l->send_bytes);
+        l->recv_bytes = bytes;
+        break;
+    case PSHARD_OP_ALL_TO_ALL:
+        l->send_bytes = all;
+        l->recv_off = client_align(all);
+        l->recv_bytes = all;
+        break;
+    case PSHARD_OP_BARRIER:
+        break;
+    }
+    if (l->send_bytes && !l->src)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "%s: %s send buffer is NULL", what,
+                           root ? "the root's" : "the");
+    if (l->recv_bytes && !l->dst)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "%s: %s recv buffer is NULL", what,
+                           root ? "the root's" : "the");
+    size_t need =
+        l->recv_off + l->recv_bytes > l->send_bytes ? l->recv_off + l->recv_bytes : l->send_bytes;
+    if (need > c->scratch.bytes)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "%s: %zu bytes exceed the %zu-byte scratch region "
+                           "(PSHARD_SCRATCH_BYTES)",
+                           what, need, c->scratch.bytes);
+    return PSHARD_OK;
+}
+
+pshard_status_t pshard_collective(pshard_client_t *c, const pshard_collective_args_t *a)
+{
+    if (!a)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "collective: no arguments");
+    const char *what = op_name(a->op);
+    if (!what)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "collective: unknown op %d (pshard_op_t)", (int)a->op);
+    const pshard_group_t *g = a->group;
+    if (g)
+        PS_CHECK(client_group_check(c, g, what));
+    coll_layout_t l;
+    PS_CHECK(coll_layout(c, a, what, g ? g->size : c->world, g ? g->rank : c->rank, &l));
+    if (l.send_bytes)
+        memcpy(c->scratch.base, l.src, l.send_bytes);
     char err[PSHARD_ERRLEN] = "";
-    if (c->cfg.remote && send_bytes &&
-        client_remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, send_off, send_bytes, 0, err,
+    if (c->cfg.remote && l.send_bytes &&
+        client_remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, 0, l.send_bytes, 0, err,
                             sizeof(err)) != PSHARD_OK)
-        return client_fail(c, PSHARD_ERR_RPC, "collective: %s", err);
+        return client_fail(c, PSHARD_ERR_RPC, "%s: %s", what, err);
+    bool barrier = a->op == PSHARD_OP_BARRIER;
     Pshard__CollectiveRequest req = PSHARD__COLLECTIVE_REQUEST__INIT;
     req.session = c->session;
-    req.op = op;
-    req.dtype = client_dtype_pb(dt);
-    req.reduce = reduce;
-    req.root = root;
-    req.count = count;
-    req.send_offset = send_off;
-    req.recv_offset = recv_off;
+    req.op = (uint32_t)a->op;
+    req.dtype = client_dtype_pb(barrier ? PSHARD_FP32 : a->dtype);
+    req.reduce = barrier ? 0 : (uint32_t)a->reduce;
+    req.root = barrier ? 0 : a->root;
+    req.count = barrier ? 0 : a->count;
+    req.send_offset = 0;
+    req.recv_offset = l.recv_off;
+    req.group = g ? g->id : 0;
     pshard_status_t rc =
         client_call(c, "Collective", &req.base, &pshard__collective_response__descriptor, NULL, err,
                     sizeof(err));
-    if (rc == PSHARD_OK && c->cfg.remote && recv_bytes)
-        rc = client_remote_read(c, PSHARD__REGION__SCRATCH, &c->scratch, recv_off, recv_bytes, err,
-                                sizeof(err));
+    if (rc == PSHARD_OK && c->cfg.remote && l.recv_bytes)
+        rc = client_remote_read(c, PSHARD__REGION__SCRATCH, &c->scratch, l.recv_off, l.recv_bytes,
+                                err, sizeof(err));
     if (rc != PSHARD_OK)
-        return client_fail(c, rc, "collective: %s", err);
+        return client_fail(c, rc, "%s: %s", what, err);
+    if (l.recv_bytes)
+        memcpy(l.dst, (uint8_t *)c->scratch.base + l.recv_off, l.recv_bytes);
     return PSHARD_OK;
 }
 
-static pshard_status_t fits(pshard_client_t *c, size_t bytes)
-{
-    if (bytes > c->scratch.bytes)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
-                           "%zu bytes exceed the %zu-byte scratch region (PSHARD_SCRATCH_BYTES)",
-                           bytes, c->scratch.bytes);
-    return PSHARD_OK;
-}
+/* The world's collectives of the API before process groups: pshard_collective with group
+ * NULL (in place where they take one buffer). */
 
 pshard_status_t pshard_all_reduce_op(pshard_client_t *c, void *buf, size_t count,
                                      pshard_dtype_t dtype, pshard_reduce_t op)
 {
-    if ((unsigned)op >= PSHARD_REDUCE_COUNT)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
-                           "all_reduce: unknown reduction %d (use sum, avg, product, min, max, "
-                           "band, bor or bxor)",
-                           (int)op);
-    size_t bytes = count * pshard_dtype_size(dtype);
-    PS_CHECK(fits(c, bytes));
-    memcpy(c->scratch.base, buf, bytes);
-    PS_CHECK(collective(c, OP_ALL_REDUCE, dtype, (uint32_t)op, 0, count, 0, bytes, 0, bytes));
-    memcpy(buf, c->scratch.base, bytes);
-    return PSHARD_OK;
+    pshard_collective_args_t a = {.op = PSHARD_OP_ALL_REDUCE,
+                                  .send = buf,
+                                  .recv = buf,
+                                  .count = count,
+                                  .dtype = dtype,
+                                  .reduce = op};
+    return pshard_collective(c, &a);
 }
 
 pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count, pshard_dtype_t dtype,
@@ -334,115 +448,70 @@ pshard_status_t pshard_all_reduce(pshard_client_t *c, void *buf, size_t count, p
 pshard_status_t pshard_broadcast(pshard_client_t *c, void *buf, size_t count, pshard_dtype_t dtype,
                                  int root)
 {
-    size_t bytes = count * pshard_dtype_size(dtype);
-    PS_CHECK(fits(c, bytes));
-    if (c->rank == root)
-        memcpy(c->scratch.base, buf, bytes);
-    PS_CHECK(collective(c, OP_BROADCAST, dtype, 0, root, count, 0, c->rank == root ? bytes : 0, 0,
-                        bytes));
-    memcpy(buf, c->scratch.base, bytes);
-    return PSHARD_OK;
+    pshard_collective_args_t a = {.op = PSHARD_OP_BROADCAST,
+                                  .send = buf,
+                                  .recv = buf,
+                                  .count = count,
+                                  .dtype = dtype,
+                                  .root = root};
+    return pshard_collective(c, &a);
 }
 
 pshard_status_t pshard_all_gather(pshard_client_t *c, const void *send, void *recv, size_t count,
                                   pshard_dtype_t dtype)
 {
-    size_t bytes = count * pshard_dtype_size(dtype);
-    size_t recv_off = client_align(bytes);
-    PS_CHECK(fits(c, recv_off + bytes * (size_t)c->world));
-    memcpy(c->scratch.base, send, bytes);
-    PS_CHECK(collective(c, OP_ALL_GATHER, dtype, 0, 0, count, 0, bytes, recv_off,
-                        bytes * (size_t)c->world));
-    memcpy(recv, (uint8_t *)c->scratch.base + recv_off, bytes * (size_t)c->world);
-    return PSHARD_OK;
+    pshard_collective_args_t a = {
+        .op = PSHARD_OP_ALL_GATHER, .send = send, .recv = recv, .count = count, .dtype = dtype};
+    return pshard_collective(c, &a);
 }
 
 pshard_status_t pshard_barrier(pshard_client_t *c)
 {
-    return collective(c, OP_BARRIER, PSHARD_FP32, 0, 0, 0, 0, 0, 0, 0);
-}
-
-/* count elements of dtype, times mult, in bytes; an error when that overflows or the root is
- * not a rank. */
-static pshard_status_t rooted_bytes(pshard_client_t *c, const char *what, size_t count,
-                                    pshard_dtype_t dtype, size_t mult, int root, size_t *bytes)
-{
-    size_t es = pshard_dtype_size(dtype);
-    if (es == 0)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "%s: unknown dtype %d", what,
-                           (int)dtype);
-    if (root < 0 || root >= c->world)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
-                           "%s: root %d is not a rank of this %d-rank job", what, root, c->world);
-    if (count > SIZE_MAX / 4 / es / mult)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "%s: %zu elements are too many", what,
-                           count);
-    *bytes = count * es * mult;
-    return PSHARD_OK;
+    pshard_collective_args_t a = {.op = PSHARD_OP_BARRIER};
+    return pshard_collective(c, &a);
 }
 
 pshard_status_t pshard_reduce_to(pshard_client_t *c, void *buf, size_t count, pshard_dtype_t dtype,
                                  pshard_reduce_t op, int root)
 {
-    size_t bytes = 0;
-    PS_CHECK(rooted_bytes(c, "reduce", count, dtype, 1, root, &bytes));
-    if ((unsigned)op >= PSHARD_REDUCE_COUNT)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "reduce: unknown reduction %d", (int)op);
-    PS_CHECK(fits(c, bytes));
-    memcpy(c->scratch.base, buf, bytes);
-    bool me = c->rank == root;
-    PS_CHECK(
-        collective(c, OP_REDUCE, dtype, (uint32_t)op, root, count, 0, bytes, 0, me ? bytes : 0));
-    if (me)
-        memcpy(buf, c->scratch.base, bytes);
-    return PSHARD_OK;
+    pshard_collective_args_t a = {.op = PSHARD_OP_REDUCE,
+                                  .send = buf,
+                                  .recv = buf,
+                                  .count = count,
+                                  .dtype = dtype,
+                                  .reduce = op,
+                                  .root = root};
+    return pshard_collective(c, &a);
 }
 
 pshard_status_t pshard_gather_to(pshard_client_t *c, const void *send, void *recv, size_t count,
                                  pshard_dtype_t dtype, int root)
 {
-    size_t bytes = 0, all = 0;
-    PS_CHECK(rooted_bytes(c, "gather", count, dtype, 1, root, &bytes));
-    PS_CHECK(rooted_bytes(c, "gather", count, dtype, (size_t)c->world, root, &all));
-    bool me = c->rank == root;
-    size_t recv_off = client_align(bytes);
-    PS_CHECK(fits(c, recv_off + (me ? all : 0)));
-    if (me && all && !recv)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "gather: the root's recv is NULL");
-    memcpy(c->scratch.base, send, bytes);
-    PS_CHECK(collective(c, OP_GATHER, dtype, 0, root, count, 0, bytes, recv_off, me ? all : 0));
-    if (me)
-        memcpy(recv, (uint8_t *)c->scratch.base + recv_off, all);
-    return PSHARD_OK;
+    pshard_collective_args_t a = {.op = PSHARD_OP_GATHER,
+                                  .send = send,
+                                  .recv = recv,
+                                  .count = count,
+                                  .dtype = dtype,
+                                  .root = root};
+    return pshard_collective(c, &a);
 }
 
 pshard_status_t pshard_all_to_all(pshard_client_t *c, const void *send, void *recv, size_t count,
                                   pshard_dtype_t dtype)
 {
-    size_t all = 0;
-    PS_CHECK(rooted_bytes(c, "all_to_all", count, dtype, (size_t)c->world, 0, &all));
-    size_t recv_off = client_align(all);
-    PS_CHECK(fits(c, recv_off + all));
-    memcpy(c->scratch.base, send, all);
-    PS_CHECK(collective(c, OP_ALL_TO_ALL, dtype, 0, 0, count, 0, all, recv_off, all));
-    memcpy(recv, (uint8_t *)c->scratch.base + recv_off, all);
-    return PSHARD_OK;
+    pshard_collective_args_t a = {
+        .op = PSHARD_OP_ALL_TO_ALL, .send = send, .recv = recv, .count = count, .dtype = dtype};
+    return pshard_collective(c, &a);
 }
 
 pshard_status_t pshard_scatter_from(pshard_client_t *c, const void *send, void *recv, size_t count,
                                     pshard_dtype_t dtype, int root)
 {
-    size_t bytes = 0, all = 0;
-    PS_CHECK(rooted_bytes(c, "scatter", count, dtype, 1, root, &bytes));
-    PS_CHECK(rooted_bytes(c, "scatter", count, dtype, (size_t)c->world, root, &all));
-    bool me = c->rank == root;
-    size_t recv_off = client_align(me ? all : 0);
-    PS_CHECK(fits(c, recv_off + bytes));
-    if (me && all && !send)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "scatter: the root's send is NULL");
-    if (me)
-        memcpy(c->scratch.base, send, all);
-    PS_CHECK(collective(c, OP_SCATTER, dtype, 0, root, count, 0, me ? all : 0, recv_off, bytes));
-    memcpy(recv, (uint8_t *)c->scratch.base + recv_off, bytes);
-    return PSHARD_OK;
+    pshard_collective_args_t a = {.op = PSHARD_OP_SCATTER,
+                                  .send = send,
+                                  .recv = recv,
+                                  .count = count,
+                                  .dtype = dtype,
+                                  .root = root};
+    return pshard_collective(c, &a);
 }

@@ -107,7 +107,7 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
         protobuf_c_message_free_unpacked(&wr->base, NULL);
         if (!text)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        rc = shard_model_compare(m, text, r, err, errlen);
+        rc = shard_model_compare(m, m->rank, text, r, err, errlen);
         free(text);
         if (rc != PSHARD_OK)
             return rc;

@@ -15,7 +15,7 @@
 #include "shard_metrics.h"
 #include "shard_model.h"
 
-#define NMETHODS 12
+#define NMETHODS 13
 #define SHM_NAME_MAX 200
 
 typedef struct {
@@ -25,6 +25,25 @@ typedef struct {
     int pin_device; /* the CUDA device current while pinning */
     char name[SHM_NAME_MAX + 2];
 } shm_map_t;
+
+/* The buffers one communicator's agreement rounds and a joined rank's shadowing reuse. */
+typedef struct {
+    int64_t *agree_buf; /* the records of every rank of the communicator */
+    size_t agree_cap;
+    void *follow_buf; /* a joined rank's receive/zero buffers for the others' ops */
+    size_t follow_cap;
+} shard_bufs_t;
+
+/* A process group (torch.distributed.new_group): world ranks ranks[0..size), strictly
+ * increasing; this rank is group rank grank of them, or -1 when it is not a member (then there
+ * is no communicator). */
+typedef struct shard_pg {
+    uint32_t id;
+    int size, grank;
+    int *ranks;
+    pshard_comm_t *comm;
+    shard_bufs_t bufs;
+} shard_pg_t;
 
 struct pshard_shard_server {
     pshard_shard_server_config_t cfg;
@@ -77,11 +96,14 @@ struct pshard_shard_server {
     /* Join, guarded by op_mu (status reads the copies under mu). */
     bool joined; /* this rank's trainer joined; Join shadows the others */
     int64_t joined_step;
-    uint64_t shadowed_ops;
-    int64_t *agree_buf; /* world records of the agreement before each operation */
-    size_t agree_cap;
-    void *follow_buf; /* a joined rank's receive/zero buffers for the others' ops */
-    size_t follow_cap;
+    uint64_t shadowed_ops; /* (mu: a joined rank's group threads count theirs too) */
+    shard_bufs_t bufs;     /* the world communicator's agreement and shadowing buffers */
+
+    /* Process groups (shard_groups.c) of this session and comm generation: used under op_mu;
+     * the array changes under op_mu and mu both, so the watch thread may abort them under mu. */
+    struct shard_pg **pgs;
+    size_t npgs;
+    uint32_t next_pg_id; /* agreed: the same on every rank of the comm generation */
 
     /* Checkpoints. ckpt_requested: the newest `pshardctl checkpoint save` request seen in the
      * coordinator's store (mu); ckpt_handled: the newest one saved (op_mu). */
@@ -110,6 +132,7 @@ typedef enum {
     SHARD_SOP_COLLECTIVE = 4,
     SHARD_SOP_SAVE = 5,
     SHARD_SOP_CLIP = 6,
+    SHARD_SOP_NEW_GROUPS = 7, /* ids: the groups, encoded (shard_groups.c) */
 } shard_sop_kind_t;
 
 typedef struct {
@@ -137,8 +160,8 @@ typedef struct {
  * joined with throw_on_early_termination, or a broadcast's root joined), or the collective's
  * own. Every rank reaches the same verdict from the same records. Call with op_mu held. */
 pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                   const shard_sop_t *op, int *active, int64_t *ckpt_request,
-                                   char *err, size_t errlen);
+                                   shard_bufs_t *bufs, const shard_sop_t *op, int *active,
+                                   int64_t *ckpt_request, char *err, size_t errlen);
 
 /* "step N, what" into buf (N the step being computed): a flight-recorder label. */
 const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, size_t len);
@@ -202,8 +225,23 @@ pshard_status_t shard_ckpt_after_step(pshard_shard_server_t *s, pshard_comm_t *c
                                       shard_model_t *m, int64_t ckpt_request, char *err,
                                       size_t errlen);
 
-/* Frees the join buffers (at shutdown). */
-void shard_join_free(pshard_shard_server_t *s);
+/* Frees a communicator's agreement and shadowing buffers. */
+void shard_bufs_free(shard_bufs_t *b);
+
+/* Process groups (shard_groups.c). shard_pgs_clear destroys every group (op_mu held; the
+ * groups' communicators are aborted first, so nothing waits in them). shard_pgs_abort fails
+ * the collectives of every group that holds world rank lost (-1: every group), and those of an
+ * HSDP model's mesh, with status and msg; any thread. shard_pg_find gives the group id of this
+ * session, or NULL with the error (INVALID_ARGUMENT for an id never made, UNAVAILABLE for one of an
+ * earlier session or generation, FAILED_PRECONDITION when this rank is not a member); op_mu held.
+ */
+void shard_pgs_clear(pshard_shard_server_t *s);
+void shard_pgs_abort(pshard_shard_server_t *s, int lost, pshard_status_t status, const char *msg);
+/* One line on a group this rank is in, for Status: "group ID (ranks 0, 2): rank 1 of 2 over
+ * shm; " and its newest flight record. */
+void shard_pg_describe(const shard_pg_t *g, char *buf, size_t len);
+shard_pg_t *shard_pg_find(pshard_shard_server_t *s, uint32_t id, pshard_status_t *rc, char *err,
+                          size_t errlen);
 
 /* Records the first fatal background error, wakes waiters and logs it. Thread-safe. */
 void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *msg);
@@ -212,6 +250,11 @@ void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *m
  * under the same name when evicted, which gives the old rank back) and heartbeats, adopting
  * the coordinator's view of the cluster. Stopped, with a Leave, by ps_coord_lease_stop. */
 pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t errlen);
+
+/* The configuration of a communicator of this server's (the world's "shard", or a process
+ * group's): its settings from the server's flags, this rank and world of it. */
+void shard_comm_config(const pshard_shard_server_t *s, pshard_comm_config_t *cc, const char *name,
+                       int rank, int world, uint64_t generation);
 
 /* Thread body (arg is the server): building (and, when the cluster re-forms, rebuilding) the
  * communicator. Returns once s->stop is set. */

@@ -104,6 +104,8 @@ const char *shard_sop_name(int64_t k)
         return "checkpoint save";
     case SHARD_SOP_CLIP:
         return "clip_grad_norm";
+    case SHARD_SOP_NEW_GROUPS:
+        return "new_group";
     default:
         return "?";
     }
@@ -121,6 +123,11 @@ static void rec_format(const int64_t *r, char *buf, size_t len)
     else if (r[W_SOP] == SHARD_SOP_STEP)
         snprintf(buf, len, "step (%s, %" PRId64 " group(s) of hyperparameters)",
                  r[W_ROOT] ? "lr set" : "groups' lr", r[W_COUNT] / SHARD_GROUP_WORDS);
+    else if (r[W_SOP] == SHARD_SOP_NEW_GROUPS)
+        snprintf(buf, len,
+                 "new_group of %" PRId64 " group(s), %" PRId64 " words starting %" PRId64
+                 ", %" PRId64 ", %" PRId64 "",
+                 r[W_COUNT], r[W_NIDS], r[W_IDS], r[W_IDS + 1], r[W_IDS + 2]);
     else if (r[W_SOP] == SHARD_SOP_CLIP)
         snprintf(buf, len, "clip_grad_norm (max_norm %g, norm_type %g)", bits_double(r[W_ARG]),
                  bits_double(r[W_COUNT]));
@@ -140,7 +147,7 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
         const int64_t *x = recs + (size_t)r * REC_WORDS;
         if (x[W_KIND] < REC_OP || x[W_KIND] > REC_JOINED ||
             (x[W_KIND] == REC_OP &&
-             (x[W_SOP] < SHARD_SOP_GATHER || x[W_SOP] > SHARD_SOP_CLIP || x[W_NIDS] < 0 ||
+             (x[W_SOP] < SHARD_SOP_GATHER || x[W_SOP] > SHARD_SOP_NEW_GROUPS || x[W_NIDS] < 0 ||
               x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 || x[W_DTYPE] >= PSHARD_DTYPE_COUNT ||
               x[W_REDUCE] < 0 || x[W_REDUCE] >= PSHARD_REDUCE_COUNT ||
               (x[W_SOP] == SHARD_SOP_STEP &&
@@ -225,6 +232,15 @@ pshard_status_t shard_agree_refusal(const agreement_t *ag, const shard_sop_t *op
                        "with throw_on_early_termination: this %s ran on no rank; call "
                        "pshard_join to finish",
                        ag->throw_rank, ag->throw_step, shard_sop_name(op->kind));
+    if (op->kind == SHARD_SOP_NEW_GROUPS && ag->any_joined) {
+        int joined = 0;
+        while (joined < ag->world - 1 && recs[(size_t)joined * REC_WORDS + W_KIND] == REC_OP)
+            joined++;
+        return ps_errf(err, errlen, PSHARD_ERR_JOINED,
+                       "rank %d has joined (no more input): process groups are made while every "
+                       "trainer is active (make them before the training loop)",
+                       joined);
+    }
     if (op->kind == SHARD_SOP_COLLECTIVE && op->coll_op == PSHARD_COLL_BROADCAST && op->root >= 0 &&
         op->root < ag->world && recs[(size_t)op->root * REC_WORDS + W_KIND] != REC_OP)
         return ps_errf(err, errlen, PSHARD_ERR_JOINED,

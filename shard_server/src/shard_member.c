@@ -188,6 +188,29 @@ static bool comm_stale(pshard_shard_server_t *s)
     return !same;
 }
 
+void shard_comm_config(const pshard_shard_server_t *s, pshard_comm_config_t *cc, const char *name,
+                       int rank, int world, uint64_t generation)
+{
+    *cc = (pshard_comm_config_t){
+        .rank = rank,
+        .world_size = world,
+        .backend = s->cfg.backend,
+        .name = name,
+        .coordinator = s->cfg.coordinator,
+        .job = s->cfg.job,
+        .listen_host = s->cfg.data_host ? s->cfg.data_host : "127.0.0.1",
+        .token = s->cfg.token,
+        .generation = generation,
+        .timeout_ms = s->cfg.coll_timeout_ms,
+        .connect_timeout_ms = 120000,
+        .device = s->cfg.device,
+        .host_buffers = true, /* shards and trainer regions live in host memory */
+        .cancel = &s->stop_flag,
+        .transport = s->cfg.transport,
+        .socket_ifname = s->cfg.socket_ifname,
+    };
+}
+
 void *shard_setup_main(void *arg)
 {
     pshard_shard_server_t *s = arg;
@@ -231,27 +254,13 @@ void *shard_setup_main(void *arg)
             if (pshard_comm_error(old, NULL, 0) == PSHARD_OK)
                 pshard_comm_abort_status(old, PSHARD_ERR_ABORTED,
                                          "the cluster re-formed: this ring is replaced");
+            shard_pgs_abort(s, -1, PSHARD_ERR_ABORTED,
+                            "the cluster re-formed: the process groups of the old one end");
             shard_ops_retire_comm(s, old);
         }
         ps_log_set_rank(rank);
-        pshard_comm_config_t cc = {
-            .rank = rank,
-            .world_size = world,
-            .backend = s->cfg.backend,
-            .name = "shard",
-            .coordinator = s->cfg.coordinator,
-            .job = s->cfg.job,
-            .listen_host = s->cfg.data_host ? s->cfg.data_host : "127.0.0.1",
-            .token = s->cfg.token,
-            .generation = gen,
-            .timeout_ms = s->cfg.coll_timeout_ms,
-            .connect_timeout_ms = 120000,
-            .device = s->cfg.device,
-            .host_buffers = true, /* shards and trainer regions live in host memory */
-            .cancel = &s->stop_flag,
-            .transport = s->cfg.transport,
-            .socket_ifname = s->cfg.socket_ifname,
-        };
+        pshard_comm_config_t cc;
+        shard_comm_config(s, &cc, "shard", rank, world, gen);
         char err[PSHARD_ERRLEN] = "";
         pshard_comm_t *comm = NULL;
         pshard_status_t rc = pshard_comm_create(&cc, &comm, err, sizeof(err));
@@ -320,7 +329,7 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         bool trainer = ours && (!who || who->role == PSHARD__ROLE__TRAINER);
         bool matters =
             trainer || (who && who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0);
-        if (matters && comm && pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
+        if (matters && comm) {
             char msg[PSHARD_ERRLEN];
             if (trainer)
                 snprintf(msg, sizeof(msg),
@@ -332,8 +341,13 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
                          "rank %d (shard server %s) was evicted: no heartbeat within its %lld "
                          "ms lease (it died, hangs or is cut off)",
                          who->rank, name, (long long)lease);
-            PS_ERROR(PS_SUB_SHARD, "%s", msg);
-            pshard_comm_abort_status(comm, PSHARD_ERR_PEER_LOST, msg);
+            if (pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
+                PS_ERROR(PS_SUB_SHARD, "%s", msg);
+                pshard_comm_abort_status(comm, PSHARD_ERR_PEER_LOST, msg);
+            }
+            /* Every group holding the lost rank fails too (this rank's trainer: all of this
+             * rank's groups); the others go on, as torch's would. */
+            shard_pgs_abort(s, trainer ? -1 : who->rank, PSHARD_ERR_PEER_LOST, msg);
         }
     }
     known_member_t *next = calloc(ev->n_members ? ev->n_members : 1, sizeof(*next));

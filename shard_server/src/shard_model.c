@@ -92,6 +92,8 @@ void shard_model_free(shard_model_t *m)
 {
     if (!m)
         return;
+    pshard_comm_destroy(m->shard_comm);
+    pshard_comm_destroy(m->replicate_comm);
     if (m->pinned) {
         void *ptrs[5];
         size_t lens[5];
@@ -297,6 +299,7 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     m->rank = rank;
     m->world = world;
+    m->replicas = 1;
     m->optim = *optim;
     m->max_grad_norm = max_grad_norm;
     m->in_backward = in_backward;
@@ -489,8 +492,8 @@ static bool nth_line(const char *text, size_t i, char *buf, size_t len)
     return true;
 }
 
-pshard_status_t shard_model_compare(const shard_model_t *m, const char *other, int other_rank,
-                                    char *err, size_t errlen)
+pshard_status_t shard_model_compare(const shard_model_t *m, int my_rank, const char *other,
+                                    int other_rank, char *err, size_t errlen)
 {
     if (strcmp(m->spec_text, other) == 0)
         return PSHARD_OK;
@@ -504,18 +507,18 @@ pshard_status_t shard_model_compare(const shard_model_t *m, const char *other, i
             continue;
         if (i == 0)
             return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
-                           "model definitions differ: rank %d has '%s', rank %d has '%s'", m->rank,
+                           "model definitions differ: rank %d has '%s', rank %d has '%s'", my_rank,
                            mine, other_rank, theirs);
         if (i > m->nparams)
             return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                            "model definitions differ in parameter group #%zu: rank %d defines "
                            "%s, rank %d defines %s",
-                           i - 1 - m->nparams, m->rank, a ? mine : "nothing", other_rank,
+                           i - 1 - m->nparams, my_rank, a ? mine : "nothing", other_rank,
                            b ? theirs : "nothing");
         return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                        "model definitions differ at parameter #%zu: rank %d defines %s, rank %d "
                        "defines %s",
-                       i - 1, m->rank, a ? mine : "nothing", other_rank, b ? theirs : "nothing");
+                       i - 1, my_rank, a ? mine : "nothing", other_rank, b ? theirs : "nothing");
     }
     return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION, "model definitions differ");
 }
@@ -708,7 +711,7 @@ pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype
 {
     size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
     size_t off = ps_layout_shard_offset(m->layout, p, m->rank);
-    bool all = active == m->world;
+    bool all = active == m->world && m->replicas == 1; /* the collective averaged */
     float scale = all ? 1.0f : (float)(1.0 / (double)(active > 0 ? active : 1));
     /* In backward: the parameter's group's hyperparameters, and the lr of the last Step if it
      * set one. */

@@ -43,7 +43,13 @@ typedef struct {
 } shard_run_t;
 
 typedef struct {
-    int rank, world;
+    int rank, world; /* this rank's place among the ranks the parameters are sharded over */
+    /* HSDP (a replicate x shard mesh): shard_comm joins the `world` shard ranks of this replica
+     * (gathers, reduce-scatters, norms, checkpoints), replicate_comm the ranks of this shard
+     * index in each of the `replicas` replicas (the gradients' all-reduce). NULL (replicas 1):
+     * no mesh, the world's communicator does it all. Owned: shard_model_free destroys them. */
+    struct pshard_comm *shard_comm, *replicate_comm;
+    int replicas;
     ps_layout_t *layout;
     size_t nparams;
     shard_param_t *params;
@@ -117,9 +123,10 @@ void shard_model_free(shard_model_t *m);
 pshard_status_t shard_model_pin(shard_model_t *m, int device, char *err, size_t errlen);
 
 /* Compares this model's definition text with another rank's and, when they differ, writes a
- * message naming the first differing parameter into err and returns FAILED_PRECONDITION. */
-pshard_status_t shard_model_compare(const shard_model_t *m, const char *other_text, int other_rank,
-                                    char *err, size_t errlen);
+ * message naming the first differing parameter (and both world ranks, my_rank this one's) into
+ * err and returns FAILED_PRECONDITION. */
+pshard_status_t shard_model_compare(const shard_model_t *m, int my_rank, const char *other_text,
+                                    int other_rank, char *err, size_t errlen);
 
 /* Bytes of master + gradient accumulator (none in backward mode) + optimizer state. */
 size_t shard_model_state_bytes(const shard_model_t *m);

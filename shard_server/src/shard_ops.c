@@ -72,6 +72,14 @@ pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err
         rc = shard_session_check(s, op->session, err, errlen);
     if (rc == PSHARD_OK && op->needs_model && !s->model)
         rc = ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION, "%s", op->needs_model);
+    shard_bufs_t *bufs = &s->bufs;
+    if (rc == PSHARD_OK && op->group) {
+        shard_pg_t *g = shard_pg_find(s, op->group, &rc, err, errlen);
+        if (g) {
+            comm = g->comm;
+            bufs = &g->bufs;
+        }
+    }
     if (rc == PSHARD_OK && op->check)
         rc = op->check(s, comm, op, err, errlen);
     if (rc != PSHARD_OK) {
@@ -80,7 +88,8 @@ pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err
     }
     int64_t start_ns = ps_now_ns();
     if (op->agree)
-        rc = shard_agree_active(s, comm, &op->sop, &op->active, &op->ckpt_request, err, errlen);
+        rc = shard_agree_active(s, comm, bufs, &op->sop, &op->active, &op->ckpt_request, err,
+                                errlen);
     if (rc == PSHARD_OK)
         rc = op->run(s, comm, op, err, errlen);
     if (op->opk >= 0)
@@ -93,6 +102,9 @@ void shard_ops_retire_comm(pshard_shard_server_t *s, pshard_comm_t *old)
 {
     pthread_mutex_lock(&s->op_mu);
     pshard_comm_destroy(old);
+    /* The groups were the old generation's: their ids start again with the new one. */
+    shard_pgs_clear(s);
+    s->next_pg_id = 1;
     pthread_mutex_unlock(&s->op_mu);
 }
 
@@ -129,19 +141,19 @@ static pshard_status_t share_words(pshard_comm_t *comm, agreement_t *ag, int ran
 /* Runs one agreement round: this rank's record is (kind, mine). On success *ag holds the
  * outcome (free with agreement_free); errors are the all-gather's, or DESYNC for records no
  * pshard server sends. */
-static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int kind,
-                             const shard_sop_t *mine, bool throw_flag, agreement_t *ag, char *err,
-                             size_t errlen)
+static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, shard_bufs_t *bufs,
+                             int kind, const shard_sop_t *mine, bool throw_flag, agreement_t *ag,
+                             char *err, size_t errlen)
 {
     memset(ag, 0, sizeof(*ag));
     int world = pshard_comm_world_size(comm), rank = pshard_comm_rank(comm);
     size_t need = (size_t)world * REC_WORDS;
-    if (s->agree_cap < need) {
-        int64_t *nb = realloc(s->agree_buf, need * sizeof(int64_t));
+    if (bufs->agree_cap < need) {
+        int64_t *nb = realloc(bufs->agree_buf, need * sizeof(int64_t));
         if (!nb)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        s->agree_buf = nb;
-        s->agree_cap = need;
+        bufs->agree_buf = nb;
+        bufs->agree_cap = need;
     }
     int64_t rec[REC_WORDS];
     pthread_mutex_lock(&s->mu);
@@ -152,12 +164,12 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
     pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER,
                             .dtype = PSHARD_INT64,
                             .send = rec,
-                            .recv = s->agree_buf,
+                            .recv = bufs->agree_buf,
                             .count = REC_WORDS,
                             .tag = AGREE_TAG,
                             .label = shard_op_label(s->model, "agreement", label, sizeof(label))};
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
-    PS_CHECK(shard_agree_verdict(s->agree_buf, world, ag, err, errlen));
+    PS_CHECK(shard_agree_verdict(bufs->agree_buf, world, ag, err, errlen));
     shard_sop_t *op = &ag->op;
     if (ag->all_joined || op->kind == SHARD_SOP_CLIP)
         return PSHARD_OK;
@@ -197,13 +209,13 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, int 
 }
 
 pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                   const shard_sop_t *op, int *active, int64_t *ckpt_request,
-                                   char *err, size_t errlen)
+                                   shard_bufs_t *bufs, const shard_sop_t *op, int *active,
+                                   int64_t *ckpt_request, char *err, size_t errlen)
 {
     agreement_t ag;
-    pshard_status_t rc = agree(s, comm, REC_OP, op, false, &ag, err, errlen);
+    pshard_status_t rc = agree(s, comm, bufs, REC_OP, op, false, &ag, err, errlen);
     if (rc == PSHARD_OK) {
-        rc = shard_agree_refusal(&ag, op, s->agree_buf, err, errlen);
+        rc = shard_agree_refusal(&ag, op, bufs->agree_buf, err, errlen);
         *active = ag.active;
         if (ckpt_request)
             *ckpt_request = ag.ckpt_request;
@@ -213,23 +225,23 @@ pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm
 }
 
 /* A buffer of at least bytes for shadowing the others' operations, reused across them. */
-static void *follow_buffer(pshard_shard_server_t *s, size_t bytes)
+static void *follow_buffer(shard_bufs_t *b, size_t bytes)
 {
     if (bytes == 0)
         bytes = 1;
-    if (s->follow_cap < bytes) {
-        void *nb = realloc(s->follow_buf, bytes);
+    if (b->follow_cap < bytes) {
+        void *nb = realloc(b->follow_buf, bytes);
         if (!nb)
             return NULL;
-        s->follow_buf = nb;
-        s->follow_cap = bytes;
+        b->follow_buf = nb;
+        b->follow_cap = bytes;
     }
-    return s->follow_buf;
+    return b->follow_buf;
 }
 
 /* The main hook: runs this rank's side of the operation the others agreed on. */
-static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, const agreement_t *ag,
-                              char *err, size_t errlen)
+static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, shard_bufs_t *bufs,
+                              const agreement_t *ag, char *err, size_t errlen)
 {
     shard_model_t *m = s->model;
     const shard_sop_t *op = &ag->op;
@@ -247,7 +259,7 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, con
         size_t recv_bytes = gathers ? send_bytes * world : send_bytes;
         if (op->coll_op == PSHARD_COLL_SCATTER || op->coll_op == PSHARD_COLL_ALL_TO_ALL)
             send_bytes *= world; /* whether or not this rank is the root: zeros if it is */
-        uint8_t *buf = follow_buffer(s, send_bytes + recv_bytes);
+        uint8_t *buf = follow_buffer(bufs, send_bytes + recv_bytes);
         if (!buf)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
         /* Nothing to contribute: the reduction's identity (zeros for a sum, and for the other
@@ -262,6 +274,10 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, con
         void *recv = op->coll_op == PSHARD_COLL_BROADCAST ? buf : buf + send_bytes;
         return shard_run_collective(comm, op, buf, recv, ag->active, err, errlen);
     }
+    if (bufs != &s->bufs)
+        return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
+                       "the others run %s on a process group; only plain collectives run there",
+                       shard_sop_name(op->kind));
     if (!m)
         return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
                        "the others run %s but no model is defined here", shard_sop_name(op->kind));
@@ -284,20 +300,20 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, con
                            shard_sop_name(op->kind), p, m->nparams);
         largest = m->params[p].numel * es > largest ? m->params[p].numel * es : largest;
     }
-    void *buf = follow_buffer(s, largest);
-    void **bufs = malloc((op->nids ? op->nids : 1) * sizeof(void *));
-    if (!buf || !bufs) {
-        free(bufs);
+    void *buf = follow_buffer(bufs, largest);
+    void **each = malloc((op->nids ? op->nids : 1) * sizeof(void *));
+    if (!buf || !each) {
+        free(each);
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     }
     for (size_t i = 0; i < op->nids; i++)
-        bufs[i] = buf;
+        each[i] = buf;
     bool gather = op->kind == SHARD_SOP_GATHER;
     if (!gather)
         memset(buf, 0, largest); /* this rank contributes no gradient */
-    pshard_status_t rc = shard_tensors_run(comm, m, gather, op->ids, bufs, op->nids, op->dtype,
+    pshard_status_t rc = shard_tensors_run(comm, m, gather, op->ids, each, op->nids, op->dtype,
                                            ag->active, err, errlen);
-    free(bufs);
+    free(each);
     return rc;
 }
 
@@ -325,6 +341,61 @@ static void report_join(pshard_shard_server_t *s, Pshard__JoinPhase phase, int r
         PS_WARN(PS_SUB_SHARD, "could not report the join to the coordinator: %s", err);
 }
 
+/* One communicator a joined rank shadows (the world's, or a group's it is in): agreement rounds
+ * on it until every one of its ranks has joined. */
+typedef struct {
+    pshard_shard_server_t *s;
+    pshard_comm_t *comm;
+    shard_bufs_t *bufs;
+    bool throw_flag;
+    pshard_status_t rc;
+    int last_rank; /* of the communicator, once all joined */
+    char err[PSHARD_ERRLEN];
+    pthread_t thread;
+    bool started;
+} shadow_t;
+
+static void shadow_loop(shadow_t *w)
+{
+    pshard_shard_server_t *s = w->s;
+    int kind = REC_JOIN;
+    w->rc = PSHARD_OK;
+    w->last_rank = -1;
+    for (;;) {
+        agreement_t ag;
+        w->rc = agree(s, w->comm, w->bufs, kind, NULL, w->throw_flag, &ag, w->err, sizeof(w->err));
+        kind = REC_JOINED;
+        if (w->rc != PSHARD_OK)
+            break;
+        if (ag.all_joined) {
+            w->last_rank = ag.last_rank;
+            shard_agreement_free(&ag);
+            break;
+        }
+        const int64_t *recs = w->bufs->agree_buf;
+        bool skip = ag.desync || ag.throw_rank >= 0 || ag.op.kind == SHARD_SOP_NEW_GROUPS ||
+                    (ag.op.kind == SHARD_SOP_COLLECTIVE && ag.op.coll_op == PSHARD_COLL_BROADCAST &&
+                     ag.op.root >= 0 && ag.op.root < ag.world &&
+                     recs[(size_t)ag.op.root * REC_WORDS + W_KIND] != REC_OP);
+        if (!skip)
+            w->rc = follow(s, w->comm, w->bufs, &ag, w->err, sizeof(w->err));
+        shard_agreement_free(&ag);
+        if (w->rc != PSHARD_OK)
+            break;
+        if (!skip) {
+            pthread_mutex_lock(&s->mu);
+            s->shadowed_ops++;
+            pthread_mutex_unlock(&s->mu);
+        }
+    }
+}
+
+static void *shadow_main(void *arg)
+{
+    shadow_loop(arg);
+    return NULL;
+}
+
 pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                char *err, size_t errlen)
 {
@@ -339,34 +410,43 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
     PS_INFO(PS_SUB_SHARD, "trainer joined at step %" PRId64 "%s; shadowing the other ranks",
             s->joined_step, throw_flag ? " (throw_on_early_termination)" : "");
     report_join(s, PSHARD__JOIN_PHASE__JOINED, rank, s->joined_step, throw_flag, -1);
+    /* The process groups this rank is in get a thread each (their operations come in their
+     * own order, independent of the world's); the world's is this thread. The groups cannot
+     * change meanwhile: this operation holds op_mu. */
+    shadow_t world = {.s = s, .comm = comm, .bufs = &s->bufs, .throw_flag = throw_flag};
+    shadow_t *groups = calloc(s->npgs ? s->npgs : 1, sizeof(*groups));
+    if (!groups)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     pshard_status_t rc = PSHARD_OK;
-    int kind = REC_JOIN, last_rank = -1;
-    for (;;) {
-        agreement_t ag;
-        rc = agree(s, comm, kind, NULL, throw_flag, &ag, err, errlen);
-        kind = REC_JOINED;
-        if (rc != PSHARD_OK)
-            break;
-        if (ag.all_joined) {
-            last_rank = ag.last_rank;
-            shard_agreement_free(&ag);
-            break;
-        }
-        bool skip = ag.desync || ag.throw_rank >= 0 ||
-                    (ag.op.kind == SHARD_SOP_COLLECTIVE && ag.op.coll_op == PSHARD_COLL_BROADCAST &&
-                     ag.op.root >= 0 && ag.op.root < ag.world &&
-                     s->agree_buf[(size_t)ag.op.root * REC_WORDS + W_KIND] != REC_OP);
-        if (!skip)
-            rc = follow(s, comm, &ag, err, errlen);
-        shard_agreement_free(&ag);
-        if (rc != PSHARD_OK)
-            break;
-        if (!skip) {
-            pthread_mutex_lock(&s->mu);
-            s->shadowed_ops++;
-            pthread_mutex_unlock(&s->mu);
-        }
+    for (size_t i = 0; i < s->npgs && rc == PSHARD_OK; i++) {
+        shard_pg_t *g = s->pgs[i];
+        if (!g->comm)
+            continue;
+        groups[i] = (shadow_t){.s = s, .comm = g->comm, .bufs = &g->bufs, .throw_flag = throw_flag};
+        if (pthread_create(&groups[i].thread, NULL, shadow_main, &groups[i]) != 0)
+            rc = ps_errf(err, errlen, PSHARD_ERR_SYSTEM,
+                         "cannot start a thread to shadow group %" PRIu32, g->id);
+        else
+            groups[i].started = true;
     }
+    if (rc == PSHARD_OK) {
+        shadow_loop(&world);
+        rc = world.rc;
+        if (rc != PSHARD_OK)
+            ps_errf(err, errlen, rc, "%s", world.err);
+    }
+    if (rc != PSHARD_OK) /* the groups' rounds would wait for ever for this rank's world */
+        shard_pgs_abort(s, -1, rc, err);
+    for (size_t i = 0; i < s->npgs; i++) {
+        if (!groups[i].started)
+            continue;
+        pthread_join(groups[i].thread, NULL);
+        if (groups[i].rc != PSHARD_OK && rc == PSHARD_OK)
+            rc = ps_errf(err, errlen, groups[i].rc, "group %" PRIu32 ": %s", s->pgs[i]->id,
+                         groups[i].err);
+    }
+    free(groups);
+    int last_rank = world.last_rank;
     pthread_mutex_lock(&s->mu);
     s->joined = false;
     res->shadowed = s->shadowed_ops;
@@ -387,11 +467,9 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
     return PSHARD_OK;
 }
 
-void shard_join_free(pshard_shard_server_t *s)
+void shard_bufs_free(shard_bufs_t *b)
 {
-    free(s->agree_buf);
-    free(s->follow_buf);
-    s->agree_buf = NULL;
-    s->follow_buf = NULL;
-    s->agree_cap = s->follow_cap = 0;
+    free(b->agree_buf);
+    free(b->follow_buf);
+    *b = (shard_bufs_t){0};
 }

@@ -24,6 +24,8 @@ struct shard_op {
     const char *needs_model; /* non-NULL: FAILED_PRECONDITION with this message without one */
     bool agree;              /* agree on sop with the other ranks before run */
     shard_sop_t sop;         /* what the ranks agree on (check may complete it) */
+    uint32_t group;          /* 0: the world; else the process group the operation runs on
+                                (its communicator: check, the agreement and run get it) */
     int opk;                 /* shard_opk_t for the statistics, or -1 for none */
     uint64_t bytes;          /* moved bytes, for the statistics (check may set it) */
     shard_op_fn check;       /* before agreeing: this rank's own refusals, which every rank
@@ -65,6 +67,20 @@ typedef struct {
 } shard_join_result_t;
 pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                char *err, size_t errlen);
+
+/* NewGroups (shard_groups.c): the check validates the request's groups and encodes them for
+ * the agreement (arg is a shard_new_groups_arg_t; free its words after the operation); run
+ * gives them the next ids and builds the communicators of those this rank is in. A failed build
+ * registers none of them, but their ids stay used on every rank. */
+typedef struct {
+    const Pshard__NewGroupsRequest *req;
+    uint32_t *words; /* [n, size_0, ranks_0..., size_1, ...]: the agreement's ids */
+    uint32_t first_id;
+} shard_new_groups_arg_t;
+pshard_status_t shard_new_groups_check(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                       shard_op_t *op, char *err, size_t errlen);
+pshard_status_t shard_new_groups_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                     char *err, size_t errlen);
 
 /* DefineModel (shard_define.c): checks the definition, compares it with the other ranks'
  * through the coordinator's store, takes the initial values (from rank 0, or each rank's own)

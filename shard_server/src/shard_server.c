@@ -87,7 +87,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
         return NULL;
     }
     if (cfg->socket_ifname && *cfg->socket_ifname) {
-        char addr[64], why[PSHARD_ERRLEN];
+        char addr[64], why[PSHARD_ERRLEN] = "";
         if (pshard_socket_ifname_address(cfg->socket_ifname, addr, sizeof(addr), why,
                                          sizeof(why)) != PSHARD_OK) {
             ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "--socket-ifname: %s", why);
@@ -230,6 +230,7 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     /* Release a trainer operation blocked in a collective before joining anything. */
     if (comm)
         pshard_comm_abort(comm, "shard server stopping");
+    shard_pgs_abort(s, -1, PSHARD_ERR_ABORTED, "shard server stopping");
     if (s->setup_started)
         pthread_join(s->setup_thread, NULL);
     /* Ends the heartbeats and leaves the job. */
@@ -248,7 +249,8 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     shard_unmap(&s->model_shm);
     shard_unmap(&s->pending_model);
     shard_model_free(s->model);
-    shard_join_free(s);
+    shard_pgs_clear(s);
+    shard_bufs_free(&s->bufs);
     for (size_t i = 0; i < 16; i++)
         free(s->strings[i]);
     pthread_mutex_destroy(&s->mu);

@@ -127,6 +127,7 @@ static pshard_status_t attach_run(pshard_shard_server_t *s, pshard_comm_t *comm,
     PS_CHECK(remote ? shard_alloc_private(req->shm_bytes, &m, err, errlen)
                     : shard_map_shm(req->shm_name, req->shm_bytes, &m, err, errlen));
     shard_pin_region(s, &m);
+    shard_pgs_clear(s); /* the previous trainer's */
     shard_unmap(&s->scratch);
     shard_unmap(&s->model_shm);
     shard_unmap(&s->pending_model);
@@ -379,6 +380,7 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
     shard_op_t op = {
         .session = req->session,
         .agree = true,
+        .group = req->group,
         .sop = {.kind = SHARD_SOP_COLLECTIVE,
                 .dtype = dt,
                 .coll_op = req->op,
@@ -394,6 +396,34 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
     char err[PSHARD_ERRLEN] = "";
     Pshard__CollectiveResponse out = PSHARD__COLLECTIVE_RESPONSE__INIT;
     answer(call, shard_op_run(ctx, &op, err, sizeof(err)), err, &out.base);
+}
+
+static void handle_new_groups(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    const Pshard__NewGroupsRequest *req = (const Pshard__NewGroupsRequest *)request;
+    shard_new_groups_arg_t a = {.req = req};
+    shard_op_t op = {
+        .session = req->session,
+        .agree = true,
+        .sop = {.kind = SHARD_SOP_NEW_GROUPS},
+        .opk = -1,
+        .check = shard_new_groups_check,
+        .run = shard_new_groups_run,
+        .arg = &a,
+    };
+    char err[PSHARD_ERRLEN] = "";
+    pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
+    free(a.words);
+    uint32_t *ids = rc == PSHARD_OK ? calloc(req->n_groups, sizeof(uint32_t)) : NULL;
+    if (rc == PSHARD_OK && !ids)
+        rc = ps_errf(err, sizeof(err), PSHARD_ERR_NO_MEMORY, "out of memory");
+    Pshard__NewGroupsResponse out = PSHARD__NEW_GROUPS_RESPONSE__INIT;
+    for (size_t i = 0; ids && i < req->n_groups; i++)
+        ids[i] = a.first_id + (uint32_t)i;
+    out.ids = ids;
+    out.n_ids = ids ? req->n_groups : 0;
+    answer(call, rc, err, &out.base);
+    free(ids);
 }
 
 /* A Step: its request; the groups it carries, encoded for the agreement; the results. */
@@ -700,6 +730,18 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     }
     out.n_flight_records = nl;
     out.flight_records = lines;
+    char *glines[32];
+    char gbuf[32][320];
+    size_t ng = 0;
+    for (size_t i = 0; i < s->npgs && ng < 32; i++) {
+        if (!s->pgs[i]->comm)
+            continue;
+        shard_pg_describe(s->pgs[i], gbuf[ng], sizeof(gbuf[ng]));
+        glines[ng] = gbuf[ng];
+        ng++;
+    }
+    out.n_groups = ng;
+    out.groups = glines;
     shard_model_t *m = s->model;
     out.attached = s->session[0] != 0;
     if (m) {
@@ -735,6 +777,7 @@ void shard_service_add_methods(pshard_shard_server_t *s)
         {"Join", &pshard__join_request__descriptor, handle_join},
         {"Checkpoint", &pshard__checkpoint_request__descriptor, handle_checkpoint},
         {"ClipGradNorm", &pshard__clip_grad_norm_request__descriptor, handle_clip_grad_norm},
+        {"NewGroups", &pshard__new_groups_request__descriptor, handle_new_groups},
     };
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);

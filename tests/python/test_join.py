@@ -67,3 +67,32 @@ def test_joined_rank_changes_no_reduction(tmp_path):
             if r == 1:  # the gather's root: rank 0's block is zeros
                 assert got[f"gather {step}"] == [[0.0, 0.0], [1.0, float(step)],
                                                  [2.0, float(step)]], got
+
+
+def test_joined_rank_shadows_its_groups(tmp_path):
+    """Rank 0 joins at once; ranks 1..3 all-reduce on groups [0, 1], [1, 2, 3], [2, 3] and the
+    world: nobody hangs, and each result is the contributors' alone."""
+    import json
+    import os
+
+    from conftest import HERE, pshardrun
+    p = pshardrun(4, os.path.join(HERE, "join_groups_worker.py"), [str(tmp_path)])
+    assert p.returncode == 0, p.stdout[-4000:]
+    members = {"01": [1], "123": [1, 2, 3], "23": [2, 3], "world": [1, 2, 3]}
+    assert json.loads((tmp_path / "rank-0.json").read_text()) == {}
+    for r in (1, 2, 3):
+        got = json.loads((tmp_path / f"rank-{r}.json").read_text())
+        for step in (0, 1):
+            for g, ranks in members.items():
+                if r not in ranks:
+                    assert not any(k.startswith(g + " ") for k in got), (r, g, got)
+                    continue
+                v = [x + 1.0 for x in ranks]
+                want = {"SUM": sum(v), "AVG": sum(v) / len(v), "MAX": max(v)}
+                for op, w in want.items():
+                    neg = -min(v) if op == "MAX" else -w
+                    assert got[f"{g} {op} {step}"] == [w, neg], (r, g, op, step, got)
+            assert got[f"123 broadcast {step}"] == [3.0, float(step)], (r, got)
+            if r == 1:
+                msg = got[f"01 broadcast {step}"]
+                assert "root" in msg and "joined" in msg, msg

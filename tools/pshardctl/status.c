@@ -175,6 +175,8 @@ static void print_servers_table(FILE *out, const server_probe_t *probes, size_t 
         }
         if (r->n_flight_records == 0)
             fprintf(out, "    (no collectives recorded)\n");
+        for (size_t k = 0; k < r->n_groups; k++)
+            fprintf(out, "    %s\n", r->groups[k]);
     }
     if (n == 0)
         fprintf(out, "(no shard servers)\n");
@@ -202,19 +204,22 @@ static json_t *json_servers(const server_probe_t *probes, size_t n)
             json_decref(why);
         } else if (o) {
             const Pshard__ShardStatusResponse *r = p->resp;
-            json_t *stuck = json_array(), *records = json_array();
+            json_t *stuck = json_array(), *records = json_array(), *groups = json_array();
             for (size_t k = 0; stuck && records && k < r->n_flight_records; k++) {
                 if (!append(records, ctl_jstr(r->flight_records[k])) ||
                     (flight_line_is_stuck(r->flight_records[k]) &&
                      !append(stuck, ctl_jstr(r->flight_records[k]))))
                     break;
             }
-            json_t *more =
-                json_pack("{s:i,s:i,s:I,s:b,s:I,s:o,s:o,s:o,s:o,s:o}", "server_rank", r->rank,
-                          "world_size", r->world_size, "step", (json_int_t)r->step, "attached",
-                          r->attached, "generation", (json_int_t)r->generation, "backend",
-                          ctl_jstr(r->backend), "placement", ctl_jstr(r->placement), "transport",
-                          ctl_jstr(r->transport), "stuck", stuck, "flight_records", records);
+            for (size_t k = 0; groups && k < r->n_groups; k++)
+                if (!append(groups, ctl_jstr(r->groups[k])))
+                    break;
+            json_t *more = json_pack(
+                "{s:i,s:i,s:I,s:b,s:I,s:o,s:o,s:o,s:o,s:o,s:o}", "server_rank", r->rank,
+                "world_size", r->world_size, "step", (json_int_t)r->step, "attached", r->attached,
+                "generation", (json_int_t)r->generation, "backend", ctl_jstr(r->backend),
+                "placement", ctl_jstr(r->placement), "transport", ctl_jstr(r->transport), "stuck",
+                stuck, "flight_records", records, "groups", groups);
             if (!more || json_object_update(o, more) != 0)
                 json_decref(o), o = NULL;
             json_decref(more);

@@ -148,6 +148,15 @@ typedef struct {
     size_t ngroups;
     const pshard_optim_group_t *groups;
     const uint32_t *param_groups;
+    /* HSDP (FSDP's HYBRID_SHARD; FSDP2's 2-D mesh ("replicate", "shard")): replicate *
+     * shard == world size, world rank = replica * shard + shard index. Parameters are sharded
+     * over the `shard` ranks of each replica (gathers stay among them), gradients are
+     * reduce-scattered there and all-reduced across the `replicate` replicas, and each replica
+     * steps its copy of the shards; checkpoints are written by replica 0 and load on any mesh
+     * or world size. replicate = world, shard = 1 is NO_SHARD (every server holds every
+     * parameter, as DDP). Both 0 (the default): no mesh, sharded over the whole world. Part of
+     * the definition every rank must pass alike. */
+    int replicate, shard;
 } pshard_model_config_t;
 
 /* FSDP2 layout, fp32 params and reductions, torch.optim's defaults for `optimizer` (SGD
@@ -342,6 +351,73 @@ PSHARD_API pshard_status_t pshard_all_to_all(pshard_client_t *c, const void *sen
                                              size_t count, pshard_dtype_t dtype);
 PSHARD_API pshard_status_t pshard_scatter_from(pshard_client_t *c, const void *send, void *recv,
                                                size_t count, pshard_dtype_t dtype, int root);
+
+/* ---- Process groups (torch.distributed.new_group) ---- */
+
+typedef struct pshard_group pshard_group_t;
+
+/* Makes ngroups process groups at once (torch's new_group, new_subgroups_by_enumeration, or a
+ * device mesh dimension's groups): group i holds the world ranks ranks[off_i .. off_i +
+ * sizes[i]) where off_i is the sum of the sizes before it, strictly increasing (group rank k is
+ * the k-th of them, as torch orders them). Collective: every trainer calls it with the same
+ * groups in the same order (else DESYNC naming both); the members of each group build its
+ * communicator on their shard servers. timeout_ms (0: the servers' collective timeout) bounds
+ * each of the group's collectives. out[0..ngroups) receive handles on every rank, also for the
+ * groups it is not in (pshard_group_rank says -1). Groups last until pshard_client_close or
+ * until the cluster re-forms (their collectives then fail with UNAVAILABLE). At most 64 groups
+ * per call and 1024 per session. Errors: INVALID_ARGUMENT (a rank out of range, repeated or out
+ * of order, an empty group), JOINED (a rank has joined: groups are made while every trainer is
+ * active), RESOURCE_EXHAUSTED, the collectives' own. */
+PSHARD_API pshard_status_t pshard_new_groups(pshard_client_t *c, const int *ranks,
+                                             const size_t *sizes, size_t ngroups,
+                                             int64_t timeout_ms, pshard_group_t **out);
+/* One group: pshard_new_groups with ngroups 1. */
+PSHARD_API pshard_status_t pshard_new_group(pshard_client_t *c, const int *ranks, size_t n,
+                                            int64_t timeout_ms, pshard_group_t **out);
+/* This trainer's rank in g, or -1 when it is not a member (or g is NULL). */
+PSHARD_API int pshard_group_rank(const pshard_group_t *g);
+PSHARD_API int pshard_group_size(const pshard_group_t *g);
+/* The world rank of group rank k, or -1 when k is out of range. */
+PSHARD_API int pshard_group_global_rank(const pshard_group_t *g, int k);
+/* Frees the handle (the servers keep the group until the session ends). NULL is a no-op. */
+PSHARD_API void pshard_group_free(pshard_group_t *g);
+
+/* ---- Every plain collective through one entry ---- */
+
+/* collectives.h's numbers, which shard.proto's CollectiveRequest.op carries. */
+typedef enum {
+    PSHARD_OP_ALL_GATHER = 1,
+    PSHARD_OP_ALL_REDUCE = 3,
+    PSHARD_OP_BROADCAST = 4,
+    PSHARD_OP_BARRIER = 5,
+    PSHARD_OP_REDUCE = 6,
+    PSHARD_OP_GATHER = 7,
+    PSHARD_OP_SCATTER = 8,
+    PSHARD_OP_ALL_TO_ALL = 9,
+} pshard_op_t;
+
+/* One collective on group (NULL: every rank), with n the group's size and root a group rank:
+ *  all_gather: send count elements, recv n * count;  all_reduce: send and recv count (may be
+ *  the same buffer);  broadcast: recv count, root's send (may be recv);  barrier: nothing;
+ *  reduce: send count, root's recv count;  gather: send count, root's recv n * count;
+ *  scatter: root's send n * count, recv count;  all_to_all: send and recv n * count.
+ * Buffers a rank does not use may be NULL. */
+typedef struct {
+    pshard_op_t op;
+    const pshard_group_t *group;
+    const void *send;
+    void *recv;
+    size_t count;
+    pshard_dtype_t dtype;
+    pshard_reduce_t reduce; /* all_reduce, reduce */
+    int root;               /* broadcast, reduce, gather, scatter */
+} pshard_collective_args_t;
+
+/* Runs one collective as above (the functions above are this with group NULL). Errors:
+ * INVALID_ARGUMENT (bad arguments, over the scratch region), FAILED_PRECONDITION (this trainer
+ * is not in the group), UNAVAILABLE (a group of an earlier session or generation), the
+ * collectives' own. Not thread-safe (one thread per client). */
+PSHARD_API pshard_status_t pshard_collective(pshard_client_t *c, const pshard_collective_args_t *a);
 
 #ifdef __cplusplus
 }

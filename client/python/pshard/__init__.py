@@ -27,7 +27,7 @@ from . import _C
 __version__ = "0.1.0"
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank", "group",
-    "ProcessGroup",
+    "ProcessGroup", "GroupMember",
     "get_world_size", "Error", "PeerLostError", "DesyncError", "JoinedError", "TimeoutError",
     "AbortedError", "InvalidArgumentError", "NotFoundError", "OutOfMemoryError",
     "FailedPreconditionError", "UnavailableError",
@@ -154,46 +154,97 @@ def _get_client():
 
 
 def get_rank(group=None):
-    """This trainer's rank, 0..world_size-1."""
-    _no_group(group)
-    return _get_client().rank
+    """This trainer's rank in group (default: the world, 0..world_size-1); -1 when it is not in
+    the group (torch's GroupMember.NON_GROUP_MEMBER, or a group made without it)."""
+    if _is_non_member(group):
+        return -1
+    return _resolve_group(group).rank()
 
 
 def get_world_size(group=None):
-    """The number of trainers (one per shard server)."""
-    _no_group(group)
-    return _get_client().world_size
+    """The number of ranks of group (default: every trainer, one per shard server); -1 for
+    GroupMember.NON_GROUP_MEMBER."""
+    if _is_non_member(group):
+        return -1
+    return _resolve_group(group).size()
 
 
 def destroy_process_group(group=None):
-    """Leaves the cluster; the model defined through this process group cannot be used
-    afterwards. A no-op when not initialized."""
+    """Leaves the cluster (group None or group.WORLD); the model defined through this process
+    group cannot be used afterwards, nor can the groups made with new_group. A no-op when not
+    initialized. A group made with new_group is only forgotten here (its collectives then fail);
+    the shard servers keep it until the trainer leaves."""
     global _client
-    _no_group(group)
+    if _is_non_member(group):
+        return
+    if group is not None and group is not _WORLD:
+        _resolve_group(group)._handle = None
+        return
     c, _client = _client, None
     if c is not None:
         c.close()
 
 
 class ProcessGroup:
-    """The default process group (every rank), as torch.distributed's group.WORLD. Groups over
-    a subset of the ranks are not supported yet."""
+    """A process group, as torch.distributed's: the default one (every rank, group.WORLD), or
+    one that new_group made (pshard.distributed.new_group). rank() is this trainer's rank in it
+    (-1 when it is not a member), size() its number of ranks."""
+
+    def __init__(self, _ranks=None, _handle=None, _desc=None):
+        # None: the world, whose ranks are every trainer's; else the group's world ranks in
+        # group-rank order and its pshard._C.Group
+        self._ranks = None if _ranks is None else tuple(_ranks)
+        self._handle = _handle
+        self._desc = _desc
 
     def rank(self):
-        return get_rank()
+        me = _get_client().rank
+        if self._ranks is None:
+            return me
+        return self._ranks.index(me) if me in self._ranks else -1
 
     def size(self):
-        return get_world_size()
+        if self._ranks is None:
+            return _get_client().world_size
+        return len(self._ranks)
+
+    def _world_ranks(self):
+        """The world ranks of the group, in group-rank order."""
+        return list(range(_get_client().world_size)) if self._ranks is None else list(self._ranks)
 
     def __repr__(self):
-        return "pshard.ProcessGroup(WORLD)"
+        if self._ranks is None:
+            return "pshard.ProcessGroup(WORLD)"
+        desc = f", desc={self._desc!r}" if self._desc else ""
+        return f"pshard.ProcessGroup(ranks={list(self._ranks)}{desc})"
 
 
 class group:  # noqa: N801 (torch.distributed.group's name)
     WORLD = ProcessGroup()
 
 
-def _no_group(group_):
-    if group_ is not None and group_ is not group.WORLD:
-        raise ValueError("process groups other than the default one (None or group.WORLD) are "
-                         "not supported yet")
+class GroupMember:
+    """torch.distributed.GroupMember: WORLD (the default group) and NON_GROUP_MEMBER, what
+    new_group returns to the ranks that are not in the group (torch's value, -100)."""
+    WORLD = group.WORLD
+    NON_GROUP_MEMBER = -100
+
+
+_WORLD = group.WORLD
+
+
+def _is_non_member(group_):
+    return (isinstance(group_, int) and not isinstance(group_, bool) and
+            group_ == GroupMember.NON_GROUP_MEMBER)
+
+
+def _resolve_group(group_):
+    """The ProcessGroup that group_ (None: the world) names; ValueError for anything else."""
+    if group_ is None:
+        return _WORLD
+    if not isinstance(group_, ProcessGroup):
+        raise ValueError(f"group must be a process group (group.WORLD, or one new_group made) or "
+                         f"None, not {group_!r}")
+    if group_._ranks is not None and group_._handle is None:
+        raise FailedPreconditionError(f"{group_!r} was destroyed (destroy_process_group)")
+    return group_

@@ -1,62 +1,185 @@
 """Collectives on torch tensors through this trainer's shard server, with torch.distributed's
-names: all_reduce, reduce, broadcast, all_gather_into_tensor, gather, scatter,
+names: all_reduce, reduce, broadcast, all_gather_into_tensor, all_gather, gather, scatter,
 all_to_all_single, all_to_all, barrier. While some trainers have joined
 (pshard.torch.Join), their ranks contribute the reduction's identity (zeros for a sum, ones for
 a product, -inf for a max, ...) and an average is over the others.
+
+Process groups as torch's: new_group, new_subgroups, new_subgroups_by_enumeration and
+init_device_mesh make groups over some of the ranks (every rank calls them, in the same order);
+every collective takes ``group=``, with ``src``/``dst`` still global ranks (or ``group_src`` /
+``group_dst``, group ranks). On a rank that is not in the group a collective does nothing and
+returns None, with torch's warning.
 
 Tensors must be on the CPU, of dtype float32, bfloat16, float16, float64, int64, int32, uint8
 or bool (sum and max are "any", product and min "all"); non-contiguous
 tensors are handled through a contiguous copy. ``async_op=True`` runs the operation at once
 and returns a completed Work. Errors are pshard.Error subclasses (PeerLostError, TimeoutError,
-...) with pshard's message, or TypeError/ValueError for bad arguments.
+DesyncError, ...) with pshard's message, or TypeError/ValueError for bad arguments.
 """
+import datetime
 import enum
+import operator
+import warnings
 
 import torch
 
 import pshard
 
-__all__ = ["ReduceOp", "all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "gather",
-           "scatter", "all_to_all_single", "all_to_all", "barrier", "get_rank",
-           "get_world_size", "group", "ProcessGroup", "new_group", "get_process_group_ranks",
-           "get_group_rank", "get_global_rank"]
+__all__ = ["ReduceOp", "all_reduce", "reduce", "broadcast", "all_gather_into_tensor",
+           "all_gather", "gather", "scatter", "all_to_all_single", "all_to_all", "barrier",
+           "get_rank", "get_world_size", "group", "GroupMember", "ProcessGroup", "new_group",
+           "new_subgroups", "new_subgroups_by_enumeration", "get_process_group_ranks",
+           "get_group_rank", "get_global_rank", "DeviceMesh", "init_device_mesh"]
 
 get_rank = pshard.get_rank
 get_world_size = pshard.get_world_size
 group = pshard.group
+GroupMember = pshard.GroupMember
 ProcessGroup = pshard.ProcessGroup
+
+# libpshard makes at most this many groups in one call (pshard_new_groups).
+_GROUPS_PER_CALL = 64
+_BACKENDS = (None, "pshard", "gloo", "nccl", "cpu:gloo", "cuda:nccl", "cpu:gloo,cuda:nccl")
+
+
+def _group_options(timeout, backend, pg_options, what):
+    """The groups' collective timeout in ms (0: the shard servers') after checking the options
+    torch's group functions take."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"{what}: unknown backend {backend!r}")
+    if pg_options is not None:
+        raise ValueError(f"{what}: pg_options are not supported (the shard servers' backend is "
+                         "chosen when they start)")
+    if timeout is None:
+        return 0
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"{what}: timeout must be a datetime.timedelta, not "
+                        f"{type(timeout).__name__}")
+    ms = int(timeout.total_seconds() * 1000)
+    if ms <= 0:
+        raise ValueError(f"{what}: timeout must be positive")
+    return ms
+
+
+def _group_ranks(ranks, world, what):
+    """ranks sorted (as torch's new_group sorts them), after checking that they are distinct
+    ranks of the world and not none at all; ValueError (TypeError) naming the bad one."""
+    try:
+        rs = sorted(operator.index(r) for r in ranks)
+    except TypeError:
+        raise TypeError(f"{what}: ranks must be a sequence of int ranks, not {ranks!r}") from None
+    if not rs:
+        raise ValueError(f"{what}: ranks is empty; a group needs at least one rank")
+    for a, b in zip(rs, rs[1:]):
+        if a == b:
+            raise ValueError(f"{what}: ranks list must not contain duplicate entries, got "
+                             f"{list(ranks)} (rank {a} is repeated)")
+    for r in (rs[0], rs[-1]):
+        if not 0 <= r < world:
+            raise ValueError(f"{what}: rank {r} is out of range; valid ranks are 0 to "
+                             f"{world - 1} (ranks {list(ranks)})")
+    return rs
+
+
+def _make_groups(rank_lists, timeout_ms, desc=None):
+    """One ProcessGroup per sorted, checked list of ranks, or GroupMember.NON_GROUP_MEMBER for
+    the lists without this trainer. Collective: the shard servers make all of them in one call
+    (one per 64 groups); a list of every rank is the default group, made by nobody."""
+    c = pshard._get_client()
+    out = [None] * len(rank_lists)
+    todo = [i for i, rs in enumerate(rank_lists) if len(rs) < c.world_size]
+    for i, rs in enumerate(rank_lists):
+        if len(rs) == c.world_size:
+            out[i] = group.WORLD
+    for at in range(0, len(todo), _GROUPS_PER_CALL):
+        part = todo[at:at + _GROUPS_PER_CALL]
+        handles = c.new_groups([rank_lists[i] for i in part], timeout_ms)
+        for i, h in zip(part, handles):
+            out[i] = (ProcessGroup(rank_lists[i], h, desc) if h.rank >= 0
+                      else GroupMember.NON_GROUP_MEMBER)
+    return out
 
 
 def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
               use_local_synchronization=False, group_desc=None):
-    """torch's new_group, for now only over every rank (ranks None or all of them), which is
-    the default group: a subset of the ranks is a clear ValueError, not yet supported."""
-    world = get_world_size()
+    """torch's new_group: a process group of the world ranks in ranks (sorted; None or every
+    rank: the default group, group.WORLD). Every rank must call it, with the same ranks and in
+    the same order as its other group calls (else DesyncError); the ranks not in the group get
+    GroupMember.NON_GROUP_MEMBER. timeout (a datetime.timedelta) bounds each of the group's
+    collectives (default: the shard servers' collective timeout). ValueError, before any
+    exchange, for an empty list, a repeated rank or one out of range, and for
+    use_local_synchronization=True (only the members would call it) unless ranks are every
+    rank."""
+    ms = _group_options(timeout, backend, pg_options, "new_group")
     if ranks is None:
         return group.WORLD
-    try:
-        rs = [int(r) for r in ranks]
-    except (TypeError, ValueError):
-        raise TypeError(f"ranks must be a list of int ranks, not {ranks!r}") from None
-    if len(set(rs)) != len(rs) or any(not 0 <= r < world for r in rs):
-        raise ValueError(f"ranks {rs} must be distinct ranks of 0..{world - 1}")
-    if sorted(rs) != list(range(world)):
-        raise ValueError(f"new_group({rs}): groups over a subset of the {world} ranks are not "
-                         "supported yet; only the group of every rank is")
-    return group.WORLD
+    world = get_world_size()
+    rs = _group_ranks(ranks, world, "new_group")
+    if use_local_synchronization and len(rs) < world:
+        raise ValueError("new_group: use_local_synchronization=True is not supported for a "
+                         "group of some of the ranks: every rank takes part in making it")
+    return _make_groups([rs], ms, group_desc)[0]
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=None,
+                                 pg_options=None, group_desc=None):
+    """torch's: one group per list of ranks (the lists must not overlap; a rank may be in
+    none), all made in one exchange. Returns (the group of this rank or None, every group, with
+    GroupMember.NON_GROUP_MEMBER for those without this rank)."""
+    what = "new_subgroups_by_enumeration"
+    ms = _group_options(timeout, backend, pg_options, what)
+    if not ranks_per_subgroup_list:
+        raise ValueError("The arg 'ranks_per_subgroup_list' cannot be empty")
+    world = get_world_size()
+    lists = [_group_ranks(rs, world, what) for rs in ranks_per_subgroup_list]
+    seen = {}
+    for rs in lists:
+        for r in rs:
+            if r in seen:
+                raise ValueError(f"Rank {r} has appeared in both subgroup {seen[r]} and {rs}")
+            seen[r] = rs
+    subgroups = _make_groups(lists, ms, group_desc)
+    me = get_rank()
+    cur = next((g for g, rs in zip(subgroups, lists) if me in rs), None)
+    return cur, subgroups
+
+
+def new_subgroups(group_size=None, group=None, timeout=None, backend=None, pg_options=None,
+                  group_desc=None):
+    """torch's: the ranks of group (default: the world) cut into consecutive subgroups of
+    group_size ranks. Returns (this rank's subgroup, every subgroup)."""
+    if group_size is None:
+        raise ValueError("new_subgroups: pass group_size (the default, the number of devices "
+                         "per machine, does not apply to pshard's CPU collectives)")
+    group_size = operator.index(group_size)
+    if group_size <= 0:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must be positive")
+    ranks = get_process_group_ranks(group)
+    if len(ranks) < group_size:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must not exceed the world size "
+                         f"({len(ranks)})")
+    if len(ranks) % group_size:
+        raise ValueError(f"The world size ({len(ranks)}) must be divisible by "
+                         f"'group_size={group_size}'")
+    return new_subgroups_by_enumeration(
+        [ranks[i:i + group_size] for i in range(0, len(ranks), group_size)], timeout=timeout,
+        backend=backend, pg_options=pg_options, group_desc=group_desc)
 
 
 def get_process_group_ranks(group_):
-    """The global ranks of group_ (the default group: every rank)."""
-    pshard._no_group(None if group_ is group.WORLD else group_)
-    return list(range(get_world_size()))
+    """The global ranks of group_ (None: the default group, every rank), in group-rank order."""
+    if pshard._is_non_member(group_):
+        raise ValueError("GroupMember.NON_GROUP_MEMBER has no ranks (this rank is not in that "
+                         "group)")
+    return pshard._resolve_group(group_)._world_ranks()
 
 
 def get_group_rank(group_, global_rank):
     """global_rank's rank in group_ (the default group: the same)."""
     ranks = get_process_group_ranks(group_)
     if global_rank not in ranks:
-        raise ValueError(f"rank {global_rank} is not in the group")
+        raise ValueError(f"Global rank {global_rank} is not part of group {group_} "
+                         f"(ranks {ranks})")
     return ranks.index(global_rank)
 
 
@@ -64,8 +187,70 @@ def get_global_rank(group_, group_rank):
     """The global rank of group_'s rank group_rank (the default group: the same)."""
     ranks = get_process_group_ranks(group_)
     if not 0 <= group_rank < len(ranks):
-        raise ValueError(f"group rank {group_rank} is not in 0..{len(ranks) - 1}")
+        raise ValueError(f"Group rank {group_rank} is not part of group {group_} (group ranks "
+                         f"0..{len(ranks) - 1})")
     return ranks[group_rank]
+
+
+class _Target:
+    """Where a collective runs: the client, the group's pshard._C.Group (None: the world), the
+    group's size, this trainer's rank in it, and the ProcessGroup."""
+    __slots__ = ("c", "h", "size", "rank", "pg")
+
+    def __init__(self, c, h, size, rank, pg):
+        self.c, self.h, self.size, self.rank, self.pg = c, h, size, rank, pg
+
+
+def _target(group_, op_name):
+    """The _Target of group_ for op_name, or None (with torch's warning) when this trainer is
+    not in the group."""
+    if not pshard._is_non_member(group_):
+        pg = pshard._resolve_group(group_)
+        c = pshard._get_client()
+        if pg._ranks is None:
+            return _Target(c, None, c.world_size, c.rank, pg)
+        rank = pg.rank()
+        if rank >= 0:
+            return _Target(c, pg._handle, pg.size(), rank, pg)
+    me = pshard._get_client().rank
+    warnings.warn(f"Running {op_name} on global rank {me} which does not belong to the given "
+                  "group.", stacklevel=3)
+    return None
+
+
+def _root(t, value, group_value, what):
+    """The root's group rank, from a global rank value or a group rank group_value (exactly one
+    of them; what is "src" or "dst")."""
+    gwhat = "group_" + what
+    if group_value is not None:
+        if value is not None:
+            raise ValueError(f"Can't specify both {what} and {gwhat}")
+        gr = _int_rank(group_value, gwhat)
+        if not 0 <= gr < t.size:
+            raise ValueError(f"{gwhat} {gr} is not a rank of the group (size {t.size})")
+        return gr
+    if value is None:
+        raise ValueError(f"Must specify {what} or {gwhat}")
+    v = _int_rank(value, what)
+    if t.h is None:
+        if not 0 <= v < t.size:
+            raise ValueError(f"{what} {v} is not a rank (world size {t.size})")
+        return v
+    ranks = t.pg._world_ranks()
+    if v not in ranks:
+        raise ValueError(f"{what} {v} is not in the group (ranks {ranks})")
+    return ranks.index(v)
+
+
+def _int_rank(value, what):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int rank, not {type(value).__name__}")
+    return value
+
+
+def _done(async_op):
+    return _DoneWork() if async_op else None
+
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
            torch.int64: "int64", torch.float64: "fp64", torch.int32: "int32",
@@ -126,11 +311,6 @@ def _dtype_of(t, what):
                         "float64, int64, int32, uint8, bool") from None
 
 
-def _check(group):
-    pshard._no_group(group)
-    return pshard._get_client()
-
-
 def _flat_pieces(t):
     """Contiguous 1-D pieces of t's elements (views of t when it is contiguous)."""
     flat = t.view(-1)
@@ -147,48 +327,78 @@ def _in_place(tensor, fn):
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    """Reduces tensor over all ranks in place: op is a ReduceOp (SUM, AVG, PRODUCT, MIN, MAX;
-    BAND, BOR, BXOR for int64), ours or torch.distributed's."""
-    c = _check(group)
+    """Reduces tensor over the ranks of group (default: all) in place: op is a ReduceOp (SUM,
+    AVG, PRODUCT, MIN, MAX; BAND, BOR, BXOR for int64), ours or torch.distributed's."""
+    t = _target(group, "all_reduce")
+    if t is None:
+        return None
     dt = _dtype_of(tensor, "tensor")
     op = _check_op(op, dt, tensor)
-    _in_place(tensor, lambda piece: c.all_reduce(piece, dt, op.value))
-    return _DoneWork() if async_op else None
+    _in_place(tensor, lambda piece: t.c.all_reduce(piece, dt, op.value, t.h))
+    return _done(async_op)
 
 
-def broadcast(tensor, src, group=None, async_op=False):
-    """Copies rank src's tensor into every rank's tensor."""
-    c = _check(group)
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    """Copies the tensor of rank src (a global rank; or group_src, a rank of group) into every
+    rank's tensor."""
+    t = _target(group, "broadcast")
+    if t is None:
+        return None
     dt = _dtype_of(tensor, "tensor")
-    _in_place(tensor, lambda piece: c.broadcast(piece, dt, int(src)))
-    return _DoneWork() if async_op else None
+    root = _root(t, src, group_src, "src")
+    _in_place(tensor, lambda piece: t.c.broadcast(piece, dt, root, t.h))
+    return _done(async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    """Concatenates every rank's input_tensor (in rank order) into output_tensor, whose first
-    dimension (or element count) is world_size times the input's."""
-    c = _check(group)
+    """Concatenates every rank's input_tensor (in group-rank order) into output_tensor, whose
+    first dimension (or element count) is the group's size times the input's."""
+    t = _target(group, "all_gather_into_tensor")
+    if t is None:
+        return None
     dt = _dtype_of(input_tensor, "input_tensor")
     if _dtype_of(output_tensor, "output_tensor") != dt:
         raise TypeError("output_tensor and input_tensor must have the same dtype")
-    world = c.world_size
-    if output_tensor.numel() != world * input_tensor.numel():
+    n = t.size
+    if output_tensor.numel() != n * input_tensor.numel():
         raise ValueError(f"output_tensor has {output_tensor.numel()} elements; it needs "
-                         f"world_size ({world}) x {input_tensor.numel()}")
+                         f"{'world' if t.h is None else 'group'}_size ({n}) x "
+                         f"{input_tensor.numel()}")
     src = input_tensor.detach().contiguous().view(-1)
     out = output_tensor if output_tensor.is_contiguous() else output_tensor.contiguous()
-    out_flat = out.detach().view(world, -1)
-    step = max(1, _CHUNK_BYTES // max(1, src.element_size() * (world + 1)))
+    out_flat = out.detach().view(n, -1)
+    step = max(1, _CHUNK_BYTES // max(1, src.element_size() * (n + 1)))
     for i in range(0, max(src.numel(), 1), step):
         piece = src[i:i + step]
         if piece.numel() == 0:
             break
-        recv = torch.empty(world * piece.numel(), dtype=src.dtype)
-        c.all_gather(recv, piece, dt)
-        out_flat[:, i:i + piece.numel()].copy_(recv.view(world, -1))
+        recv = torch.empty(n * piece.numel(), dtype=src.dtype)
+        t.c.all_gather(recv, piece, dt, t.h)
+        out_flat[:, i:i + piece.numel()].copy_(recv.view(n, -1))
     if out is not output_tensor:
         output_tensor.copy_(out)
-    return _DoneWork() if async_op else None
+    return _done(async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    """Every rank's tensor into tensor_list (the group's size tensors like tensor, in group-rank
+    order); equal sizes only."""
+    t = _target(group, "all_gather")
+    if t is None:
+        return None
+    dt = _dtype_of(tensor, "tensor")
+    if not isinstance(tensor_list, (list, tuple)) or len(tensor_list) != t.size:
+        raise ValueError(f"tensor_list must be a list of {t.size} tensors (the group's size)")
+    n = tensor.numel()
+    for i, o in enumerate(tensor_list):
+        if _dtype_of(o, f"tensor_list[{i}]") != dt or o.numel() != n:
+            raise ValueError(f"tensor_list[{i}] must have tensor's dtype {tensor.dtype} and its "
+                             f"{n} elements (uneven sizes are not supported)")
+    flat = torch.empty(t.size * n, dtype=tensor.dtype)
+    all_gather_into_tensor(flat, tensor, group=group)
+    for k, o in enumerate(tensor_list):
+        o.copy_(flat[k * n:(k + 1) * n].view_as(o))
+    return _done(async_op)
 
 
 def _check_op(op, dt, tensor):
@@ -206,148 +416,162 @@ def _check_op(op, dt, tensor):
     return op
 
 
-def _rank_arg(c, value, what):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int rank, not {type(value).__name__}")
-    if not 0 <= value < c.world_size:
-        raise ValueError(f"{what} {value} is not a rank (world size {c.world_size})")
-    return value
-
-
-def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
-    """Reduces tensor over all ranks into rank dst's tensor (in place there; the others'
-    tensors are left as they were). op as all_reduce's."""
-    c = _check(group)
+def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
+    """Reduces tensor over the ranks of group into rank dst's tensor (a global rank; or
+    group_dst, a rank of group), in place there; the others' tensors are left as they were. op
+    as all_reduce's."""
+    t = _target(group, "reduce")
+    if t is None:
+        return None
     dt = _dtype_of(tensor, "tensor")
     op = _check_op(op, dt, tensor)
-    dst = _rank_arg(c, dst, "dst")
+    root = _root(t, dst, group_dst, "dst")
     # (only dst's pieces are written; the others' stay as they were)
-    _in_place(tensor, lambda piece: c.reduce(piece, dt, op.value, dst))
-    return _DoneWork() if async_op else None
+    _in_place(tensor, lambda piece: t.c.reduce(piece, dt, op.value, root, t.h))
+    return _done(async_op)
 
 
-def _rooted_list(c, lst, tensor, what, root, name):
-    """The root's list of world_size tensors shaped and typed like tensor; None elsewhere."""
-    if c.rank != root:
+def _rooted_list(t, lst, tensor, what, root, name):
+    """The root's list of the group's size tensors shaped and typed like tensor; None
+    elsewhere."""
+    if t.rank != root:
         return None
-    if lst is None or len(lst) != c.world_size:
-        raise ValueError(f"{what} must be a list of world_size ({c.world_size}) tensors on "
-                         f"rank {root} ({name})")
+    if lst is None or len(lst) != t.size:
+        raise ValueError(f"{what} must be a list of {t.size} tensors (the "
+                         f"{'world' if t.h is None else 'group'} size) on the {name} rank")
     dt = _dtype_of(tensor, "tensor")
-    for i, t in enumerate(lst):
-        if _dtype_of(t, f"{what}[{i}]") != dt or t.numel() != tensor.numel():
+    for i, x in enumerate(lst):
+        if _dtype_of(x, f"{what}[{i}]") != dt or x.numel() != tensor.numel():
             raise ValueError(f"{what}[{i}] must have tensor's dtype {tensor.dtype} and its "
                              f"{tensor.numel()} elements")
     return lst
 
 
-def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
-    """Collects every rank's tensor into rank dst's gather_list (world_size tensors like tensor,
-    in rank order); the other ranks pass gather_list=None."""
-    c = _check(group)
+def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+    """Collects every rank's tensor into rank dst's gather_list (the group's size tensors like
+    tensor, in group-rank order); dst is a global rank (default 0), or group_dst a rank of
+    group. The other ranks pass gather_list=None."""
+    t = _target(group, "gather")
+    if t is None:
+        return None
     dt = _dtype_of(tensor, "tensor")
-    dst = _rank_arg(c, dst, "dst")
-    outs = _rooted_list(c, gather_list, tensor, "gather_list", dst, "dst")
-    world = c.world_size
+    root = _root(t, 0 if dst is None and group_dst is None else dst, group_dst, "dst")
+    outs = _rooted_list(t, gather_list, tensor, "gather_list", root, "dst")
+    n = t.size
     src = tensor.detach().contiguous().view(-1)
-    step = max(1, _CHUNK_BYTES // max(1, src.element_size() * (world + 1)))
+    step = max(1, _CHUNK_BYTES // max(1, src.element_size() * (n + 1)))
     for i in range(0, max(src.numel(), 1), step):
         piece = src[i:i + step]
         if piece.numel() == 0:
             break
-        recv = torch.empty(world * piece.numel(), dtype=src.dtype) if outs is not None else None
-        c.gather_to(recv, piece, dt, dst)
+        recv = torch.empty(n * piece.numel(), dtype=src.dtype) if outs is not None else None
+        t.c.gather_to(recv, piece, dt, root, t.h)
         if outs is not None:
-            for r, o in enumerate(recv.view(world, -1)):
+            for r, o in enumerate(recv.view(n, -1)):
                 outs[r].view(-1)[i:i + piece.numel()].copy_(o)
-    return _DoneWork() if async_op else None
+    return _done(async_op)
 
 
-def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
-    """Copies scatter_list[r] of rank src (world_size tensors like tensor) into rank r's tensor;
-    the other ranks pass scatter_list=None."""
-    c = _check(group)
+def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+    """Copies scatter_list[r] of rank src (the group's size tensors like tensor) into the
+    tensor of group rank r; src is a global rank (default 0), or group_src a rank of group. The
+    other ranks pass scatter_list=None."""
+    t = _target(group, "scatter")
+    if t is None:
+        return None
     dt = _dtype_of(tensor, "tensor")
-    src = _rank_arg(c, src, "src")
-    ins = _rooted_list(c, scatter_list, tensor, "scatter_list", src, "src")
-    world = c.world_size
+    root = _root(t, 0 if src is None and group_src is None else src, group_src, "src")
+    ins = _rooted_list(t, scatter_list, tensor, "scatter_list", root, "src")
+    n = t.size
     out = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = out.detach().view(-1)
-    srcs = [t.detach().contiguous().view(-1) for t in ins] if ins is not None else None
-    step = max(1, _CHUNK_BYTES // max(1, flat.element_size() * (world + 1)))
+    srcs = [x.detach().contiguous().view(-1) for x in ins] if ins is not None else None
+    step = max(1, _CHUNK_BYTES // max(1, flat.element_size() * (n + 1)))
     for i in range(0, max(flat.numel(), 1), step):
         piece = flat[i:i + step]
         if piece.numel() == 0:
             break
-        send = (torch.cat([t[i:i + piece.numel()] for t in srcs]) if srcs is not None
+        send = (torch.cat([x[i:i + piece.numel()] for x in srcs]) if srcs is not None
                 else None)
-        c.scatter_from(piece, send, dt, src)
+        t.c.scatter_from(piece, send, dt, root, t.h)
     if out is not tensor:
         tensor.copy_(out)
-    return _DoneWork() if async_op else None
+    return _done(async_op)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
-    """Splits input into world_size equal blocks along dim 0, sends block k to rank k, and
-    concatenates the blocks received (block k from rank k) into output. Split sizes, when
-    given, must be the equal ones: uneven splits are not supported yet. (Costs world_size
-    times the data of a direct exchange: meant for small tensors for now.)"""
-    c = _check(group)
+    """Splits input into the group's size equal blocks along dim 0, sends block k to group
+    rank k, and concatenates the blocks received (block k from group rank k) into output.
+    Split sizes, when given, must be the equal ones: uneven splits are not supported yet.
+    (Costs the group's size times the data of a direct exchange: meant for small tensors for
+    now.)"""
+    t = _target(group, "all_to_all_single")
+    if t is None:
+        return None
     dt = _dtype_of(input, "input")
     if _dtype_of(output, "output") != dt:
         raise TypeError("output and input must have the same dtype")
-    world = c.world_size
+    n = t.size
     rows = input.shape[0] if input.dim() > 0 else 1
     for name, splits in (("output_split_sizes", output_split_sizes),
                          ("input_split_sizes", input_split_sizes)):
-        if splits is not None and (len(splits) != world or
-                                   any(int(s) * world != rows for s in splits)):
+        if splits is not None and (len(splits) != n or
+                                   any(int(s) * n != rows for s in splits)):
             raise ValueError(f"{name} {list(splits)}: only equal splits of the {rows} rows "
-                             f"over {world} ranks are supported for now")
-    if input.numel() != output.numel() or input.numel() % world or rows % world:
+                             f"over {n} ranks are supported for now")
+    if input.numel() != output.numel() or input.numel() % n or rows % n:
         raise ValueError(f"input ({tuple(input.shape)}) and output ({tuple(output.shape)}) "
-                         f"must have the same size, with dim 0 a multiple of the world size "
-                         f"{world}")
-    src = input.detach().contiguous().view(world, -1)
+                         f"must have the same size, with dim 0 a multiple of the "
+                         f"{'world' if t.h is None else 'group'} size {n}")
+    src = input.detach().contiguous().view(n, -1)
     out = output if output.is_contiguous() else output.contiguous()
-    out_view = out.detach().view(world, -1)
+    out_view = out.detach().view(n, -1)
     blk = src.shape[1]
-    step = max(1, _CHUNK_BYTES // max(1, src.element_size() * world * 2))
+    step = max(1, _CHUNK_BYTES // max(1, src.element_size() * n * 2))
     for i in range(0, blk, step):
         send = src[:, i:i + step].contiguous()
         recv = torch.empty_like(send)
-        c.all_to_all(recv, send, dt)
+        t.c.all_to_all(recv, send, dt, t.h)
         out_view[:, i:i + step].copy_(recv)
     if out is not output:
         output.copy_(out)
-    return _DoneWork() if async_op else None
+    return _done(async_op)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
-    """Sends input_tensor_list[k] to rank k and receives rank k's into output_tensor_list[k]
-    (world_size tensors each, all of one size and dtype)."""
-    c = _check(group)
-    world = c.world_size
-    if len(output_tensor_list) != world or len(input_tensor_list) != world:
-        raise ValueError(f"all_to_all needs world_size ({world}) tensors in each list")
-    n = input_tensor_list[0].numel()
+    """Sends input_tensor_list[k] to group rank k and receives group rank k's into
+    output_tensor_list[k] (the group's size tensors each, all of one size and dtype)."""
+    t = _target(group, "all_to_all")
+    if t is None:
+        return None
+    n = t.size
+    if len(output_tensor_list) != n or len(input_tensor_list) != n:
+        raise ValueError(f"all_to_all needs {'world' if t.h is None else 'group'}_size ({n}) "
+                         "tensors in each list")
+    k = input_tensor_list[0].numel()
     dt = _dtype_of(input_tensor_list[0], "input_tensor_list[0]")
     for what, lst in (("input_tensor_list", input_tensor_list),
                       ("output_tensor_list", output_tensor_list)):
-        for i, t in enumerate(lst):
-            if _dtype_of(t, f"{what}[{i}]") != dt or t.numel() != n:
-                raise ValueError(f"{what}[{i}] must have {n} elements of the same dtype "
+        for i, x in enumerate(lst):
+            if _dtype_of(x, f"{what}[{i}]") != dt or x.numel() != k:
+                raise ValueError(f"{what}[{i}] must have {k} elements of the same dtype "
                                  "(uneven sizes are not supported yet)")
-    flat_in = torch.cat([t.detach().reshape(-1) for t in input_tensor_list])
+    flat_in = torch.cat([x.detach().reshape(-1) for x in input_tensor_list])
     flat_out = torch.empty_like(flat_in)
     all_to_all_single(flat_out, flat_in, group=group)
-    for k, t in enumerate(output_tensor_list):
-        t.copy_(flat_out[k * n:(k + 1) * n].view_as(t))
-    return _DoneWork() if async_op else None
+    for i, x in enumerate(output_tensor_list):
+        x.copy_(flat_out[i * k:(i + 1) * k].view_as(x))
+    return _done(async_op)
 
 
 def barrier(group=None, async_op=False, device_ids=None):
-    """Returns once every rank has entered the barrier."""
-    _check(group).barrier()
-    return _DoneWork() if async_op else None
+    """Returns once every rank of group (default: all) has entered the barrier."""
+    t = _target(group, "barrier")
+    if t is None:
+        return None
+    t.c.barrier(t.h)
+    return _done(async_op)
+
+
+from ._device_mesh import DeviceMesh, init_device_mesh  # noqa: E402  (uses _make_groups)

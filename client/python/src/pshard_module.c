@@ -3,7 +3,8 @@
  * DLPack and the buffer protocol); Works are asynchronous gathers and reduce-scatters. Tensors
  * coming in (initial values, collective buffers) are read through their __dlpack__ capsule, so
  * no numpy or torch is needed here. Every blocking call releases the GIL; pshard statuses become
- * exceptions of the classes below carrying pshard's message. */
+ * exceptions of the classes below carrying pshard's message. Process groups (Group, the optional
+ * last argument of every collective method) are in pshard_groups.c. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -13,6 +14,8 @@
 #include <string.h>
 
 #include "pshard/pshard.h"
+
+#include "pshard_groups.h"
 
 /* ---- DLPack (the v0.8 / legacy ABI, from the DLPack specification) ----------------------- */
 
@@ -437,15 +440,18 @@ static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObjec
                              "max_gathers_in_flight",
                              "max_grad_norm",
                              "init_from_rank0",
+                             "replicate",
+                             "shard",
                              NULL};
     PyObject *names, *shapes, *init = Py_None, *groups = Py_None, *pgroups = Py_None;
     const char *optimizer = "sgd", *layout = "fsdp2";
     PyObject *pdt = NULL, *rdt = NULL;
-    int reshard = 1, max_inflight = 2, from_rank0 = 1;
+    int reshard = 1, max_inflight = 2, from_rank0 = 1, replicate = 0, shard = 0;
     double max_grad_norm = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OsOOsOOpidp", kwlist, &names, &shapes, &init,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OsOOsOOpidpii", kwlist, &names, &shapes, &init,
                                      &optimizer, &groups, &pgroups, &layout, &pdt, &rdt, &reshard,
-                                     &max_inflight, &max_grad_norm, &from_rank0))
+                                     &max_inflight, &max_grad_norm, &from_rank0, &replicate,
+                                     &shard))
         return NULL;
     if (!client_ok(self))
         return NULL;
@@ -465,6 +471,8 @@ static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObjec
                             optimizer);
     pshard_model_config_t mc;
     pshard_model_config_default(&mc, kind);
+    mc.replicate = replicate; /* HSDP (both 0: none); libpshard checks them */
+    mc.shard = shard;
     if (strcmp(layout, "fsdp2") == 0)
         mc.layout = PSHARD_LAYOUT_FSDP2;
     else if (strcmp(layout, "fsdp1") == 0)
@@ -1199,11 +1207,47 @@ static PyObject *Client_memory_stats(ClientObject *self, PyObject *unused)
 
 /* ---- plain collectives on tensors -------------------------------------------------------- */
 
+/* Every collective method takes an optional last argument, a Group (pshard_groups.c) or None
+ * for the world; with a group, roots are group ranks and sizes are the group's. */
+
+/* The number of ranks of g (NULL: the world) and this trainer's rank in it (-1: not in it). */
+static int coll_size(ClientObject *self, const pshard_group_t *g)
+{
+    return g ? pshard_group_size(g) : pshard_world_size(self->c);
+}
+
+static int coll_rank(ClientObject *self, const pshard_group_t *g)
+{
+    return g ? pshard_group_rank(g) : pshard_rank(self->c);
+}
+
+/* Runs a with the GIL released; NULL with the exception set, or None. */
+static PyObject *run_collective(ClientObject *self, const pshard_collective_args_t *a)
+{
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_collective(self->c, a));
+    if (st != PSHARD_OK)
+        return client_fail(self, st);
+    Py_RETURN_NONE;
+}
+
+/* A rank of the world or of group g, or ValueError naming what it was for. */
+static int check_root(ClientObject *self, const pshard_group_t *g, int root, const char *what)
+{
+    int n = coll_size(self, g);
+    if (root >= 0 && root < n)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s %d is not a rank (%s size %d)", what, root,
+                 g ? "group" : "world", n);
+    return -1;
+}
+
 static PyObject *Client_all_reduce(ClientObject *self, PyObject *args)
 {
     PyObject *t, *dt;
     int op = PSHARD_REDUCE_SUM; /* torch.distributed.ReduceOp's numbers; True is avg */
-    if (!PyArg_ParseTuple(args, "OO|i", &t, &dt, &op))
+    const pshard_group_t *g = NULL;
+    if (!PyArg_ParseTuple(args, "OO|iO&", &t, &dt, &op, pshard_py_group_arg, &g))
         return NULL;
     pshard_dtype_t dtype;
     if (!client_ok(self) || !parse_dtype(dt, &dtype))
@@ -1211,50 +1255,57 @@ static PyObject *Client_all_reduce(ClientObject *self, PyObject *args)
     dl_in_t in;
     if (dl_acquire(t, dtype, "all_reduce tensor", &in) != 0)
         return NULL;
-    pshard_status_t st;
-    CLIENT_CALL(self,
-                st = pshard_all_reduce_op(self->c, in.data, in.numel, dtype, (pshard_reduce_t)op));
+    pshard_collective_args_t a = {.op = PSHARD_OP_ALL_REDUCE,
+                                  .group = g,
+                                  .send = in.data,
+                                  .recv = in.data,
+                                  .count = in.numel,
+                                  .dtype = dtype,
+                                  .reduce = (pshard_reduce_t)op};
+    PyObject *res = run_collective(self, &a);
     dl_release(&in);
-    if (st != PSHARD_OK)
-        return client_fail(self, st);
-    Py_RETURN_NONE;
+    return res;
 }
 
 static PyObject *Client_broadcast(ClientObject *self, PyObject *args)
 {
     PyObject *t, *dt;
     int root;
-    if (!PyArg_ParseTuple(args, "OOi", &t, &dt, &root))
+    const pshard_group_t *g = NULL;
+    if (!PyArg_ParseTuple(args, "OOi|O&", &t, &dt, &root, pshard_py_group_arg, &g))
         return NULL;
     pshard_dtype_t dtype;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype))
+    if (!client_ok(self) || !parse_dtype(dt, &dtype) || check_root(self, g, root, "src") != 0)
         return NULL;
-    if (root < 0 || root >= pshard_world_size(self->c))
-        return PyErr_Format(PyExc_ValueError, "src %d is not a rank (world size %d)", root,
-                            pshard_world_size(self->c));
     dl_in_t in;
     if (dl_acquire(t, dtype, "broadcast tensor", &in) != 0)
         return NULL;
-    pshard_status_t st;
-    CLIENT_CALL(self, st = pshard_broadcast(self->c, in.data, in.numel, dtype, root));
+    pshard_collective_args_t a = {.op = PSHARD_OP_BROADCAST,
+                                  .group = g,
+                                  .send = in.data,
+                                  .recv = in.data,
+                                  .count = in.numel,
+                                  .dtype = dtype,
+                                  .root = root};
+    PyObject *res = run_collective(self, &a);
     dl_release(&in);
-    if (st != PSHARD_OK)
-        return client_fail(self, st);
-    Py_RETURN_NONE;
+    return res;
 }
 
-/* all_gather(output, input, dtype): output has world size times the input's elements;
- * all_to_all(output, input, dtype): both the same size, a multiple of the world size (equal
+/* all_gather(output, input, dtype): output has the group's size times the input's elements;
+ * all_to_all(output, input, dtype): both the same size, a multiple of the group's size (equal
  * blocks, block k to and from rank k). */
 static PyObject *output_input_call(ClientObject *self, PyObject *args, bool to_all)
 {
     PyObject *out, *t, *dt;
-    if (!PyArg_ParseTuple(args, "OOO", &out, &t, &dt))
+    const pshard_group_t *g = NULL;
+    if (!PyArg_ParseTuple(args, "OOO|O&", &out, &t, &dt, pshard_py_group_arg, &g))
         return NULL;
     pshard_dtype_t dtype;
     if (!client_ok(self) || !parse_dtype(dt, &dtype))
         return NULL;
     const char *op = to_all ? "all_to_all" : "all_gather";
+    const char *size_name = g ? "group" : "world";
     char in_what[32], out_what[32];
     snprintf(in_what, sizeof(in_what), "%s input", op);
     snprintf(out_what, sizeof(out_what), "%s output", op);
@@ -1265,35 +1316,32 @@ static PyObject *output_input_call(ClientObject *self, PyObject *args, bool to_a
         dl_release(&src);
         return NULL;
     }
-    size_t world = (size_t)pshard_world_size(self->c);
-    bool ok =
-        to_all ? dst.numel == src.numel && src.numel % world == 0 : dst.numel == src.numel * world;
+    size_t n = (size_t)coll_size(self, g);
+    bool ok = n > 0 &&
+              (to_all ? dst.numel == src.numel && src.numel % n == 0 : dst.numel == src.numel * n);
+    PyObject *res = NULL;
     if (!ok) {
         if (to_all)
             PyErr_Format(PyExc_ValueError,
                          "all_to_all needs input and output of the same size, a multiple of "
-                         "the world size %zu (got %zu and %zu elements)",
-                         world, src.numel, dst.numel);
+                         "the %s size %zu (got %zu and %zu elements)",
+                         size_name, n, src.numel, dst.numel);
         else
             PyErr_Format(PyExc_ValueError,
-                         "the output has %zu elements; world size %zu times the input's %zu is "
-                         "%zu",
-                         dst.numel, world, src.numel, src.numel * world);
-        dl_release(&src);
-        dl_release(&dst);
-        return NULL;
+                         "the output has %zu elements; %s size %zu times the input's %zu is %zu",
+                         dst.numel, size_name, n, src.numel, src.numel * n);
+    } else {
+        pshard_collective_args_t a = {.op = to_all ? PSHARD_OP_ALL_TO_ALL : PSHARD_OP_ALL_GATHER,
+                                      .group = g,
+                                      .send = src.data,
+                                      .recv = dst.data,
+                                      .count = to_all ? src.numel / n : src.numel,
+                                      .dtype = dtype};
+        res = run_collective(self, &a);
     }
-    pshard_status_t st;
-    if (to_all)
-        CLIENT_CALL(self,
-                    st = pshard_all_to_all(self->c, src.data, dst.data, src.numel / world, dtype));
-    else
-        CLIENT_CALL(self, st = pshard_all_gather(self->c, src.data, dst.data, src.numel, dtype));
     dl_release(&src);
     dl_release(&dst);
-    if (st != PSHARD_OK)
-        return client_fail(self, st);
-    Py_RETURN_NONE;
+    return res;
 }
 
 static PyObject *Client_all_gather(ClientObject *self, PyObject *args)
@@ -1306,50 +1354,46 @@ static PyObject *Client_all_to_all(ClientObject *self, PyObject *args)
     return output_input_call(self, args, true);
 }
 
-/* A rank of this job, or ValueError naming what it was for. */
-static int check_root(ClientObject *self, int root, const char *what)
-{
-    int world = pshard_world_size(self->c);
-    if (root >= 0 && root < world)
-        return 0;
-    PyErr_Format(PyExc_ValueError, "%s %d is not a rank (world size %d)", what, root, world);
-    return -1;
-}
-
 static PyObject *Client_reduce(ClientObject *self, PyObject *args)
 {
     PyObject *t, *dt;
     int op, root;
-    if (!PyArg_ParseTuple(args, "OOii", &t, &dt, &op, &root))
+    const pshard_group_t *g = NULL;
+    if (!PyArg_ParseTuple(args, "OOii|O&", &t, &dt, &op, &root, pshard_py_group_arg, &g))
         return NULL;
     pshard_dtype_t dtype;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype) || check_root(self, root, "dst") != 0)
+    if (!client_ok(self) || !parse_dtype(dt, &dtype) || check_root(self, g, root, "dst") != 0)
         return NULL;
     dl_in_t in;
     if (dl_acquire(t, dtype, "reduce tensor", &in) != 0)
         return NULL;
-    pshard_status_t st;
-    CLIENT_CALL(
-        self, st = pshard_reduce_to(self->c, in.data, in.numel, dtype, (pshard_reduce_t)op, root));
+    pshard_collective_args_t a = {.op = PSHARD_OP_REDUCE,
+                                  .group = g,
+                                  .send = in.data,
+                                  .recv = in.data,
+                                  .count = in.numel,
+                                  .dtype = dtype,
+                                  .reduce = (pshard_reduce_t)op,
+                                  .root = root};
+    PyObject *res = run_collective(self, &a);
     dl_release(&in);
-    if (st != PSHARD_OK)
-        return client_fail(self, st);
-    Py_RETURN_NONE;
+    return res;
 }
 
 /* gather(output or None, input, dtype, dst) and scatter(output, input or None, dtype, src):
- * the root's side has world size times the other side's elements. */
+ * the root's side has the group's size times the other side's elements. */
 static PyObject *rooted_move(ClientObject *self, PyObject *args, bool gather)
 {
     PyObject *out, *t, *dt;
     int root;
-    if (!PyArg_ParseTuple(args, "OOOi", &out, &t, &dt, &root))
+    const pshard_group_t *g = NULL;
+    if (!PyArg_ParseTuple(args, "OOOi|O&", &out, &t, &dt, &root, pshard_py_group_arg, &g))
         return NULL;
     pshard_dtype_t dtype;
     if (!client_ok(self) || !parse_dtype(dt, &dtype) ||
-        check_root(self, root, gather ? "dst" : "src") != 0)
+        check_root(self, g, root, gather ? "dst" : "src") != 0)
         return NULL;
-    bool me = pshard_rank(self->c) == root;
+    bool me = coll_rank(self, g) == root;
     PyObject *big_obj = gather ? out : t, *small_obj = gather ? t : out;
     const char *big_what = gather ? "gather output" : "scatter input";
     const char *small_what = gather ? "gather input" : "scatter output";
@@ -1363,27 +1407,25 @@ static PyObject *rooted_move(ClientObject *self, PyObject *args, bool gather)
         dl_release(&small);
         return NULL;
     }
-    size_t world = (size_t)pshard_world_size(self->c);
-    if (me && big.numel != small.numel * world) {
+    size_t n = (size_t)coll_size(self, g);
+    PyObject *res = NULL;
+    if (me && big.numel != small.numel * n) {
         PyErr_Format(PyExc_ValueError,
-                     "the %s has %zu elements; world size %zu times the %s's %zu is %zu", big_what,
-                     big.numel, world, small_what, small.numel, small.numel * world);
-        dl_release(&small);
-        dl_release(&big);
-        return NULL;
+                     "the %s has %zu elements; %s size %zu times the %s's %zu is %zu", big_what,
+                     big.numel, g ? "group" : "world", n, small_what, small.numel, small.numel * n);
+    } else {
+        pshard_collective_args_t a = {.op = gather ? PSHARD_OP_GATHER : PSHARD_OP_SCATTER,
+                                      .group = g,
+                                      .send = gather ? small.data : big.data,
+                                      .recv = gather ? big.data : small.data,
+                                      .count = small.numel,
+                                      .dtype = dtype,
+                                      .root = root};
+        res = run_collective(self, &a);
     }
-    pshard_status_t st;
-    if (gather)
-        CLIENT_CALL(self,
-                    st = pshard_gather_to(self->c, small.data, big.data, small.numel, dtype, root));
-    else
-        CLIENT_CALL(self, st = pshard_scatter_from(self->c, big.data, small.data, small.numel,
-                                                   dtype, root));
     dl_release(&small);
     dl_release(&big);
-    if (st != PSHARD_OK)
-        return client_fail(self, st);
-    Py_RETURN_NONE;
+    return res;
 }
 
 static PyObject *Client_gather_to(ClientObject *self, PyObject *args)
@@ -1396,15 +1438,42 @@ static PyObject *Client_scatter_from(ClientObject *self, PyObject *args)
     return rooted_move(self, args, false);
 }
 
-static PyObject *Client_barrier(ClientObject *self, PyObject *unused)
+static PyObject *Client_barrier(ClientObject *self, PyObject *args)
 {
-    if (!client_ok(self))
+    const pshard_group_t *g = NULL;
+    if (!PyArg_ParseTuple(args, "|O&", pshard_py_group_arg, &g) || !client_ok(self))
         return NULL;
+    pshard_collective_args_t a = {.op = PSHARD_OP_BARRIER, .group = g};
+    return run_collective(self, &a);
+}
+
+/* new_groups(rank_lists, timeout_ms=0) -> [Group]: one Group per list of world ranks (strictly
+ * increasing), also for the groups this trainer is not in; collective over every rank. */
+static PyObject *Client_new_groups(ClientObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"groups", "timeout_ms", NULL};
+    PyObject *lists;
+    long long timeout_ms = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|L", kwlist, &lists, &timeout_ms) ||
+        !client_ok(self))
+        return NULL;
+    int *ranks;
+    size_t *sizes, n;
+    if (pshard_py_rank_lists(lists, &ranks, &sizes, &n) != 0)
+        return NULL;
+    pshard_group_t **gs = calloc(n + 1, sizeof(*gs));
+    if (!gs) {
+        free(ranks);
+        free(sizes);
+        return PyErr_NoMemory();
+    }
     pshard_status_t st;
-    CLIENT_CALL(self, st = pshard_barrier(self->c));
-    if (st != PSHARD_OK)
-        return client_fail(self, st);
-    Py_RETURN_NONE;
+    CLIENT_CALL(self, st = pshard_new_groups(self->c, ranks, sizes, n, timeout_ms, gs));
+    free(ranks);
+    free(sizes);
+    PyObject *res = st == PSHARD_OK ? pshard_py_groups_wrap(gs, n) : client_fail(self, st);
+    free(gs);
+    return res;
 }
 
 static PyMethodDef Client_methods[] = {
@@ -1433,18 +1502,24 @@ static PyMethodDef Client_methods[] = {
     {"checkpoint_save", (PyCFunction)Client_checkpoint_save, METH_NOARGS, "-> (step, dir)"},
     {"memory_stats", (PyCFunction)Client_memory_stats, METH_NOARGS, "-> dict"},
     {"all_reduce", (PyCFunction)Client_all_reduce, METH_VARARGS,
-     "all_reduce(tensor, dtype, average=False), in place"},
-    {"broadcast", (PyCFunction)Client_broadcast, METH_VARARGS, "broadcast(tensor, dtype, src)"},
+     "all_reduce(tensor, dtype, op=0, group=None), in place (op: ReduceOp's number)"},
+    {"broadcast", (PyCFunction)Client_broadcast, METH_VARARGS,
+     "broadcast(tensor, dtype, src, group=None)"},
     {"all_gather", (PyCFunction)Client_all_gather, METH_VARARGS,
-     "all_gather(output, input, dtype)"},
-    {"barrier", (PyCFunction)Client_barrier, METH_NOARGS, "barrier()"},
-    {"reduce", (PyCFunction)Client_reduce, METH_VARARGS, "reduce(tensor, dtype, op, dst)"},
+     "all_gather(output, input, dtype, group=None)"},
+    {"barrier", (PyCFunction)Client_barrier, METH_VARARGS, "barrier(group=None)"},
+    {"reduce", (PyCFunction)Client_reduce, METH_VARARGS,
+     "reduce(tensor, dtype, op, dst, group=None)"},
     {"all_to_all", (PyCFunction)Client_all_to_all, METH_VARARGS,
-     "all_to_all(output, input, dtype): equal blocks, block k to and from rank k"},
+     "all_to_all(output, input, dtype, group=None): equal blocks, block k to and from rank k"},
     {"gather_to", (PyCFunction)Client_gather_to, METH_VARARGS,
-     "gather_to(output or None, input, dtype, dst)"},
+     "gather_to(output or None, input, dtype, dst, group=None)"},
     {"scatter_from", (PyCFunction)Client_scatter_from, METH_VARARGS,
-     "scatter_from(output, input or None, dtype, src)"},
+     "scatter_from(output, input or None, dtype, src, group=None)"},
+    {"new_groups", (PyCFunction)(void (*)(void))Client_new_groups, METH_VARARGS | METH_KEYWORDS,
+     "new_groups(groups, timeout_ms=0) -> [Group]: process groups of the world ranks in each "
+     "list (collective: every rank, same lists); with a group, a collective's roots are group "
+     "ranks"},
     {NULL}};
 
 static PyGetSetDef Client_getset[] = {
@@ -1544,6 +1619,8 @@ PyMODINIT_FUNC PyInit__C(void)
                   "The operation is not possible in the current state.") ||
         add_error(m, &UnavailableError, "UnavailableError", PyExc_ConnectionError,
                   "A pshard service could not be reached."))
+        goto fail;
+    if (pshard_py_groups_init(m) < 0)
         goto fail;
     Py_INCREF(&ClientType);
     Py_INCREF(&BufferType);

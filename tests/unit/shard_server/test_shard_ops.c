@@ -155,8 +155,37 @@ static void test_verdict_malformed(void)
     recs[REC_WORDS + W_NIDS] = -1;
     CU_ASSERT_EQUAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_ERR_DESYNC);
     recs[REC_WORDS + W_NIDS] = 2;
-    recs[W_SOP] = SHARD_SOP_CLIP + 1;
+    recs[W_SOP] = SHARD_SOP_NEW_GROUPS + 1;
     CU_ASSERT_EQUAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_ERR_DESYNC);
+}
+
+/* Process groups are agreed like any operation: other groups (or another order) on one rank
+ * are a desync naming new_group, and a joined rank makes the others refuse with JOINED naming
+ * it (it would not build its communicators). */
+static void test_verdict_new_groups(void)
+{
+    uint32_t a_words[] = {2, 2, 0, 1, 2, 2, 3}; /* [[0, 1], [2, 3]] */
+    uint32_t b_words[] = {2, 2, 2, 3, 2, 0, 1}; /* the same groups in another order */
+    shard_sop_t a = {.kind = SHARD_SOP_NEW_GROUPS, .nids = 7, .ids = a_words, .count = 2};
+    shard_sop_t b = {.kind = SHARD_SOP_NEW_GROUPS, .nids = 7, .ids = b_words, .count = 2};
+    int64_t recs[4 * REC_WORDS];
+    for (int r = 0; r < 4; r++)
+        rec_op(recs, r, r == 3 ? &b : &a, 0);
+    agreement_t ag;
+    char err[512] = "";
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 4, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &a, recs, err, sizeof(err)), PSHARD_ERR_DESYNC);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "rank 0 new_group of 2 group(s)"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "rank 3 new_group"));
+    shard_agreement_free(&ag);
+
+    rec_op(recs, 3, &a, 0);
+    rec_join(recs, 2, REC_JOINED, false, 7);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 4, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &a, recs, err, sizeof(err)), PSHARD_ERR_JOINED);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "rank 2 has joined"));
+    shard_agreement_free(&ag);
 }
 
 /* ---- shard_op_run on one rank ------------------------------------------------------------ */
@@ -211,7 +240,7 @@ static void one_rank_free(one_rank_t *o)
     if (!o->s)
         return;
     shard_model_free(o->s->model);
-    shard_join_free(o->s);
+    shard_bufs_free(&o->s->bufs);
     pshard_comm_destroy(o->comm);
     pthread_mutex_destroy(&o->s->mu);
     pthread_mutex_destroy(&o->s->op_mu);
@@ -395,6 +424,7 @@ int main(void)
         {"verdict: joined, throwing and all-joined ranks", test_verdict_joined_ranks},
         {"verdict: a broadcast whose root joined", test_verdict_broadcast_root_joined},
         {"verdict: malformed records", test_verdict_malformed},
+        {"verdict: process groups", test_verdict_new_groups},
         {"op: refusals leave the lock free and run nothing", test_op_refusals},
         {"op: check, agree and run under the lock", test_op_runs_under_the_lock},
         {"op: gather, reduce-scatter and step on one rank", test_model_ops_on_one_rank},
