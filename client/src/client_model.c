@@ -106,6 +106,12 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "reduce_dtype must be fp32 or bf16");
     if (mc->max_gathers_in_flight < 0)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "max_gathers_in_flight must be >= 0");
+    if ((mc->replicate || mc->shard) &&
+        (mc->replicate < 1 || mc->shard < 1 || (int64_t)mc->replicate * mc->shard != c->world))
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "an HSDP mesh of replicate %d x shard %d does not cover the %d-rank "
+                           "world (their product must be it; both 0 for no mesh)",
+                           mc->replicate, mc->shard, c->world);
     if (mc->ngroups > 0 && (!mc->groups || !mc->param_groups))
         return client_fail(
             c, PSHARD_ERR_INVALID_ARGUMENT,
@@ -261,6 +267,8 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     req.groups = pg.ptrs;
     req.n_param_groups = mc->ngroups ? nparams : 0;
     req.param_groups = (uint32_t *)mc->param_groups;
+    req.replicate = mc->replicate;
+    req.shard = mc->shard;
     ProtobufCMessage *dresp = NULL;
     rc = client_call(c, "DefineModel", &req.base, &pshard__define_model_response__descriptor,
                      &dresp, err, sizeof(err));

@@ -238,8 +238,10 @@ static void manifest_release(ps_ckpt_manifest_t *man)
     memset(man, 0, sizeof(*man));
 }
 
-pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
-                                char *dir, size_t dirlen, char *err, size_t errlen)
+/* Every rank of comm (the ranks the model is sharded over) writes its shard; its rank 0
+ * commits. */
+static pshard_status_t save_on(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
+                               char *dir, size_t dirlen, char *err, size_t errlen)
 {
     int rank = pshard_comm_rank(comm), world = pshard_comm_world_size(comm);
     const char *root = s->cfg.checkpoint_dir;
@@ -396,11 +398,40 @@ static pshard_status_t read_own_file(shard_model_t *m, const bounce_t *b, const 
     return rc != PSHARD_OK ? rc : rc2;
 }
 
+pshard_status_t shard_ckpt_save(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
+                                char *dir, size_t dirlen, char *err, size_t errlen)
+{
+    if (!m->replicate_comm)
+        return save_on(s, comm, m, dir, dirlen, err, errlen);
+    /* HSDP: the replicas hold the same shards, so the first one writes the checkpoint (as
+     * torch's does for a replicated dimension) and tells the others how it went. */
+    int64_t verdict[1] = {PSHARD_OK};
+    char why[PSHARD_ERRLEN] = "";
+    bool writer = pshard_comm_rank(m->replicate_comm) == 0;
+    if (writer)
+        verdict[0] = save_on(s, m->shard_comm, m, dir, dirlen, why, sizeof(why));
+    PS_CHECK(
+        broadcast_words(m->replicate_comm, verdict, 1, "checkpoint by replica 0", err, errlen));
+    if (verdict[0] != PSHARD_OK)
+        return ps_errf(err, errlen, (pshard_status_t)verdict[0], "%s",
+                       writer ? why
+                              : "checkpoint not saved: replica 0 could not write it (its ranks' "
+                                "logs say why); the previous checkpoints are intact");
+    if (!writer && s->cfg.checkpoint_dir) {
+        char step_dir[PATH_MAX], abs[PATH_MAX];
+        ps_ckpt_step_dir(s->cfg.checkpoint_dir, m->step, step_dir, sizeof(step_dir));
+        ps_strlcpy(dir, realpath(step_dir, abs) ? abs : step_dir, dirlen);
+    }
+    return PSHARD_OK;
+}
+
 pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
                                 const char *root, bool *restored, char *dir, size_t dirlen,
                                 char *err, size_t errlen)
 {
     *restored = false;
+    /* HSDP: every replica reads the shards of its shard ranks (the same files). */
+    comm = m->shard_comm ? m->shard_comm : comm;
     int rank = pshard_comm_rank(comm), world = pshard_comm_world_size(comm);
     char local_err[PSHARD_ERRLEN] = "";
     pshard_status_t local = PSHARD_OK;

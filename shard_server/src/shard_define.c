@@ -48,9 +48,11 @@ pshard_status_t shard_groups_from_pb(struct Pshard__OptimizerGroup *const *pb, s
     return PSHARD_OK;
 }
 
-/* Compares this rank's definition with every other rank's through the coordinator's store. */
+/* Compares this rank's definition (and mesh line, "mesh none" or "mesh R x S") with every
+ * other rank's through the coordinator's store; rank and world are the world's. */
 static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_model_t *m,
-                                         char *err, size_t errlen)
+                                         const char *mesh, int rank, int world, char *err,
+                                         size_t errlen)
 {
     if (s->define_generation != s->comm_generation) {
         /* A new ring: nobody reads this rank's definitions of the old generation any more
@@ -58,7 +60,7 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
         for (uint64_t a = 1; a <= s->define_attempts; a++) {
             char old[128];
             snprintf(old, sizeof(old), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
-                     s->define_generation, a, m->rank);
+                     s->define_generation, a, rank);
             char derr[PSHARD_ERRLEN] = "";
             if (ps_coord_store_remove(s->coord, old, 2000, derr, sizeof(derr)) != PSHARD_OK)
                 PS_DEBUG(PS_SUB_SHARD, "could not delete %s: %s", old, derr);
@@ -69,17 +71,25 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
     uint64_t attempt = ++s->define_attempts;
     char key[128];
     snprintf(key, sizeof(key), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d", s->comm_generation,
-             attempt, m->rank);
-    size_t spec_len = strlen(m->spec_text);
+             attempt, rank);
+    size_t spec_len = strlen(m->spec_text), mesh_len = strlen(mesh);
     if (spec_len > (1u << 20))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "the model definition is too large to compare (%zu bytes)", spec_len);
+    /* The mesh line first: "mesh ...\n" then the definition. */
+    char *text_out = malloc(mesh_len + 1 + spec_len + 1);
+    if (!text_out)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    memcpy(text_out, mesh, mesh_len);
+    text_out[mesh_len] = '\n';
+    memcpy(text_out + mesh_len + 1, m->spec_text, spec_len + 1);
     pshard_status_t rc =
-        ps_coord_store_put(s->coord, key, m->spec_text, spec_len, 10000, err, errlen);
+        ps_coord_store_put(s->coord, key, text_out, mesh_len + 1 + spec_len, 10000, err, errlen);
+    free(text_out);
     if (rc != PSHARD_OK)
         return rc;
-    for (int r = 0; r < m->world; r++) {
-        if (r == m->rank)
+    for (int r = 0; r < world; r++) {
+        if (r == rank)
             continue;
         char other[128];
         snprintf(other, sizeof(other), "pshard/model/g%" PRIu64 "/a%" PRIu64 "/rank/%d",
@@ -107,7 +117,16 @@ static pshard_status_t check_definitions(pshard_shard_server_t *s, const shard_m
         protobuf_c_message_free_unpacked(&wr->base, NULL);
         if (!text)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-        rc = shard_model_compare(m, m->rank, text, r, err, errlen);
+        char *nl = strchr(text, '\n');
+        if (!nl || (size_t)(nl - text) != mesh_len || memcmp(text, mesh, mesh_len) != 0) {
+            if (nl)
+                *nl = '\0';
+            rc = ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                         "the device meshes differ: rank %d has %s, rank %d has %s", rank, mesh, r,
+                         text);
+        } else {
+            rc = shard_model_compare(m, rank, nl + 1, r, err, errlen);
+        }
         free(text);
         if (rc != PSHARD_OK)
             return rc;
@@ -154,9 +173,10 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
 {
     /* check_init_offsets validated every offset this rank reads, before the model existed. */
     bool from_rank0 = req->init == PSHARD__INIT_MODE__INIT_FROM_RANK0;
-    bool has_data = !from_rank0 || m->rank == 0;
+    bool has_data = !from_rank0 || pshard_comm_rank(comm) == 0;
+    bool bcast = from_rank0 && pshard_comm_world_size(comm) > 1;
     float *full = NULL;
-    if (from_rank0 && m->world > 1) {
+    if (bcast) {
         full = malloc(m->max_numel * sizeof(float) + 1);
         if (!full)
             return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
@@ -167,7 +187,7 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
         const float *src = NULL;
         if (has_data)
             src = (const float *)((uint8_t *)region->base + req->init_offsets[p]);
-        if (from_rank0 && m->world > 1) {
+        if (bcast) {
             pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST,
                                     .dtype = PSHARD_FP32,
                                     .root = 0,
@@ -204,6 +224,29 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
     }
     free(full);
     return rc;
+}
+
+/* HSDP: the communicators of this rank's replica (its shard ranks) and of its shard index
+ * (one rank per replica), named for this definition attempt, which every rank numbers alike. */
+static pshard_status_t hsdp_comms(pshard_shard_server_t *s, shard_model_t *m, int wrank, int reps,
+                                  int shards, char *err, size_t errlen)
+{
+    int replica = wrank / shards, index = wrank % shards;
+    char name[64], why[PSHARD_ERRLEN] = "";
+    pshard_comm_config_t cc;
+    snprintf(name, sizeof(name), "hsdp%" PRIu64 "s%d", s->define_attempts, replica);
+    shard_comm_config(s, &cc, name, index, shards, s->comm_generation);
+    pshard_status_t rc = pshard_comm_create(&cc, &m->shard_comm, why, sizeof(why));
+    if (rc != PSHARD_OK)
+        return ps_errf(err, errlen, rc, "cannot connect the shard ranks of replica %d: %s", replica,
+                       why);
+    snprintf(name, sizeof(name), "hsdp%" PRIu64 "r%d", s->define_attempts, index);
+    shard_comm_config(s, &cc, name, replica, reps, s->comm_generation);
+    rc = pshard_comm_create(&cc, &m->replicate_comm, why, sizeof(why));
+    if (rc != PSHARD_OK)
+        return ps_errf(err, errlen, rc, "cannot connect the replicas of shard %d: %s", index, why);
+    m->replicas = reps;
+    return PSHARD_OK;
 }
 
 pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
@@ -294,13 +337,31 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
     rc = shard_groups_from_pb(req->groups, req->n_groups, kind, &groups, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
-    rc = shard_model_create(pshard_comm_rank(comm), pshard_comm_world_size(comm), layout, n, names,
-                            shapes, ndims, &oc, groups, req->n_groups, req->param_groups,
-                            req->n_param_groups, po ? po->max_grad_norm : 0, po && po->in_backward,
-                            s->dev, s->cfg.device, s->max_model_bytes, &m, err, errlen);
+    int wrank = pshard_comm_rank(comm), world = pshard_comm_world_size(comm);
+    int reps = req->replicate, shards = req->shard;
+    bool mesh = reps != 0 || shards != 0;
+    if (mesh && (reps < 1 || shards < 1 || (int64_t)reps * shards != world)) {
+        rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                     "a (replicate %d, shard %d) mesh does not cover this %d-rank world (their "
+                     "product must be it)",
+                     reps, shards, world);
+        goto out;
+    }
+    if (!mesh) {
+        reps = 1;
+        shards = world;
+    }
+    char mesh_line[64];
+    snprintf(mesh_line, sizeof(mesh_line), "mesh %d x %d", reps, shards);
+    rc = shard_model_create(wrank % shards, shards, layout, n, names, shapes, ndims, &oc, groups,
+                            req->n_groups, req->param_groups, req->n_param_groups,
+                            po ? po->max_grad_norm : 0, po && po->in_backward, s->dev,
+                            s->cfg.device, s->max_model_bytes, &m, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
-    rc = check_definitions(s, m, err, errlen);
+    rc = check_definitions(s, m, mesh_line, wrank, world, err, errlen);
+    if (rc == PSHARD_OK && reps > 1)
+        rc = hsdp_comms(s, m, wrank, reps, shards, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
     if (shard_on_gpu(s)) {
@@ -329,8 +390,8 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
     s->model = m;
     pthread_mutex_unlock(&s->mu);
     shard_model_free(old);
-    PS_INFO(PS_SUB_SHARD, "model defined: %zu parameters, %zu elements on this rank (%s)", n,
-            m->shard_numel, layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1");
+    PS_INFO(PS_SUB_SHARD, "model defined: %zu parameters, %zu elements on this rank (%s, %s)", n,
+            m->shard_numel, layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1", mesh_line);
     m = NULL;
 out:
     shard_unmap(&region);

@@ -26,6 +26,44 @@ const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, 
 #define TAG_STEP_NORM 0x7fffffffu
 #define TAG_CLIP_NORM 0x7ffffffeu
 
+/* The communicator the model's data moves on: the shard ranks of this replica (HSDP), else
+ * the world's. */
+static pshard_comm_t *data_comm(const shard_model_t *m, pshard_comm_t *world)
+{
+    return m->shard_comm ? m->shard_comm : world;
+}
+
+/* A gradient reduce-scatter averages when every rank contributes to it alone (no joined rank,
+ * no replicas to add afterwards); otherwise it sums and shard_model_slice_out divides. */
+static pshard_reduce_t reduce_of(const shard_model_t *m, int active)
+{
+    return active == m->world && m->replicas == 1 ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM;
+}
+
+/* HSDP: adds the replicas' reduce-scattered slices of parameter p (count elements of dt at
+ * slice, device memory when the shards are on a GPU) in place, across the replicate ranks. */
+static pshard_status_t replicas_sum(shard_model_t *m, uint32_t p, pshard_dtype_t dt, void *slice,
+                                    size_t count, char *err, size_t errlen)
+{
+    if (!m->replicate_comm)
+        return PSHARD_OK;
+    char label[64];
+    bool dev = m->dev && !m->dev->host_memory;
+    pshard_coll_args_t a = {
+        .op = PSHARD_COLL_ALL_REDUCE,
+        .dtype = dt,
+        .reduce = PSHARD_REDUCE_SUM,
+        .send = slice,
+        .recv = slice,
+        .count = count,
+        .send_device = dev,
+        .recv_device = dev,
+        .tag = ((uint64_t)m->step << 32) | (1u << 30) | p,
+        .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
+    };
+    return pshard_coll_run(m->replicate_comm, &a, err, errlen);
+}
+
 /* The all-gather of parameter p in dt: this rank's slice send into the full buffer recv. */
 static pshard_coll_args_t gather_args(const shard_model_t *m, uint32_t p, pshard_dtype_t dt,
                                       const void *send, void *recv, char *label, size_t labellen)
@@ -52,7 +90,7 @@ static pshard_coll_args_t reduce_scatter_args(const shard_model_t *m, uint32_t p
     return (pshard_coll_args_t){
         .op = PSHARD_COLL_REDUCE_SCATTER,
         .dtype = dt,
-        .reduce = active == m->world ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
+        .reduce = reduce_of(m, active),
         .send = send,
         .recv = recv,
         .recv_device = m->dev && !m->dev->host_memory,
@@ -82,7 +120,7 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
     PS_CHECK(shard_model_slice_in(m, p, dt, m->stage, &send, err, errlen));
     char label[64];
     pshard_coll_args_t a = gather_args(m, p, dt, send, recv, label, sizeof(label));
-    return pshard_coll_run(comm, &a, err, errlen);
+    return pshard_coll_run(data_comm(m, comm), &a, err, errlen);
 }
 
 pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
@@ -93,7 +131,9 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
     char label[64];
     pshard_coll_args_t a =
         reduce_scatter_args(m, p, dt, send, m->stage, active, label, sizeof(label));
-    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    PS_CHECK(pshard_coll_run(data_comm(m, comm), &a, err, errlen));
+    PS_CHECK(
+        replicas_sum(m, p, dt, m->stage, ps_layout_counts(m->layout, p)[m->rank], err, errlen));
     return shard_model_slice_out(m, p, dt, active, m->stage, err, errlen);
 }
 
@@ -166,7 +206,7 @@ static pshard_status_t tensors_fused(pshard_comm_t *comm, shard_model_t *m, bool
         pshard_coll_args_t a = {
             .op = gather ? PSHARD_COLL_ALL_GATHER : PSHARD_COLL_REDUCE_SCATTER,
             .dtype = dt,
-            .reduce = active == m->world ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM,
+            .reduce = reduce_of(m, active),
             .counts = counts,
             .tag = ((uint64_t)m->step << 32) | (gather ? 0 : 1u << 31) | ids[0],
             .label = label,
@@ -175,8 +215,10 @@ static pshard_status_t tensors_fused(pshard_comm_t *comm, shard_model_t *m, bool
             .recv_segs = gather ? full : mine,
             .n_recv_segs = gather ? (size_t)world * n : n,
         };
-        rc = pshard_coll_run(comm, &a, err, errlen);
+        rc = pshard_coll_run(data_comm(m, comm), &a, err, errlen);
     }
+    for (size_t i = 0; i < n && rc == PSHARD_OK && !gather; i++)
+        rc = replicas_sum(m, ids[i], dt, stage + stage_at[i], mine[i].count, err, errlen);
     for (size_t i = 0; i < n && rc == PSHARD_OK && !gather; i++)
         rc = shard_model_slice_out(m, ids[i], dt, active, stage + stage_at[i], err, errlen);
 out:
@@ -197,7 +239,7 @@ pshard_status_t shard_tensors_run(pshard_comm_t *comm, shard_model_t *m, bool ga
         for (size_t i = 0; i < n; i++)
             PS_CHECK(check_reduce_again(m, ids[i], err, errlen));
     }
-    if (!m->dev && takes_pieces(comm))
+    if (!m->dev && takes_pieces(data_comm(m, comm)))
         return tensors_fused(comm, m, gather, ids, bufs, n, dt, active, err, errlen);
     /* GPU-resident shards (one device staging buffer) and nccl: a collective per tensor. */
     for (size_t i = 0; i < n; i++)
@@ -263,6 +305,9 @@ static pshard_status_t global_norm(pshard_comm_t *comm, shard_model_t *m, bool i
                                    uint32_t tag_low, const char *what, double *norm, char *err,
                                    size_t errlen)
 {
+    /* HSDP: the replicas hold the same accumulators, so the shard ranks of one replica have
+     * every element once. */
+    comm = data_comm(m, comm);
     double local = 0.0;
     PS_CHECK(shard_model_local_norm(m, inf, &local, err, errlen));
     char label[64];

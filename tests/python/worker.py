@@ -92,9 +92,14 @@ def train(cfg, rank, world, result, out):
     mp = pt.MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"])) \
         if cfg.get("param_dtype") else pt.MixedPrecisionPolicy()
     raf = cfg.get("reshard_after_forward", True)
+    mesh = None
+    if cfg.get("mesh"):  # HSDP: (replicate, shard)
+        import pshard.distributed as dist
+        mesh = dist.init_device_mesh("cpu", tuple(cfg["mesh"]),
+                                     mesh_dim_names=("replicate", "shard"))
     for b in cases.blocks(model, cfg):
-        pt.fully_shard(b, reshard_after_forward=raf, mp_policy=mp)
-    pt.fully_shard(model, reshard_after_forward=raf, mp_policy=mp)
+        pt.fully_shard(b, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
+    pt.fully_shard(model, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
     if cfg.get("load"):
         sd = torch.load(cfg["load"])
         pt.set_model_state_dict(model, sd)

@@ -72,6 +72,7 @@ class _Unit:
         self.ready = 0             # gradients accumulated in this backward
         self.in_backward = False   # pre-backward ran, post-backward not yet
         self.forward_ran = False
+        self.mesh = None           # HSDP: (replicate, shard); None: sharded over the world
 
     @property
     def module(self):
@@ -264,14 +265,16 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True, shard_placemen
     """Makes module one unit of a model sharded on pshard's shard servers (FSDP2's
     fully_shard): apply it to each block and then to the root. Returns the module, whose class
     gains FSDPModule's methods. Raises ValueError/TypeError for options pshard does not
-    support (mesh, shard_placement_fn, CPUOffloadPolicy, int reshard_after_forward)."""
+    support (shard_placement_fn, CPUOffloadPolicy, int reshard_after_forward). mesh: a 1-D
+    DeviceMesh of the world (plain FSDP), or a 2-D one from
+    init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard")) for HSDP (sharded
+    over the S ranks of each replica, replicated across the R replicas; (world, 1) is
+    NO_SHARD); every fully_shard of a model takes the same mesh."""
     if isinstance(module, (list, tuple)):
         raise ValueError("fully_shard takes one module; group modules in an nn.ModuleList")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, not {type(module).__name__}")
-    if mesh is not None:
-        raise ValueError("mesh (HSDP) is not supported yet: parameters are sharded over every "
-                         "shard server")
+    mesh_shape = _mesh_shape(mesh)
     if shard_placement_fn is not None:
         raise ValueError("shard_placement_fn is not supported: pshard shards on dim 0")
     if ignored_params:
@@ -294,8 +297,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True, shard_placemen
                 "fully_shard was applied again after the model ran forward")
         existing.reshard_after_forward = reshard_after_forward
         existing.mp = mp_policy
+        existing.mesh = mesh_shape
         return module
     unit = _Unit(module, reshard_after_forward, mp_policy)
+    unit.mesh = mesh_shape
     _UNITS[module] = unit
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward, always_call=False)
@@ -307,6 +312,26 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=True, shard_placemen
             _CLASSES[cls] = new
         module.__class__ = new
     return module
+
+
+def _mesh_shape(mesh):
+    """fully_shard's mesh as (replicate, shard), or None for the whole world."""
+    if mesh is None:
+        return None
+    from ..distributed import DeviceMesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError("mesh must be a pshard.distributed.DeviceMesh (init_device_mesh), not "
+                        f"{type(mesh).__name__}")
+    world = pshard.get_world_size()
+    if mesh.mesh.numel() != world or mesh.mesh.reshape(-1).tolist() != list(range(world)):
+        raise ValueError(f"mesh {mesh.mesh.tolist()} must hold every rank in order "
+                         "(init_device_mesh's)")
+    if mesh.ndim == 1:
+        return None
+    if mesh.ndim != 2:
+        raise ValueError(f"a {mesh.ndim}-D mesh: fully_shard takes a 1-D mesh (FSDP) or a 2-D "
+                         "(replicate, shard) one (HSDP)")
+    return tuple(mesh.mesh.shape)
 
 
 # ---- lazy initialisation ------------------------------------------------------------------
@@ -456,12 +481,19 @@ def _lazy_init(root_unit):
     init = None
     if client.rank == 0:
         init = [p.detach().to(torch.float32).contiguous() for _, p in named]
+    meshes = {u.mesh for u in units}
+    if len(meshes) > 1:
+        shapes = sorted(map(str, meshes))
+        raise ValueError(f"the units of one model were given different meshes {shapes}: pass "
+                         "the same mesh to every fully_shard")
+    mesh = meshes.pop() if meshes else None
     model = _Model(root_unit, client)
     model.step = client.define_model(
         [n for n, _ in named], [tuple(p.shape) for _, p in named], init=init, optimizer=kind,
         groups=groups, param_groups=param_groups, param_dtype=_DTYPE_NAMES[param_dtype],
         reduce_dtype=_DTYPE_NAMES[reduce_dtype],
-        layout=_layout(), reshard_after_forward=True, max_gathers_in_flight=2)
+        layout=_layout(), reshard_after_forward=True, max_gathers_in_flight=2,
+        replicate=mesh[0] if mesh else 0, shard=mesh[1] if mesh else 0)
     del init
     model.param_dtype, model.reduce_dtype = param_dtype, reduce_dtype
     model.units = units

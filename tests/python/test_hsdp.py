@@ -1,0 +1,104 @@
+"""HSDP (FSDP's HYBRID_SHARD, FSDP2's 2-D mesh): fully_shard(mesh=init_device_mesh("cpu",
+(R, S), mesh_dim_names=("replicate", "shard"))) on R * S ranks matches the single-process
+reference like plain FSDP; the parameter all-gathers stay inside the shard groups; a
+checkpoint written by replica 0 loads on another mesh and on plain FSDP."""
+import re
+
+import pytest
+
+from test_oracle import check
+
+MLP = {"model": "mlp", "steps": 8, "lr": 1e-2, "two_groups": True, "scheduler": True,
+       "clip": 0.5}
+
+# One line per collective (PSHARD_LOG_SUBSYS=coll): op, counts, communicator, its size.
+COLL = re.compile(r"coll (\w+) seq \d+ .*?\(communicator (\S+) generation \d+, rank \d+ of (\d+)")
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (1, 4), (4, 1), (2, 1)])
+def test_hsdp_matches_reference(train, mesh):
+    world = mesh[0] * mesh[1]
+    cfg = dict(MLP, mesh=list(mesh))
+    results, final, out = train(cfg, world, env={"PSHARD_LOG": "info",
+                                                 "PSHARD_LOG_SUBSYS": "coll"})
+    check(results, final, cfg, world)
+    seen = {}
+    for op, comm, size in COLL.findall(out):
+        seen.setdefault(comm, set()).add((op, int(size)))
+    assert seen, out[-3000:]
+    if mesh[0] > 1:
+        # The shard groups gather the parameters; the replicate groups only all-reduce the
+        # gradients; the world ring carries the per-operation agreements (tiny all-gathers)
+        # and nothing else of the model.
+        shard = {c: v for c, v in seen.items() if re.fullmatch(r"hsdp\d+s\d+", c)}
+        rep = {c: v for c, v in seen.items() if re.fullmatch(r"hsdp\d+r\d+", c)}
+        assert len(shard) == mesh[0] and len(rep) == mesh[1], seen
+        for v in shard.values():
+            assert ("all_gather", mesh[1]) in v or mesh[1] == 1, v
+            assert all(size == mesh[1] for _, size in v), v
+        for v in rep.values():
+            assert {op for op, _ in v} == {"all_reduce"}, v
+            assert all(size == mesh[0] for _, size in v), v
+        assert not any(op == "reduce_scatter" for op, _ in seen.get("shard", ())), seen
+
+
+def test_hsdp_checkpoint_loads_on_another_mesh(train, tmp_path):
+    ck = tmp_path / "ck"
+    cfg = dict(MLP, steps=4, save_at=4, optimizer="adamw", clip=None)
+    first, _, _ = train(dict(cfg, mesh=[2, 2]), 4, extra=["--checkpoint-dir", str(ck)])
+    assert all(r["error"] is None for r in first), first
+    # Every rank reports the same directory; replica 0 wrote it.
+    assert len({r["checkpoint"] for r in first}) == 1, first
+    cont = dict(cfg, steps=8, save_at=None)
+    for mesh, world in (([1, 2], 2), (None, 2), ([2, 1], 2)):
+        c = dict(cont, mesh=mesh) if mesh else cont
+        second, final, _ = train(c, world, extra=["--resume", str(ck)])
+        assert [r["start"] for r in second] == [4] * world, (mesh, second)
+        merged = [{"losses": first[r]["losses"] + (second[r]["losses"] if r < world else []),
+                   "error": None} for r in range(4)]
+        check(merged, final, dict(cont, resume_world={"at": 4, "world": world}), 4)
+
+
+def test_hsdp_uneven_inputs_join(train):
+    """Join on the 2-D mesh: rank r has 8 + r batches; a joined rank's server keeps taking
+    part in its shard group's gathers and its replicate group's all-reduces."""
+    cfg = dict(MLP, mesh=[2, 2], uneven=True, join="shadow", clip=None)
+    results, final, _ = train(cfg, 4)
+    check(results, final, cfg, 4)
+    assert [len(r["losses"]) for r in results] == [8, 9, 10, 11]
+    assert all(r["join"]["last_rank"] == 3 for r in results)
+
+
+def test_hsdp_trainer_killed_is_named(cluster, tmp_path):
+    """A trainer killed mid-step on a (2, 2) mesh: every other rank fails with PeerLostError
+    naming it, whether it shares a group with it (ranks 0 and 3) or not (rank 2)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import HERE
+    c = cluster(4, lease_ms=2000, heartbeat_ms=500)
+    out = tmp_path / "out"
+    out.mkdir()
+    cfgfile = out / "cfg.json"
+    cfgfile.write_text(json.dumps(dict(MLP, steps=50, mesh=[2, 2], kill_rank=1, kill_step=3)))
+    trainers = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"),
+                                  str(cfgfile), str(out)], env=c.trainer_env(r),
+                                 stdout=open(out / f"t{r}.log", "w"), stderr=subprocess.STDOUT)
+                for r in range(4)]
+    try:
+        for t in trainers:
+            t.wait(timeout=120)
+    finally:
+        for t in trainers:
+            if t.poll() is None:
+                t.kill()
+    killed_at = float((out / "killed").read_text())
+    for r in (0, 2, 3):
+        res = json.loads((out / f"rank-{r}.json").read_text())
+        e = res["error"]
+        assert e is not None and e["type"] == "PeerLostError", (r, res)
+        assert "trainer-1" in e["message"] or "rank 1" in e["message"], e
+        # Within the lease + 1 s (and 2 s of slack for a loaded machine).
+        assert e["time"] - killed_at <= (2000 + 1000 + 2000) / 1000, (e["time"] - killed_at, e)
