@@ -124,6 +124,24 @@ def main():
             want = torch.cat([data(r, world * rows_per * 2, dtype, salt)
                               .view(world, rows_per, 2)[rank] for r in range(world)])
             expect(f"all_to_all_single {dtype} {rows_per}", torch.equal(res, want))
+    # Uneven splits (all_to_all_single's input/output_split_sizes): rank s sends
+    # S[s][d] rows of 2 to rank d, some of them none.
+    S = [[(s * 3 + d * 5 + 1) % 4 for d in range(world)] for s in range(world)]
+    for dtype in (torch.float32, torch.int64):
+        sent = [data(s, sum(S[s]) * 2, dtype, 77).view(-1, 2) for s in range(world)]
+        res = torch.full((sum(S[s][rank] for s in range(world)), 2), -7, dtype=dtype)
+        dist.all_to_all_single(res, sent[rank], output_split_sizes=[S[s][rank] for s in
+                                                                    range(world)],
+                               input_split_sizes=S[rank])
+        want = torch.cat([sent[s][sum(S[s][:rank]):sum(S[s][:rank + 1])] for s in range(world)])
+        expect(f"all_to_all_single uneven {dtype}", torch.equal(res, want))
+    # The list form with sizes that differ: rank s sends s + d + 1 elements to rank d.
+    ins = [torch.full((rank + d + 1,), float(rank * 10 + d)) for d in range(world)]
+    outs = [torch.zeros(s + rank + 1) for s in range(world)]
+    dist.all_to_all(outs, ins)
+    expect("all_to_all uneven lists", all(torch.equal(o, torch.full((s + rank + 1,),
+                                                                     float(s * 10 + rank)))
+                                          for s, o in enumerate(outs)))
     ins = [torch.full((3,), float(rank * 10 + k)) for k in range(world)]
     outs = [torch.zeros(3) for _ in range(world)]
     dist.all_to_all(outs, ins)

@@ -51,6 +51,13 @@ def main():
             a2a = torch.zeros(3)
             dist.all_to_all_single(a2a, torch.tensor([rank * 10.0 + k for k in range(3)]))
             got[f"all_to_all {step}"] = a2a.tolist()
+            # Uneven splits: the joined rank 0's blocks arrive as zeros of the expected size.
+            sends = {1: [1, 1, 2], 2: [1, 2, 1]}[rank]
+            recvs = {1: [2, 1, 2], 2: [1, 2, 1]}[rank]
+            a2av = torch.full((sum(recvs),), -1.0)
+            dist.all_to_all_single(a2av, torch.arange(4.0) + 10 * rank,
+                                   output_split_sizes=recvs, input_split_sizes=sends)
+            got[f"all_to_all uneven {step}"] = a2av.tolist()
             for name in ("BAND", "BOR", "BXOR"):
                 x = torch.tensor([rank + 1, 12 - rank], dtype=torch.int64)
                 dist.all_reduce(x, op=dist.ReduceOp[name])

@@ -499,13 +499,33 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     return _done(async_op)
 
 
+def _splits(splits, rows, n, name):
+    """Split sizes (rows of dim 0 per group rank) as a list of n ints adding up to rows; None
+    means equal splits."""
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"dim 0 ({rows}) must be a multiple of the group size {n} when "
+                             f"{name} is not given")
+        return [rows // n] * n
+    try:
+        out = [int(x) for x in splits]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a list of integers, not {splits!r}") from None
+    if len(out) != n or any(x < 0 for x in out) or sum(out) != rows:
+        raise ValueError(f"{name} {out} must give the group's {n} ranks non-negative row counts "
+                         f"adding up to dim 0 ({rows})")
+    return out
+
+
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
-    """Splits input into the group's size equal blocks along dim 0, sends block k to group
-    rank k, and concatenates the blocks received (block k from group rank k) into output.
-    Split sizes, when given, must be the equal ones: uneven splits are not supported yet.
-    (Costs the group's size times the data of a direct exchange: meant for small tensors for
-    now.)"""
+    """Splits input along dim 0 into the group's size blocks (input_split_sizes rows each, or
+    equal ones), sends block k to group rank k, and concatenates the blocks received (block k
+    from group rank k, output_split_sizes rows) into output. Costs the group's size times the
+    data of a direct exchange (the blocks travel in an all-gather): meant for small tensors for
+    now. With uneven splits the ranks first exchange their split sizes, and each checks that
+    what every rank sends is what its receiver expects (a ValueError on every rank otherwise);
+    a rank that has joined sends zeros of the size its receivers expect."""
     t = _target(group, "all_to_all_single")
     if t is None:
         return None
@@ -514,13 +534,54 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         raise TypeError("output and input must have the same dtype")
     n = t.size
     rows = input.shape[0] if input.dim() > 0 else 1
-    for name, splits in (("output_split_sizes", output_split_sizes),
-                         ("input_split_sizes", input_split_sizes)):
-        if splits is not None and (len(splits) != n or
-                                   any(int(s) * n != rows for s in splits)):
-            raise ValueError(f"{name} {list(splits)}: only equal splits of the {rows} rows "
-                             f"over {n} ranks are supported for now")
-    if input.numel() != output.numel() or input.numel() % n or rows % n:
+    orows = output.shape[0] if output.dim() > 0 else 1
+    if tuple(input.shape[1:]) != tuple(output.shape[1:]):
+        raise ValueError(f"input ({tuple(input.shape)}) and output ({tuple(output.shape)}) must "
+                         "have the same shape beyond dim 0")
+    ins = _splits(input_split_sizes, rows, n, "input_split_sizes")
+    outs = _splits(output_split_sizes, orows, n, "output_split_sizes")
+    if input_split_sizes is None and output_split_sizes is None or (
+            len(set(ins)) == 1 and ins == outs):
+        return _all_to_all_equal(t, output, input, dt, async_op)
+    # Every rank's splits, both ways, with a 1 that a joined rank (zeros) lacks.
+    mine = torch.tensor([1] + ins + outs, dtype=torch.int64)
+    table = torch.empty(n * (2 * n + 1), dtype=torch.int64)
+    all_gather_into_tensor(table, mine, group=group)
+    table = table.view(n, 2 * n + 1).tolist()
+    active = [row[0] == 1 for row in table]
+    for src in range(n):
+        for dst in range(n):
+            if active[src] and active[dst] and table[src][1 + dst] != table[dst][1 + n + src]:
+                raise ValueError(
+                    f"all_to_all_single: group rank {src} sends {table[src][1 + dst]} rows to "
+                    f"group rank {dst}, which expects {table[dst][1 + n + src]} "
+                    "(input_split_sizes and output_split_sizes disagree)")
+    row = input[0].numel() if input.dim() > 0 else 1
+    most = max(sum(r[1:1 + n]) for r in table)
+    send = torch.zeros(most * row, dtype=input.dtype)
+    send[:rows * row] = input.detach().contiguous().view(-1)
+    got = torch.empty(n * most * row, dtype=input.dtype)
+    all_gather_into_tensor(got, send, group=group)
+    got = got.view(n, most * row)
+    out = output if output.is_contiguous() else output.contiguous()
+    flat = out.detach().view(-1)
+    at = 0
+    for src in range(n):
+        k = outs[src] * row
+        if active[src]:
+            off = sum(table[src][1:1 + t.rank]) * row
+            flat[at:at + k].copy_(got[src, off:off + k])
+        else:
+            flat[at:at + k].zero_()
+        at += k
+    if out is not output:
+        output.copy_(out)
+    return _done(async_op)
+
+
+def _all_to_all_equal(t, output, input, dt, async_op):
+    n = t.size
+    if input.numel() != output.numel() or input.numel() % n:
         raise ValueError(f"input ({tuple(input.shape)}) and output ({tuple(output.shape)}) "
                          f"must have the same size, with dim 0 a multiple of the "
                          f"{'world' if t.h is None else 'group'} size {n}")
@@ -541,7 +602,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     """Sends input_tensor_list[k] to group rank k and receives group rank k's into
-    output_tensor_list[k] (the group's size tensors each, all of one size and dtype)."""
+    output_tensor_list[k] (the group's size tensors each, of one dtype; their sizes may differ,
+    each output the size its sender's input has)."""
     t = _target(group, "all_to_all")
     if t is None:
         return None
@@ -549,19 +611,23 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     if len(output_tensor_list) != n or len(input_tensor_list) != n:
         raise ValueError(f"all_to_all needs {'world' if t.h is None else 'group'}_size ({n}) "
                          "tensors in each list")
-    k = input_tensor_list[0].numel()
     dt = _dtype_of(input_tensor_list[0], "input_tensor_list[0]")
     for what, lst in (("input_tensor_list", input_tensor_list),
                       ("output_tensor_list", output_tensor_list)):
         for i, x in enumerate(lst):
-            if _dtype_of(x, f"{what}[{i}]") != dt or x.numel() != k:
-                raise ValueError(f"{what}[{i}] must have {k} elements of the same dtype "
-                                 "(uneven sizes are not supported yet)")
+            if _dtype_of(x, f"{what}[{i}]") != dt:
+                raise ValueError(f"{what}[{i}] must have the dtype of input_tensor_list[0]")
+    ins = [x.numel() for x in input_tensor_list]
+    outs = [x.numel() for x in output_tensor_list]
     flat_in = torch.cat([x.detach().reshape(-1) for x in input_tensor_list])
-    flat_out = torch.empty_like(flat_in)
-    all_to_all_single(flat_out, flat_in, group=group)
-    for i, x in enumerate(output_tensor_list):
-        x.copy_(flat_out[i * k:(i + 1) * k].view_as(x))
+    flat_out = torch.empty(sum(outs), dtype=flat_in.dtype)
+    even = len(set(ins)) == 1 and ins == outs
+    all_to_all_single(flat_out, flat_in, output_split_sizes=None if even else outs,
+                      input_split_sizes=None if even else ins, group=group)
+    at = 0
+    for x, k in zip(output_tensor_list, outs):
+        x.copy_(flat_out[at:at + k].view_as(x))
+        at += k
     return _done(async_op)
 
 
