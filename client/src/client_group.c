@@ -151,9 +151,11 @@ pshard_status_t pshard_new_groups(pshard_client_t *c, const int *ranks, const si
     req.timeout_ms = timeout_ms;
     ProtobufCMessage *resp = NULL;
     char err[PSHARD_ERRLEN] = "";
+    client_run_alone_begin(c); /* after the gathers and reduce-scatters issued before */
     pshard_status_t rc =
         client_call(c, "NewGroups", &req.base, &pshard__new_groups_response__descriptor, &resp, err,
                     sizeof(err));
+    client_run_alone_end(c);
     free(copy);
     if (rc != PSHARD_OK) {
         if (resp)

@@ -136,6 +136,27 @@ static inline void client_wait_idle(pshard_client_t *c)
         pthread_cond_wait(&c->cv, &c->mu);
 }
 
+/* An operation that must reach the server after everything issued before it (a plain
+ * collective, NewGroups): waits until the queued gathers and reduce-scatters finished and holds
+ * the worker off until client_run_alone_end, so every rank's server sees its trainer's
+ * operations in issue order (else a collective could overtake a queued reduce-scatter on one
+ * rank only: a desync). */
+static inline void client_run_alone_begin(pshard_client_t *c)
+{
+    pthread_mutex_lock(&c->mu);
+    client_wait_idle(c);
+    c->busy = true;
+    pthread_mutex_unlock(&c->mu);
+}
+
+static inline void client_run_alone_end(pshard_client_t *c)
+{
+    pthread_mutex_lock(&c->mu);
+    c->busy = false;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
 static inline size_t client_align(size_t x)
 {
     return (x + CLIENT_POOL_ALIGN - 1) / CLIENT_POOL_ALIGN * CLIENT_POOL_ALIGN;

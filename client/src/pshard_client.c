@@ -379,19 +379,12 @@ static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_a
     return PSHARD_OK;
 }
 
-pshard_status_t pshard_collective(pshard_client_t *c, const pshard_collective_args_t *a)
+/* The request of pshard_collective, with the worker held off. */
+static pshard_status_t collective_call(pshard_client_t *c, const pshard_collective_args_t *a,
+                                       const pshard_group_t *g, const coll_layout_t *lp)
 {
-    if (!a)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "collective: no arguments");
+    coll_layout_t l = *lp;
     const char *what = op_name(a->op);
-    if (!what)
-        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
-                           "collective: unknown op %d (pshard_op_t)", (int)a->op);
-    const pshard_group_t *g = a->group;
-    if (g)
-        PS_CHECK(client_group_check(c, g, what));
-    coll_layout_t l;
-    PS_CHECK(coll_layout(c, a, what, g ? g->size : c->world, g ? g->rank : c->rank, &l));
     if (l.send_bytes)
         memcpy(c->scratch.base, l.src, l.send_bytes);
     char err[PSHARD_ERRLEN] = "";
@@ -418,9 +411,28 @@ pshard_status_t pshard_collective(pshard_client_t *c, const pshard_collective_ar
                                 err, sizeof(err));
     if (rc != PSHARD_OK)
         return client_fail(c, rc, "%s: %s", what, err);
-    if (l.recv_bytes)
-        memcpy(l.dst, (uint8_t *)c->scratch.base + l.recv_off, l.recv_bytes);
     return PSHARD_OK;
+}
+
+pshard_status_t pshard_collective(pshard_client_t *c, const pshard_collective_args_t *a)
+{
+    if (!a)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "collective: no arguments");
+    const char *what = op_name(a->op);
+    if (!what)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "collective: unknown op %d (pshard_op_t)", (int)a->op);
+    const pshard_group_t *g = a->group;
+    if (g)
+        PS_CHECK(client_group_check(c, g, what));
+    coll_layout_t l;
+    PS_CHECK(coll_layout(c, a, what, g ? g->size : c->world, g ? g->rank : c->rank, &l));
+    client_run_alone_begin(c);
+    pshard_status_t rc = collective_call(c, a, g, &l);
+    client_run_alone_end(c);
+    if (rc == PSHARD_OK && l.recv_bytes)
+        memcpy(l.dst, (uint8_t *)c->scratch.base + l.recv_off, l.recv_bytes);
+    return rc;
 }
 
 /* The world's collectives of the API before process groups: pshard_collective with group

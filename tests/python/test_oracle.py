@@ -57,6 +57,19 @@ def test_mlp_variants(train, variant):
     check(results, final, cfg, 2)
 
 
+def test_metric_all_reduce_after_backward(train):
+    """dist.all_reduce of the loss between backward and the step, the usual logging: it
+    runs after the reduce-scatters still queued on each rank (issue order), so no rank's
+    server sees it overtake one (which would be a desync), and training is unchanged."""
+    cfg = dict(MLP, log_loss=True)
+    results, final, _ = train(cfg, 3)
+    check(results, final, cfg, 3)
+    for s in range(cfg["steps"]):
+        want = sum(r["losses"][s] for r in results) / 3
+        for r in results:
+            assert abs(r["mean_losses"][s] - want) <= 1e-6 * abs(want), (s, r["mean_losses"][s])
+
+
 def test_mlp_fsdp1_layout(train):
     results, final, _ = train(MLP, 3, env={"PSHARD_LAYOUT": "fsdp1"})
     check(results, final, MLP, 3)

@@ -129,6 +129,13 @@ def train(cfg, rank, world, result, out):
                 loss = cases.loss_of(model, cfg, x, y) / accum
                 loss.backward()
                 total += loss.item()
+            if cfg.get("log_loss"):
+                # A metric all-reduced right after backward, while the last units'
+                # reduce-scatters may still be queued: it must run after them on every rank.
+                import pshard.distributed as dist
+                t = torch.tensor([total])
+                dist.all_reduce(t, op=dist.ReduceOp.AVG)
+                result.setdefault("mean_losses", []).append(t.item())
             if cfg.get("kill_rank") == rank and s == cfg.get("kill_step", 3):
                 # Killed mid-step: after its reduce-scatters were issued, before the step.
                 with open(os.path.join(out, "killed"), "w") as f:
