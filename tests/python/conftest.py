@@ -10,11 +10,21 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 BIN = os.path.dirname(sys.executable)
+# PSHARD_TEST_BUILD_DIR: a CMake build tree whose programs run instead of the venv's (the
+# sanitizer pass runs some suites against its AddressSanitizer + UBSan servers).
+BUILD = os.environ.get("PSHARD_TEST_BUILD_DIR")
+_SUBDIR = {"pshardrun": "tools", "pshardctl": "tools", "pshard-coordinator": "coordinator",
+           "pshard-server": "shard_server"}
+
+
+def program(name):
+    """The path of a pshard program (pshardrun, pshard-server, ...) the tests run."""
+    return os.path.join(BUILD, _SUBDIR[name], name) if BUILD else os.path.join(BIN, name)
 
 
 def pshardrun(nproc, script, args, *, timeout=300, extra=(), env=None):
     """Runs pshardrun --nproc N -- python script args...; returns the CompletedProcess."""
-    cmd = [os.path.join(BIN, "pshardrun"), "--nproc", str(nproc), *extra, "--",
+    cmd = [program("pshardrun"), "--nproc", str(nproc), *extra, "--",
            sys.executable, script, *args]
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     if env:
@@ -57,13 +67,13 @@ class Cluster:
         self.n, self.tmp, self.procs = n, tmp, []
         self.lease_ms = lease_ms
         extra = ["--rdzv-file", str(rdzv_file)] if rdzv_file else []
-        self._start([os.path.join(BIN, "pshard-coordinator"), "--listen", "127.0.0.1:0",
+        self._start([program("pshard-coordinator"), "--listen", "127.0.0.1:0",
                      "--port-file", str(tmp / "coord.port"), "--world-size", str(n),
                      "--lease-ms", str(lease_ms), "--heartbeat-ms", str(heartbeat_ms), *extra],
                     tmp / "coord.log")
         self.coord = "127.0.0.1:" + self._port(tmp / "coord.port")
         for r in range(n):
-            self._start([os.path.join(BIN, "pshard-server"), "--coordinator", self.coord,
+            self._start([program("pshard-server"), "--coordinator", self.coord,
                          "--listen", "127.0.0.1:0", "--port-file", str(tmp / f"s{r}.port"),
                          "--name", f"pshard-server-{r}"], tmp / f"s{r}.log")
         self.servers = ["127.0.0.1:" + self._port(tmp / f"s{r}.port") for r in range(n)]
