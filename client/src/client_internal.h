@@ -32,7 +32,17 @@ typedef struct {
 
 #define CHUNK (1u << 20)
 
-typedef enum { WORK_GATHER, WORK_REDUCE_SCATTER } work_kind_t;
+typedef enum { WORK_GATHER, WORK_REDUCE_SCATTER, WORK_COLLECTIVE } work_kind_t;
+
+/* Where one plain collective's bytes lie in the scratch region: this rank's send_bytes (copied
+ * from src) at offset 0, and its recv_bytes (copied to dst) at recv_off. On the remote path
+ * both also cross the wire. A rank sends and receives only what its role in the collective
+ * uses. */
+typedef struct {
+    size_t send_bytes, recv_off, recv_bytes;
+    const void *src;
+    void *dst;
+} coll_layout_t;
 
 /* Where a parameter's full values or its full gradient stand in the client's pool. */
 typedef enum {
@@ -53,6 +63,9 @@ struct pshard_work {
     uint64_t *offs; /* their blocks in the model region */
     size_t n;
     bool counted; /* holds a place among the gathers in flight */
+    /* WORK_COLLECTIVE: the collective (its buffers and group the caller's) and its layout */
+    pshard_collective_args_t coll;
+    coll_layout_t layout;
     bool done;
     pshard_status_t status;
     char error[PSHARD_ERRLEN];
@@ -156,6 +169,16 @@ static inline void client_run_alone_end(pshard_client_t *c)
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
 }
+
+/* Queues a checked collective behind the work issued before it (client_work.c). */
+pshard_status_t client_work_queue_collective(pshard_client_t *c, const pshard_collective_args_t *a,
+                                             const coll_layout_t *l, pshard_work_t **out);
+
+/* Runs one plain collective laid out as l (pshard_collective's request; the caller holds the
+ * worker off or is the worker): PSHARD_OK with the result copied out, or the error with its
+ * message in err. */
+pshard_status_t client_collective_exec(pshard_client_t *c, const pshard_collective_args_t *a,
+                                       const coll_layout_t *l, char *err, size_t errlen);
 
 static inline size_t client_align(size_t x)
 {

@@ -175,7 +175,10 @@ void *client_worker_main(void *arg)
         c->busy = true;
         pthread_mutex_unlock(&c->mu);
         char err[PSHARD_ERRLEN] = "";
-        pshard_status_t rc = run_tensor_op(c, w->kind, w->ids, w->offs, w->n, err, sizeof(err));
+        pshard_status_t rc =
+            w->kind == WORK_COLLECTIVE
+                ? client_collective_exec(c, &w->coll, &w->layout, err, sizeof(err))
+                : run_tensor_op(c, w->kind, w->ids, w->offs, w->n, err, sizeof(err));
         pthread_mutex_lock(&c->mu);
         finish_buffers(c, w, rc);
         c->busy = false;
@@ -229,6 +232,24 @@ static pshard_status_t start_work(pshard_client_t *c, work_kind_t kind, const si
         ps_queue_push(&c->queue, &w->node);
         pthread_cond_broadcast(&c->cv);
     }
+    pthread_mutex_unlock(&c->mu);
+    *out = w;
+    return PSHARD_OK;
+}
+
+pshard_status_t client_work_queue_collective(pshard_client_t *c, const pshard_collective_args_t *a,
+                                             const coll_layout_t *l, pshard_work_t **out)
+{
+    pshard_work_t *w = calloc(1, sizeof(*w));
+    if (!w)
+        return client_fail(c, PSHARD_ERR_NO_MEMORY, "out of memory");
+    w->kind = WORK_COLLECTIVE;
+    w->c = c;
+    w->coll = *a;
+    w->layout = *l;
+    pthread_mutex_lock(&c->mu);
+    ps_queue_push(&c->queue, &w->node);
+    pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     *out = w;
     return PSHARD_OK;

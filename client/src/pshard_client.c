@@ -282,15 +282,6 @@ static const char *op_name(pshard_op_t op)
     return NULL;
 }
 
-/* Where one collective's bytes lie in the scratch region: this rank's send_bytes (copied from
- * src) at offset 0, and its recv_bytes (copied to dst) at recv_off. On the remote path both
- * also cross the wire. A rank sends and receives only what its role in the collective uses. */
-typedef struct {
-    size_t send_bytes, recv_off, recv_bytes;
-    const void *src;
-    void *dst;
-} coll_layout_t;
-
 /* a's layout for a rank that is group rank me of n ranks; fails (set on c) for arguments the
  * collective cannot run with. */
 static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_args_t *a,
@@ -379,42 +370,45 @@ static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_a
     return PSHARD_OK;
 }
 
-/* The request of pshard_collective, with the worker held off. */
-static pshard_status_t collective_call(pshard_client_t *c, const pshard_collective_args_t *a,
-                                       const pshard_group_t *g, const coll_layout_t *lp)
+pshard_status_t client_collective_exec(pshard_client_t *c, const pshard_collective_args_t *a,
+                                       const coll_layout_t *l, char *err, size_t errlen)
 {
-    coll_layout_t l = *lp;
     const char *what = op_name(a->op);
-    if (l.send_bytes)
-        memcpy(c->scratch.base, l.src, l.send_bytes);
-    char err[PSHARD_ERRLEN] = "";
-    if (c->cfg.remote && l.send_bytes &&
-        client_remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, 0, l.send_bytes, 0, err,
-                            sizeof(err)) != PSHARD_OK)
-        return client_fail(c, PSHARD_ERR_RPC, "%s: %s", what, err);
-    bool barrier = a->op == PSHARD_OP_BARRIER;
-    Pshard__CollectiveRequest req = PSHARD__COLLECTIVE_REQUEST__INIT;
-    req.session = c->session;
-    req.op = (uint32_t)a->op;
-    req.dtype = client_dtype_pb(barrier ? PSHARD_FP32 : a->dtype);
-    req.reduce = barrier ? 0 : (uint32_t)a->reduce;
-    req.root = barrier ? 0 : a->root;
-    req.count = barrier ? 0 : a->count;
-    req.send_offset = 0;
-    req.recv_offset = l.recv_off;
-    req.group = g ? g->id : 0;
-    pshard_status_t rc =
-        client_call(c, "Collective", &req.base, &pshard__collective_response__descriptor, NULL, err,
-                    sizeof(err));
-    if (rc == PSHARD_OK && c->cfg.remote && l.recv_bytes)
-        rc = client_remote_read(c, PSHARD__REGION__SCRATCH, &c->scratch, l.recv_off, l.recv_bytes,
-                                err, sizeof(err));
+    if (l->send_bytes)
+        memcpy(c->scratch.base, l->src, l->send_bytes);
+    char why[PSHARD_ERRLEN] = "";
+    pshard_status_t rc = PSHARD_OK;
+    if (c->cfg.remote && l->send_bytes)
+        rc = client_remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, 0, l->send_bytes, 0, why,
+                                 sizeof(why));
+    if (rc == PSHARD_OK) {
+        bool barrier = a->op == PSHARD_OP_BARRIER;
+        Pshard__CollectiveRequest req = PSHARD__COLLECTIVE_REQUEST__INIT;
+        req.session = c->session;
+        req.op = (uint32_t)a->op;
+        req.dtype = client_dtype_pb(barrier ? PSHARD_FP32 : a->dtype);
+        req.reduce = barrier ? 0 : (uint32_t)a->reduce;
+        req.root = barrier ? 0 : a->root;
+        req.count = barrier ? 0 : a->count;
+        req.send_offset = 0;
+        req.recv_offset = l->recv_off;
+        req.group = a->group ? a->group->id : 0;
+        rc = client_call(c, "Collective", &req.base, &pshard__collective_response__descriptor, NULL,
+                         why, sizeof(why));
+    }
+    if (rc == PSHARD_OK && c->cfg.remote && l->recv_bytes)
+        rc = client_remote_read(c, PSHARD__REGION__SCRATCH, &c->scratch, l->recv_off, l->recv_bytes,
+                                why, sizeof(why));
     if (rc != PSHARD_OK)
-        return client_fail(c, rc, "%s: %s", what, err);
+        return ps_errf(err, errlen, rc, "%s: %s", what, why);
+    if (l->recv_bytes)
+        memcpy(l->dst, (uint8_t *)c->scratch.base + l->recv_off, l->recv_bytes);
     return PSHARD_OK;
 }
 
-pshard_status_t pshard_collective(pshard_client_t *c, const pshard_collective_args_t *a)
+/* Checks a collective's arguments and lays it out (failures set on c). */
+static pshard_status_t collective_check(pshard_client_t *c, const pshard_collective_args_t *a,
+                                        coll_layout_t *l)
 {
     if (!a)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "collective: no arguments");
@@ -425,14 +419,31 @@ pshard_status_t pshard_collective(pshard_client_t *c, const pshard_collective_ar
     const pshard_group_t *g = a->group;
     if (g)
         PS_CHECK(client_group_check(c, g, what));
+    return coll_layout(c, a, what, g ? g->size : c->world, g ? g->rank : c->rank, l);
+}
+
+pshard_status_t pshard_collective(pshard_client_t *c, const pshard_collective_args_t *a)
+{
     coll_layout_t l;
-    PS_CHECK(coll_layout(c, a, what, g ? g->size : c->world, g ? g->rank : c->rank, &l));
+    PS_CHECK(collective_check(c, a, &l));
+    char err[PSHARD_ERRLEN] = "";
     client_run_alone_begin(c);
-    pshard_status_t rc = collective_call(c, a, g, &l);
+    pshard_status_t rc = client_collective_exec(c, a, &l, err, sizeof(err));
     client_run_alone_end(c);
-    if (rc == PSHARD_OK && l.recv_bytes)
-        memcpy(l.dst, (uint8_t *)c->scratch.base + l.recv_off, l.recv_bytes);
-    return rc;
+    if (rc != PSHARD_OK)
+        return client_fail(c, rc, "%s", err);
+    return PSHARD_OK;
+}
+
+pshard_status_t pshard_collective_start(pshard_client_t *c, const pshard_collective_args_t *a,
+                                        pshard_work_t **work)
+{
+    if (!work)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "collective: work is NULL");
+    *work = NULL;
+    coll_layout_t l;
+    PS_CHECK(collective_check(c, a, &l));
+    return client_work_queue_collective(c, a, &l, work);
 }
 
 /* The world's collectives of the API before process groups: pshard_collective with group

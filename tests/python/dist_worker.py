@@ -247,6 +247,37 @@ def main():
     x = torch.ones(4)
     dist.all_reduce(x)
     expect("after errors", torch.equal(x, torch.full((4,), float(world))))
+    # async_op=True: several collectives in flight at once (one past a 4 MiB piece), a
+    # blocking one issued behind them, then waited out of order: every result as the blocking
+    # forms give, and the blocking one ran after the queued ones on every rank.
+    big = data(rank, 1_500_000, torch.int64, 3)
+    red = big.clone()
+    w1 = dist.all_reduce(red, op=dist.ReduceOp.MAX, async_op=True)
+    small = data(rank, 7, torch.int64, 6)
+    gathered = torch.full((world, 7), -1, dtype=torch.int64)
+    w2 = dist.all_gather_into_tensor(gathered, small, async_op=True)
+    bc = data(rank, 5, torch.float32, 8)[::1].clone()
+    w3 = dist.broadcast(bc, src=world - 1, async_op=True)
+    a2a = torch.zeros(world * 2)
+    w4 = dist.all_to_all_single(a2a, torch.arange(world * 2.0) + 100 * rank, async_op=True)
+    w5 = dist.barrier(async_op=True)
+    after = torch.ones(3)
+    dist.all_reduce(after)
+    expect("async: the blocking one behind the queue", torch.equal(after,
+                                                                   torch.full((3,), world * 1.0)))
+    for w in (w2, w5, w4, w1, w3):
+        expect("async wait returns True", w.wait() is True)
+        expect("async is_completed after wait", w.is_completed())
+    want = data(0, 1_500_000, torch.int64, 3)
+    for r in range(1, world):
+        want = torch.maximum(want, data(r, 1_500_000, torch.int64, 3))
+    expect("async all_reduce", torch.equal(red, want))
+    expect("async all_gather_into_tensor",
+           torch.equal(gathered, torch.stack([data(r, 7, torch.int64, 6) for r in range(world)])))
+    expect("async broadcast", torch.equal(bc, data(world - 1, 5, torch.float32, 8)))
+    expect("async all_to_all_single",
+           torch.equal(a2a, torch.tensor([100.0 * s + 2 * rank + k for s in range(world)
+                                          for k in range(2)])))
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump({"failed": failed}, f)
     pshard.destroy_process_group()

@@ -419,6 +419,16 @@ typedef struct {
  * collectives' own. Not thread-safe (one thread per client). */
 PSHARD_API pshard_status_t pshard_collective(pshard_client_t *c, const pshard_collective_args_t *a);
 
+/* pshard_collective, asynchronous (torch's async_op=True): checks the arguments at once (the
+ * same errors), then queues the collective on the client's thread behind everything issued
+ * before it (gathers, reduce-scatters, other collectives), so every rank's server still sees
+ * the operations in issue order. The buffers and the group must stay valid, and send
+ * unchanged, until pshard_work_wait returns (its status is the collective's); recv is written
+ * when the work completes. */
+PSHARD_API pshard_status_t pshard_collective_start(pshard_client_t *c,
+                                                   const pshard_collective_args_t *a,
+                                                   pshard_work_t **work);
+
 #ifdef __cplusplus
 }
 #endif

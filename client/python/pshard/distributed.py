@@ -192,13 +192,75 @@ def get_global_rank(group_, group_rank):
     return ranks[group_rank]
 
 
+# pshard_op_t's numbers (CollectiveRequest.op), for Client.collective_start.
+_OPS = {"all_gather": 1, "all_reduce": 3, "broadcast": 4, "barrier": 5, "reduce": 6,
+        "gather": 7, "scatter": 8, "all_to_all": 9}
+
+
 class _Target:
     """Where a collective runs: the client, the group's pshard._C.Group (None: the world), the
-    group's size, this trainer's rank in it, and the ProcessGroup."""
-    __slots__ = ("c", "h", "size", "rank", "pg")
+    group's size, this trainer's rank in it, and the ProcessGroup. With async_op its C calls
+    are queued (Client.collective_start, behind everything issued before) and the copies that
+    follow them wait for the Work's wait()."""
+    __slots__ = ("c", "h", "size", "rank", "pg", "works", "after")
 
     def __init__(self, c, h, size, rank, pg):
         self.c, self.h, self.size, self.rank, self.pg = c, h, size, rank, pg
+        self.works = self.after = None
+
+    def start(self, async_op):
+        if async_op:
+            self.works, self.after = [], []
+        return self
+
+    def run(self, op, now, send, recv, count, dt, reduce=0, root=0):
+        """One C call: now() (blocking), or queued under async_op."""
+        if self.works is None:
+            now()
+        else:
+            self.works.append(self.c.collective_start(_OPS[op], send, recv, count, dt, reduce,
+                                                      root, self.h))
+
+    def then(self, fn):
+        """fn() once the calls before it finished: now, or at the Work's wait()."""
+        if self.works is None:
+            fn()
+        else:
+            self.after.append(fn)
+
+    def done(self):
+        return None if self.works is None else _Work(self.works, self.after)
+
+
+class _Work:
+    """What async_op=True returns (torch's Work): wait() blocks until the collective's queued
+    calls finished, raises the first error, and completes the outputs; is_completed() says
+    whether they finished (and then completes the outputs too)."""
+
+    def __init__(self, works, after):
+        self._works, self._after = works, after
+
+    def wait(self, timeout=None):
+        error = None
+        for w in self._works:
+            try:
+                w.wait()
+            except Exception as e:  # every call is waited for; the first error is raised
+                error = error or e
+        self._works = []
+        if error is not None:
+            self._after = []
+            raise error
+        after, self._after = self._after, []
+        for fn in after:
+            fn()
+        return True
+
+    def is_completed(self):
+        if all(w.is_completed() for w in self._works):
+            self.wait()
+            return True
+        return False
 
 
 def _target(group_, op_name):
@@ -248,8 +310,14 @@ def _int_rank(value, what):
     return value
 
 
-def _done(async_op):
-    return _DoneWork() if async_op else None
+def _then(work, fn):
+    """fn() after work (what a collective returned: None when it ran, else its _Work), which
+    is returned."""
+    if work is None:
+        fn()
+        return None
+    work._after.append(fn)
+    return work
 
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -289,16 +357,6 @@ def _reduce_op(op):
                          f"{', '.join('ReduceOp.' + m.name for m in ReduceOp)}") from None
 
 
-class _DoneWork:
-    """What async_op=True returns: the operation already ran."""
-
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-
 def _dtype_of(t, what):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, not {type(t).__name__}")
@@ -318,12 +376,12 @@ def _flat_pieces(t):
     return [flat[i:i + step] for i in range(0, flat.numel(), step)]
 
 
-def _in_place(tensor, fn):
+def _in_place(t, tensor, fn):
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     for piece in _flat_pieces(work.detach()):
         fn(piece)
     if work is not tensor:
-        tensor.copy_(work)
+        t.then(lambda: tensor.copy_(work))
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
@@ -332,10 +390,13 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     t = _target(group, "all_reduce")
     if t is None:
         return None
+    t.start(async_op)
     dt = _dtype_of(tensor, "tensor")
     op = _check_op(op, dt, tensor)
-    _in_place(tensor, lambda piece: t.c.all_reduce(piece, dt, op.value, t.h))
-    return _done(async_op)
+    _in_place(t, tensor, lambda piece: t.run(
+        "all_reduce", lambda: t.c.all_reduce(piece, dt, op.value, t.h), piece, piece,
+        piece.numel(), dt, reduce=op.value))
+    return t.done()
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
@@ -344,10 +405,13 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     t = _target(group, "broadcast")
     if t is None:
         return None
+    t.start(async_op)
     dt = _dtype_of(tensor, "tensor")
     root = _root(t, src, group_src, "src")
-    _in_place(tensor, lambda piece: t.c.broadcast(piece, dt, root, t.h))
-    return _done(async_op)
+    _in_place(t, tensor, lambda piece: t.run(
+        "broadcast", lambda: t.c.broadcast(piece, dt, root, t.h), piece, piece, piece.numel(),
+        dt, root=root))
+    return t.done()
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -356,6 +420,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     t = _target(group, "all_gather_into_tensor")
     if t is None:
         return None
+    t.start(async_op)
     dt = _dtype_of(input_tensor, "input_tensor")
     if _dtype_of(output_tensor, "output_tensor") != dt:
         raise TypeError("output_tensor and input_tensor must have the same dtype")
@@ -373,11 +438,13 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
         if piece.numel() == 0:
             break
         recv = torch.empty(n * piece.numel(), dtype=src.dtype)
-        t.c.all_gather(recv, piece, dt, t.h)
-        out_flat[:, i:i + piece.numel()].copy_(recv.view(n, -1))
+        t.run("all_gather", lambda: t.c.all_gather(recv, piece, dt, t.h), piece, recv,
+              piece.numel(), dt)
+        t.then(lambda i=i, piece=piece, recv=recv:
+               out_flat[:, i:i + piece.numel()].copy_(recv.view(n, -1)))
     if out is not output_tensor:
-        output_tensor.copy_(out)
-    return _done(async_op)
+        t.then(lambda: output_tensor.copy_(out))
+    return t.done()
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -395,10 +462,12 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
             raise ValueError(f"tensor_list[{i}] must have tensor's dtype {tensor.dtype} and its "
                              f"{n} elements (uneven sizes are not supported)")
     flat = torch.empty(t.size * n, dtype=tensor.dtype)
-    all_gather_into_tensor(flat, tensor, group=group)
-    for k, o in enumerate(tensor_list):
-        o.copy_(flat[k * n:(k + 1) * n].view_as(o))
-    return _done(async_op)
+    work = all_gather_into_tensor(flat, tensor, group=group, async_op=async_op)
+
+    def copy_out():
+        for k, o in enumerate(tensor_list):
+            o.copy_(flat[k * n:(k + 1) * n].view_as(o))
+    return _then(work, copy_out)
 
 
 def _check_op(op, dt, tensor):
@@ -423,12 +492,15 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
     t = _target(group, "reduce")
     if t is None:
         return None
+    t.start(async_op)
     dt = _dtype_of(tensor, "tensor")
     op = _check_op(op, dt, tensor)
     root = _root(t, dst, group_dst, "dst")
     # (only dst's pieces are written; the others' stay as they were)
-    _in_place(tensor, lambda piece: t.c.reduce(piece, dt, op.value, root, t.h))
-    return _done(async_op)
+    _in_place(t, tensor, lambda piece: t.run(
+        "reduce", lambda: t.c.reduce(piece, dt, op.value, root, t.h), piece, piece,
+        piece.numel(), dt, reduce=op.value, root=root))
+    return t.done()
 
 
 def _rooted_list(t, lst, tensor, what, root, name):
@@ -454,6 +526,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
     t = _target(group, "gather")
     if t is None:
         return None
+    t.start(async_op)
     dt = _dtype_of(tensor, "tensor")
     root = _root(t, 0 if dst is None and group_dst is None else dst, group_dst, "dst")
     outs = _rooted_list(t, gather_list, tensor, "gather_list", root, "dst")
@@ -465,11 +538,14 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
         if piece.numel() == 0:
             break
         recv = torch.empty(n * piece.numel(), dtype=src.dtype) if outs is not None else None
-        t.c.gather_to(recv, piece, dt, root, t.h)
+        t.run("gather", lambda: t.c.gather_to(recv, piece, dt, root, t.h), piece, recv,
+              piece.numel(), dt, root=root)
         if outs is not None:
-            for r, o in enumerate(recv.view(n, -1)):
-                outs[r].view(-1)[i:i + piece.numel()].copy_(o)
-    return _done(async_op)
+            def copy_out(i=i, piece=piece, recv=recv):
+                for r, o in enumerate(recv.view(n, -1)):
+                    outs[r].view(-1)[i:i + piece.numel()].copy_(o)
+            t.then(copy_out)
+    return t.done()
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
@@ -479,6 +555,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     t = _target(group, "scatter")
     if t is None:
         return None
+    t.start(async_op)
     dt = _dtype_of(tensor, "tensor")
     root = _root(t, 0 if src is None and group_src is None else src, group_src, "src")
     ins = _rooted_list(t, scatter_list, tensor, "scatter_list", root, "src")
@@ -493,10 +570,11 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
             break
         send = (torch.cat([x[i:i + piece.numel()] for x in srcs]) if srcs is not None
                 else None)
-        t.c.scatter_from(piece, send, dt, root, t.h)
+        t.run("scatter", lambda: t.c.scatter_from(piece, send, dt, root, t.h), send, piece,
+              piece.numel(), dt, root=root)
     if out is not tensor:
-        tensor.copy_(out)
-    return _done(async_op)
+        t.then(lambda: tensor.copy_(out))
+    return t.done()
 
 
 def _splits(splits, rows, n, name):
@@ -561,25 +639,28 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     send = torch.zeros(most * row, dtype=input.dtype)
     send[:rows * row] = input.detach().contiguous().view(-1)
     got = torch.empty(n * most * row, dtype=input.dtype)
-    all_gather_into_tensor(got, send, group=group)
-    got = got.view(n, most * row)
-    out = output if output.is_contiguous() else output.contiguous()
-    flat = out.detach().view(-1)
-    at = 0
-    for src in range(n):
-        k = outs[src] * row
-        if active[src]:
-            off = sum(table[src][1:1 + t.rank]) * row
-            flat[at:at + k].copy_(got[src, off:off + k])
-        else:
-            flat[at:at + k].zero_()
-        at += k
-    if out is not output:
-        output.copy_(out)
-    return _done(async_op)
+    work = all_gather_into_tensor(got, send, group=group, async_op=async_op)
+
+    def copy_out():
+        blocks = got.view(n, most * row)
+        out = output if output.is_contiguous() else output.contiguous()
+        flat = out.detach().view(-1)
+        at = 0
+        for src in range(n):
+            k = outs[src] * row
+            if active[src]:
+                off = sum(table[src][1:1 + t.rank]) * row
+                flat[at:at + k].copy_(blocks[src, off:off + k])
+            else:
+                flat[at:at + k].zero_()
+            at += k
+        if out is not output:
+            output.copy_(out)
+    return _then(work, copy_out)
 
 
 def _all_to_all_equal(t, output, input, dt, async_op):
+    t.start(async_op)
     n = t.size
     if input.numel() != output.numel() or input.numel() % n:
         raise ValueError(f"input ({tuple(input.shape)}) and output ({tuple(output.shape)}) "
@@ -593,11 +674,12 @@ def _all_to_all_equal(t, output, input, dt, async_op):
     for i in range(0, blk, step):
         send = src[:, i:i + step].contiguous()
         recv = torch.empty_like(send)
-        t.c.all_to_all(recv, send, dt, t.h)
-        out_view[:, i:i + step].copy_(recv)
+        t.run("all_to_all", lambda: t.c.all_to_all(recv, send, dt, t.h), send, recv,
+              send.numel() // n, dt)
+        t.then(lambda i=i, recv=recv: out_view[:, i:i + step].copy_(recv))
     if out is not output:
-        output.copy_(out)
-    return _done(async_op)
+        t.then(lambda: output.copy_(out))
+    return t.done()
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -622,13 +704,16 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     flat_in = torch.cat([x.detach().reshape(-1) for x in input_tensor_list])
     flat_out = torch.empty(sum(outs), dtype=flat_in.dtype)
     even = len(set(ins)) == 1 and ins == outs
-    all_to_all_single(flat_out, flat_in, output_split_sizes=None if even else outs,
-                      input_split_sizes=None if even else ins, group=group)
-    at = 0
-    for x, k in zip(output_tensor_list, outs):
-        x.copy_(flat_out[at:at + k].view_as(x))
-        at += k
-    return _done(async_op)
+    work = all_to_all_single(flat_out, flat_in, output_split_sizes=None if even else outs,
+                             input_split_sizes=None if even else ins, group=group,
+                             async_op=async_op)
+
+    def copy_out():
+        at = 0
+        for x, k in zip(output_tensor_list, outs):
+            x.copy_(flat_out[at:at + k].view_as(x))
+            at += k
+    return _then(work, copy_out)
 
 
 def barrier(group=None, async_op=False, device_ids=None):
@@ -636,8 +721,9 @@ def barrier(group=None, async_op=False, device_ids=None):
     t = _target(group, "barrier")
     if t is None:
         return None
-    t.c.barrier(t.h)
-    return _done(async_op)
+    t.start(async_op)
+    t.run("barrier", lambda: t.c.barrier(t.h), None, None, 0, "fp32")
+    return t.done()
 
 
 from ._device_mesh import DeviceMesh, init_device_mesh  # noqa: E402  (uses _make_groups)

@@ -972,6 +972,9 @@ typedef struct {
     pshard_work_t *w; /* NULL once waited */
     pshard_status_t status;
     char error[PSHARD_ERRLEN];
+    /* An asynchronous collective's tensors and group, held until it finished. */
+    dl_in_t dl[2];
+    PyObject *group;
 } WorkObject;
 
 typedef pshard_status_t (*start_fn)(pshard_client_t *, const size_t *, size_t, pshard_work_t **);
@@ -996,6 +999,17 @@ static PyObject *ids_call(ClientObject *self, PyObject *arg, sync_fn fn)
     Py_RETURN_NONE;
 }
 
+static void work_init(WorkObject *w, ClientObject *owner)
+{
+    w->owner = owner;
+    Py_INCREF(owner);
+    w->w = NULL;
+    w->status = PSHARD_OK;
+    w->error[0] = '\0';
+    memset(w->dl, 0, sizeof(w->dl));
+    w->group = NULL;
+}
+
 static PyObject *ids_start(ClientObject *self, PyObject *arg, start_fn fn)
 {
     if (!client_ok(self))
@@ -1008,11 +1022,7 @@ static PyObject *ids_start(ClientObject *self, PyObject *arg, start_fn fn)
         PyMem_Free(ids);
         return NULL;
     }
-    w->owner = self;
-    Py_INCREF(self);
-    w->w = NULL;
-    w->status = PSHARD_OK;
-    w->error[0] = '\0';
+    work_init(w, self);
     if (ids && n == 0) {
         PyMem_Free(ids);
         return (PyObject *)w;
@@ -1053,15 +1063,18 @@ static PyObject *Client_reduce_scatter_start(ClientObject *self, PyObject *a)
 /* Waits for the work (GIL released) and keeps its outcome; idempotent. */
 static void work_finish(WorkObject *w)
 {
-    if (!w->w)
-        return;
-    pshard_work_t *work = w->w;
-    w->w = NULL;
-    pshard_status_t st;
-    Py_BEGIN_ALLOW_THREADS st = pshard_work_wait(work);
-    Py_END_ALLOW_THREADS w->status = st;
-    if (st != PSHARD_OK && w->owner->c)
-        PyOS_snprintf(w->error, sizeof(w->error), "%s", pshard_last_error(w->owner->c));
+    if (w->w) {
+        pshard_work_t *work = w->w;
+        w->w = NULL;
+        pshard_status_t st;
+        Py_BEGIN_ALLOW_THREADS st = pshard_work_wait(work);
+        Py_END_ALLOW_THREADS w->status = st;
+        if (st != PSHARD_OK && w->owner->c)
+            PyOS_snprintf(w->error, sizeof(w->error), "%s", pshard_last_error(w->owner->c));
+    }
+    dl_release(&w->dl[0]);
+    dl_release(&w->dl[1]);
+    Py_CLEAR(w->group);
 }
 
 static PyObject *Work_wait(WorkObject *w, PyObject *unused)
@@ -1240,6 +1253,106 @@ static int check_root(ClientObject *self, const pshard_group_t *g, int root, con
     PyErr_Format(PyExc_ValueError, "%s %d is not a rank (%s size %d)", what, root,
                  g ? "group" : "world", n);
     return -1;
+}
+
+/* collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None) -> Work: one
+ * collective (pshard_op_t numbers) queued behind what was issued before (torch's
+ * async_op=True). send / recv: contiguous CPU tensors of dtype holding at least what this
+ * rank's role uses (None where it uses nothing); both are held until the work is waited. */
+static PyObject *Client_collective_start(ClientObject *self, PyObject *args)
+{
+    int op, reduce = 0, root = 0;
+    PyObject *send, *recv, *dt, *gobj = Py_None;
+    unsigned long long count;
+    if (!PyArg_ParseTuple(args, "iOOKO|iiO", &op, &send, &recv, &count, &dt, &reduce, &root, &gobj))
+        return NULL;
+    pshard_dtype_t dtype;
+    const pshard_group_t *g = NULL;
+    if (!client_ok(self) || !parse_dtype(dt, &dtype) || !pshard_py_group_arg(gobj, &g))
+        return NULL;
+    size_t n = (size_t)coll_size(self, g), c = (size_t)count;
+    bool root_me = coll_rank(self, g) == root;
+    size_t need_send = c, need_recv = c;
+    switch (op) {
+    case PSHARD_OP_ALL_GATHER:
+        need_recv = n * c;
+        break;
+    case PSHARD_OP_ALL_REDUCE:
+        break;
+    case PSHARD_OP_BROADCAST:
+        need_send = root_me ? c : 0;
+        break;
+    case PSHARD_OP_BARRIER:
+        need_send = need_recv = 0;
+        break;
+    case PSHARD_OP_REDUCE:
+        need_recv = root_me ? c : 0;
+        break;
+    case PSHARD_OP_GATHER:
+        need_recv = root_me ? n * c : 0;
+        break;
+    case PSHARD_OP_SCATTER:
+        need_send = root_me ? n * c : 0;
+        break;
+    case PSHARD_OP_ALL_TO_ALL:
+        need_send = need_recv = n * c;
+        break;
+    default:
+        return PyErr_Format(PyExc_ValueError, "collective_start: unknown op %d", op);
+    }
+    if (count > (1ull << 40))
+        return PyErr_Format(PyExc_ValueError, "collective_start: count %llu is too large", count);
+    WorkObject *w = PyObject_New(WorkObject, &WorkType);
+    if (!w)
+        return NULL;
+    work_init(w, self);
+    PyObject *objs[2] = {send, recv};
+    size_t need[2] = {need_send, need_recv};
+    const char *names[2] = {"collective_start send", "collective_start recv"};
+    for (int k = 0; k < 2; k++) {
+        if (need[k] == 0 || objs[k] == Py_None)
+            continue;
+        if (dl_acquire(objs[k], dtype, names[k], &w->dl[k]) != 0) {
+            Py_DECREF(w);
+            return NULL;
+        }
+        if (w->dl[k].numel < need[k]) {
+            PyErr_Format(PyExc_ValueError, "%s has %zu elements; this collective uses %zu",
+                         names[k], w->dl[k].numel, need[k]);
+            Py_DECREF(w);
+            return NULL;
+        }
+    }
+    for (int k = 0; k < 2; k++)
+        if (need[k] > 0 && !w->dl[k].data) {
+            PyErr_Format(PyExc_ValueError, "%s is None; this collective uses %zu elements",
+                         names[k], need[k]);
+            Py_DECREF(w);
+            return NULL;
+        }
+    if (g) {
+        w->group = gobj;
+        Py_INCREF(gobj);
+    }
+    pshard_collective_args_t a = {.op = (pshard_op_t)op,
+                                  .group = g,
+                                  .send = w->dl[0].data,
+                                  .recv = w->dl[1].data,
+                                  .count = c,
+                                  .dtype = dtype,
+                                  .reduce = (pshard_reduce_t)reduce,
+                                  .root = root};
+    if (op == PSHARD_OP_BROADCAST && !a.send)
+        a.send = a.recv;
+    pshard_status_t st;
+    pshard_work_t *work = NULL;
+    CLIENT_CALL(self, st = pshard_collective_start(self->c, &a, &work));
+    if (st != PSHARD_OK) {
+        Py_DECREF(w);
+        return client_fail(self, st);
+    }
+    w->w = work;
+    return (PyObject *)w;
 }
 
 static PyObject *Client_all_reduce(ClientObject *self, PyObject *args)
@@ -1507,6 +1620,8 @@ static PyMethodDef Client_methods[] = {
      "broadcast(tensor, dtype, src, group=None)"},
     {"all_gather", (PyCFunction)Client_all_gather, METH_VARARGS,
      "all_gather(output, input, dtype, group=None)"},
+    {"collective_start", (PyCFunction)Client_collective_start, METH_VARARGS,
+     "collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None) -> Work"},
     {"barrier", (PyCFunction)Client_barrier, METH_VARARGS, "barrier(group=None)"},
     {"reduce", (PyCFunction)Client_reduce, METH_VARARGS,
      "reduce(tensor, dtype, op, dst, group=None)"},
