@@ -217,7 +217,10 @@ static pshard_status_t tensors_fused(pshard_comm_t *comm, shard_model_t *m, bool
         };
         rc = pshard_coll_run(data_comm(m, comm), &a, err, errlen);
     }
-    for (size_t i = 0; i < n && rc == PSHARD_OK && !gather; i++)
+    if (rc == PSHARD_OK && !gather && dt == PSHARD_FP32)
+        /* fp32 fills its 4-byte slots: the slices lie end to end, one all-reduce adds them */
+        rc = replicas_sum(m, ids[0], dt, stage, stage_bytes / 4, err, errlen);
+    for (size_t i = 0; i < n && rc == PSHARD_OK && !gather && dt != PSHARD_FP32; i++)
         rc = replicas_sum(m, ids[i], dt, stage + stage_at[i], mine[i].count, err, errlen);
     for (size_t i = 0; i < n && rc == PSHARD_OK && !gather; i++)
         rc = shard_model_slice_out(m, ids[i], dt, active, stage + stage_at[i], err, errlen);

@@ -167,6 +167,8 @@ def train(cfg, rank, world, result, out):
                                                                      cpu_offload=True))
     if rank == 0:
         torch.save(sd, os.path.join(out, "final.pt"))
+    if cfg.get("all_final"):  # every rank's view (HSDP: each replica's own shards)
+        torch.save(sd, os.path.join(out, f"final-{rank}.pt"))
 
 
 if __name__ == "__main__":
