@@ -278,6 +278,10 @@ static const char *op_name(pshard_op_t op)
         return "scatter";
     case PSHARD_OP_ALL_TO_ALL:
         return "all_to_all";
+    case PSHARD_OP_SEND:
+        return "send";
+    case PSHARD_OP_RECV:
+        return "recv";
     }
     return NULL;
 }
@@ -287,8 +291,9 @@ static const char *op_name(pshard_op_t op)
 static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_args_t *a,
                                    const char *what, int n, int me, coll_layout_t *l)
 {
+    bool p2p = a->op == PSHARD_OP_SEND || a->op == PSHARD_OP_RECV;
     bool rooted = a->op == PSHARD_OP_BROADCAST || a->op == PSHARD_OP_REDUCE ||
-                  a->op == PSHARD_OP_GATHER || a->op == PSHARD_OP_SCATTER;
+                  a->op == PSHARD_OP_GATHER || a->op == PSHARD_OP_SCATTER || p2p;
     bool reduces = a->op == PSHARD_OP_ALL_REDUCE || a->op == PSHARD_OP_REDUCE;
     memset(l, 0, sizeof(*l));
     if (a->op == PSHARD_OP_BARRIER)
@@ -305,6 +310,9 @@ static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_a
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
                            "%s: root %d is not a rank of this %d-rank job", what, a->root, n);
     }
+    if (p2p && a->root == me)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "%s: rank %d is this trainer's own",
+                           what, a->root);
     if (reduces && (unsigned)a->reduce >= PSHARD_REDUCE_COUNT)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
                            "%s: unknown reduction %d (use sum, avg, product, min, max, band, bor "
@@ -351,6 +359,14 @@ static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_a
         l->recv_off = client_align(all);
         l->recv_bytes = all;
         break;
+    case PSHARD_OP_SEND:
+        l->send_bytes = bytes;
+        root = false;
+        break;
+    case PSHARD_OP_RECV:
+        l->recv_bytes = bytes;
+        root = false;
+        break;
     case PSHARD_OP_BARRIER:
         break;
     }
@@ -389,10 +405,16 @@ pshard_status_t client_collective_exec(pshard_client_t *c, const pshard_collecti
         req.dtype = client_dtype_pb(barrier ? PSHARD_FP32 : a->dtype);
         req.reduce = barrier ? 0 : (uint32_t)a->reduce;
         req.root = barrier ? 0 : a->root;
+        bool p2p = a->op == PSHARD_OP_SEND || a->op == PSHARD_OP_RECV;
+        if (p2p) {
+            /* the peer's world rank: the pair's communicator is not the group's */
+            req.root = a->group ? a->group->ranks[a->root] : a->root;
+            req.tag = a->tag;
+        }
         req.count = barrier ? 0 : a->count;
         req.send_offset = 0;
         req.recv_offset = l->recv_off;
-        req.group = a->group ? a->group->id : 0;
+        req.group = a->group && !p2p ? a->group->id : 0;
         rc = client_call(c, "Collective", &req.base, &pshard__collective_response__descriptor, NULL,
                          why, sizeof(why));
     }

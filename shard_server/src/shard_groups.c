@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pshard/coord_client.h"
 #include "pshard/log.h"
 #include "pshard/util.h"
 
@@ -53,6 +54,11 @@ void shard_pgs_abort(pshard_shard_server_t *s, int lost, pshard_status_t status,
         for (int k = 0; !holds && k < g->size; k++)
             holds = g->ranks[k] == lost;
         if (holds && g->comm && pshard_comm_error(g->comm, NULL, 0) == PSHARD_OK)
+            pshard_comm_abort_status(g->comm, status, msg);
+    }
+    for (int i = 0; s->pairs && i < s->world; i++) {
+        shard_pg_t *g = s->pairs[i];
+        if (g && (lost < 0 || i == lost) && pshard_comm_error(g->comm, NULL, 0) == PSHARD_OK)
             pshard_comm_abort_status(g->comm, status, msg);
     }
     /* An HSDP model's communicators too: a model operation may wait in them, and with a rank
@@ -256,4 +262,123 @@ pshard_status_t shard_new_groups_run(pshard_shard_server_t *s, pshard_comm_t *co
     PS_INFO(PS_SUB_SHARD, "made %zu process group(s), ids %" PRIu32 "..%" PRIu32, n, a->first_id,
             a->first_id + (uint32_t)n - 1);
     return PSHARD_OK;
+}
+
+/* ---- point-to-point: a communicator per pair of ranks ------------------------------------ */
+
+#define PAIR_ID_BASE 0x80000000u /* a pair's id in messages: this | the peer's world rank */
+
+static void joined_key(const pshard_shard_server_t *s, int rank, char *key, size_t len)
+{
+    snprintf(key, len, "pshard/joined/g%" PRIu64 "/rank/%d", s->comm_generation, rank);
+}
+
+void shard_pairs_mark_joined(pshard_shard_server_t *s, bool joined)
+{
+    if (!s->coord)
+        return;
+    char key[96], err[PSHARD_ERRLEN] = "";
+    joined_key(s, s->rank, key, sizeof(key));
+    pshard_status_t rc = joined ? ps_coord_store_put(s->coord, key, "1", 1, 2000, err, sizeof(err))
+                                : ps_coord_store_remove(s->coord, key, 2000, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        PS_WARN(PS_SUB_SHARD, "could not %s %s: %s", joined ? "set" : "delete", key, err);
+}
+
+void shard_pairs_clear(pshard_shard_server_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    shard_pg_t **pairs = s->pairs;
+    uint32_t *epoch = s->pair_epoch;
+    int n = s->world;
+    s->pairs = NULL;
+    s->pair_epoch = NULL;
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; pairs && i < n; i++)
+        group_free(pairs[i]);
+    free(pairs);
+    free(epoch);
+}
+
+shard_pg_t *shard_pair_get(pshard_shard_server_t *s, int peer, int64_t timeout_ms,
+                           pshard_status_t *rc, char *err, size_t errlen)
+{
+    if (peer < 0 || peer >= s->world || peer == s->rank) {
+        *rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                      "rank %d cannot send to or receive from rank %d (a rank of this %d-rank "
+                      "cluster other than itself)",
+                      s->rank, peer, s->world);
+        return NULL;
+    }
+    if (!s->pairs) {
+        shard_pg_t **pairs = calloc((size_t)s->world, sizeof(*pairs));
+        uint32_t *epoch = calloc((size_t)s->world, sizeof(*epoch));
+        if (!pairs || !epoch) {
+            free(pairs);
+            free(epoch);
+            *rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+            return NULL;
+        }
+        pthread_mutex_lock(&s->mu);
+        s->pairs = pairs;
+        s->pair_epoch = epoch;
+        pthread_mutex_unlock(&s->mu);
+    }
+    shard_pg_t *g = s->pairs[peer];
+    if (g && pshard_comm_error(g->comm, NULL, 0) == PSHARD_OK)
+        return g;
+    if (g) {
+        /* It failed (both ends learn of a failure through the ring's abort notice): both
+         * build the next epoch's. */
+        pthread_mutex_lock(&s->mu);
+        s->pairs[peer] = NULL;
+        pthread_mutex_unlock(&s->mu);
+        group_free(g);
+        s->pair_epoch[peer]++;
+    }
+    /* A peer whose trainer joined would never build its end: say so instead of waiting. */
+    char key[96], *val = NULL, why[PSHARD_ERRLEN] = "";
+    size_t vlen = 0;
+    joined_key(s, peer, key, sizeof(key));
+    if (s->coord &&
+        ps_coord_store_fetch(s->coord, key, &val, &vlen, 2000, why, sizeof(why)) == PSHARD_OK) {
+        free(val);
+        *rc = ps_errf(err, errlen, PSHARD_ERR_JOINED,
+                      "rank %d has joined (its trainer ran out of input): a send or recv with it "
+                      "cannot complete",
+                      peer);
+        return NULL;
+    }
+    int lo = s->rank < peer ? s->rank : peer, hi = s->rank < peer ? peer : s->rank;
+    g = calloc(1, sizeof(*g));
+    if (!g || !(g->ranks = malloc(2 * sizeof(int)))) {
+        free(g);
+        *rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        return NULL;
+    }
+    g->id = PAIR_ID_BASE | (uint32_t)peer;
+    g->size = 2;
+    g->ranks[0] = lo;
+    g->ranks[1] = hi;
+    g->grank = s->rank == lo ? 0 : 1;
+    char name[48];
+    snprintf(name, sizeof(name), "p2p%dx%de%" PRIu32, lo, hi, s->pair_epoch[peer]);
+    pshard_comm_config_t cc;
+    shard_comm_config(s, &cc, name, g->grank, 2, s->comm_generation);
+    if (timeout_ms > 0)
+        cc.connect_timeout_ms = timeout_ms;
+    why[0] = '\0';
+    *rc = pshard_comm_create(&cc, &g->comm, why, sizeof(why));
+    if (*rc != PSHARD_OK) {
+        group_free(g);
+        ps_errf(err, errlen, *rc,
+                "cannot connect rank %d with rank %d for send/recv (does rank %d's trainer call "
+                "the matching recv or send?): %s",
+                s->rank, peer, peer, why);
+        return NULL;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->pairs[peer] = g;
+    pthread_mutex_unlock(&s->mu);
+    return g;
 }

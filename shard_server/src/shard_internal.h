@@ -104,6 +104,13 @@ struct pshard_shard_server {
     struct shard_pg **pgs;
     size_t npgs;
     uint32_t next_pg_id; /* agreed: the same on every rank of the comm generation */
+    /* Point-to-point (send / recv): pairs[peer] is the communicator of this rank and world rank
+     * peer (its ranks 0 and 1 in world-rank order), built at their first send or recv and kept
+     * for the comm generation (not the session: it joins two servers, not two trainers);
+     * pair_epoch[peer] counts the rebuilds after a failure, in its name. Used under op_mu;
+     * the array pointer changes under op_mu and mu both. world entries, or NULL. */
+    struct shard_pg **pairs;
+    uint32_t *pair_epoch;
 
     /* Checkpoints. ckpt_requested: the newest `pshardctl checkpoint save` request seen in the
      * coordinator's store (mu); ckpt_handled: the newest one saved (op_mu). */
@@ -133,6 +140,8 @@ typedef enum {
     SHARD_SOP_SAVE = 5,
     SHARD_SOP_CLIP = 6,
     SHARD_SOP_NEW_GROUPS = 7, /* ids: the groups, encoded (shard_groups.c) */
+    SHARD_SOP_P2P = 8,        /* a send / recv on a pair's communicator: coll_op is the tag,
+                                 root the sender's rank in the pair, count and dtype */
 } shard_sop_kind_t;
 
 typedef struct {
@@ -240,6 +249,17 @@ void shard_pgs_abort(pshard_shard_server_t *s, int lost, pshard_status_t status,
 /* One line on a group this rank is in, for Status: "group ID (ranks 0, 2): rank 1 of 2 over
  * shm; " and its newest flight record. */
 void shard_pg_describe(const shard_pg_t *g, char *buf, size_t len);
+/* The pair communicator of this rank and world rank peer (shard_groups.c), built on first
+ * use (blocks until peer's server builds it too, at most timeout_ms; a peer whose trainer has
+ * joined is refused at once with JOINED), or rebuilt after it failed. NULL with the error.
+ * op_mu held. shard_pairs_clear destroys them all (op_mu held, or at shutdown). */
+shard_pg_t *shard_pair_get(pshard_shard_server_t *s, int peer, int64_t timeout_ms,
+                           pshard_status_t *rc, char *err, size_t errlen);
+void shard_pairs_clear(pshard_shard_server_t *s);
+/* Marks (joined) or unmarks this rank's trainer as joined in the coordinator's store, where a
+ * peer that wants to build a pair with it looks first. Best effort. */
+void shard_pairs_mark_joined(pshard_shard_server_t *s, bool joined);
+
 shard_pg_t *shard_pg_find(pshard_shard_server_t *s, uint32_t id, pshard_status_t *rc, char *err,
                           size_t errlen);
 

@@ -106,6 +106,8 @@ const char *shard_sop_name(int64_t k)
         return "clip_grad_norm";
     case SHARD_SOP_NEW_GROUPS:
         return "new_group";
+    case SHARD_SOP_P2P:
+        return "send/recv";
     default:
         return "?";
     }
@@ -123,6 +125,9 @@ static void rec_format(const int64_t *r, char *buf, size_t len)
     else if (r[W_SOP] == SHARD_SOP_STEP)
         snprintf(buf, len, "step (%s, %" PRId64 " group(s) of hyperparameters)",
                  r[W_ROOT] ? "lr set" : "groups' lr", r[W_COUNT] / SHARD_GROUP_WORDS);
+    else if (r[W_SOP] == SHARD_SOP_P2P)
+        snprintf(buf, len, "send/recv of %" PRId64 " %s from pair rank %" PRId64 " tag %" PRId64,
+                 r[W_COUNT], pshard_dtype_name((pshard_dtype_t)r[W_DTYPE]), r[W_ROOT], r[W_ARG]);
     else if (r[W_SOP] == SHARD_SOP_NEW_GROUPS)
         snprintf(buf, len,
                  "new_group of %" PRId64 " group(s), %" PRId64 " words starting %" PRId64
@@ -147,7 +152,7 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
         const int64_t *x = recs + (size_t)r * REC_WORDS;
         if (x[W_KIND] < REC_OP || x[W_KIND] > REC_JOINED ||
             (x[W_KIND] == REC_OP &&
-             (x[W_SOP] < SHARD_SOP_GATHER || x[W_SOP] > SHARD_SOP_NEW_GROUPS || x[W_NIDS] < 0 ||
+             (x[W_SOP] < SHARD_SOP_GATHER || x[W_SOP] > SHARD_SOP_P2P || x[W_NIDS] < 0 ||
               x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 || x[W_DTYPE] >= PSHARD_DTYPE_COUNT ||
               x[W_REDUCE] < 0 || x[W_REDUCE] >= PSHARD_REDUCE_COUNT ||
               (x[W_SOP] == SHARD_SOP_STEP &&
@@ -232,6 +237,10 @@ pshard_status_t shard_agree_refusal(const agreement_t *ag, const shard_sop_t *op
                        "with throw_on_early_termination: this %s ran on no rank; call "
                        "pshard_join to finish",
                        ag->throw_rank, ag->throw_step, shard_sop_name(op->kind));
+    if (op->kind == SHARD_SOP_P2P && ag->any_joined)
+        return ps_errf(err, errlen, PSHARD_ERR_JOINED,
+                       "the peer has joined (its trainer ran out of input): a send or recv with "
+                       "a joined rank cannot complete");
     if (op->kind == SHARD_SOP_NEW_GROUPS && ag->any_joined) {
         int joined = 0;
         while (joined < ag->world - 1 && recs[(size_t)joined * REC_WORDS + W_KIND] == REC_OP)

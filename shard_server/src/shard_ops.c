@@ -73,6 +73,13 @@ pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err
     if (rc == PSHARD_OK && op->needs_model && !s->model)
         rc = ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION, "%s", op->needs_model);
     shard_bufs_t *bufs = &s->bufs;
+    if (rc == PSHARD_OK && op->p2p) {
+        shard_pg_t *g = shard_pair_get(s, op->peer, s->cfg.coll_timeout_ms, &rc, err, errlen);
+        if (g) {
+            comm = g->comm;
+            bufs = &g->bufs;
+        }
+    }
     if (rc == PSHARD_OK && op->group) {
         shard_pg_t *g = shard_pg_find(s, op->group, &rc, err, errlen);
         if (g) {
@@ -104,6 +111,7 @@ void shard_ops_retire_comm(pshard_shard_server_t *s, pshard_comm_t *old)
     pshard_comm_destroy(old);
     /* The groups were the old generation's: their ids start again with the new one. */
     shard_pgs_clear(s);
+    shard_pairs_clear(s);
     s->next_pg_id = 1;
     pthread_mutex_unlock(&s->op_mu);
 }
@@ -374,6 +382,7 @@ static void shadow_loop(shadow_t *w)
         }
         const int64_t *recs = w->bufs->agree_buf;
         bool skip = ag.desync || ag.throw_rank >= 0 || ag.op.kind == SHARD_SOP_NEW_GROUPS ||
+                    ag.op.kind == SHARD_SOP_P2P ||
                     (ag.op.kind == SHARD_SOP_COLLECTIVE && ag.op.coll_op == PSHARD_COLL_BROADCAST &&
                      ag.op.root >= 0 && ag.op.root < ag.world &&
                      recs[(size_t)ag.op.root * REC_WORDS + W_KIND] != REC_OP);
@@ -414,12 +423,26 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
      * own order, independent of the world's); the world's is this thread. The groups cannot
      * change meanwhile: this operation holds op_mu. */
     shadow_t world = {.s = s, .comm = comm, .bufs = &s->bufs, .throw_flag = throw_flag};
-    shadow_t *groups = calloc(s->npgs ? s->npgs : 1, sizeof(*groups));
-    if (!groups)
+    /* The process groups, then the pairs (whose peers' sends and receives are refused with
+     * JOINED). */
+    size_t npairs = s->pairs ? (size_t)s->world : 0, nall = s->npgs + npairs;
+    shard_pg_t **all = calloc(nall ? nall : 1, sizeof(*all));
+    shadow_t *groups = calloc(nall ? nall : 1, sizeof(*groups));
+    if (!groups || !all) {
+        free(all);
+        free(groups);
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    for (size_t i = 0; i < s->npgs; i++)
+        all[i] = s->pgs[i];
+    for (size_t i = 0; i < npairs; i++)
+        all[s->npgs + i] = s->pairs[i];
+    shard_pairs_mark_joined(s, true);
     pshard_status_t rc = PSHARD_OK;
-    for (size_t i = 0; i < s->npgs && rc == PSHARD_OK; i++) {
-        shard_pg_t *g = s->pgs[i];
+    for (size_t i = 0; i < nall && rc == PSHARD_OK; i++) {
+        shard_pg_t *g = all[i];
+        if (!g)
+            continue;
         if (!g->comm)
             continue;
         groups[i] = (shadow_t){.s = s, .comm = g->comm, .bufs = &g->bufs, .throw_flag = throw_flag};
@@ -437,15 +460,17 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
     }
     if (rc != PSHARD_OK) /* the groups' rounds would wait for ever for this rank's world */
         shard_pgs_abort(s, -1, rc, err);
-    for (size_t i = 0; i < s->npgs; i++) {
+    for (size_t i = 0; i < nall; i++) {
         if (!groups[i].started)
             continue;
         pthread_join(groups[i].thread, NULL);
         if (groups[i].rc != PSHARD_OK && rc == PSHARD_OK)
-            rc = ps_errf(err, errlen, groups[i].rc, "group %" PRIu32 ": %s", s->pgs[i]->id,
+            rc = ps_errf(err, errlen, groups[i].rc, "group %" PRIu32 ": %s", all[i]->id,
                          groups[i].err);
     }
+    shard_pairs_mark_joined(s, false);
     free(groups);
+    free(all);
     int last_rank = world.last_rank;
     pthread_mutex_lock(&s->mu);
     s->joined = false;

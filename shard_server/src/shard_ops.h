@@ -26,14 +26,17 @@ struct shard_op {
     shard_sop_t sop;         /* what the ranks agree on (check may complete it) */
     uint32_t group;          /* 0: the world; else the process group the operation runs on
                                 (its communicator: check, the agreement and run get it) */
-    int opk;                 /* shard_opk_t for the statistics, or -1 for none */
-    uint64_t bytes;          /* moved bytes, for the statistics (check may set it) */
-    shard_op_fn check;       /* before agreeing: this rank's own refusals, which every rank
-                                asked alike makes alike, so none waits (NULL: none) */
-    shard_op_fn run;         /* after agreeing: the operation itself */
-    int active;              /* set by the agreement: the contributing ranks */
-    int64_t ckpt_request;    /* set by the agreement: the newest checkpoint request */
-    void *arg;               /* the operation's own request and results */
+    int peer;                /* with p2p: the world rank of a send's or recv's peer; the
+                                operation runs on their pair's communicator */
+    bool p2p;
+    int opk;              /* shard_opk_t for the statistics, or -1 for none */
+    uint64_t bytes;       /* moved bytes, for the statistics (check may set it) */
+    shard_op_fn check;    /* before agreeing: this rank's own refusals, which every rank
+                             asked alike makes alike, so none waits (NULL: none) */
+    shard_op_fn run;      /* after agreeing: the operation itself */
+    int active;           /* set by the agreement: the contributing ranks */
+    int64_t ckpt_request; /* set by the agreement: the newest checkpoint request */
+    void *arg;            /* the operation's own request and results */
 };
 
 /* Runs op as above. Errors: UNAVAILABLE while the cluster forms or after a fatal error,

@@ -250,6 +250,7 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     shard_unmap(&s->pending_model);
     shard_model_free(s->model);
     shard_pgs_clear(s);
+    shard_pairs_clear(s);
     shard_bufs_free(&s->bufs);
     for (size_t i = 0; i < 16; i++)
         free(s->strings[i]);

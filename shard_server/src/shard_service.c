@@ -352,6 +352,75 @@ static pshard_status_t collective_run(pshard_shard_server_t *s, pshard_comm_t *c
                                 op->active, err, errlen);
 }
 
+/* CollectiveRequest.op of a send and a recv (shard.proto): point-to-point, on the pair's
+ * communicator, not collectives.h operations. */
+enum { P2P_SEND = 10, P2P_RECV = 11 };
+
+/* A send's or recv's buffer lies in the scratch region. */
+static pshard_status_t p2p_check(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                 char *err, size_t errlen)
+{
+    (void)comm;
+    const Pshard__CollectiveRequest *req = op->arg;
+    size_t es = pshard_dtype_size(op->sop.dtype);
+    bool send = req->op == P2P_SEND;
+    uint64_t off = send ? req->send_offset : req->recv_offset;
+    if (req->count > (1ull << 40) || !shard_in_region(&s->scratch, off, req->count * es, es))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "%s buffer (%" PRIu64 " elements at offset %" PRIu64
+                       ") lies outside the %zu-byte scratch region or is misaligned",
+                       send ? "send" : "recv", req->count, off, s->scratch.bytes);
+    op->bytes = req->count * es;
+    return PSHARD_OK;
+}
+
+/* The data: a broadcast on the pair's communicator from the sender. */
+static pshard_status_t p2p_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                               char *err, size_t errlen)
+{
+    const Pshard__CollectiveRequest *req = op->arg;
+    uint8_t *buf =
+        (uint8_t *)s->scratch.base + (req->op == P2P_SEND ? req->send_offset : req->recv_offset);
+    pshard_coll_args_t a = {.op = PSHARD_COLL_BROADCAST,
+                            .dtype = op->sop.dtype,
+                            .root = op->sop.root,
+                            .send = buf,
+                            .recv = buf,
+                            .count = req->count,
+                            .tag = req->tag,
+                            .label = req->op == P2P_SEND ? "send" : "recv"};
+    return pshard_coll_run(comm, &a, err, errlen);
+}
+
+/* send / recv with world rank req->root (its peer), matched in each pair's issue order; the
+ * tags and counts must agree (else DESYNC naming both). */
+static void handle_p2p(ps_rpc_call_t *call, const Pshard__CollectiveRequest *req,
+                       pshard_shard_server_t *s, pshard_dtype_t dt)
+{
+    bool send = req->op == P2P_SEND;
+    int me = s->rank, peer = req->root;
+    shard_op_t op = {
+        .session = req->session,
+        .agree = true,
+        .p2p = true,
+        .peer = peer,
+        /* Both ends encode the same record: the sender's rank in the pair (ranks in world-rank
+         * order), the tag, the count and the dtype. */
+        .sop = {.kind = SHARD_SOP_P2P,
+                .dtype = dt,
+                .coll_op = req->tag,
+                .count = req->count,
+                .root = send ? (me < peer ? 0 : 1) : (peer < me ? 0 : 1)},
+        .opk = -1,
+        .check = p2p_check,
+        .run = p2p_run,
+        .arg = (void *)req,
+    };
+    char err[PSHARD_ERRLEN] = "";
+    Pshard__CollectiveResponse out = PSHARD__COLLECTIVE_RESPONSE__INIT;
+    answer(call, shard_op_run(s, &op, err, sizeof(err)), err, &out.base);
+}
+
 static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
     const Pshard__CollectiveRequest *req = (const Pshard__CollectiveRequest *)request;
@@ -360,13 +429,24 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "unknown dtype %d", (int)req->dtype);
         return;
     }
+    if (req->op == P2P_SEND || req->op == P2P_RECV) {
+        if (req->group) {
+            ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
+                             "send and recv take the peer's world rank, not a group (group %u)",
+                             req->group);
+            return;
+        }
+        handle_p2p(call, req, ctx, dt);
+        return;
+    }
     if (req->op != PSHARD_COLL_ALL_GATHER && req->op != PSHARD_COLL_ALL_REDUCE &&
         req->op != PSHARD_COLL_BROADCAST && req->op != PSHARD_COLL_BARRIER &&
         req->op != PSHARD_COLL_REDUCE && req->op != PSHARD_COLL_GATHER &&
         req->op != PSHARD_COLL_SCATTER && req->op != PSHARD_COLL_ALL_TO_ALL) {
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
                          "op %u is not one of all_gather (1), all_reduce (3), broadcast (4), "
-                         "barrier (5), reduce (6), gather (7), scatter (8), all_to_all (9)",
+                         "barrier (5), reduce (6), gather (7), scatter (8), all_to_all (9), send "
+                         "(10), recv (11)",
                          req->op);
         return;
     }

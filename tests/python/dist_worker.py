@@ -238,6 +238,11 @@ def main():
         ("group", lambda: dist.all_reduce(torch.zeros(2), group=object()), ValueError),
         ("rank out of range", lambda: dist.new_group([world]), ValueError),
         ("duplicate ranks", lambda: dist.new_group([0, 0]), ValueError),
+        ("send to self", lambda: dist.send(torch.zeros(2), rank), ValueError),
+        ("recv from anyone", lambda: dist.recv(torch.zeros(2)), ValueError),
+        ("send to nobody", lambda: dist.send(torch.zeros(2), world), ValueError),
+        ("bad tag", lambda: dist.send(torch.zeros(2), (rank + 1) % world, tag=-1)
+         if world > 1 else (_ for _ in ()).throw(ValueError("one rank")), ValueError),
     ]:
         try:
             fn()
@@ -247,6 +252,42 @@ def main():
     x = torch.ones(4)
     dist.all_reduce(x)
     expect("after errors", torch.equal(x, torch.full((4,), float(world))))
+    # send / recv around the ring (even ranks send first, odd ones receive first), one past a
+    # 4 MiB piece, with tags; then the same with isend / irecv.
+    if world > 1:
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        for n, dtype, tag in ((7, torch.float32, 0), (600_001, torch.int64, 5)):
+            mine = data(rank, n, dtype, 40 + tag)
+            got = torch.full((n,), -1, dtype=dtype)
+            if rank % 2 == 0:
+                dist.send(mine, nxt, tag=tag)
+                who = dist.recv(got, prv, tag=tag)
+            else:
+                who = dist.recv(got, prv, tag=tag)
+                dist.send(mine, nxt, tag=tag)
+            expect(f"recv {n} from {prv}", torch.equal(got, data(prv, n, dtype, 40 + tag)) and
+                   who == prv)
+        got = torch.zeros(3, 2)[:, 0]  # not contiguous: completed at wait()
+        works = ([dist.isend(torch.full((3,), rank * 1.0), nxt), dist.irecv(got, prv)]
+                 if rank % 2 == 0 else
+                 [dist.irecv(got, prv), dist.isend(torch.full((3,), rank * 1.0), nxt)])
+        for w in reversed(works):
+            w.wait()
+        expect("irecv", torch.equal(got, torch.full((3,), prv * 1.0)))
+        # Ranks 0 and 1 both send first: a DesyncError naming both sides, not a hang; their
+        # pair's communicator is then rebuilt and the next exchange works.
+        if rank < 2:
+            try:
+                dist.send(torch.ones(4), 1 - rank, tag=3)
+                expect("both sending is refused", False)
+            except pshard.DesyncError as e:
+                expect("both sending names send/recv", "send/recv" in str(e))
+            box = torch.zeros(4)
+            if rank == 0:
+                dist.send(torch.arange(4.0), 1)
+            else:
+                dist.recv(box, 0)
+            expect("after the desync", rank == 0 or torch.equal(box, torch.arange(4.0)))
     # async_op=True: several collectives in flight at once (one past a 4 MiB piece), a
     # blocking one issued behind them, then waited out of order: every result as the blocking
     # forms give, and the blocking one ran after the queued ones on every rank.

@@ -58,6 +58,18 @@ def main():
             dist.all_to_all_single(a2av, torch.arange(4.0) + 10 * rank,
                                    output_split_sizes=recvs, input_split_sizes=sends)
             got[f"all_to_all uneven {step}"] = a2av.tolist()
+            # Point-to-point: with the joined rank 0 a clear JoinedError; between 1 and 2 data.
+            try:
+                dist.send(torch.ones(2), 0, tag=step)
+                got[f"send to joined {step}"] = "no error"
+            except pshard.JoinedError as e:
+                got[f"send to joined {step}"] = str(e)
+            box = torch.zeros(2)
+            if rank == 1:
+                dist.send(torch.tensor([1.0, step]), 2, tag=9)
+            else:
+                dist.recv(box, 1, tag=9)
+            got[f"p2p {step}"] = box.tolist()
             for name in ("BAND", "BOR", "BXOR"):
                 x = torch.tensor([rank + 1, 12 - rank], dtype=torch.int64)
                 dist.all_reduce(x, op=dist.ReduceOp[name])

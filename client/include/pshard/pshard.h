@@ -394,6 +394,8 @@ typedef enum {
     PSHARD_OP_GATHER = 7,
     PSHARD_OP_SCATTER = 8,
     PSHARD_OP_ALL_TO_ALL = 9,
+    PSHARD_OP_SEND = 10, /* point-to-point: to root */
+    PSHARD_OP_RECV = 11, /* from root */
 } pshard_op_t;
 
 /* One collective on group (NULL: every rank), with n the group's size and root a group rank:
@@ -410,8 +412,16 @@ typedef struct {
     size_t count;
     pshard_dtype_t dtype;
     pshard_reduce_t reduce; /* all_reduce, reduce */
-    int root;               /* broadcast, reduce, gather, scatter */
+    int root;               /* broadcast, reduce, gather, scatter; send / recv: the peer */
+    uint32_t tag;           /* send / recv: must be the peer's */
 } pshard_collective_args_t;
+
+/* send: send count elements to root; recv: receive count into recv from root (root a rank of
+ * group, or of the world). Each pair of ranks matches its sends and recvs in issue order (like
+ * NCCL's, a rank's point-to-point operations run one after another: two ranks that both send
+ * first get DESYNC, so an exchange orders them, e.g. even ranks send first); the counts, dtypes and
+ * tags must agree (else DESYNC naming both). A peer whose trainer has joined: JOINED. The first
+ * send or recv between two ranks connects their servers (until the other side arrives). */
 
 /* Runs one collective as above (the functions above are this with group NULL). Errors:
  * INVALID_ARGUMENT (bad arguments, over the scratch region), FAILED_PRECONDITION (this trainer

@@ -29,7 +29,8 @@ __all__ = ["ReduceOp", "all_reduce", "reduce", "broadcast", "all_gather_into_ten
            "all_gather", "gather", "scatter", "all_to_all_single", "all_to_all", "barrier",
            "get_rank", "get_world_size", "group", "GroupMember", "ProcessGroup", "new_group",
            "new_subgroups", "new_subgroups_by_enumeration", "get_process_group_ranks",
-           "get_group_rank", "get_global_rank", "DeviceMesh", "init_device_mesh"]
+           "get_group_rank", "get_global_rank", "DeviceMesh", "init_device_mesh", "send", "recv",
+           "isend", "irecv"]
 
 get_rank = pshard.get_rank
 get_world_size = pshard.get_world_size
@@ -194,7 +195,7 @@ def get_global_rank(group_, group_rank):
 
 # pshard_op_t's numbers (CollectiveRequest.op), for Client.collective_start.
 _OPS = {"all_gather": 1, "all_reduce": 3, "broadcast": 4, "barrier": 5, "reduce": 6,
-        "gather": 7, "scatter": 8, "all_to_all": 9}
+        "gather": 7, "scatter": 8, "all_to_all": 9, "send": 10, "recv": 11}
 
 
 class _Target:
@@ -213,13 +214,13 @@ class _Target:
             self.works, self.after = [], []
         return self
 
-    def run(self, op, now, send, recv, count, dt, reduce=0, root=0):
+    def run(self, op, now, send, recv, count, dt, reduce=0, root=0, tag=0):
         """One C call: now() (blocking), or queued under async_op."""
         if self.works is None:
             now()
         else:
             self.works.append(self.c.collective_start(_OPS[op], send, recv, count, dt, reduce,
-                                                      root, self.h))
+                                                      root, self.h, tag))
 
     def then(self, fn):
         """fn() once the calls before it finished: now, or at the Work's wait()."""
@@ -714,6 +715,65 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
             x.copy_(flat_out[at:at + k].view_as(x))
             at += k
     return _then(work, copy_out)
+
+
+def _p2p(name, tensor, peer_value, group, tag, group_peer, async_op):
+    t = _target(group, name)
+    if t is None:
+        return None
+    t.start(async_op)
+    dt = _dtype_of(tensor, "tensor")
+    what = "dst" if name == "send" else "src"
+    peer = _root(t, peer_value, group_peer, what)
+    if peer == t.rank:
+        raise ValueError(f"Invalid {'destination' if name == 'send' else 'source'} rank: it "
+                         "should not be the same as the rank of the current process")
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag < 1 << 32:
+        raise ValueError(f"tag must be an integer in [0, 2**32), not {tag!r}")
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    for piece in _flat_pieces(work.detach()):
+        t.run(name, lambda piece=piece: t.c.p2p(_OPS[name], piece, dt, peer, tag, t.h),
+              piece if name == "send" else None, piece if name == "recv" else None,
+              piece.numel(), dt, root=peer, tag=tag)
+    if name == "recv" and work is not tensor:
+        t.then(lambda: tensor.copy_(work))
+    return t
+
+
+def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    """Sends tensor to rank dst (a global rank; or group_dst, a rank of group), whose matching
+    recv (same tag, same number of elements and dtype) takes it. Each pair of ranks matches its
+    sends and recvs in issue order, one after another: when two ranks exchange, one must send
+    first and the other receive first (both sending first is a DesyncError). Returns once the
+    peer received it."""
+    _p2p("send", tensor, dst, group, tag, group_dst, False)
+
+
+def recv(tensor, src=None, group=None, tag=0, group_src=None):
+    """Receives into tensor what rank src (a global rank; or group_src, a rank of group) sends
+    with the same tag; returns src's global rank. src=None (any sender) is not supported: name
+    the sender."""
+    if src is None and group_src is None:
+        raise ValueError("recv from any source (src=None) is not supported: pass src")
+    t = _p2p("recv", tensor, src, group, tag, group_src, False)
+    return None if t is None else t.pg._world_ranks()[_root(t, src, group_src, "src")]
+
+
+def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    """send, queued behind what was issued before; returns a Work (its wait() returns once the
+    peer received it)."""
+    t = _p2p("send", tensor, dst, group, tag, group_dst, True)
+    return None if t is None else t.done()
+
+
+def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    """recv, queued behind what was issued before; returns a Work (tensor holds the data after
+    its wait()). Queued work runs in issue order: an irecv waits for its sender before
+    anything issued after it runs."""
+    if src is None and group_src is None:
+        raise ValueError("irecv from any source (src=None) is not supported: pass src")
+    t = _p2p("recv", tensor, src, group, tag, group_src, True)
+    return None if t is None else t.done()
 
 
 def barrier(group=None, async_op=False, device_ids=None):

@@ -1255,8 +1255,8 @@ static int check_root(ClientObject *self, const pshard_group_t *g, int root, con
     return -1;
 }
 
-/* collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None) -> Work: one
- * collective (pshard_op_t numbers) queued behind what was issued before (torch's
+/* collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None, tag=0) -> Work:
+ * one collective (pshard_op_t numbers) queued behind what was issued before (torch's
  * async_op=True). send / recv: contiguous CPU tensors of dtype holding at least what this
  * rank's role uses (None where it uses nothing); both are held until the work is waited. */
 static PyObject *Client_collective_start(ClientObject *self, PyObject *args)
@@ -1264,7 +1264,9 @@ static PyObject *Client_collective_start(ClientObject *self, PyObject *args)
     int op, reduce = 0, root = 0;
     PyObject *send, *recv, *dt, *gobj = Py_None;
     unsigned long long count;
-    if (!PyArg_ParseTuple(args, "iOOKO|iiO", &op, &send, &recv, &count, &dt, &reduce, &root, &gobj))
+    unsigned int tag = 0;
+    if (!PyArg_ParseTuple(args, "iOOKO|iiOI", &op, &send, &recv, &count, &dt, &reduce, &root, &gobj,
+                          &tag))
         return NULL;
     pshard_dtype_t dtype;
     const pshard_group_t *g = NULL;
@@ -1296,6 +1298,12 @@ static PyObject *Client_collective_start(ClientObject *self, PyObject *args)
         break;
     case PSHARD_OP_ALL_TO_ALL:
         need_send = need_recv = n * c;
+        break;
+    case PSHARD_OP_SEND:
+        need_recv = 0;
+        break;
+    case PSHARD_OP_RECV:
+        need_send = 0;
         break;
     default:
         return PyErr_Format(PyExc_ValueError, "collective_start: unknown op %d", op);
@@ -1341,7 +1349,8 @@ static PyObject *Client_collective_start(ClientObject *self, PyObject *args)
                                   .count = c,
                                   .dtype = dtype,
                                   .reduce = (pshard_reduce_t)reduce,
-                                  .root = root};
+                                  .root = root,
+                                  .tag = tag};
     if (op == PSHARD_OP_BROADCAST && !a.send)
         a.send = a.recv;
     pshard_status_t st;
@@ -1353,6 +1362,38 @@ static PyObject *Client_collective_start(ClientObject *self, PyObject *args)
     }
     w->w = work;
     return (PyObject *)w;
+}
+
+/* p2p(op, tensor, dtype, peer, tag=0, group=None): a blocking send (op 10) of the whole tensor
+ * to peer or recv (op 11) into it from peer (a rank of group, or of the world). */
+static PyObject *Client_p2p(ClientObject *self, PyObject *args)
+{
+    int op, peer;
+    unsigned int tag = 0;
+    PyObject *t, *dt;
+    const pshard_group_t *g = NULL;
+    if (!PyArg_ParseTuple(args, "iOOi|IO&", &op, &t, &dt, &peer, &tag, pshard_py_group_arg, &g))
+        return NULL;
+    if (op != PSHARD_OP_SEND && op != PSHARD_OP_RECV)
+        return PyErr_Format(PyExc_ValueError, "p2p: op %d is neither send (10) nor recv (11)", op);
+    pshard_dtype_t dtype;
+    if (!client_ok(self) || !parse_dtype(dt, &dtype) ||
+        check_root(self, g, peer, op == PSHARD_OP_SEND ? "dst" : "src") != 0)
+        return NULL;
+    dl_in_t in;
+    if (dl_acquire(t, dtype, op == PSHARD_OP_SEND ? "send tensor" : "recv tensor", &in) != 0)
+        return NULL;
+    pshard_collective_args_t a = {.op = (pshard_op_t)op,
+                                  .group = g,
+                                  .send = in.data,
+                                  .recv = in.data,
+                                  .count = in.numel,
+                                  .dtype = dtype,
+                                  .root = peer,
+                                  .tag = tag};
+    PyObject *res = run_collective(self, &a);
+    dl_release(&in);
+    return res;
 }
 
 static PyObject *Client_all_reduce(ClientObject *self, PyObject *args)
@@ -1621,7 +1662,10 @@ static PyMethodDef Client_methods[] = {
     {"all_gather", (PyCFunction)Client_all_gather, METH_VARARGS,
      "all_gather(output, input, dtype, group=None)"},
     {"collective_start", (PyCFunction)Client_collective_start, METH_VARARGS,
-     "collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None) -> Work"},
+     "collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None, tag=0) -> "
+     "Work"},
+    {"p2p", (PyCFunction)Client_p2p, METH_VARARGS,
+     "p2p(op, tensor, dtype, peer, tag=0, group=None): send (10) or recv (11) of the whole tensor"},
     {"barrier", (PyCFunction)Client_barrier, METH_VARARGS, "barrier(group=None)"},
     {"reduce", (PyCFunction)Client_reduce, METH_VARARGS,
      "reduce(tensor, dtype, op, dst, group=None)"},
