@@ -155,7 +155,7 @@ static void test_verdict_malformed(void)
     recs[REC_WORDS + W_NIDS] = -1;
     CU_ASSERT_EQUAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_ERR_DESYNC);
     recs[REC_WORDS + W_NIDS] = 2;
-    recs[W_SOP] = SHARD_SOP_NEW_GROUPS + 1;
+    recs[W_SOP] = SHARD_SOP_P2P + 1;
     CU_ASSERT_EQUAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_ERR_DESYNC);
 }
 
@@ -185,6 +185,35 @@ static void test_verdict_new_groups(void)
     CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 4, &ag, err, sizeof(err)), PSHARD_OK);
     CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &a, recs, err, sizeof(err)), PSHARD_ERR_JOINED);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "rank 2 has joined"));
+    shard_agreement_free(&ag);
+}
+
+/* A send / recv is agreed on its pair: both ends sending (roots 0 and 1) is a desync naming
+ * send/recv; a joined peer makes the other end refuse with JOINED. */
+static void test_verdict_p2p(void)
+{
+    shard_sop_t send0 = {.kind = SHARD_SOP_P2P, .dtype = PSHARD_FP32, .count = 4, .root = 0};
+    shard_sop_t send1 = send0;
+    send1.root = 1;
+    int64_t recs[2 * REC_WORDS];
+    rec_op(recs, 0, &send0, 0);
+    rec_op(recs, 1, &send1, 0);
+    agreement_t ag;
+    char err[512] = "";
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &send0, recs, err, sizeof(err)), PSHARD_ERR_DESYNC);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "rank 0 send/recv of 4 fp32 from pair rank 0"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "from pair rank 1"));
+    shard_agreement_free(&ag);
+    rec_op(recs, 1, &send0, 0);
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_OK);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &send0, recs, err, sizeof(err)), PSHARD_OK);
+    shard_agreement_free(&ag);
+    rec_join(recs, 1, REC_JOINED, false, 3);
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &send0, recs, err, sizeof(err)), PSHARD_ERR_JOINED);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "joined"));
     shard_agreement_free(&ag);
 }
 
@@ -425,6 +454,7 @@ int main(void)
         {"verdict: a broadcast whose root joined", test_verdict_broadcast_root_joined},
         {"verdict: malformed records", test_verdict_malformed},
         {"verdict: process groups", test_verdict_new_groups},
+        {"verdict: send / recv", test_verdict_p2p},
         {"op: refusals leave the lock free and run nothing", test_op_refusals},
         {"op: check, agree and run under the lock", test_op_runs_under_the_lock},
         {"op: gather, reduce-scatter and step on one rank", test_model_ops_on_one_rank},
