@@ -264,6 +264,8 @@ static const char *op_name(pshard_op_t op)
     switch (op) {
     case PSHARD_OP_ALL_GATHER:
         return "all_gather";
+    case PSHARD_OP_REDUCE_SCATTER:
+        return "reduce_scatter";
     case PSHARD_OP_ALL_REDUCE:
         return "all_reduce";
     case PSHARD_OP_BROADCAST:
@@ -294,7 +296,8 @@ static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_a
     bool p2p = a->op == PSHARD_OP_SEND || a->op == PSHARD_OP_RECV;
     bool rooted = a->op == PSHARD_OP_BROADCAST || a->op == PSHARD_OP_REDUCE ||
                   a->op == PSHARD_OP_GATHER || a->op == PSHARD_OP_SCATTER || p2p;
-    bool reduces = a->op == PSHARD_OP_ALL_REDUCE || a->op == PSHARD_OP_REDUCE;
+    bool reduces = a->op == PSHARD_OP_ALL_REDUCE || a->op == PSHARD_OP_REDUCE ||
+                   a->op == PSHARD_OP_REDUCE_SCATTER;
     memset(l, 0, sizeof(*l));
     if (a->op == PSHARD_OP_BARRIER)
         return PSHARD_OK;
@@ -358,6 +361,11 @@ static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_a
         l->send_bytes = all;
         l->recv_off = client_align(all);
         l->recv_bytes = all;
+        break;
+    case PSHARD_OP_REDUCE_SCATTER:
+        l->send_bytes = all;
+        l->recv_off = client_align(all);
+        l->recv_bytes = bytes;
         break;
     case PSHARD_OP_SEND:
         l->send_bytes = bytes;

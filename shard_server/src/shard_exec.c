@@ -257,7 +257,8 @@ pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op,
 {
     int world = pshard_comm_world_size(comm);
     bool avg = op->reduce == PSHARD_REDUCE_AVG;
-    bool reduces = op->coll_op == PSHARD_COLL_ALL_REDUCE || op->coll_op == PSHARD_COLL_REDUCE;
+    bool reduces = op->coll_op == PSHARD_COLL_ALL_REDUCE || op->coll_op == PSHARD_COLL_REDUCE ||
+                   op->coll_op == PSHARD_COLL_REDUCE_SCATTER;
     /* (avg exists for the floating types only: the collectives refuse it for integers) */
     bool partial_avg = avg && reduces && active < world &&
                        (op->dtype == PSHARD_FP32 || op->dtype == PSHARD_BF16 ||
@@ -272,8 +273,7 @@ pshard_status_t shard_run_collective(pshard_comm_t *comm, const shard_sop_t *op,
                             .label = "trainer collective"};
     PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
     /* (a reduce's result is the root's alone: the others' recv was not written) */
-    if (partial_avg &&
-        (op->coll_op == PSHARD_COLL_ALL_REDUCE || pshard_comm_rank(comm) == op->root)) {
+    if (partial_avg && (op->coll_op != PSHARD_COLL_REDUCE || pshard_comm_rank(comm) == op->root)) {
         /* Joined ranks added zeros: the mean is over the ranks that contributed. */
         double inv64 = 1.0 / (double)(active > 0 ? active : 1);
         float inv = (float)inv64;

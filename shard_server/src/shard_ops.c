@@ -257,7 +257,7 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, sha
         size_t es = pshard_dtype_size(op->dtype);
         uint64_t world = (uint64_t)ag->world;
         if (op->count > (1ull << 32) / es || op->coll_op < PSHARD_COLL_ALL_GATHER ||
-            op->coll_op > PSHARD_COLL_ALL_TO_ALL || op->coll_op == PSHARD_COLL_REDUCE_SCATTER)
+            op->coll_op > PSHARD_COLL_ALL_TO_ALL)
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                            "cannot shadow %s of %" PRIu64 " elements",
                            pshard_coll_op_name((pshard_coll_op_t)op->coll_op), op->count);
@@ -265,7 +265,8 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, sha
         bool gathers = op->coll_op == PSHARD_COLL_ALL_GATHER || op->coll_op == PSHARD_COLL_GATHER ||
                        op->coll_op == PSHARD_COLL_ALL_TO_ALL;
         size_t recv_bytes = gathers ? send_bytes * world : send_bytes;
-        if (op->coll_op == PSHARD_COLL_SCATTER || op->coll_op == PSHARD_COLL_ALL_TO_ALL)
+        if (op->coll_op == PSHARD_COLL_SCATTER || op->coll_op == PSHARD_COLL_ALL_TO_ALL ||
+            op->coll_op == PSHARD_COLL_REDUCE_SCATTER)
             send_bytes *= world; /* whether or not this rank is the root: zeros if it is */
         uint8_t *buf = follow_buffer(bufs, send_bytes + recv_bytes);
         if (!buf)
@@ -273,10 +274,11 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, sha
         /* Nothing to contribute: the reduction's identity (zeros for a sum, and for the other
          * operations, which send nothing this rank's result depends on). */
         memset(buf, 0, send_bytes);
-        if ((op->coll_op == PSHARD_COLL_ALL_REDUCE || op->coll_op == PSHARD_COLL_REDUCE) &&
-            op->count > 0 &&
+        if ((op->coll_op == PSHARD_COLL_ALL_REDUCE || op->coll_op == PSHARD_COLL_REDUCE ||
+             op->coll_op == PSHARD_COLL_REDUCE_SCATTER) &&
+            send_bytes > 0 &&
             pshard_reduce_identity((pshard_reduce_t)op->reduce, op->dtype, buf) == 0)
-            for (size_t k = 1; k < (size_t)op->count; k++)
+            for (size_t k = 1; k < send_bytes / es; k++)
                 memcpy(buf + k * es, buf, es);
         /* A broadcast runs in place: the receive buffer is the send buffer. */
         void *recv = op->coll_op == PSHARD_COLL_BROADCAST ? buf : buf + send_bytes;

@@ -330,6 +330,8 @@ static pshard_status_t collective_check(pshard_shard_server_t *s, pshard_comm_t 
         recv_bytes = root ? send_bytes : 0; /* only the root receives */
     if (req->op == PSHARD_COLL_SCATTER)
         send_bytes = root ? send_bytes * (uint64_t)world : 0; /* only the root sends */
+    if (req->op == PSHARD_COLL_REDUCE_SCATTER) /* count is per rank: a block for each */
+        send_bytes *= (uint64_t)world;
     if (req->op == PSHARD_COLL_ALL_TO_ALL) /* count is per block, a block for every rank */
         send_bytes = recv_bytes = send_bytes * (uint64_t)world;
     if (req->count > (1ull << 40) ||
@@ -440,17 +442,20 @@ static void handle_collective(ps_rpc_call_t *call, const ProtobufCMessage *reque
         return;
     }
     if (req->op != PSHARD_COLL_ALL_GATHER && req->op != PSHARD_COLL_ALL_REDUCE &&
-        req->op != PSHARD_COLL_BROADCAST && req->op != PSHARD_COLL_BARRIER &&
-        req->op != PSHARD_COLL_REDUCE && req->op != PSHARD_COLL_GATHER &&
-        req->op != PSHARD_COLL_SCATTER && req->op != PSHARD_COLL_ALL_TO_ALL) {
+        req->op != PSHARD_COLL_REDUCE_SCATTER && req->op != PSHARD_COLL_BROADCAST &&
+        req->op != PSHARD_COLL_BARRIER && req->op != PSHARD_COLL_REDUCE &&
+        req->op != PSHARD_COLL_GATHER && req->op != PSHARD_COLL_SCATTER &&
+        req->op != PSHARD_COLL_ALL_TO_ALL) {
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT,
-                         "op %u is not one of all_gather (1), all_reduce (3), broadcast (4), "
+                         "op %u is not one of all_gather (1), reduce_scatter (2), all_reduce (3), "
+                         "broadcast (4), "
                          "barrier (5), reduce (6), gather (7), scatter (8), all_to_all (9), send "
                          "(10), recv (11)",
                          req->op);
         return;
     }
-    bool reduces = req->op == PSHARD_COLL_ALL_REDUCE || req->op == PSHARD_COLL_REDUCE;
+    bool reduces = req->op == PSHARD_COLL_ALL_REDUCE || req->op == PSHARD_COLL_REDUCE ||
+                   req->op == PSHARD_COLL_REDUCE_SCATTER;
     const char *why = reduces ? pshard_reduce_problem((pshard_reduce_t)req->reduce, dt) : NULL;
     if (why) {
         ps_rpc_call_fail(call, PSHARD_ERR_INVALID_ARGUMENT, "%s reduce %u: %s",

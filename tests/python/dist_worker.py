@@ -252,6 +252,31 @@ def main():
     x = torch.ones(4)
     dist.all_reduce(x)
     expect("after errors", torch.equal(x, torch.full((4,), float(world))))
+    # reduce_scatter_tensor and reduce_scatter: counts 0, 1, 7 and past a 4 MiB piece; sum,
+    # avg, max; int64 and fp32 (integer-valued, so the sums are exact).
+    for dtype in (torch.int64, torch.float32):
+        for n in (0, 1, 7, 1_200_001 if dtype == torch.int64 else 5):
+            for op in ((dist.ReduceOp.SUM, dist.ReduceOp.MAX) if dtype == torch.int64 else
+                       (dist.ReduceOp.SUM, dist.ReduceOp.AVG)):
+                ins = [data(r, world * n, torch.int64, 60 + n % 50).to(dtype)
+                       for r in range(world)]
+                rs_out = torch.full((n,), -3, dtype=dtype)
+                dist.reduce_scatter_tensor(rs_out, ins[rank], op=op)
+                blocks = torch.stack([x.view(world, -1)[rank] for x in ins]) if n else None
+                want = (torch.zeros(0, dtype=dtype) if not n else
+                        blocks.max(0).values if op == dist.ReduceOp.MAX else
+                        # (the servers scale by fp32(1 / world), as the collectives do)
+                        blocks.sum(0) * torch.tensor(1 / world, dtype=torch.float32)
+                        if op == dist.ReduceOp.AVG else blocks.sum(0))
+                expect(f"reduce_scatter_tensor {dtype} {n} {op.name}", torch.equal(rs_out, want))
+    lst = [torch.full((2,), float(rank * 10 + k)) for k in range(world)]
+    rs_out = torch.zeros(2)
+    dist.reduce_scatter(rs_out, lst)
+    expect("reduce_scatter list", torch.equal(rs_out, torch.full((2,), float(
+        sum(r * 10 + rank for r in range(world))))))
+    w = dist.reduce_scatter_tensor(rs_out, torch.ones(2 * world), async_op=True)
+    w.wait()
+    expect("async reduce_scatter", torch.equal(rs_out, torch.full((2,), float(world))))
     # send / recv around the ring (even ranks send first, odd ones receive first), one past a
     # 4 MiB piece, with tags; then the same with isend / irecv.
     if world > 1:

@@ -58,6 +58,10 @@ def main():
             dist.all_to_all_single(a2av, torch.arange(4.0) + 10 * rank,
                                    output_split_sizes=recvs, input_split_sizes=sends)
             got[f"all_to_all uneven {step}"] = a2av.tolist()
+            # reduce_scatter: rank 0's block is the identity; the average over ranks 1 and 2.
+            rs = torch.zeros(2)
+            dist.reduce_scatter_tensor(rs, torch.arange(6.0) + 10 * rank, op=dist.ReduceOp.AVG)
+            got[f"reduce_scatter {step}"] = rs.tolist()
             # Point-to-point: with the joined rank 0 a clear JoinedError; between 1 and 2 data.
             try:
                 dist.send(torch.ones(2), 0, tag=step)

@@ -63,6 +63,8 @@ def test_joined_rank_changes_no_reduction(tmp_path):
             # block k from rank k: zeros from the joined rank 0
             assert got[f"all_to_all {step}"] == [0.0, 10.0 + r, 20.0 + r], (r, got)
             assert "joined" in got[f"send to joined {step}"], got
+            # (block r of arange(6) + 10 * rank, averaged over ranks 1 and 2)
+            assert got[f"reduce_scatter {step}"] == [15.0 + 2 * r, 16.0 + 2 * r], got
             assert got[f"p2p {step}"] == ([0.0, 0.0] if r == 1 else [1.0, float(step)]), got
             assert got[f"all_to_all uneven {step}"] == (
                 [0.0, 0.0, 11.0, 21.0, 22.0] if r == 1 else [0.0, 12.0, 13.0, 23.0]), (r, got)

@@ -387,6 +387,7 @@ PSHARD_API void pshard_group_free(pshard_group_t *g);
 /* collectives.h's numbers, which shard.proto's CollectiveRequest.op carries. */
 typedef enum {
     PSHARD_OP_ALL_GATHER = 1,
+    PSHARD_OP_REDUCE_SCATTER = 2,
     PSHARD_OP_ALL_REDUCE = 3,
     PSHARD_OP_BROADCAST = 4,
     PSHARD_OP_BARRIER = 5,
@@ -399,7 +400,9 @@ typedef enum {
 } pshard_op_t;
 
 /* One collective on group (NULL: every rank), with n the group's size and root a group rank:
- *  all_gather: send count elements, recv n * count;  all_reduce: send and recv count (may be
+ *  all_gather: send count elements, recv n * count;  reduce_scatter: send n * count (block k
+ *  for group rank k), recv count (the reduction of every rank's block for this rank);
+ *  all_reduce: send and recv count (may be
  *  the same buffer);  broadcast: recv count, root's send (may be recv);  barrier: nothing;
  *  reduce: send count, root's recv count;  gather: send count, root's recv n * count;
  *  scatter: root's send n * count, recv count;  all_to_all: send and recv n * count.

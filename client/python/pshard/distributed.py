@@ -30,7 +30,7 @@ __all__ = ["ReduceOp", "all_reduce", "reduce", "broadcast", "all_gather_into_ten
            "get_rank", "get_world_size", "group", "GroupMember", "ProcessGroup", "new_group",
            "new_subgroups", "new_subgroups_by_enumeration", "get_process_group_ranks",
            "get_group_rank", "get_global_rank", "DeviceMesh", "init_device_mesh", "send", "recv",
-           "isend", "irecv"]
+           "isend", "irecv", "reduce_scatter_tensor", "reduce_scatter"]
 
 get_rank = pshard.get_rank
 get_world_size = pshard.get_world_size
@@ -194,7 +194,7 @@ def get_global_rank(group_, group_rank):
 
 
 # pshard_op_t's numbers (CollectiveRequest.op), for Client.collective_start.
-_OPS = {"all_gather": 1, "all_reduce": 3, "broadcast": 4, "barrier": 5, "reduce": 6,
+_OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, "barrier": 5, "reduce": 6,
         "gather": 7, "scatter": 8, "all_to_all": 9, "send": 10, "recv": 11}
 
 
@@ -469,6 +469,56 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         for k, o in enumerate(tensor_list):
             o.copy_(flat[k * n:(k + 1) * n].view_as(o))
     return _then(work, copy_out)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    """Reduces input over the ranks of group (default: all) and scatters the result: input
+    holds the group's size blocks of output's size (block k for group rank k, along dim 0),
+    output gets the reduction of every rank's block for this rank. op as all_reduce's."""
+    t = _target(group, "reduce_scatter_tensor")
+    if t is None:
+        return None
+    t.start(async_op)
+    dt = _dtype_of(input, "input")
+    if _dtype_of(output, "output") != dt:
+        raise TypeError("output and input must have the same dtype")
+    op = _check_op(op, dt, input)
+    n = t.size
+    if input.numel() != n * output.numel():
+        raise ValueError(f"input has {input.numel()} elements; it needs "
+                         f"{'world' if t.h is None else 'group'}_size ({n}) x output's "
+                         f"{output.numel()}")
+    src = input.detach().contiguous().view(n, -1)
+    out = output if output.is_contiguous() else output.contiguous()
+    flat = out.detach().view(-1)
+    step = max(1, _CHUNK_BYTES // max(1, src.element_size() * (n + 1)))
+    for i in range(0, flat.numel(), step):
+        piece = flat[i:i + step]
+        send = src[:, i:i + piece.numel()].contiguous()
+        t.run("reduce_scatter",
+              lambda piece=piece, send=send: t.c.reduce_scatter_tensor(piece, send, dt,
+                                                                       op.value, t.h),
+              send, piece, piece.numel(), dt, reduce=op.value)
+    if out is not output:
+        t.then(lambda: output.copy_(out))
+    return t.done()
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    """reduce_scatter_tensor with the blocks as a list: input_list[k] (output's size and dtype)
+    goes to group rank k."""
+    t = _target(group, "reduce_scatter")
+    if t is None:
+        return None
+    if not isinstance(input_list, (list, tuple)) or len(input_list) != t.size:
+        raise ValueError(f"input_list must be a list of {t.size} tensors (the group's size)")
+    dt = _dtype_of(output, "output")
+    for i, x in enumerate(input_list):
+        if _dtype_of(x, f"input_list[{i}]") != dt or x.numel() != output.numel():
+            raise ValueError(f"input_list[{i}] must have output's dtype {output.dtype} and its "
+                             f"{output.numel()} elements")
+    stacked = torch.cat([x.detach().reshape(-1) for x in input_list])
+    return reduce_scatter_tensor(output, stacked, op=op, group=group, async_op=async_op)
 
 
 def _check_op(op, dt, tensor):

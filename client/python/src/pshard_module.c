@@ -1299,6 +1299,9 @@ static PyObject *Client_collective_start(ClientObject *self, PyObject *args)
     case PSHARD_OP_ALL_TO_ALL:
         need_send = need_recv = n * c;
         break;
+    case PSHARD_OP_REDUCE_SCATTER:
+        need_send = n * c;
+        break;
     case PSHARD_OP_SEND:
         need_recv = 0;
         break;
@@ -1393,6 +1396,47 @@ static PyObject *Client_p2p(ClientObject *self, PyObject *args)
                                   .tag = tag};
     PyObject *res = run_collective(self, &a);
     dl_release(&in);
+    return res;
+}
+
+/* reduce_scatter(output, input, dtype, op, group=None): input holds the group's size blocks
+ * of output's element count; output gets the reduction of every rank's block for this rank. */
+static PyObject *Client_reduce_scatter_tensor(ClientObject *self, PyObject *args)
+{
+    PyObject *out, *in, *dt;
+    int op = PSHARD_REDUCE_SUM;
+    const pshard_group_t *g = NULL;
+    if (!PyArg_ParseTuple(args, "OOOi|O&", &out, &in, &dt, &op, pshard_py_group_arg, &g))
+        return NULL;
+    pshard_dtype_t dtype;
+    if (!client_ok(self) || !parse_dtype(dt, &dtype))
+        return NULL;
+    dl_in_t o, i;
+    if (dl_acquire(out, dtype, "reduce_scatter output", &o) != 0)
+        return NULL;
+    if (dl_acquire(in, dtype, "reduce_scatter input", &i) != 0) {
+        dl_release(&o);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    size_t n = (size_t)coll_size(self, g);
+    if (i.numel != n * o.numel)
+        PyErr_Format(PyExc_ValueError,
+                     "reduce_scatter: input has %zu elements; it needs %zu (the %s size %zu "
+                     "times output's %zu)",
+                     i.numel, n * o.numel, g ? "group" : "world", n, o.numel);
+    else {
+        pshard_collective_args_t a = {.op = PSHARD_OP_REDUCE_SCATTER,
+                                      .group = g,
+                                      .send = i.data,
+                                      .recv = o.data,
+                                      .count = o.numel,
+                                      .dtype = dtype,
+                                      .reduce = (pshard_reduce_t)op};
+        res = run_collective(self, &a);
+    }
+    dl_release(&i);
+    dl_release(&o);
     return res;
 }
 
@@ -1664,6 +1708,8 @@ static PyMethodDef Client_methods[] = {
     {"collective_start", (PyCFunction)Client_collective_start, METH_VARARGS,
      "collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None, tag=0) -> "
      "Work"},
+    {"reduce_scatter_tensor", (PyCFunction)Client_reduce_scatter_tensor, METH_VARARGS,
+     "reduce_scatter_tensor(output, input, dtype, op, group=None)"},
     {"p2p", (PyCFunction)Client_p2p, METH_VARARGS,
      "p2p(op, tensor, dtype, peer, tag=0, group=None): send (10) or recv (11) of the whole tensor"},
     {"barrier", (PyCFunction)Client_barrier, METH_VARARGS, "barrier(group=None)"},
