@@ -1654,13 +1654,18 @@ static void test_collective_bad(void)
     const pshard_status_t IA = PSHARD_ERR_INVALID_ARGUMENT;
     const char *s = tr.session;
     const int F32 = PSHARD__DTYPE__FP32;
-    const uint32_t bad_ops[] = {0, 2, 10, 99, UINT32_MAX};
+    const uint32_t bad_ops[] = {0, 12, 99, UINT32_MAX};
     for (size_t i = 0; i < sizeof(bad_ops) / sizeof(bad_ops[0]); i++) {
         char sub[32];
         snprintf(sub, sizeof(sub), "op %u is not one of", bad_ops[i]);
         EXPECT_ERR("Collective, bad op", do_coll(ch, s, bad_ops[i], F32, 4, 0, 64), IA, sub);
     }
     EXPECT_ERR("Collective, unknown dtype", do_coll(ch, s, 3, 9, 4, 0, 64), IA, "unknown dtype 9");
+    /* send (10) / recv (11) to world rank root 0: this rank itself on one rank */
+    EXPECT_ERR("Collective, send to itself", do_coll(ch, s, 10, F32, 4, 0, 64), IA,
+               "cannot send to or receive from rank 0");
+    EXPECT_ERR("Collective, reduce_scatter input past the end", do_coll(ch, s, 2, F32, 1024, 4, 0),
+               IA, "outside");
     EXPECT_ERR("Collective, send outside scratch", do_coll(ch, s, 3, F32, 4, SCRATCH_BYTES, 0), IA,
                "outside the 4096-byte scratch region");
     EXPECT_ERR("Collective, send past the end", do_coll(ch, s, 3, F32, 4, SCRATCH_BYTES - 8, 0), IA,
