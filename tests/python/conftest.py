@@ -120,3 +120,38 @@ def cluster(tmp_path):
     yield make
     for c in made:
         c.stop()
+
+
+def check_killed_trainer_named(c, tmp_path, cfg):
+    """Runs worker.py on every rank of cluster c with cfg, whose kill_rank trainer kills itself
+    mid-step (kill_step): every other rank must fail with PeerLostError naming it, within the
+    lease (2 s) + 1 s, plus 2 s of slack for a loaded machine."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cfgfile = out / "cfg.json"
+    cfgfile.write_text(json.dumps(cfg))
+    logs = [open(out / f"t{r}.log", "w") for r in range(c.n)]
+    trainers = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"),
+                                  str(cfgfile), str(out)], env=c.trainer_env(r),
+                                 stdout=logs[r], stderr=subprocess.STDOUT)
+                for r in range(c.n)]
+    try:
+        for t in trainers:
+            t.wait(timeout=120)
+    finally:
+        for t in trainers:
+            if t.poll() is None:
+                t.kill()
+        for f in logs:
+            f.close()
+    killed_at = float((out / "killed").read_text())
+    lost = cfg["kill_rank"]
+    for r in range(c.n):
+        if r == lost:
+            continue
+        res = json.loads((out / f"rank-{r}.json").read_text())
+        e = res["error"]
+        assert e is not None and e["type"] == "PeerLostError", (r, res)
+        assert f"trainer-{lost}" in e["message"] or f"rank {lost}" in e["message"], e
+        assert e["time"] - killed_at <= (2000 + 1000 + 2000) / 1000, (e["time"] - killed_at, e)
+
