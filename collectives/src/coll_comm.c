@@ -71,6 +71,7 @@ pshard_status_t pshard_comm_create(const pshard_comm_config_t *cfg, pshard_comm_
     c->generation = cfg->generation;
     c->timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : DEFAULT_TIMEOUT_MS;
     c->backend = backend;
+    c->host_mem = backend->host_buffers || cfg->host_buffers;
     pthread_mutex_init(&c->mu, NULL);
     atomic_init(&c->aborted, false);
     c->record_cap = cfg->flight_recorder_size ? cfg->flight_recorder_size : DEFAULT_RECORDS;
@@ -180,10 +181,12 @@ static pshard_status_t rooted_args(pshard_comm_t *c, const pshard_coll_args_t *a
     if (a->send_segs || a->recv_segs)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "%s takes whole buffers, not pieces", name);
-    if (!c->backend->host_buffers)
+    /* The temporary buffer and the copies out of it are host memory: the caller's buffers
+     * must be too (tcp; nccl in host_buffers mode, which stages them itself). */
+    if (!c->host_mem || a->send_device || a->recv_device)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "%s is not on the %s backend yet (use all_reduce, all_gather or "
-                       "broadcast)",
+                       "%s on device buffers is not on the %s backend yet (use all_reduce, "
+                       "all_gather or broadcast, or host_buffers)",
                        name, c->backend->name);
     if (a->counts && (a->op == PSHARD_COLL_REDUCE || a->op == PSHARD_COLL_ALL_TO_ALL))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,

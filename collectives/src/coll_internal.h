@@ -75,7 +75,8 @@ struct pshard_comm {
     uint64_t generation;
     int64_t timeout_ms;
     const coll_backend_t *backend;
-    void *impl; /* backend state */
+    bool host_mem; /* the caller's buffers are host memory (tcp, or nccl's host_buffers) */
+    void *impl;    /* backend state */
 
     pthread_mutex_t mu;
     uint64_t next_seq;

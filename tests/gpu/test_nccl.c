@@ -509,6 +509,37 @@ static void test_world1_grouped_path(void)
     CU_ASSERT_EQUAL(c.failures, 0);
 }
 
+/* reduce, gather, scatter and all_to_all (composed of all_reduce, all_gather and broadcast
+ * into a temporary host buffer) on a host_buffers communicator of one rank: each gives back
+ * the input; on device buffers they are a clear INVALID_ARGUMENT. */
+static void check_rooted_host(rank_ctx_t *c, pshard_comm_t *comm)
+{
+    enum { N = 37 };
+    float in[N], out[N];
+    for (int i = 0; i < N; i++)
+        in[i] = (float)(i * 3 + 1);
+    const pshard_coll_op_t ops[] = {PSHARD_COLL_REDUCE, PSHARD_COLL_GATHER, PSHARD_COLL_SCATTER,
+                                    PSHARD_COLL_ALL_TO_ALL};
+    for (size_t k = 0; k < PS_ARRAY_LEN(ops); k++) {
+        memset(out, 0xff, sizeof(out));
+        pshard_coll_args_t a = {.op = ops[k],
+                                .dtype = PSHARD_FP32,
+                                .reduce = PSHARD_REDUCE_MAX,
+                                .send = in,
+                                .recv = out,
+                                .count = N};
+        char err[256] = "";
+        pshard_status_t st = pshard_coll_run(comm, &a, err, sizeof(err));
+        EXPECT(c, st == PSHARD_OK && memcmp(in, out, sizeof(in)) == 0, "%s on host buffers: %s",
+               pshard_coll_op_name(ops[k]), err);
+        a.send_device = true;
+        err[0] = '\0';
+        st = pshard_coll_run(comm, &a, err, sizeof(err));
+        EXPECT(c, st == PSHARD_ERR_INVALID_ARGUMENT && strstr(err, "device buffers"),
+               "%s on device buffers: %s", pshard_coll_op_name(ops[k]), err);
+    }
+}
+
 /* host_buffers: the same checks on host memory, which the backend stages through device
  * buffers of its own; pageable and pinned. */
 static void test_world1_host_buffers(void)
@@ -521,8 +552,10 @@ static void test_world1_host_buffers(void)
                         .host = true,
                         .pinned = pinned};
         pshard_comm_t *comm = make_comm(&c, pinned ? "gpu-w1-pinned" : "gpu-w1-host", 0);
-        if (comm)
+        if (comm) {
             run_all(&c, comm);
+            check_rooted_host(&c, comm);
+        }
         pshard_comm_destroy(comm);
         CU_ASSERT_EQUAL(c.failures, 0);
     }

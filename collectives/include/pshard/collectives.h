@@ -82,7 +82,8 @@ typedef struct {
  *                  reduce, gather and scatter run as all_reduce, all_gather and broadcast into
  *                  a temporary buffer on the ranks whose recv does not take the whole result
  *                  (ring cost of those operations; memory of the whole result on those ranks);
- *                  they take whole buffers (not pieces) and are not on the nccl backend yet.
+ *                  they take whole buffers (not pieces); on the nccl backend they need
+ *                  host_buffers (host memory, staged by the backend), not device buffers.
  *                  Their descriptors name the operation and root, so a rank running another
  *                  operation or root fails with PSHARD_ERR_DESYNC as for the others.
  *  all_to_all:     send holds world_size blocks of `count` elements, block k for rank k; recv
