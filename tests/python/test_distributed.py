@@ -1,4 +1,4 @@
-"""pshard.distributed on torch tensors, 1 to 3 ranks, against values computed locally."""
+"""pshard.distributed on torch tensors, 1 to 5 ranks, against values computed locally."""
 import json
 import os
 
@@ -7,7 +7,7 @@ import pytest
 from conftest import HERE, pshardrun
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_collectives(tmp_path, world):
     p = pshardrun(world, os.path.join(HERE, "dist_worker.py"), [str(tmp_path)])
     assert p.returncode == 0, p.stdout[-4000:]
