@@ -234,12 +234,12 @@ pshard_status_t shard_new_groups_run(pshard_shard_server_t *s, pshard_comm_t *co
     /* The ids are taken on every rank whatever happens next, so the ranks stay in step. */
     s->next_pg_id += (uint32_t)n;
     shard_pg_t **made = calloc(n, sizeof(*made));
+    /* Under mu: the watch thread walks the array (shard_pgs_abort), and realloc may move it. */
+    pthread_mutex_lock(&s->mu);
     shard_pg_t **grown = realloc(s->pgs, (s->npgs + n) * sizeof(*grown));
-    if (grown) {
-        pthread_mutex_lock(&s->mu);
+    if (grown)
         s->pgs = grown;
-        pthread_mutex_unlock(&s->mu);
-    }
+    pthread_mutex_unlock(&s->mu);
     if (!made || !grown) {
         free(made);
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
