@@ -344,9 +344,14 @@ def main():
     expect("async all_to_all_single",
            torch.equal(a2a, torch.tensor([100.0 * s + 2 * rank + k for s in range(world)
                                           for k in range(2)])))
+    # Leaving with a Work not yet waited for: the client closes once it is (a nonzero exit
+    # here fails the test).
+    last = torch.ones(5)
+    w = dist.all_reduce(last, async_op=True)
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump({"failed": failed}, f)
     pshard.destroy_process_group()
+    assert w.wait() is True and torch.equal(last, torch.full((5,), world * 1.0)), last
 
 
 main()

@@ -120,6 +120,7 @@ typedef struct {
     PyObject *shapes;   /* tuple of shape tuples of the defined model, or NULL */
     bool closing;       /* close() was called while views of its memory were alive */
     Py_ssize_t exports; /* live Buffers (and DLPack tensors) pointing into its memory */
+    Py_ssize_t pending; /* Works not yet waited for: close waits for them to be */
 } ClientObject;
 
 static PyTypeObject ClientType, BufferType, WorkType;
@@ -234,7 +235,7 @@ static void Client_dealloc(ClientObject *self)
 static PyObject *Client_close(ClientObject *self, PyObject *unused)
 {
     self->closing = true;
-    if (self->exports == 0)
+    if (self->exports == 0 && self->pending == 0)
         client_really_close(self);
     Py_RETURN_NONE;
 }
@@ -693,7 +694,7 @@ typedef struct {
 static void export_release(ClientObject *owner)
 {
     owner->exports--;
-    if (owner->exports == 0 && owner->closing)
+    if (owner->exports == 0 && owner->pending == 0 && owner->closing)
         client_really_close(owner);
 }
 
@@ -1036,6 +1037,7 @@ static PyObject *ids_start(ClientObject *self, PyObject *arg, start_fn fn)
         return client_fail(self, st);
     }
     w->w = work;
+    self->pending++;
     return (PyObject *)w;
 }
 
@@ -1071,6 +1073,10 @@ static void work_finish(WorkObject *w)
         Py_END_ALLOW_THREADS w->status = st;
         if (st != PSHARD_OK && w->owner->c)
             PyOS_snprintf(w->error, sizeof(w->error), "%s", pshard_last_error(w->owner->c));
+        /* A close asked for meanwhile waited for this work (its handle needs the client). */
+        ClientObject *owner = w->owner;
+        if (--owner->pending == 0 && owner->exports == 0 && owner->closing)
+            client_really_close(owner);
     }
     dl_release(&w->dl[0]);
     dl_release(&w->dl[1]);
@@ -1364,6 +1370,7 @@ static PyObject *Client_collective_start(ClientObject *self, PyObject *args)
         return client_fail(self, st);
     }
     w->w = work;
+    self->pending++;
     return (PyObject *)w;
 }
 
