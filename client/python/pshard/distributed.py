@@ -239,29 +239,33 @@ class _Work:
     whether they finished (and then completes the outputs too)."""
 
     def __init__(self, works, after):
-        self._works, self._after = works, after
+        self._works, self._after, self._error = works, after, None
 
     def wait(self, timeout=None):
-        error = None
         for w in self._works:
             try:
                 w.wait()
             except Exception as e:  # every call is waited for; the first error is raised
-                error = error or e
+                self._error = self._error or e
         self._works = []
-        if error is not None:
+        if self._error is not None:
             self._after = []
-            raise error
+            raise self._error
         after, self._after = self._after, []
         for fn in after:
             fn()
         return True
 
     def is_completed(self):
-        if all(w.is_completed() for w in self._works):
+        """True once every queued call finished (the outputs are then complete; an error is
+        kept for wait() to raise)."""
+        if not all(w.is_completed() for w in self._works):
+            return False
+        try:
             self.wait()
-            return True
-        return False
+        except Exception:
+            pass
+        return True
 
 
 def _target(group_, op_name):
