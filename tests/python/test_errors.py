@@ -61,7 +61,7 @@ def test_unsupported_options_are_refused():
     with pytest.raises(ValueError, match="betas"):
         pt.optim.AdamW(p, betas=(1.5, 0.9))
     m = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="mesh"):
+    with pytest.raises(TypeError, match="mesh must be a pshard.distributed.DeviceMesh"):
         pt.fully_shard(m, mesh=object())
     with pytest.raises(ValueError, match="offload"):
         pt.fully_shard(m, offload_policy=pt.CPUOffloadPolicy())
