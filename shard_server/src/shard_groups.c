@@ -56,7 +56,7 @@ void shard_pgs_abort(pshard_shard_server_t *s, int lost, pshard_status_t status,
         if (holds && g->comm && pshard_comm_error(g->comm, NULL, 0) == PSHARD_OK)
             pshard_comm_abort_status(g->comm, status, msg);
     }
-    for (int i = 0; s->pairs && i < s->world; i++) {
+    for (int i = 0; s->pairs && i < s->npairs; i++) {
         shard_pg_t *g = s->pairs[i];
         if (g && (lost < 0 || i == lost) && pshard_comm_error(g->comm, NULL, 0) == PSHARD_OK)
             pshard_comm_abort_status(g->comm, status, msg);
@@ -108,7 +108,7 @@ shard_pg_t *shard_pg_find(pshard_shard_server_t *s, uint32_t id, pshard_status_t
             char list[160];
             ranks_format(g->ranks, g->size, list, sizeof(list));
             *rc = ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
-                          "rank %d is not in group %" PRIu32 " (ranks %s)", s->rank, id, list);
+                          "this rank is not in group %" PRIu32 " (ranks %s)", id, list);
             return NULL;
         }
         return g;
@@ -178,7 +178,7 @@ pshard_status_t shard_new_groups_check(pshard_shard_server_t *s, pshard_comm_t *
 
 /* One group of the request as this rank keeps it, with its communicator when it is a member
  * (which blocks until every member has connected). */
-static pshard_status_t group_make(pshard_shard_server_t *s, const Pshard__GroupRanks *pb,
+static pshard_status_t group_make(pshard_shard_server_t *s, int rank, const Pshard__GroupRanks *pb,
                                   uint32_t id, int64_t timeout_ms, shard_pg_t **out, char *err,
                                   size_t errlen)
 {
@@ -192,7 +192,7 @@ static pshard_status_t group_make(pshard_shard_server_t *s, const Pshard__GroupR
     g->grank = -1;
     for (int k = 0; k < g->size; k++) {
         g->ranks[k] = pb->ranks[k];
-        if (g->ranks[k] == s->rank)
+        if (g->ranks[k] == rank)
             g->grank = k;
     }
     if (g->grank >= 0) {
@@ -219,7 +219,6 @@ static pshard_status_t group_make(pshard_shard_server_t *s, const Pshard__GroupR
 pshard_status_t shard_new_groups_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                      char *err, size_t errlen)
 {
-    (void)comm;
     shard_new_groups_arg_t *a = op->arg;
     const Pshard__NewGroupsRequest *req = a->req;
     size_t n = req->n_groups;
@@ -246,8 +245,8 @@ pshard_status_t shard_new_groups_run(pshard_shard_server_t *s, pshard_comm_t *co
     }
     pshard_status_t rc = PSHARD_OK;
     for (size_t i = 0; i < n && rc == PSHARD_OK; i++)
-        rc = group_make(s, req->groups[i], a->first_id + (uint32_t)i, req->timeout_ms, &made[i],
-                        err, errlen);
+        rc = group_make(s, pshard_comm_rank(comm), req->groups[i], a->first_id + (uint32_t)i,
+                        req->timeout_ms, &made[i], err, errlen);
     if (rc != PSHARD_OK) {
         for (size_t i = 0; i < n; i++)
             group_free(made[i]);
@@ -273,12 +272,12 @@ static void joined_key(const pshard_shard_server_t *s, int rank, char *key, size
     snprintf(key, len, "pshard/joined/g%" PRIu64 "/rank/%d", s->comm_generation, rank);
 }
 
-void shard_pairs_mark_joined(pshard_shard_server_t *s, bool joined)
+void shard_pairs_mark_joined(pshard_shard_server_t *s, int rank, bool joined)
 {
     if (!s->coord)
         return;
     char key[96], err[PSHARD_ERRLEN] = "";
-    joined_key(s, s->rank, key, sizeof(key));
+    joined_key(s, rank, key, sizeof(key));
     pshard_status_t rc = joined ? ps_coord_store_put(s->coord, key, "1", 1, 2000, err, sizeof(err))
                                 : ps_coord_store_remove(s->coord, key, 2000, err, sizeof(err));
     if (rc != PSHARD_OK)
@@ -290,9 +289,10 @@ void shard_pairs_clear(pshard_shard_server_t *s)
     pthread_mutex_lock(&s->mu);
     shard_pg_t **pairs = s->pairs;
     uint32_t *epoch = s->pair_epoch;
-    int n = s->world;
+    int n = s->npairs;
     s->pairs = NULL;
     s->pair_epoch = NULL;
+    s->npairs = 0;
     pthread_mutex_unlock(&s->mu);
     for (int i = 0; pairs && i < n; i++)
         group_free(pairs[i]);
@@ -300,19 +300,22 @@ void shard_pairs_clear(pshard_shard_server_t *s)
     free(epoch);
 }
 
-shard_pg_t *shard_pair_get(pshard_shard_server_t *s, int peer, int64_t timeout_ms,
-                           pshard_status_t *rc, char *err, size_t errlen)
+shard_pg_t *shard_pair_get(pshard_shard_server_t *s, pshard_comm_t *world, int peer,
+                           int64_t timeout_ms, pshard_status_t *rc, char *err, size_t errlen)
 {
-    if (peer < 0 || peer >= s->world || peer == s->rank) {
+    int me = pshard_comm_rank(world), n = pshard_comm_world_size(world);
+    if (peer < 0 || peer >= n || peer == me) {
         *rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                       "rank %d cannot send to or receive from rank %d (a rank of this %d-rank "
                       "cluster other than itself)",
-                      s->rank, peer, s->world);
+                      me, peer, n);
         return NULL;
     }
+    if (s->pairs && s->npairs != n) /* (a ring of another size: they are cleared with it) */
+        shard_pairs_clear(s);
     if (!s->pairs) {
-        shard_pg_t **pairs = calloc((size_t)s->world, sizeof(*pairs));
-        uint32_t *epoch = calloc((size_t)s->world, sizeof(*epoch));
+        shard_pg_t **pairs = calloc((size_t)n, sizeof(*pairs));
+        uint32_t *epoch = calloc((size_t)n, sizeof(*epoch));
         if (!pairs || !epoch) {
             free(pairs);
             free(epoch);
@@ -322,6 +325,7 @@ shard_pg_t *shard_pair_get(pshard_shard_server_t *s, int peer, int64_t timeout_m
         pthread_mutex_lock(&s->mu);
         s->pairs = pairs;
         s->pair_epoch = epoch;
+        s->npairs = n;
         pthread_mutex_unlock(&s->mu);
     }
     shard_pg_t *g = s->pairs[peer];
@@ -349,7 +353,7 @@ shard_pg_t *shard_pair_get(pshard_shard_server_t *s, int peer, int64_t timeout_m
                       peer);
         return NULL;
     }
-    int lo = s->rank < peer ? s->rank : peer, hi = s->rank < peer ? peer : s->rank;
+    int lo = me < peer ? me : peer, hi = me < peer ? peer : me;
     g = calloc(1, sizeof(*g));
     if (!g || !(g->ranks = malloc(2 * sizeof(int)))) {
         free(g);
@@ -360,7 +364,7 @@ shard_pg_t *shard_pair_get(pshard_shard_server_t *s, int peer, int64_t timeout_m
     g->size = 2;
     g->ranks[0] = lo;
     g->ranks[1] = hi;
-    g->grank = s->rank == lo ? 0 : 1;
+    g->grank = me == lo ? 0 : 1;
     char name[48];
     snprintf(name, sizeof(name), "p2p%dx%de%" PRIu32, lo, hi, s->pair_epoch[peer]);
     pshard_comm_config_t cc;
@@ -374,7 +378,7 @@ shard_pg_t *shard_pair_get(pshard_shard_server_t *s, int peer, int64_t timeout_m
         ps_errf(err, errlen, *rc,
                 "cannot connect rank %d with rank %d for send/recv (does rank %d's trainer call "
                 "the matching recv or send?): %s",
-                s->rank, peer, peer, why);
+                me, peer, peer, why);
         return NULL;
     }
     pthread_mutex_lock(&s->mu);

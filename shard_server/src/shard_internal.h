@@ -111,6 +111,7 @@ struct pshard_shard_server {
      * the array pointer changes under op_mu and mu both. world entries, or NULL. */
     struct shard_pg **pairs;
     uint32_t *pair_epoch;
+    int npairs; /* their length: the world size when they were made */
 
     /* Checkpoints. ckpt_requested: the newest `pshardctl checkpoint save` request seen in the
      * coordinator's store (mu); ckpt_handled: the newest one saved (op_mu). */
@@ -253,12 +254,12 @@ void shard_pg_describe(const shard_pg_t *g, char *buf, size_t len);
  * use (blocks until peer's server builds it too, at most timeout_ms; a peer whose trainer has
  * joined is refused at once with JOINED), or rebuilt after it failed. NULL with the error.
  * op_mu held. shard_pairs_clear destroys them all (op_mu held, or at shutdown). */
-shard_pg_t *shard_pair_get(pshard_shard_server_t *s, int peer, int64_t timeout_ms,
-                           pshard_status_t *rc, char *err, size_t errlen);
+shard_pg_t *shard_pair_get(pshard_shard_server_t *s, pshard_comm_t *world, int peer,
+                           int64_t timeout_ms, pshard_status_t *rc, char *err, size_t errlen);
 void shard_pairs_clear(pshard_shard_server_t *s);
 /* Marks (joined) or unmarks this rank's trainer as joined in the coordinator's store, where a
  * peer that wants to build a pair with it looks first. Best effort. */
-void shard_pairs_mark_joined(pshard_shard_server_t *s, bool joined);
+void shard_pairs_mark_joined(pshard_shard_server_t *s, int rank, bool joined);
 
 shard_pg_t *shard_pg_find(pshard_shard_server_t *s, uint32_t id, pshard_status_t *rc, char *err,
                           size_t errlen);

@@ -74,7 +74,7 @@ pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err
         rc = ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION, "%s", op->needs_model);
     shard_bufs_t *bufs = &s->bufs;
     if (rc == PSHARD_OK && op->p2p) {
-        shard_pg_t *g = shard_pair_get(s, op->peer, s->cfg.coll_timeout_ms, &rc, err, errlen);
+        shard_pg_t *g = shard_pair_get(s, comm, op->peer, s->cfg.coll_timeout_ms, &rc, err, errlen);
         if (g) {
             comm = g->comm;
             bufs = &g->bufs;
@@ -427,7 +427,7 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
     shadow_t world = {.s = s, .comm = comm, .bufs = &s->bufs, .throw_flag = throw_flag};
     /* The process groups, then the pairs (whose peers' sends and receives are refused with
      * JOINED). */
-    size_t npairs = s->pairs ? (size_t)s->world : 0, nall = s->npgs + npairs;
+    size_t npairs = s->pairs ? (size_t)s->npairs : 0, nall = s->npgs + npairs;
     shard_pg_t **all = calloc(nall ? nall : 1, sizeof(*all));
     shadow_t *groups = calloc(nall ? nall : 1, sizeof(*groups));
     if (!groups || !all) {
@@ -439,7 +439,7 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
         all[i] = s->pgs[i];
     for (size_t i = 0; i < npairs; i++)
         all[s->npgs + i] = s->pairs[i];
-    shard_pairs_mark_joined(s, true);
+    shard_pairs_mark_joined(s, rank, true);
     pshard_status_t rc = PSHARD_OK;
     for (size_t i = 0; i < nall && rc == PSHARD_OK; i++) {
         shard_pg_t *g = all[i];
@@ -470,7 +470,7 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
             rc = ps_errf(err, errlen, groups[i].rc, "group %" PRIu32 ": %s", all[i]->id,
                          groups[i].err);
     }
-    shard_pairs_mark_joined(s, false);
+    shard_pairs_mark_joined(s, rank, false);
     free(groups);
     free(all);
     int last_rank = world.last_rank;

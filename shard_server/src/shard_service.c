@@ -362,8 +362,11 @@ enum { P2P_SEND = 10, P2P_RECV = 11 };
 static pshard_status_t p2p_check(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                  char *err, size_t errlen)
 {
-    (void)comm;
     const Pshard__CollectiveRequest *req = op->arg;
+    /* comm is the pair's (ranks 0 and 1 in world-rank order): both ends record the sender's
+     * rank in it. */
+    int mine = pshard_comm_rank(comm);
+    op->sop.root = req->op == P2P_SEND ? mine : 1 - mine;
     size_t es = pshard_dtype_size(op->sop.dtype);
     bool send = req->op == P2P_SEND;
     uint64_t off = send ? req->send_offset : req->recv_offset;
@@ -399,20 +402,14 @@ static pshard_status_t p2p_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
 static void handle_p2p(ps_rpc_call_t *call, const Pshard__CollectiveRequest *req,
                        pshard_shard_server_t *s, pshard_dtype_t dt)
 {
-    bool send = req->op == P2P_SEND;
-    int me = s->rank, peer = req->root;
     shard_op_t op = {
         .session = req->session,
         .agree = true,
         .p2p = true,
-        .peer = peer,
-        /* Both ends encode the same record: the sender's rank in the pair (ranks in world-rank
-         * order), the tag, the count and the dtype. */
-        .sop = {.kind = SHARD_SOP_P2P,
-                .dtype = dt,
-                .coll_op = req->tag,
-                .count = req->count,
-                .root = send ? (me < peer ? 0 : 1) : (peer < me ? 0 : 1)},
+        .peer = req->root,
+        /* Both ends encode the same record: the sender's rank in the pair (p2p_check), the
+         * tag, the count and the dtype. */
+        .sop = {.kind = SHARD_SOP_P2P, .dtype = dt, .coll_op = req->tag, .count = req->count},
         .opk = -1,
         .check = p2p_check,
         .run = p2p_run,
