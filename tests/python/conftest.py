@@ -122,18 +122,12 @@ def cluster(tmp_path):
         c.stop()
 
 
-def check_killed_trainer_named(c, tmp_path, cfg):
-    """Runs worker.py on every rank of cluster c with cfg, whose kill_rank trainer kills itself
-    mid-step (kill_step): every other rank must fail with PeerLostError naming it, within the
-    lease (2 s) + 1 s, plus 2 s of slack for a loaded machine."""
-    out = tmp_path / "out"
-    out.mkdir()
-    cfgfile = out / "cfg.json"
-    cfgfile.write_text(json.dumps(cfg))
+def run_trainers(c, script, args, out):
+    """Runs script (in this folder) with args as every rank of cluster c, each logging to
+    out/tR.log; waits for all of them (at most 120 s each), killing any left over."""
     logs = [open(out / f"t{r}.log", "w") for r in range(c.n)]
-    trainers = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"),
-                                  str(cfgfile), str(out)], env=c.trainer_env(r),
-                                 stdout=logs[r], stderr=subprocess.STDOUT)
+    trainers = [subprocess.Popen([sys.executable, os.path.join(HERE, script), *args],
+                                 env=c.trainer_env(r), stdout=logs[r], stderr=subprocess.STDOUT)
                 for r in range(c.n)]
     try:
         for t in trainers:
@@ -144,14 +138,28 @@ def check_killed_trainer_named(c, tmp_path, cfg):
                 t.kill()
         for f in logs:
             f.close()
-    killed_at = float((out / "killed").read_text())
-    lost = cfg["kill_rank"]
-    for r in range(c.n):
-        if r == lost:
-            continue
-        res = json.loads((out / f"rank-{r}.json").read_text())
-        e = res["error"]
-        assert e is not None and e["type"] == "PeerLostError", (r, res)
-        assert f"trainer-{lost}" in e["message"] or f"rank {lost}" in e["message"], e
-        assert e["time"] - killed_at <= (2000 + 1000 + 2000) / 1000, (e["time"] - killed_at, e)
 
+
+def check_peer_lost(out, rank, lost):
+    """Rank rank's result (out/rank-R.json, which out/killed stamps the death of rank lost
+    against) is a PeerLostError naming lost, within the lease (2 s) + 1 s, plus 2 s of slack
+    for a loaded machine."""
+    killed_at = float((out / "killed").read_text())
+    res = json.loads((out / f"rank-{rank}.json").read_text())
+    e = res["error"]
+    assert e is not None and e["type"] == "PeerLostError", (rank, res)
+    assert f"trainer-{lost}" in e["message"] or f"rank {lost}" in e["message"], e
+    assert e["time"] - killed_at <= (2000 + 1000 + 2000) / 1000, (e["time"] - killed_at, e)
+
+
+def check_killed_trainer_named(c, tmp_path, cfg):
+    """Runs worker.py on every rank of cluster c with cfg, whose kill_rank trainer kills itself
+    mid-step (kill_step): every other rank must fail with PeerLostError naming it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cfgfile = out / "cfg.json"
+    cfgfile.write_text(json.dumps(cfg))
+    run_trainers(c, "worker.py", [str(cfgfile), str(out)], out)
+    for r in range(c.n):
+        if r != cfg["kill_rank"]:
+            check_peer_lost(out, r, cfg["kill_rank"])
