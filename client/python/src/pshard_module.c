@@ -1011,6 +1011,20 @@ static void work_init(WorkObject *w, ClientObject *owner)
     w->group = NULL;
 }
 
+/* w with the work a start function gave (st), counted until waited for; or the error, w
+ * dropped. */
+static PyObject *work_started(ClientObject *self, WorkObject *w, pshard_status_t st,
+                              pshard_work_t *work)
+{
+    if (st != PSHARD_OK) {
+        Py_DECREF(w);
+        return client_fail(self, st);
+    }
+    w->w = work;
+    self->pending++;
+    return (PyObject *)w;
+}
+
 static PyObject *ids_start(ClientObject *self, PyObject *arg, start_fn fn)
 {
     if (!client_ok(self))
@@ -1032,13 +1046,7 @@ static PyObject *ids_start(ClientObject *self, PyObject *arg, start_fn fn)
     pshard_work_t *work = NULL;
     CLIENT_CALL(self, st = fn(self->c, ids, n, &work));
     PyMem_Free(ids);
-    if (st != PSHARD_OK) {
-        Py_DECREF(w);
-        return client_fail(self, st);
-    }
-    w->w = work;
-    self->pending++;
-    return (PyObject *)w;
+    return work_started(self, w, st, work);
 }
 
 static PyObject *Client_gather(ClientObject *self, PyObject *a)
@@ -1365,13 +1373,7 @@ static PyObject *Client_collective_start(ClientObject *self, PyObject *args)
     pshard_status_t st;
     pshard_work_t *work = NULL;
     CLIENT_CALL(self, st = pshard_collective_start(self->c, &a, &work));
-    if (st != PSHARD_OK) {
-        Py_DECREF(w);
-        return client_fail(self, st);
-    }
-    w->w = work;
-    self->pending++;
-    return (PyObject *)w;
+    return work_started(self, w, st, work);
 }
 
 /* p2p(op, tensor, dtype, peer, tag=0, group=None): a blocking send (op 10) of the whole tensor
