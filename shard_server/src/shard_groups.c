@@ -71,14 +71,16 @@ void shard_pgs_abort(pshard_shard_server_t *s, int lost, pshard_status_t status,
     pthread_mutex_unlock(&s->mu);
 }
 
+/* "0, 2, 5" into buf (len > 16); "..." at the end when not every rank fits. */
 static void ranks_format(const int *ranks, int n, char *buf, size_t len)
 {
     size_t off = 0;
+    int k = 0;
     buf[0] = '\0';
-    for (int k = 0; k < n && off + 16 < len; k++)
+    for (; k < n && off + 16 < len; k++) /* one rank and ", " take at most 13 bytes */
         off += (size_t)snprintf(buf + off, len - off, "%s%d", k ? ", " : "", ranks[k]);
-    if (off + 16 >= len && len > 4)
-        snprintf(buf + len - 5, 5, "...");
+    if (k < n)
+        snprintf(buf + off, len - off, ", ...");
 }
 
 void shard_pg_describe(const shard_pg_t *g, char *buf, size_t len)
