@@ -73,10 +73,12 @@ pshard_status_t pshard_comm_create(const pshard_comm_config_t *cfg, pshard_comm_
     c->backend = backend;
     c->host_mem = backend->host_buffers || cfg->host_buffers;
     pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->idle_cv, NULL);
     atomic_init(&c->aborted, false);
     c->record_cap = cfg->flight_recorder_size ? cfg->flight_recorder_size : DEFAULT_RECORDS;
     c->records = calloc(c->record_cap, sizeof(*c->records));
     if (!c->records) {
+        pthread_cond_destroy(&c->idle_cv);
         pthread_mutex_destroy(&c->mu);
         free(c);
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
@@ -84,6 +86,7 @@ pshard_status_t pshard_comm_create(const pshard_comm_config_t *cfg, pshard_comm_
     pshard_status_t rc = backend->connect(c, cfg, err, errlen);
     if (rc != PSHARD_OK) {
         free(c->records);
+        pthread_cond_destroy(&c->idle_cv);
         pthread_mutex_destroy(&c->mu);
         free(c);
         return rc;
@@ -98,6 +101,7 @@ void pshard_comm_destroy(pshard_comm_t *comm)
         return;
     comm->backend->destroy(comm);
     free(comm->records);
+    pthread_cond_destroy(&comm->idle_cv);
     pthread_mutex_destroy(&comm->mu);
     free(comm);
 }
@@ -448,7 +452,12 @@ pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
     r->op.start_ns = ps_now_ns();
     r->op.deadline_ns = r->op.start_ns + timeout_ms * 1000000;
 
+    /* Operations the backend runs in the caller's thread wait until nothing is in flight, and
+     * every operation waits while one of those runs, so that all run in issue order. */
+    bool here = comm->backend->here && comm->backend->here(comm, &r->op);
     pthread_mutex_lock(&comm->mu);
+    while (comm->here_busy || (here && comm->in_flight > 0))
+        pthread_cond_wait(&comm->idle_cv, &comm->mu);
     r->op.desc.seq = comm->next_seq++;
     record_fill(comm, &r->op, args->label);
     pshard_status_t sticky = comm->sticky;
@@ -458,7 +467,10 @@ pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
      * rather than handed to the backend's thread and back (two wake-ups per operation). */
     bool local = sticky == PSHARD_OK && comm->world_size == 1 && comm->backend->host_buffers &&
                  comm->in_flight == 0;
-    if (sticky == PSHARD_OK && !local) {
+    here = here && sticky == PSHARD_OK;
+    if (here)
+        comm->here_busy = true;
+    else if (sticky == PSHARD_OK && !local) {
         r->submitted = true;
         comm->in_flight++;
     }
@@ -467,6 +479,14 @@ pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
     *req = r;
     if (sticky != PSHARD_OK) {
         coll_complete(r, sticky, sticky_msg);
+    } else if (here) {
+        char msg[PSHARD_ERRLEN] = "";
+        pshard_status_t st = comm->backend->run_here(comm, &r->op, msg, sizeof(msg));
+        coll_complete(r, st, msg);
+        pthread_mutex_lock(&comm->mu);
+        comm->here_busy = false;
+        pthread_cond_broadcast(&comm->idle_cv);
+        pthread_mutex_unlock(&comm->mu);
     } else if (local) {
         /* A one-rank all-gather, reduce-scatter, all-reduce or broadcast copies send to
          * recv (a sum or average over one rank is the value itself); a barrier does nothing. */
@@ -505,6 +525,8 @@ pshard_status_t coll_start_check(pshard_comm_t *comm, const coll_desc_t *desc, c
     r->op.start_ns = ps_now_ns();
     r->op.deadline_ns = r->op.start_ns + (timeout_ms ? timeout_ms : comm->timeout_ms) * 1000000;
     pthread_mutex_lock(&comm->mu);
+    while (comm->here_busy)
+        pthread_cond_wait(&comm->idle_cv, &comm->mu);
     r->op.desc.seq = comm->next_seq++;
     record_fill(comm, &r->op, label);
     pshard_status_t sticky = comm->sticky;
@@ -564,7 +586,8 @@ void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *m
     pthread_mutex_lock(&c->mu);
     if (req->submitted) {
         req->submitted = false;
-        c->in_flight--;
+        if (--c->in_flight == 0)
+            pthread_cond_broadcast(&c->idle_cv);
     }
     pshard_coll_record_t *r = record_of(c, &req->op);
     if (r) {

@@ -58,6 +58,12 @@ typedef struct {
     void (*abort)(pshard_comm_t *comm);
     /* Stops threads and frees backend state; everything submitted has completed. */
     void (*destroy)(pshard_comm_t *comm);
+    /* Optional: whether op runs in the caller's thread (run_here) instead of on the backend's
+     * thread; the same on every rank for the same descriptor. run_here is called with
+     * nothing else of the communicator in flight, and no other operation starts until it
+     * returns; it returns the operation's status with its message in err. */
+    bool (*here)(const pshard_comm_t *comm, const coll_op_t *op);
+    pshard_status_t (*run_here)(pshard_comm_t *comm, coll_op_t *op, char *err, size_t errlen);
     /* What pshard_comm_transport says (NULL: the backend's name). */
     const char *(*transport)(const pshard_comm_t *comm);
     /* Takes send / recv in pieces (pshard_coll_seg_t). */
@@ -87,6 +93,8 @@ struct pshard_comm {
     pshard_coll_record_t *records; /* flight recorder ring */
     size_t nrecords, record_cap, record_head;
     size_t in_flight; /* requests submitted to the backend and not completed */
+    bool here_busy;   /* an operation runs in a caller's thread (backend->run_here) */
+    pthread_cond_t idle_cv; /* in_flight reached 0, or here_busy was cleared */
 };
 
 /* Starts a descriptor-only operation on a tcp communicator: the ranks exchange and compare

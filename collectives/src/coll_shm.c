@@ -160,8 +160,13 @@ void coll_shm_destroy(coll_shm_t *s)
     free(s);
 }
 
+int coll_shm_pid(const coll_shm_t *s, int q)
+{
+    return (int)s->pid[q];
+}
+
 /* False once rank q's process has exited (its pid may then name another process). */
-static bool alive(const coll_shm_t *s, int q)
+bool coll_shm_alive(const coll_shm_t *s, int q)
 {
     if (s->pidfd[q] < 0)
         return true;
@@ -185,7 +190,7 @@ pshard_status_t coll_shm_read(coll_shm_t *s, int q, void *dst, uint64_t src_addr
     uint8_t *d = dst;
     uint64_t a = src_addr;
     while (len > 0) {
-        if (!alive(s, q))
+        if (!coll_shm_alive(s, q))
             return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST,
                            "lost rank %d: its process (pid %d) exited", q, (int)s->pid[q]);
         struct iovec local = {d, len};

@@ -50,6 +50,10 @@ bool coll_shm_can_read(const coll_peer_t *me, const coll_peer_t *peer, char *why
 coll_shm_t *coll_shm_create(int n, int rank, const coll_peer_t *recs);
 void coll_shm_destroy(coll_shm_t *s);
 
+/* Whether rank q's process still runs (true where that cannot be known), and its pid. */
+bool coll_shm_alive(const coll_shm_t *s, int q);
+int coll_shm_pid(const coll_shm_t *s, int q);
+
 /* Copies len (<= COLL_SHM_PIECE) bytes at src_addr in rank q's memory to dst. Errors:
  * PEER_LOST (q's process is gone), DESYNC (q named memory it does not have), SYSTEM. */
 pshard_status_t coll_shm_read(coll_shm_t *s, int q, void *dst, uint64_t src_addr, size_t len,

@@ -859,6 +859,8 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
         e->req = NULL;
         return;
     }
+    if (e->t.slots)
+        coll_slots_post_engine(e->t.slots, &req->op.desc);
     uint8_t buf[COLL_FRAME_MAX_CONTROL];
     size_t n = coll_desc_encode(&req->op.desc, buf, sizeof(buf));
     coll_engine_queue_ctrl(e, COLL_FRAME_DESC, req->op.desc.seq, buf, n);
@@ -907,6 +909,16 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
             coll_engine_fail_op(e, st, why, true);
             break;
         }
+        if (e->t.slots) {
+            /* A rank failed on the fast path (or aborted while this rank's ring was idle, so
+             * its notice never came through the sockets). */
+            char why[PSHARD_ERRLEN];
+            pshard_status_t st;
+            if (coll_slots_aborted(e->t.slots, &st, why, sizeof(why))) {
+                coll_engine_fail_op(e, st, why, false);
+                break;
+            }
+        }
         int64_t now = ps_now_ns();
         if (e->next_lost_errno &&
             (now - e->next_lost_ns >= NEXT_LOST_GRACE_NS || !expecting_input(e))) {
@@ -954,7 +966,8 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
             pfds[np++] = (struct pollfd){e->t.send_fd, POLLOUT, 0};
         int64_t left_ms = (req->op.deadline_ns - now) / 1000000 + 1;
         int timeout = left_ms > 1000 ? 1000 : (int)left_ms;
-        if ((e->next_lost_errno || (e->direct && e->dstage == DS_READ_FAILED)) && timeout > 20)
+        if ((e->next_lost_errno || (e->direct && e->dstage == DS_READ_FAILED) || e->t.slots) &&
+            timeout > 20)
             timeout = 20;
         int pr = poll(pfds, (nfds_t)np, timeout);
         if (pr > 0 && (pfds[0].revents & POLLIN))
@@ -1123,7 +1136,38 @@ static void tcp_submit(pshard_comm_t *comm, pshard_coll_req_t *req)
 
 static void tcp_abort(pshard_comm_t *comm)
 {
-    wake(engine_of(comm));
+    engine_t *e = engine_of(comm);
+    if (e->t.slots) {
+        /* Fast-path waiters on every rank sleep on the slots, not on the ring. */
+        char msg[PSHARD_ERRLEN] = "";
+        pshard_status_t st = pshard_comm_error(comm, msg, sizeof(msg));
+        coll_slots_abort(e->t.slots, st != PSHARD_OK ? st : PSHARD_ERR_ABORTED,
+                         st != PSHARD_OK ? msg : "aborted");
+    }
+    wake(e);
+}
+
+/* The fast path (coll_slots.h): small operations of a same-host ring whose slots every rank
+ * shares run in the caller's thread. */
+static bool tcp_here(const pshard_comm_t *comm, const coll_op_t *op)
+{
+    const engine_t *e = comm->impl;
+    return e->t.slots && coll_slots_fits(e->t.slots, op);
+}
+
+static pshard_status_t tcp_run_here(pshard_comm_t *comm, coll_op_t *op, char *err, size_t errlen)
+{
+    engine_t *e = engine_of(comm);
+    pshard_status_t rc = coll_slots_run(e->t.slots, e->t.shm, comm, op, err, errlen);
+    if (rc != PSHARD_OK) {
+        /* The communicator is done for, on every rank: the others learn it from the slots'
+         * record, this rank's engine fails what is queued. */
+        coll_set_sticky(comm, rc, err);
+        coll_slots_abort(e->t.slots, rc, err);
+        atomic_store(&comm->aborted, true);
+        wake(e);
+    }
+    return rc;
 }
 
 static void tcp_destroy(pshard_comm_t *comm)
@@ -1145,6 +1189,8 @@ static void tcp_destroy(pshard_comm_t *comm)
         pthread_join(t->thread, NULL);
         fail_queued(e);
     }
+    /* Fast-path peers waiting on this rank learn it is gone now, not after the linger. */
+    coll_slots_close(t->slots);
     /* Close gracefully: end our stream to next at once, then read and discard what prev still
      * sends until it closes too (or LINGER_MS passes). Closing a socket with unread data would
      * send a reset, and prev would report us lost instead of the failure we told the ring. */
@@ -1172,6 +1218,7 @@ static void tcp_destroy(pshard_comm_t *comm)
         close(t->wake_fd);
     coll_engine_free_ctrl(e);
     free(e->of_ctrl);
+    coll_slots_destroy(t->slots);
     coll_shm_destroy(t->shm);
     free(e->peer_desc);
     free(e->peer_sbuf);
@@ -1198,6 +1245,8 @@ const coll_backend_t coll_tcp_backend = {
     .connect = tcp_connect,
     .submit = tcp_submit,
     .abort = tcp_abort,
+    .here = tcp_here,
+    .run_here = tcp_run_here,
     .destroy = tcp_destroy,
     .host_buffers = true,
 };

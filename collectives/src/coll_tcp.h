@@ -10,6 +10,7 @@
 
 #include "coll_internal.h"
 #include "coll_shm.h"
+#include "coll_slots.h"
 
 typedef struct tcp {
     pshard_comm_t *comm;
@@ -38,6 +39,9 @@ typedef struct tcp {
      * the sockets. probe is the secret the other ranks read back to test it. */
     coll_shm_t *shm;
     uint8_t probe[16];
+    /* With shm, unless set-up could not share them: the slots small operations run through in
+     * the caller's thread (coll_slots.h). */
+    coll_slots_t *slots;
 } tcp_t;
 
 /* Listens, exchanges addresses, connects to the next rank and accepts the previous one, both
@@ -48,7 +52,7 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
 /* After linking: decides, the same on every rank, whether data moves through the sockets or
  * by the same-host transport (mode, and whether every rank can read every other's
  * memory), exchanging each rank's process identity and then its vote around the ring. Sets
- * t->shm when it is the latter. Errors: the ring's (PEER_LOST, TIMEOUT), FAILED_PRECONDITION
+ * t->shm when it is the latter, and then t->slots when every rank could share them. Errors: the ring's (PEER_LOST, TIMEOUT), FAILED_PRECONDITION
  * when shm is asked for and cannot be had (naming why), NO_MEMORY. */
 pshard_status_t tcp_choose_transport(tcp_t *t, coll_transport_t mode, int64_t deadline, char *err,
                                      size_t errlen);

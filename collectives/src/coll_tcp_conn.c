@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
+#include <limits.h>
 #include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -716,6 +717,51 @@ pshard_status_t pshard_socket_ifname_address(const char *names, char *out, size_
     return rc;
 }
 
+/* With the same-host transport chosen: rank 0 makes the slots' segment and says which of its
+ * fds holds it, the others open it, and every rank votes; the fast path is on when all could
+ * (else every rank goes without it, saying why in the log). Errors: the ring's. */
+static pshard_status_t share_slots(tcp_t *t, const coll_peer_t *recs, int64_t deadline, char *err,
+                                   size_t errlen)
+{
+    coll_done_t *vals = calloc((size_t)t->n, sizeof(*vals));
+    if (!vals)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    char why[PSHARD_ERRLEN] = "";
+    int fd = -1;
+    if (t->rank == 0)
+        t->slots = coll_slots_create(t->n, t->probe, &fd, why, sizeof(why));
+    for (int q = 0; q < t->n; q++)
+        vals[q].origin_rank = (uint32_t)q;
+    vals[t->rank].value = t->slots ? (uint32_t)fd + 1 : 0;
+    pshard_status_t rc = ring_allgather(t, COLL_FRAME_DONE, vals, sizeof(*vals), vote_encode,
+                                        vote_decode, deadline, err, errlen);
+    uint32_t fd0 = vals[0].value;
+    if (rc == PSHARD_OK && t->rank != 0 && fd0 != 0 && fd0 <= (uint32_t)INT_MAX)
+        t->slots = coll_slots_attach(t->n, t->rank, (pid_t)recs[0].pid, (int)(fd0 - 1), recs[0].probe,
+                                     why, sizeof(why));
+    for (int q = 0; q < t->n; q++)
+        vals[q].value = 0;
+    vals[t->rank].value = t->slots != NULL;
+    if (rc == PSHARD_OK)
+        rc = ring_allgather(t, COLL_FRAME_DONE, vals, sizeof(*vals), vote_encode, vote_decode,
+                            deadline, err, errlen);
+    bool all = rc == PSHARD_OK;
+    for (int q = 0; q < t->n; q++)
+        all = all && vals[q].value;
+    coll_slots_setup_done(t->slots);
+    if (!all) {
+        coll_slots_destroy(t->slots);
+        t->slots = NULL;
+    }
+    if (rc == PSHARD_OK)
+        PS_INFO(PS_SUB_COLL, "ring %s: rank %d %s%s%s", t->comm->name, t->rank,
+                all ? "runs small operations through the same-host slots"
+                    : "runs every operation through the engine",
+                why[0] ? ": " : "", why);
+    free(vals);
+    return rc;
+}
+
 pshard_status_t tcp_choose_transport(tcp_t *t, coll_transport_t mode, int64_t deadline, char *err,
                                      size_t errlen)
 {
@@ -747,6 +793,8 @@ pshard_status_t tcp_choose_transport(tcp_t *t, coll_transport_t mode, int64_t de
         t->shm = coll_shm_create(t->n, t->rank, recs);
         if (!t->shm)
             rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        if (rc == PSHARD_OK)
+            rc = share_slots(t, recs, deadline, err, errlen);
     } else if (rc == PSHARD_OK && mode == COLL_TRANSPORT_SHM) {
         rc = refuser == t->rank
                  ? ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,

@@ -610,7 +610,9 @@ static int scenario_correctness(bool big)
             case_t c = {(pshard_coll_op_t)(1 + i % 4),
                         (pshard_dtype_t)(i % PSHARD_DTYPE_COUNT),
                         PSHARD_REDUCE_SUM,
-                        (size_t)(1000 + 17 * i),
+                        /* every third one too big for the same-host slots: queued on the
+                           engine, with the small ones waiting their turn behind it */
+                        (size_t)(i % 3 == 2 ? 20000 + 17 * i : 1000 + 17 * i),
                         NULL,
                         i % g_world};
             inflight[i] = (running_t){.c = c, .id = id++};
@@ -659,8 +661,8 @@ static int scenario_desync(const char *what)
     case_t ok = {PSHARD_COLL_ALL_REDUCE, PSHARD_FP32, PSHARD_REDUCE_SUM, 1000, NULL, 0};
     run_case(comm, &ok, 1);
     bool odd = g_rank == g_world - 1;
-    float buf[4096];
-    for (int i = 0; i < 4096; i++)
+    static float buf[100000];
+    for (int i = 0; i < 100000; i++)
         buf[i] = 1.0f + (float)i;
     pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE,
                             .dtype = PSHARD_FP32,
@@ -672,6 +674,9 @@ static int scenario_desync(const char *what)
         a.dtype = PSHARD_BF16;
     else if (odd && strcmp(what, "count") == 0)
         a.count = 1001;
+    else if (odd && strcmp(what, "size") == 0)
+        a.count = 100000; /* through the engine on a same-host ring, where the others use the
+                             slots: each side must still see the other's descriptor */
     else if (odd && strcmp(what, "op") == 0)
         a.op = PSHARD_COLL_BROADCAST;
     else if (odd && strcmp(what, "tag") == 0)
@@ -702,15 +707,48 @@ static int scenario_desync(const char *what)
     return g_failures ? 1 : 0;
 }
 
-/* Rank 1 kills itself (SIGKILL) in the middle of a large all_reduce; the others must fail
- * with PEER_LOST naming rank 1, promptly. */
-static int scenario_kill(void)
+/* Rank 1 kills itself (SIGKILL) in the middle of a large all_reduce (small: before an
+ * all_reduce of 8 bytes, which a same-host ring runs through its slots; closed: it destroys the
+ * communicator instead and stays alive a while); the others must fail with PEER_LOST naming
+ * rank 1, promptly. */
+static int scenario_kill(const char *how)
 {
     char err[1024] = "";
     pshard_comm_t *comm = make_comm("kill", g_token, g_generation, 30000, NULL, err, sizeof(err));
     if (!comm) {
         fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
         return 1;
+    }
+    bool closed = strcmp(how, "closed") == 0;
+    if (closed || strcmp(how, "small") == 0) {
+        double v[1] = {1.0};
+        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE,
+                                .dtype = PSHARD_FP64,
+                                .count = 1,
+                                .send = v,
+                                .recv = v};
+        CHECK(pshard_coll_run(comm, &a, err, sizeof(err)) == PSHARD_OK, "first all_reduce: %s",
+              err);
+        if (g_rank == 1) {
+            struct timespec ts = {0, 100 * 1000000};
+            nanosleep(&ts, NULL);
+            if (!closed)
+                raise(SIGKILL);
+            pshard_comm_destroy(comm);
+            ts.tv_sec = 2;
+            nanosleep(&ts, NULL);
+            return 0;
+        }
+        int64_t t0 = ps_now_ns();
+        pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
+        double secs = (double)(ps_now_ns() - t0) / 1e9;
+        CHECK(rc == PSHARD_ERR_PEER_LOST, "expected PEER_LOST, got %s: %s",
+              pshard_status_name(rc), err);
+        CHECK(strstr(err, "rank 1") != NULL, "message does not name rank 1: %s", err);
+        CHECK(secs < 10, "took %.1f s to notice", secs);
+        printf("rank %d: %s -> %s after %.3f s\n", g_rank, how, err, secs);
+        pshard_comm_destroy(comm);
+        return g_failures ? 1 : 0;
     }
     size_t n = 16u << 20;
     float *buf = calloc(n, sizeof(float));
@@ -1053,7 +1091,7 @@ int main(int argc, char **argv)
     if (strcmp(scenario, "desync") == 0)
         return scenario_desync(arg);
     if (strcmp(scenario, "kill") == 0)
-        return scenario_kill();
+        return scenario_kill(arg);
     if (strcmp(scenario, "abort") == 0)
         return scenario_abort(strcmp(arg, "big") == 0);
     if (strcmp(scenario, "timeout") == 0)

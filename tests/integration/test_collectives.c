@@ -157,6 +157,10 @@ static void test_desync_op(void)
 {
     desync("op");
 }
+static void test_desync_size(void)
+{
+    desync("size");
+}
 static void test_desync_tag(void)
 {
     desync("tag");
@@ -176,13 +180,29 @@ static void test_log_lines(void)
         CU_ASSERT(exited_ok(st[r]));
 }
 
-static void test_kill(void)
+static void kill_case(const char *how)
 {
     int st[8];
-    CU_ASSERT_FATAL(run_workers(3, "kill", NULL, st, 60000) == 0);
+    CU_ASSERT_FATAL(run_workers(3, "kill", how, st, 60000) == 0);
     CU_ASSERT(exited_ok(st[0]));
-    CU_ASSERT(WIFSIGNALED(st[1]) && WTERMSIG(st[1]) == SIGKILL);
+    bool closed = strcmp(how, "closed") == 0;
+    CU_ASSERT(closed ? exited_ok(st[1]) : WIFSIGNALED(st[1]) && WTERMSIG(st[1]) == SIGKILL);
     CU_ASSERT(exited_ok(st[2]));
+}
+
+static void test_kill(void)
+{
+    kill_case("big");
+}
+
+static void test_kill_small(void)
+{
+    kill_case("small");
+}
+
+static void test_closed(void)
+{
+    kill_case("closed");
 }
 
 static void test_abort(void)
@@ -322,9 +342,12 @@ int main(int argc, char **argv)
         {"desync: count", test_desync_count},
         {"desync: op", test_desync_op},
         {"desync: tag", test_desync_tag},
+        {"desync: one rank's operation too big for the slots", test_desync_size},
         {"desync: reduce roots differ", test_desync_root},
         {"PSHARD_LOG_SUBSYS=coll: a line per operation", test_log_lines},
         {"kill -9 a rank mid-operation", test_kill},
+        {"kill -9 a rank before a small operation", test_kill_small},
+        {"a rank closes the communicator before a small operation", test_closed},
         {"abort from another thread", test_abort},
         {"abort in the middle of a DATA frame", test_abort_mid_frame},
         {"timeout names the silent rank", test_timeout},

@@ -1,0 +1,539 @@
+/* The same-host transport's fast path for small operations (coll_slots.h): a shared segment of
+ * per-rank slots, sequence words that ranks spin and then sleep (futex) on, and the abort
+ * record every rank reads. */
+#include "coll_slots.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "coll_reduce.h"
+#include "pshard/log.h"
+#include "pshard/util.h"
+
+#define SLOTS_MAGIC 0x3173746f6c737370ull /* "psslots1" */
+#define HDR_BYTES 4096u
+#define ABORT_MSG 512
+/* Elements a reduction sums at a time (its partial sums stay in the core's cache). */
+#define ACC_ELEMS 4096u
+/* Spinning before sleeping: on the CPU (when every rank may have a core) and yielding it. */
+#define SPIN_NS 50000
+#define YIELD_NS 200000
+/* A sleeper looks at the abort record, its peer's process and the deadline this often. */
+#define SLEEP_SLICE_NS 20000000
+
+typedef struct {
+    uint64_t magic;
+    uint8_t nonce[16];
+    uint32_t n;
+    uint32_t slot_bytes;
+    _Atomic uint32_t abort_state; /* 0: none; 1: being written; 2: written */
+    int32_t abort_status;
+    uint32_t abort_origin;
+    char abort_msg[ABORT_MSG];
+} hdr_t;
+
+/* A rank's control words, one cache line. */
+typedef struct {
+    _Atomic uint32_t posted;  /* (uint32_t)(seq + 1) of the newest operation it posted */
+    _Atomic uint32_t waiters; /* threads (of any rank) sleeping on posted */
+    _Atomic uint32_t closed;  /* it destroyed the communicator */
+    uint8_t pad[52];
+} ctl_t;
+
+typedef struct {
+    coll_desc_t desc;
+    uint32_t engine; /* 1: this rank runs the operation through the sockets */
+    uint32_t len;    /* data bytes that follow in the slot */
+} sdesc_t;
+
+#define SDESC_BYTES ((sizeof(sdesc_t) + 63u) & ~(size_t)63u)
+
+struct coll_slots {
+    int n, rank;
+    int fd; /* rank 0 during set-up; else -1 */
+    uint8_t *base;
+    size_t size, slot_bytes, block;
+    hdr_t *hdr;
+    int64_t spin_ns;
+    void *acc; /* ACC_ELEMS partial sums (8 bytes each covers every accumulation type) */
+};
+
+_Static_assert(sizeof(ctl_t) == 64, "one cache line of control words");
+_Static_assert(sizeof(hdr_t) <= HDR_BYTES, "header fits its page");
+
+static size_t block_bytes(size_t slot_bytes)
+{
+    return sizeof(ctl_t) + 2 * SDESC_BYTES + 2 * slot_bytes;
+}
+
+static size_t segment_bytes(int n, size_t slot_bytes)
+{
+    return HDR_BYTES + (size_t)n * block_bytes(slot_bytes);
+}
+
+static ctl_t *ctl(const coll_slots_t *s, int q)
+{
+    return (ctl_t *)(s->base + HDR_BYTES + (size_t)q * s->block);
+}
+
+static sdesc_t *sdesc(const coll_slots_t *s, int q, uint64_t seq)
+{
+    return (sdesc_t *)((uint8_t *)ctl(s, q) + sizeof(ctl_t) + (seq & 1) * SDESC_BYTES);
+}
+
+static uint8_t *sdata(const coll_slots_t *s, int q, uint64_t seq)
+{
+    return (uint8_t *)ctl(s, q) + sizeof(ctl_t) + 2 * SDESC_BYTES + (seq & 1) * s->slot_bytes;
+}
+
+static void futex_wake(_Atomic uint32_t *word)
+{
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static void futex_wait(_Atomic uint32_t *word, uint32_t seen, int64_t ns)
+{
+    struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &ts, NULL, 0);
+}
+
+/* The posted word v says operation want (= seq + 1) or a later one was posted. */
+static bool reached(uint32_t v, uint32_t want)
+{
+    return (int32_t)(v - want) >= 0;
+}
+
+static void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+/* Spinning pays off only when every rank may have a core: otherwise it takes the core from
+ * the rank it waits for. */
+static int64_t spin_budget(int n)
+{
+    cpu_set_t set;
+    int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    return n <= cpus ? SPIN_NS : 0;
+}
+
+static coll_slots_t *slots_new(int n, int rank)
+{
+    coll_slots_t *s = calloc(1, sizeof(*s));
+    if (!s)
+        return NULL;
+    s->n = n;
+    s->rank = rank;
+    s->fd = -1;
+    s->spin_ns = spin_budget(n);
+    s->acc = malloc((size_t)ACC_ELEMS * 8);
+    if (!s->acc) {
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+static void slots_free(coll_slots_t *s)
+{
+    if (s->base)
+        munmap(s->base, s->size);
+    if (s->fd >= 0)
+        close(s->fd);
+    free(s->acc);
+    free(s);
+}
+
+coll_slots_t *coll_slots_create(int n, const uint8_t nonce[16], int *fd, char *why, size_t whylen)
+{
+    *fd = -1;
+    int64_t want = COLL_SLOTS_DEFAULT_BYTES;
+    const char *env = getenv("PSHARD_SHM_SLOT_BYTES");
+    if (env && ps_parse_i64(env, 0, COLL_SLOTS_MAX_BYTES, &want) != 0) {
+        snprintf(why, whylen, "PSHARD_SHM_SLOT_BYTES='%.32s' is not 0..%u", env,
+                 COLL_SLOTS_MAX_BYTES);
+        return NULL;
+    }
+    size_t slot_bytes = (size_t)want & ~(size_t)63;
+    size_t cap = (COLL_SLOTS_MAX_SEGMENT / (2 * (size_t)n)) & ~(size_t)63;
+    slot_bytes = slot_bytes < cap ? slot_bytes : cap;
+    if (slot_bytes < 256) {
+        snprintf(why, whylen, "%s", want ? "too many ranks for slots of 256 bytes or more"
+                                         : "PSHARD_SHM_SLOT_BYTES=0");
+        return NULL;
+    }
+    coll_slots_t *s = slots_new(n, 0);
+    if (!s) {
+        snprintf(why, whylen, "out of memory");
+        return NULL;
+    }
+    s->slot_bytes = slot_bytes;
+    s->block = block_bytes(slot_bytes);
+    s->size = segment_bytes(n, slot_bytes);
+    s->fd = memfd_create("pshard-coll-slots", MFD_CLOEXEC);
+    if (s->fd < 0 || ftruncate(s->fd, (off_t)s->size) != 0) {
+        snprintf(why, whylen, "cannot make the slots' memory: %s", strerror(errno));
+        slots_free(s);
+        return NULL;
+    }
+    void *p = mmap(NULL, s->size, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, 0);
+    if (p == MAP_FAILED) {
+        snprintf(why, whylen, "cannot map the slots' memory: %s", strerror(errno));
+        slots_free(s);
+        return NULL;
+    }
+    s->base = p;
+    /* Every page backed now, not at the first operation. */
+    memset(s->base, 0, s->size);
+    s->hdr = (hdr_t *)s->base;
+    memcpy(s->hdr->nonce, nonce, 16);
+    s->hdr->n = (uint32_t)n;
+    s->hdr->slot_bytes = (uint32_t)slot_bytes;
+    atomic_thread_fence(memory_order_release);
+    s->hdr->magic = SLOTS_MAGIC;
+    *fd = s->fd;
+    return s;
+}
+
+coll_slots_t *coll_slots_attach(int n, int rank, pid_t pid0, int fd0, const uint8_t nonce[16],
+                                char *why, size_t whylen)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)pid0, fd0);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(why, whylen, "cannot open rank 0's slots (%s): %s", path, strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    size_t most = segment_bytes(n, COLL_SLOTS_MAX_BYTES);
+    if (fstat(fd, &st) != 0 || st.st_size < (off_t)segment_bytes(n, 256) ||
+        (uint64_t)st.st_size > most) {
+        snprintf(why, whylen, "%s is not rank 0's slots (size %lld)", path,
+                 (long long)st.st_size);
+        close(fd);
+        return NULL;
+    }
+    coll_slots_t *s = slots_new(n, rank);
+    if (!s) {
+        close(fd);
+        snprintf(why, whylen, "out of memory");
+        return NULL;
+    }
+    s->size = (size_t)st.st_size;
+    void *p = mmap(NULL, s->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        snprintf(why, whylen, "cannot map rank 0's slots: %s", strerror(errno));
+        slots_free(s);
+        return NULL;
+    }
+    s->base = p;
+    s->hdr = (hdr_t *)s->base;
+    size_t slot_bytes = s->hdr->slot_bytes;
+    if (s->hdr->magic != SLOTS_MAGIC || memcmp(s->hdr->nonce, nonce, 16) != 0 ||
+        s->hdr->n != (uint32_t)n || slot_bytes % 64 || slot_bytes > COLL_SLOTS_MAX_BYTES ||
+        segment_bytes(n, slot_bytes) != s->size) {
+        snprintf(why, whylen, "%s is not rank 0's slots for %d ranks", path, n);
+        slots_free(s);
+        return NULL;
+    }
+    s->slot_bytes = slot_bytes;
+    s->block = block_bytes(slot_bytes);
+    return s;
+}
+
+void coll_slots_setup_done(coll_slots_t *s)
+{
+    if (s && s->fd >= 0) {
+        close(s->fd);
+        s->fd = -1;
+    }
+}
+
+void coll_slots_close(coll_slots_t *s)
+{
+    if (!s)
+        return;
+    ctl_t *me = ctl(s, s->rank);
+    atomic_store(&me->closed, 1);
+    futex_wake(&me->posted);
+}
+
+void coll_slots_destroy(coll_slots_t *s)
+{
+    if (!s)
+        return;
+    coll_slots_close(s);
+    slots_free(s);
+}
+
+size_t coll_slots_bytes(const coll_slots_t *s)
+{
+    return s->slot_bytes;
+}
+
+/* The data bytes rank q puts in its slot for op. */
+static size_t post_bytes(const coll_op_t *op, int n, int q)
+{
+    size_t es = pshard_dtype_size(op->args.dtype);
+    size_t total = op->displs[n] * es;
+    switch (op->args.op) {
+    case PSHARD_COLL_ALL_GATHER:
+        return op->counts[q] * es;
+    case PSHARD_COLL_REDUCE_SCATTER:
+    case PSHARD_COLL_ALL_REDUCE:
+        return total;
+    case PSHARD_COLL_BROADCAST:
+        return q == op->args.root ? total : 0;
+    default:
+        return 0;
+    }
+}
+
+bool coll_slots_fits(const coll_slots_t *s, const coll_op_t *op)
+{
+    if (!s || op->check_only)
+        return false;
+    switch (op->args.op) {
+    case PSHARD_COLL_ALL_GATHER:
+        for (int q = 0; q < s->n; q++)
+            if (post_bytes(op, s->n, q) > s->slot_bytes)
+                return false;
+        return true;
+    case PSHARD_COLL_REDUCE_SCATTER:
+    case PSHARD_COLL_ALL_REDUCE:
+    case PSHARD_COLL_BROADCAST:
+        return op->displs[s->n] * pshard_dtype_size(op->args.dtype) <= s->slot_bytes;
+    case PSHARD_COLL_BARRIER:
+        return true;
+    default:
+        return false;
+    }
+}
+
+static void post(coll_slots_t *s, uint64_t seq)
+{
+    ctl_t *me = ctl(s, s->rank);
+    atomic_store(&me->posted, (uint32_t)(seq + 1));
+    if (atomic_load(&me->waiters))
+        futex_wake(&me->posted);
+}
+
+void coll_slots_post_engine(coll_slots_t *s, const coll_desc_t *d)
+{
+    sdesc_t *m = sdesc(s, s->rank, d->seq);
+    m->desc = *d;
+    m->engine = 1;
+    m->len = 0;
+    post(s, d->seq);
+}
+
+void coll_slots_abort(coll_slots_t *s, pshard_status_t status, const char *msg)
+{
+    hdr_t *h = s->hdr;
+    uint32_t none = 0;
+    if (atomic_compare_exchange_strong(&h->abort_state, &none, 1)) {
+        h->abort_status = (int32_t)status;
+        h->abort_origin = (uint32_t)s->rank;
+        ps_strlcpy(h->abort_msg, msg ? msg : "aborted", sizeof(h->abort_msg));
+        atomic_store(&h->abort_state, 2);
+    }
+    for (int q = 0; q < s->n; q++)
+        if (atomic_load(&ctl(s, q)->waiters))
+            futex_wake(&ctl(s, q)->posted);
+}
+
+bool coll_slots_aborted(coll_slots_t *s, pshard_status_t *status, char *msg, size_t msglen)
+{
+    hdr_t *h = s->hdr;
+    uint32_t state = atomic_load_explicit(&h->abort_state, memory_order_acquire);
+    if (state == 0)
+        return false;
+    /* Being written: the writer is a few stores away from done. */
+    for (int i = 0; state == 1 && i < 1000; i++) {
+        sched_yield();
+        state = atomic_load_explicit(&h->abort_state, memory_order_acquire);
+    }
+    if (state != 2) {
+        *status = PSHARD_ERR_ABORTED;
+        snprintf(msg, msglen, "another rank failed the communicator");
+        return true;
+    }
+    pshard_status_t st = (pshard_status_t)h->abort_status;
+    *status = st >= 0 || st < PSHARD_ERR_CANCELLED ? PSHARD_ERR_ABORTED : st;
+    char text[ABORT_MSG];
+    memcpy(text, h->abort_msg, sizeof(text));
+    text[sizeof(text) - 1] = '\0';
+    uint32_t origin = h->abort_origin;
+    if (origin == (uint32_t)s->rank)
+        snprintf(msg, msglen, "%s", text);
+    else
+        snprintf(msg, msglen, "%s (reported by rank %u)", text, origin);
+    return true;
+}
+
+/* Waits until rank q posted operation seq (or a later one). Errors as coll_slots_run's. */
+static pshard_status_t wait_posted(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
+                                   coll_op_t *op, int q, char *err, size_t errlen)
+{
+    ctl_t *c = ctl(s, q);
+    uint32_t want = (uint32_t)(op->desc.seq + 1);
+    int64_t start = 0, spent = 0;
+    for (uint32_t i = 0;; i++) {
+        if (reached(atomic_load_explicit(&c->posted, memory_order_acquire), want))
+            return PSHARD_OK;
+        if ((i & 63) == 0) {
+            int64_t now = ps_now_ns();
+            start = start ? start : now;
+            spent = now - start;
+            if (spent >= s->spin_ns + YIELD_NS)
+                break;
+        }
+        if (spent < s->spin_ns)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+    const char *what = pshard_coll_op_name((pshard_coll_op_t)op->desc.op);
+    coll_record_waiting(comm, op, q);
+    for (;;) {
+        atomic_fetch_add(&c->waiters, 1);
+        uint32_t v = atomic_load(&c->posted);
+        int64_t now = ps_now_ns();
+        int64_t left = op->deadline_ns - now;
+        bool ready = reached(v, want);
+        if (!ready && left > 0)
+            futex_wait(&c->posted, v, left < SLEEP_SLICE_NS ? left : SLEEP_SLICE_NS);
+        atomic_fetch_sub(&c->waiters, 1);
+        if (reached(atomic_load_explicit(&c->posted, memory_order_acquire), want)) {
+            coll_record_waiting(comm, op, -1);
+            return PSHARD_OK;
+        }
+        pshard_status_t st;
+        char why[PSHARD_ERRLEN];
+        if (coll_slots_aborted(s, &st, why, sizeof(why)))
+            return ps_errf(err, errlen, st, "%s", why);
+        if (atomic_load(&comm->aborted)) {
+            st = pshard_comm_error(comm, why, sizeof(why));
+            return ps_errf(err, errlen, st != PSHARD_OK ? st : PSHARD_ERR_ABORTED, "%s",
+                           st != PSHARD_OK ? why : "aborted");
+        }
+        if (atomic_load(&c->closed))
+            return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST,
+                           "%s seq %" PRIu64 " on rank %d: lost rank %d (it closed the "
+                           "communicator)",
+                           what, op->desc.seq, s->rank, q);
+        if (!coll_shm_alive(shm, q))
+            return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST,
+                           "%s seq %" PRIu64 " on rank %d: lost rank %d (its process, pid %d, "
+                           "exited)",
+                           what, op->desc.seq, s->rank, q, coll_shm_pid(shm, q));
+        if (ps_now_ns() >= op->deadline_ns)
+            return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT,
+                           "%s seq %" PRIu64 " timed out on rank %d waiting on rank %d: it has "
+                           "not started this operation (same-host transport)",
+                           what, op->desc.seq, s->rank, q);
+    }
+}
+
+/* out[out_off...] = scale * the reduction over every rank of elements [first, first + nel) of
+ * their slots, summed in rank order so that every rank gets the same bits. */
+static void reduce_slots(coll_slots_t *s, coll_op_t *op, size_t first, size_t nel, coll_buf_t *out,
+                         uint64_t out_off)
+{
+    pshard_dtype_t dt = op->args.dtype;
+    size_t es = pshard_dtype_size(dt);
+    double scale = op->args.reduce == PSHARD_REDUCE_AVG ? 1.0 / (double)s->n : 1.0;
+    uint64_t seq = op->desc.seq;
+    for (size_t done = 0; done < nel;) {
+        size_t m = nel - done < ACC_ELEMS ? nel - done : ACC_ELEMS;
+        size_t at = (first + done) * es;
+        coll_reduce_load(s->acc, sdata(s, 0, seq) + at, dt, m);
+        for (int q = 1; q < s->n; q++)
+            coll_reduce_accumulate(s->acc, sdata(s, q, seq) + at, dt, (int)op->args.reduce, m);
+        coll_buf_store(out, out_off + done * es, dt, s->acc, m, scale);
+        done += m;
+    }
+}
+
+pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
+                               coll_op_t *op, char *err, size_t errlen)
+{
+    int n = s->n, me = s->rank;
+    uint64_t seq = op->desc.seq;
+    pshard_status_t st;
+    char why[PSHARD_ERRLEN];
+    if (coll_slots_aborted(s, &st, why, sizeof(why)))
+        return ps_errf(err, errlen, st, "%s", why);
+    sdesc_t *mine = sdesc(s, me, seq);
+    mine->desc = op->desc;
+    mine->engine = 0;
+    size_t len = post_bytes(op, n, me);
+    mine->len = (uint32_t)len;
+    coll_buf_t slot = coll_buf_flat(sdata(s, me, seq));
+    if (len)
+        coll_buf_copy(&slot, 0, &op->sbuf, 0, len);
+    post(s, seq);
+    for (int k = 1; k < n; k++) {
+        int q = (me + k) % n;
+        PS_CHECK(wait_posted(s, shm, comm, op, q, err, errlen));
+        sdesc_t theirs;
+        memcpy(&theirs, sdesc(s, q, seq), sizeof(theirs));
+        if (theirs.engine || !coll_desc_same(&theirs.desc, &op->desc)) {
+            char a[256], b[256];
+            coll_desc_format(&theirs.desc, a, sizeof(a));
+            coll_desc_format(&op->desc, b, sizeof(b));
+            return ps_errf(err, errlen, PSHARD_ERR_DESYNC, "desync: rank %d ran %s%s but rank %d ran %s",
+                           q, a, theirs.engine ? " (too large for the same-host slots)" : "", me,
+                           b);
+        }
+        if (theirs.len != post_bytes(op, n, q))
+            return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
+                           "%s seq %" PRIu64 ": rank %d put %u bytes in its slot, not %zu",
+                           pshard_coll_op_name(op->args.op), seq, q, theirs.len,
+                           post_bytes(op, n, q));
+    }
+    size_t es = pshard_dtype_size(op->args.dtype);
+    switch (op->args.op) {
+    case PSHARD_COLL_ALL_GATHER:
+        for (int q = 0; q < n; q++) {
+            coll_buf_t from = coll_buf_flat(sdata(s, q, seq));
+            if (op->counts[q])
+                coll_buf_copy(&op->rbuf, op->displs[q] * es, &from, 0, op->counts[q] * es);
+        }
+        break;
+    case PSHARD_COLL_BROADCAST:
+        if (op->displs[n]) {
+            coll_buf_t from = coll_buf_flat(sdata(s, op->args.root, seq));
+            coll_buf_copy(&op->rbuf, 0, &from, 0, op->displs[n] * es);
+        }
+        break;
+    case PSHARD_COLL_ALL_REDUCE:
+        reduce_slots(s, op, 0, op->displs[n], &op->rbuf, 0);
+        break;
+    case PSHARD_COLL_REDUCE_SCATTER:
+        reduce_slots(s, op, op->displs[me], op->counts[me], &op->rbuf, 0);
+        break;
+    default:
+        break;
+    }
+    return PSHARD_OK;
+}

@@ -1,0 +1,87 @@
+/* Small operations of the same-host transport, run in the caller's thread through one shared
+ * segment of slots: each rank writes its descriptor and data into its own slot and raises a
+ * sequence word, then reads every other rank's slot once that rank's word reaches the same
+ * operation, spinning briefly and then sleeping on the word (a futex) instead of handing the
+ * operation to the engine thread and around the ring's sockets. A reduction is summed on every
+ * rank in rank order, so every rank gets the same bits.
+ *
+ * Two slots a rank, by sequence parity: a rank reaches operation s + 2 only after every rank
+ * posted s + 1, which each does only after it finished reading s, so a slot is never written
+ * while another rank may read it and no rank says when it finished.
+ *
+ * Operations that run through the engine (the sockets) post their descriptors here too, so a
+ * rank on the fast path sees a peer that issued something else as a desync instead of waiting
+ * for it. The segment also carries the communicator's first failure (an abort record), which
+ * every rank's waiters and engine read, and each rank's "closed" mark.
+ *
+ * The segment is a memfd made by rank 0 and opened by the others through /proc/PID/fd, the
+ * same permission as reading another process's memory (which the transport has proven): it
+ * has no name, so a killed rank leaves nothing in /dev/shm. */
+#ifndef PSHARD_COLL_SLOTS_H
+#define PSHARD_COLL_SLOTS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "coll_internal.h"
+#include "coll_shm.h"
+
+typedef struct coll_slots coll_slots_t;
+
+/* Default data bytes a slot holds (PSHARD_SHM_SLOT_BYTES on rank 0 sets it, 0 turns the fast
+ * path off); the segment is capped so that n ranks' slots stay within COLL_SLOTS_MAX_SEGMENT. */
+#define COLL_SLOTS_DEFAULT_BYTES (32u << 10)
+#define COLL_SLOTS_MAX_BYTES (1u << 20)
+#define COLL_SLOTS_MAX_SEGMENT (16u << 20)
+
+/* Rank 0: makes the segment for n ranks, stamped with nonce (its transport secret, which the
+ * others check). *fd is the memfd the others open through /proc/<pid>/fd/<fd>, kept open until
+ * coll_slots_setup_done. NULL with why (e.g. the fast path is turned off) when it cannot. */
+coll_slots_t *coll_slots_create(int n, const uint8_t nonce[16], int *fd, char *why, size_t whylen);
+
+/* Ranks other than 0: opens rank 0's segment (its pid and fd), and checks that it is the one
+ * made for n ranks with nonce. NULL with why when it cannot. */
+coll_slots_t *coll_slots_attach(int n, int rank, pid_t pid0, int fd0, const uint8_t nonce[16],
+                                char *why, size_t whylen);
+
+/* Set-up finished on every rank (rank 0 closes its fd). */
+void coll_slots_setup_done(coll_slots_t *s);
+
+/* Marks this rank's slot closed (a waiting peer then reports it lost) and wakes the peers.
+ * NULL is a no-op. Not concurrently with coll_slots_run. */
+void coll_slots_close(coll_slots_t *s);
+
+/* Closes (as coll_slots_close) and unmaps. NULL is a no-op. */
+void coll_slots_destroy(coll_slots_t *s);
+
+/* Whether op runs on the fast path: an all-gather, reduce-scatter, all-reduce, broadcast or
+ * barrier whose every rank's data fits a slot. Depends only on what every rank's descriptor
+ * holds, so it is the same on every rank (a rank that issued something else is a desync). */
+bool coll_slots_fits(const coll_slots_t *s, const coll_op_t *op);
+
+/* Runs op (its desc.seq assigned) in the caller's thread; nothing else of the communicator may
+ * be in flight. shm names lost processes. Errors: DESYNC (a rank posted another descriptor,
+ * naming both), TIMEOUT (naming the rank not yet there), PEER_LOST (a rank's process exited or
+ * it closed the communicator), ABORTED or whatever the abort record says (an abort anywhere),
+ * each with its message in err. Thread-safe with the engine's calls below. */
+pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
+                               coll_op_t *op, char *err, size_t errlen);
+
+/* The engine starts an operation through the sockets: its descriptor goes into this rank's
+ * slot, so that fast-path peers compare against it. Engine thread. */
+void coll_slots_post_engine(coll_slots_t *s, const coll_desc_t *d);
+
+/* Writes the communicator's first failure (rank, status, message) for every rank, unless one
+ * is there already, and wakes every waiter. Any thread. */
+void coll_slots_abort(coll_slots_t *s, pshard_status_t status, const char *msg);
+
+/* Whether a failure was recorded: its status, and its message with the rank that reported it,
+ * in msg. Any thread. */
+bool coll_slots_aborted(coll_slots_t *s, pshard_status_t *status, char *msg, size_t msglen);
+
+/* The data bytes a slot holds. */
+size_t coll_slots_bytes(const coll_slots_t *s);
+
+#endif
