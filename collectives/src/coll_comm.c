@@ -164,8 +164,10 @@ void pshard_comm_abort_status(pshard_comm_t *comm, pshard_status_t status, const
 /* Frees what prepare_op allocated. */
 static void coll_op_free(coll_op_t *op)
 {
-    free(op->counts);
-    free(op->displs);
+    if (op->counts != op->inline_counts)
+        free(op->counts);
+    if (op->displs != op->inline_displs)
+        free(op->displs);
     coll_buf_free(&op->sbuf);
     coll_buf_free(&op->rbuf);
     free(op->temp);
@@ -321,8 +323,13 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
     op->args.label = NULL;
     op->args.send_segs = op->args.recv_segs = NULL; /* borrowed: op->sbuf / rbuf keep copies */
     op->args.n_send_segs = op->args.n_recv_segs = 0;
-    op->counts = calloc((size_t)n, sizeof(size_t));
-    op->displs = calloc((size_t)n + 1, sizeof(size_t));
+    if (n <= COLL_OP_INLINE_RANKS) {
+        op->counts = op->inline_counts;
+        op->displs = op->inline_displs;
+    } else {
+        op->counts = calloc((size_t)n, sizeof(size_t));
+        op->displs = calloc((size_t)n + 1, sizeof(size_t));
+    }
     if (!op->counts || !op->displs)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     size_t total = 0;
@@ -404,7 +411,7 @@ static void record_fill(pshard_comm_t *c, coll_op_t *op, const char *label)
     r->tag = op->args.tag;
     r->total_count = op->desc.total_count;
     r->state = PSHARD_COLL_QUEUED;
-    r->start_ns = ps_now_ns();
+    r->start_ns = op->start_ns;
     r->waiting_on = -1;
     if (label)
         ps_strlcpy(r->label, label, sizeof(r->label));
@@ -432,17 +439,33 @@ void coll_record_waiting(pshard_comm_t *comm, const coll_op_t *op, int rank)
     pthread_mutex_unlock(&comm->mu);
 }
 
-pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t *args,
+/* pshard_coll_start; blocking: the caller waits for the request at once. */
+static void req_release(pshard_coll_req_t *req)
+{
+    pthread_mutex_destroy(&req->mu);
+    pthread_cond_destroy(&req->cv);
+    coll_op_free(&req->op);
+}
+
+/* storage: where the request lives (pshard_coll_run's, on its stack), or NULL to allocate it. */
+static pshard_status_t coll_start(pshard_comm_t *comm, const pshard_coll_args_t *args,
+                                  bool blocking, pshard_coll_req_t *storage,
                                   pshard_coll_req_t **req, char *err, size_t errlen)
 {
     *req = NULL;
-    pshard_coll_req_t *r = calloc(1, sizeof(*r));
+    pshard_coll_req_t *r = storage ? storage : malloc(sizeof(*r));
     if (!r)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    /* Everything but the error text, which is written before it is read. */
+    memset(r, 0, offsetof(pshard_coll_req_t, error));
+    memset((uint8_t *)r + offsetof(pshard_coll_req_t, error) + sizeof(r->error), 0,
+           sizeof(*r) - offsetof(pshard_coll_req_t, error) - sizeof(r->error));
+    r->error[0] = '\0';
     pshard_status_t rc = prepare_op(comm, args, &r->op, err, errlen);
     if (rc != PSHARD_OK) {
         coll_op_free(&r->op);
-        free(r);
+        if (!storage)
+            free(r);
         return rc;
     }
     r->comm = comm;
@@ -454,7 +477,7 @@ pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
 
     /* Operations the backend runs in the caller's thread wait until nothing is in flight, and
      * every operation waits while one of those runs, so that all run in issue order. */
-    bool here = comm->backend->here && comm->backend->here(comm, &r->op);
+    bool here = comm->backend->here && comm->backend->here(comm, &r->op, blocking);
     pthread_mutex_lock(&comm->mu);
     while (comm->here_busy || (here && comm->in_flight > 0))
         pthread_cond_wait(&comm->idle_cv, &comm->mu);
@@ -499,6 +522,12 @@ pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
         comm->backend->submit(comm, r);
     }
     return PSHARD_OK;
+}
+
+pshard_status_t pshard_coll_start(pshard_comm_t *comm, const pshard_coll_args_t *args,
+                                  pshard_coll_req_t **req, char *err, size_t errlen)
+{
+    return coll_start(comm, args, false, NULL, req, err, errlen);
 }
 
 pshard_status_t coll_start_check(pshard_comm_t *comm, const coll_desc_t *desc, const char *label,
@@ -639,21 +668,19 @@ void pshard_coll_req_free(pshard_coll_req_t *req)
     if (!req)
         return;
     pshard_coll_wait(req, NULL, 0);
-    pthread_mutex_destroy(&req->mu);
-    pthread_cond_destroy(&req->cv);
-    coll_op_free(&req->op);
+    req_release(req);
     free(req);
 }
 
 pshard_status_t pshard_coll_run(pshard_comm_t *comm, const pshard_coll_args_t *args, char *err,
                                 size_t errlen)
 {
-    pshard_coll_req_t *req = NULL;
-    pshard_status_t rc = pshard_coll_start(comm, args, &req, err, errlen);
+    pshard_coll_req_t storage, *req = NULL;
+    pshard_status_t rc = coll_start(comm, args, true, &storage, &req, err, errlen);
     if (rc != PSHARD_OK)
         return rc;
     rc = pshard_coll_wait(req, err, errlen);
-    pshard_coll_req_free(req);
+    req_release(req);
     return rc;
 }
 

@@ -64,8 +64,7 @@ void coll_engine_fail_op(engine_t *e, pshard_status_t st, const char *msg, bool 
         e->of_zero_pad = true;
     if (originate && e->t.n > 1)
         coll_engine_queue_abort(e, (uint32_t)e->t.rank, st, msg, e->req->op.desc.seq);
-    if (originate && e->t.slots)
-        coll_slots_abort(e->t.slots, st, msg);
+
     e->failed = true;
     e->drain_until_ns = ps_now_ns() + DRAIN_NS;
     coll_complete(e->req, st, msg);

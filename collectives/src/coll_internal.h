@@ -11,11 +11,16 @@
 #include "pshard/collectives.h"
 #include "pshard/queue.h"
 
+#define COLL_OP_INLINE_RANKS 8
+
 /* One operation, validated and with its descriptor computed. Owned by its request. */
 typedef struct coll_op {
     pshard_coll_args_t args; /* counts points at `counts` below */
     size_t *counts;          /* world_size entries, always filled (equal counts expanded) */
     size_t *displs;          /* prefix sums of counts, world_size + 1 entries */
+    /* counts and displs of a communicator of up to COLL_OP_INLINE_RANKS ranks (not allocated:
+     * a small operation's set-up is part of its latency) */
+    size_t inline_counts[COLL_OP_INLINE_RANKS], inline_displs[COLL_OP_INLINE_RANKS + 1];
     coll_desc_t desc;
     coll_buf_t sbuf, rbuf; /* send and recv, whole or in pieces (freed with the op) */
     int64_t deadline_ns;   /* ps_now_ns clock */
@@ -59,10 +64,10 @@ typedef struct {
     /* Stops threads and frees backend state; everything submitted has completed. */
     void (*destroy)(pshard_comm_t *comm);
     /* Optional: whether op runs in the caller's thread (run_here) instead of on the backend's
-     * thread; the same on every rank for the same descriptor. run_here is called with
-     * nothing else of the communicator in flight, and no other operation starts until it
-     * returns; it returns the operation's status with its message in err. */
-    bool (*here)(const pshard_comm_t *comm, const coll_op_t *op);
+     * thread; blocking when the caller waits for it at once (pshard_coll_run). run_here is
+     * called with nothing else of the communicator in flight, and no other operation starts
+     * until it returns; it returns the operation's status with its message in err. */
+    bool (*here)(const pshard_comm_t *comm, const coll_op_t *op, bool blocking);
     pshard_status_t (*run_here)(pshard_comm_t *comm, coll_op_t *op, char *err, size_t errlen);
     /* What pshard_comm_transport says (NULL: the backend's name). */
     const char *(*transport)(const pshard_comm_t *comm);

@@ -47,19 +47,26 @@ typedef struct {
 
 /* A rank's control words, one cache line. */
 typedef struct {
+    _Atomic uint32_t bell;    /* bumped after a change below while someone sleeps on it */
+    _Atomic uint32_t waiters; /* threads (of any rank) sleeping on bell */
     _Atomic uint32_t posted;  /* (uint32_t)(seq + 1) of the newest operation it posted */
-    _Atomic uint32_t waiters; /* threads (of any rank) sleeping on posted */
+    _Atomic uint32_t stage;   /* (uint32_t)(4 * (seq + 1) + k): it finished reading phase k of
+                                 operation seq (operations that read the others' memory) */
     _Atomic uint32_t closed;  /* it destroyed the communicator */
-    uint8_t pad[52];
+    uint8_t pad[44];
 } ctl_t;
 
 typedef struct {
-    coll_desc_t desc;
-    uint32_t engine; /* 1: this rank runs the operation through the sockets */
-    uint32_t len;    /* data bytes that follow in the slot */
+    uint32_t len;     /* data bytes that follow in the slot */
+    coll_desc_t desc; /* up to DESC_BYTES: with the buffers' addresses when the operation reads
+                         memory, but never data inline (the slot carries it) */
 } sdesc_t;
 
-#define SDESC_BYTES ((sizeof(sdesc_t) + 63u) & ~(size_t)63u)
+/* What of a descriptor goes through a slot: everything before its inline data, so that a peer
+ * reads two cache lines of it, not six. */
+#define DESC_BYTES offsetof(coll_desc_t, inline_len)
+
+#define SDESC_BYTES ((offsetof(sdesc_t, desc) + DESC_BYTES + 63u) & ~(size_t)63u)
 
 struct coll_slots {
     int n, rank;
@@ -69,6 +76,10 @@ struct coll_slots {
     hdr_t *hdr;
     int64_t spin_ns;
     void *acc; /* ACC_ELEMS partial sums (8 bytes each covers every accumulation type) */
+    /* By rank, for an operation that reads the others' memory: their descriptors and the
+     * buffers these name. */
+    coll_desc_t *peer_desc;
+    coll_buf_t *peer_sbuf, *peer_rbuf;
 };
 
 _Static_assert(sizeof(ctl_t) == 64, "one cache line of control words");
@@ -144,7 +155,14 @@ static coll_slots_t *slots_new(int n, int rank)
     s->fd = -1;
     s->spin_ns = spin_budget(n);
     s->acc = malloc((size_t)ACC_ELEMS * 8);
-    if (!s->acc) {
+    s->peer_desc = calloc((size_t)n, sizeof(coll_desc_t));
+    s->peer_sbuf = calloc((size_t)n, sizeof(coll_buf_t));
+    s->peer_rbuf = calloc((size_t)n, sizeof(coll_buf_t));
+    if (!s->acc || !s->peer_desc || !s->peer_sbuf || !s->peer_rbuf) {
+        free(s->acc);
+        free(s->peer_desc);
+        free(s->peer_sbuf);
+        free(s->peer_rbuf);
         free(s);
         return NULL;
     }
@@ -158,6 +176,9 @@ static void slots_free(coll_slots_t *s)
     if (s->fd >= 0)
         close(s->fd);
     free(s->acc);
+    free(s->peer_desc);
+    free(s->peer_sbuf);
+    free(s->peer_rbuf);
     free(s);
 }
 
@@ -268,13 +289,25 @@ void coll_slots_setup_done(coll_slots_t *s)
     }
 }
 
+/* Tells the sleepers on c that a word of c changed (stored, sequentially consistent, before
+ * this). A sleeper counts itself in waiters before it reads the bell and then the word, so
+ * either it sees the new word, or this sees it waiting and rings: no bell (a locked add on a
+ * line the peers spin on) while nobody sleeps. */
+static void ring_bell(ctl_t *c)
+{
+    if (atomic_load(&c->waiters)) {
+        atomic_fetch_add(&c->bell, 1);
+        futex_wake(&c->bell);
+    }
+}
+
 void coll_slots_close(coll_slots_t *s)
 {
     if (!s)
         return;
     ctl_t *me = ctl(s, s->rank);
     atomic_store(&me->closed, 1);
-    futex_wake(&me->posted);
+    ring_bell(me);
 }
 
 void coll_slots_destroy(coll_slots_t *s)
@@ -308,6 +341,22 @@ static size_t post_bytes(const coll_op_t *op, int n, int q)
     }
 }
 
+bool coll_slots_takes(const coll_slots_t *s, const coll_op_t *op)
+{
+    if (!s || op->check_only)
+        return false;
+    switch (op->args.op) {
+    case PSHARD_COLL_ALL_GATHER:
+    case PSHARD_COLL_REDUCE_SCATTER:
+    case PSHARD_COLL_ALL_REDUCE:
+    case PSHARD_COLL_BROADCAST:
+    case PSHARD_COLL_BARRIER:
+        return true;
+    default:
+        return false;
+    }
+}
+
 bool coll_slots_fits(const coll_slots_t *s, const coll_op_t *op)
 {
     if (!s || op->check_only)
@@ -329,21 +378,23 @@ bool coll_slots_fits(const coll_slots_t *s, const coll_op_t *op)
     }
 }
 
+static uint32_t stage_word(uint64_t seq, int k)
+{
+    return (uint32_t)(4 * (seq + 1) + (uint64_t)k);
+}
+
 static void post(coll_slots_t *s, uint64_t seq)
 {
     ctl_t *me = ctl(s, s->rank);
     atomic_store(&me->posted, (uint32_t)(seq + 1));
-    if (atomic_load(&me->waiters))
-        futex_wake(&me->posted);
+    ring_bell(me);
 }
 
-void coll_slots_post_engine(coll_slots_t *s, const coll_desc_t *d)
+static void post_stage(coll_slots_t *s, uint64_t seq, int k)
 {
-    sdesc_t *m = sdesc(s, s->rank, d->seq);
-    m->desc = *d;
-    m->engine = 1;
-    m->len = 0;
-    post(s, d->seq);
+    ctl_t *me = ctl(s, s->rank);
+    atomic_store(&me->stage, stage_word(seq, k));
+    ring_bell(me);
 }
 
 void coll_slots_abort(coll_slots_t *s, pshard_status_t status, const char *msg)
@@ -358,7 +409,7 @@ void coll_slots_abort(coll_slots_t *s, pshard_status_t status, const char *msg)
     }
     for (int q = 0; q < s->n; q++)
         if (atomic_load(&ctl(s, q)->waiters))
-            futex_wake(&ctl(s, q)->posted);
+            futex_wake(&ctl(s, q)->bell);
 }
 
 bool coll_slots_aborted(coll_slots_t *s, pshard_status_t *status, char *msg, size_t msglen)
@@ -390,15 +441,37 @@ bool coll_slots_aborted(coll_slots_t *s, pshard_status_t *status, char *msg, siz
     return true;
 }
 
-/* Waits until rank q posted operation seq (or a later one). Errors as coll_slots_run's. */
-static pshard_status_t wait_posted(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
-                                   coll_op_t *op, int q, char *err, size_t errlen)
+/* Whether the operation must stop: a failure recorded by any rank, an abort here, or its
+ * deadline; the error (as coll_slots_run's) in err. */
+static pshard_status_t going(coll_slots_t *s, pshard_comm_t *comm, const coll_op_t *op, char *err,
+                             size_t errlen)
+{
+    pshard_status_t st;
+    char why[PSHARD_ERRLEN];
+    if (coll_slots_aborted(s, &st, why, sizeof(why)))
+        return ps_errf(err, errlen, st, "%s", why);
+    if (atomic_load(&comm->aborted)) {
+        st = pshard_comm_error(comm, why, sizeof(why));
+        return ps_errf(err, errlen, st != PSHARD_OK ? st : PSHARD_ERR_ABORTED, "%s",
+                       st != PSHARD_OK ? why : "aborted");
+    }
+    if (ps_now_ns() >= op->deadline_ns)
+        return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT,
+                       "%s seq %" PRIu64 " timed out on rank %d", pshard_coll_op_name(op->desc.op),
+                       op->desc.seq, s->rank);
+    return PSHARD_OK;
+}
+
+/* Waits until rank q's word (its posted or stage word) reaches want, spinning briefly, then
+ * sleeping on q's bell. Errors as coll_slots_run's. */
+static pshard_status_t wait_word(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
+                                 coll_op_t *op, int q, _Atomic uint32_t *word, uint32_t want,
+                                 char *err, size_t errlen)
 {
     ctl_t *c = ctl(s, q);
-    uint32_t want = (uint32_t)(op->desc.seq + 1);
     int64_t start = 0, spent = 0;
-    for (uint32_t i = 0;; i++) {
-        if (reached(atomic_load_explicit(&c->posted, memory_order_acquire), want))
+    for (uint32_t i = 1;; i++) {
+        if (reached(atomic_load_explicit(word, memory_order_acquire), want))
             return PSHARD_OK;
         if ((i & 63) == 0) {
             int64_t now = ps_now_ns();
@@ -416,14 +489,12 @@ static pshard_status_t wait_posted(coll_slots_t *s, coll_shm_t *shm, pshard_comm
     coll_record_waiting(comm, op, q);
     for (;;) {
         atomic_fetch_add(&c->waiters, 1);
-        uint32_t v = atomic_load(&c->posted);
-        int64_t now = ps_now_ns();
-        int64_t left = op->deadline_ns - now;
-        bool ready = reached(v, want);
-        if (!ready && left > 0)
-            futex_wait(&c->posted, v, left < SLEEP_SLICE_NS ? left : SLEEP_SLICE_NS);
+        uint32_t bell = atomic_load(&c->bell);
+        int64_t left = op->deadline_ns - ps_now_ns();
+        if (!reached(atomic_load(word), want) && left > 0)
+            futex_wait(&c->bell, bell, left < SLEEP_SLICE_NS ? left : SLEEP_SLICE_NS);
         atomic_fetch_sub(&c->waiters, 1);
-        if (reached(atomic_load_explicit(&c->posted, memory_order_acquire), want)) {
+        if (reached(atomic_load_explicit(word, memory_order_acquire), want)) {
             coll_record_waiting(comm, op, -1);
             return PSHARD_OK;
         }
@@ -449,9 +520,24 @@ static pshard_status_t wait_posted(coll_slots_t *s, coll_shm_t *shm, pshard_comm
         if (ps_now_ns() >= op->deadline_ns)
             return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT,
                            "%s seq %" PRIu64 " timed out on rank %d waiting on rank %d: it has "
-                           "not started this operation (same-host transport)",
-                           what, op->desc.seq, s->rank, q);
+                           "%s (same-host transport)",
+                           what, op->desc.seq, s->rank, q,
+                           word == &c->posted ? "not started this operation"
+                                              : "not finished reading the others' buffers");
     }
+}
+
+/* Waits until every other rank finished phase k of op (read what it needed of this rank's
+ * buffers). */
+static pshard_status_t wait_stage(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
+                                  coll_op_t *op, int k, char *err, size_t errlen)
+{
+    for (int d = 1; d < s->n; d++) {
+        int q = (s->rank + d) % s->n;
+        PS_CHECK(wait_word(s, shm, comm, op, q, &ctl(s, q)->stage, stage_word(op->desc.seq, k),
+                           err, errlen));
+    }
+    return PSHARD_OK;
 }
 
 /* out[out_off...] = scale * the reduction over every rank of elements [first, first + nel) of
@@ -474,6 +560,150 @@ static void reduce_slots(coll_slots_t *s, coll_op_t *op, size_t first, size_t ne
     }
 }
 
+/* Publishes where this rank's buffers are, after putting its own block where the others read
+ * it (all-gather: into its output; a broadcast root: to its recv), so that they never read a
+ * send buffer this copy overlaps. */
+static void publish_buffers(coll_slots_t *s, coll_op_t *op)
+{
+    const pshard_coll_args_t *a = &op->args;
+    size_t es = pshard_dtype_size(a->dtype);
+    int me = s->rank;
+    coll_desc_t *d = &op->desc;
+    d->send_addr = op->sbuf.npieces ? (uint64_t)(uintptr_t)op->sbuf.pieces : op->sbuf.base;
+    d->send_pieces = (uint32_t)op->sbuf.npieces;
+    d->recv_addr = op->rbuf.npieces ? (uint64_t)(uintptr_t)op->rbuf.pieces : op->rbuf.base;
+    d->recv_pieces = (uint32_t)op->rbuf.npieces;
+    bool whole = !op->sbuf.npieces && !op->rbuf.npieces;
+    uint8_t *recv = a->recv;
+    if (a->op == PSHARD_COLL_ALL_GATHER) {
+        size_t at = op->displs[me] * es, bytes = op->counts[me] * es;
+        if (whole) {
+            if (bytes && a->send != recv + at)
+                memmove(recv + at, a->send, bytes);
+            d->send_addr = (uint64_t)(uintptr_t)(recv + at);
+        } else if (bytes) {
+            coll_buf_copy(&op->rbuf, at, &op->sbuf, 0, bytes);
+        }
+    } else if (a->op == PSHARD_COLL_BROADCAST && me == a->root) {
+        size_t total = op->displs[s->n] * es;
+        if (total)
+            coll_buf_copy(&op->rbuf, 0, &op->sbuf, 0, total);
+        if (whole)
+            d->send_addr = op->rbuf.base;
+    }
+}
+
+static void free_peer_bufs(coll_slots_t *s)
+{
+    for (int q = 0; q < s->n; q++) {
+        coll_buf_free(&s->peer_sbuf[q]);
+        coll_buf_free(&s->peer_rbuf[q]);
+    }
+}
+
+/* A read of another rank's memory failed: when some rank recorded a failure first (it gave up
+ * on the operation and may have let its buffers go), that failure is the cause. */
+static pshard_status_t read_failed(coll_slots_t *s, const coll_op_t *op, pshard_status_t rc,
+                                   char *err, size_t errlen)
+{
+    pshard_status_t st;
+    char why[PSHARD_ERRLEN];
+    if (coll_slots_aborted(s, &st, why, sizeof(why))) {
+        err[0] = '\0';
+        return ps_errf(err, errlen, st, "%s", why);
+    }
+    char first[PSHARD_ERRLEN];
+    ps_strlcpy(first, err, sizeof(first));
+    err[0] = '\0';
+    return ps_errf(err, errlen, rc, "%s seq %" PRIu64 " on rank %d: %s",
+                   pshard_coll_op_name(op->args.op), op->desc.seq, s->rank, first);
+}
+
+/* The reading of an operation too big for the slots: each rank reads what it needs of the
+ * others' buffers (process_vm_readv), in pieces between which it checks for failures, says
+ * when it finished each phase, and completes once every rank finished reading its buffers. */
+static pshard_status_t read_peers(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
+                                  coll_op_t *op, char *err, size_t errlen)
+{
+    const pshard_coll_args_t *a = &op->args;
+    int n = s->n, me = s->rank;
+    size_t es = pshard_dtype_size(a->dtype);
+    uint64_t total = op->displs[n] * es;
+    double scale = a->reduce == PSHARD_REDUCE_AVG ? 1.0 / (double)n : 1.0;
+    pshard_status_t rc;
+    coll_record_waiting(comm, op, -1);
+    for (int q = 0; q < n; q++) {
+        const coll_desc_t *d = &s->peer_desc[q];
+        bool reads_send = a->op != PSHARD_COLL_BROADCAST || q == a->root;
+        uint64_t sbytes = a->op == PSHARD_COLL_ALL_GATHER ? op->counts[q] * es : total;
+        if (q == me)
+            continue;
+        if (reads_send &&
+            (rc = coll_shm_fetch_buf(shm, q, d->send_addr, d->send_pieces, sbytes,
+                                     &s->peer_sbuf[q], err, errlen)) != PSHARD_OK)
+            return read_failed(s, op, rc, err, errlen);
+        if (a->op == PSHARD_COLL_ALL_REDUCE &&
+            (rc = coll_shm_fetch_buf(shm, q, d->recv_addr, d->recv_pieces, total,
+                                     &s->peer_rbuf[q], err, errlen)) != PSHARD_OK)
+            return read_failed(s, op, rc, err, errlen);
+    }
+    if (a->op == PSHARD_COLL_REDUCE_SCATTER || a->op == PSHARD_COLL_ALL_REDUCE) {
+        /* This rank's block: its own part plus every other rank's, slice by slice. */
+        size_t count = op->counts[me];
+        uint64_t out0 = a->op == PSHARD_COLL_ALL_REDUCE ? op->displs[me] * es : 0;
+        for (size_t done = 0; done < count;) {
+            PS_CHECK(going(s, comm, op, err, errlen));
+            size_t nel = count - done < COLL_SHM_REDUCE_MAX ? count - done : COLL_SHM_REDUCE_MAX;
+            uint64_t first = (op->displs[me] + done) * es;
+            rc = coll_shm_reduce(shm, s->peer_sbuf, first, &op->sbuf, first, &op->rbuf,
+                                 out0 + done * es, a->dtype, (int)a->reduce, nel, scale, err,
+                                 errlen);
+            if (rc != PSHARD_OK)
+                return read_failed(s, op, rc, err, errlen);
+            done += nel;
+        }
+    }
+    if (a->op == PSHARD_COLL_ALL_REDUCE) {
+        /* Every rank's reduced block, once it is there. */
+        post_stage(s, op->desc.seq, 1);
+        PS_CHECK(wait_stage(s, shm, comm, op, 1, err, errlen));
+    }
+    if (a->op == PSHARD_COLL_BROADCAST && me != a->root) {
+        for (uint64_t off = 0; off < total;) {
+            PS_CHECK(going(s, comm, op, err, errlen));
+            size_t len = total - off < COLL_SHM_PIECE ? (size_t)(total - off) : COLL_SHM_PIECE;
+            rc = coll_shm_read_buf(shm, a->root, &op->rbuf, off, &s->peer_sbuf[a->root], off, len,
+                                   err, errlen);
+            if (rc != PSHARD_OK)
+                return read_failed(s, op, rc, err, errlen);
+            off += len;
+        }
+    }
+    if (a->op == PSHARD_COLL_ALL_GATHER || a->op == PSHARD_COLL_ALL_REDUCE) {
+        /* Every other rank's block (all-gather: from where it published it; all-reduce: its
+         * reduced block in its output), starting with the next rank's so that the ranks do not
+         * all read the same one at once. */
+        bool second = a->op == PSHARD_COLL_ALL_REDUCE;
+        for (int k = 1; k < n; k++) {
+            int q = (me + k) % n;
+            size_t bytes = op->counts[q] * es, at = op->displs[q] * es;
+            for (size_t off = 0; off < bytes;) {
+                PS_CHECK(going(s, comm, op, err, errlen));
+                size_t len = bytes - off < COLL_SHM_PIECE ? bytes - off : COLL_SHM_PIECE;
+                rc = coll_shm_read_buf(shm, q, &op->rbuf, at + off,
+                                       second ? &s->peer_rbuf[q] : &s->peer_sbuf[q],
+                                       (second ? at : 0) + off, len, err, errlen);
+                if (rc != PSHARD_OK)
+                    return read_failed(s, op, rc, err, errlen);
+                off += len;
+            }
+        }
+    }
+    /* No rank lets its buffers go before every other rank finished reading them. */
+    post_stage(s, op->desc.seq, 2);
+    return wait_stage(s, shm, comm, op, 2, err, errlen);
+}
+
 pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
                                coll_op_t *op, char *err, size_t errlen)
 {
@@ -483,10 +713,12 @@ pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *
     char why[PSHARD_ERRLEN];
     if (coll_slots_aborted(s, &st, why, sizeof(why)))
         return ps_errf(err, errlen, st, "%s", why);
+    bool small = coll_slots_fits(s, op);
     sdesc_t *mine = sdesc(s, me, seq);
-    mine->desc = op->desc;
-    mine->engine = 0;
-    size_t len = post_bytes(op, n, me);
+    size_t len = small ? post_bytes(op, n, me) : 0;
+    if (!small)
+        publish_buffers(s, op);
+    memcpy(&mine->desc, &op->desc, DESC_BYTES);
     mine->len = (uint32_t)len;
     coll_buf_t slot = coll_buf_flat(sdata(s, me, seq));
     if (len)
@@ -494,22 +726,29 @@ pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *
     post(s, seq);
     for (int k = 1; k < n; k++) {
         int q = (me + k) % n;
-        PS_CHECK(wait_posted(s, shm, comm, op, q, err, errlen));
+        PS_CHECK(wait_word(s, shm, comm, op, q, &ctl(s, q)->posted, (uint32_t)(seq + 1), err,
+                           errlen));
         sdesc_t theirs;
-        memcpy(&theirs, sdesc(s, q, seq), sizeof(theirs));
-        if (theirs.engine || !coll_desc_same(&theirs.desc, &op->desc)) {
+        memcpy(&theirs, sdesc(s, q, seq), offsetof(sdesc_t, desc) + DESC_BYTES);
+        theirs.desc.inline_len = 0;
+        if (!coll_desc_same(&theirs.desc, &op->desc)) {
             char a[256], b[256];
             coll_desc_format(&theirs.desc, a, sizeof(a));
             coll_desc_format(&op->desc, b, sizeof(b));
-            return ps_errf(err, errlen, PSHARD_ERR_DESYNC, "desync: rank %d ran %s%s but rank %d ran %s",
-                           q, a, theirs.engine ? " (too large for the same-host slots)" : "", me,
-                           b);
+            return ps_errf(err, errlen, PSHARD_ERR_DESYNC, "desync: rank %d ran %s but rank %d ran %s",
+                           q, a, me, b);
         }
-        if (theirs.len != post_bytes(op, n, q))
+        if (theirs.len != (small ? post_bytes(op, n, q) : 0))
             return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
                            "%s seq %" PRIu64 ": rank %d put %u bytes in its slot, not %zu",
                            pshard_coll_op_name(op->args.op), seq, q, theirs.len,
-                           post_bytes(op, n, q));
+                           small ? post_bytes(op, n, q) : 0);
+        s->peer_desc[q] = theirs.desc;
+    }
+    if (!small) {
+        st = read_peers(s, shm, comm, op, err, errlen);
+        free_peer_bufs(s);
+        return st;
     }
     size_t es = pshard_dtype_size(op->args.dtype);
     switch (op->args.op) {

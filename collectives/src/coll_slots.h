@@ -1,18 +1,22 @@
-/* Small operations of the same-host transport, run in the caller's thread through one shared
- * segment of slots: each rank writes its descriptor and data into its own slot and raises a
- * sequence word, then reads every other rank's slot once that rank's word reaches the same
- * operation, spinning briefly and then sleeping on the word (a futex) instead of handing the
- * operation to the engine thread and around the ring's sockets. A reduction is summed on every
- * rank in rank order, so every rank gets the same bits.
+/* The operations of a same-host ring, run through one shared segment of slots instead of the
+ * ring's sockets: each rank writes its descriptor (and the data of a small operation) into its
+ * own slot and raises a sequence word, then reads every other rank's slot once that rank's word
+ * reaches the same operation, spinning briefly and then sleeping on the rank's bell (a futex).
+ * A small operation (its data fits a slot) then completes from the slots; a bigger one reads
+ * the others' buffers, whose addresses the descriptors carry (process_vm_readv, coll_shm.h),
+ * raises a stage word after each phase of reading, and completes once every rank finished
+ * reading its buffers. Either runs in whichever thread gets to it: the caller's (a blocking
+ * call, or a small operation) or the engine's (an asynchronous big one), one at a time.
+ * A reduction of a small operation is summed on every rank in rank order, so every rank gets
+ * the same bits; a big one's blocks are each reduced once, by their owner.
  *
  * Two slots a rank, by sequence parity: a rank reaches operation s + 2 only after every rank
  * posted s + 1, which each does only after it finished reading s, so a slot is never written
- * while another rank may read it and no rank says when it finished.
+ * while another rank may read it.
  *
- * Operations that run through the engine (the sockets) post their descriptors here too, so a
- * rank on the fast path sees a peer that issued something else as a desync instead of waiting
- * for it. The segment also carries the communicator's first failure (an abort record), which
- * every rank's waiters and engine read, and each rank's "closed" mark.
+ * The segment also carries the communicator's first failure (an abort record), which every
+ * rank's waiters read, and each rank's "closed" mark; a rank's lost process is named by its
+ * pidfd.
  *
  * The segment is a memfd made by rank 0 and opened by the others through /proc/PID/fd, the
  * same permission as reading another process's memory (which the transport has proven): it
@@ -56,22 +60,22 @@ void coll_slots_close(coll_slots_t *s);
 /* Closes (as coll_slots_close) and unmaps. NULL is a no-op. */
 void coll_slots_destroy(coll_slots_t *s);
 
-/* Whether op runs on the fast path: an all-gather, reduce-scatter, all-reduce, broadcast or
- * barrier whose every rank's data fits a slot. Depends only on what every rank's descriptor
- * holds, so it is the same on every rank (a rank that issued something else is a desync). */
+/* Whether op runs through the slots: an all-gather, reduce-scatter, all-reduce, broadcast or
+ * barrier (what reduce, gather, scatter and all-to-all run as). NULL s: no. */
+bool coll_slots_takes(const coll_slots_t *s, const coll_op_t *op);
+
+/* Whether op's data travels in the slots: every rank's fits one. Depends only on what every
+ * rank's descriptor holds, so it is the same on every rank. */
 bool coll_slots_fits(const coll_slots_t *s, const coll_op_t *op);
 
-/* Runs op (its desc.seq assigned) in the caller's thread; nothing else of the communicator may
- * be in flight. shm names lost processes. Errors: DESYNC (a rank posted another descriptor,
- * naming both), TIMEOUT (naming the rank not yet there), PEER_LOST (a rank's process exited or
- * it closed the communicator), ABORTED or whatever the abort record says (an abort anywhere),
- * each with its message in err. Thread-safe with the engine's calls below. */
+/* Runs op (coll_slots_takes; its desc.seq assigned) in the calling thread; nothing else of
+ * the communicator may run meanwhile. shm reads the others' memory and names lost processes.
+ * Errors: DESYNC (a rank posted another descriptor, naming both; or named memory it does not
+ * have), TIMEOUT (naming the rank not yet there), PEER_LOST (a rank's process exited or it
+ * closed the communicator), ABORTED or whatever the abort record says (an abort anywhere),
+ * each with its message in err. */
 pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
                                coll_op_t *op, char *err, size_t errlen);
-
-/* The engine starts an operation through the sockets: its descriptor goes into this rank's
- * slot, so that fast-path peers compare against it. Engine thread. */
-void coll_slots_post_engine(coll_slots_t *s, const coll_desc_t *d);
 
 /* Writes the communicator's first failure (rank, status, message) for every rank, unless one
  * is there already, and wakes every waiter. Any thread. */

@@ -832,8 +832,17 @@ static void fail_timeout(engine_t *e)
     coll_engine_fail_op(e, PSHARD_ERR_TIMEOUT, msg, true);
 }
 
+static pshard_status_t slots_run(engine_t *e, coll_op_t *op, char *err, size_t errlen);
+
 static void run_request(engine_t *e, pshard_coll_req_t *req)
 {
+    if (coll_slots_takes(e->t.slots, &req->op)) {
+        /* A same-host ring whose slots every rank shares: the sockets carry nothing. */
+        char msg[PSHARD_ERRLEN] = "";
+        pshard_status_t st = slots_run(e, &req->op, msg, sizeof(msg));
+        coll_complete(req, st, msg);
+        return;
+    }
     e->req = req;
     char msg[PSHARD_ERRLEN];
     pshard_status_t rc = PSHARD_OK;
@@ -859,8 +868,6 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
         e->req = NULL;
         return;
     }
-    if (e->t.slots)
-        coll_slots_post_engine(e->t.slots, &req->op.desc);
     uint8_t buf[COLL_FRAME_MAX_CONTROL];
     size_t n = coll_desc_encode(&req->op.desc, buf, sizeof(buf));
     coll_engine_queue_ctrl(e, COLL_FRAME_DESC, req->op.desc.seq, buf, n);
@@ -909,16 +916,6 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
             coll_engine_fail_op(e, st, why, true);
             break;
         }
-        if (e->t.slots) {
-            /* A rank failed on the fast path (or aborted while this rank's ring was idle, so
-             * its notice never came through the sockets). */
-            char why[PSHARD_ERRLEN];
-            pshard_status_t st;
-            if (coll_slots_aborted(e->t.slots, &st, why, sizeof(why))) {
-                coll_engine_fail_op(e, st, why, false);
-                break;
-            }
-        }
         int64_t now = ps_now_ns();
         if (e->next_lost_errno &&
             (now - e->next_lost_ns >= NEXT_LOST_GRACE_NS || !expecting_input(e))) {
@@ -966,8 +963,7 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
             pfds[np++] = (struct pollfd){e->t.send_fd, POLLOUT, 0};
         int64_t left_ms = (req->op.deadline_ns - now) / 1000000 + 1;
         int timeout = left_ms > 1000 ? 1000 : (int)left_ms;
-        if ((e->next_lost_errno || (e->direct && e->dstage == DS_READ_FAILED) || e->t.slots) &&
-            timeout > 20)
+        if ((e->next_lost_errno || (e->direct && e->dstage == DS_READ_FAILED)) && timeout > 20)
             timeout = 20;
         int pr = poll(pfds, (nfds_t)np, timeout);
         if (pr > 0 && (pfds[0].revents & POLLIN))
@@ -1147,17 +1143,10 @@ static void tcp_abort(pshard_comm_t *comm)
     wake(e);
 }
 
-/* The fast path (coll_slots.h): small operations of a same-host ring whose slots every rank
- * shares run in the caller's thread. */
-static bool tcp_here(const pshard_comm_t *comm, const coll_op_t *op)
+/* Runs op through the slots (coll_slots.h), in the engine's thread or a caller's. */
+static pshard_status_t slots_run(engine_t *e, coll_op_t *op, char *err, size_t errlen)
 {
-    const engine_t *e = comm->impl;
-    return e->t.slots && coll_slots_fits(e->t.slots, op);
-}
-
-static pshard_status_t tcp_run_here(pshard_comm_t *comm, coll_op_t *op, char *err, size_t errlen)
-{
-    engine_t *e = engine_of(comm);
+    pshard_comm_t *comm = e->t.comm;
     pshard_status_t rc = coll_slots_run(e->t.slots, e->t.shm, comm, op, err, errlen);
     if (rc != PSHARD_OK) {
         /* The communicator is done for, on every rank: the others learn it from the slots'
@@ -1168,6 +1157,20 @@ static pshard_status_t tcp_run_here(pshard_comm_t *comm, coll_op_t *op, char *er
         wake(e);
     }
     return rc;
+}
+
+/* A same-host ring whose slots every rank shares runs a small operation in the caller's
+ * thread, and a bigger one there too when the caller waits for it anyway (pshard_coll_run):
+ * no hand-off to the engine and back. */
+static bool tcp_here(const pshard_comm_t *comm, const coll_op_t *op, bool blocking)
+{
+    const engine_t *e = comm->impl;
+    return blocking ? coll_slots_takes(e->t.slots, op) : coll_slots_fits(e->t.slots, op);
+}
+
+static pshard_status_t tcp_run_here(pshard_comm_t *comm, coll_op_t *op, char *err, size_t errlen)
+{
+    return slots_run(engine_of(comm), op, err, errlen);
 }
 
 static void tcp_destroy(pshard_comm_t *comm)

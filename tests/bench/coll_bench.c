@@ -51,6 +51,7 @@ typedef struct {
     int64_t iters;         /* -i: timed operations per size */
     int64_t root;          /* broadcast root */
     bool check;            /* -c: verify each size's result after timing it */
+    bool blocking;         /* -z: each operation waited for before the next (as MPI's calls) */
     int64_t timeout_ms;    /* per-operation timeout */
     char *coordinator;     /* use this coordinator instead of starting one */
     char *coordinator_bin; /* the pshard-coordinator to start */
@@ -87,6 +88,10 @@ static const ps_option_t options[] = {
         MAX_RANKS - 1),
     OPT("check", "PSHARD_BENCH_CHECK", PS_OPT_BOOL, "true",
         "-c: verify every size's output after timing it (#wrong column)", check, 0, 0),
+    OPT("blocking", "PSHARD_BENCH_BLOCKING", PS_OPT_BOOL, "false",
+        "-z: wait for each operation before starting the next (pshard_coll_run, as MPI's "
+        "blocking calls and nccl-tests' -z 1) instead of queueing them all",
+        blocking, 0, 0),
     OPT("timeout-ms", "PSHARD_BENCH_TIMEOUT_MS", PS_OPT_INT, "600000",
         "per-operation timeout (and the communicator's connect timeout)", timeout_ms, 100,
         86400000),
@@ -116,6 +121,7 @@ static const struct {
     {'n', "--nranks"},       {'b', "--minbytes"}, {'e', "--maxbytes"},
     {'f', "--stepfactor"},   {'o', "--op"},       {'d', "--datatype"},
     {'w', "--warmup-iters"}, {'i', "--iters"},    {'c', "--check"},
+    {'z', "--blocking"},
 };
 
 /* Returns a new argv (malloc'd array, strings borrowed from argv or static, plus "--check=0"
@@ -336,11 +342,16 @@ static pshard_status_t barrier(pshard_comm_t *comm, char *err, size_t errlen)
 }
 
 /* Issues `iters` operations back to back (all queued before the first wait, as nccl-tests
- * enqueue theirs on a stream) and waits for every one. */
+ * enqueue theirs on a stream) and waits for every one; blocking: each waited for before the
+ * next is issued. */
 static pshard_status_t run_iters(pshard_comm_t *comm, const pshard_coll_args_t *a, int64_t iters,
-                                 pshard_coll_req_t **reqs, char *err, size_t errlen)
+                                 bool blocking, pshard_coll_req_t **reqs, char *err, size_t errlen)
 {
     pshard_status_t rc = PSHARD_OK;
+    for (int64_t i = 0; blocking && i < iters && rc == PSHARD_OK; i++)
+        rc = pshard_coll_run(comm, a, err, errlen);
+    if (blocking)
+        return rc;
     int64_t started = 0;
     for (; started < iters; started++) {
         rc = pshard_coll_start(comm, a, &reqs[started], err, errlen);
@@ -441,12 +452,12 @@ static int rank_main(const bench_opts_t *o, pshard_dtype_t dt, const pshard_coll
             /* Poisoned so a result the timed operations did not write fails the check. */
             if (o->check)
                 memset(recv, 0xff, g.size);
-            rc = run_iters(comm, &a, o->warmup_iters, reqs, err, sizeof(err));
+            rc = run_iters(comm, &a, o->warmup_iters, o->blocking, reqs, err, sizeof(err));
             if (rc == PSHARD_OK)
                 rc = barrier(comm, err, sizeof(err));
             int64_t t0 = ps_now_ns();
             if (rc == PSHARD_OK)
-                rc = run_iters(comm, &a, o->iters, reqs, err, sizeof(err));
+                rc = run_iters(comm, &a, o->iters, o->blocking, reqs, err, sizeof(err));
             int64_t elapsed = ps_now_ns() - t0;
             /* The closing barrier keeps this size's traffic out of the next size's timing; it
              * is not timed itself. Each rank's time is exchanged (an int64 all_gather) and the
