@@ -5,7 +5,8 @@
 # btl vader,self, single copy by CMA), plus a raw loopback TCP stream; then prints the ratios.
 # Installs OpenMPI if it is missing, builds (Release) into build-bench/, runs pshard-tcp-ref,
 # then for each n in RANKS and op in OPS the four configurations interleaved, then an 8-byte
-# all_reduce latency for each, then a summary table.
+# all_reduce latency for each (blocking calls back to back, pshard-coll-bench -z 1 as MPI's),
+# then a summary table.
 #
 # Environment: BUILD_DIR (default <repo>/build-bench), ITERS (20), WARMUP (5), SIZES (size
 # ranges run one after another, ";"-separated: "-b 1M -e 1M;-b 16M -e 128M -f 8" is 1 MiB,
@@ -94,8 +95,9 @@ for n in $RANKS; do
     done
     log "n=$n: 8-byte all_reduce latency"
     for tr in tcp shm; do
+        # -z 1: each call waited for before the next, as OpenMPI's reference times its calls
         PSHARD_TRANSPORT=$tr "$BENCH" -n "$n" -b 8 -e 8 -o all_reduce -d fp32 -w 100 \
-            -i "$LAT_ITERS" -c 0 "$@" | tee "$OUT/lat_pshard-${tr}_n${n}.txt"
+            -i "$LAT_ITERS" -c 0 -z 1 "$@" | tee "$OUT/lat_pshard-${tr}_n${n}.txt"
     done
     ompi tcp,self "$n" -b 8 -e 8 -o all_reduce -d fp32 -w 100 -i "$LAT_ITERS" |
         tee "$OUT/lat_mpi-tcp_n${n}.txt"

@@ -3,7 +3,10 @@
  * as the peer: yes for the real one; no for another boot, another pid namespace, a secret that
  * does not read back, a process that is gone); reads of the child's memory, of memory it does
  * not have, and after it exited; reductions over a peer's buffer given in pieces; and buffers
- * in pieces addressed by logical offset. */
+ * in pieces addressed by logical offset; the slots' segment (coll_slots.h): what opening it
+ * refuses (another segment, another size of ring, a file that is not one, a closed fd), what
+ * PSHARD_SHM_SLOT_BYTES turns off or refuses, and the failure record every rank reads. */
+#include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -13,6 +16,7 @@
 
 #include "coll_buf.h"
 #include "coll_shm.h"
+#include "coll_slots.h"
 #include "ps_test.h"
 
 static void test_transport_env(void)
@@ -229,6 +233,79 @@ static void test_buf_pieces(void)
                     PSHARD_ERR_INVALID_ARGUMENT);
 }
 
+static void test_slots_segment(void)
+{
+    uint8_t nonce[16], other[16];
+    for (int i = 0; i < 16; i++) {
+        nonce[i] = (uint8_t)(i * 7 + 1);
+        other[i] = (uint8_t)(i * 7 + 2);
+    }
+    char why[PSHARD_ERRLEN] = "";
+    int fd = -1;
+    unsetenv("PSHARD_SHM_SLOT_BYTES");
+    coll_slots_t *made = coll_slots_create(3, nonce, &fd, why, sizeof why);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(made);
+    CU_ASSERT(fd >= 0);
+    CU_ASSERT_EQUAL(coll_slots_bytes(made), COLL_SLOTS_DEFAULT_BYTES);
+
+    /* The right segment opens (here through this process's own /proc entry). */
+    coll_slots_t *peer = coll_slots_attach(3, 1, getpid(), fd, nonce, why, sizeof why);
+    CU_ASSERT_PTR_NOT_NULL(peer);
+    /* Another segment's secret, another size of ring, a file that is no segment: refused,
+     * saying which file. */
+    why[0] = '\0';
+    CU_ASSERT_PTR_NULL(coll_slots_attach(3, 2, getpid(), fd, other, why, sizeof why));
+    CU_ASSERT_PTR_NOT_NULL(strstr(why, "is not rank 0's slots"));
+    why[0] = '\0';
+    CU_ASSERT_PTR_NULL(coll_slots_attach(4, 2, getpid(), fd, nonce, why, sizeof why));
+    CU_ASSERT_PTR_NOT_NULL(strstr(why, "is not rank 0's slots"));
+    int null_fd = open("/dev/null", O_RDWR);
+    why[0] = '\0';
+    CU_ASSERT_PTR_NULL(coll_slots_attach(3, 2, getpid(), null_fd, nonce, why, sizeof why));
+    CU_ASSERT_PTR_NOT_NULL(strstr(why, "is not rank 0's slots"));
+    close(null_fd);
+
+    /* A failure recorded on one rank is read on the others, naming who reported it; the first
+     * one stays. */
+    pshard_status_t st = PSHARD_OK;
+    char msg[PSHARD_ERRLEN] = "";
+    CU_ASSERT_FALSE(coll_slots_aborted(peer, &st, msg, sizeof msg));
+    coll_slots_abort(made, PSHARD_ERR_DESYNC, "desync: rank 0 ran this but rank 1 ran that");
+    coll_slots_abort(peer, PSHARD_ERR_TIMEOUT, "a later failure");
+    CU_ASSERT_TRUE(coll_slots_aborted(peer, &st, msg, sizeof msg));
+    CU_ASSERT_EQUAL(st, PSHARD_ERR_DESYNC);
+    CU_ASSERT_PTR_NOT_NULL(strstr(msg, "desync: rank 0 ran this"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(msg, "(reported by rank 0)"));
+    CU_ASSERT_TRUE(coll_slots_aborted(made, &st, msg, sizeof msg));
+    CU_ASSERT_PTR_NULL(strstr(msg, "reported by"));
+
+    /* Once set-up is done rank 0's fd is closed: nobody else can open the segment. */
+    coll_slots_setup_done(made);
+    why[0] = '\0';
+    CU_ASSERT_PTR_NULL(coll_slots_attach(3, 2, getpid(), fd, nonce, why, sizeof why));
+    CU_ASSERT(why[0] != '\0');
+    coll_slots_destroy(peer);
+    coll_slots_destroy(made);
+    coll_slots_destroy(NULL);
+
+    /* PSHARD_SHM_SLOT_BYTES: 0 turns the slots off, a bad value is named, a small one is
+     * rounded down to whole cache lines. */
+    setenv("PSHARD_SHM_SLOT_BYTES", "0", 1);
+    why[0] = '\0';
+    CU_ASSERT_PTR_NULL(coll_slots_create(2, nonce, &fd, why, sizeof why));
+    CU_ASSERT_PTR_NOT_NULL(strstr(why, "PSHARD_SHM_SLOT_BYTES=0"));
+    setenv("PSHARD_SHM_SLOT_BYTES", "lots", 1);
+    why[0] = '\0';
+    CU_ASSERT_PTR_NULL(coll_slots_create(2, nonce, &fd, why, sizeof why));
+    CU_ASSERT_PTR_NOT_NULL(strstr(why, "'lots'"));
+    setenv("PSHARD_SHM_SLOT_BYTES", "1000", 1);
+    made = coll_slots_create(2, nonce, &fd, why, sizeof why);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(made);
+    CU_ASSERT_EQUAL(coll_slots_bytes(made), 960);
+    coll_slots_destroy(made);
+    unsetenv("PSHARD_SHM_SLOT_BYTES");
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -238,6 +315,7 @@ int main(void)
          test_can_read},
         {"reads, pieces tables, reductions, memory not there, a peer gone", test_read_and_reduce},
         {"buffers in pieces by logical offset", test_buf_pieces},
+        {"slots: opening refuses what is not the segment; the failure record", test_slots_segment},
         {NULL, NULL},
     };
     return ps_test_main("coll_shm", cases);
