@@ -97,8 +97,8 @@ struct pshard_comm {
 
     pshard_coll_record_t *records; /* flight recorder ring */
     size_t nrecords, record_cap, record_head;
-    size_t in_flight; /* requests submitted to the backend and not completed */
-    bool here_busy;   /* an operation runs in a caller's thread (backend->run_here) */
+    size_t in_flight;       /* requests submitted to the backend and not completed */
+    bool here_busy;         /* an operation runs in a caller's thread (backend->run_here) */
     pthread_cond_t idle_cv; /* in_flight reached 0, or here_busy was cleared */
 };
 

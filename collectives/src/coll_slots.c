@@ -196,8 +196,9 @@ coll_slots_t *coll_slots_create(int n, const uint8_t nonce[16], int *fd, char *w
     size_t cap = (COLL_SLOTS_MAX_SEGMENT / (2 * (size_t)n)) & ~(size_t)63;
     slot_bytes = slot_bytes < cap ? slot_bytes : cap;
     if (slot_bytes < 256) {
-        snprintf(why, whylen, "%s", want ? "too many ranks for slots of 256 bytes or more"
-                                         : "PSHARD_SHM_SLOT_BYTES=0");
+        snprintf(why, whylen, "%s",
+                 want ? "too many ranks for slots of 256 bytes or more"
+                      : "PSHARD_SHM_SLOT_BYTES=0");
         return NULL;
     }
     coll_slots_t *s = slots_new(n, 0);
@@ -247,8 +248,7 @@ coll_slots_t *coll_slots_attach(int n, int rank, pid_t pid0, int fd0, const uint
     size_t most = segment_bytes(n, COLL_SLOTS_MAX_BYTES);
     if (fstat(fd, &st) != 0 || st.st_size < (off_t)segment_bytes(n, 256) ||
         (uint64_t)st.st_size > most) {
-        snprintf(why, whylen, "%s is not rank 0's slots (size %lld)", path,
-                 (long long)st.st_size);
+        snprintf(why, whylen, "%s is not rank 0's slots (size %lld)", path, (long long)st.st_size);
         close(fd);
         return NULL;
     }
@@ -456,9 +456,8 @@ static pshard_status_t going(coll_slots_t *s, pshard_comm_t *comm, const coll_op
                        st != PSHARD_OK ? why : "aborted");
     }
     if (ps_now_ns() >= op->deadline_ns)
-        return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT,
-                       "%s seq %" PRIu64 " timed out on rank %d", pshard_coll_op_name(op->desc.op),
-                       op->desc.seq, s->rank);
+        return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT, "%s seq %" PRIu64 " timed out on rank %d",
+                       pshard_coll_op_name(op->desc.op), op->desc.seq, s->rank);
     return PSHARD_OK;
 }
 
@@ -534,8 +533,8 @@ static pshard_status_t wait_stage(coll_slots_t *s, coll_shm_t *shm, pshard_comm_
 {
     for (int d = 1; d < s->n; d++) {
         int q = (s->rank + d) % s->n;
-        PS_CHECK(wait_word(s, shm, comm, op, q, &ctl(s, q)->stage, stage_word(op->desc.seq, k),
-                           err, errlen));
+        PS_CHECK(wait_word(s, shm, comm, op, q, &ctl(s, q)->stage, stage_word(op->desc.seq, k), err,
+                           errlen));
     }
     return PSHARD_OK;
 }
@@ -638,13 +637,12 @@ static pshard_status_t read_peers(coll_slots_t *s, coll_shm_t *shm, pshard_comm_
         uint64_t sbytes = a->op == PSHARD_COLL_ALL_GATHER ? op->counts[q] * es : total;
         if (q == me)
             continue;
-        if (reads_send &&
-            (rc = coll_shm_fetch_buf(shm, q, d->send_addr, d->send_pieces, sbytes,
-                                     &s->peer_sbuf[q], err, errlen)) != PSHARD_OK)
+        if (reads_send && (rc = coll_shm_fetch_buf(shm, q, d->send_addr, d->send_pieces, sbytes,
+                                                   &s->peer_sbuf[q], err, errlen)) != PSHARD_OK)
             return read_failed(s, op, rc, err, errlen);
         if (a->op == PSHARD_COLL_ALL_REDUCE &&
-            (rc = coll_shm_fetch_buf(shm, q, d->recv_addr, d->recv_pieces, total,
-                                     &s->peer_rbuf[q], err, errlen)) != PSHARD_OK)
+            (rc = coll_shm_fetch_buf(shm, q, d->recv_addr, d->recv_pieces, total, &s->peer_rbuf[q],
+                                     err, errlen)) != PSHARD_OK)
             return read_failed(s, op, rc, err, errlen);
     }
     if (a->op == PSHARD_COLL_REDUCE_SCATTER || a->op == PSHARD_COLL_ALL_REDUCE) {
@@ -704,8 +702,8 @@ static pshard_status_t read_peers(coll_slots_t *s, coll_shm_t *shm, pshard_comm_
     return wait_stage(s, shm, comm, op, 2, err, errlen);
 }
 
-pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
-                               coll_op_t *op, char *err, size_t errlen)
+pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm, coll_op_t *op,
+                               char *err, size_t errlen)
 {
     int n = s->n, me = s->rank;
     uint64_t seq = op->desc.seq;
@@ -726,8 +724,8 @@ pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *
     post(s, seq);
     for (int k = 1; k < n; k++) {
         int q = (me + k) % n;
-        PS_CHECK(wait_word(s, shm, comm, op, q, &ctl(s, q)->posted, (uint32_t)(seq + 1), err,
-                           errlen));
+        PS_CHECK(
+            wait_word(s, shm, comm, op, q, &ctl(s, q)->posted, (uint32_t)(seq + 1), err, errlen));
         sdesc_t theirs;
         memcpy(&theirs, sdesc(s, q, seq), offsetof(sdesc_t, desc) + DESC_BYTES);
         theirs.desc.inline_len = 0;
@@ -735,8 +733,8 @@ pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *
             char a[256], b[256];
             coll_desc_format(&theirs.desc, a, sizeof(a));
             coll_desc_format(&op->desc, b, sizeof(b));
-            return ps_errf(err, errlen, PSHARD_ERR_DESYNC, "desync: rank %d ran %s but rank %d ran %s",
-                           q, a, me, b);
+            return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
+                           "desync: rank %d ran %s but rank %d ran %s", q, a, me, b);
         }
         if (theirs.len != (small ? post_bytes(op, n, q) : 0))
             return ps_errf(err, errlen, PSHARD_ERR_DESYNC,

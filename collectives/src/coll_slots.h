@@ -74,8 +74,8 @@ bool coll_slots_fits(const coll_slots_t *s, const coll_op_t *op);
  * have), TIMEOUT (naming the rank not yet there), PEER_LOST (a rank's process exited or it
  * closed the communicator), ABORTED or whatever the abort record says (an abort anywhere),
  * each with its message in err. */
-pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm,
-                               coll_op_t *op, char *err, size_t errlen);
+pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm, coll_op_t *op,
+                               char *err, size_t errlen);
 
 /* Writes the communicator's first failure (rank, status, message) for every rank, unless one
  * is there already, and wakes every waiter. Any thread. */

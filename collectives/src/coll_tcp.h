@@ -52,8 +52,9 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
 /* After linking: decides, the same on every rank, whether data moves through the sockets or
  * by the same-host transport (mode, and whether every rank can read every other's
  * memory), exchanging each rank's process identity and then its vote around the ring. Sets
- * t->shm when it is the latter, and then t->slots when every rank could share them. Errors: the ring's (PEER_LOST, TIMEOUT), FAILED_PRECONDITION
- * when shm is asked for and cannot be had (naming why), NO_MEMORY. */
+ * t->shm when it is the latter, and then t->slots when every rank could share them. Errors: the
+ * ring's (PEER_LOST, TIMEOUT), FAILED_PRECONDITION when shm is asked for and cannot be had (naming
+ * why), NO_MEMORY. */
 pshard_status_t tcp_choose_transport(tcp_t *t, coll_transport_t mode, int64_t deadline, char *err,
                                      size_t errlen);
 

@@ -737,8 +737,8 @@ static pshard_status_t share_slots(tcp_t *t, const coll_peer_t *recs, int64_t de
                                         vote_decode, deadline, err, errlen);
     uint32_t fd0 = vals[0].value;
     if (rc == PSHARD_OK && t->rank != 0 && fd0 != 0 && fd0 <= (uint32_t)INT_MAX)
-        t->slots = coll_slots_attach(t->n, t->rank, (pid_t)recs[0].pid, (int)(fd0 - 1), recs[0].probe,
-                                     why, sizeof(why));
+        t->slots = coll_slots_attach(t->n, t->rank, (pid_t)recs[0].pid, (int)(fd0 - 1),
+                                     recs[0].probe, why, sizeof(why));
     for (int q = 0; q < t->n; q++)
         vals[q].value = 0;
     vals[t->rank].value = t->slots != NULL;

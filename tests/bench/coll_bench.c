@@ -118,10 +118,9 @@ static const struct {
     char letter;
     const char *flag;
 } short_flags[] = {
-    {'n', "--nranks"},       {'b', "--minbytes"}, {'e', "--maxbytes"},
-    {'f', "--stepfactor"},   {'o', "--op"},       {'d', "--datatype"},
-    {'w', "--warmup-iters"}, {'i', "--iters"},    {'c', "--check"},
-    {'z', "--blocking"},
+    {'n', "--nranks"}, {'b', "--minbytes"}, {'e', "--maxbytes"},     {'f', "--stepfactor"},
+    {'o', "--op"},     {'d', "--datatype"}, {'w', "--warmup-iters"}, {'i', "--iters"},
+    {'c', "--check"},  {'z', "--blocking"},
 };
 
 /* Returns a new argv (malloc'd array, strings borrowed from argv or static, plus "--check=0"

@@ -607,14 +607,11 @@ static int scenario_correctness(bool big)
         /* Many asynchronous operations in flight, completed in issue order. */
         running_t inflight[24];
         for (int i = 0; i < 24; i++) {
-            case_t c = {(pshard_coll_op_t)(1 + i % 4),
-                        (pshard_dtype_t)(i % PSHARD_DTYPE_COUNT),
+            case_t c = {(pshard_coll_op_t)(1 + i % 4), (pshard_dtype_t)(i % PSHARD_DTYPE_COUNT),
                         PSHARD_REDUCE_SUM,
                         /* every third one too big for the same-host slots: queued on the
                            engine, with the small ones waiting their turn behind it */
-                        (size_t)(i % 3 == 2 ? 20000 + 17 * i : 1000 + 17 * i),
-                        NULL,
-                        i % g_world};
+                        (size_t)(i % 3 == 2 ? 20000 + 17 * i : 1000 + 17 * i), NULL, i % g_world};
             inflight[i] = (running_t){.c = c, .id = id++};
             start_case(comm, &inflight[i]);
         }
@@ -722,11 +719,8 @@ static int scenario_kill(const char *how)
     bool closed = strcmp(how, "closed") == 0;
     if (closed || strcmp(how, "small") == 0) {
         double v[1] = {1.0};
-        pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE,
-                                .dtype = PSHARD_FP64,
-                                .count = 1,
-                                .send = v,
-                                .recv = v};
+        pshard_coll_args_t a = {
+            .op = PSHARD_COLL_ALL_REDUCE, .dtype = PSHARD_FP64, .count = 1, .send = v, .recv = v};
         CHECK(pshard_coll_run(comm, &a, err, sizeof(err)) == PSHARD_OK, "first all_reduce: %s",
               err);
         if (g_rank == 1) {
@@ -742,8 +736,8 @@ static int scenario_kill(const char *how)
         int64_t t0 = ps_now_ns();
         pshard_status_t rc = pshard_coll_run(comm, &a, err, sizeof(err));
         double secs = (double)(ps_now_ns() - t0) / 1e9;
-        CHECK(rc == PSHARD_ERR_PEER_LOST, "expected PEER_LOST, got %s: %s",
-              pshard_status_name(rc), err);
+        CHECK(rc == PSHARD_ERR_PEER_LOST, "expected PEER_LOST, got %s: %s", pshard_status_name(rc),
+              err);
         CHECK(strstr(err, "rank 1") != NULL, "message does not name rank 1: %s", err);
         CHECK(secs < 10, "took %.1f s to notice", secs);
         printf("rank %d: %s -> %s after %.3f s\n", g_rank, how, err, secs);

@@ -27,11 +27,13 @@ ip netns exec "$nsa" "$coord_bin" --listen "$ipa:0" --port-file "$work/coord.por
 pids+=($!)
 wait_for 20 test -s "$work/coord.port"
 caddr="$ipa:$(cat "$work/coord.port")"
+# The namespaces stand for two hosts, whose ring goes through the sockets: on one real host the
+# servers would share memory (the same-host transport), which no network cut separates.
 ip netns exec "$nsa" "$server_bin" --coordinator "$caddr" --listen 127.0.0.1:0 --data-host "$ipa" \
-  --port-file "$work/s0.port" --name pshard-server-0 > "$work/s0.log" 2>&1 &
+  --transport tcp --port-file "$work/s0.port" --name pshard-server-0 > "$work/s0.log" 2>&1 &
 pids+=($!)
 ip netns exec "$nsb" "$server_bin" --coordinator "$caddr" --listen 127.0.0.1:0 --data-host "$ipb" \
-  --port-file "$work/s1.port" --name pshard-server-1 > "$work/s1.log" 2>&1 &
+  --transport tcp --port-file "$work/s1.port" --name pshard-server-1 > "$work/s1.log" 2>&1 &
 pids+=($!)
 wait_for 20 test -s "$work/s0.port"
 wait_for 20 test -s "$work/s1.port"
