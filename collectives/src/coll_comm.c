@@ -404,7 +404,9 @@ static void record_fill(pshard_comm_t *c, coll_op_t *op, const char *label)
     else
         c->nrecords++;
     pshard_coll_record_t *r = &c->records[slot];
-    memset(r, 0, sizeof(*r));
+    r->end_ns = 0;
+    r->label[0] = '\0';
+    r->error[0] = '\0';
     r->seq = op->desc.seq;
     r->op = (pshard_coll_op_t)op->desc.op;
     r->dtype = op->args.dtype;
@@ -503,7 +505,8 @@ static pshard_status_t coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
     if (sticky != PSHARD_OK) {
         coll_complete(r, sticky, sticky_msg);
     } else if (here) {
-        char msg[PSHARD_ERRLEN] = "";
+        char msg[PSHARD_ERRLEN];
+        msg[0] = '\0';
         pshard_status_t st = comm->backend->run_here(comm, &r->op, msg, sizeof(msg));
         coll_complete(r, st, msg);
         pthread_mutex_lock(&comm->mu);

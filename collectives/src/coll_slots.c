@@ -47,14 +47,28 @@ typedef struct {
 
 /* A rank's control words, one cache line. */
 typedef struct {
-    _Atomic uint32_t bell;    /* bumped after a change below while someone sleeps on it */
+    _Atomic uint32_t bell;    /* bumped after a change to its words while someone sleeps on it */
     _Atomic uint32_t waiters; /* threads (of any rank) sleeping on bell */
-    _Atomic uint32_t posted;  /* (uint32_t)(seq + 1) of the newest operation it posted */
     _Atomic uint32_t stage;   /* (uint32_t)(4 * (seq + 1) + k): it finished reading phase k of
                                  operation seq (operations that read the others' memory) */
     _Atomic uint32_t closed;  /* it destroyed the communicator */
-    uint8_t pad[44];
+    uint8_t pad[48];
 } ctl_t;
+
+#define MAIL_DATA 80u
+#define MAIL_IN_SLOT UINT32_MAX
+
+/* What a peer reads of a rank's operation first, two cache lines by sequence parity: the
+ * word it waits on, what descriptors are compared by, and the data of a tiny operation (an
+ * 8-byte all-reduce: one line crosses between cores, not five). */
+typedef struct {
+    _Atomic uint32_t posted; /* (uint32_t)(seq + 1): this mail is operation seq's */
+    uint32_t len;            /* data bytes in data[], or MAIL_IN_SLOT */
+    uint64_t seq, tag, total_count, counts_hash;
+    int32_t root;
+    uint8_t op, dtype, reduce, pad;
+    uint8_t data[MAIL_DATA];
+} mail_t;
 
 typedef struct {
     uint32_t len;     /* data bytes that follow in the slot */
@@ -83,11 +97,12 @@ struct coll_slots {
 };
 
 _Static_assert(sizeof(ctl_t) == 64, "one cache line of control words");
+_Static_assert(sizeof(mail_t) == 128, "two cache lines of mail");
 _Static_assert(sizeof(hdr_t) <= HDR_BYTES, "header fits its page");
 
 static size_t block_bytes(size_t slot_bytes)
 {
-    return sizeof(ctl_t) + 2 * SDESC_BYTES + 2 * slot_bytes;
+    return sizeof(ctl_t) + 2 * sizeof(mail_t) + 2 * SDESC_BYTES + 2 * slot_bytes;
 }
 
 static size_t segment_bytes(int n, size_t slot_bytes)
@@ -100,14 +115,21 @@ static ctl_t *ctl(const coll_slots_t *s, int q)
     return (ctl_t *)(s->base + HDR_BYTES + (size_t)q * s->block);
 }
 
+static mail_t *mail(const coll_slots_t *s, int q, uint64_t seq)
+{
+    return (mail_t *)((uint8_t *)ctl(s, q) + sizeof(ctl_t) + (seq & 1) * sizeof(mail_t));
+}
+
 static sdesc_t *sdesc(const coll_slots_t *s, int q, uint64_t seq)
 {
-    return (sdesc_t *)((uint8_t *)ctl(s, q) + sizeof(ctl_t) + (seq & 1) * SDESC_BYTES);
+    return (sdesc_t *)((uint8_t *)ctl(s, q) + sizeof(ctl_t) + 2 * sizeof(mail_t) +
+                       (seq & 1) * SDESC_BYTES);
 }
 
 static uint8_t *sdata(const coll_slots_t *s, int q, uint64_t seq)
 {
-    return (uint8_t *)ctl(s, q) + sizeof(ctl_t) + 2 * SDESC_BYTES + (seq & 1) * s->slot_bytes;
+    return (uint8_t *)ctl(s, q) + sizeof(ctl_t) + 2 * sizeof(mail_t) + 2 * SDESC_BYTES +
+           (seq & 1) * s->slot_bytes;
 }
 
 static void futex_wake(_Atomic uint32_t *word)
@@ -383,11 +405,35 @@ static uint32_t stage_word(uint64_t seq, int k)
     return (uint32_t)(4 * (seq + 1) + (uint64_t)k);
 }
 
-static void post(coll_slots_t *s, uint64_t seq)
+/* Posts op: its mail (the data of a tiny operation in it, when inl), after the descriptor and
+ * data the caller put in the slot. */
+static void post(coll_slots_t *s, const coll_op_t *op, const coll_buf_t *src, size_t len, bool inl)
 {
-    ctl_t *me = ctl(s, s->rank);
-    atomic_store(&me->posted, (uint32_t)(seq + 1));
-    ring_bell(me);
+    const coll_desc_t *d = &op->desc;
+    mail_t *m = mail(s, s->rank, d->seq);
+    m->len = inl ? (uint32_t)len : MAIL_IN_SLOT;
+    m->seq = d->seq;
+    m->tag = d->tag;
+    m->total_count = d->total_count;
+    m->counts_hash = d->counts_hash;
+    m->root = d->root;
+    m->op = d->op;
+    m->dtype = d->dtype;
+    m->reduce = d->reduce;
+    if (inl && len) {
+        coll_buf_t to = coll_buf_flat(m->data);
+        coll_buf_copy(&to, 0, (coll_buf_t *)src, 0, len);
+    }
+    atomic_store(&m->posted, (uint32_t)(d->seq + 1));
+    ring_bell(ctl(s, s->rank));
+}
+
+/* Whether a peer's mail names the same operation as d (coll_desc_same's fields). */
+static bool mail_same(const mail_t *m, const coll_desc_t *d)
+{
+    return m->seq == d->seq && m->op == d->op && m->dtype == d->dtype && m->reduce == d->reduce &&
+           m->root == d->root && m->tag == d->tag && m->total_count == d->total_count &&
+           m->counts_hash == d->counts_hash;
 }
 
 static void post_stage(coll_slots_t *s, uint64_t seq, int k)
@@ -521,8 +567,8 @@ static pshard_status_t wait_word(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t
                            "%s seq %" PRIu64 " timed out on rank %d waiting on rank %d: it has "
                            "%s (same-host transport)",
                            what, op->desc.seq, s->rank, q,
-                           word == &c->posted ? "not started this operation"
-                                              : "not finished reading the others' buffers");
+                           word == &c->stage ? "not finished reading the others' buffers"
+                                             : "not started this operation");
     }
 }
 
@@ -541,8 +587,13 @@ static pshard_status_t wait_stage(coll_slots_t *s, coll_shm_t *shm, pshard_comm_
 
 /* out[out_off...] = scale * the reduction over every rank of elements [first, first + nel) of
  * their slots, summed in rank order so that every rank gets the same bits. */
-static void reduce_slots(coll_slots_t *s, coll_op_t *op, size_t first, size_t nel, coll_buf_t *out,
-                         uint64_t out_off)
+static uint8_t *small_data(const coll_slots_t *s, int q, uint64_t seq, bool inl)
+{
+    return inl ? mail(s, q, seq)->data : sdata(s, q, seq);
+}
+
+static void reduce_slots(coll_slots_t *s, coll_op_t *op, bool inl, size_t first, size_t nel,
+                         coll_buf_t *out, uint64_t out_off)
 {
     pshard_dtype_t dt = op->args.dtype;
     size_t es = pshard_dtype_size(dt);
@@ -551,9 +602,10 @@ static void reduce_slots(coll_slots_t *s, coll_op_t *op, size_t first, size_t ne
     for (size_t done = 0; done < nel;) {
         size_t m = nel - done < ACC_ELEMS ? nel - done : ACC_ELEMS;
         size_t at = (first + done) * es;
-        coll_reduce_load(s->acc, sdata(s, 0, seq) + at, dt, m);
+        coll_reduce_load(s->acc, small_data(s, 0, seq, inl) + at, dt, m);
         for (int q = 1; q < s->n; q++)
-            coll_reduce_accumulate(s->acc, sdata(s, q, seq) + at, dt, (int)op->args.reduce, m);
+            coll_reduce_accumulate(s->acc, small_data(s, q, seq, inl) + at, dt,
+                                   (int)op->args.reduce, m);
         coll_buf_store(out, out_off + done * es, dt, s->acc, m, scale);
         done += m;
     }
@@ -712,31 +764,42 @@ pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *
     if (coll_slots_aborted(s, &st, why, sizeof(why)))
         return ps_errf(err, errlen, st, "%s", why);
     bool small = coll_slots_fits(s, op);
+    /* Tiny: every rank's data fits its mail (the same on every rank). */
+    bool inl = small;
+    for (int q = 0; inl && q < n; q++)
+        inl = post_bytes(op, n, q) <= MAIL_DATA;
     sdesc_t *mine = sdesc(s, me, seq);
     size_t len = small ? post_bytes(op, n, me) : 0;
     if (!small)
         publish_buffers(s, op);
+    /* The whole descriptor goes into the slot too, though a peer reads it only for the
+     * addresses of a big operation or to name a desync. */
     memcpy(&mine->desc, &op->desc, DESC_BYTES);
     mine->len = (uint32_t)len;
-    coll_buf_t slot = coll_buf_flat(sdata(s, me, seq));
-    if (len)
+    if (len && !inl) {
+        coll_buf_t slot = coll_buf_flat(sdata(s, me, seq));
         coll_buf_copy(&slot, 0, &op->sbuf, 0, len);
-    post(s, seq);
+    }
+    post(s, op, &op->sbuf, len, inl);
     for (int k = 1; k < n; k++) {
         int q = (me + k) % n;
-        PS_CHECK(
-            wait_word(s, shm, comm, op, q, &ctl(s, q)->posted, (uint32_t)(seq + 1), err, errlen));
+        mail_t *m = mail(s, q, seq);
+        PS_CHECK(wait_word(s, shm, comm, op, q, &m->posted, (uint32_t)(seq + 1), err, errlen));
+        bool same = mail_same(m, &op->desc);
+        if (same && inl && m->len == post_bytes(op, n, q))
+            continue;
         sdesc_t theirs;
         memcpy(&theirs, sdesc(s, q, seq), offsetof(sdesc_t, desc) + DESC_BYTES);
         theirs.desc.inline_len = 0;
-        if (!coll_desc_same(&theirs.desc, &op->desc)) {
+        if (!same || !coll_desc_same(&theirs.desc, &op->desc)) {
             char a[256], b[256];
             coll_desc_format(&theirs.desc, a, sizeof(a));
             coll_desc_format(&op->desc, b, sizeof(b));
             return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
                            "desync: rank %d ran %s but rank %d ran %s", q, a, me, b);
         }
-        if (theirs.len != (small ? post_bytes(op, n, q) : 0))
+        if (theirs.len != (small ? post_bytes(op, n, q) : 0) ||
+            m->len != (inl ? theirs.len : MAIL_IN_SLOT))
             return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
                            "%s seq %" PRIu64 ": rank %d put %u bytes in its slot, not %zu",
                            pshard_coll_op_name(op->args.op), seq, q, theirs.len,
@@ -752,22 +815,22 @@ pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *
     switch (op->args.op) {
     case PSHARD_COLL_ALL_GATHER:
         for (int q = 0; q < n; q++) {
-            coll_buf_t from = coll_buf_flat(sdata(s, q, seq));
+            coll_buf_t from = coll_buf_flat(small_data(s, q, seq, inl));
             if (op->counts[q])
                 coll_buf_copy(&op->rbuf, op->displs[q] * es, &from, 0, op->counts[q] * es);
         }
         break;
     case PSHARD_COLL_BROADCAST:
         if (op->displs[n]) {
-            coll_buf_t from = coll_buf_flat(sdata(s, op->args.root, seq));
+            coll_buf_t from = coll_buf_flat(small_data(s, op->args.root, seq, inl));
             coll_buf_copy(&op->rbuf, 0, &from, 0, op->displs[n] * es);
         }
         break;
     case PSHARD_COLL_ALL_REDUCE:
-        reduce_slots(s, op, 0, op->displs[n], &op->rbuf, 0);
+        reduce_slots(s, op, inl, 0, op->displs[n], &op->rbuf, 0);
         break;
     case PSHARD_COLL_REDUCE_SCATTER:
-        reduce_slots(s, op, op->displs[me], op->counts[me], &op->rbuf, 0);
+        reduce_slots(s, op, inl, op->displs[me], op->counts[me], &op->rbuf, 0);
         break;
     default:
         break;
