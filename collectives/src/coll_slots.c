@@ -55,10 +55,11 @@ typedef struct {
     uint8_t pad[48];
 } ctl_t;
 
-#define MAIL_DATA 80u
+/* 144: a shard server's agreement record (16 int64) fits, besides an 8-byte all-reduce. */
+#define MAIL_DATA 144u
 #define MAIL_IN_SLOT UINT32_MAX
 
-/* What a peer reads of a rank's operation first, two cache lines by sequence parity: the
+/* What a peer reads of a rank's operation first, three cache lines by sequence parity: the
  * word it waits on, what descriptors are compared by, and the data of a tiny operation (an
  * 8-byte all-reduce: one line crosses between cores, not five). */
 typedef struct {
@@ -97,7 +98,7 @@ struct coll_slots {
 };
 
 _Static_assert(sizeof(ctl_t) == 64, "one cache line of control words");
-_Static_assert(sizeof(mail_t) == 128, "two cache lines of mail");
+_Static_assert(sizeof(mail_t) == 192, "three cache lines of mail");
 _Static_assert(sizeof(hdr_t) <= HDR_BYTES, "header fits its page");
 
 static size_t block_bytes(size_t slot_bytes)
