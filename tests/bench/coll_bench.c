@@ -516,7 +516,7 @@ static int rank_main(const bench_opts_t *o, pshard_dtype_t dt, const pshard_coll
                     snprintf(wrong_s, sizeof(wrong_s), "%" PRId64, wrong_total);
                 else
                     ps_strlcpy(wrong_s, "N/A", sizeof(wrong_s));
-                printf("  %12zu %12zu %6s %15s %11.1f %12.3f %12.3f %7s\n", g.size, g.count,
+                printf("  %12zu %12zu %6s %15s %11.2f %12.3f %12.3f %7s\n", g.size, g.count,
                        pshard_dtype_name(dt), pshard_coll_op_name(op), us, algbw, busbw, wrong_s);
                 fflush(stdout);
                 busbw_sum += busbw;

@@ -371,7 +371,7 @@ int main(int argc, char **argv)
                     snprintf(wrong_s, sizeof(wrong_s), "%lld", wrong_total);
                 else
                     snprintf(wrong_s, sizeof(wrong_s), "N/A");
-                printf("  %12zu %12zu %6s %15s %11.1f %12.3f %12.3f %7s\n", size, count,
+                printf("  %12zu %12zu %6s %15s %11.2f %12.3f %12.3f %7s\n", size, count,
                        pshard_dtype_name(o.dtype), op_names[op], us, algbw,
                        algbw * bus_factor((op_t)op, n), wrong_s);
                 fflush(stdout);

@@ -13,8 +13,11 @@
 # 16 MiB and 128 MiB), RANKS ("2 4"), OPS ("all_gather
 # reduce_scatter all_reduce"), LAT_ITERS (2000), OUT (a directory for the raw outputs; default a
 # fresh temporary one, kept), SUMMARY_ONLY=1 (with OUT: only print the summary of an earlier
-# run's outputs). Extra arguments go to pshard-coll-bench (e.g. --timeout-ms). The machine
-# should be otherwise idle: the load is printed before and after.
+# run's outputs), BLOCKING (1: pshard's operations are timed as blocking calls, pshard-coll-bench
+# -z 1, as OpenMPI's reference times its MPI_Allgather & co. and as the shard servers call
+# them; 0: all of a size queued before the first wait, nccl-tests' default). Extra arguments go
+# to pshard-coll-bench (e.g. --timeout-ms). The machine should be otherwise idle: the load is
+# printed before and after.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -25,6 +28,7 @@ SIZES="${SIZES:--b 1M -e 1M;-b 16M -e 128M -f 8}"
 RANKS="${RANKS:-2 4}"
 OPS="${OPS:-all_gather reduce_scatter all_reduce}"
 LAT_ITERS="${LAT_ITERS:-2000}"
+BLOCKING="${BLOCKING:-1}"
 OUT="${OUT:-$(mktemp -d /tmp/pshard-coll-bench-run.XXXXXX)}"
 mkdir -p "$OUT"
 
@@ -80,7 +84,7 @@ for n in $RANKS; do
             for range in "${ranges[@]}"; do
                 # shellcheck disable=SC2086
                 PSHARD_TRANSPORT=$tr "$BENCH" -n "$n" $range -o "$op" -d fp32 -w "$WARMUP" \
-                    -i "$ITERS" "$@" | tee -a "$OUT/pshard-${tr}_${op}_n${n}.txt"
+                    -i "$ITERS" -z "$BLOCKING" "$@" | tee -a "$OUT/pshard-${tr}_${op}_n${n}.txt"
             done
         done
         for btl in tcp shm; do
