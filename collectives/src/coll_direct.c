@@ -116,29 +116,7 @@ void coll_direct_setup(engine_t *e)
     e->dk = 1;
     e->doff = 0;
     e->peer_bufs = false;
-    /* Published: a whole buffer's address, or the address of its piece table. */
-    op->desc.send_addr = op->sbuf.npieces ? (uint64_t)(uintptr_t)op->sbuf.pieces : op->sbuf.base;
-    op->desc.send_pieces = (uint32_t)op->sbuf.npieces;
-    op->desc.recv_addr = op->rbuf.npieces ? (uint64_t)(uintptr_t)op->rbuf.pieces : op->rbuf.base;
-    op->desc.recv_pieces = (uint32_t)op->rbuf.npieces;
-    bool whole = !op->sbuf.npieces && !op->rbuf.npieces;
-    uint8_t *recv = a->recv;
-    if (a->op == PSHARD_COLL_ALL_GATHER) {
-        size_t at = op->displs[r] * e->esize, bytes = op->counts[r] * e->esize;
-        if (whole) { /* in place, or overlapping send: the others read it from recv */
-            if (bytes && a->send != recv + at)
-                memmove(recv + at, a->send, bytes);
-            op->desc.send_addr = (uint64_t)(uintptr_t)(recv + at);
-        } else if (bytes) {
-            coll_buf_copy(&op->rbuf, at, &op->sbuf, 0, bytes);
-        }
-    } else if (a->op == PSHARD_COLL_BROADCAST && r == a->root) {
-        size_t total = op->displs[e->t.n] * e->esize;
-        if (total)
-            coll_buf_copy(&op->rbuf, 0, &op->sbuf, 0, total);
-        if (whole)
-            op->desc.send_addr = op->rbuf.base;
-    }
+    coll_publish_buffers(op, r, e->t.n);
 }
 
 /* Frees the other ranks' piece tables read for the running operation. */

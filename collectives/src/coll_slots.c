@@ -488,10 +488,9 @@ bool coll_slots_aborted(coll_slots_t *s, pshard_status_t *status, char *msg, siz
     return true;
 }
 
-/* Whether the operation must stop: a failure recorded by any rank, an abort here, or its
- * deadline; the error (as coll_slots_run's) in err. */
-static pshard_status_t going(coll_slots_t *s, pshard_comm_t *comm, const coll_op_t *op, char *err,
-                             size_t errlen)
+/* Whether the communicator failed: a failure recorded by any rank, or an abort here; the
+ * error in err. */
+static pshard_status_t stopped(coll_slots_t *s, pshard_comm_t *comm, char *err, size_t errlen)
 {
     pshard_status_t st;
     char why[PSHARD_ERRLEN];
@@ -502,6 +501,15 @@ static pshard_status_t going(coll_slots_t *s, pshard_comm_t *comm, const coll_op
         return ps_errf(err, errlen, st != PSHARD_OK ? st : PSHARD_ERR_ABORTED, "%s",
                        st != PSHARD_OK ? why : "aborted");
     }
+    return PSHARD_OK;
+}
+
+/* Whether the operation must stop: the communicator failed (stopped), or the operation's
+ * deadline passed; the error (as coll_slots_run's) in err. */
+static pshard_status_t going(coll_slots_t *s, pshard_comm_t *comm, const coll_op_t *op, char *err,
+                             size_t errlen)
+{
+    PS_CHECK(stopped(s, comm, err, errlen));
     if (ps_now_ns() >= op->deadline_ns)
         return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT, "%s seq %" PRIu64 " timed out on rank %d",
                        pshard_coll_op_name(op->desc.op), op->desc.seq, s->rank);
@@ -544,15 +552,7 @@ static pshard_status_t wait_word(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t
             coll_record_waiting(comm, op, -1);
             return PSHARD_OK;
         }
-        pshard_status_t st;
-        char why[PSHARD_ERRLEN];
-        if (coll_slots_aborted(s, &st, why, sizeof(why)))
-            return ps_errf(err, errlen, st, "%s", why);
-        if (atomic_load(&comm->aborted)) {
-            st = pshard_comm_error(comm, why, sizeof(why));
-            return ps_errf(err, errlen, st != PSHARD_OK ? st : PSHARD_ERR_ABORTED, "%s",
-                           st != PSHARD_OK ? why : "aborted");
-        }
+        PS_CHECK(stopped(s, comm, err, errlen));
         if (atomic_load(&c->closed))
             return ps_errf(err, errlen, PSHARD_ERR_PEER_LOST,
                            "%s seq %" PRIu64 " on rank %d: lost rank %d (it closed the "
@@ -612,14 +612,10 @@ static void reduce_slots(coll_slots_t *s, coll_op_t *op, bool inl, size_t first,
     }
 }
 
-/* Publishes where this rank's buffers are, after putting its own block where the others read
- * it (all-gather: into its output; a broadcast root: to its recv), so that they never read a
- * send buffer this copy overlaps. */
-static void publish_buffers(coll_slots_t *s, coll_op_t *op)
+void coll_publish_buffers(coll_op_t *op, int rank, int n)
 {
     const pshard_coll_args_t *a = &op->args;
     size_t es = pshard_dtype_size(a->dtype);
-    int me = s->rank;
     coll_desc_t *d = &op->desc;
     d->send_addr = op->sbuf.npieces ? (uint64_t)(uintptr_t)op->sbuf.pieces : op->sbuf.base;
     d->send_pieces = (uint32_t)op->sbuf.npieces;
@@ -628,7 +624,7 @@ static void publish_buffers(coll_slots_t *s, coll_op_t *op)
     bool whole = !op->sbuf.npieces && !op->rbuf.npieces;
     uint8_t *recv = a->recv;
     if (a->op == PSHARD_COLL_ALL_GATHER) {
-        size_t at = op->displs[me] * es, bytes = op->counts[me] * es;
+        size_t at = op->displs[rank] * es, bytes = op->counts[rank] * es;
         if (whole) {
             if (bytes && a->send != recv + at)
                 memmove(recv + at, a->send, bytes);
@@ -636,8 +632,8 @@ static void publish_buffers(coll_slots_t *s, coll_op_t *op)
         } else if (bytes) {
             coll_buf_copy(&op->rbuf, at, &op->sbuf, 0, bytes);
         }
-    } else if (a->op == PSHARD_COLL_BROADCAST && me == a->root) {
-        size_t total = op->displs[s->n] * es;
+    } else if (a->op == PSHARD_COLL_BROADCAST && rank == a->root) {
+        size_t total = op->displs[n] * es;
         if (total)
             coll_buf_copy(&op->rbuf, 0, &op->sbuf, 0, total);
         if (whole)
@@ -772,7 +768,7 @@ pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *
     sdesc_t *mine = sdesc(s, me, seq);
     size_t len = small ? post_bytes(op, n, me) : 0;
     if (!small)
-        publish_buffers(s, op);
+        coll_publish_buffers(op, me, n);
     /* The whole descriptor goes into the slot too, though a peer reads it only for the
      * addresses of a big operation or to name a desync. */
     memcpy(&mine->desc, &op->desc, DESC_BYTES);

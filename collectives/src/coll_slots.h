@@ -85,6 +85,12 @@ void coll_slots_abort(coll_slots_t *s, pshard_status_t status, const char *msg);
  * in msg. Any thread. */
 bool coll_slots_aborted(coll_slots_t *s, pshard_status_t *status, char *msg, size_t msglen);
 
+/* For an operation whose peers read this rank's memory (the engine's same-host path and the
+ * slots' big operations): puts this rank's own block where the others read it (all-gather: into
+ * its output; a broadcast root: to its recv), so that they never read a send buffer this copy
+ * overlaps, and writes the buffers' addresses (or their piece tables') into op->desc. */
+void coll_publish_buffers(coll_op_t *op, int rank, int n);
+
 /* The data bytes a slot holds. */
 size_t coll_slots_bytes(const coll_slots_t *s);
 
