@@ -477,11 +477,13 @@ static pshard_status_t coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
     r->op.start_ns = ps_now_ns();
     r->op.deadline_ns = r->op.start_ns + timeout_ms * 1000000;
 
-    /* Operations the backend runs in the caller's thread wait until nothing is in flight, and
-     * every operation waits while one of those runs, so that all run in issue order. */
+    /* An operation the backend runs in the caller's thread (only ever a blocking call) waits
+     * until nothing else is in flight; the backend's thread does not start an operation while
+     * one of those runs (coll_wait_here): so all run in issue order, and pshard_coll_start
+     * never waits for the other ranks. */
     bool here = comm->backend->here && comm->backend->here(comm, &r->op, blocking);
     pthread_mutex_lock(&comm->mu);
-    while (comm->here_busy || (here && comm->in_flight > 0))
+    while (here && (comm->here_busy || comm->in_flight > 0))
         pthread_cond_wait(&comm->idle_cv, &comm->mu);
     r->op.desc.seq = comm->next_seq++;
     record_fill(comm, &r->op, args->label);
@@ -557,8 +559,6 @@ pshard_status_t coll_start_check(pshard_comm_t *comm, const coll_desc_t *desc, c
     r->op.start_ns = ps_now_ns();
     r->op.deadline_ns = r->op.start_ns + (timeout_ms ? timeout_ms : comm->timeout_ms) * 1000000;
     pthread_mutex_lock(&comm->mu);
-    while (comm->here_busy)
-        pthread_cond_wait(&comm->idle_cv, &comm->mu);
     r->op.desc.seq = comm->next_seq++;
     record_fill(comm, &r->op, label);
     pshard_status_t sticky = comm->sticky;
@@ -604,6 +604,14 @@ static void log_op(pshard_comm_t *c, const pshard_coll_req_t *req, pshard_status
         what, c->name, (unsigned long long)c->generation, c->rank, c->world_size,
         req->op.check_only ? ", descriptor check" : "", status == PSHARD_OK ? "done" : "FAILED: ",
         status == PSHARD_OK ? "" : (msg ? msg : pshard_status_str(status)), ms);
+}
+
+void coll_wait_here(pshard_comm_t *comm)
+{
+    pthread_mutex_lock(&comm->mu);
+    while (comm->here_busy)
+        pthread_cond_wait(&comm->idle_cv, &comm->mu);
+    pthread_mutex_unlock(&comm->mu);
 }
 
 void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *msg)

@@ -64,9 +64,10 @@ typedef struct {
     /* Stops threads and frees backend state; everything submitted has completed. */
     void (*destroy)(pshard_comm_t *comm);
     /* Optional: whether op runs in the caller's thread (run_here) instead of on the backend's
-     * thread; blocking when the caller waits for it at once (pshard_coll_run). run_here is
-     * called with nothing else of the communicator in flight, and no other operation starts
-     * until it returns; it returns the operation's status with its message in err. */
+     * thread; blocking when the caller waits for it at once (pshard_coll_run): the backend
+     * must say no otherwise, since run_here waits for the other ranks. run_here is called with
+     * nothing else of the communicator in flight, and no other operation starts until it
+     * returns (coll_wait_here); it returns the operation's status with its message in err. */
     bool (*here)(const pshard_comm_t *comm, const coll_op_t *op, bool blocking);
     pshard_status_t (*run_here)(pshard_comm_t *comm, coll_op_t *op, char *err, size_t errlen);
     /* What pshard_comm_transport says (NULL: the backend's name). */
@@ -113,6 +114,10 @@ pshard_status_t coll_start_check(pshard_comm_t *comm, const coll_desc_t *desc, c
 /* Completes a request (from the backend's thread): records the outcome in the flight recorder,
  * makes fatal errors sticky, and wakes waiters. status PSHARD_OK or an error with message. */
 void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *msg);
+
+/* The backend's thread, before it starts a request: waits while an operation runs in a
+ * caller's thread (backend->run_here), which was issued before it. */
+void coll_wait_here(pshard_comm_t *comm);
 
 /* Marks the communicator failed (first error wins) without completing anything. */
 void coll_set_sticky(pshard_comm_t *comm, pshard_status_t status, const char *msg);

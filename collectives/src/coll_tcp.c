@@ -1025,6 +1025,7 @@ static void *engine_main(void *arg)
         } else {
             pshard_coll_req_t *r = pop_request(e);
             if (r) {
+                coll_wait_here(e->t.comm);
                 run_request(e, r);
                 continue;
             }
@@ -1159,13 +1160,12 @@ static pshard_status_t slots_run(engine_t *e, coll_op_t *op, char *err, size_t e
     return rc;
 }
 
-/* A same-host ring whose slots every rank shares runs a small operation in the caller's
- * thread, and a bigger one there too when the caller waits for it anyway (pshard_coll_run):
- * no hand-off to the engine and back. */
+/* A same-host ring whose slots every rank shares runs an operation the caller waits for at
+ * once (pshard_coll_run) in the caller's thread: no hand-off to the engine and back. */
 static bool tcp_here(const pshard_comm_t *comm, const coll_op_t *op, bool blocking)
 {
     const engine_t *e = comm->impl;
-    return blocking ? coll_slots_takes(e->t.slots, op) : coll_slots_fits(e->t.slots, op);
+    return blocking && coll_slots_takes(e->t.slots, op);
 }
 
 static pshard_status_t tcp_run_here(pshard_comm_t *comm, coll_op_t *op, char *err, size_t errlen)

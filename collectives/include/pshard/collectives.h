@@ -208,7 +208,9 @@ pshard_status_t pshard_coll_test(pshard_coll_req_t *req, bool *done, char *err, 
 /* Frees a finished request (waits for it first if it is still running). NULL is a no-op. */
 void pshard_coll_req_free(pshard_coll_req_t *req);
 
-/* Blocking convenience: start + wait + free. */
+/* Blocking convenience: start + wait + free. On a same-host ring ("shm") the operation runs
+ * in the calling thread (after everything issued before it), with no hand-off to the engine
+ * thread: the lowest latency the communicator has. Thread-safe. */
 pshard_status_t pshard_coll_run(pshard_comm_t *comm, const pshard_coll_args_t *args, char *err,
                                 size_t errlen);
 
