@@ -441,7 +441,7 @@ void coll_record_waiting(pshard_comm_t *comm, const coll_op_t *op, int rank)
     pthread_mutex_unlock(&comm->mu);
 }
 
-/* pshard_coll_start; blocking: the caller waits for the request at once. */
+/* Lets go of what a finished request holds, not the request itself. */
 static void req_release(pshard_coll_req_t *req)
 {
     pthread_mutex_destroy(&req->mu);
@@ -449,7 +449,8 @@ static void req_release(pshard_coll_req_t *req)
     coll_op_free(&req->op);
 }
 
-/* storage: where the request lives (pshard_coll_run's, on its stack), or NULL to allocate it. */
+/* pshard_coll_start; blocking: the caller waits for the request at once (pshard_coll_run);
+ * storage: where the request lives (pshard_coll_run's, on its stack), or NULL to allocate it. */
 static pshard_status_t coll_start(pshard_comm_t *comm, const pshard_coll_args_t *args,
                                   bool blocking, pshard_coll_req_t *storage,
                                   pshard_coll_req_t **req, char *err, size_t errlen)

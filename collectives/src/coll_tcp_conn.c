@@ -755,8 +755,8 @@ static pshard_status_t share_slots(tcp_t *t, const coll_peer_t *recs, int64_t de
     }
     if (rc == PSHARD_OK)
         PS_INFO(PS_SUB_COLL, "ring %s: rank %d %s%s%s", t->comm->name, t->rank,
-                all ? "runs small operations through the same-host slots"
-                    : "runs every operation through the engine",
+                all ? "runs its operations through the same-host slots"
+                    : "runs its operations through the engine, the slots not shared",
                 why[0] ? ": " : "", why);
     free(vals);
     return rc;
