@@ -269,7 +269,7 @@ coll_slots_t *coll_slots_attach(int n, int rank, pid_t pid0, int fd0, const uint
     }
     struct stat st;
     size_t most = segment_bytes(n, COLL_SLOTS_MAX_BYTES);
-    if (fstat(fd, &st) != 0 || st.st_size < (off_t)segment_bytes(n, 256) ||
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < (off_t)segment_bytes(n, 256) ||
         (uint64_t)st.st_size > most) {
         snprintf(why, whylen, "%s is not rank 0's slots (size %lld)", path, (long long)st.st_size);
         close(fd);

@@ -838,7 +838,8 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
 {
     if (coll_slots_takes(e->t.slots, &req->op)) {
         /* A same-host ring whose slots every rank shares: the sockets carry nothing. */
-        char msg[PSHARD_ERRLEN] = "";
+        char msg[PSHARD_ERRLEN];
+        msg[0] = '\0';
         pshard_status_t st = slots_run(e, &req->op, msg, sizeof(msg));
         coll_complete(req, st, msg);
         return;

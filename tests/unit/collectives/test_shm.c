@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -264,6 +265,19 @@ static void test_slots_segment(void)
     CU_ASSERT_PTR_NULL(coll_slots_attach(3, 2, getpid(), null_fd, nonce, why, sizeof why));
     CU_ASSERT_PTR_NOT_NULL(strstr(why, "is not rank 0's slots"));
     close(null_fd);
+    /* A FIFO is no segment either (and opening it read-write does not block). */
+    char fifo[] = "/tmp/pshard-slots-fifo-XXXXXX";
+    int tmp = mkstemp(fifo);
+    CU_ASSERT_FATAL(tmp >= 0);
+    close(tmp);
+    unlink(fifo);
+    CU_ASSERT_FATAL(mkfifo(fifo, 0600) == 0);
+    int fifo_fd = open(fifo, O_RDWR);
+    why[0] = '\0';
+    CU_ASSERT_PTR_NULL(coll_slots_attach(3, 2, getpid(), fifo_fd, nonce, why, sizeof why));
+    CU_ASSERT_PTR_NOT_NULL(strstr(why, "is not rank 0's slots"));
+    close(fifo_fd);
+    unlink(fifo);
 
     /* A failure recorded on one rank is read on the others, naming who reported it; the first
      * one stays. */
