@@ -121,6 +121,15 @@ int pshard_comm_world_size(const pshard_comm_t *comm)
     return comm->world_size;
 }
 
+bool pshard_comm_divert_next(pshard_comm_t *comm, uint64_t check)
+{
+    bool can = comm->backend->divertible && comm->backend->divertible(comm);
+    pthread_mutex_lock(&comm->mu);
+    comm->divert_check = can ? check : 0;
+    pthread_mutex_unlock(&comm->mu);
+    return can;
+}
+
 void coll_set_sticky(pshard_comm_t *comm, pshard_status_t status, const char *msg)
 {
     pthread_mutex_lock(&comm->mu);
@@ -487,6 +496,11 @@ static pshard_status_t coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
     while (here && (comm->here_busy || comm->in_flight > 0))
         pthread_cond_wait(&comm->idle_cv, &comm->mu);
     r->op.desc.seq = comm->next_seq++;
+    if (comm->divert_check) {
+        r->op.desc.divert = 1;
+        r->op.desc.tag ^= comm->divert_check;
+        comm->divert_check = 0;
+    }
     record_fill(comm, &r->op, args->label);
     pshard_status_t sticky = comm->sticky;
     char sticky_msg[sizeof(comm->sticky_msg)];
@@ -622,7 +636,7 @@ void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *m
         log_op(c, req, status, msg);
     if (status == PSHARD_ERR_TIMEOUT)
         log_flight_records(c);
-    if (status != PSHARD_OK)
+    if (status != PSHARD_OK && status != PSHARD_ERR_DIVERTED)
         coll_set_sticky(c, status, msg);
     pthread_mutex_lock(&c->mu);
     if (req->submitted) {

@@ -103,6 +103,8 @@ void coll_engine_op_init(engine_t *e)
     e->cur = 0;
     e->nphases = 0;
     e->descs_received = 0;
+    e->held = false;
+    e->diverted_by = -1;
     e->op_failed = false;
     e->waiting_on = -1;
     e->direct = false;

@@ -84,6 +84,11 @@ typedef struct engine {
     size_t *bytes; /* per-chunk byte sizes for the current phase kind */
     size_t *displ; /* per-chunk byte offsets */
     int descs_received;
+    /* A divertible operation (desc.divert) sends no data until every descriptor came and
+     * matched (held); diverted_by is the first rank whose divertible descriptor differed, and
+     * the operation then ends DIVERTED once all descriptors came, having moved nothing. */
+    bool held;
+    int diverted_by;
     bool op_failed;
     bool read_blocked, write_blocked;
     int waiting_on;

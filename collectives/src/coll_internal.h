@@ -70,6 +70,9 @@ typedef struct {
      * returns (coll_wait_here); it returns the operation's status with its message in err. */
     bool (*here)(const pshard_comm_t *comm, const coll_op_t *op, bool blocking);
     pshard_status_t (*run_here)(pshard_comm_t *comm, coll_op_t *op, char *err, size_t errlen);
+    /* Optional: whether the communicator's operations can be diverted
+     * (pshard_comm_divert_next); NULL: no. */
+    bool (*divertible)(const pshard_comm_t *comm);
     /* What pshard_comm_transport says (NULL: the backend's name). */
     const char *(*transport)(const pshard_comm_t *comm);
     /* Takes send / recv in pieces (pshard_coll_seg_t). */
@@ -101,6 +104,7 @@ struct pshard_comm {
     size_t in_flight;       /* requests submitted to the backend and not completed */
     bool here_busy;         /* an operation runs in a caller's thread (backend->run_here) */
     pthread_cond_t idle_cv; /* in_flight reached 0, or here_busy was cleared */
+    uint64_t divert_check;  /* nonzero: the next operation started is divertible */
 };
 
 /* Starts a descriptor-only operation on a tcp communicator: the ranks exchange and compare

@@ -778,6 +778,7 @@ pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *
         coll_buf_copy(&slot, 0, &op->sbuf, 0, len);
     }
     post(s, op, &op->sbuf, len, inl);
+    int diverted_by = -1; /* a rank whose divertible descriptor differs from this one's */
     for (int k = 1; k < n; k++) {
         int q = (me + k) % n;
         mail_t *m = mail(s, q, seq);
@@ -789,6 +790,14 @@ pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *
         memcpy(&theirs, sdesc(s, q, seq), offsetof(sdesc_t, desc) + DESC_BYTES);
         theirs.desc.inline_len = 0;
         if (!same || !coll_desc_same(&theirs.desc, &op->desc)) {
+            if (op->desc.divert && theirs.desc.divert) {
+                /* Diverted, unless another rank's differs and is not divertible: every rank
+                 * reads every descriptor first, so all of them decide alike (none of them has
+                 * all the others equal to its own), and none goes on before all posted. */
+                if (diverted_by < 0)
+                    diverted_by = q;
+                continue;
+            }
             char a[256], b[256];
             coll_desc_format(&theirs.desc, a, sizeof(a));
             coll_desc_format(&op->desc, b, sizeof(b));
@@ -803,6 +812,10 @@ pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *
                            small ? post_bytes(op, n, q) : 0);
         s->peer_desc[q] = theirs.desc;
     }
+    if (diverted_by >= 0)
+        return ps_errf(err, errlen, PSHARD_ERR_DIVERTED,
+                       "%s seq %" PRIu64 " diverted: rank %d ran another divertible operation",
+                       pshard_coll_op_name(op->args.op), seq, diverted_by);
     if (!small) {
         st = read_peers(s, shm, comm, op, err, errlen);
         free_peer_bufs(s);

@@ -70,10 +70,11 @@ bool coll_slots_fits(const coll_slots_t *s, const coll_op_t *op);
 
 /* Runs op (coll_slots_takes; its desc.seq assigned) in the calling thread; nothing else of
  * the communicator may run meanwhile. shm reads the others' memory and names lost processes.
- * Errors: DESYNC (a rank posted another descriptor, naming both; or named memory it does not
- * have), TIMEOUT (naming the rank not yet there), PEER_LOST (a rank's process exited or it
- * closed the communicator), ABORTED or whatever the abort record says (an abort anywhere),
- * each with its message in err. */
+ * Errors: DIVERTED (every rank's descriptor is divertible and some differ: nothing moved,
+ * nothing failed; every rank reads every descriptor before it decides), DESYNC (a rank posted
+ * another descriptor, naming both; or named memory it does not have), TIMEOUT (naming the rank not
+ * yet there), PEER_LOST (a rank's process exited or it closed the communicator), ABORTED or
+ * whatever the abort record says (an abort anywhere), each with its message in err. */
 pshard_status_t coll_slots_run(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t *comm, coll_op_t *op,
                                char *err, size_t errlen);
 

@@ -465,7 +465,7 @@ static bool do_writes(engine_t *e)
                 e->of_hdr_off = COLL_FRAME_HEADER_SIZE; /* header is inside buf */
                 e->of_zero_pad = false; /* padding belongs to an abandoned DATA frame only */
                 e->of_active = true;
-            } else if (e->req && !e->op_failed && e->cur < e->nphases) {
+            } else if (e->req && !e->op_failed && !e->held && e->cur < e->nphases) {
                 phase_t *ph = &e->phases[e->cur];
                 size_t len, contig;
                 const uint8_t *p;
@@ -574,6 +574,8 @@ static bool expecting_input(const engine_t *e)
         return true;
     if (e->descs_received < e->t.n - 1)
         return true;
+    if (e->held) /* no data until it is released (or diverted: none at all) */
+        return false;
     if (e->direct) /* the ranks' last notices are the last frames of the operation */
         return e->done_seen[e->dfinal] < e->t.n - 1;
     for (size_t i = e->cur; i < e->nphases; i++) {
@@ -593,7 +595,18 @@ static void handle_desc(engine_t *e)
         return;
     }
     int origin = (int)mod((long long)e->t.rank - 1 - e->descs_received, e->t.n);
-    if (!coll_desc_same(&d, &op->desc) || e->if_h.seq != op->desc.seq) {
+    bool same = coll_desc_same(&d, &op->desc) && d.divert == op->desc.divert;
+    if (!same && d.divert && op->desc.divert && e->if_h.seq == op->desc.seq) {
+        /* Both divertible: this rank moves nothing and ends DIVERTED once every descriptor
+         * came (each rank sees all of them, so all decide alike); pass it on meanwhile. */
+        if (e->diverted_by < 0)
+            e->diverted_by = origin;
+        e->descs_received++;
+        if (origin != e->t.next)
+            coll_engine_queue_ctrl(e, COLL_FRAME_DESC, e->if_h.seq, e->if_ctrl, e->if_h.len);
+        return;
+    }
+    if (!same || e->if_h.seq != op->desc.seq) {
         char theirs[256], mine[256], msg[900];
         coll_desc_format(&d, theirs, sizeof(theirs));
         coll_desc_format(&op->desc, mine, sizeof(mine));
@@ -639,7 +652,7 @@ static void handle_abort(engine_t *e)
     if ((int)a.origin_rank == e->t.rank || a.origin_rank >= (uint32_t)e->t.n)
         return; /* our own notice came back around */
     pshard_status_t st = (pshard_status_t)a.status;
-    if (st >= 0 || st < PSHARD_ERR_CANCELLED)
+    if (st >= 0 || st < PSHARD_ERR_DIVERTED)
         st = PSHARD_ERR_ABORTED;
     if ((int)a.origin_rank != e->t.next)
         coll_engine_queue_abort(e, a.origin_rank, st, a.message, e->if_h.seq);
@@ -872,6 +885,7 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
     uint8_t buf[COLL_FRAME_MAX_CONTROL];
     size_t n = coll_desc_encode(&req->op.desc, buf, sizeof(buf));
     coll_engine_queue_ctrl(e, COLL_FRAME_DESC, req->op.desc.seq, buf, n);
+    e->held = req->op.desc.divert;
     if (e->cur < e->nphases)
         enter_phase(e);
 
@@ -886,14 +900,33 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
                 spin_until = 0;
             if (!e->op_failed && e->direct && coll_direct_step(e))
                 progress = true;
-            while (!e->op_failed && e->cur < e->nphases && phase_done(e, &e->phases[e->cur])) {
+            if (!e->op_failed && e->held && e->descs_received == e->t.n - 1) {
+                if (e->diverted_by >= 0) {
+                    do_writes(e); /* the forwarded descriptors first, as below */
+                    char why[160];
+                    snprintf(why, sizeof(why),
+                             "%s seq %" PRIu64 " diverted: rank %d ran another divertible "
+                             "operation",
+                             pshard_coll_op_name(req->op.args.op), req->op.desc.seq,
+                             e->diverted_by);
+                    coll_complete(req, PSHARD_ERR_DIVERTED, why);
+                    free_phases(e);
+                    e->req = NULL;
+                    return;
+                }
+                e->held = false; /* every descriptor matched: the data may go */
+                progress = true;
+            }
+            while (!e->op_failed && !e->held && e->cur < e->nphases &&
+                   phase_done(e, &e->phases[e->cur])) {
                 e->cur++;
                 if (e->cur < e->nphases)
                     enter_phase(e);
                 progress = true;
             }
-            if (!e->op_failed && e->cur == e->nphases && e->descs_received == e->t.n - 1 &&
-                (!e->direct || e->dstage == DS_COMPLETE) && !take_pending_abort(e)) {
+            if (!e->op_failed && !e->held && e->cur == e->nphases &&
+                e->descs_received == e->t.n - 1 && (!e->direct || e->dstage == DS_COMPLETE) &&
+                !take_pending_abort(e)) {
                 if (e->inline_op)
                     coll_inline_finish(e);
                 /* Forwarded descriptors may still be queued; they go out before anything of
@@ -935,7 +968,7 @@ static void run_request(engine_t *e, pshard_coll_req_t *req)
             coll_record_waiting(e->t.comm, &req->op, waiting);
         }
         /* Both sockets would block: do a slice of the local copy instead of sleeping. */
-        if (e->cur < e->nphases) {
+        if (!e->held && e->cur < e->nphases) {
             phase_t *ph = &e->phases[e->cur];
             if (ph->own_copied < ph->own_len) {
                 size_t step = ph->own_len - ph->own_copied;
@@ -1150,7 +1183,7 @@ static pshard_status_t slots_run(engine_t *e, coll_op_t *op, char *err, size_t e
 {
     pshard_comm_t *comm = e->t.comm;
     pshard_status_t rc = coll_slots_run(e->t.slots, e->t.shm, comm, op, err, errlen);
-    if (rc != PSHARD_OK) {
+    if (rc != PSHARD_OK && rc != PSHARD_ERR_DIVERTED) {
         /* The communicator is done for, on every rank: the others learn it from the slots'
          * record, this rank's engine fails what is queued. */
         coll_set_sticky(comm, rc, err);
@@ -1167,6 +1200,16 @@ static bool tcp_here(const pshard_comm_t *comm, const coll_op_t *op, bool blocki
 {
     const engine_t *e = comm->impl;
     return blocking && coll_slots_takes(e->t.slots, op);
+}
+
+/* The slots divert (coll_slots_run), and so does a ring through the sockets (a divertible
+ * operation holds its data until every descriptor matched); the engine's same-host path, which
+ * lets the others read this rank's buffers as soon as they have its descriptor, does not. The
+ * same on every rank (the transport's vote). */
+static bool tcp_divertible(const pshard_comm_t *comm)
+{
+    const engine_t *e = comm->impl;
+    return e->t.slots != NULL || !e->t.shm;
 }
 
 static pshard_status_t tcp_run_here(pshard_comm_t *comm, coll_op_t *op, char *err, size_t errlen)
@@ -1251,6 +1294,7 @@ const coll_backend_t coll_tcp_backend = {
     .abort = tcp_abort,
     .here = tcp_here,
     .run_here = tcp_run_here,
+    .divertible = tcp_divertible,
     .destroy = tcp_destroy,
     .host_buffers = true,
 };

@@ -6,7 +6,8 @@
  *   CHALLENGE  (48) nonce[16] @0, mac[32] @16
  *   AUTH       (32) mac[32] @0
  *   REJECT (2 + n)  n u16 @0, reason bytes[n] @2 (n <= COLL_FRAME_MAX_CONTROL - 2)
- *   DESC       (72) seq u64 @0, op u8 @8, dtype u8 @9, reduce u8 @10, zero u8 @11, root i32 @12,
+ *   DESC       (72) seq u64 @0, op u8 @8, dtype u8 @9, reduce u8 @10, flags u8 @11 (0x01:
+ *                   divertible; the other bits zero), root i32 @12,
  *                   tag u64 @16, total_count u64 @24, counts_hash u64 @32, rank_count u64 @40,
  *                   send_addr u64 @48, recv_addr u64 @56, send_pieces u32 @64,
  *                   recv_pieces u32 @68 (<= PSHARD_COLL_MAX_SEGS each), then up to
@@ -40,6 +41,7 @@
 #define CHALLENGE_SIZE (COLL_NONCE_SIZE + COLL_MAC_SIZE)
 #define AUTH_SIZE COLL_MAC_SIZE
 #define DESC_SIZE 72
+#define DESC_FLAG_DIVERT 0x01u
 #define PEER_SIZE 56
 #define DONE_SIZE 8
 #define REJECT_MAX_TEXT (COLL_FRAME_MAX_CONTROL - 2)
@@ -318,7 +320,7 @@ size_t coll_desc_encode(const coll_desc_t *m, uint8_t *out, size_t cap)
     out[8] = m->op;
     out[9] = m->dtype;
     out[10] = m->reduce;
-    out[11] = 0;
+    out[11] = m->divert ? DESC_FLAG_DIVERT : 0;
     put_u32(out + 12, u32_from_i32(m->root));
     put_u64(out + 16, m->tag);
     put_u64(out + 24, m->total_count);
@@ -348,9 +350,11 @@ pshard_status_t coll_desc_decode(const uint8_t *in, size_t len, coll_desc_t *m, 
     if (reduce >= PSHARD_REDUCE_COUNT)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "DESC has unknown reduce %u",
                        reduce);
-    if (in[11] != 0)
+    if (in[11] & ~DESC_FLAG_DIVERT)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "DESC reserved byte is 0x%02x, expected 0", in[11]);
+                       "DESC flags byte is 0x%02x; only 0x%02x (divertible) is defined", in[11],
+                       DESC_FLAG_DIVERT);
+    m->divert = in[11] & DESC_FLAG_DIVERT;
     m->seq = get_u64(in);
     m->op = op;
     m->dtype = dtype;

@@ -12,7 +12,7 @@
 #include "pshard/status.h"
 
 #define COLL_WIRE_MAGIC 0x5350u /* bytes 'P' 'S' */
-#define COLL_WIRE_VERSION 2u
+#define COLL_WIRE_VERSION 3u    /* 3: DESC's flags byte (divertible) */
 #define COLL_FRAME_HEADER_SIZE 16
 #define COLL_FRAME_MAX_DATA (4u << 20) /* largest DATA payload */
 #define COLL_FRAME_MAX_CONTROL 4096u   /* largest payload of any other frame */
@@ -84,6 +84,10 @@ typedef struct {
      * many {u64 address, u64 bytes} pieces. 0 on a tcp ring. Not compared. */
     uint64_t send_addr, recv_addr;
     uint32_t send_pieces, recv_pieces;
+    /* pshard_comm_divert_next marked it (its check is in tag): a mismatch between divertible
+     * descriptors diverts the operation instead of failing it. Not compared by coll_desc_same
+     * (a ring compares it too). */
+    uint8_t divert;
     /* A small all-gather (or a barrier) travels in the descriptors themselves: the sender's
      * block, which every rank receives as the descriptor passes. Not compared. */
     uint16_t inline_len;

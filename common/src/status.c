@@ -47,6 +47,7 @@ int ps_status_to_grpc(pshard_status_t status)
         return GRPC_STATUS_UNAVAILABLE;
     case PSHARD_ERR_ABORTED:
     case PSHARD_ERR_JOINED:
+    case PSHARD_ERR_DIVERTED: /* the shard servers' own; a trainer never sees it */
         return GRPC_STATUS_ABORTED;
     case PSHARD_ERR_NOT_FOUND:
         return GRPC_STATUS_NOT_FOUND;

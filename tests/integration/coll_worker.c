@@ -720,6 +720,117 @@ static int scenario_desync(const char *what)
     return g_failures ? 1 : 0;
 }
 
+/* An in-place all_reduce (sum) of n fp32 on every rank, each rank's values rank + i, marked
+ * divertible with check (0: not marked); blocking or started and waited for. */
+static pshard_status_t divert_op(pshard_comm_t *comm, float *buf, size_t n, uint64_t check,
+                                 bool blocking, char *err, size_t errlen)
+{
+    for (size_t i = 0; i < n; i++)
+        buf[i] = (float)g_rank + (float)(i % 1000);
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_REDUCE,
+                            .dtype = PSHARD_FP32,
+                            .reduce = PSHARD_REDUCE_SUM,
+                            .count = n,
+                            .send = buf,
+                            .recv = buf,
+                            .tag = 3};
+    if (check)
+        pshard_comm_divert_next(comm, check);
+    if (blocking)
+        return pshard_coll_run(comm, &a, err, errlen);
+    pshard_coll_req_t *req = NULL;
+    pshard_status_t rc = pshard_coll_start(comm, &a, &req, err, errlen);
+    if (rc == PSHARD_OK)
+        rc = pshard_coll_wait(req, err, errlen);
+    pshard_coll_req_free(req);
+    return rc;
+}
+
+/* Whether buf holds what divert_op's sum gives (summed: true) or this rank's own values. */
+static bool divert_holds(const float *buf, size_t n, bool summed)
+{
+    float ranks = (float)(g_world * (g_world - 1)) / 2.0f;
+    for (size_t i = 0; i < n; i++) {
+        float own = (float)g_rank + (float)(i % 1000);
+        float want = summed ? ranks + (float)g_world * (float)(i % 1000) : own;
+        if (buf[i] != want)
+            return false;
+    }
+    return true;
+}
+
+/* pshard_comm_divert_next: where the ring can divert (the slots, the sockets), divertible
+ * operations with the same check run as usual; a different check on the last rank diverts the
+ * operation on every rank (DIVERTED, no data moved, the communicator usable), small or big,
+ * blocking or queued, as does another divertible operation altogether; a difference with an
+ * operation that is not divertible stays a desync. Elsewhere nothing can be marked. */
+static int scenario_divert(void)
+{
+    char err[1024] = "";
+    pshard_comm_t *comm = make_comm("divert", g_token, g_generation, 20000, NULL, err, sizeof(err));
+    if (!comm) {
+        fprintf(stderr, "rank %d: comm: %s\n", g_rank, err);
+        return 1;
+    }
+    const char *slot_env = getenv("PSHARD_SHM_SLOT_BYTES");
+    const char *transport = pshard_comm_transport(comm);
+    bool slots = strcmp(transport, "shm") == 0 && !(slot_env && strcmp(slot_env, "0") == 0);
+    bool want = slots || strcmp(transport, "tcp") == 0;
+    bool can = pshard_comm_divert_next(comm, 0);
+    CHECK(can == want, "divertible: %d on a ring over %s%s", can, transport,
+          strcmp(transport, "shm") == 0 ? (slots ? " with slots" : " without slots") : "");
+    bool odd = g_rank == g_world - 1;
+    static float buf[100000];
+    static const size_t sizes[] = {8, 3000, 100000}; /* the mail, a slot, the peers' memory */
+    for (size_t k = 0; can && k < PS_ARRAY_LEN(sizes); k++) {
+        size_t n = sizes[k];
+        bool blocking = k != 1;
+        /* the same check: runs */
+        pshard_status_t rc = divert_op(comm, buf, n, 0x1234, blocking, err, sizeof(err));
+        CHECK(rc == PSHARD_OK && divert_holds(buf, n, true), "%zu alike: %s: %s", n,
+              pshard_status_name(rc), err);
+        /* another check on the last rank: diverted everywhere, nothing moved */
+        err[0] = '\0';
+        rc = divert_op(comm, buf, n, odd ? 0x5678 : 0x1234, blocking, err, sizeof(err));
+        CHECK(rc == PSHARD_ERR_DIVERTED && strstr(err, "diverted") && divert_holds(buf, n, false),
+              "%zu, another check: %s: %s", n, pshard_status_name(rc), err);
+        if (k == 0 && g_rank == 0)
+            printf("rank 0: %s\n", err);
+        /* another divertible operation (what an agreement round is): diverted as well */
+        int64_t rec[16] = {g_rank}, recs[16 * 16];
+        pshard_coll_args_t ag = {.op = PSHARD_COLL_ALL_GATHER,
+                                 .dtype = PSHARD_INT64,
+                                 .send = rec,
+                                 .recv = recs,
+                                 .count = 16,
+                                 .tag = 9};
+        if (odd) {
+            pshard_comm_divert_next(comm, 0x9999);
+            rc = pshard_coll_run(comm, &ag, err, sizeof(err));
+        } else {
+            rc = divert_op(comm, buf, n, 0x1234, blocking, err, sizeof(err));
+            CHECK(divert_holds(buf, n, false), "%zu: the buffer changed", n);
+        }
+        CHECK(rc == PSHARD_ERR_DIVERTED, "%zu against an all_gather: %s: %s", n,
+              pshard_status_name(rc), err);
+        /* and the communicator goes on, unmarked */
+        rc = divert_op(comm, buf, n, 0, !blocking, err, sizeof(err));
+        CHECK(rc == PSHARD_OK && divert_holds(buf, n, true), "%zu after: %s: %s", n,
+              pshard_status_name(rc), err);
+    }
+    if (can) {
+        /* a divertible operation against one that is not: a desync, the communicator failed */
+        pshard_status_t rc = divert_op(comm, buf, 8, odd ? 0 : 0x1234, true, err, sizeof(err));
+        CHECK(rc == PSHARD_ERR_DESYNC, "marked against unmarked: %s: %s", pshard_status_name(rc),
+              err);
+        CHECK(pshard_comm_error(comm, NULL, 0) == PSHARD_ERR_DESYNC, "the desync is not sticky");
+    }
+    printf("rank %d: divert (%s) %s\n", g_rank, pshard_comm_transport(comm),
+           can ? "checked" : "not available, as expected");
+    pshard_comm_destroy(comm);
+    return g_failures ? 1 : 0;
+}
+
 /* Rank 1 kills itself (SIGKILL) in the middle of a large all_reduce (small: before an
  * all_reduce of 8 bytes, which a same-host ring runs through its slots; closed: it destroys the
  * communicator instead and stays alive a while); the others must fail with PEER_LOST naming
@@ -1100,6 +1211,8 @@ int main(int argc, char **argv)
         return scenario_correctness(true);
     if (strcmp(scenario, "desync") == 0)
         return scenario_desync(arg);
+    if (strcmp(scenario, "divert") == 0)
+        return scenario_divert();
     if (strcmp(scenario, "kill") == 0)
         return scenario_kill(arg);
     if (strcmp(scenario, "abort") == 0)

@@ -145,6 +145,14 @@ static void desync(const char *what)
         CU_ASSERT(exited_ok(st[r]));
 }
 
+static void test_divert(void)
+{
+    int st[8];
+    CU_ASSERT_FATAL(run_workers(3, "divert", NULL, st, 60000) == 0);
+    for (int r = 0; r < 3; r++)
+        CU_ASSERT(exited_ok(st[r]));
+}
+
 static void test_desync_dtype(void)
 {
     desync("dtype");
@@ -344,6 +352,7 @@ int main(int argc, char **argv)
         {"desync: tag", test_desync_tag},
         {"desync: one rank's operation too big for the slots", test_desync_size},
         {"desync: reduce roots differ", test_desync_root},
+        {"divertible operations (pshard_comm_divert_next)", test_divert},
         {"PSHARD_LOG_SUBSYS=coll: a line per operation", test_log_lines},
         {"kill -9 a rank mid-operation", test_kill},
         {"kill -9 a rank before a small operation", test_kill_small},

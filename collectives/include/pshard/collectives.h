@@ -214,6 +214,21 @@ void pshard_coll_req_free(pshard_coll_req_t *req);
 pshard_status_t pshard_coll_run(pshard_comm_t *comm, const pshard_coll_args_t *args, char *err,
                                 size_t errlen);
 
+/* Divertible operations, for a layer above that agrees on what every rank runs only when it
+ * must (the shard servers skip Join's agreement round while no trainer has joined). Marks the
+ * next operation this process starts on comm divertible, its descriptor also comparing check
+ * (a hash of what the layer above runs). When the ranks' descriptors of an operation differ
+ * and every rank's is divertible, no data moves and the operation fails on every rank with
+ * PSHARD_ERR_DIVERTED, leaving the communicator usable: the layer above then agrees on what to
+ * run in an explicit round. A difference involving a rank whose operation is not divertible
+ * is a desync as always. The mark is taken by the next pshard_coll_start or pshard_coll_run
+ * (from any thread); check 0 clears it. Returns false, marking nothing, where the
+ * communicator cannot divert; every rank of a communicator answers alike. A ring through the
+ * sockets can (a divertible operation then sends no data before every descriptor has come
+ * round and matched), and so can a same-host ring through its shared slots; the same-host
+ * transport without slots (PSHARD_SHM_SLOT_BYTES=0) and nccl cannot. Thread-safe. */
+bool pshard_comm_divert_next(pshard_comm_t *comm, uint64_t check);
+
 /* Aborts from any thread: every in-flight and queued operation fails with PSHARD_ERR_ABORTED
  * (message includes reason) within 100 ms, and the communicator stays unusable. */
 void pshard_comm_abort(pshard_comm_t *comm, const char *reason);

@@ -35,7 +35,8 @@ extern "C" {
     X(PSHARD_ERR_RESOURCE_EXHAUSTED, -18, "resource exhausted")                                    \
     X(PSHARD_ERR_UNAUTHENTICATED, -19, "unauthenticated")                                          \
     X(PSHARD_ERR_UNIMPLEMENTED, -20, "not implemented")                                            \
-    X(PSHARD_ERR_CANCELLED, -21, "cancelled")
+    X(PSHARD_ERR_CANCELLED, -21, "cancelled")                                                      \
+    X(PSHARD_ERR_DIVERTED, -22, "the ranks' divertible operations differed; none ran")
 
 typedef enum {
 #define PSHARD_STATUS_ENUM_(name, value, msg) name = value,

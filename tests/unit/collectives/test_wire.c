@@ -323,9 +323,9 @@ static void test_desc_round_trip_and_rejections(void)
         size_t offset;
         uint8_t value;
         const char *word;
-    } bad[] = {{8, 0, "op"},        {8, 10, "op"},     {8, 255, "op"},
-               {9, 7, "dtype"},     {9, 200, "dtype"}, {10, 8, "reduce"},
-               {11, 1, "reserved"}, {66, 2, "pieces"}, {70, 9, "pieces"}};
+    } bad[] = {{8, 0, "op"},     {8, 10, "op"},     {8, 255, "op"},
+               {9, 7, "dtype"},  {9, 200, "dtype"}, {10, 8, "reduce"},
+               {11, 2, "flags"}, {66, 2, "pieces"}, {70, 9, "pieces"}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         n = coll_desc_encode(&d, buf, sizeof buf);
         buf[bad[i].offset] = bad[i].value;
@@ -334,6 +334,16 @@ static void test_desc_round_trip_and_rejections(void)
                         PSHARD_ERR_INVALID_ARGUMENT);
         CU_ASSERT_PTR_NOT_NULL(strstr(err, bad[i].word));
     }
+    /* The divertible flag travels (a ring compares it besides coll_desc_same's fields). */
+    d.divert = 1;
+    n = coll_desc_encode(&d, buf, sizeof buf);
+    CU_ASSERT_EQUAL(buf[11], 1);
+    CU_ASSERT_EQUAL(coll_desc_decode(buf, n, &back, NULL, 0), PSHARD_OK);
+    CU_ASSERT_EQUAL(back.divert, 1);
+    d.divert = 0;
+    n = coll_desc_encode(&d, buf, sizeof buf);
+    CU_ASSERT_EQUAL(coll_desc_decode(buf, n, &back, NULL, 0), PSHARD_OK);
+    CU_ASSERT_EQUAL(back.divert, 0);
     /* All valid enum values pass. */
     for (uint8_t op = 1; op <= 5; op++)
         for (uint8_t dt = 0; dt <= 3; dt++)

@@ -55,7 +55,7 @@ static void test_names_distinct_messages_nonempty(void)
 
 static void test_unknown_status(void)
 {
-    static const int unknown[] = {1, 12345, -22, -1000, INT32_MIN};
+    static const int unknown[] = {1, 12345, -23, -1000, INT32_MIN};
     for (size_t i = 0; i < sizeof(unknown) / sizeof(unknown[0]); i++) {
         pshard_status_t s = (pshard_status_t)unknown[i];
         CU_ASSERT_STRING_EQUAL(pshard_status_name(s), "PSHARD_ERR_UNKNOWN");
@@ -100,6 +100,7 @@ static void test_grpc_specific_codes(void)
     CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_NO_MEMORY), GRPC_STATUS_RESOURCE_EXHAUSTED);
     CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_RPC), GRPC_STATUS_UNAVAILABLE);
     CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_JOINED), GRPC_STATUS_ABORTED);
+    CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_DIVERTED), GRPC_STATUS_ABORTED);
     CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_INTERNAL), GRPC_STATUS_INTERNAL);
     CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_SYSTEM), GRPC_STATUS_INTERNAL);
     CU_ASSERT_EQUAL(ps_status_to_grpc(PSHARD_ERR_CUDA), GRPC_STATUS_INTERNAL);
