@@ -32,6 +32,9 @@ typedef struct {
     size_t agree_cap;
     void *follow_buf; /* a joined rank's receive/zero buffers for the others' ops */
     size_t follow_cap;
+    /* An agreement round showed a joined rank: every operation agrees first until the join
+     * ends (the same on every rank: set by the same verdict, cleared when all joined). */
+    bool joined_seen;
 } shard_bufs_t;
 
 /* A process group (torch.distributed.new_group): world ranks ranks[0..size), strictly
@@ -97,7 +100,9 @@ struct pshard_shard_server {
     bool joined; /* this rank's trainer joined; Join shadows the others */
     int64_t joined_step;
     uint64_t shadowed_ops; /* (mu: a joined rank's group threads count theirs too) */
-    shard_bufs_t bufs;     /* the world communicator's agreement and shadowing buffers */
+    /* Operations run ahead of the agreement, and those diverted to it (shard_op_run; mu). */
+    uint64_t ops_ahead, ops_diverted;
+    shard_bufs_t bufs; /* the world communicator's agreement and shadowing buffers */
 
     /* Process groups (shard_groups.c) of this session and comm generation: used under op_mu;
      * the array changes under op_mu and mu both, so the watch thread may abort them under mu. */
@@ -162,13 +167,15 @@ typedef struct {
     uint32_t reduce; /* pshard_reduce_t (all_reduce) */
 } shard_sop_t;
 
-/* Before every operation a trainer asks for, the shard servers agree on it: each sends a
+/* Before an operation a trainer asks for, the shard servers agree on it: each sends a
  * small record (its operation, or "joined") in one all-gather, so a rank whose trainer joined
  * learns what the others run and shadows it, and every rank learns how many trainers
- * contribute. For an active rank: *active gets the number of contributing ranks; errors are
- * DESYNC (the active ranks asked for different operations, naming both), JOINED (a rank
- * joined with throw_on_early_termination, or a broadcast's root joined), or the collective's
- * own. Every rank reaches the same verdict from the same records. Call with op_mu held. */
+ * contribute. (While nobody has joined, gathers, reduce-scatters and plain collectives skip
+ * the round where the communicator can divert them: shard_op_run.) For an active rank: *active gets
+ * the number of contributing ranks; errors are DESYNC (the active ranks asked for different
+ * operations, naming both), JOINED (a rank joined with throw_on_early_termination, or a broadcast's
+ * root joined), or the collective's own. Every rank reaches the same verdict from the same records.
+ * Call with op_mu held. */
 pshard_status_t shard_agree_active(pshard_shard_server_t *s, pshard_comm_t *comm,
                                    shard_bufs_t *bufs, const shard_sop_t *op, int *active,
                                    int64_t *ckpt_request, char *err, size_t errlen);

@@ -89,6 +89,21 @@ void shard_rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_fl
         r[W_IDS + i] = op->ids[i];
 }
 
+uint64_t shard_sop_check(const shard_sop_t *op)
+{
+    int64_t r[REC_WORDS];
+    shard_rec_encode(r, REC_OP, op, false, 0, 0);
+    /* The words the verdict compares: W_SOP..W_REDUCE and W_HASH onwards. */
+    uint64_t h = ids_hash(NULL, 0);
+    for (int w = W_SOP; w < REC_WORDS; w++) {
+        if (w >= W_THROW && w < W_HASH)
+            continue;
+        h ^= (uint64_t)r[w];
+        h *= 1099511628211ull;
+    }
+    return h ? h : 1;
+}
+
 const char *shard_sop_name(int64_t k)
 {
     switch (k) {

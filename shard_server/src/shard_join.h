@@ -74,6 +74,14 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
 pshard_status_t shard_agree_refusal(const agreement_t *ag, const shard_sop_t *op,
                                     const int64_t *recs, char *err, size_t errlen);
 
+/* The check word of op for pshard_comm_divert_next: a nonzero hash of the record's compared
+ * words, so ranks asking for different operations (other parameters of the same sizes
+ * included) differ. */
+uint64_t shard_sop_check(const shard_sop_t *op);
+
+/* The check word of an agreement round's all-gather. */
+#define AGREE_CHECK 0x6167726565ull /* "agree" */
+
 /* The name of an operation kind (SHARD_SOP_*) in messages: "gather", "step", ... */
 const char *shard_sop_name(int64_t kind);
 

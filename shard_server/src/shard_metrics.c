@@ -172,7 +172,7 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     bool attached = s->session[0] != 0;
     bool joined = s->joined;
     int64_t joined_step = s->joined_step;
-    uint64_t shadowed = s->shadowed_ops;
+    uint64_t shadowed = s->shadowed_ops, ahead = s->ops_ahead, diverted = s->ops_diverted;
     int64_t last_contact = s->last_contact_ns, lease_ms = s->lease_ms;
     bool registered = s->member_id[0] != 0;
     const shard_model_t *m = s->model;
@@ -229,6 +229,14 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     gauge(w, "pshard_shard_join_shadowed_ops",
           "Operations of the other ranks shadowed since this rank's trainer joined.",
           (double)shadowed);
+    ps_metrics_family(w, "pshard_shard_ops_ahead_total", PS_METRIC_COUNTER,
+                      "Gathers, reduce-scatters and collectives run without an agreement round "
+                      "first (no rank had joined).");
+    ps_metrics_sample_u64(w, NULL, ahead);
+    ps_metrics_family(w, "pshard_shard_ops_diverted_total", PS_METRIC_COUNTER,
+                      "Operations run ahead that some rank's other operation (a joined rank's "
+                      "agreement round) diverted to an agreement round.");
+    ps_metrics_sample_u64(w, NULL, diverted);
 
     op_counter(w, s, "pshard_shard_ops_total",
                "Trainer operations completed (gathers, reduce-scatters, steps, collectives), "

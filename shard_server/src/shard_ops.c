@@ -54,6 +54,32 @@ pshard_status_t shard_session_check(const pshard_shard_server_t *s, const char *
     return PSHARD_OK;
 }
 
+/* Whether op runs ahead of the agreement, its first collective divertible: while no rank of
+ * comm has joined (as far as the agreements showed), for the operations of a training step's
+ * bulk (gathers, reduce-scatters, plain collectives) whose first collective is on comm itself,
+ * where comm can divert. Every rank decides alike (the same verdicts, the same operation).
+ * An optimizer step, clip_grad_norm, a save, new_group and send/recv always agree first: a
+ * joined rank takes part in them all, and the step carries the checkpoint requests. Sets
+ * op->active to every rank and marks comm's next collective with op's check word. */
+static bool runs_ahead(pshard_shard_server_t *s, pshard_comm_t *comm, const shard_bufs_t *bufs,
+                       shard_op_t *op)
+{
+    if (bufs->joined_seen)
+        return false;
+    shard_sop_kind_t k = op->sop.kind;
+    if (k != SHARD_SOP_COLLECTIVE && k != SHARD_SOP_GATHER && k != SHARD_SOP_REDUCE_SCATTER)
+        return false;
+    /* HSDP: a gather's data moves on the replica's shard ranks, not on comm */
+    if (k != SHARD_SOP_COLLECTIVE &&
+        (!s->model || (s->model->shard_comm && s->model->shard_comm != comm)))
+        return false;
+    if (!pshard_comm_divert_next(comm, shard_sop_check(&op->sop)))
+        return false;
+    op->active = pshard_comm_world_size(comm);
+    op->ckpt_request = 0; /* (read by a step only) */
+    return true;
+}
+
 pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err, size_t errlen)
 {
     pshard_status_t rc = PSHARD_OK;
@@ -94,11 +120,31 @@ pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err
         return rc;
     }
     int64_t start_ns = ps_now_ns();
-    if (op->agree)
-        rc = shard_agree_active(s, comm, bufs, &op->sop, &op->active, &op->ckpt_request, err,
-                                errlen);
-    if (rc == PSHARD_OK)
+    bool ahead = op->agree && runs_ahead(s, comm, bufs, op);
+    if (ahead) {
         rc = op->run(s, comm, op, err, errlen);
+        pshard_comm_divert_next(comm, 0); /* when run failed before its first collective */
+        bool diverted = rc == PSHARD_ERR_DIVERTED;
+        pthread_mutex_lock(&s->mu);
+        s->ops_ahead++;
+        s->ops_diverted += diverted;
+        pthread_mutex_unlock(&s->mu);
+        if (diverted) {
+            ahead = false;
+            /* Some rank asked for something else: a joined rank's agreement round, or another
+             * operation (a desync, which the round names). Nothing ran anywhere. */
+            PS_DEBUG(PS_SUB_SHARD, "%s", err);
+            err[0] = '\0';
+            rc = PSHARD_OK;
+        }
+    }
+    if (!ahead) {
+        if (op->agree)
+            rc = shard_agree_active(s, comm, bufs, &op->sop, &op->active, &op->ckpt_request, err,
+                                    errlen);
+        if (rc == PSHARD_OK)
+            rc = op->run(s, comm, op, err, errlen);
+    }
     if (op->opk >= 0)
         shard_stats_record(s, (shard_opk_t)op->opk, start_ns, op->bytes, rc == PSHARD_OK);
     pthread_mutex_unlock(&s->op_mu);
@@ -109,6 +155,7 @@ void shard_ops_retire_comm(pshard_shard_server_t *s, pshard_comm_t *old)
 {
     pthread_mutex_lock(&s->op_mu);
     pshard_comm_destroy(old);
+    s->bufs.joined_seen = false; /* the new generation's ranks have joined nothing yet */
     /* The groups were the old generation's: their ids start again with the new one. */
     shard_pgs_clear(s);
     shard_pairs_clear(s);
@@ -176,8 +223,21 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, shar
                             .count = REC_WORDS,
                             .tag = AGREE_TAG,
                             .label = shard_op_label(s->model, "agreement", label, sizeof(label))};
-    PS_CHECK(pshard_coll_run(comm, &a, err, errlen));
+    /* Divertible: the others may be running an operation ahead of the agreement (runs_ahead),
+     * which diverts it and brings them here for the next round. Agreement rounds never divert
+     * each other (their descriptors are all alike). */
+    pshard_status_t rc;
+    do {
+        pshard_comm_divert_next(comm, AGREE_CHECK);
+        rc = pshard_coll_run(comm, &a, err, errlen);
+        pshard_comm_divert_next(comm, 0);
+        if (rc == PSHARD_ERR_DIVERTED)
+            err[0] = '\0';
+    } while (rc == PSHARD_ERR_DIVERTED);
+    PS_CHECK(rc);
     PS_CHECK(shard_agree_verdict(bufs->agree_buf, world, ag, err, errlen));
+    if (ag->any_joined)
+        bufs->joined_seen = true;
     shard_sop_t *op = &ag->op;
     if (ag->all_joined || op->kind == SHARD_SOP_CLIP)
         return PSHARD_OK;
@@ -208,7 +268,7 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, shar
                             .root = ag->first_active,
                             .tag = AGREE_TAG + 1,
                             .label = "agreement ids"};
-    pshard_status_t rc = pshard_coll_run(comm, &b, err, errlen);
+    rc = pshard_coll_run(comm, &b, err, errlen);
     for (size_t i = 0; rc == PSHARD_OK && i < op->nids; i++)
         ag->ids_heap[i] = (uint32_t)wide[i];
     free(wide);
@@ -379,6 +439,7 @@ static void shadow_loop(shadow_t *w)
             break;
         if (ag.all_joined) {
             w->last_rank = ag.last_rank;
+            w->bufs->joined_seen = false; /* every rank of the communicator, in this round */
             shard_agreement_free(&ag);
             break;
         }

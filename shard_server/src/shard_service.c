@@ -800,6 +800,8 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.joined = s->joined;
     out.joined_step = s->joined_step;
     out.shadowed_ops = s->shadowed_ops;
+    out.ops_ahead = s->ops_ahead;
+    out.ops_diverted = s->ops_diverted;
     out.transport = comm ? (char *)pshard_comm_transport(comm) : "";
     if (comm) {
         pshard_coll_record_t recs[32];

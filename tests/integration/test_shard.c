@@ -16,9 +16,62 @@
 
 #include "ps_proc.h"
 #include "ps_test.h"
+#include "pshard/rpc.h"
+#include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
 
 static const char *coord_bin, *server_bin, *trainer_bin;
+
+/* What the servers of a finished case say of the agreement rounds (Join's) they skipped: on a
+ * same-host ring every rank's gathers and reduce-scatters ran ahead of the agreement, and with
+ * a joined rank (the last one, before the last step) exactly one operation of each other rank
+ * was diverted to an agreement round: the first after the join (the join ends every rank's
+ * agreeing, so the final gather ran ahead again). */
+static bool check_ahead(char addr[][64], int world, bool join)
+{
+    bool ok = true;
+    for (int r = 0; r < world; r++) {
+        char err[256] = "";
+        ps_rpc_channel_config_t cfg = {.target = addr[r], .own_connection = true};
+        ps_rpc_channel_t *ch = ps_rpc_channel_create(&cfg, err, sizeof(err));
+        Pshard__ShardStatusRequest req = PSHARD__SHARD_STATUS_REQUEST__INIT;
+        ProtobufCMessage *resp = NULL;
+        if (!ch || ps_rpc_unary(ch, "/pshard.ShardServer/Status", &req.base,
+                                &pshard__shard_status_response__descriptor, &resp, 5000, 0, NULL,
+                                err, sizeof(err)) != PSHARD_OK) {
+            fprintf(stderr, "server %d: Status: %s\n", r, err);
+            ok = false;
+        } else {
+            const Pshard__ShardStatusResponse *st = (const Pshard__ShardStatusResponse *)resp;
+            /* (both run ahead; the same-host path without slots would not) */
+            bool ahead = strcmp(st->transport, "shm") == 0 || strcmp(st->transport, "tcp") == 0;
+            uint64_t want = join && st->rank < world - 1 ? 1 : 0;
+            if (ahead && (st->ops_ahead == 0 || st->ops_diverted != want)) {
+                fprintf(stderr,
+                        "server %d (rank %d, %s): %llu operations ran ahead of the agreement, "
+                        "%llu diverted; expected some and %llu\n",
+                        r, st->rank, st->transport, (unsigned long long)st->ops_ahead,
+                        (unsigned long long)st->ops_diverted, (unsigned long long)want);
+                ok = false;
+            } else if (join) {
+                printf("rank %d (%s): %llu operations ran ahead of the agreement, %llu "
+                       "diverted\n",
+                       st->rank, st->transport, (unsigned long long)st->ops_ahead,
+                       (unsigned long long)st->ops_diverted);
+            }
+            if (!ahead && st->ops_ahead != 0) {
+                fprintf(stderr, "server %d (%s): %llu operations ran ahead of the agreement\n", r,
+                        st->transport, (unsigned long long)st->ops_ahead);
+                ok = false;
+            }
+        }
+        if (resp)
+            protobuf_c_message_free_unpacked(resp, NULL);
+        if (ch)
+            ps_rpc_channel_destroy(ch);
+    }
+    return ok;
+}
 
 /* Runs one case of `steps` steps, the servers started with server_extra (NULL-terminated, may
  * be NULL); returns true when every trainer exited 0 and the servers stopped cleanly. */
@@ -86,6 +139,8 @@ static bool run_case_with(int world, const char *layout, const char *opt, const 
             ok = false;
         }
     }
+    if (ok && world > 1 && !strstr(extra, "mismatch"))
+        ok = check_ahead(addr, world, strstr(extra, "join") != NULL);
     for (int r = 0; r < world; r++) {
         int code = ps_proc_stop(servers[r], 10000);
         if (code != 0) {
@@ -185,6 +240,10 @@ static void test_groups_join(void)
 {
     CU_ASSERT(run_case(3, "fsdp2", "adam", "fp32", "groups_join"));
     CU_ASSERT(run_case(2, "fsdp1", "sgd", "fp32", "groups_join"));
+    /* through the sockets: the join diverts the operations there too */
+    setenv("PSHARD_TRANSPORT", "tcp", 1);
+    CU_ASSERT(run_case(3, "fsdp2", "adam", "fp32", "groups_join"));
+    unsetenv("PSHARD_TRANSPORT");
 }
 
 /* optimizer_in_backward with groups: each update uses its parameter's group (as the previous
