@@ -390,7 +390,8 @@ static pshard_status_t prepare_op(pshard_comm_t *c, const pshard_coll_args_t *a,
                        pshard_coll_op_name(a->op));
 
     coll_desc_t *d = &op->desc;
-    memset(d, 0, sizeof(*d));
+    /* (inline_data is written before it is read: coll_inline_setup) */
+    memset(d, 0, offsetof(coll_desc_t, inline_data));
     d->op = (uint8_t)user_op;
     d->dtype = (uint8_t)a->dtype;
     d->reduce = reduces ? (uint8_t)a->reduce : 0;
@@ -453,8 +454,10 @@ void coll_record_waiting(pshard_comm_t *comm, const coll_op_t *op, int rank)
 /* Lets go of what a finished request holds, not the request itself. */
 static void req_release(pshard_coll_req_t *req)
 {
-    pthread_mutex_destroy(&req->mu);
-    pthread_cond_destroy(&req->cv);
+    if (!req->sync) {
+        pthread_mutex_destroy(&req->mu);
+        pthread_cond_destroy(&req->cv);
+    }
     coll_op_free(&req->op);
 }
 
@@ -468,8 +471,14 @@ static pshard_status_t coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
     pshard_coll_req_t *r = storage ? storage : malloc(sizeof(*r));
     if (!r)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    /* Everything but the error text, which is written before it is read. */
-    memset(r, 0, offsetof(pshard_coll_req_t, error));
+    /* Everything but what is written before it is read: the error text, the operation's
+     * inline counts and its descriptor (prepare_op's), and mu and cv (initialised when the
+     * request goes to the backend); a small operation's latency is made of such things. */
+    size_t op_at = offsetof(pshard_coll_req_t, op);
+    memset(r, 0, op_at + offsetof(coll_op_t, inline_counts));
+    size_t after_desc = op_at + offsetof(coll_op_t, desc) + sizeof(r->op.desc);
+    memset((uint8_t *)r + after_desc, 0, offsetof(pshard_coll_req_t, mu) - after_desc);
+    memset(&r->done, 0, offsetof(pshard_coll_req_t, error) - offsetof(pshard_coll_req_t, done));
     memset((uint8_t *)r + offsetof(pshard_coll_req_t, error) + sizeof(r->error), 0,
            sizeof(*r) - offsetof(pshard_coll_req_t, error) - sizeof(r->error));
     r->error[0] = '\0';
@@ -481,17 +490,16 @@ static pshard_status_t coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
         return rc;
     }
     r->comm = comm;
-    pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv, NULL);
     int64_t timeout_ms = args->timeout_ms ? args->timeout_ms : comm->timeout_ms;
-    r->op.start_ns = ps_now_ns();
-    r->op.deadline_ns = r->op.start_ns + timeout_ms * 1000000;
+    r->op.timeout_ns = timeout_ms * 1000000;
 
     /* An operation the backend runs in the caller's thread (only ever a blocking call) waits
      * until nothing else is in flight; the backend's thread does not start an operation while
      * one of those runs (coll_wait_here): so all run in issue order, and pshard_coll_start
-     * never waits for the other ranks. */
+     * never waits for the other ranks. Its clock starts when it first waits. */
     bool here = comm->backend->here && comm->backend->here(comm, &r->op, blocking);
+    if (!here)
+        coll_op_deadline(&r->op);
     pthread_mutex_lock(&comm->mu);
     while (here && (comm->here_busy || comm->in_flight > 0))
         pthread_cond_wait(&comm->idle_cv, &comm->mu);
@@ -517,6 +525,12 @@ static pshard_status_t coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
         comm->in_flight++;
     }
     pthread_mutex_unlock(&comm->mu);
+    /* Handed to the backend's thread: completed there, waited for here. */
+    r->sync = !r->submitted;
+    if (!r->sync) {
+        pthread_mutex_init(&r->mu, NULL);
+        pthread_cond_init(&r->cv, NULL);
+    }
 
     *req = r;
     if (sticky != PSHARD_OK) {
@@ -613,7 +627,7 @@ static void log_op(pshard_comm_t *c, const pshard_coll_req_t *req, pshard_status
 {
     char what[256];
     coll_desc_format(&req->op.desc, what, sizeof(what));
-    double ms = (double)(ps_now_ns() - req->op.start_ns) / 1e6;
+    double ms = req->op.start_ns ? (double)(ps_now_ns() - req->op.start_ns) / 1e6 : 0;
     PS_INFO(
         PS_SUB_COLL, "coll %s (communicator %s generation %llu, rank %d of %d%s): %s%s in %.3f ms",
         what, c->name, (unsigned long long)c->generation, c->rank, c->world_size,
@@ -647,7 +661,10 @@ void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *m
     pshard_coll_record_t *r = record_of(c, &req->op);
     if (r) {
         r->state = status == PSHARD_OK ? PSHARD_COLL_DONE : PSHARD_COLL_FAILED;
-        r->end_ns = ps_now_ns();
+        /* (an operation that never waited has no clock reading: "in 0.000 ms") */
+        if (!r->start_ns)
+            r->start_ns = req->op.start_ns;
+        r->end_ns = req->op.start_ns ? ps_now_ns() : r->start_ns;
         r->waiting_on = -1;
         if (status != PSHARD_OK)
             ps_strlcpy(r->error, msg ? msg : pshard_status_str(status), sizeof(r->error));
@@ -657,17 +674,25 @@ void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *m
         memcpy((uint8_t *)req->op.post_dst + k * req->op.post_len,
                (const uint8_t *)req->op.temp + req->op.post_off + k * req->op.post_stride,
                req->op.post_len);
-    pthread_mutex_lock(&req->mu);
+    if (!req->sync)
+        pthread_mutex_lock(&req->mu);
     req->status = status;
     if (status != PSHARD_OK)
         ps_strlcpy(req->error, msg ? msg : pshard_status_str(status), sizeof(req->error));
     req->done = true;
-    pthread_cond_broadcast(&req->cv);
-    pthread_mutex_unlock(&req->mu);
+    if (!req->sync) {
+        pthread_cond_broadcast(&req->cv);
+        pthread_mutex_unlock(&req->mu);
+    }
 }
 
 pshard_status_t pshard_coll_wait(pshard_coll_req_t *req, char *err, size_t errlen)
 {
+    if (req->sync) { /* done before pshard_coll_start returned */
+        if (req->status != PSHARD_OK)
+            ps_errf(err, errlen, req->status, "%s", req->error);
+        return req->status;
+    }
     pthread_mutex_lock(&req->mu);
     while (!req->done)
         pthread_cond_wait(&req->cv, &req->mu);
@@ -680,6 +705,10 @@ pshard_status_t pshard_coll_wait(pshard_coll_req_t *req, char *err, size_t errle
 
 pshard_status_t pshard_coll_test(pshard_coll_req_t *req, bool *done, char *err, size_t errlen)
 {
+    if (req->sync) {
+        *done = true;
+        return pshard_coll_wait(req, err, errlen);
+    }
     pthread_mutex_lock(&req->mu);
     *done = req->done;
     pshard_status_t st = req->done ? req->status : PSHARD_OK;

@@ -5,6 +5,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <time.h>
 
 #include "coll_buf.h"
 #include "coll_wire.h"
@@ -23,10 +24,12 @@ typedef struct coll_op {
     size_t inline_counts[COLL_OP_INLINE_RANKS], inline_displs[COLL_OP_INLINE_RANKS + 1];
     coll_desc_t desc;
     coll_buf_t sbuf, rbuf; /* send and recv, whole or in pieces (freed with the op) */
-    int64_t deadline_ns;   /* ps_now_ns clock */
+    int64_t deadline_ns;   /* ps_now_ns clock; read it through coll_op_deadline */
     size_t record_slot;    /* index into the flight recorder ring */
     bool check_only;       /* exchange and compare the descriptor; move no data */
-    int64_t start_ns;      /* when it was started (ps_now_ns), for the per-operation log line */
+    int64_t start_ns;      /* when it was started (ps_now_ns), for the per-operation log line;
+                              0 for one run in the caller's thread until it first waits */
+    int64_t timeout_ns;
     /* reduce / gather / scatter / all_to_all run as the operation in args (all_reduce,
      * all_gather, broadcast, all_gather) with recv = temp where the caller's recv does not take
      * the whole result; on success post_blocks blocks of post_len bytes, at temp + post_off +
@@ -43,6 +46,8 @@ struct pshard_coll_req {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool done;
+    bool sync; /* never handed to the backend: completed in coll_start's thread, before it
+                  returned, so mu and cv are not used (nor initialised) */
     pshard_status_t status;
     char error[PSHARD_ERRLEN];
     bool submitted;  /* counted in comm->in_flight */
@@ -106,6 +111,20 @@ struct pshard_comm {
     pthread_cond_t idle_cv; /* in_flight reached 0, or here_busy was cleared */
     uint64_t divert_check;  /* nonzero: the next operation started is divertible */
 };
+
+/* op's deadline. An operation run in the caller's thread reads the clock only once it has
+ * to wait for another rank (the slots' spin does so after a few dozen rounds), so one that
+ * never waits reads none: two clock reads were a tenth of an 8-byte all-reduce. */
+static inline int64_t coll_op_deadline(coll_op_t *op)
+{
+    if (op->start_ns == 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        op->start_ns = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+        op->deadline_ns = op->start_ns + op->timeout_ns;
+    }
+    return op->deadline_ns;
+}
 
 /* Starts a descriptor-only operation on a tcp communicator: the ranks exchange and compare
  * `desc` (its seq is replaced by this communicator's next sequence number) exactly as a real

@@ -506,11 +506,11 @@ static pshard_status_t stopped(coll_slots_t *s, pshard_comm_t *comm, char *err, 
 
 /* Whether the operation must stop: the communicator failed (stopped), or the operation's
  * deadline passed; the error (as coll_slots_run's) in err. */
-static pshard_status_t going(coll_slots_t *s, pshard_comm_t *comm, const coll_op_t *op, char *err,
+static pshard_status_t going(coll_slots_t *s, pshard_comm_t *comm, coll_op_t *op, char *err,
                              size_t errlen)
 {
     PS_CHECK(stopped(s, comm, err, errlen));
-    if (ps_now_ns() >= op->deadline_ns)
+    if (ps_now_ns() >= coll_op_deadline(op))
         return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT, "%s seq %" PRIu64 " timed out on rank %d",
                        pshard_coll_op_name(op->desc.op), op->desc.seq, s->rank);
     return PSHARD_OK;
@@ -529,6 +529,8 @@ static pshard_status_t wait_word(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t
             return PSHARD_OK;
         if ((i & 63) == 0) {
             int64_t now = ps_now_ns();
+            if (!start)
+                coll_op_deadline(op); /* the operation's clock starts with its first wait */
             start = start ? start : now;
             spent = now - start;
             if (spent >= s->spin_ns + YIELD_NS)
@@ -544,7 +546,7 @@ static pshard_status_t wait_word(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t
     for (;;) {
         atomic_fetch_add(&c->waiters, 1);
         uint32_t bell = atomic_load(&c->bell);
-        int64_t left = op->deadline_ns - ps_now_ns();
+        int64_t left = coll_op_deadline(op) - ps_now_ns();
         if (!reached(atomic_load(word), want) && left > 0)
             futex_wait(&c->bell, bell, left < SLEEP_SLICE_NS ? left : SLEEP_SLICE_NS);
         atomic_fetch_sub(&c->waiters, 1);
@@ -563,7 +565,7 @@ static pshard_status_t wait_word(coll_slots_t *s, coll_shm_t *shm, pshard_comm_t
                            "%s seq %" PRIu64 " on rank %d: lost rank %d (its process, pid %d, "
                            "exited)",
                            what, op->desc.seq, s->rank, q, coll_shm_pid(shm, q));
-        if (ps_now_ns() >= op->deadline_ns)
+        if (ps_now_ns() >= coll_op_deadline(op))
             return ps_errf(err, errlen, PSHARD_ERR_TIMEOUT,
                            "%s seq %" PRIu64 " timed out on rank %d waiting on rank %d: it has "
                            "%s (same-host transport)",
