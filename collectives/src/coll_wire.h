@@ -77,7 +77,7 @@ typedef struct {
     int32_t root;
     uint64_t tag;
     uint64_t total_count; /* elements across all ranks */
-    uint64_t counts_hash; /* FNV-1a of the per-rank counts (u64 LE each) */
+    uint64_t counts_hash; /* coll_counts_hash of the per-rank counts */
     uint64_t rank_count;  /* the sender's own count */
     /* Where the sender's send and recv buffers are in its address space, what same-host peers
      * read (coll_shm.h): the buffer itself when its pieces count is 0, else a table of that
@@ -164,7 +164,7 @@ pshard_status_t coll_hello_check(const coll_hello_t *h, uint64_t generation, uin
 /* Fills a nonce from getrandom(2) (falls back to /dev/urandom). */
 void coll_random_nonce(uint8_t nonce[COLL_NONCE_SIZE]);
 
-/* FNV-1a over counts[0..n) encoded as u64 LE (what counts_hash holds). */
+/* A hash of counts[0..n) (what counts_hash holds): FNV-1a's step a count at a time. */
 uint64_t coll_counts_hash(const size_t *counts, size_t n);
 
 /* True when two descriptors describe the same operation (every field but rank_count and the

@@ -550,13 +550,12 @@ static void test_counts_hash(void)
     CU_ASSERT_NOT_EQUAL(coll_counts_hash(a, 4), coll_counts_hash(c, 3));
     CU_ASSERT_NOT_EQUAL(coll_counts_hash(a, 4), coll_counts_hash(d, 5));
     CU_ASSERT_EQUAL(coll_counts_hash(NULL, 0), 0xcbf29ce484222325ull); /* FNV offset basis */
-    /* FNV-1a over u64 LE: one count of 1 is bytes 01 00 00 00 00 00 00 00. */
+    /* FNV-1a's step a count at a time: (hash ^ count) * prime. */
     const size_t one[] = {1};
-    uint64_t want = 0xcbf29ce484222325ull;
-    const uint8_t bytes[8] = {1, 0, 0, 0, 0, 0, 0, 0};
-    for (int i = 0; i < 8; i++)
-        want = (want ^ bytes[i]) * 0x100000001b3ull;
-    CU_ASSERT_EQUAL(coll_counts_hash(one, 1), want);
+    CU_ASSERT_EQUAL(coll_counts_hash(one, 1), (0xcbf29ce484222325ull ^ 1) * 0x100000001b3ull);
+    /* counts that differ only in their high bytes differ too */
+    const size_t hi_a[] = {(size_t)1 << 40, 7}, hi_b[] = {(size_t)1 << 41, 7};
+    CU_ASSERT_NOT_EQUAL(coll_counts_hash(hi_a, 2), coll_counts_hash(hi_b, 2));
 }
 
 static void test_desc_same(void)
