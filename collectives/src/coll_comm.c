@@ -461,6 +461,8 @@ static void req_release(pshard_coll_req_t *req)
     coll_op_free(&req->op);
 }
 
+static void complete(pshard_coll_req_t *req, pshard_status_t status, const char *msg, bool here);
+
 /* pshard_coll_start; blocking: the caller waits for the request at once (pshard_coll_run);
  * storage: where the request lives (pshard_coll_run's, on its stack), or NULL to allocate it. */
 static pshard_status_t coll_start(pshard_comm_t *comm, const pshard_coll_args_t *args,
@@ -539,11 +541,7 @@ static pshard_status_t coll_start(pshard_comm_t *comm, const pshard_coll_args_t 
         char msg[PSHARD_ERRLEN];
         msg[0] = '\0';
         pshard_status_t st = comm->backend->run_here(comm, &r->op, msg, sizeof(msg));
-        coll_complete(r, st, msg);
-        pthread_mutex_lock(&comm->mu);
-        comm->here_busy = false;
-        pthread_cond_broadcast(&comm->idle_cv);
-        pthread_mutex_unlock(&comm->mu);
+        complete(r, st, msg, true);
     } else if (local) {
         /* A one-rank all-gather, reduce-scatter, all-reduce or broadcast copies send to
          * recv (a sum or average over one rank is the value itself); a barrier does nothing. */
@@ -645,6 +643,13 @@ void coll_wait_here(pshard_comm_t *comm)
 
 void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *msg)
 {
+    complete(req, status, msg, false);
+}
+
+/* As coll_complete; here: req ran in the caller's thread (backend->run_here), whose mark is
+ * cleared in the same hold of the communicator's lock that records the outcome. */
+static void complete(pshard_coll_req_t *req, pshard_status_t status, const char *msg, bool here)
+{
     pshard_comm_t *c = req->comm;
     if (ps_log_named(PS_LOG_INFO, PS_SUB_COLL))
         log_op(c, req, status, msg);
@@ -657,6 +662,10 @@ void coll_complete(pshard_coll_req_t *req, pshard_status_t status, const char *m
         req->submitted = false;
         if (--c->in_flight == 0)
             pthread_cond_broadcast(&c->idle_cv);
+    }
+    if (here) {
+        c->here_busy = false;
+        pthread_cond_broadcast(&c->idle_cv);
     }
     pshard_coll_record_t *r = record_of(c, &req->op);
     if (r) {
