@@ -3,55 +3,14 @@
  * DLPack and the buffer protocol); Works are asynchronous gathers and reduce-scatters. Tensors
  * coming in (initial values, collective buffers) are read through their __dlpack__ capsule, so
  * no numpy or torch is needed here. Every blocking call releases the GIL; pshard statuses become
- * exceptions of the classes below carrying pshard's message. Process groups (Group, the optional
- * last argument of every collective method) are in pshard_groups.c. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+ * exceptions of the classes below carrying pshard's message. The Client's plain collectives on
+ * tensors are in pshard_colls.c, process groups (Group, the optional last argument of every
+ * collective method) in pshard_groups.c, and what they share in pshard_py.h. */
+#include "pshard_py.h"
 
-#include <pthread.h>
-#include <stdbool.h>
-#include <stdint.h>
 #include <string.h>
 
-#include "pshard/pshard.h"
-
 #include "pshard_groups.h"
-
-/* ---- DLPack (the v0.8 / legacy ABI, from the DLPack specification) ----------------------- */
-
-typedef struct {
-    int32_t device_type; /* kDLCPU = 1, kDLCUDA = 2 */
-    int32_t device_id;
-} DLDevice;
-
-typedef struct {
-    uint8_t code; /* kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4 */
-    uint8_t bits;
-    uint16_t lanes;
-} DLDataType;
-
-typedef struct {
-    void *data;
-    DLDevice device;
-    int32_t ndim;
-    DLDataType dtype;
-    int64_t *shape;
-    int64_t *strides;
-    uint64_t byte_offset;
-} DLTensor;
-
-typedef struct DLManagedTensor {
-    DLTensor dl_tensor;
-    void *manager_ctx;
-    void (*deleter)(struct DLManagedTensor *self);
-} DLManagedTensor;
-
-#define DL_CPU 1
-#define DL_INT 0
-#define DL_UINT 1
-#define DL_FLOAT 2
-#define DL_BFLOAT 4
-#define DL_BOOL 6
 
 /* ---- errors ------------------------------------------------------------------------------ */
 
@@ -110,30 +69,9 @@ static PyObject *raise_status(pshard_status_t st, const char *msg)
 
 /* ---- Client ------------------------------------------------------------------------------ */
 
-typedef struct {
-    PyObject_HEAD pshard_client_t *c;
-    /* libpshard's client is used by one thread at a time: Python threads take turns here,
-     * with the GIL released. */
-    pthread_mutex_t op_mu;
-    pshard_dtype_t param_dtype, reduce_dtype;
-    size_t nparams;
-    PyObject *shapes;   /* tuple of shape tuples of the defined model, or NULL */
-    bool closing;       /* close() was called while views of its memory were alive */
-    Py_ssize_t exports; /* live Buffers (and DLPack tensors) pointing into its memory */
-    Py_ssize_t pending; /* Works not yet waited for: close waits for them to be */
-} ClientObject;
-
 static PyTypeObject ClientType, BufferType, WorkType;
 
-#define CLIENT_CALL(self, stmt)                                                                    \
-    do {                                                                                           \
-        Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&(self)->op_mu);                                 \
-        stmt;                                                                                      \
-        pthread_mutex_unlock(&(self)->op_mu);                                                      \
-        Py_END_ALLOW_THREADS                                                                       \
-    } while (0)
-
-static int client_ok(ClientObject *self)
+int pshard_py_client_ok(ClientObject *self)
 {
     if (!self->c || self->closing) {
         raise_status(PSHARD_ERR_FAILED_PRECONDITION,
@@ -144,7 +82,7 @@ static int client_ok(ClientObject *self)
     return 1;
 }
 
-static PyObject *client_fail(ClientObject *self, pshard_status_t st)
+PyObject *pshard_py_client_fail(ClientObject *self, pshard_status_t st)
 {
     return raise_status(st, pshard_last_error(self->c));
 }
@@ -242,33 +180,26 @@ static PyObject *Client_close(ClientObject *self, PyObject *unused)
 
 static PyObject *Client_get_rank(ClientObject *self, void *unused)
 {
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     return PyLong_FromLong(pshard_rank(self->c));
 }
 
 static PyObject *Client_get_world(ClientObject *self, void *unused)
 {
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     return PyLong_FromLong(pshard_world_size(self->c));
 }
 
 static PyObject *Client_get_model_step(ClientObject *self, void *unused)
 {
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     return PyLong_FromLongLong(pshard_model_step(self->c));
 }
 
 /* ---- incoming tensors (DLPack consumer) -------------------------------------------------- */
-
-typedef struct {
-    PyObject *capsule;
-    DLManagedTensor *mt;
-    void *data;
-    size_t numel;
-} dl_in_t;
 
 static int dl_dtype_is(const DLDataType *t, pshard_dtype_t want)
 {
@@ -294,9 +225,9 @@ static int dl_dtype_is(const DLDataType *t, pshard_dtype_t want)
 }
 
 /* Reads a tensor through obj.__dlpack__(): it must be on the CPU, contiguous and of dtype
- * want. On success in->data points at its first element until dl_release. what names the
+ * want. On success in->data points at its first element until pshard_py_dl_release. what names the
  * argument in errors. Returns 0, or -1 with an exception set. */
-static int dl_acquire(PyObject *obj, pshard_dtype_t want, const char *what, dl_in_t *in)
+int pshard_py_dl_acquire(PyObject *obj, pshard_dtype_t want, const char *what, dl_in_t *in)
 {
     memset(in, 0, sizeof(*in));
     PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
@@ -357,7 +288,7 @@ static int dl_acquire(PyObject *obj, pshard_dtype_t want, const char *what, dl_i
     return 0;
 }
 
-static void dl_release(dl_in_t *in)
+void pshard_py_dl_release(dl_in_t *in)
 {
     if (in->mt && in->mt->deleter)
         in->mt->deleter(in->mt);
@@ -365,7 +296,7 @@ static void dl_release(dl_in_t *in)
     memset(in, 0, sizeof(*in));
 }
 
-static int parse_dtype(PyObject *o, pshard_dtype_t *out)
+int pshard_py_parse_dtype(PyObject *o, pshard_dtype_t *out)
 {
     if (!PyUnicode_Check(o)) {
         PyErr_SetString(PyExc_TypeError, "dtype must be a string (fp32, bf16, fp16, int64)");
@@ -454,7 +385,7 @@ static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObjec
                                      &max_inflight, &max_grad_norm, &from_rank0, &replicate,
                                      &shard))
         return NULL;
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     if (self->exports > 0)
         return raise_status(PSHARD_ERR_FAILED_PRECONDITION,
@@ -480,10 +411,10 @@ static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObjec
         mc.layout = PSHARD_LAYOUT_FSDP1;
     else
         return PyErr_Format(PyExc_ValueError, "layout must be fsdp2 or fsdp1, not '%s'", layout);
-    if (pdt && pdt != Py_None && !parse_dtype(pdt, &mc.param_dtype))
+    if (pdt && pdt != Py_None && !pshard_py_parse_dtype(pdt, &mc.param_dtype))
         return NULL;
     mc.reduce_dtype = mc.param_dtype == PSHARD_BF16 ? PSHARD_BF16 : PSHARD_FP32;
-    if (rdt && rdt != Py_None && !parse_dtype(rdt, &mc.reduce_dtype))
+    if (rdt && rdt != Py_None && !pshard_py_parse_dtype(rdt, &mc.reduce_dtype))
         return NULL;
     mc.reshard_after_forward = reshard != 0;
     mc.max_gathers_in_flight = max_inflight;
@@ -580,7 +511,8 @@ static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObjec
         for (size_t i = 0; i < n; i++) {
             char what[320];
             PyOS_snprintf(what, sizeof(what), "initial value of '%s'", params[i].name);
-            if (dl_acquire(PySequence_Fast_GET_ITEM(iseq, i), PSHARD_FP32, what, &ins[i]) != 0)
+            if (pshard_py_dl_acquire(PySequence_Fast_GET_ITEM(iseq, i), PSHARD_FP32, what,
+                                     &ins[i]) != 0)
                 goto out;
             size_t want = 1;
             for (int d = 0; d < params[i].ndim; d++)
@@ -651,7 +583,7 @@ static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObjec
     CLIENT_CALL(self, st = pshard_define_model(self->c, params, n, &mc,
                                                initp ? (const float *const *)initp : NULL));
     if (st != PSHARD_OK) {
-        client_fail(self, st);
+        pshard_py_client_fail(self, st);
         goto out;
     }
     self->param_dtype = mc.param_dtype;
@@ -663,7 +595,7 @@ static PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObjec
 out:
     if (ins)
         for (size_t i = 0; i < n; i++)
-            dl_release(&ins[i]);
+            pshard_py_dl_release(&ins[i]);
     PyMem_Free(ins);
     PyMem_Free(initp);
     PyMem_Free(params);
@@ -876,7 +808,7 @@ static PyTypeObject BufferType = {
 
 static int check_param(ClientObject *self, Py_ssize_t i)
 {
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return 0;
     if (!self->shapes)
         return (raise_status(PSHARD_ERR_FAILED_PRECONDITION, "no model is defined"), 0);
@@ -968,22 +900,12 @@ static int parse_ids(ClientObject *self, PyObject *o, size_t **ids, size_t *n)
     return 1;
 }
 
-typedef struct {
-    PyObject_HEAD ClientObject *owner;
-    pshard_work_t *w; /* NULL once waited */
-    pshard_status_t status;
-    char error[PSHARD_ERRLEN];
-    /* An asynchronous collective's tensors and group, held until it finished. */
-    dl_in_t dl[2];
-    PyObject *group;
-} WorkObject;
-
 typedef pshard_status_t (*start_fn)(pshard_client_t *, const size_t *, size_t, pshard_work_t **);
 typedef pshard_status_t (*sync_fn)(pshard_client_t *, const size_t *, size_t);
 
 static PyObject *ids_call(ClientObject *self, PyObject *arg, sync_fn fn)
 {
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     size_t *ids, n;
     if (!parse_ids(self, arg, &ids, &n))
@@ -996,7 +918,7 @@ static PyObject *ids_call(ClientObject *self, PyObject *arg, sync_fn fn)
     CLIENT_CALL(self, st = fn(self->c, ids, n));
     PyMem_Free(ids);
     if (st != PSHARD_OK)
-        return client_fail(self, st);
+        return pshard_py_client_fail(self, st);
     Py_RETURN_NONE;
 }
 
@@ -1011,14 +933,22 @@ static void work_init(WorkObject *w, ClientObject *owner)
     w->group = NULL;
 }
 
+WorkObject *pshard_py_work_new(ClientObject *owner)
+{
+    WorkObject *w = PyObject_New(WorkObject, &WorkType);
+    if (w)
+        work_init(w, owner);
+    return w;
+}
+
 /* w with the work a start function gave (st), counted until waited for; or the error, w
  * dropped. */
-static PyObject *work_started(ClientObject *self, WorkObject *w, pshard_status_t st,
-                              pshard_work_t *work)
+PyObject *pshard_py_work_started(ClientObject *self, WorkObject *w, pshard_status_t st,
+                                 pshard_work_t *work)
 {
     if (st != PSHARD_OK) {
         Py_DECREF(w);
-        return client_fail(self, st);
+        return pshard_py_client_fail(self, st);
     }
     w->w = work;
     self->pending++;
@@ -1027,7 +957,7 @@ static PyObject *work_started(ClientObject *self, WorkObject *w, pshard_status_t
 
 static PyObject *ids_start(ClientObject *self, PyObject *arg, start_fn fn)
 {
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     size_t *ids, n;
     if (!parse_ids(self, arg, &ids, &n))
@@ -1046,7 +976,7 @@ static PyObject *ids_start(ClientObject *self, PyObject *arg, start_fn fn)
     pshard_work_t *work = NULL;
     CLIENT_CALL(self, st = fn(self->c, ids, n, &work));
     PyMem_Free(ids);
-    return work_started(self, w, st, work);
+    return pshard_py_work_started(self, w, st, work);
 }
 
 static PyObject *Client_gather(ClientObject *self, PyObject *a)
@@ -1086,8 +1016,8 @@ static void work_finish(WorkObject *w)
         if (--owner->pending == 0 && owner->exports == 0 && owner->closing)
             client_really_close(owner);
     }
-    dl_release(&w->dl[0]);
-    dl_release(&w->dl[1]);
+    pshard_py_dl_release(&w->dl[0]);
+    pshard_py_dl_release(&w->dl[1]);
     Py_CLEAR(w->group);
 }
 
@@ -1136,7 +1066,7 @@ static PyObject *Client_step(ClientObject *self, PyObject *args, PyObject *kw)
     double lr = -1;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|Od", kwlist, &groups, &lr))
         return NULL;
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     int64_t step = 0;
     double norm = 0;
@@ -1165,7 +1095,7 @@ static PyObject *Client_step(ClientObject *self, PyObject *args, PyObject *kw)
         PyMem_Free(g);
     }
     if (st != PSHARD_OK)
-        return client_fail(self, st);
+        return pshard_py_client_fail(self, st);
     return Py_BuildValue("(Ld)", (long long)step, norm);
 }
 
@@ -1174,13 +1104,13 @@ static PyObject *Client_clip_grad_norm(ClientObject *self, PyObject *args)
     double max_norm, norm_type = 2.0;
     if (!PyArg_ParseTuple(args, "d|d", &max_norm, &norm_type))
         return NULL;
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     double total = 0;
     pshard_status_t st;
     CLIENT_CALL(self, st = pshard_clip_grad_norm(self->c, max_norm, norm_type, &total));
     if (st != PSHARD_OK)
-        return client_fail(self, st);
+        return pshard_py_client_fail(self, st);
     return PyFloat_FromDouble(total);
 }
 
@@ -1190,7 +1120,7 @@ static PyObject *Client_join(ClientObject *self, PyObject *args, PyObject *kw)
     int enable = 1, throw_early = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|pp", kwlist, &enable, &throw_early))
         return NULL;
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     pshard_join_options_t o = {.enable = enable != 0,
                                .throw_on_early_termination = throw_early != 0};
@@ -1199,7 +1129,7 @@ static PyObject *Client_join(ClientObject *self, PyObject *args, PyObject *kw)
     pshard_status_t st;
     CLIENT_CALL(self, st = pshard_join(self->c, &o, &r));
     if (st != PSHARD_OK)
-        return client_fail(self, st);
+        return pshard_py_client_fail(self, st);
     return Py_BuildValue("{s:O,s:i,s:L,s:K}", "is_last_joiner",
                          r.is_last_joiner ? Py_True : Py_False, "last_rank", r.last_rank, "step",
                          (long long)r.step, "shadowed_ops", (unsigned long long)r.shadowed_ops);
@@ -1207,20 +1137,20 @@ static PyObject *Client_join(ClientObject *self, PyObject *args, PyObject *kw)
 
 static PyObject *Client_checkpoint_save(ClientObject *self, PyObject *unused)
 {
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     int64_t step = 0;
     char dir[4096] = "";
     pshard_status_t st;
     CLIENT_CALL(self, st = pshard_checkpoint_save(self->c, &step, dir, sizeof(dir)));
     if (st != PSHARD_OK)
-        return client_fail(self, st);
+        return pshard_py_client_fail(self, st);
     return Py_BuildValue("(Ls)", (long long)step, dir);
 }
 
 static PyObject *Client_memory_stats(ClientObject *self, PyObject *unused)
 {
-    if (!client_ok(self))
+    if (!pshard_py_client_ok(self))
         return NULL;
     pshard_memory_stats_t m;
     pshard_memory_stats(self->c, &m);
@@ -1230,457 +1160,6 @@ static PyObject *Client_memory_stats(ClientObject *self, PyObject *unused)
         "touched_bytes", (Py_ssize_t)m.touched_bytes, "params_gathered",
         (unsigned long long)m.params_gathered, "params_skipped",
         (unsigned long long)m.params_skipped, "peak_gathers_in_flight", m.peak_gathers_in_flight);
-}
-
-/* ---- plain collectives on tensors -------------------------------------------------------- */
-
-/* Every collective method takes an optional last argument, a Group (pshard_groups.c) or None
- * for the world; with a group, roots are group ranks and sizes are the group's. */
-
-/* The number of ranks of g (NULL: the world) and this trainer's rank in it (-1: not in it). */
-static int coll_size(ClientObject *self, const pshard_group_t *g)
-{
-    return g ? pshard_group_size(g) : pshard_world_size(self->c);
-}
-
-static int coll_rank(ClientObject *self, const pshard_group_t *g)
-{
-    return g ? pshard_group_rank(g) : pshard_rank(self->c);
-}
-
-/* Runs a with the GIL released; NULL with the exception set, or None. */
-static PyObject *run_collective(ClientObject *self, const pshard_collective_args_t *a)
-{
-    pshard_status_t st;
-    CLIENT_CALL(self, st = pshard_collective(self->c, a));
-    if (st != PSHARD_OK)
-        return client_fail(self, st);
-    Py_RETURN_NONE;
-}
-
-/* A rank of the world or of group g, or ValueError naming what it was for. */
-static int check_root(ClientObject *self, const pshard_group_t *g, int root, const char *what)
-{
-    int n = coll_size(self, g);
-    if (root >= 0 && root < n)
-        return 0;
-    PyErr_Format(PyExc_ValueError, "%s %d is not a rank (%s size %d)", what, root,
-                 g ? "group" : "world", n);
-    return -1;
-}
-
-/* collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None, tag=0) -> Work:
- * one collective (pshard_op_t numbers) queued behind what was issued before (torch's
- * async_op=True). send / recv: contiguous CPU tensors of dtype holding at least what this
- * rank's role uses (None where it uses nothing); both are held until the work is waited. */
-static PyObject *Client_collective_start(ClientObject *self, PyObject *args)
-{
-    int op, reduce = 0, root = 0;
-    PyObject *send, *recv, *dt, *gobj = Py_None;
-    unsigned long long count;
-    unsigned int tag = 0;
-    if (!PyArg_ParseTuple(args, "iOOKO|iiOI", &op, &send, &recv, &count, &dt, &reduce, &root, &gobj,
-                          &tag))
-        return NULL;
-    pshard_dtype_t dtype;
-    const pshard_group_t *g = NULL;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype) || !pshard_py_group_arg(gobj, &g))
-        return NULL;
-    size_t n = (size_t)coll_size(self, g), c = (size_t)count;
-    bool root_me = coll_rank(self, g) == root;
-    size_t need_send = c, need_recv = c;
-    switch (op) {
-    case PSHARD_OP_ALL_GATHER:
-        need_recv = n * c;
-        break;
-    case PSHARD_OP_ALL_REDUCE:
-        break;
-    case PSHARD_OP_BROADCAST:
-        need_send = root_me ? c : 0;
-        break;
-    case PSHARD_OP_BARRIER:
-        need_send = need_recv = 0;
-        break;
-    case PSHARD_OP_REDUCE:
-        need_recv = root_me ? c : 0;
-        break;
-    case PSHARD_OP_GATHER:
-        need_recv = root_me ? n * c : 0;
-        break;
-    case PSHARD_OP_SCATTER:
-        need_send = root_me ? n * c : 0;
-        break;
-    case PSHARD_OP_ALL_TO_ALL:
-        need_send = need_recv = n * c;
-        break;
-    case PSHARD_OP_REDUCE_SCATTER:
-        need_send = n * c;
-        break;
-    case PSHARD_OP_SEND:
-        need_recv = 0;
-        break;
-    case PSHARD_OP_RECV:
-        need_send = 0;
-        break;
-    default:
-        return PyErr_Format(PyExc_ValueError, "collective_start: unknown op %d", op);
-    }
-    if (count > (1ull << 40))
-        return PyErr_Format(PyExc_ValueError, "collective_start: count %llu is too large", count);
-    WorkObject *w = PyObject_New(WorkObject, &WorkType);
-    if (!w)
-        return NULL;
-    work_init(w, self);
-    PyObject *objs[2] = {send, recv};
-    size_t need[2] = {need_send, need_recv};
-    const char *names[2] = {"collective_start send", "collective_start recv"};
-    for (int k = 0; k < 2; k++) {
-        if (need[k] == 0 || objs[k] == Py_None)
-            continue;
-        if (dl_acquire(objs[k], dtype, names[k], &w->dl[k]) != 0) {
-            Py_DECREF(w);
-            return NULL;
-        }
-        if (w->dl[k].numel < need[k]) {
-            PyErr_Format(PyExc_ValueError, "%s has %zu elements; this collective uses %zu",
-                         names[k], w->dl[k].numel, need[k]);
-            Py_DECREF(w);
-            return NULL;
-        }
-    }
-    for (int k = 0; k < 2; k++)
-        if (need[k] > 0 && !w->dl[k].data) {
-            PyErr_Format(PyExc_ValueError, "%s is None; this collective uses %zu elements",
-                         names[k], need[k]);
-            Py_DECREF(w);
-            return NULL;
-        }
-    if (g) {
-        w->group = gobj;
-        Py_INCREF(gobj);
-    }
-    pshard_collective_args_t a = {.op = (pshard_op_t)op,
-                                  .group = g,
-                                  .send = w->dl[0].data,
-                                  .recv = w->dl[1].data,
-                                  .count = c,
-                                  .dtype = dtype,
-                                  .reduce = (pshard_reduce_t)reduce,
-                                  .root = root,
-                                  .tag = tag};
-    if (op == PSHARD_OP_BROADCAST && !a.send)
-        a.send = a.recv;
-    pshard_status_t st;
-    pshard_work_t *work = NULL;
-    CLIENT_CALL(self, st = pshard_collective_start(self->c, &a, &work));
-    return work_started(self, w, st, work);
-}
-
-/* p2p(op, tensor, dtype, peer, tag=0, group=None): a blocking send (op 10) of the whole tensor
- * to peer or recv (op 11) into it from peer (a rank of group, or of the world). */
-static PyObject *Client_p2p(ClientObject *self, PyObject *args)
-{
-    int op, peer;
-    unsigned int tag = 0;
-    PyObject *t, *dt;
-    const pshard_group_t *g = NULL;
-    if (!PyArg_ParseTuple(args, "iOOi|IO&", &op, &t, &dt, &peer, &tag, pshard_py_group_arg, &g))
-        return NULL;
-    if (op != PSHARD_OP_SEND && op != PSHARD_OP_RECV)
-        return PyErr_Format(PyExc_ValueError, "p2p: op %d is neither send (10) nor recv (11)", op);
-    pshard_dtype_t dtype;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype) ||
-        check_root(self, g, peer, op == PSHARD_OP_SEND ? "dst" : "src") != 0)
-        return NULL;
-    dl_in_t in;
-    if (dl_acquire(t, dtype, op == PSHARD_OP_SEND ? "send tensor" : "recv tensor", &in) != 0)
-        return NULL;
-    pshard_collective_args_t a = {.op = (pshard_op_t)op,
-                                  .group = g,
-                                  .send = in.data,
-                                  .recv = in.data,
-                                  .count = in.numel,
-                                  .dtype = dtype,
-                                  .root = peer,
-                                  .tag = tag};
-    PyObject *res = run_collective(self, &a);
-    dl_release(&in);
-    return res;
-}
-
-/* reduce_scatter(output, input, dtype, op, group=None): input holds the group's size blocks
- * of output's element count; output gets the reduction of every rank's block for this rank. */
-static PyObject *Client_reduce_scatter_tensor(ClientObject *self, PyObject *args)
-{
-    PyObject *out, *in, *dt;
-    int op = PSHARD_REDUCE_SUM;
-    const pshard_group_t *g = NULL;
-    if (!PyArg_ParseTuple(args, "OOOi|O&", &out, &in, &dt, &op, pshard_py_group_arg, &g))
-        return NULL;
-    pshard_dtype_t dtype;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype))
-        return NULL;
-    dl_in_t o, i;
-    if (dl_acquire(out, dtype, "reduce_scatter output", &o) != 0)
-        return NULL;
-    if (dl_acquire(in, dtype, "reduce_scatter input", &i) != 0) {
-        dl_release(&o);
-        return NULL;
-    }
-    PyObject *res = NULL;
-    size_t n = (size_t)coll_size(self, g);
-    if (i.numel != n * o.numel)
-        PyErr_Format(PyExc_ValueError,
-                     "reduce_scatter: input has %zu elements; it needs %zu (the %s size %zu "
-                     "times output's %zu)",
-                     i.numel, n * o.numel, g ? "group" : "world", n, o.numel);
-    else {
-        pshard_collective_args_t a = {.op = PSHARD_OP_REDUCE_SCATTER,
-                                      .group = g,
-                                      .send = i.data,
-                                      .recv = o.data,
-                                      .count = o.numel,
-                                      .dtype = dtype,
-                                      .reduce = (pshard_reduce_t)op};
-        res = run_collective(self, &a);
-    }
-    dl_release(&i);
-    dl_release(&o);
-    return res;
-}
-
-static PyObject *Client_all_reduce(ClientObject *self, PyObject *args)
-{
-    PyObject *t, *dt;
-    int op = PSHARD_REDUCE_SUM; /* torch.distributed.ReduceOp's numbers; True is avg */
-    const pshard_group_t *g = NULL;
-    if (!PyArg_ParseTuple(args, "OO|iO&", &t, &dt, &op, pshard_py_group_arg, &g))
-        return NULL;
-    pshard_dtype_t dtype;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype))
-        return NULL;
-    dl_in_t in;
-    if (dl_acquire(t, dtype, "all_reduce tensor", &in) != 0)
-        return NULL;
-    pshard_collective_args_t a = {.op = PSHARD_OP_ALL_REDUCE,
-                                  .group = g,
-                                  .send = in.data,
-                                  .recv = in.data,
-                                  .count = in.numel,
-                                  .dtype = dtype,
-                                  .reduce = (pshard_reduce_t)op};
-    PyObject *res = run_collective(self, &a);
-    dl_release(&in);
-    return res;
-}
-
-static PyObject *Client_broadcast(ClientObject *self, PyObject *args)
-{
-    PyObject *t, *dt;
-    int root;
-    const pshard_group_t *g = NULL;
-    if (!PyArg_ParseTuple(args, "OOi|O&", &t, &dt, &root, pshard_py_group_arg, &g))
-        return NULL;
-    pshard_dtype_t dtype;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype) || check_root(self, g, root, "src") != 0)
-        return NULL;
-    dl_in_t in;
-    if (dl_acquire(t, dtype, "broadcast tensor", &in) != 0)
-        return NULL;
-    pshard_collective_args_t a = {.op = PSHARD_OP_BROADCAST,
-                                  .group = g,
-                                  .send = in.data,
-                                  .recv = in.data,
-                                  .count = in.numel,
-                                  .dtype = dtype,
-                                  .root = root};
-    PyObject *res = run_collective(self, &a);
-    dl_release(&in);
-    return res;
-}
-
-/* all_gather(output, input, dtype): output has the group's size times the input's elements;
- * all_to_all(output, input, dtype): both the same size, a multiple of the group's size (equal
- * blocks, block k to and from rank k). */
-static PyObject *output_input_call(ClientObject *self, PyObject *args, bool to_all)
-{
-    PyObject *out, *t, *dt;
-    const pshard_group_t *g = NULL;
-    if (!PyArg_ParseTuple(args, "OOO|O&", &out, &t, &dt, pshard_py_group_arg, &g))
-        return NULL;
-    pshard_dtype_t dtype;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype))
-        return NULL;
-    const char *op = to_all ? "all_to_all" : "all_gather";
-    const char *size_name = g ? "group" : "world";
-    char in_what[32], out_what[32];
-    snprintf(in_what, sizeof(in_what), "%s input", op);
-    snprintf(out_what, sizeof(out_what), "%s output", op);
-    dl_in_t src, dst;
-    if (dl_acquire(t, dtype, in_what, &src) != 0)
-        return NULL;
-    if (dl_acquire(out, dtype, out_what, &dst) != 0) {
-        dl_release(&src);
-        return NULL;
-    }
-    size_t n = (size_t)coll_size(self, g);
-    bool ok = n > 0 &&
-              (to_all ? dst.numel == src.numel && src.numel % n == 0 : dst.numel == src.numel * n);
-    PyObject *res = NULL;
-    if (!ok) {
-        if (to_all)
-            PyErr_Format(PyExc_ValueError,
-                         "all_to_all needs input and output of the same size, a multiple of "
-                         "the %s size %zu (got %zu and %zu elements)",
-                         size_name, n, src.numel, dst.numel);
-        else
-            PyErr_Format(PyExc_ValueError,
-                         "the output has %zu elements; %s size %zu times the input's %zu is %zu",
-                         dst.numel, size_name, n, src.numel, src.numel * n);
-    } else {
-        pshard_collective_args_t a = {.op = to_all ? PSHARD_OP_ALL_TO_ALL : PSHARD_OP_ALL_GATHER,
-                                      .group = g,
-                                      .send = src.data,
-                                      .recv = dst.data,
-                                      .count = to_all ? src.numel / n : src.numel,
-                                      .dtype = dtype};
-        res = run_collective(self, &a);
-    }
-    dl_release(&src);
-    dl_release(&dst);
-    return res;
-}
-
-static PyObject *Client_all_gather(ClientObject *self, PyObject *args)
-{
-    return output_input_call(self, args, false);
-}
-
-static PyObject *Client_all_to_all(ClientObject *self, PyObject *args)
-{
-    return output_input_call(self, args, true);
-}
-
-static PyObject *Client_reduce(ClientObject *self, PyObject *args)
-{
-    PyObject *t, *dt;
-    int op, root;
-    const pshard_group_t *g = NULL;
-    if (!PyArg_ParseTuple(args, "OOii|O&", &t, &dt, &op, &root, pshard_py_group_arg, &g))
-        return NULL;
-    pshard_dtype_t dtype;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype) || check_root(self, g, root, "dst") != 0)
-        return NULL;
-    dl_in_t in;
-    if (dl_acquire(t, dtype, "reduce tensor", &in) != 0)
-        return NULL;
-    pshard_collective_args_t a = {.op = PSHARD_OP_REDUCE,
-                                  .group = g,
-                                  .send = in.data,
-                                  .recv = in.data,
-                                  .count = in.numel,
-                                  .dtype = dtype,
-                                  .reduce = (pshard_reduce_t)op,
-                                  .root = root};
-    PyObject *res = run_collective(self, &a);
-    dl_release(&in);
-    return res;
-}
-
-/* gather(output or None, input, dtype, dst) and scatter(output, input or None, dtype, src):
- * the root's side has the group's size times the other side's elements. */
-static PyObject *rooted_move(ClientObject *self, PyObject *args, bool gather)
-{
-    PyObject *out, *t, *dt;
-    int root;
-    const pshard_group_t *g = NULL;
-    if (!PyArg_ParseTuple(args, "OOOi|O&", &out, &t, &dt, &root, pshard_py_group_arg, &g))
-        return NULL;
-    pshard_dtype_t dtype;
-    if (!client_ok(self) || !parse_dtype(dt, &dtype) ||
-        check_root(self, g, root, gather ? "dst" : "src") != 0)
-        return NULL;
-    bool me = coll_rank(self, g) == root;
-    PyObject *big_obj = gather ? out : t, *small_obj = gather ? t : out;
-    const char *big_what = gather ? "gather output" : "scatter input";
-    const char *small_what = gather ? "gather input" : "scatter output";
-    if (me && big_obj == Py_None)
-        return PyErr_Format(PyExc_ValueError, "the root needs a %s", big_what);
-    dl_in_t small, big;
-    memset(&big, 0, sizeof(big));
-    if (dl_acquire(small_obj, dtype, small_what, &small) != 0)
-        return NULL;
-    if (me && dl_acquire(big_obj, dtype, big_what, &big) != 0) {
-        dl_release(&small);
-        return NULL;
-    }
-    size_t n = (size_t)coll_size(self, g);
-    PyObject *res = NULL;
-    if (me && big.numel != small.numel * n) {
-        PyErr_Format(PyExc_ValueError,
-                     "the %s has %zu elements; %s size %zu times the %s's %zu is %zu", big_what,
-                     big.numel, g ? "group" : "world", n, small_what, small.numel, small.numel * n);
-    } else {
-        pshard_collective_args_t a = {.op = gather ? PSHARD_OP_GATHER : PSHARD_OP_SCATTER,
-                                      .group = g,
-                                      .send = gather ? small.data : big.data,
-                                      .recv = gather ? big.data : small.data,
-                                      .count = small.numel,
-                                      .dtype = dtype,
-                                      .root = root};
-        res = run_collective(self, &a);
-    }
-    dl_release(&small);
-    dl_release(&big);
-    return res;
-}
-
-static PyObject *Client_gather_to(ClientObject *self, PyObject *args)
-{
-    return rooted_move(self, args, true);
-}
-
-static PyObject *Client_scatter_from(ClientObject *self, PyObject *args)
-{
-    return rooted_move(self, args, false);
-}
-
-static PyObject *Client_barrier(ClientObject *self, PyObject *args)
-{
-    const pshard_group_t *g = NULL;
-    if (!PyArg_ParseTuple(args, "|O&", pshard_py_group_arg, &g) || !client_ok(self))
-        return NULL;
-    pshard_collective_args_t a = {.op = PSHARD_OP_BARRIER, .group = g};
-    return run_collective(self, &a);
-}
-
-/* new_groups(rank_lists, timeout_ms=0) -> [Group]: one Group per list of world ranks (strictly
- * increasing), also for the groups this trainer is not in; collective over every rank. */
-static PyObject *Client_new_groups(ClientObject *self, PyObject *args, PyObject *kw)
-{
-    static char *kwlist[] = {"groups", "timeout_ms", NULL};
-    PyObject *lists;
-    long long timeout_ms = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|L", kwlist, &lists, &timeout_ms) ||
-        !client_ok(self))
-        return NULL;
-    int *ranks;
-    size_t *sizes, n;
-    if (pshard_py_rank_lists(lists, &ranks, &sizes, &n) != 0)
-        return NULL;
-    pshard_group_t **gs = calloc(n + 1, sizeof(*gs));
-    if (!gs) {
-        free(ranks);
-        free(sizes);
-        return PyErr_NoMemory();
-    }
-    pshard_status_t st;
-    CLIENT_CALL(self, st = pshard_new_groups(self->c, ranks, sizes, n, timeout_ms, gs));
-    free(ranks);
-    free(sizes);
-    PyObject *res = st == PSHARD_OK ? pshard_py_groups_wrap(gs, n) : client_fail(self, st);
-    free(gs);
-    return res;
 }
 
 static PyMethodDef Client_methods[] = {
