@@ -1,7 +1,8 @@
 /* What the files of pshard._C share: the Client and Work objects, the DLPack consumer and the
  * helpers their methods call. pshard_module.c has the module, the Client's core methods,
- * Buffers and Works; pshard_colls.c the Client's plain collectives on tensors (torch.distributed's
- * calls); pshard_groups.c the process groups. Internal to the extension. */
+ * Buffers and Works; pshard_define.c define_model; pshard_colls.c the Client's plain
+ * collectives on tensors (torch.distributed's calls); pshard_groups.c the process groups.
+ * Internal to the extension. */
 #ifndef PSHARD_PY_H
 #define PSHARD_PY_H
 
@@ -92,6 +93,10 @@ typedef struct {
     PyObject *group;
 } WorkObject;
 
+/* Raises the exception class of st (pshard.Error's subclasses) with msg, the enum name on
+ * .status; returns NULL. */
+PyObject *pshard_py_raise_status(pshard_status_t st, const char *msg);
+
 /* 1 when self can take calls; else 0 with the exception a destroyed process group gives. */
 int pshard_py_client_ok(ClientObject *self);
 
@@ -115,6 +120,14 @@ WorkObject *pshard_py_work_new(ClientObject *owner);
  * error, NULL with its exception set and w dropped. */
 PyObject *pshard_py_work_started(ClientObject *self, WorkObject *w, pshard_status_t st,
                                  pshard_work_t *work);
+
+/* Client.define_model (pshard_define.c), for the Client's method table. */
+PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObject *kw);
+
+/* Fills a group from a dict of torch's names (lr, momentum, dampening, nesterov, weight_decay,
+ * betas, eps, frozen); missing keys keep *g. Returns 0, or -1 with an exception set
+ * (pshard_define.c; Client.step takes such dicts too). */
+int pshard_py_group_from_dict(PyObject *d, pshard_optim_group_t *g);
 
 /* The Client's plain collectives (pshard_colls.c), for its method table: each takes the
  * arguments its docstring in pshard_module.c gives, the last one an optional Group. */
