@@ -5,12 +5,12 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
-#include <time.h>
 
 #include "coll_buf.h"
 #include "coll_wire.h"
 #include "pshard/collectives.h"
 #include "pshard/queue.h"
+#include "pshard/util.h"
 
 #define COLL_OP_INLINE_RANKS 8
 
@@ -118,9 +118,7 @@ struct pshard_comm {
 static inline int64_t coll_op_deadline(coll_op_t *op)
 {
     if (op->start_ns == 0) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        op->start_ns = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+        op->start_ns = ps_now_ns();
         op->deadline_ns = op->start_ns + op->timeout_ns;
     }
     return op->deadline_ns;
