@@ -26,6 +26,16 @@ int pshard_world_size(const pshard_client_t *c)
     return c->world;
 }
 
+const char *pshard_coordinator(const pshard_client_t *c)
+{
+    return c->coord_addr;
+}
+
+const char *pshard_job(const pshard_client_t *c)
+{
+    return c->job;
+}
+
 pshard_status_t pshard_client_config_from_env(pshard_client_config_t *cfg, char *err, size_t errlen)
 {
     memset(cfg, 0, sizeof(*cfg));

@@ -78,6 +78,11 @@ PSHARD_API void pshard_close(pshard_client_t *c);
 
 PSHARD_API int pshard_rank(const pshard_client_t *c);
 PSHARD_API int pshard_world_size(const pshard_client_t *c);
+/* The coordinator "HOST:PORT" this trainer holds its lease with ("" without one) and its job
+ * there ("" for the coordinator's default job), e.g. for a store over the same coordinator.
+ * Valid until pshard_close. Thread-safe. */
+PSHARD_API const char *pshard_coordinator(const pshard_client_t *c);
+PSHARD_API const char *pshard_job(const pshard_client_t *c);
 
 /* The message of the last failed call on this client ("" if none). Valid until the next call. */
 PSHARD_API const char *pshard_last_error(const pshard_client_t *c);

@@ -916,11 +916,28 @@ static PyMethodDef Client_methods[] = {
      "ranks"},
     {NULL}};
 
+/* The client's strings (coordinator address, job): "" when closed. */
+static PyObject *Client_get_coordinator(ClientObject *self, void *closure)
+{
+    (void)closure;
+    return PyUnicode_FromString(self->c ? pshard_coordinator(self->c) : "");
+}
+
+static PyObject *Client_get_job(ClientObject *self, void *closure)
+{
+    (void)closure;
+    return PyUnicode_FromString(self->c ? pshard_job(self->c) : "");
+}
+
 static PyGetSetDef Client_getset[] = {
     {"rank", (getter)Client_get_rank, NULL, "this trainer's rank", NULL},
     {"world_size", (getter)Client_get_world, NULL, "the number of shard servers", NULL},
     {"model_step", (getter)Client_get_model_step, NULL,
      "optimizer steps the defined model has taken (> 0 after a resume)", NULL},
+    {"coordinator", (getter)Client_get_coordinator, NULL,
+     "the coordinator HOST:PORT of this trainer's lease (\"\" without one)", NULL},
+    {"job", (getter)Client_get_job, NULL, "the job on the coordinator (\"\": its default)",
+     NULL},
     {NULL}};
 
 static PyTypeObject ClientType = {
