@@ -9,6 +9,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv_dir="${1:-$root/build/torch-venv}"
+# absolute: the import check below runs from /
+[[ "$venv_dir" == /* ]] || venv_dir="$PWD/$venv_dir"
 "$root/scripts/torch-venv.sh" "$venv_dir" >&2
 exec 9>"${venv_dir}.lock"
 flock 9
