@@ -11,6 +11,7 @@ are not called.
 import torch
 
 import pshard
+from ._fsdp_param_group import unit_of
 
 
 class JoinHook:
@@ -41,11 +42,11 @@ class Joinable:
         raise NotImplementedError
 
 
-class _NoopJoinHook(JoinHook):
+class NoopJoinHook(JoinHook):
     pass
 
 
-class _ModelJoinHook(JoinHook):
+class ModelJoinHook(JoinHook):
     def __init__(self, module):
         self.module = module
 
@@ -81,9 +82,8 @@ class Join:
         if exc_type is not None and not issubclass(exc_type, pshard.JoinedError):
             return False
         client = pshard._get_client()
-        from ._fsdp import _unit_of
         for j in self._joinables:
-            unit = _unit_of(j) if isinstance(j, torch.nn.Module) else None
+            unit = unit_of(j) if isinstance(j, torch.nn.Module) else None
             if unit is None:
                 continue
             if unit.model is None:

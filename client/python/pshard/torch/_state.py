@@ -1,20 +1,26 @@
 """State dicts and checkpoints of a model sharded on pshard, with the names of
-torch.distributed.checkpoint.state_dict, plus the shard servers' sharded checkpoints."""
+torch.distributed.checkpoint.state_dict, plus the shard servers' sharded checkpoints.
+
+The model's parameters are DTensors whose local tensors are the shard servers' fp32 masters, so
+``model.state_dict()`` is always current and ``torch.distributed.checkpoint`` saves and loads it
+as it does an FSDP2 model's; the functions here add the full (gathered) forms."""
+import collections
 import dataclasses
 import math
-import warnings
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 import pshard
-from ._fsdp import FSDPModule, _unit_of
+from ._fsdp_param import shard_rows
+from ._fsdp_param_group import unit_of
+from ._fully_shard import FSDPModule
 
 
 @dataclasses.dataclass
 class StateDictOptions:
-    """torch.distributed.checkpoint.state_dict.StateDictOptions. pshard builds full state
-    dicts (full_state_dict=True): the sharded form is the shard servers' checkpoint
-    (save_checkpoint), which loads on any world size."""
+    """torch.distributed.checkpoint.state_dict.StateDictOptions' fields: full_state_dict=True
+    gathers every parameter (collective), False keeps the sharded DTensors."""
     full_state_dict: bool = True
     cpu_offload: bool = False
     ignore_frozen_params: bool = False
@@ -27,7 +33,7 @@ class StateDictOptions:
 def _root_unit(model):
     if not isinstance(model, FSDPModule):
         raise TypeError(f"{type(model).__name__} was not passed to fully_shard")
-    return _unit_of(model)
+    return unit_of(model)
 
 
 def _options(options, full_state_dict, cpu_offload):
@@ -36,68 +42,88 @@ def _options(options, full_state_dict, cpu_offload):
         o.full_state_dict = full_state_dict
     if cpu_offload is not None:
         o.cpu_offload = cpu_offload
-    if not o.full_state_dict:
-        raise ValueError("full_state_dict=False is not supported: pshard's sharded state is "
-                         "the shard servers' checkpoint (pshard.torch.save_checkpoint)")
     return o
+
+
+def _sharded_now(unit):
+    """Every unit of the model registers its sharded parameters (after a forward without
+    backward the root may still hold the gathered ones)."""
+    if unit.model is not None:
+        for u in unit.model.units:
+            u.reshard()
 
 
 def get_model_state_dict(model, *, submodules=None, options=None, full_state_dict=None,
                          cpu_offload=None):
-    """The model's full state dict (parameters gathered from the shard servers, buffers), as
-    model.state_dict() names it. Collective: every rank calls it. With cpu_offload=True only
-    rank 0 gets the values, the others an empty dict, as torch does. Parameters come in
-    param_dtype: with a bfloat16 MixedPrecisionPolicy they are the master weights rounded."""
+    """The model's state dict as model.state_dict() names it: full (every parameter gathered
+    into a plain tensor, the fp32 masters; collective, every rank calls it) or sharded
+    (full_state_dict=False: the DTensors themselves). With cpu_offload=True and a full state
+    dict only rank 0 gets the values, the others an empty dict, as torch does."""
     if submodules is not None:
         raise ValueError("submodules is not supported")
     o = _options(options, full_state_dict, cpu_offload)
     unit = _root_unit(model)
-    m = unit.model
+    _sharded_now(unit)
     sd = model.state_dict(keep_vars=True)
-    if m is None:  # not defined yet: the module's own (rank 0's are what training starts from)
-        out = {k: v.detach().clone() for k, v in sd.items()}
-    else:
-        if m.param_dtype != torch.float32:
-            warnings.warn("the state dict holds the parameters in param_dtype "
-                          f"({m.param_dtype}), not the fp32 master weights", stacklevel=2)
-        values = {}
-        for u in m.units:
-            had = [m.client.is_gathered(i) for i in u.ids]
-            u.unshard()
-            for i in u.ids:
-                values[i] = m.params[i].detach().clone()
-            if not all(had):
-                u.reshard()
-        out = {}
-        for k, v in sd.items():
-            i = getattr(v, "_pshard_id", None)
-            out[k] = values[i] if i is not None else v.detach().clone()
-    if o.ignore_frozen_params:
-        out = {k: v for k, v in out.items() if not (isinstance(sd[k], torch.nn.Parameter)
-                                                    and not sd[k].requires_grad)}
-    if o.cpu_offload and pshard.is_initialized() and pshard.get_rank() != 0:
+    out = {}
+    for k, v in sd.items():
+        if o.ignore_frozen_params and isinstance(v, torch.nn.Parameter) and not v.requires_grad:
+            continue
+        if isinstance(v, DTensor):
+            out[k] = v.detach().full_tensor() if o.full_state_dict else v.detach()
+        else:
+            out[k] = v.detach().clone()
+    if o.full_state_dict and o.cpu_offload and pshard.is_initialized() and pshard.get_rank():
         return {}
     return out
 
 
+def _shard_of(target, value):
+    """This rank's rows of value, a full tensor, as target (a Shard(0) DTensor) holds them."""
+    dim = next(i for i, pl in enumerate(target.placements) if isinstance(pl, Shard))
+    mesh = target.device_mesh
+    lo, rows = shard_rows(value.shape[0], mesh.get_local_rank(dim), mesh.shape[dim])
+    return value[lo:lo + rows]
+
+
 def set_model_state_dict(model, model_state_dict, *, options=None):
-    """Loads a full state dict into a model before its first forward (the values then become
-    the initial ones, from rank 0). Returns torch's missing/unexpected keys. Once the model is
-    defined to the shard servers this raises FailedPreconditionError: resume from a
-    checkpoint (pshardrun --resume) instead."""
+    """Loads a state dict into the model, before or after its first forward: full tensors (each
+    rank copies its rows), DTensors (of any placement on the model's mesh) or plain buffers.
+    After the first forward the values land straight in the shard servers' masters. Returns
+    torch's (missing_keys, unexpected_keys); with strict (the default) either raises."""
     o = _options(options, None, None)
     unit = _root_unit(model)
-    if unit.model is not None:
-        raise pshard.FailedPreconditionError(
-            "the model is already defined to the shard servers: load a state dict before its "
-            "first forward, or resume from a checkpoint (pshardrun --resume)")
-    return model.load_state_dict(model_state_dict, strict=o.strict)
+    _sharded_now(unit)
+    own = model.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in model_state_dict]
+    unexpected = [k for k in model_state_dict if k not in own]
+    if o.strict and (missing or unexpected):
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}: "
+                           f"missing keys {missing}, unexpected keys {unexpected}")
+    with torch.no_grad():
+        for k, v in model_state_dict.items():
+            t = own.get(k)
+            if t is None:
+                continue
+            if tuple(t.shape) != tuple(v.shape):
+                raise RuntimeError(f"size mismatch for {k}: the model has {tuple(t.shape)}, the "
+                                   f"state dict {tuple(v.shape)}")
+            if isinstance(t, DTensor):
+                if isinstance(v, DTensor):
+                    v = v.redistribute(t.device_mesh, t.placements).to_local()
+                else:
+                    v = _shard_of(t, v)
+                t.to_local().copy_(v)
+            else:
+                t.copy_(v.to(t.device))
+    return collections.namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])(
+        missing, unexpected)
 
 
 def load_safetensors(model, path, strict=True):
     """Loads initial weights from a safetensors file (one exported by
     ``pshardctl checkpoint export``, or a Hugging Face model.safetensors) before the first
-    forward. Names are the model's state_dict names."""
+    forward or later. Names are the model's state_dict names."""
     try:
         from safetensors.torch import load_file
     except ImportError as e:

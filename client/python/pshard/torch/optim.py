@@ -12,6 +12,7 @@ import weakref
 import torch
 
 import pshard
+from ._join import NoopJoinHook
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
@@ -44,6 +45,7 @@ def _unsupported(group, names):
 
 class _Optimizer(torch.optim.Optimizer):
     _pshard_kind = "sgd"
+    _pshard_server_side = True  # stepped on the servers (the trainer-step hooks skip it)
     _refused = (("maximize", (False,)), ("capturable", (False,)),
                 ("differentiable", (False,)), ("fused", (None, False)))
 
@@ -93,8 +95,7 @@ class _Optimizer(torch.optim.Optimizer):
         return loss
 
     def join_hook(self, **kwargs):
-        from ._join import _NoopJoinHook
-        return _NoopJoinHook()
+        return NoopJoinHook()
 
     @property
     def join_device(self):

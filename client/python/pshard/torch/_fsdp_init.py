@@ -1,0 +1,251 @@
+"""The root's lazy initialisation (at its first forward, as FSDP2's): defines the whole model
+to the shard servers (every parameter by its fully qualified name, rank 0's values as the
+initial ones, the pshard optimizers' parameter groups), then moves every sharded parameter's
+local tensor onto the server's master weights and makes the unsharded parameters over the
+stable full buffers."""
+import os
+import warnings
+import weakref
+
+import torch
+import torch.distributed as dist
+
+import pshard
+from . import optim as _optim
+from ._fsdp_api import DTYPE_NAMES
+from ._fsdp_model import Model
+from ._fsdp_param import FSDPParam
+from ._fsdp_param_group import unit_of
+
+__all__ = ["lazy_init"]
+
+
+def _layout():
+    """PSHARD_LAYOUT: pshard.torch shards each parameter on dim 0 (FSDP2's layout, fsdp2);
+    the flat fsdp1 layout is the C API's, whose shards are not rows."""
+    layout = os.environ.get("PSHARD_LAYOUT", "fsdp2") or "fsdp2"
+    if layout != "fsdp2":
+        raise ValueError(f"PSHARD_LAYOUT={layout!r}: pshard.torch's parameters are DTensors "
+                         "sharded on dim 0 (FSDP2's layout, fsdp2); the flat fsdp1 layout is "
+                         "for C trainers (pshard_model_config_t.layout)")
+    return layout
+
+
+def _units_and_owners(root_unit):
+    """Every unit of the root's subtree (once, in module order) and each module's nearest
+    unit; sets each unit's parent."""
+    root = root_unit.module
+    units = []
+    for name, m in root.named_modules():
+        u = unit_of(m)
+        if u is not None and u not in units:
+            if u.model is not None:
+                raise pshard.FailedPreconditionError(
+                    f"'{name}' belongs to a model that was already initialised")
+            units.append(u)
+    owner = {}
+    for m in root.modules():
+        u = unit_of(m)
+        if u is not None:
+            owner[m] = u
+        for child in m.children():
+            cu = unit_of(child)
+            if cu is None:
+                owner.setdefault(child, owner.get(m, root_unit))
+            elif cu is not owner.get(m, root_unit):
+                cu.parent = owner.get(m, root_unit)
+    root_unit.parent = None
+    return units, owner
+
+
+def _assign(root, root_unit, owner, named, ignored):
+    """Each parameter's unit: the one whose modules use it, shared ones the nearest common
+    unit; and every (module, name) that holds it."""
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    users = [set() for _ in named]
+    slots = [[] for _ in named]
+    for m in root.modules():
+        u = owner.get(m, root_unit)
+        for pname, p in m._parameters.items():
+            if p is not None and id(p) not in ignored:
+                users[index[id(p)]].add(u)
+                slots[index[id(p)]].append((m, pname))
+
+    def chain(u):
+        out = []
+        while u is not None:
+            out.append(u)
+            u = u.parent
+        return out
+
+    where = []
+    for i in range(len(named)):
+        us = list(users[i])
+        if len(us) == 1:
+            where.append(us[0])
+            continue
+        common = set(chain(us[0]))
+        for other in us[1:]:
+            common &= set(chain(other))
+        where.append(next(x for x in chain(us[0]) if x in common))
+    return where, slots
+
+
+def _optimizer_groups(named, index):
+    """The pshard optimizers' groups for the servers: (kind, groups, param_groups, frozen,
+    group_src, optimizers). A trainable parameter in no pshard optimizer is in a group of lr 0
+    the servers reduce gradients for but never update (a torch.optim optimizer in the trainer
+    steps it); one that does not require grad is frozen."""
+    opts = _optim._optimizers_of([p for _, p in named])
+    kinds = {o._pshard_kind for o in opts}
+    if len(kinds) > 1:
+        raise ValueError("one model takes one kind of pshard optimizer")
+    kind = kinds.pop() if kinds else "sgd"
+    groups, param_groups, frozen = [], [None] * len(named), [False] * len(named)
+    group_src = []  # per server group: (the optimizer's param_group or None, frozen)
+    for o in opts:
+        for g in o.param_groups:
+            gi = len(groups)
+            groups.append(o._pshard_group_dict(g))
+            group_src.append((g, False))
+            for p in g["params"]:
+                if param_groups[index[id(p)]] is not None:
+                    raise ValueError("a parameter is in two pshard optimizer groups")
+                param_groups[index[id(p)]] = gi
+    frozen_group = trainer_group = None
+    for i, (name, p) in enumerate(named):
+        if param_groups[i] is None and p.requires_grad:
+            if trainer_group is None:
+                trainer_group = len(groups)
+                groups.append({"lr": 0.0})
+                group_src.append((None, False))
+            param_groups[i] = trainer_group
+        elif param_groups[i] is None or not p.requires_grad:
+            frozen[i] = True
+            if param_groups[i] is None:
+                if frozen_group is None:
+                    frozen_group = len(groups)
+                    groups.append({"lr": 0.0, "frozen": True})
+                    group_src.append((None, True))
+                param_groups[i] = frozen_group
+    # A parameter of a pshard optimizer that is not requires_grad: a frozen group of its kind.
+    split = {}
+    for i, (name, p) in enumerate(named):
+        gi = param_groups[i]
+        if frozen[i] and not groups[gi].get("frozen"):
+            if gi not in split:
+                split[gi] = len(groups)
+                groups.append(dict(groups[gi], frozen=True))
+                group_src.append((group_src[gi][0], True))
+            param_groups[i] = split[gi]
+    return kind, groups, param_groups, frozen, group_src, opts
+
+
+def lazy_init(root_unit):
+    """Defines the model of root_unit's subtree to the shard servers and binds every parameter
+    to the servers' memory. Collective: every rank's root runs it at its first forward."""
+    root = root_unit.module
+    client = pshard._get_client()
+    units, owner = _units_and_owners(root_unit)
+    ignored = set().union(*(u.ignored for u in units))
+    named = [(n, p) for n, p in root.named_parameters() if id(p) not in ignored]
+    if not named:
+        raise pshard.InvalidArgumentError(
+            f"{type(root).__name__} has no parameters: there is nothing to shard")
+    for name, p in named:
+        if not hasattr(p, "_pshard_sharded"):
+            raise pshard.FailedPreconditionError(
+                f"parameter '{name}' was added to the model after fully_shard: apply "
+                "fully_shard to the module that holds it (or again to the root)")
+        if p.dtype != torch.float32:
+            raise TypeError(f"parameter '{name}' is {p.dtype}: pshard's sharded parameters are "
+                            "the shard servers' fp32 master weights; keep the model in float32 "
+                            "and gather in bfloat16 with MixedPrecisionPolicy(param_dtype="
+                            "torch.bfloat16)")
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    where, slots = _assign(root, root_unit, owner, named, ignored)
+    for i, u in enumerate(where):
+        u.ids.append(i)
+
+    # One param_dtype and reduce_dtype for the model (the servers keep one).
+    pdt = {u.mp.param_dtype for u in units}
+    rdt = {u.mp.reduce_dtype for u in units}
+    if len(pdt) > 1 or len(rdt) > 1:
+        raise ValueError("every fully_shard call of one model must use the same "
+                         "MixedPrecisionPolicy param_dtype and reduce_dtype")
+    param_dtype = pdt.pop() or torch.float32
+    reduce_dtype = rdt.pop() or param_dtype
+    if reduce_dtype == torch.float16:
+        raise ValueError("reduce_dtype float16 is not supported by the shard servers: use "
+                         "float32 or bfloat16")
+    meshes = {id(u.mesh): u.mesh for u in units}
+    if len(meshes) > 1:
+        raise ValueError("the units of one model were given different meshes: pass the same "
+                         "mesh to every fully_shard")
+    mesh = next(iter(meshes.values()))
+    hsdp = mesh.ndim == 2
+
+    kind, groups, param_groups, frozen, group_src, opts = _optimizer_groups(named, index)
+
+    # Buffers (BatchNorm statistics, ...) start equal everywhere: rank 0's.
+    if client.world_size > 1:
+        for _, b in root.named_buffers():
+            dist.broadcast(b.data, 0)
+
+    # The initial values: rank 0's full parameters (each rank holds its rows so far).
+    init = [] if client.rank == 0 else None
+    for _, p in named:
+        full = p.detach().full_tensor()
+        if init is not None:
+            init.append(full.to(torch.float32).contiguous())
+        del full
+    step = client.define_model(
+        [n for n, _ in named], [tuple(p.shape) for _, p in named], init=init, optimizer=kind,
+        groups=groups, param_groups=param_groups, param_dtype=DTYPE_NAMES[param_dtype],
+        reduce_dtype=DTYPE_NAMES[reduce_dtype], layout=_layout(), reshard_after_forward=True,
+        max_gathers_in_flight=2, replicate=mesh.shape[0] if hsdp else 0,
+        shard=mesh.shape[1] if hsdp else 0)
+    del init
+
+    model = Model(root_unit, client)
+    model.step = step
+    model.param_dtype, model.reduce_dtype = param_dtype, reduce_dtype
+    model.units = units
+    model.names = [n for n, _ in named]
+    model.frozen = frozen
+    model.optimizers = list(opts)
+    model.group_src = group_src
+    model.mesh = mesh
+    shard_dim = 1 if hsdp else 0
+    shard_rank, shard_size = mesh.get_local_rank(shard_dim), mesh.shape[shard_dim]
+    for i, (name, p) in enumerate(named):
+        fp = FSDPParam(i, name, p, slots[i], mesh, p.placements, shard_rank, shard_size)
+        master, grad, _offset, _numel = client.shard_view(i)
+        full = torch.from_dlpack(client.param_buffer(i))
+        fp.bind(full, torch.from_dlpack(master),
+                torch.from_dlpack(grad) if grad is not None else None)
+        p._pshard_id = i
+        p._pshard_model_ref = weakref.ref(model)
+        model.fsdp_params.append(fp)
+    for u in units:
+        u.model = model
+        u.params = [model.fsdp_params[i] for i in u.ids]
+        u.grad_ids = [i for i in u.ids if not frozen[i]]
+    for o in opts:
+        o._pshard_model = model
+    _check_uncovered(model, opts)
+    return model
+
+
+def _check_uncovered(model, opts):
+    """With pshard optimizers, a trainable parameter none of them holds would never train:
+    say so (a torch.optim optimizer may hold it instead, stepping in the trainer)."""
+    if not opts:
+        return
+    held = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
+    missing = [fp.name for fp in model.fsdp_params
+               if fp.sharded.requires_grad and id(fp.sharded) not in held]
+    if missing:
+        warnings.warn(f"no pshard.torch.optim optimizer holds {missing[:3]}"
+                      f"{' ...' if len(missing) > 3 else ''}: the shard servers will not step "
+                      "them (a torch.optim optimizer in the trainer may)", stacklevel=4)

@@ -1,0 +1,136 @@
+"""The state of one model sharded on pshard (what FSDP2 keeps on its root): the client, every
+parameter and unit, the reduce-scatters in flight, the forward order for prefetching, and the
+steps: pshard.torch.optim's on the shard servers, or a torch.optim optimizer's in the trainer
+(which the servers are told of, so their step count, checkpoints and Join stay right)."""
+import torch
+import torch.distributed as dist
+
+import pshard
+
+__all__ = ["Model"]
+
+
+class Model:
+    """The root's model state; see the module's doc."""
+
+    def __init__(self, root_unit, client):
+        self.client = client
+        self.root = root_unit
+        self.units = []
+        self.fsdp_params = []      # FSDPParam per pshard id
+        self.names = []
+        self.frozen = []           # per id: never reduced or stepped
+        self.grad_views = {}       # id -> the shared-memory full gradient view handed to torch
+        self.pending = []          # reduce-scatter Works not yet waited on
+        self.reduced_ids = []      # ids reduce-scattered since the sharded grads were set
+        self.fwd_order = []        # units by pre-forward in the last forward (forward prefetch)
+        self.bwd_order = []        # units by post-forward in the last forward (backward
+                                   # prefetch walks it backwards, as FSDP2 does)
+        self.cur_pre, self.cur_post = [], []
+        self.callback_queued = False
+        self.optimizers = []       # pshard.torch.optim optimizers (stepped on the servers)
+        self.param_dtype = None
+        self.reduce_dtype = None
+        self.step = 0
+        self.last_grad_norm = None
+        self.reduced = False       # a reduce-scatter was issued since the last step
+        self.group_src = []
+        self.mesh = None           # the torch DeviceMesh of every unit
+
+    @property
+    def params(self):
+        """The unsharded parameters by pshard id (what forward and backward use)."""
+        return [fp.unsharded for fp in self.fsdp_params]
+
+    def wait_reductions(self):
+        pending, self.pending = self.pending, []
+        first = None
+        for w in pending:
+            try:
+                w.wait()
+            except pshard.Error as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def finish_gradients(self):
+        """After backward: waits for the reduce-scatters and sets each reduced parameter's
+        sharded .grad (a DTensor over the server's accumulator). A parameter no rank produced
+        a gradient for keeps its .grad (None after zero_grad), as torch and FSDP2 leave it; one
+        small all-reduce over the ranks decides that."""
+        self.wait_reductions()
+        ids, self.reduced_ids = self.reduced_ids, []
+        if not ids:
+            return
+        had = torch.tensor([1 if self.fsdp_params[i].had_grad else 0 for i in ids],
+                           dtype=torch.uint8)
+        dist.all_reduce(had, op=dist.ReduceOp.MAX)  # every rank of the model (the world)
+        for i, h in zip(ids, had.tolist()):
+            fp = self.fsdp_params[i]
+            fp.had_grad = False
+            if h and fp.grad_local is not None and fp.sharded.grad is None:
+                fp.sharded.grad = fp.sharded_grad()
+
+    def prepare_reduce_scatter(self, ids):
+        """Before ids' reduce-scatter: a parameter whose sharded .grad is None (a new step,
+        zero_grad) starts from zero on the server instead of adding to what it held."""
+        for i in ids:
+            fp = self.fsdp_params[i]
+            if fp.sharded.grad is None and fp.grad_local is not None:
+                fp.grad_local.zero_()
+        self.reduced_ids.extend(ids)
+
+    def optimizer_step(self, opt):
+        """A pshard.torch.optim optimizer's step(): the pending reduce-scatters, then every
+        group's hyperparameters to the servers, which update their slices."""
+        if opt not in self.optimizers:
+            raise pshard.FailedPreconditionError("this optimizer does not hold the model")
+        if not self.reduced:
+            raise pshard.FailedPreconditionError(
+                "step() before backward: no gradients were reduce-scattered since the last "
+                "step (with set_requires_gradient_sync(False), turn it back on for the last "
+                "micro-batch)")
+        self.finish_gradients()
+        groups = []
+        for g, frozen in self.group_src:
+            d = opt._pshard_group_dict(g) if g is not None else {"lr": 0.0}
+            d["frozen"] = frozen
+            groups.append(d)
+        self.step, self.last_grad_norm = self.client.step(groups=groups)
+        self.after_step()
+
+    def trainer_step(self):
+        """After a torch.optim optimizer updated the sharded parameters in the trainer (their
+        local tensors are the servers' masters): the servers count the step (checkpoints,
+        get_step, Join's check that no joined rank's shard goes stale) and every unit is
+        resharded on the client (its gathered values are the old ones)."""
+        self.finish_gradients()
+        self.step = self.client.step_trainer()
+        self.reduced = False
+        for u in self.units:
+            u.to_sharded()
+
+    def after_step(self):
+        """The servers stepped: their accumulators are zero and every parameter is sharded
+        again on the client; the sharded gradients are dropped (they would read zeros)."""
+        self.reduced = False
+        for u in self.units:
+            u.to_sharded()
+        for fp in self.fsdp_params:
+            fp.sharded.grad = None
+
+    def reset_after_error(self):
+        """Forgets per-iteration state after a failed or joined iteration."""
+        self.pending = []
+        self.reduced_ids = []
+        for u in self.units:
+            u.gather_work = None
+            u.in_backward = False
+            u.ready = 0
+            u.to_sharded()
+        self.grad_views.clear()
+        for fp in self.fsdp_params:
+            fp.had_grad = False
+            if fp.unsharded is not None:
+                fp.unsharded.grad = None
+        self.callback_queued = False

@@ -1,0 +1,101 @@
+"""One parameter of a model sharded on pshard (FSDP2's FSDPParam).
+
+fully_shard replaces each parameter with its **sharded parameter**: an nn.Parameter holding a
+DTensor with Shard(0) placement (Replicate() first on an HSDP mesh) whose local tensor is this
+rank's rows, torch.chunk's split as FSDP2's (the last ranks may own fewer rows or none). Until
+the model is defined to the shard servers (its first forward) the local tensor is a copy in the
+trainer; from then on it is a view of the fp32 master weights **in the shard server's memory**
+(shared memory the server owns), so a torch.optim optimizer in the trainer updates the masters
+in place and the next gather reads the update. In forward and backward the modules hold the
+**unsharded parameter** instead: a plain nn.Parameter over the full buffer the shard server
+gathers into (param_dtype), at a fixed address for the model's life (a reshard gives its pages
+back, the next gather writes them again), so tensors autograd saved stay valid.
+After a reduce-scatter the reduced gradient shard lives in the server's fp32 accumulator; the
+sharded parameter's ``.grad`` is a DTensor over it.
+"""
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["FSDPParam", "shard_rows", "make_sharded"]
+
+
+def shard_rows(d0, rank, size):
+    """(first row, number of rows) of rank's shard of a dimension of d0 rows over size ranks:
+    torch.chunk's split, which DTensor's Shard(0) and FSDP2 use (ceil(d0 / size) rows each)."""
+    chunk = -(-d0 // size) if d0 else 0
+    lo = min(d0, rank * chunk)
+    return lo, min(d0, lo + chunk) - lo
+
+
+def make_sharded(p, mesh, placements, shard_rank, shard_size):
+    """The sharded parameter of p (a plain parameter): an nn.Parameter of a DTensor over mesh
+    with placements whose local tensor is a copy of this rank's rows of p."""
+    if p.dim() == 0:
+        raise ValueError("fully_shard shards parameters on dim 0: a 0-dimensional parameter "
+                         "cannot be sharded (give it a dimension of 1, or keep it out of the "
+                         "model with ignored_params)")
+    lo, rows = shard_rows(p.shape[0], shard_rank, shard_size)
+    with torch.no_grad():
+        local = p.detach()[lo:lo + rows].clone().contiguous()
+        d = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
+                               stride=p.stride())
+    return nn.Parameter(d, requires_grad=p.requires_grad)
+
+
+class FSDPParam:
+    """One parameter: sharded (a DTensor nn.Parameter, what the modules hold outside forward
+    and what optimizers and state dicts see), unsharded (the nn.Parameter over the gathered full
+    buffer, what forward and backward use; None before the model is defined) and where it is
+    registered (every (module, name) that holds it: tied parameters are one FSDPParam)."""
+
+    def __init__(self, index, name, sharded, slots, mesh, placements, shard_rank, shard_size):
+        self.index = index            # pshard parameter id
+        self.name = name              # its first fully qualified name
+        self.sharded = sharded
+        self.slots = slots
+        self.mesh = mesh
+        self.placements = placements
+        self.shard_rank, self.shard_size = shard_rank, shard_size
+        self.unsharded = None
+        self.grad_local = None        # this rank's fp32 gradient slice in the server's memory
+        self.had_grad = False         # autograd produced a gradient in this backward
+
+    @property
+    def frozen(self):
+        return not self.sharded.requires_grad
+
+    def bind(self, full_view, master, grad):
+        """After the model's definition: the unsharded parameter over full_view (the stable full
+        buffer), and the sharded parameter's local tensor moved onto master (this rank's fp32
+        master rows in the server's memory, 1-D), grad (the accumulator's, or None) kept for
+        the sharded gradient. ValueError when the server's placement is not torch.chunk's."""
+        shape = tuple(self.sharded.shape)
+        lo, rows = shard_rows(shape[0], self.shard_rank, self.shard_size)
+        local_shape = (rows,) + shape[1:]
+        numel = 1
+        for s in local_shape:
+            numel *= s
+        if master.numel() != numel:
+            raise ValueError(f"parameter '{self.name}': the shard server holds {master.numel()} "
+                             f"elements of it on this rank, DTensor's Shard(0) expects {numel}")
+        self.unsharded = nn.Parameter(full_view.view(shape),
+                                      requires_grad=self.sharded.requires_grad)
+        self.unsharded._pshard_fsdp_param = self
+        with torch.no_grad():
+            self.sharded._local_tensor = master.view(local_shape)
+        self.grad_local = grad.view(local_shape) if grad is not None else None
+
+    def to_sharded(self):
+        for module, name in self.slots:
+            module._parameters[name] = self.sharded
+
+    def to_unsharded(self):
+        for module, name in self.slots:
+            module._parameters[name] = self.unsharded
+
+    def sharded_grad(self):
+        """A DTensor over this rank's gradient slice in the server's memory."""
+        shape = tuple(self.sharded.shape)
+        return DTensor.from_local(self.grad_local, self.mesh, self.placements, run_check=False,
+                                  shape=shape, stride=self.sharded.stride())

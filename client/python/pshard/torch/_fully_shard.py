@@ -1,0 +1,269 @@
+"""fully_shard and FSDPModule: FSDP2's entry point on pshard's shard servers.
+
+``fully_shard(module)`` makes one unit whose parameters are gathered together and replaces
+each parameter of the module's subtree (those no nested fully_shard took) with its sharded
+parameter: a DTensor (Shard(0), on ``mesh``, by default a 1-D mesh of every rank) holding this
+rank's rows (``_fsdp_param.py``). Apply it to each block and then to the root, then create the
+optimizer from ``model.parameters()``. The root's first forward defines the model to the shard
+servers (``_fsdp_init.py``) and the hooks (``_fsdp_state.py``) drive gathers and
+reduce-scatters.
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+import pshard
+from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy, check_policies
+from ._fsdp_param import make_sharded
+from ._fsdp_param_group import Unit, register_unit, require_unit, unit_of
+from ._fsdp_state import ensure_init, install_optimizer_hooks, post_forward, pre_forward
+from ._join import ModelJoinHook
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+
+
+class FSDPModule:
+    """Mixed into every module fully_shard was applied to (FSDP2's FSDPModule)."""
+
+    def _pshard_unit(self):
+        u = unit_of(self)
+        if u is None:
+            raise pshard.FailedPreconditionError("this module was not passed to fully_shard")
+        return u
+
+    def _pshard_model(self):
+        return ensure_init(self._pshard_unit())
+
+    def reshard(self):
+        """Frees this unit's full parameters and registers the sharded ones (FSDP2's
+        reshard)."""
+        u = self._pshard_unit()
+        if u.model is not None:
+            u.reshard()
+
+    def unshard(self, async_op=False):
+        """Gathers this unit's full parameters; with async_op=True returns a handle whose
+        wait() finishes the gather."""
+        u = self._pshard_unit()
+        self._pshard_model()
+        if async_op:
+            u.unshard_async()
+            return UnshardHandle(u)
+        u.unshard()
+        return None
+
+    def _units(self, recurse):
+        seen = []
+        for m in (self.modules() if recurse else [self]):
+            u = unit_of(m)
+            if u is not None and u not in seen:
+                seen.append(u)
+        return seen
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """False: gradients accumulate locally across backward passes (FSDP2's no_sync);
+        True: the next backward reduce-scatters them."""
+        for u in self._units(recurse):
+            u.requires_grad_sync = bool(requires_gradient_sync)
+
+    def set_modules_to_forward_prefetch(self, modules):
+        """Gathers these units (asynchronously) when this unit's forward starts."""
+        self._pshard_unit().fwd_prefetch = [require_unit(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules):
+        """Gathers these units (asynchronously) when this unit's backward starts."""
+        self._pshard_unit().bwd_prefetch = [require_unit(m) for m in modules]
+
+    def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError("reshard_after_forward must be a bool")
+        for u in self._units(recurse):
+            u.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+        """False keeps the units gathered after backward (for gradient accumulation without
+        gathering again); they are resharded at the next optimizer step."""
+        for u in self._units(recurse):
+            u.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_is_last_backward(self, is_last_backward):
+        """Accepted for FSDP2's API: pshard finishes every backward the same way (its sharded
+        gradients are set at the end of each backward that reduce-scatters)."""
+        if not isinstance(is_last_backward, bool):
+            raise ValueError("is_last_backward must be a bool")
+
+    def set_gradient_divide_factor(self, factor):
+        raise NotImplementedError(
+            "set_gradient_divide_factor: pshard's shard servers average gradients over the "
+            "ranks that contributed (Join-aware); scale the loss instead (loss * world / "
+            "factor) to get another divisor")
+
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        """HSDP: the replicas' all-reduce runs with every reduce-scatter on the servers; True
+        is what they do, False (skipping it for accumulation) is not supported."""
+        if not requires_all_reduce:
+            raise NotImplementedError(
+                "set_requires_all_reduce(False): pshard's servers all-reduce across replicas "
+                "with every reduce-scatter; accumulate with set_requires_gradient_sync(False) "
+                "instead")
+
+    def join_hook(self, **kwargs):
+        return ModelJoinHook(self)
+
+    @property
+    def join_device(self):
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return None
+
+
+class UnshardHandle:
+    """What unshard(async_op=True) returns: wait() finishes the gather."""
+
+    def __init__(self, unit):
+        self._unit = unit
+
+    def wait(self):
+        self._unit.unshard()
+
+
+_CLASSES = {}
+_DEFAULT_MESH = []
+
+
+def _default_mesh():
+    """FSDP2's default: a 1-D mesh of every rank (torch's default group, backend pshard)."""
+    world = pshard.get_world_size()
+    if not _DEFAULT_MESH or _DEFAULT_MESH[0][0] is not dist.group.WORLD:
+        _DEFAULT_MESH[:] = [(dist.group.WORLD, init_device_mesh("cpu", (world,)))]
+    return _DEFAULT_MESH[0][1]
+
+
+def _check_mesh(mesh):
+    """mesh (None: the default) as the DeviceMesh the model shards over, with its placements
+    and this rank's (shard index, shard count); TypeError/ValueError for a mesh pshard cannot
+    shard over."""
+    if not pshard.is_initialized() or not dist.is_initialized():
+        raise pshard.FailedPreconditionError(
+            "fully_shard needs the process group: call pshard.init_process_group() first")
+    if dist.get_backend() != "pshard":
+        raise ValueError(f"torch's default process group is on backend {dist.get_backend()!r}: "
+                         "pshard.torch.fully_shard needs backend 'pshard' (initialize it with "
+                         "pshard.init_process_group())")
+    if mesh is None:
+        mesh = _default_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError("mesh must be a torch.distributed.device_mesh.DeviceMesh "
+                        f"(init_device_mesh), not {type(mesh).__name__}")
+    world = pshard.get_world_size()
+    if mesh.mesh.reshape(-1).tolist() != list(range(world)):
+        raise ValueError(f"mesh {mesh.mesh.tolist()} must hold every rank in order "
+                         "(init_device_mesh's)")
+    if mesh.device_type != "cpu":
+        raise ValueError(f"mesh device_type {mesh.device_type!r}: pshard trainers compute on "
+                         "the CPU for now (use init_device_mesh('cpu', ...))")
+    for d in range(mesh.ndim):
+        backend = dist.get_backend(mesh.get_group(d))
+        if backend != "pshard":
+            raise ValueError(f"mesh dimension {d} is a process group of backend {backend!r}: "
+                             "pshard shards over backend 'pshard' groups")
+    if mesh.ndim == 1:
+        return mesh, (Shard(0),), mesh.get_local_rank(0), mesh.shape[0]
+    if mesh.ndim != 2:
+        raise ValueError(f"a {mesh.ndim}-D mesh: fully_shard takes a 1-D mesh (FSDP) or a 2-D "
+                         "(replicate, shard) one (HSDP)")
+    return mesh, (Replicate(), Shard(0)), mesh.get_local_rank(1), mesh.shape[1]
+
+
+def _shard_parameters(modules, mesh, placements, shard_rank, shard_size, ignored):
+    """Replaces every parameter of modules' subtrees that no fully_shard took yet (and that is
+    not ignored) with its sharded parameter; a parameter held by several modules (tied) gets
+    one sharded parameter everywhere."""
+    for top in modules:
+        for m in top.modules():
+            for pname, p in list(m._parameters.items()):
+                if p is None or getattr(p, "_pshard_sharded", False) or id(p) in ignored:
+                    continue
+                sp = getattr(p, "_pshard_sharded_param", None)
+                if sp is None:
+                    sp = make_sharded(p, mesh, placements, shard_rank, shard_size)
+                    sp._pshard_sharded = True
+                    p._pshard_sharded_param = sp
+                    p._pshard_replaced = True
+                m._parameters[pname] = sp
+
+
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
+                mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
+                ignored_params=None, dp_mesh_dims=None):
+    """FSDP2's fully_shard on pshard's shard servers: makes module (or the modules of a list,
+    gathered together) one unit and shards its parameters (see the module doc). Returns the
+    module, whose class gains FSDPModule's methods.
+
+    mesh: None (every rank), a 1-D DeviceMesh of every rank, or a 2-D one from
+    init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard")) for HSDP (sharded
+    over the S ranks of each replica, replicated across the R replicas); every unit of a model
+    takes the same mesh. reshard_after_forward: True, False or None (True except for the root,
+    FSDP2's default). mp_policy and offload_policy are torch's classes; CPU offload is the
+    shard server's setting (pshard-server --offload cpu). ignored_params stay as they are,
+    neither sharded nor reduced. NotImplementedError for shard_placement_fn, an int
+    reshard_after_forward and dp_mesh_dims; TypeError/ValueError for bad arguments."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard needs at least one module")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard takes an nn.Module or a list of them, not "
+                            f"{type(m).__name__}")
+    if shard_placement_fn is not None:
+        raise NotImplementedError("shard_placement_fn: pshard shards every parameter on dim 0 "
+                                  "(FSDP2's default placement); pass None")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("dp_mesh_dims: pass a 1-D or (replicate, shard) mesh instead")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward}: resharding to a smaller world after "
+            "forward is not supported; use True (reshard, gather again in backward) or False "
+            "(keep the full parameters until backward)")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError("reshard_after_forward must be None, True or False")
+    check_policies(mp_policy, offload_policy)
+    mesh, placements, shard_rank, shard_size = _check_mesh(mesh)
+    ignored = set()
+    for p in ignored_params or ():
+        if not isinstance(p, torch.Tensor):
+            raise TypeError("ignored_params must hold parameters")
+        ignored.add(id(p))
+    existing = [unit_of(m) for m in modules]
+    if any(u is not None for u in existing):
+        u = existing[0]
+        if u is None or any(x is not u for x in existing) or len(u.module_refs) != len(modules):
+            raise ValueError("fully_shard was applied to these modules in another grouping "
+                             "before")
+        if u.model is not None:
+            raise pshard.FailedPreconditionError(
+                "fully_shard was applied again after the model ran forward")
+        u.reshard_after_forward, u.mp, u.mesh = reshard_after_forward, mp_policy, mesh
+        u.ignored |= ignored
+        _shard_parameters(modules, mesh, placements, shard_rank, shard_size, u.ignored)
+        return module
+    unit = Unit(modules, reshard_after_forward, mp_policy, mesh)
+    unit.ignored = ignored
+    _shard_parameters(modules, mesh, placements, shard_rank, shard_size, ignored)
+    install_optimizer_hooks()
+    for m in modules:
+        register_unit(m, unit)
+        m.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+        m.register_forward_hook(post_forward, always_call=False)
+        cls = type(m)
+        if not issubclass(cls, FSDPModule):
+            new = _CLASSES.get(cls)
+            if new is None:
+                new = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+                _CLASSES[cls] = new
+            m.__class__ = new
+    return module
