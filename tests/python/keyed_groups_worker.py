@@ -3,8 +3,9 @@ key=, torch's new_group contract: only the members call, naming the group with a
 through pshard._C directly. Groups {0,1}, {2,3} and {1,2} are made by their members in
 different orders on different ranks; their all_reduces are checked against the sums; two groups
 of the same ranks under different keys both work; a repeated key and a non-member's call are
-refused; a member that never comes fails the others before their timeout_ms, naming it; the
-all-ranks NewGroups still works beside the keyed groups. Writes OUTDIR/rank-R.json with the
+refused; a member that never comes fails the others before their timeout_ms, naming it, and
+the same key then works once every member comes; the all-ranks NewGroups still works beside
+the keyed groups. Writes OUTDIR/rank-R.json with the
 checks that failed (none expected) and the missing member's error text."""
 import hashlib
 import json
@@ -118,6 +119,10 @@ def main():
             "missing member", lambda: keyed(c, "quartet", [0, 1, 2, 3], timeout_ms=3000),
             pshard.TimeoutError, "quartet", "rank 3")
     all_reduce(c, 0, None)
+    # ... and the same key again, by every member this time: the failed attempt left nothing
+    # behind (no group, no address a member would dial).
+    quartet = keyed(c, "quartet", [0, 1, 2, 3], timeout_ms=30000)
+    sum_check(ck, c, "quartet", quartet, [0, 1, 2, 3], rank, 3)
 
     # 6. The all-ranks NewGroups beside the keyed groups: its ids never name a keyed group (a
     # collision would run these sums over the wrong ranks).
