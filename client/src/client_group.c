@@ -1,6 +1,7 @@
 /* libpshard's process groups (torch.distributed.new_group): the ranks of each new group are
- * checked here, the shard servers build the groups' communicators (NewGroups), and a handle
- * per group keeps its id and ranks for pshard_collective. */
+ * checked here, the shard servers build the groups' communicators (NewGroups: agreed by every
+ * rank, or keyed and made by the members only), and a handle per group keeps its id and ranks
+ * for pshard_collective. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -199,6 +200,71 @@ pshard_status_t pshard_new_group(pshard_client_t *c, const int *ranks, size_t n,
                                  pshard_group_t **out)
 {
     return pshard_new_groups(c, ranks, &n, 1, timeout_ms, out);
+}
+
+#define MAX_KEY_BYTES 1024 /* the shard server's bound too (shard_groups.c) */
+
+pshard_status_t pshard_new_group_keyed(pshard_client_t *c, const char *key, const int *ranks,
+                                       size_t n, int64_t timeout_ms, pshard_group_t **out)
+{
+    if (!out)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "new_group_keyed: out is NULL");
+    *out = NULL;
+    if (!key || !key[0])
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "new_group_keyed: the key is %s (a group needs a name its members "
+                           "share)",
+                           key ? "empty" : "NULL");
+    size_t keylen = strlen(key);
+    if (keylen > MAX_KEY_BYTES)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "new_group_keyed: the key has %zu bytes; at most %d", keylen,
+                           MAX_KEY_BYTES);
+    PS_CHECK(check_groups(c, ranks, &n, 1));
+    if (timeout_ms < 0)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "new_group_keyed: timeout_ms %lld is negative (0: the servers' "
+                           "collective timeout)",
+                           (long long)timeout_ms);
+    /* Membership is the server's to refuse (it names this rank), not checked here. */
+    int32_t *copy = malloc(n * sizeof(int32_t));
+    if (!copy)
+        return client_fail(c, PSHARD_ERR_NO_MEMORY, "new_group_keyed: out of memory");
+    for (size_t k = 0; k < n; k++)
+        copy[k] = ranks[k];
+    Pshard__GroupRanks msg = PSHARD__GROUP_RANKS__INIT;
+    Pshard__GroupRanks *msgp = &msg;
+    msg.n_ranks = n;
+    msg.ranks = copy;
+    Pshard__NewGroupsRequest req = PSHARD__NEW_GROUPS_REQUEST__INIT;
+    req.session = c->session;
+    req.n_groups = 1;
+    req.groups = &msgp;
+    req.timeout_ms = timeout_ms;
+    req.key = (char *)key; /* protobuf-c's fields are not const; packing only reads it */
+    ProtobufCMessage *resp = NULL;
+    char err[PSHARD_ERRLEN] = "";
+    client_run_alone_begin(c); /* after the gathers and reduce-scatters issued before */
+    pshard_status_t rc =
+        client_call(c, "NewGroups", &req.base, &pshard__new_groups_response__descriptor, &resp, err,
+                    sizeof(err));
+    client_run_alone_end(c);
+    free(copy);
+    if (rc != PSHARD_OK) {
+        if (resp)
+            protobuf_c_message_free_unpacked(resp, NULL);
+        return client_fail(c, rc, "new_group_keyed: %s", err);
+    }
+    Pshard__NewGroupsResponse *r = (Pshard__NewGroupsResponse *)resp;
+    if (r->n_ids != 1 || r->ids[0] == 0)
+        rc = client_fail(c, PSHARD_ERR_RPC,
+                         "new_group_keyed: the shard server answered %zu group ids (%s) for one "
+                         "group",
+                         r->n_ids, r->n_ids == 1 ? "id 0, the world" : "not one");
+    else if (!(*out = group_make(c, r->ids[0], ranks, n)))
+        rc = client_fail(c, PSHARD_ERR_NO_MEMORY, "new_group_keyed: out of memory");
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return rc;
 }
 
 int pshard_group_rank(const pshard_group_t *g)

@@ -592,7 +592,8 @@ static pshard_status_t exchange_via_store(tcp_t *t, const pshard_comm_config_t *
 }
 
 /* Once linked, the previous rank has read this rank's address: its key leaves the store, so a
- * long job's rebuilt rings do not pile up keys. Best effort (the job's keys go when it ends). */
+ * long job's rebuilt rings do not pile up keys; after a failed set-up too, so that a retry under
+ * the same name never dials a closed port. Best effort (the job's keys go when it ends). */
 static void forget_address(tcp_t *t, const pshard_comm_config_t *cfg)
 {
     char err[PSHARD_ERRLEN] = "";
@@ -851,8 +852,10 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
         snprintf(my_addr, sizeof(my_addr), "%s:%d", adv, t->listen_port);
         pshard_status_t rc = exchange_via_store(t, cfg, my_addr, next_addr, sizeof(next_addr),
                                                 deadline, err, errlen);
-        if (rc != PSHARD_OK)
+        if (rc != PSHARD_OK) {
+            forget_address(t, cfg); /* see below */
             return rc;
+        }
     }
 
     acceptor_t acc = {.t = t, .deadline = deadline, .fd = -1};
@@ -864,6 +867,11 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
     tl_cancel = NULL;
     close(t->listen_fd);
     t->listen_fd = -1;
+    /* Linked or failed, nobody may dial this address again (its listener is closed): a set-up
+     * retried under the same name must not find it (a peer dialling it would retry a refused
+     * port until the deadline). */
+    if (!cfg->peers)
+        forget_address(t, cfg);
     if (rc != PSHARD_OK) {
         if (acc.fd >= 0)
             close(acc.fd);
@@ -875,8 +883,6 @@ pshard_status_t tcp_connect_ring(tcp_t *t, const pshard_comm_config_t *cfg, char
         return ps_errf(err, errlen, acc.rc, "%s", acc.err);
     }
     t->recv_fd = acc.fd;
-    if (!cfg->peers)
-        forget_address(t, cfg);
     set_nonblocking(t->send_fd, true);
     set_nonblocking(t->recv_fd, true);
     PS_INFO(PS_SUB_COLL, "ring %s generation %llu: rank %d linked to %d (%s) and from %d",

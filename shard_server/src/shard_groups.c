@@ -2,9 +2,12 @@
  * every rank agrees on like the others (so groups made in another order on some rank are a
  * desync), which gives the groups the next ids of the comm generation; the members of each
  * build a communicator over it, bootstrapped through the coordinator's store like the world
- * ring ("grp<id>" keys scoped by the generation). A group's plain collectives then run on its
- * communicator with their own agreement round (shard_ops.c), so a joined member shadows them.
- * Groups live until the trainer's session ends or the cluster re-forms. */
+ * ring ("grp<id>" keys scoped by the generation). A keyed NewGroups (torch's own contract: only
+ * the members call, naming the group with a string they share) skips the world's agreement: the
+ * members build the communicator under a name hashed from the key, and each server gives the
+ * group a local id. A group's plain collectives then run on its communicator with their own
+ * agreement round (shard_ops.c), so a joined member shadows them. Groups live until the
+ * trainer's session ends or the cluster re-forms. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,8 +22,13 @@
 #define GROUPS_PER_CALL 64
 #define GROUPS_PER_SESSION 1024
 /* Ids carry the comm generation's low 16 bits above a counter of the generation's groups, so
- * a trainer's handle from an earlier generation never names a group of this one. */
+ * a trainer's handle from an earlier generation never names a group of this one. The counter's
+ * lower half (1..0x7fff) numbers the agreed groups, the same on every rank; its upper half
+ * (0x8000..0xffff) the keyed groups, each server its own, so the two never collide. */
 #define GROUP_COUNTER_MAX 0xffffu
+#define KEYED_COUNTER_BASE 0x8000u
+/* The longest key a keyed NewGroups takes (torch's names are a counter or a 40-digit hash). */
+#define GROUP_KEY_MAX 1024
 
 static void group_free(shard_pg_t *g)
 {
@@ -29,6 +37,7 @@ static void group_free(shard_pg_t *g)
     pshard_comm_destroy(g->comm);
     shard_bufs_free(&g->bufs);
     free(g->ranks);
+    free(g->key);
     free(g);
 }
 
@@ -87,8 +96,11 @@ void shard_pg_describe(const shard_pg_t *g, char *buf, size_t len)
 {
     char list[96];
     ranks_format(g->ranks, g->size, list, sizeof(list));
-    int off = snprintf(buf, len, "group %" PRIu32 " (ranks %s): rank %d of %d over %s; ", g->id,
-                       list, g->grank, g->size, pshard_comm_transport(g->comm));
+    /* A keyed group's key, cut short: the line has a flight record to hold as well. */
+    int off = snprintf(buf, len, "group %" PRIu32 " (%s%.40s%s%sranks %s): rank %d of %d over %s; ",
+                       g->id, g->key ? "key \"" : "", g->key ? g->key : "",
+                       g->key && strlen(g->key) > 40 ? "..." : "", g->key ? "\", " : "", list,
+                       g->grank, g->size, pshard_comm_transport(g->comm));
     if (off < 0 || (size_t)off >= len)
         return;
     pshard_coll_record_t rec[64];
@@ -115,8 +127,9 @@ shard_pg_t *shard_pg_find(pshard_shard_server_t *s, uint32_t id, pshard_status_t
         }
         return g;
     }
-    uint32_t gen16 = (uint32_t)(s->comm_generation & 0xffff);
-    if (id >> 16 == gen16 && (id & GROUP_COUNTER_MAX) >= s->next_pg_id)
+    uint32_t gen16 = (uint32_t)(s->comm_generation & 0xffff), counter = id & GROUP_COUNTER_MAX;
+    uint32_t next = counter >= KEYED_COUNTER_BASE ? s->next_keyed_pg_id : s->next_pg_id;
+    if (id >> 16 == gen16 && counter >= next)
         *rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                       "there is no group %" PRIu32 " (make groups with NewGroups)", id);
     else
@@ -125,6 +138,26 @@ shard_pg_t *shard_pg_find(pshard_shard_server_t *s, uint32_t id, pshard_status_t
                       "(or its communicator could not be built); make it again",
                       id);
     return NULL;
+}
+
+/* PSHARD_OK when group i of a request holds strictly increasing ranks of a world-rank
+ * cluster, else INVALID_ARGUMENT saying what is wrong. */
+static pshard_status_t ranks_check(const Pshard__GroupRanks *g, size_t i, int world, char *err,
+                                   size_t errlen)
+{
+    if (!g || g->n_ranks == 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "group %zu has no ranks", i);
+    for (size_t k = 0; k < g->n_ranks; k++) {
+        if (g->ranks[k] < 0 || g->ranks[k] >= world)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "group %zu: rank %d is not a rank of this %d-rank cluster", i,
+                           g->ranks[k], world);
+        if (k > 0 && g->ranks[k] <= g->ranks[k - 1])
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "group %zu: ranks must be strictly increasing (rank %d follows %d)", i,
+                           g->ranks[k], g->ranks[k - 1]);
+    }
+    return PSHARD_OK;
 }
 
 pshard_status_t shard_new_groups_check(pshard_shard_server_t *s, pshard_comm_t *comm,
@@ -146,21 +179,8 @@ pshard_status_t shard_new_groups_check(pshard_shard_server_t *s, pshard_comm_t *
                        "timeout_ms %" PRId64 " is negative", req->timeout_ms);
     size_t words = 1;
     for (size_t i = 0; i < req->n_groups; i++) {
-        const Pshard__GroupRanks *g = req->groups[i];
-        if (!g || g->n_ranks == 0)
-            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "group %zu has no ranks", i);
-        for (size_t k = 0; k < g->n_ranks; k++) {
-            if (g->ranks[k] < 0 || g->ranks[k] >= world)
-                return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                               "group %zu: rank %d is not a rank of this %d-rank cluster", i,
-                               g->ranks[k], world);
-            if (k > 0 && g->ranks[k] <= g->ranks[k - 1])
-                return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                               "group %zu: ranks must be strictly increasing (rank %d follows "
-                               "%d)",
-                               i, g->ranks[k], g->ranks[k - 1]);
-        }
-        words += 1 + g->n_ranks;
+        PS_CHECK(ranks_check(req->groups[i], i, world, err, errlen));
+        words += 1 + req->groups[i]->n_ranks;
     }
     a->words = malloc(words * sizeof(uint32_t));
     if (!a->words)
@@ -226,7 +246,7 @@ pshard_status_t shard_new_groups_run(pshard_shard_server_t *s, pshard_comm_t *co
     size_t n = req->n_groups;
     if (s->next_pg_id == 0)
         s->next_pg_id = 1;
-    if (s->next_pg_id + n > GROUP_COUNTER_MAX)
+    if (s->next_pg_id + n > KEYED_COUNTER_BASE)
         return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
                        "this cluster generation made %" PRIu32 " process groups; no more ids",
                        s->next_pg_id - 1);
@@ -387,4 +407,212 @@ shard_pg_t *shard_pair_get(pshard_shard_server_t *s, pshard_comm_t *world, int p
     s->pairs[peer] = g;
     pthread_mutex_unlock(&s->mu);
     return g;
+}
+
+/* ---- keyed groups: made by their members only ------------------------------------------- */
+
+/* The communicator (and store) name of the group keyed key: "key" + its FNV-1a 64 hash in hex +
+ * "n" + its length, short and safe in store keys whatever the key holds; the communicator scopes
+ * it by the comm generation. */
+static void keyed_name(const char *key, char *buf, size_t len)
+{
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a 64: offset basis, then xor and multiply */
+    size_t n = 0;
+    for (const unsigned char *p = (const unsigned char *)key; *p; p++, n++) {
+        h ^= *p;
+        h *= 0x100000001b3ull;
+    }
+    snprintf(buf, len, "key%016" PRIx64 "n%zu", h, n);
+}
+
+/* The store key under which world rank rank's server says it started building group name:
+ * what a member that timed out reads to name the members that never came. */
+static void arrival_key(const pshard_shard_server_t *s, const char *name, int rank, char *buf,
+                        size_t len)
+{
+    snprintf(buf, len, "pshard/keyed/%s/g%" PRIu64 "/in/%d", name, s->comm_generation, rank);
+}
+
+/* After a failed build: "; ranks 2, 3 never started building it (...)" into buf for the members
+ * whose arrival key is missing, or "" when the store cannot tell (or every member came). Each
+ * member sets its key before building and deletes it once built, so a member that built the
+ * group and deleted its key before this one failed would be named too; a build fails on every
+ * member together, nearly always, so that needs a member lost at the very end of the build. */
+static void missing_members(pshard_shard_server_t *s, const char *name, const shard_pg_t *g,
+                            char *buf, size_t len)
+{
+    int missing[64], nmissing = 0;
+    buf[0] = '\0';
+    if (!s->coord)
+        return;
+    for (int k = 0; k < g->size && nmissing < 64; k++) {
+        if (k == g->grank)
+            continue;
+        char key[160], *val = NULL, why[PSHARD_ERRLEN] = "";
+        size_t vlen = 0;
+        arrival_key(s, name, g->ranks[k], key, sizeof(key));
+        pshard_status_t rc =
+            ps_coord_store_fetch(s->coord, key, &val, &vlen, 2000, why, sizeof(why));
+        free(val);
+        if (rc == PSHARD_ERR_NOT_FOUND)
+            missing[nmissing++] = g->ranks[k];
+        else if (rc != PSHARD_OK)
+            return; /* the store cannot tell */
+    }
+    if (nmissing == 0)
+        return;
+    char list[160];
+    ranks_format(missing, nmissing, list, sizeof(list));
+    snprintf(buf, len,
+             "; rank%s %s never started building it (did %s trainer%s call new_group with this "
+             "key?)",
+             nmissing > 1 ? "s" : "", list, nmissing > 1 ? "their" : "its",
+             nmissing > 1 ? "s" : "");
+}
+
+pshard_status_t shard_new_group_keyed_run(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                          shard_op_t *op, char *err, size_t errlen)
+{
+    shard_new_groups_arg_t *a = op->arg;
+    const Pshard__NewGroupsRequest *req = a->req;
+    const char *key = req->key;
+    int me = pshard_comm_rank(comm), world = pshard_comm_world_size(comm);
+    size_t keylen = strlen(key);
+    if (keylen > GROUP_KEY_MAX)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "group key of %zu bytes: at most %d", keylen, GROUP_KEY_MAX);
+    if (req->n_groups != 1)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "NewGroups with a key makes exactly one group, not %zu", req->n_groups);
+    if (req->timeout_ms < 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "timeout_ms %" PRId64 " is negative", req->timeout_ms);
+    if (s->npgs + 1 > GROUPS_PER_SESSION)
+        return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                       "this session has %zu process groups; one more exceeds the %d a session "
+                       "may have",
+                       s->npgs, GROUPS_PER_SESSION);
+    const Pshard__GroupRanks *pb = req->groups[0];
+    PS_CHECK(ranks_check(pb, 0, world, err, errlen));
+    char list[160];
+    int grank = -1;
+    for (size_t k = 0; k < pb->n_ranks; k++)
+        if (pb->ranks[k] == me)
+            grank = (int)k;
+    if (grank < 0) {
+        int *rs = malloc(pb->n_ranks * sizeof(int));
+        if (!rs)
+            return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        for (size_t k = 0; k < pb->n_ranks; k++)
+            rs[k] = pb->ranks[k];
+        ranks_format(rs, (int)pb->n_ranks, list, sizeof(list));
+        free(rs);
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "rank %d is not a member of group \"%.64s\" (ranks %s): with a key, only "
+                       "the group's members make it",
+                       me, key, list);
+    }
+    char name[48];
+    keyed_name(key, name, sizeof(name));
+    for (size_t i = 0; i < s->npgs; i++) {
+        const shard_pg_t *o = s->pgs[i];
+        if (!o->key)
+            continue;
+        char oname[48];
+        keyed_name(o->key, oname, sizeof(oname));
+        if (strcmp(o->key, key) != 0 && strcmp(oname, name) != 0)
+            continue;
+        ranks_format(o->ranks, o->size, list, sizeof(list));
+        if (strcmp(o->key, key) == 0)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "group \"%.64s\" already exists (id %" PRIu32 ", ranks %s): a key "
+                           "names one group per session",
+                           key, o->id, list);
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "group key \"%.64s\" hashes like the key of group %" PRIu32
+                       " (\"%.64s\"); use another key",
+                       key, o->id, o->key);
+    }
+    if (s->next_keyed_pg_id < KEYED_COUNTER_BASE)
+        s->next_keyed_pg_id = KEYED_COUNTER_BASE;
+    if (s->next_keyed_pg_id > GROUP_COUNTER_MAX)
+        return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
+                       "this cluster generation made %u keyed process groups on this server; no "
+                       "more ids",
+                       GROUP_COUNTER_MAX + 1 - KEYED_COUNTER_BASE);
+    /* A member whose trainer joined never builds its end: say so instead of waiting. */
+    for (size_t k = 0; s->coord && k < pb->n_ranks; k++) {
+        if (pb->ranks[k] == me)
+            continue;
+        char jkey[96], *val = NULL, why[PSHARD_ERRLEN] = "";
+        size_t vlen = 0;
+        joined_key(s, pb->ranks[k], jkey, sizeof(jkey));
+        if (ps_coord_store_fetch(s->coord, jkey, &val, &vlen, 2000, why, sizeof(why)) ==
+            PSHARD_OK) {
+            free(val);
+            return ps_errf(err, errlen, PSHARD_ERR_JOINED,
+                           "rank %d has joined (its trainer ran out of input): group \"%.64s\" "
+                           "cannot be made with it",
+                           pb->ranks[k], key);
+        }
+    }
+    uint32_t gen16 = (uint32_t)(s->comm_generation & 0xffff);
+    uint32_t id = gen16 << 16 | s->next_keyed_pg_id++;
+    shard_pg_t *g = calloc(1, sizeof(*g));
+    if (!g || !(g->ranks = malloc(pb->n_ranks * sizeof(int))) || !(g->key = strdup(key))) {
+        group_free(g);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    g->id = id;
+    g->size = (int)pb->n_ranks;
+    g->grank = grank;
+    for (int k = 0; k < g->size; k++)
+        g->ranks[k] = pb->ranks[k];
+    ranks_format(g->ranks, g->size, list, sizeof(list));
+    /* Grow the array first (under mu: the watch thread walks it), so nothing fails after the
+     * communicator is built. */
+    pthread_mutex_lock(&s->mu);
+    shard_pg_t **grown = realloc(s->pgs, (s->npgs + 1) * sizeof(*grown));
+    if (grown)
+        s->pgs = grown;
+    pthread_mutex_unlock(&s->mu);
+    if (!grown) {
+        group_free(g);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    char arrived[160], why[PSHARD_ERRLEN] = "";
+    arrival_key(s, name, me, arrived, sizeof(arrived));
+    if (s->coord &&
+        ps_coord_store_put(s->coord, arrived, "1", 1, 2000, why, sizeof(why)) != PSHARD_OK)
+        PS_WARN(PS_SUB_SHARD, "could not set %s: %s", arrived, why);
+    pshard_comm_config_t cc;
+    shard_comm_config(s, &cc, name, g->grank, g->size, s->comm_generation);
+    if (req->timeout_ms > 0)
+        cc.timeout_ms = req->timeout_ms;
+    cc.connect_timeout_ms = req->timeout_ms > 0 ? req->timeout_ms : s->cfg.coll_timeout_ms;
+    why[0] = '\0';
+    pshard_status_t rc = pshard_comm_create(&cc, &g->comm, why, sizeof(why));
+    if (rc != PSHARD_OK) {
+        char missing[256];
+        missing_members(s, name, g, missing, sizeof(missing));
+        group_free(g);
+        /* A member that never came is the cause, whatever broke first here (a member that gave
+         * up before this one resets its connections): every member reports it alike. */
+        if (missing[0])
+            rc = PSHARD_ERR_TIMEOUT;
+        return ps_errf(err, errlen, rc,
+                       "cannot build group \"%.64s\" (ranks %s; this is rank %d)%s: %s (the "
+                       "communicator's ranks are the group's, in the order of its ranks)",
+                       key, list, me, missing, why);
+    }
+    /* Every member has come: the arrival marks are no longer needed (best effort). */
+    if (s->coord && ps_coord_store_remove(s->coord, arrived, 2000, why, sizeof(why)) != PSHARD_OK)
+        PS_DEBUG(PS_SUB_SHARD, "could not delete %s: %s", arrived, why);
+    pthread_mutex_lock(&s->mu);
+    s->pgs[s->npgs++] = g;
+    pthread_mutex_unlock(&s->mu);
+    a->first_id = id;
+    PS_INFO(PS_SUB_SHARD, "made keyed process group \"%.64s\" (ranks %s), id %" PRIu32, key, list,
+            id);
+    return PSHARD_OK;
 }

@@ -42,6 +42,7 @@ typedef struct {
  * is no communicator). */
 typedef struct shard_pg {
     uint32_t id;
+    char *key; /* a keyed group's key (NewGroupsRequest.key, owned), NULL for an agreed one */
     int size, grank;
     int *ranks;
     pshard_comm_t *comm;
@@ -109,6 +110,9 @@ struct pshard_shard_server {
     struct shard_pg **pgs;
     size_t npgs;
     uint32_t next_pg_id; /* agreed: the same on every rank of the comm generation */
+    /* Keyed groups' counter (made by their members only): this server's own, in the upper half
+     * of the id's 16-bit counter; 0 until the generation's first keyed group. */
+    uint32_t next_keyed_pg_id;
     /* Point-to-point (send / recv): pairs[peer] is the communicator of this rank and world rank
      * peer (its ranks 0 and 1 in world-rank order), built at their first send or recv and kept
      * for the comm generation (not the session: it joins two servers, not two trainers);

@@ -160,6 +160,7 @@ void shard_ops_retire_comm(pshard_shard_server_t *s, pshard_comm_t *old)
     shard_pgs_clear(s);
     shard_pairs_clear(s);
     s->next_pg_id = 1;
+    s->next_keyed_pg_id = 0;
     pthread_mutex_unlock(&s->op_mu);
 }
 

@@ -84,6 +84,16 @@ pshard_status_t shard_new_groups_check(pshard_shard_server_t *s, pshard_comm_t *
                                        shard_op_t *op, char *err, size_t errlen);
 pshard_status_t shard_new_groups_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                      char *err, size_t errlen);
+/* NewGroups with a key (shard_groups.c): run without an agreement round, by the members of the
+ * request's one group only. Checks the request (INVALID_ARGUMENT: not one group, bad ranks, this
+ * rank not a member, the key already used in this session; RESOURCE_EXHAUSTED: too many groups),
+ * refuses with JOINED when a member's trainer has joined, then builds the group's communicator
+ * under a name derived from the key (blocks until every member's server builds it too, at most
+ * the request's timeout_ms, else the servers' collective timeout; TIMEOUT naming the members
+ * that never came when the store tells) and registers it with a local id in first_id. arg is a
+ * shard_new_groups_arg_t (words unused). op_mu held. */
+pshard_status_t shard_new_group_keyed_run(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                          shard_op_t *op, char *err, size_t errlen);
 
 /* DefineModel (shard_define.c): checks the definition, compares it with the other ranks'
  * through the coordinator's store, takes the initial values (from rank 0, or each rank's own)

@@ -484,13 +484,15 @@ static void handle_new_groups(ps_rpc_call_t *call, const ProtobufCMessage *reque
 {
     const Pshard__NewGroupsRequest *req = (const Pshard__NewGroupsRequest *)request;
     shard_new_groups_arg_t a = {.req = req};
+    /* With a key only the group's members call: no agreement round on the world. */
+    bool keyed = req->key && req->key[0];
     shard_op_t op = {
         .session = req->session,
-        .agree = true,
+        .agree = !keyed,
         .sop = {.kind = SHARD_SOP_NEW_GROUPS},
         .opk = -1,
-        .check = shard_new_groups_check,
-        .run = shard_new_groups_run,
+        .check = keyed ? NULL : shard_new_groups_check,
+        .run = keyed ? shard_new_group_keyed_run : shard_new_groups_run,
         .arg = &a,
     };
     char err[PSHARD_ERRLEN] = "";

@@ -379,6 +379,25 @@ PSHARD_API pshard_status_t pshard_new_groups(pshard_client_t *c, const int *rank
 /* One group: pshard_new_groups with ngroups 1. */
 PSHARD_API pshard_status_t pshard_new_group(pshard_client_t *c, const int *ranks, size_t n,
                                             int64_t timeout_ms, pshard_group_t **out);
+/* Makes the process group keyed key, of the world ranks ranks[0..n) (strictly increasing), as
+ * torch's new_group does it: only the group's members call, each with the same key (torch's
+ * group_name; any non-empty string of at most 1024 bytes) and ranks, and nobody else takes
+ * part; members may make their groups in different orders so long as no two of them wait on
+ * each other. The members' shard servers build the group's communicator, each waiting at most
+ * timeout_ms (0: the servers' collective timeout) for the others; timeout_ms also bounds each
+ * of the group's collectives, as with pshard_new_groups. Like every operation it reaches the
+ * shard server after everything this client issued before it (blocks until the queued
+ * asynchronous work has finished). On success *out is a handle to free with
+ * pshard_group_free; the group lasts until the session ends or the cluster re-forms, and counts
+ * towards the 1024 groups a session may have. Errors (*out NULL): INVALID_ARGUMENT (a NULL or
+ * empty key, a key too long, a rank out of range, repeated or out of order, this trainer not a
+ * member, the key already made in this session), JOINED (a member's trainer has joined),
+ * TIMEOUT (a member never came: the message names the group, its ranks and, where the store
+ * tells, the missing ranks), RESOURCE_EXHAUSTED, and the RPC's. Thread-safe as the client's
+ * other operations are. */
+PSHARD_API pshard_status_t pshard_new_group_keyed(pshard_client_t *c, const char *key,
+                                                  const int *ranks, size_t n, int64_t timeout_ms,
+                                                  pshard_group_t **out);
 /* This trainer's rank in g, or -1 when it is not a member (or g is NULL). */
 PSHARD_API int pshard_group_rank(const pshard_group_t *g);
 PSHARD_API int pshard_group_size(const pshard_group_t *g);

@@ -432,20 +432,43 @@ PyObject *Client_barrier(ClientObject *self, PyObject *args)
     return run_collective(self, &a);
 }
 
-/* new_groups(rank_lists, timeout_ms=0) -> [Group]: one Group per list of world ranks (strictly
- * increasing), also for the groups this trainer is not in; collective over every rank. */
+/* new_groups(rank_lists, timeout_ms=0, key=None) -> [Group]: one Group per list of world ranks
+ * (strictly increasing), also for the groups this trainer is not in; collective over every
+ * rank. With key (a str), rank_lists holds exactly one list and only that group's members call
+ * (pshard_new_group_keyed, torch's new_group contract). */
 PyObject *Client_new_groups(ClientObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"groups", "timeout_ms", NULL};
-    PyObject *lists;
+    static char *kwlist[] = {"groups", "timeout_ms", "key", NULL};
+    PyObject *lists, *keyobj = Py_None;
     long long timeout_ms = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|L", kwlist, &lists, &timeout_ms) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|LO", kwlist, &lists, &timeout_ms, &keyobj) ||
         !pshard_py_client_ok(self))
         return NULL;
+    const char *key = NULL;
+    if (keyobj != Py_None) {
+        if (!PyUnicode_Check(keyobj))
+            return PyErr_Format(PyExc_TypeError, "new_groups: key must be a str or None, not %s",
+                                Py_TYPE(keyobj)->tp_name);
+        Py_ssize_t keylen;
+        key = PyUnicode_AsUTF8AndSize(keyobj, &keylen);
+        if (!key)
+            return NULL;
+        if ((size_t)keylen != strlen(key))
+            return PyErr_Format(PyExc_ValueError, "new_groups: key %R holds a NUL character",
+                                keyobj);
+    }
     int *ranks;
     size_t *sizes, n;
     if (pshard_py_rank_lists(lists, &ranks, &sizes, &n) != 0)
         return NULL;
+    if (key && n != 1) {
+        free(ranks);
+        free(sizes);
+        return PyErr_Format(PyExc_ValueError,
+                            "new_groups: with a key, groups holds exactly one list of ranks, not "
+                            "%zu",
+                            n);
+    }
     pshard_group_t **gs = calloc(n + 1, sizeof(*gs));
     if (!gs) {
         free(ranks);
@@ -453,7 +476,11 @@ PyObject *Client_new_groups(ClientObject *self, PyObject *args, PyObject *kw)
         return PyErr_NoMemory();
     }
     pshard_status_t st;
-    CLIENT_CALL(self, st = pshard_new_groups(self->c, ranks, sizes, n, timeout_ms, gs));
+    if (key) /* (the str keeps key's UTF-8 alive: keyobj is borrowed from args or kw) */
+        CLIENT_CALL(self,
+                    st = pshard_new_group_keyed(self->c, key, ranks, sizes[0], timeout_ms, gs));
+    else
+        CLIENT_CALL(self, st = pshard_new_groups(self->c, ranks, sizes, n, timeout_ms, gs));
     free(ranks);
     free(sizes);
     PyObject *res =

@@ -911,8 +911,9 @@ static PyMethodDef Client_methods[] = {
     {"scatter_from", (PyCFunction)Client_scatter_from, METH_VARARGS,
      "scatter_from(output, input or None, dtype, src, group=None)"},
     {"new_groups", (PyCFunction)(void (*)(void))Client_new_groups, METH_VARARGS | METH_KEYWORDS,
-     "new_groups(groups, timeout_ms=0) -> [Group]: process groups of the world ranks in each "
-     "list (collective: every rank, same lists); with a group, a collective's roots are group "
+     "new_groups(groups, timeout_ms=0, key=None) -> [Group]: process groups of the world ranks "
+     "in each list (collective: every rank, same lists); with key (a str, torch's group_name), "
+     "one list whose members alone make the group; with a group, a collective's roots are group "
      "ranks"},
     {NULL}};
 
