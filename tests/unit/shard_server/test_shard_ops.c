@@ -254,7 +254,8 @@ static int one_rank(one_rank_t *o, bool with_model)
     ps_optim_defaults(PS_OPTIM_SGD, &oc);
     oc.lr = 0.5;
     if (shard_model_create(0, 1, PSHARD_LAYOUT_FSDP2, 2, names, shapes, ndims, &oc, NULL, 0, NULL,
-                           0, 0, false, NULL, 0, 0, &s->model, err, sizeof(err)) != PSHARD_OK) {
+                           0, 0, false, NULL, 0, 0, "not shared in this unit test", &s->model, err,
+                           sizeof(err)) != PSHARD_OK) {
         fprintf(stderr, "model: %s\n", err);
         return -1;
     }
