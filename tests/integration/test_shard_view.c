@@ -132,6 +132,8 @@ static int trainer_main(int argc, char **argv)
         mc.replicate = world / S;
         mc.shard = S;
     }
+    bool in_backward = strcmp(mode, "in_backward") == 0;
+    mc.optimizer_in_backward = in_backward;
     /* A first model, replaced at once: its server object must go with it. */
     CHECK(pshard_define_model(c, params, 1, &mc, (const float *const *)init) == PSHARD_OK,
           "define (first): %s", pshard_last_error(c));
@@ -153,6 +155,24 @@ static int trainer_main(int argc, char **argv)
 
     CHECK(pshard_shard_view(c, NP, &v) == PSHARD_ERR_INVALID_ARGUMENT, "a bad index: %s",
           pshard_last_error(c));
+    if (in_backward) {
+        /* No accumulator: the masters only; and no trainer step (it would update twice). */
+        for (int p = 0; p < NP; p++) {
+            CHECK(pshard_shard_view(c, (size_t)p, &v) == PSHARD_OK, "view: %s",
+                  pshard_last_error(c));
+            CHECK(v.grad == NULL, "'%s' has an accumulator in backward mode", names[p]);
+            for (size_t k = 0; k < v.numel; k++)
+                CHECK(v.master[k] == init_value(p, v.offset + k), "'%s'[%zu] is %g", names[p],
+                      v.offset + k, v.master[k]);
+        }
+        pshard_status_t st = pshard_step_trainer(c, NULL);
+        CHECK(st == PSHARD_ERR_FAILED_PRECONDITION &&
+                  strstr(pshard_last_error(c), "optimizer_in_backward"),
+              "a trainer step in backward mode: %s (%s)", pshard_status_name(st),
+              pshard_last_error(c));
+        pshard_close(c);
+        return 0;
+    }
     /* The views hold the initial values' pieces, and zero gradients. */
     for (int p = 0; p < NP; p++) {
         CHECK(pshard_shard_view(c, (size_t)p, &v) == PSHARD_OK, "view %d: %s", p,
@@ -396,6 +416,12 @@ static void test_hsdp(void)
 {
     CU_ASSERT(run_case(4, 2, "fsdp2", "basic"));
 }
+/* optimizer_in_backward: the masters are shared, there is no accumulator, and a trainer step
+ * is refused. */
+static void test_in_backward(void)
+{
+    CU_ASSERT(run_case(2, 2, "fsdp2", "in_backward"));
+}
 static void test_join_refuses_trainer_step(void)
 {
     CU_ASSERT(run_case(3, 3, "fsdp2", "join"));
@@ -473,6 +499,7 @@ int main(int argc, char **argv)
         {"3 ranks, fsdp2, a parameter the last rank owns none of", test_fsdp2_uneven},
         {"2 ranks, fsdp1", test_fsdp1},
         {"HSDP 2 x 2", test_hsdp},
+        {"optimizer in backward: masters only, no trainer step", test_in_backward},
         {"a trainer step with a joined rank fails on every rank", test_join_refuses_trainer_step},
         {"GPU-resident shards and remote trainers are not shared", test_not_shared},
         {"a starting server removes dead servers' objects only", test_sweep},
