@@ -13,6 +13,7 @@
 
 #include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
+#include "pshard/layout.h"
 #include "pshard/queue.h"
 #include "pshard/rpc.h"
 #include "pshard/shard.pb-c.h"
@@ -31,6 +32,19 @@ typedef struct {
 } region_t;
 
 #define CHUNK (1u << 20)
+
+/* The shard server's fp32 shard of the model, mapped from the shared-memory object it created
+ * (pshard_shard_view): master weights at master_off, gradient accumulator at grad_off (0:
+ * none), this rank's pieces laid out by layout over the shard ranks of its replica. base NULL:
+ * not mapped, and reason says why and what to do instead. */
+typedef struct {
+    void *base;
+    size_t bytes;
+    size_t master_off, grad_off;
+    ps_layout_t *layout;
+    int rank; /* this trainer's rank among the shard ranks (HSDP: within its replica) */
+    char reason[PSHARD_ERRLEN];
+} shard_map_t;
 
 typedef enum { WORK_GATHER, WORK_REDUCE_SCATTER, WORK_COLLECTIVE } work_kind_t;
 
@@ -98,6 +112,7 @@ struct pshard_client {
     size_t page;
     pshard_dtype_t param_dtype, reduce_dtype;
     int64_t model_step; /* from DefineModel: > 0 after a resume */
+    shard_map_t shard;  /* the server's shard, mapped (client_shard.c) */
     bool reshard_after_forward;
     int max_gathers_in_flight;
     int gathers_in_flight;
@@ -221,6 +236,16 @@ void client_params_reset(pshard_client_t *c);
 
 /* client_model.c: the model's definition, its buffers' accessors, steps and checkpoints. */
 void client_model_free(pshard_client_t *c);
+
+/* client_shard.c: maps the shard a DefineModel response r announces for the model of nparams
+ * parameters (params, numel) defined with mc (its layout and HSDP mesh). Never fails: when the
+ * shard cannot be mapped (remote trainer, GPU-resident shards, a mapping error), out->base is
+ * NULL and out->reason says why and what to do instead. client_shard_close unmaps it (an empty
+ * one is a no-op). */
+void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
+                       const pshard_param_t *params, size_t nparams, const size_t *numel,
+                       const pshard_model_config_t *mc, shard_map_t *out);
+void client_shard_close(shard_map_t *s);
 
 /* client_group.c: a serial number for a new client (never 0, unique within the process). */
 uint64_t client_next_serial(void);

@@ -80,6 +80,7 @@ static bool pb_groups_make(pb_groups_t *pg, const pshard_optim_group_t *g, size_
 
 void client_model_free(pshard_client_t *c)
 {
+    client_shard_close(&c->shard);
     free(c->numel);
     free(c->stable_off);
     c->stable_off = NULL;
@@ -279,6 +280,9 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         goto out;
     }
     int64_t model_step = ((Pshard__DefineModelResponse *)dresp)->step;
+    shard_map_t shard;
+    client_shard_open(c, (const Pshard__DefineModelResponse *)dresp, params, nparams, numel, mc,
+                      &shard);
     protobuf_c_message_free_unpacked(dresp, NULL);
     client_region_unlink(&model);
     /* The initial values are consumed: their pages go back (in both processes). */
@@ -309,6 +313,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     c->reshard_after_forward = mc->reshard_after_forward;
     c->max_gathers_in_flight = mc->max_gathers_in_flight;
     c->model_step = model_step;
+    c->shard = shard;
     c->gathers_in_flight = 0;
     memset(&c->mem, 0, sizeof(c->mem));
     c->mem.pool_bytes = pool;
@@ -395,14 +400,16 @@ void pshard_memory_stats(pshard_client_t *c, pshard_memory_stats_t *out)
     pthread_mutex_unlock(&c->mu);
 }
 
-/* What pshard_step and pshard_step_groups share: one Step with this step's lr (set_lr) or
- * every group's hyperparameters (groups, ngroups > 0). */
+/* What pshard_step, pshard_step_groups and pshard_step_trainer share: one Step with this
+ * step's lr (set_lr), every group's hyperparameters (groups, ngroups > 0), or none of them for
+ * a step the trainer's own optimizer took (trainer_stepped). */
 static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
                                     const pshard_optim_group_t *groups, size_t ngroups,
-                                    int64_t *step, double *grad_norm)
+                                    bool trainer_stepped, int64_t *step, double *grad_norm)
 {
     Pshard__StepRequest req = PSHARD__STEP_REQUEST__INIT;
     req.session = c->session;
+    req.trainer_stepped = trainer_stepped;
     if (set_lr) {
         req.lr = lr;
         req.set_lr = true;
@@ -437,7 +444,15 @@ static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
 
 pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double *grad_norm)
 {
-    return step_request(c, lr >= 0, lr, NULL, 0, step, grad_norm);
+    return step_request(c, lr >= 0, lr, NULL, 0, false, step, grad_norm);
+}
+
+pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step)
+{
+    if (!c->nparams)
+        return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                           "no model is defined: call pshard_define_model first");
+    return step_request(c, false, 0.0, NULL, 0, true, step, NULL);
 }
 
 pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_t *groups,
@@ -446,7 +461,7 @@ pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_
     if (ngroups == 0 || !groups)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
                            "pshard_step_groups needs every group's hyperparameters (ngroups >= 1)");
-    return step_request(c, false, 0.0, groups, ngroups, step, grad_norm);
+    return step_request(c, false, 0.0, groups, ngroups, false, step, grad_norm);
 }
 
 /* PSHARD_OK once a model is defined and everything issued before it has finished. */

@@ -353,10 +353,19 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
     }
     char mesh_line[64];
     snprintf(mesh_line, sizeof(mesh_line), "mesh %d x %d", reps, shards);
+    /* Who could map the shard: not a trainer on another host, not GPU memory. */
+    const char *no_share =
+        s->dev ? "the shards are in GPU memory (--backend nccl without --offload cpu), which a "
+                 "trainer cannot map as host memory; step with the shard servers' optimizer "
+                 "(pshard_step), or start the shard servers with --offload cpu"
+        : !req->shm_name || !req->shm_name[0]
+            ? "the trainer is on another host (PSHARD_REMOTE=1) and cannot map its shard "
+              "server's memory; step with the shard servers' optimizer (pshard_step)"
+            : NULL;
     rc = shard_model_create(wrank % shards, shards, layout, n, names, shapes, ndims, &oc, groups,
                             req->n_groups, req->param_groups, req->n_param_groups,
                             po ? po->max_grad_norm : 0, po && po->in_backward, s->dev,
-                            s->cfg.device, s->max_model_bytes, &m, err, errlen);
+                            s->cfg.device, s->max_model_bytes, no_share, &m, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
     rc = check_definitions(s, m, mesh_line, wrank, world, err, errlen);
@@ -404,6 +413,12 @@ out:
         a->fingerprint = s->model->fingerprint;
         a->shard_numel = s->model->shard_numel;
         a->step = s->model->step;
+        const shard_model_t *mm = s->model;
+        ps_strlcpy(a->shm_name, mm->shm.name, sizeof(a->shm_name));
+        a->shm_bytes = mm->shm.bytes;
+        a->master_off = mm->shm_master_off;
+        a->grad_off = mm->shm_grad_off;
+        ps_strlcpy(a->shared_reason, mm->shared_reason, sizeof(a->shared_reason));
     }
     return rc;
 }

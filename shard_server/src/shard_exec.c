@@ -353,6 +353,16 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
                                const shard_sop_t *op, int64_t ckpt_request, double *norm_out,
                                char *err, size_t errlen)
 {
+    if (op->trainer_stepped) {
+        /* The trainer's optimizer updated the masters through the shared memory: nothing to
+         * compute, clip or zero (the trainer owns the accumulators' lifetime then), only the
+         * count, which checkpoints and a resume go by. */
+        pthread_mutex_lock(&s->mu);
+        m->step++;
+        pthread_mutex_unlock(&s->mu);
+        *norm_out = 0.0;
+        return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
+    }
     PS_CHECK(shard_model_take_groups(m, op->words, op->nwords, err, errlen));
     /* The global gradient norm, what the step reports and max_grad_norm clips by. */
     double norm = 0.0;

@@ -161,6 +161,8 @@ typedef struct {
     const uint32_t *ids;
     double lr; /* step: with set_lr, this step's lr for every group */
     bool set_lr;
+    bool trainer_stepped; /* step: the trainer's own optimizer updated the masters (only
+                             counted here; refused while a rank has joined) */
     size_t nwords;        /* step: the groups' new hyperparameters (shard_groups_encode); 0: */
     const int64_t *words; /* unchanged */
     double max_norm;      /* clip: clip_grad_norm's arguments */
@@ -192,10 +194,11 @@ const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, 
  * size); shard_reduce_scatter_one reduce-scatters the full gradient send (dt) and adds this rank's
  * slice, averaged over active contributors, to the accumulator; shard_run_step (shard_exec.c)
  * takes the step op's groups, clips and runs the optimizer on every trained slice, each with
- * its group's hyperparameters; shard_run_clip (shard_exec.c) is clip_grad_norm: the global
- * norm of the trained accumulators (norm_type 2 or inf) into *total_norm, and with
- * max_norm > 0 their scaling; shard_run_collective runs a plain collective (an average is
- * over the active ranks). */
+ * its group's hyperparameters (a trainer_stepped step only counts the step: the trainer's
+ * optimizer updated the masters, and the accumulators stay as they are); shard_run_clip
+ * (shard_exec.c) is clip_grad_norm: the global norm of the trained accumulators (norm_type 2 or
+ * inf) into *total_norm, and with max_norm > 0 their scaling; shard_run_collective runs a plain
+ * collective (an average is over the active ranks). */
 pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
                                  pshard_dtype_t dt, void *recv, char *err, size_t errlen);
 pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,

@@ -74,7 +74,7 @@ void shard_rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_fl
     if (op->kind == SHARD_SOP_STEP) {
         r[W_ARG] = double_bits(op->lr);
         r[W_COUNT] = (int64_t)op->nwords;
-        r[W_ROOT] = op->set_lr;
+        r[W_ROOT] = (int64_t)op->set_lr | (int64_t)op->trainer_stepped << 1;
         r[W_HASH] = (int64_t)words_hash(op->words, op->nwords);
     } else if (op->kind == SHARD_SOP_CLIP) {
         r[W_ARG] = double_bits(op->max_norm);
@@ -137,6 +137,8 @@ static void rec_format(const int64_t *r, char *buf, size_t len)
     else if (r[W_SOP] == SHARD_SOP_COLLECTIVE)
         snprintf(buf, len, "%s of %" PRId64 " %s", pshard_coll_op_name((pshard_coll_op_t)r[W_ARG]),
                  r[W_COUNT], pshard_dtype_name((pshard_dtype_t)r[W_DTYPE]));
+    else if (r[W_SOP] == SHARD_SOP_STEP && (r[W_ROOT] & 2))
+        snprintf(buf, len, "step taken by the trainer's own optimizer");
     else if (r[W_SOP] == SHARD_SOP_STEP)
         snprintf(buf, len, "step (%s, %" PRId64 " group(s) of hyperparameters)",
                  r[W_ROOT] ? "lr set" : "groups' lr", r[W_COUNT] / SHARD_GROUP_WORDS);
@@ -222,7 +224,8 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
     if (op->kind == SHARD_SOP_STEP) {
         op->lr = bits_double(f[W_ARG]);
         op->nwords = (size_t)f[W_COUNT];
-        op->set_lr = f[W_ROOT] != 0;
+        op->set_lr = (f[W_ROOT] & 1) != 0;
+        op->trainer_stepped = (f[W_ROOT] & 2) != 0;
         return PSHARD_OK;
     }
     if (op->kind == SHARD_SOP_CLIP) {
@@ -252,6 +255,26 @@ pshard_status_t shard_agree_refusal(const agreement_t *ag, const shard_sop_t *op
                        "with throw_on_early_termination: this %s ran on no rank; call "
                        "pshard_join to finish",
                        ag->throw_rank, ag->throw_step, shard_sop_name(op->kind));
+    if (op->kind == SHARD_SOP_STEP && op->trainer_stepped && ag->any_joined) {
+        /* The joined ranks' masters would not move while the others' do: no rank steps. */
+        char ranks[PSHARD_ERRLEN / 2] = "";
+        size_t used = 0;
+        int njoined = 0;
+        for (int r = 0; r < ag->world && used + 16 < sizeof(ranks); r++) {
+            if (recs[(size_t)r * REC_WORDS + W_KIND] == REC_OP)
+                continue;
+            int n = snprintf(ranks + used, sizeof(ranks) - used, "%s%d", njoined ? ", " : "", r);
+            used += n > 0 ? (size_t)n : 0;
+            njoined++;
+        }
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "rank%s %s joined (no more input): a step taken by the trainers' own "
+                       "optimizer cannot run, because a joined rank's shard is updated by its "
+                       "trainer's own optimizer, which stopped when it joined; use "
+                       "pshard.torch.optim (stepped on the shard servers) or "
+                       "Join(throw_on_early_termination=True)",
+                       njoined > 1 ? "s" : "", ranks);
+    }
     if (op->kind == SHARD_SOP_P2P && ag->any_joined)
         return ps_errf(err, errlen, PSHARD_ERR_JOINED,
                        "the peer has joined (its trainer ran out of input): a send or recv with "

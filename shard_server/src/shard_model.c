@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 
 #include "pshard/collectives.h"
+#include "pshard/log.h"
 #include "pshard/util.h"
 #include "shard_cuda.h"
 
@@ -113,8 +114,12 @@ void shard_model_free(shard_model_t *m)
         for (int i = 0; i < 5; i++)
             m->dev->free_mem(m->device, arrays[i]);
     } else {
-        free_touched(m->master, bytes);
-        free_touched(m->grad, bytes);
+        if (m->shm.base) {
+            shard_shm_destroy(&m->shm); /* master and grad */
+        } else {
+            free_touched(m->master, bytes);
+            free_touched(m->grad, bytes);
+        }
         free_touched(m->state0, bytes);
         free_touched(m->state1, bytes);
         free_touched(m->stage, m->max_piece * 4);
@@ -125,6 +130,34 @@ void shard_model_free(shard_model_t *m)
     free(m->groups);
     free(m->param_group);
     free(m);
+}
+
+/* Host storage the trainer can map: master and (without in_backward) grad in one new
+ * shared-memory object, each array at the start of its own touched_len span, so pinning and
+ * huge pages work on them as on alloc_touched's. When no_share is set, or the object cannot be
+ * made, m->shm stays empty and m->shared_reason says why (the caller allocates privately). */
+static void alloc_shared(shard_model_t *m, size_t bytes, bool in_backward, const char *no_share)
+{
+    if (no_share) {
+        ps_strlcpy(m->shared_reason, no_share, sizeof(m->shared_reason));
+        return;
+    }
+    size_t span = touched_len(bytes), total = span * (in_backward ? 1 : 2);
+    char why[PSHARD_ERRLEN] = "";
+    if (shard_shm_create(total, HUGE_FROM, &m->shm, why, sizeof(why)) != PSHARD_OK) {
+        PS_WARN(PS_SUB_SHARD, "the shard stays private to this server: %s", why);
+        snprintf(m->shared_reason, sizeof(m->shared_reason),
+                 "the shard server could not put the shard in shared memory (%s); step with the "
+                 "shard servers' optimizer (pshard_step) or give /dev/shm more room",
+                 why);
+        return;
+    }
+    m->master = m->shm.base;
+    m->shm_master_off = 0;
+    if (!in_backward) {
+        m->shm_grad_off = span;
+        m->grad = (float *)((uint8_t *)m->shm.base + span);
+    }
 }
 
 /* GPU-resident storage: the same arrays in zeroed device memory. */
@@ -260,14 +293,12 @@ static void format_param(const shard_param_t *p, char *buf, size_t len)
         snprintf(buf + off, len - off, "]");
 }
 
-pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
-                                   const char *const *names, const int64_t *const *shapes,
-                                   const size_t *ndims, const ps_optim_config_t *optim,
-                                   const shard_group_t *groups, size_t ngroups,
-                                   const uint32_t *param_groups, size_t nparam_groups,
-                                   double max_grad_norm, bool in_backward,
-                                   const struct shard_dev_ops *dev, int device, uint64_t max_bytes,
-                                   shard_model_t **out, char *err, size_t errlen)
+pshard_status_t shard_model_create(
+    int rank, int world, pshard_layout_t layout, size_t nparams, const char *const *names,
+    const int64_t *const *shapes, const size_t *ndims, const ps_optim_config_t *optim,
+    const shard_group_t *groups, size_t ngroups, const uint32_t *param_groups, size_t nparam_groups,
+    double max_grad_norm, bool in_backward, const struct shard_dev_ops *dev, int device,
+    uint64_t max_bytes, const char *no_share, shard_model_t **out, char *err, size_t errlen)
 {
     *out = NULL;
     if (nparams == 0)
@@ -403,13 +434,18 @@ pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, 
     if (dev) {
         m->dev = dev;
         m->device = device;
+        ps_strlcpy(m->shared_reason, no_share ? no_share : "the shards are in GPU memory",
+                   sizeof(m->shared_reason));
         rc = alloc_on_device(m, bytes, in_backward, nstate, err, errlen);
         if (rc != PSHARD_OK)
             goto fail;
     } else {
-        m->master = alloc_touched(bytes);
-        if (!in_backward)
-            m->grad = alloc_touched(bytes);
+        alloc_shared(m, bytes, in_backward, no_share);
+        if (!m->shm.base) {
+            m->master = alloc_touched(bytes);
+            if (!in_backward)
+                m->grad = alloc_touched(bytes);
+        }
         if (nstate >= 1)
             m->state0 = alloc_touched(bytes);
         if (nstate >= 2)

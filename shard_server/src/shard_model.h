@@ -13,6 +13,7 @@
 #include "pshard/dtype.h"
 #include "pshard/layout.h"
 #include "pshard/status.h"
+#include "shard_shm.h"
 
 #define SHARD_MAX_PARAMS 100000
 #define SHARD_MAX_DIMS 8
@@ -55,6 +56,13 @@ typedef struct {
     shard_param_t *params;
     size_t shard_numel;                     /* elements this rank owns */
     float *master, *grad, *state0, *state1; /* device memory when dev is set */
+    /* Host shards shared with the trainer: master (at shm_master_off) and grad (at
+     * shm_grad_off; 0 without one) inside one shared-memory object the trainer maps
+     * (pshard_shard_view). shm.name is "" when they are private memory instead, and
+     * shared_reason then says why (GPU-resident shards, a remote trainer, /dev/shm full). */
+    shard_shm_t shm;
+    size_t shm_master_off, shm_grad_off;
+    char shared_reason[PSHARD_ERRLEN];
     /* GPU-resident shards (--backend nccl --offload none): the operations on that memory
      * (shard_cuda.h) and the CUDA device; NULL: host memory. */
     const struct shard_dev_ops *dev;
@@ -104,17 +112,19 @@ typedef struct {
  * ngroups. SGD momentum state exists when some group that is not frozen has momentum != 0.
  * Allocates and pre-touches storage: host memory when dev is NULL, else zeroed memory of dev
  * (shard_cuda.h) on CUDA device `device` (GPU-resident shards; errors then may be CUDA).
+ * Host master weights and accumulator go into one new shared-memory object (m->shm) unless
+ * no_share is non-NULL (the reason they are not shared, copied into m->shared_reason); when
+ * the object cannot be made (e.g. /dev/shm is full) they are private memory and the reason
+ * says so: the definition does not fail for it.
  * max_bytes > 0: a model whose state on this rank (shard sections, staging, and one full
  * parameter for the initial broadcast) would need more is refused with RESOURCE_EXHAUSTED
  * before anything of that size is allocated. Free with shard_model_free. */
-pshard_status_t shard_model_create(int rank, int world, pshard_layout_t layout, size_t nparams,
-                                   const char *const *names, const int64_t *const *shapes,
-                                   const size_t *ndims, const ps_optim_config_t *optim,
-                                   const shard_group_t *groups, size_t ngroups,
-                                   const uint32_t *param_groups, size_t nparam_groups,
-                                   double max_grad_norm, bool in_backward,
-                                   const struct shard_dev_ops *dev, int device, uint64_t max_bytes,
-                                   shard_model_t **out, char *err, size_t errlen);
+pshard_status_t shard_model_create(
+    int rank, int world, pshard_layout_t layout, size_t nparams, const char *const *names,
+    const int64_t *const *shapes, const size_t *ndims, const ps_optim_config_t *optim,
+    const shard_group_t *groups, size_t ngroups, const uint32_t *param_groups, size_t nparam_groups,
+    double max_grad_norm, bool in_backward, const struct shard_dev_ops *dev, int device,
+    uint64_t max_bytes, const char *no_share, shard_model_t **out, char *err, size_t errlen);
 void shard_model_free(shard_model_t *m);
 
 /* Page-locks the storage (master, accumulator, state, staging buffer) for DMA to a GPU

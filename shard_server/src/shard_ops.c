@@ -445,8 +445,10 @@ static void shadow_loop(shadow_t *w)
             break;
         }
         const int64_t *recs = w->bufs->agree_buf;
+        /* (what every active rank refuses, shard_agree_refusal, runs nowhere) */
         bool skip = ag.desync || ag.throw_rank >= 0 || ag.op.kind == SHARD_SOP_NEW_GROUPS ||
                     ag.op.kind == SHARD_SOP_P2P ||
+                    (ag.op.kind == SHARD_SOP_STEP && ag.op.trainer_stepped) ||
                     (ag.op.kind == SHARD_SOP_COLLECTIVE && ag.op.coll_op == PSHARD_COLL_BROADCAST &&
                      ag.op.root >= 0 && ag.op.root < ag.world &&
                      recs[(size_t)ag.op.root * REC_WORDS + W_KIND] != REC_OP);

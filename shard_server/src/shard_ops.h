@@ -105,6 +105,11 @@ typedef struct {
     char resumed_from[4096]; /* the checkpoint --resume restored, or "" */
     uint64_t shard_numel, fingerprint;
     int64_t step;
+    /* The shard as shared memory (the model's shm): its name ("" when not shared, with the
+     * reason), size, and where master and grad (0: none) are in it. */
+    char shm_name[64];
+    uint64_t shm_bytes, master_off, grad_off;
+    char shared_reason[PSHARD_ERRLEN];
 } shard_define_arg_t;
 pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                  char *err, size_t errlen);

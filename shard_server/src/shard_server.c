@@ -17,6 +17,7 @@
 
 #include "shard_cuda.h"
 #include "shard_internal.h"
+#include "shard_shm.h"
 
 static const char *own(pshard_shard_server_t *s, int slot, const char *v)
 {
@@ -94,6 +95,8 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
             return NULL;
         }
     }
+    /* Shard objects of servers that died without freeing their models (SIGKILL, a crash). */
+    shard_shm_sweep();
     bool emulate = getenv("PSHARD_TEST_EMULATE_DEVICE") &&
                    strcmp(getenv("PSHARD_TEST_EMULATE_DEVICE"), "1") == 0;
     if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0 && !shard_dev_cuda()) {

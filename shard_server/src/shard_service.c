@@ -188,6 +188,11 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.fingerprint = fp;
     out.step = a.step;
     out.resumed_from = a.resumed_from;
+    out.shard_shm_name = a.shm_name;
+    out.shard_shm_bytes = a.shm_bytes;
+    out.shard_master_offset = a.master_off;
+    out.shard_grad_offset = a.grad_off;
+    out.shard_shared_reason = a.shared_reason;
     answer(call, rc, err, &out.base);
 }
 
@@ -528,6 +533,20 @@ static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm,
     if (req->set_lr && req->n_groups > 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "a step carries either groups (each with its lr) or lr, not both");
+    if (req->trainer_stepped) {
+        if (req->set_lr || req->n_groups > 0)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "a step taken by the trainer's own optimizer carries no lr or groups "
+                           "(its optimizer has them)");
+        if (s->model->in_backward)
+            return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                           "with optimizer_in_backward the shard servers update each parameter "
+                           "at its reduce-scatter, so a trainer's own optimizer would update it "
+                           "twice; define the model without optimizer_in_backward to step with "
+                           "the trainer's optimizer (pshard_step_trainer)");
+        op->sop.trainer_stepped = true;
+        return PSHARD_OK;
+    }
     if (req->set_lr && (!(req->lr >= 0) || !isfinite(req->lr)))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "learning rate %g is not >= 0",
                        req->lr);

@@ -44,3 +44,24 @@ def test_parameters_are_views_of_shared_memory(both):
         # gathers write in place, nothing is copied into torch-owned memory.
         for addrs in r["addrs"]:
             assert addrs == r["buffers"]
+
+
+def test_shard_views_are_the_servers_masters(tmp_path):
+    """Client.shard_view: this rank's rows of the initial values, as a 1-D fp32 tensor on the
+    shard server's memory; writing it changes what every rank gathers."""
+    out = tmp_path / "views"
+    out.mkdir()
+    p = pshardrun(2, os.path.join(HERE, "shard_view_worker.py"), [str(out)])
+    assert p.returncode == 0, p.stdout[-4000:]
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        w, b = r["views"]
+        # w (5 x 3): rank 0 rows 0-2, rank 1 rows 3-4; b (1 row): rank 0 only.
+        assert (w["offset"], w["numel"]) == ((0, 9) if r["rank"] == 0 else (9, 6)), w
+        assert b["numel"] == (1 if r["rank"] == 0 else 0), b
+        for v in (w, b):
+            assert v["master_ok"] and v["grad_zero"], v
+            assert v["shape"] == [v["numel"]] and v["dtype"] == "torch.float32", v
+        assert r["bad_index"] == "InvalidArgumentError"
+        assert r["step"] == 1
+        assert r["gathered_ok"]

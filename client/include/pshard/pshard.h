@@ -281,6 +281,50 @@ PSHARD_API pshard_status_t pshard_step_groups(pshard_client_t *c,
                                               const pshard_optim_group_t *groups, size_t ngroups,
                                               int64_t *step, double *grad_norm);
 
+/* This rank's fp32 shard of one parameter, in its shard server's own memory (FSDP2's
+ * Shard(0) local tensor): the server keeps its master weights and gradient accumulator in a
+ * shared-memory object that pshard_define_model maps into the trainer. */
+typedef struct {
+    float *master; /* this rank's fp32 master weights of the parameter (numel elements), in the
+                      server's memory: writing them changes what the next gather returns */
+    float *grad;   /* its fp32 gradient accumulator (the reduce-scatters' average is added
+                      there), or NULL with optimizer_in_backward (there is none) */
+    size_t numel;  /* elements of the parameter on this rank (0: none, the last ranks may own
+                      no rows; the pointers are then not to be dereferenced) */
+    size_t offset; /* index, in the full parameter flattened row-major, of the first element
+                      (FSDP2: first row * row size; FSDP1 cuts anywhere) */
+} pshard_shard_view_t;
+
+/* Fills *out with parameter i's shard on this rank, over the shard ranks of this trainer's
+ * replica with HSDP. The pointers stay valid until the model is redefined or the client
+ * closed (never free them).
+ * Memory ordering: the shard server writes master in a step (its optimizer: pshard_step,
+ * pshard_step_groups) and when it loads a checkpoint, and grad in reduce-scatters (and zeroes
+ * it after its own optimizer step); the trainer may read or write master and grad only while
+ * no such operation of its own is in flight (after waiting for its Works, or after the
+ * blocking call returned), and the next gather reads master. Gathers read master without
+ * writing it. With a trainer-side optimizer (pshard_step_trainer) the gradients accumulate
+ * until the trainer zeroes grad itself, before the first reduce-scatter that should not add
+ * to them.
+ * Errors: INVALID_ARGUMENT for a bad i; FAILED_PRECONDITION, with the reason in
+ * pshard_last_error, when there is no model yet, the shards are GPU-resident (--backend nccl
+ * without --offload cpu), the trainer is remote (PSHARD_REMOTE=1) or the server could not share
+ * it; use pshard_step (the servers' optimizer) then. Thread-safe. */
+PSHARD_API pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i,
+                                             pshard_shard_view_t *out);
+
+/* Ends a step whose update the trainer's own optimizer (e.g. torch.optim on the tensors of
+ * pshard_shard_view) already applied to the master weights in place: collective like
+ * pshard_step, it waits for queued asynchronous work first, makes every gathered parameter
+ * sharded again (the masters changed), and the shard servers count the step (checkpoints with
+ * --checkpoint-every go by it) without running an optimizer, clipping, or zeroing the
+ * gradient accumulators: the trainer owns them in this mode. *step (may be NULL) gets the step
+ * number after it. Every trainer must call it at the same point (a rank calling pshard_step
+ * instead is DESYNC). Errors: FAILED_PRECONDITION with no model, with optimizer_in_backward,
+ * and on every rank while some rank has joined (without throw_on_early_termination): a joined
+ * rank's trainer no longer steps its shard; the collectives' own. Not thread-safe. */
+PSHARD_API pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step);
+
 /* torch.nn.utils.clip_grad_norm_ on the shard servers, after backward and before the step:
  * *total_norm (may be NULL) gets the fp32 norm of every rank's accumulated gradients (frozen
  * parameters excluded) of type norm_type, 2.0 or INFINITY; with max_norm > 0 the accumulators

@@ -330,7 +330,8 @@ static void export_release(ClientObject *owner)
         client_really_close(owner);
 }
 
-static PyObject *buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype, PyObject *shape)
+PyObject *pshard_py_buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype,
+                               PyObject *shape)
 {
     BufferObject *b = PyObject_New(BufferObject, &BufferType);
     if (!b)
@@ -531,7 +532,7 @@ static PyObject *Client_param_buffer(ClientObject *self, PyObject *arg)
     if (!p)
         return pshard_py_raise_status(PSHARD_ERR_INTERNAL,
                                       "the model has no stable parameter buffers");
-    return buffer_new(self, p, self->param_dtype, PyTuple_GET_ITEM(self->shapes, i));
+    return pshard_py_buffer_new(self, p, self->param_dtype, PyTuple_GET_ITEM(self->shapes, i));
 }
 
 /* grad(i): the full gradient buffer of parameter i (reduce_dtype, zero-filled when first
@@ -547,7 +548,7 @@ static PyObject *Client_grad(ClientObject *self, PyObject *arg)
     CLIENT_CALL(self, p = pshard_grad(self->c, (size_t)i));
     if (!p)
         return pshard_py_raise_status(PSHARD_ERR_NO_MEMORY, pshard_last_error(self->c));
-    return buffer_new(self, p, self->reduce_dtype, PyTuple_GET_ITEM(self->shapes, i));
+    return pshard_py_buffer_new(self, p, self->reduce_dtype, PyTuple_GET_ITEM(self->shapes, i));
 }
 
 static PyObject *Client_is_gathered(ClientObject *self, PyObject *arg)
@@ -882,6 +883,11 @@ static PyMethodDef Client_methods[] = {
     {"reshard", (PyCFunction)Client_reshard, METH_O, "Frees the full buffers of ids."},
     {"step", (PyCFunction)(void (*)(void))Client_step, METH_VARARGS | METH_KEYWORDS,
      "step(groups=None, lr=-1) -> (step, grad_norm)"},
+    {"step_trainer", (PyCFunction)Client_step_trainer, METH_NOARGS,
+     "step_trainer() -> step: ends a step the trainer's own optimizer took on the shard views"},
+    {"shard_view", (PyCFunction)Client_shard_view, METH_O,
+     "shard_view(i) -> (master, grad or None, offset, numel): this rank's fp32 shard of "
+     "parameter i in the shard server's memory (1-D Buffers of numel elements)"},
     {"clip_grad_norm", (PyCFunction)Client_clip_grad_norm, METH_VARARGS,
      "clip_grad_norm(max_norm, norm_type=2.0) -> total norm"},
     {"join", (PyCFunction)(void (*)(void))Client_join, METH_VARARGS | METH_KEYWORDS,

@@ -1,7 +1,8 @@
 /* What the files of pshard._C share: the Client and Work objects, the DLPack consumer and the
  * helpers their methods call. pshard_module.c has the module, the Client's core methods,
  * Buffers and Works; pshard_define.c define_model; pshard_colls.c the Client's plain
- * collectives on tensors (torch.distributed's calls); pshard_groups.c the process groups.
+ * collectives on tensors (torch.distributed's calls); pshard_groups.c the process groups;
+ * pshard_shard.c the views of the shard server's own memory and the trainer-side step.
  * Internal to the extension. */
 #ifndef PSHARD_PY_H
 #define PSHARD_PY_H
@@ -120,6 +121,17 @@ WorkObject *pshard_py_work_new(ClientObject *owner);
  * error, NULL with its exception set and w dropped. */
 PyObject *pshard_py_work_started(ClientObject *self, WorkObject *w, pshard_status_t st,
                                  pshard_work_t *work);
+
+/* A new Buffer (pshard_module.c): a view of data, in owner's memory, of dtype and shape (a
+ * tuple of ints), exported through DLPack and the buffer protocol; it keeps owner alive and
+ * counted among its exports. NULL with an exception set when out of memory. */
+PyObject *pshard_py_buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype,
+                               PyObject *shape);
+
+/* Client.shard_view and Client.step_trainer (pshard_shard.c), for the Client's method
+ * table. */
+PyObject *Client_shard_view(ClientObject *self, PyObject *arg);
+PyObject *Client_step_trainer(ClientObject *self, PyObject *unused);
 
 /* Client.define_model (pshard_define.c), for the Client's method table. */
 PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObject *kw);

@@ -120,6 +120,43 @@ static void test_verdict_joined_ranks(void)
     shard_agreement_free(&ag);
 }
 
+/* A step the trainers' own optimizer took: told apart from a server-side step (a desync), and
+ * refused on every active rank while some rank has joined, naming each joined rank. */
+static void test_verdict_trainer_step(void)
+{
+    int64_t recs[4 * REC_WORDS];
+    shard_sop_t ts = {.kind = SHARD_SOP_STEP, .trainer_stepped = true};
+    shard_sop_t plain = {.kind = SHARD_SOP_STEP};
+    agreement_t ag;
+    char err[512] = "";
+    rec_op(recs, 0, &ts, 0);
+    rec_op(recs, 1, &plain, 0);
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_TRUE(ag.op.trainer_stepped);
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &ts, recs, err, sizeof(err)), PSHARD_ERR_DESYNC);
+    CU_ASSERT_PTR_NOT_NULL(strstr(ag.desync_msg, "trainer's own optimizer"));
+    shard_agreement_free(&ag);
+
+    rec_op(recs, 0, &ts, 0);
+    rec_join(recs, 1, REC_JOINED, false, 3);
+    rec_op(recs, 2, &ts, 0);
+    rec_join(recs, 3, REC_JOIN, false, 3);
+    err[0] = '\0'; /* (the first error stays in a buffer) */
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 4, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &ts, recs, err, sizeof(err)),
+                    PSHARD_ERR_FAILED_PRECONDITION);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "ranks 1, 3 joined"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "throw_on_early_termination"));
+    shard_agreement_free(&ag);
+
+    /* No rank joined: it runs. */
+    rec_op(recs, 1, &ts, 0);
+    rec_op(recs, 3, &ts, 0);
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 4, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &ts, recs, err, sizeof(err)), PSHARD_OK);
+    shard_agreement_free(&ag);
+}
+
 static void test_verdict_broadcast_root_joined(void)
 {
     int64_t recs[2 * REC_WORDS];
@@ -254,7 +291,8 @@ static int one_rank(one_rank_t *o, bool with_model)
     ps_optim_defaults(PS_OPTIM_SGD, &oc);
     oc.lr = 0.5;
     if (shard_model_create(0, 1, PSHARD_LAYOUT_FSDP2, 2, names, shapes, ndims, &oc, NULL, 0, NULL,
-                           0, 0, false, NULL, 0, 0, &s->model, err, sizeof(err)) != PSHARD_OK) {
+                           0, 0, false, NULL, 0, 0, "not shared in this unit test", &s->model, err,
+                           sizeof(err)) != PSHARD_OK) {
         fprintf(stderr, "model: %s\n", err);
         return -1;
     }
@@ -452,6 +490,7 @@ int main(void)
         {"verdict: a desync names both sides", test_verdict_desync_names_both},
         {"verdict: joined, throwing and all-joined ranks", test_verdict_joined_ranks},
         {"verdict: a broadcast whose root joined", test_verdict_broadcast_root_joined},
+        {"verdict: a step the trainers' optimizer took", test_verdict_trainer_step},
         {"verdict: malformed records", test_verdict_malformed},
         {"verdict: process groups", test_verdict_new_groups},
         {"verdict: send / recv", test_verdict_p2p},

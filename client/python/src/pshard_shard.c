@@ -1,0 +1,51 @@
+/* pshard._C's views of the shard server's own memory: Client.shard_view(i), this rank's fp32
+ * master weights and gradient accumulator of parameter i as Buffers (what a DTensor's local
+ * shard and its .grad are made from), and Client.step_trainer(), which ends a step that a
+ * torch.optim optimizer took on them. */
+#include "pshard_py.h"
+
+PyObject *Client_shard_view(ClientObject *self, PyObject *arg)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (!pshard_py_client_ok(self))
+        return NULL;
+    if (i < 0)
+        return pshard_py_raise_status(PSHARD_ERR_INVALID_ARGUMENT, "a parameter index is >= 0");
+    pshard_shard_view_t v;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_shard_view(self->c, (size_t)i, &v));
+    if (st != PSHARD_OK)
+        return pshard_py_client_fail(self, st);
+    PyObject *shape = Py_BuildValue("(n)", (Py_ssize_t)v.numel);
+    if (!shape)
+        return NULL;
+    PyObject *master = pshard_py_buffer_new(self, v.master, PSHARD_FP32, shape);
+    PyObject *grad = v.grad ? pshard_py_buffer_new(self, v.grad, PSHARD_FP32, shape) : Py_None;
+    Py_DECREF(shape);
+    if (!master || !grad) {
+        Py_XDECREF(master);
+        if (grad != Py_None)
+            Py_XDECREF(grad);
+        return NULL;
+    }
+    if (grad == Py_None)
+        Py_INCREF(grad);
+    PyObject *out =
+        Py_BuildValue("(NNnn)", master, grad, (Py_ssize_t)v.offset, (Py_ssize_t)v.numel);
+    return out;
+}
+
+PyObject *Client_step_trainer(ClientObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!pshard_py_client_ok(self))
+        return NULL;
+    int64_t step = 0;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_step_trainer(self->c, &step));
+    if (st != PSHARD_OK)
+        return pshard_py_client_fail(self, st);
+    return PyLong_FromLongLong((long long)step);
+}

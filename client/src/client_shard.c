@@ -1,0 +1,166 @@
+/* libpshard's view of its shard server's memory: the shared-memory object in which the server
+ * keeps this rank's fp32 master weights and gradient accumulator, mapped after DefineModel, and
+ * each parameter's piece of it (pshard_shard_view), which a trainer-side optimizer updates in
+ * place (pshard_step_trainer counts the step). */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "pshard/log.h"
+#include "pshard/util.h"
+
+#include "client_internal.h"
+
+#define SRV_PREFIX "/pshard-srv-"
+
+/* The name looks like the server's own objects: "/pshard-srv-" then letters, digits, '-'. */
+static bool name_ok(const char *name)
+{
+    size_t n = strlen(name), plen = strlen(SRV_PREFIX);
+    if (n <= plen || n >= 64 || strncmp(name, SRV_PREFIX, plen) != 0)
+        return false;
+    for (size_t i = plen; i < n; i++) {
+        char ch = name[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+              ch == '-'))
+            return false;
+    }
+    return true;
+}
+
+/* Maps the object name of at least bytes bytes, read-write and shared; PSHARD_OK or the error
+ * with its reason in err. */
+static pshard_status_t map_object(const char *name, size_t bytes, void **base, char *err,
+                                  size_t errlen)
+{
+    int fd = shm_open(name, O_RDWR | O_NOFOLLOW, 0);
+    if (fd < 0)
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot open %s: %s", name, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
+        (uint64_t)st.st_size < bytes) {
+        close(fd);
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM,
+                       "%s is not a %zu-byte shared-memory object of this user", name, bytes);
+    }
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int e = errno;
+    close(fd);
+    if (p == MAP_FAILED)
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "mmap %s: %s", name, strerror(e));
+    *base = p;
+    return PSHARD_OK;
+}
+
+void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
+                       const pshard_param_t *params, size_t nparams, const size_t *numel,
+                       const pshard_model_config_t *mc, shard_map_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    if (c->cfg.remote) {
+        ps_strlcpy(out->reason,
+                   "this trainer is remote (PSHARD_REMOTE=1): it cannot map its shard server's "
+                   "memory; step with the shard servers' optimizer (pshard_step)",
+                   sizeof(out->reason));
+        return;
+    }
+    const char *name = r->shard_shm_name ? r->shard_shm_name : "";
+    if (!name[0]) {
+        snprintf(out->reason, sizeof(out->reason), "the shard server does not share the shard: %s",
+                 r->shard_shared_reason && r->shard_shared_reason[0]
+                     ? r->shard_shared_reason
+                     : "it did not say why (an older pshard-server?); step with the shard "
+                       "servers' optimizer (pshard_step)");
+        return;
+    }
+    /* The layout over the shard ranks: the whole world, or HSDP's shard ranks of a replica
+     * (world rank = replica * shard + shard index, as the servers shard). */
+    int shards = mc->shard > 0 ? mc->shard : c->world;
+    size_t *rows = calloc(nparams, sizeof(size_t));
+    char why[PSHARD_ERRLEN] = "";
+    if (!rows) {
+        ps_strlcpy(out->reason, "out of memory", sizeof(out->reason));
+        return;
+    }
+    for (size_t i = 0; i < nparams; i++)
+        rows[i] = (size_t)params[i].shape[0];
+    pshard_status_t rc = ps_layout_create(
+        mc->layout == PSHARD_LAYOUT_FSDP1 ? PSHARD_LAYOUT_FSDP1 : PSHARD_LAYOUT_FSDP2, shards,
+        nparams, numel, rows, &out->layout, why, sizeof(why));
+    free(rows);
+    if (rc != PSHARD_OK) {
+        snprintf(out->reason, sizeof(out->reason), "the shard's layout: %s", why);
+        return;
+    }
+    out->rank = c->rank % shards;
+    size_t elems = ps_layout_shard_numel(out->layout, out->rank);
+    size_t span = elems * sizeof(float);
+    bool fits = r->shard_master_offset <= r->shard_shm_bytes &&
+                span <= r->shard_shm_bytes - r->shard_master_offset &&
+                (r->shard_grad_offset == 0 || (r->shard_grad_offset <= r->shard_shm_bytes &&
+                                               span <= r->shard_shm_bytes - r->shard_grad_offset));
+    if (r->shard_elements != elems || !fits || r->shard_master_offset % sizeof(float) != 0 ||
+        r->shard_grad_offset % sizeof(float) != 0 || !name_ok(name)) {
+        snprintf(out->reason, sizeof(out->reason),
+                 "the shard server announced a shard this client cannot place (%llu elements "
+                 "where the layout gives rank %d of %d %zu, object %.64s of %llu bytes); step "
+                 "with the shard servers' optimizer (pshard_step)",
+                 (unsigned long long)r->shard_elements, out->rank, shards, elems, name,
+                 (unsigned long long)r->shard_shm_bytes);
+        ps_layout_destroy(out->layout);
+        out->layout = NULL;
+        return;
+    }
+    rc = map_object(name, (size_t)r->shard_shm_bytes, &out->base, why, sizeof(why));
+    if (rc != PSHARD_OK) {
+        snprintf(out->reason, sizeof(out->reason),
+                 "cannot map the shard server's shared memory (%s); step with the shard "
+                 "servers' optimizer (pshard_step)",
+                 why);
+        ps_layout_destroy(out->layout);
+        out->layout = NULL;
+        return;
+    }
+    out->bytes = (size_t)r->shard_shm_bytes;
+    out->master_off = (size_t)r->shard_master_offset;
+    out->grad_off = (size_t)r->shard_grad_offset;
+}
+
+void client_shard_close(shard_map_t *s)
+{
+    if (s->base)
+        munmap(s->base, s->bytes);
+    ps_layout_destroy(s->layout);
+    memset(s, 0, sizeof(*s));
+}
+
+pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i, pshard_shard_view_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    pthread_mutex_lock(&c->mu);
+    pshard_status_t rc = PSHARD_OK;
+    const shard_map_t *s = &c->shard;
+    if (!c->nparams) {
+        rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                         "no model is defined: call pshard_define_model first");
+    } else if (i >= c->nparams) {
+        rc = client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "parameter #%zu: the model has %zu", i,
+                         c->nparams);
+    } else if (!s->base) {
+        rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "%s", s->reason);
+    } else {
+        size_t at = ps_layout_shard_offset(s->layout, i, s->rank);
+        uint8_t *base = s->base;
+        out->master = (float *)(base + s->master_off) + at;
+        out->grad = s->grad_off ? (float *)(base + s->grad_off) + at : NULL;
+        out->numel = ps_layout_counts(s->layout, i)[s->rank];
+        out->offset = ps_layout_piece_offset(s->layout, i, s->rank);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}

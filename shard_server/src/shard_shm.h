@@ -1,0 +1,37 @@
+/* The shared-memory object a shard server keeps a model's host-resident master weights and
+ * gradient accumulator in, so that its trainer can map them (pshard_shard_view): created per
+ * model as "/pshard-srv-PID-HEX" (mode 0600), unlinked when the model is freed, and the
+ * leftovers of servers that died swept when a server starts. Not thread-safe: one owner each. */
+#ifndef PSHARD_SHARD_SHM_H
+#define PSHARD_SHARD_SHM_H
+
+#include <stddef.h>
+
+#include "pshard/status.h"
+
+#define SHARD_SHM_PREFIX "/pshard-srv-"
+
+typedef struct {
+    char name[64]; /* "" when there is none */
+    void *base;    /* MAP_SHARED mapping of the whole object */
+    size_t bytes;
+} shard_shm_t;
+
+/* Creates a new object of bytes (> 0) bytes, maps it, advises huge pages from huge_from bytes
+ * on and backs every page now (zeros). The space is reserved with posix_fallocate first, so a
+ * full /dev/shm is an error here (RESOURCE_EXHAUSTED, message saying so) rather than a SIGBUS
+ * at the first touch; other errors are SYSTEM. On error nothing is left behind. Release with
+ * shard_shm_destroy. */
+pshard_status_t shard_shm_create(size_t bytes, size_t huge_from, shard_shm_t *out, char *err,
+                                 size_t errlen);
+
+/* Unmaps and unlinks the object (a trainer's mapping stays valid until it unmaps). Zeroes
+ * *shm; an empty one is a no-op. */
+void shard_shm_destroy(shard_shm_t *shm);
+
+/* Removes what dead shard servers left in /dev/shm: regular files named like this server's
+ * objects ("pshard-srv-PID-HEX") whose PID is not alive, owned by this user. Links and other
+ * names are never touched. Returns how many were removed. Best effort: errors are logged. */
+int shard_shm_sweep(void);
+
+#endif
