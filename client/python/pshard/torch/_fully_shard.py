@@ -135,6 +135,20 @@ _CLASSES = {}
 _DEFAULT_MESH = []
 
 
+def _before_state_dict(module, prefix, keep_vars):
+    """A state dict holds the sharded parameters: a unit still gathered after a forward
+    without backward registers them again first (outside backward)."""
+    u = unit_of(module)
+    if u is not None and u.model is not None and u.unsharded and not u.in_backward:
+        u.reshard()
+
+
+def _before_load_state_dict(module, state_dict, prefix, *args):
+    """load_state_dict copies into the sharded parameters (the servers' masters): a gathered
+    unit would keep the old values, so it is resharded first."""
+    _before_state_dict(module, prefix, False)
+
+
 def _default_mesh():
     """FSDP2's default: a 1-D mesh of every rank (torch's default group, backend pshard)."""
     world = pshard.get_world_size()
@@ -259,6 +273,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         register_unit(m, unit)
         m.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(post_forward, always_call=False)
+        m.register_state_dict_pre_hook(_before_state_dict)
+        m.register_load_state_dict_pre_hook(_before_load_state_dict)
         cls = type(m)
         if not issubclass(cls, FSDPModule):
             new = _CLASSES.get(cls)
