@@ -3,9 +3,11 @@ signatures and defaults. Each shard server updates its slice of every parameter 
 master weights and optimizer state; ``step()`` waits for the gradients' reduce-scatters and
 sends every param_group's hyperparameters (read at every step, so torch.optim.lr_scheduler
 schedulers work unchanged). Create the optimizer after fully_shard and before the model's
-first forward, which defines the model to the servers. ``optimizer.state`` stays empty: the
-state lives on the servers (pshard.torch.save_checkpoint saves it). Options pshard cannot
-honour (amsgrad, maximize, capturable, differentiable, fused) raise ValueError.
+first forward, which defines the model to the servers. The state lives on the servers, not in
+``optimizer.state`` (pshard.torch.save_checkpoint saves it; ``state_dict()`` raises, saying
+so). Any torch.optim optimizer may step the same sharded parameters in the trainer instead.
+Options pshard cannot honour (amsgrad, maximize, capturable, differentiable, fused) raise
+ValueError.
 """
 import weakref
 
@@ -52,7 +54,25 @@ class _Optimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults):
         self._pshard_model = None
         super().__init__(params, defaults)
+        # The state lives on the servers. An entry here tells torch's DCP helpers
+        # (get_optimizer_state_dict) it exists, so they do not run a "zero-lr" step to make
+        # one, which would advance the servers' Adam step count; state_dict() then says
+        # where it is.
+        self.state["pshard"] = "the optimizer state is on the shard servers"
         _ALL.add(self)
+
+    def state_dict(self):
+        raise NotImplementedError(
+            f"pshard.torch.optim.{type(self).__name__} keeps its state on the shard servers, "
+            "not in the trainer: checkpoint it with pshard.torch.save_checkpoint(model) (or "
+            "pshardrun --checkpoint-dir), which loads on any world size; for "
+            "torch.distributed.checkpoint use a torch.optim optimizer, which steps the same "
+            "sharded parameters in the trainer")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError(
+            f"pshard.torch.optim.{type(self).__name__} keeps its state on the shard servers: "
+            "resume it with pshardrun --resume DIR (a pshard checkpoint)")
 
     def add_param_group(self, param_group):
         if getattr(self, "_pshard_model", None) is not None:
