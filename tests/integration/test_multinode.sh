@@ -6,7 +6,8 @@
 # runs 2 shard servers and 2 trainers (shard_trainer, which checks its training against the
 # single-process reference) with PSHARD_TRANSPORT=tcp, so the data crosses the veth. Checks:
 # both nodes exit 0, each trainer matched the reference, RANK = node * 2 + LOCAL_RANK and
-# torchrun's other variables, and the rings listen on the nodes' veth addresses. Skips (77)
+# torchrun's other variables (MASTER_PORT: node 0's pick for torch's TCPStore, the same on
+# both nodes, not the coordinator's), and the rings listen on the nodes' veth addresses. Skips (77)
 # where `ip netns` is not permitted.
 # usage: test_multinode.sh PSHARDRUN SHARD_TRAINER
 set -euo pipefail
@@ -53,10 +54,16 @@ for r in 0 1 2 3; do
   [ -f "$f" ] || { fail "trainer $r did not run"; continue; }
   node=$((r / 2)); local_rank=$((r % 2))
   for want in "RANK=$r" "LOCAL_RANK=$local_rank" "WORLD_SIZE=4" "LOCAL_WORLD_SIZE=2" \
-              "GROUP_RANK=$node" "GROUP_WORLD_SIZE=2" "MASTER_ADDR=$ipa" \
-              "MASTER_PORT=${endpoint##*:}"; do
+              "GROUP_RANK=$node" "GROUP_WORLD_SIZE=2" "MASTER_ADDR=$ipa"; do
     grep -qx "$want" "$f" || fail "trainer $r: no $want in $(tr '\n' ' ' < "$f")"
   done
+  # MASTER_PORT: node 0's pick for torch's TCPStore (published through the coordinator's
+  # store), the same on both nodes, never the gRPC coordinator's port.
+  mport=$(sed -n 's/^MASTER_PORT=//p' "$f")
+  [ -n "$mport" ] && [ "$mport" != "${endpoint##*:}" ] ||
+    fail "trainer $r: MASTER_PORT '$mport' is empty or the coordinator's port ${endpoint##*:}"
+  [ "$r" -eq 0 ] && mport0=$mport
+  [ "$mport" = "$mport0" ] || fail "trainer $r: MASTER_PORT $mport, trainer 0 has $mport0"
 done
 # Each node's trainers are labelled with their global ranks, and the rings linked over the
 # veth addresses (the coll lines name them).

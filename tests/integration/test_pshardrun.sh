@@ -137,13 +137,19 @@ for r in 0 1 2; do
         fail "(1) trainer $r's partial last line was not flushed"
     grep -qE "^\[server $r\] listening on 127\.0\.0\.1:[0-9]+$" "$work/ok.out" ||
         fail "(1) server $r's output was not forwarded"
-    # RANK, LOCAL_RANK, LOCAL_WORLD_SIZE; MASTER_ADDR:MASTER_PORT is PSHARD_COORDINATOR; and
-    # PSHARD_SERVER is the port server r printed.
+    # RANK, LOCAL_RANK, LOCAL_WORLD_SIZE; MASTER_ADDR:MASTER_PORT is a loopback port for
+    # torch's TCPStore (env://), the same for every rank and not the gRPC PSHARD_COORDINATOR;
+    # and PSHARD_SERVER is the port server r printed.
     line=$(grep -E "^\[trainer $r\] env " "$work/ok.out") || fail "(1) no env line for rank $r"
     read -r _ _ _ e_rank e_local e_lws e_master e_coord e_server <<<"$line"
     [ "$e_rank $e_local $e_lws" = "$r $r 3" ] || fail "(1) rank $r env: $line"
-    [ "$e_master" = "$e_coord" ] ||
-        fail "(1) MASTER_ADDR:MASTER_PORT $e_master differs from PSHARD_COORDINATOR $e_coord"
+    [[ "$e_master" =~ ^127\.0\.0\.1:[0-9]+$ ]] ||
+        fail "(1) MASTER_ADDR:MASTER_PORT $e_master is not a loopback HOST:PORT"
+    [ "$e_master" != "$e_coord" ] ||
+        fail "(1) MASTER_ADDR:MASTER_PORT $e_master is the gRPC coordinator $e_coord"
+    [ "$r" -eq 0 ] && first_master=$e_master
+    [ "$e_master" = "$first_master" ] ||
+        fail "(1) rank $r has MASTER_ADDR:MASTER_PORT $e_master, rank 0 $first_master"
     server_port=$(grep -E "^\[server $r\] listening on " "$work/ok.out" | sed 's/.*://')
     [ "$e_server" = "127.0.0.1:$server_port" ] ||
         fail "(1) trainer $r has PSHARD_SERVER=$e_server, server $r is on port $server_port"

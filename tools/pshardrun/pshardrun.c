@@ -34,7 +34,9 @@
 #include <unistd.h>
 
 #include "pshard/config.h"
+#include "pshard/coord_client.h"
 #include "pshard/log.h"
+#include "pshard/rpc.h"
 #include "pshard/util.h"
 
 #define RUN_PROG "pshardrun"
@@ -50,6 +52,10 @@
 #define RUN_REAP_AFTER_KILL_MS 5000
 /* How long to keep reading pipes after every child is gone (grandchildren may hold them). */
 #define RUN_DRAIN_MS 2000
+/* Multi-node: the coordinator store key under which node 0 publishes torch's MASTER_ADDR:PORT
+ * of an attempt, and the least time the other nodes wait for it (torch's store timeout). */
+#define RUN_TORCH_MASTER_KEY "pshardrun/master_port/"
+#define RUN_TORCH_MASTER_WAIT_MS 300000
 
 /* Options: one table, which also makes --help. */
 typedef struct {
@@ -211,12 +217,14 @@ typedef struct {
     int exit_code;   /* decided together with stop */
     bool force_kill; /* a second signal arrived: SIGKILL without grace */
     char tmpdir[PATH_MAX];
-    int64_t attempt;      /* 0, then 1.. after each restart */
-    const char *resume;   /* what the servers get as --resume in this attempt, or NULL */
-    char coord_addr[300]; /* HOST:PORT trainers and servers use */
-    char job[72];         /* the job id servers get (--job), or "" for the default job */
-    char master_addr[256];
+    int64_t attempt;       /* 0, then 1.. after each restart */
+    const char *resume;    /* what the servers get as --resume in this attempt, or NULL */
+    char coord_addr[300];  /* HOST:PORT trainers and servers use */
+    char job[72];          /* the job id servers get (--job), or "" for the default job */
+    char master_addr[256]; /* the coordinator's host and port, as given or bound */
     int master_port;
+    char torch_addr[256];  /* what trainers get as MASTER_ADDR / MASTER_PORT: where rank 0's */
+    int torch_port;        /* torch TCPStore listens (env://), picked for each attempt */
     int node_rank, nnodes; /* multi-node: this node among nnodes (0 of 1 otherwise) */
     bool endpoint;         /* --rdzv-endpoint: node 0's coordinator listens on coord_addr */
     char data_host[64];    /* multi-node: the address servers' rings listen on ("": default) */
@@ -1014,6 +1022,195 @@ static void run_start_servers(run_t *run, const char *bin)
         run_wait_ports(run, run->servers, (size_t)run->opts->nproc);
 }
 
+/* A TCP port free on host now (bound to port 0, read back, closed), for torch's TCPStore,
+ * which rank 0 binds moments later as torchrun's own pick is; host NULL: every address.
+ * Returns the port, or -1 after saying why. */
+static int run_free_port(const char *host)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0};
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    if (host && inet_pton(AF_INET, host, &a.sin_addr) != 1)
+        a.sin_addr.s_addr = htonl(INADDR_ANY);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t len = sizeof(a);
+    bool ok = fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+              getsockname(fd, (struct sockaddr *)&a, &len) == 0;
+    int e = errno;
+    if (fd >= 0)
+        close(fd);
+    if (!ok) {
+        fprintf(stderr, RUN_PROG ": cannot find a free port for torch's MASTER_PORT: %s\n",
+                strerror(e));
+        return -1;
+    }
+    return ntohs(a.sin_port);
+}
+
+/* The address of this host that host:port is reached from (what a UDP socket connected there
+ * is bound to: no packet is sent), into out. Returns 0, or -1 after saying why. */
+static int run_route_address(const char *host, int port, char *out, size_t outlen)
+{
+    struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_DGRAM}, *ai = NULL;
+    char service[16];
+    ps_snprintf(service, sizeof(service), "%d", port ? port : 9);
+    int rc = getaddrinfo(host, service, &hints, &ai);
+    if (rc != 0 || !ai) {
+        fprintf(stderr, RUN_PROG ": coordinator host '%s': %s\n", host,
+                rc ? gai_strerror(rc) : "no IPv4 address");
+        return -1;
+    }
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in me;
+    socklen_t len = sizeof(me);
+    bool ok = fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+              getsockname(fd, (struct sockaddr *)&me, &len) == 0 &&
+              inet_ntop(AF_INET, &me.sin_addr, out, (socklen_t)outlen);
+    int e = errno;
+    if (fd >= 0)
+        close(fd);
+    freeaddrinfo(ai);
+    if (!ok)
+        fprintf(stderr, RUN_PROG ": no route from this node to coordinator %s: %s\n", host,
+                strerror(e));
+    return ok ? 0 : -1;
+}
+
+/* A channel to the job's coordinator for pshardrun's own store keys; NULL after saying why. */
+static ps_rpc_channel_t *run_coord_channel(run_t *run)
+{
+    char err[PSHARD_ERRLEN] = "";
+    char *token = NULL;
+    if (run->opts->token_file) {
+        token = ps_read_token(run->opts->token_file, err, sizeof(err));
+        if (!token) {
+            fprintf(stderr, RUN_PROG ": %s\n", err);
+            return NULL;
+        }
+    }
+    const char *ca = getenv("PSHARD_COORDINATOR_CA");
+    ps_rpc_channel_config_t cc = {.target = run->coord_addr,
+                                  .token = token,
+                                  .tls_ca_file = ca && *ca ? ca : NULL,
+                                  .job = run->job[0] ? run->job : NULL};
+    ps_rpc_channel_t *ch = ps_rpc_channel_create(&cc, err, sizeof(err));
+    free(token);
+    if (!ch)
+        fprintf(stderr, RUN_PROG ": cannot reach coordinator %s: %s\n", run->coord_addr, err);
+    return ch;
+}
+
+/* Multi-node, other than node 0: waits for node 0's MASTER_ADDR:PORT of this attempt in the
+ * coordinator's store (in short waits, so that signals and dying children are seen), up to
+ * the larger of --start-timeout-ms and torch's store timeout. Returns 0, or -1 after saying
+ * why. */
+static int run_await_torch_master(run_t *run, ps_rpc_channel_t *ch, const char *key)
+{
+    int64_t wait_ms = run->opts->start_timeout_ms > RUN_TORCH_MASTER_WAIT_MS
+                          ? run->opts->start_timeout_ms
+                          : RUN_TORCH_MASTER_WAIT_MS;
+    int64_t deadline = ps_now_ns() + wait_ms * 1000000;
+    char err[PSHARD_ERRLEN] = "";
+    for (;;) {
+        run_pump(run, ps_now_ns());
+        if (run->stop != STOP_NONE)
+            return -1;
+        Pshard__StoreWaitResponse *values = NULL;
+        pshard_status_t rc = ps_coord_store_await(ch, &key, 1, 1000, &values, err, sizeof(err));
+        if (rc == PSHARD_OK) {
+            bool ok = values->n_values == 1 && values->values[0].len > 0 &&
+                      values->values[0].len < sizeof(run->torch_addr);
+            char text[sizeof(run->torch_addr)] = "";
+            if (ok) {
+                memcpy(text, values->values[0].data, values->values[0].len);
+                text[values->values[0].len] = '\0';
+            }
+            protobuf_c_message_free_unpacked(&values->base, NULL);
+            char *colon = strrchr(text, ':');
+            int64_t port = 0;
+            if (!ok || !colon || colon == text || ps_parse_i64(colon + 1, 1, 65535, &port) != 0) {
+                fprintf(stderr,
+                        RUN_PROG ": node 0 published '%s' as torch's MASTER_ADDR:PORT "
+                                 "(key %s); expected HOST:PORT\n",
+                        text, key);
+                return -1;
+            }
+            *colon = '\0';
+            ps_strlcpy(run->torch_addr, text, sizeof(run->torch_addr));
+            run->torch_port = (int)port;
+            return 0;
+        }
+        if (rc != PSHARD_ERR_TIMEOUT && rc != PSHARD_ERR_UNAVAILABLE) {
+            fprintf(stderr, RUN_PROG ": waiting for node 0's MASTER_PORT (key %s on %s): %s\n", key,
+                    run->coord_addr, err);
+            return -1;
+        }
+        if (ps_now_ns() >= deadline) {
+            fprintf(stderr,
+                    RUN_PROG ": node 0 did not publish torch's MASTER_ADDR:PORT (key %s on "
+                             "coordinator %s) within %lld ms: is node 0's pshardrun running "
+                             "with the same --rdzv-endpoint/--coordinator and --rdzv-id? (%s)\n",
+                    key, run->coord_addr, (long long)wait_ms, err);
+            return -1;
+        }
+    }
+}
+
+/* Chooses what trainers get as MASTER_ADDR and MASTER_PORT for this attempt: a port where rank
+ * 0's torch can host its TCPStore (env://), as torchrun does, never the gRPC coordinator. One
+ * node: a free port on 127.0.0.1. Several: node 0 picks a free port and publishes its address
+ * as the other nodes reach it (the rendezvous endpoint's host, or the address it reaches the
+ * coordinator from) in the coordinator's store, where the other nodes wait for it. On failure
+ * stops the run (STOP_STARTUP) after saying why. */
+static void run_choose_torch_master(run_t *run)
+{
+    if (run->nnodes <= 1) {
+        ps_strlcpy(run->torch_addr, "127.0.0.1", sizeof(run->torch_addr));
+        run->torch_port = run_free_port("127.0.0.1");
+        if (run->torch_port < 0)
+            run_set_stop(run, STOP_STARTUP, 1);
+        return;
+    }
+    char key[64];
+    ps_snprintf(key, sizeof(key), RUN_TORCH_MASTER_KEY "%lld", (long long)run->attempt);
+    ps_rpc_channel_t *ch = run_coord_channel(run);
+    int rc = ch ? 0 : -1;
+    if (rc == 0 && run->node_rank == 0) {
+        if (run->endpoint)
+            rc = ps_strlcpy(run->torch_addr, run->master_addr, sizeof(run->torch_addr));
+        else
+            rc = run_route_address(run->master_addr, run->master_port, run->torch_addr,
+                                   sizeof(run->torch_addr));
+        run->torch_port = rc == 0 ? run_free_port(NULL) : -1;
+        rc = run->torch_port > 0 ? 0 : -1;
+        char value[300], err[PSHARD_ERRLEN] = "";
+        if (rc == 0) {
+            bool v6 = strchr(run->torch_addr, ':') != NULL;
+            ps_snprintf(value, sizeof(value), "%s%s%s:%d", v6 ? "[" : "", run->torch_addr,
+                        v6 ? "]" : "", run->torch_port);
+            if (ps_coord_store_put(ch, key, value, strlen(value), 30000, err, sizeof(err)) !=
+                PSHARD_OK) {
+                fprintf(stderr, RUN_PROG ": cannot publish torch's MASTER_ADDR:PORT on %s: %s\n",
+                        run->coord_addr, err);
+                rc = -1;
+            }
+        }
+    } else if (rc == 0) {
+        rc = run_await_torch_master(run, ch, key);
+        /* A bracketed IPv6 address as published: torch wants it bare. */
+        size_t n = strlen(run->torch_addr);
+        if (rc == 0 && n >= 2 && run->torch_addr[0] == '[' && run->torch_addr[n - 1] == ']') {
+            memmove(run->torch_addr, run->torch_addr + 1, n - 2);
+            run->torch_addr[n - 2] = '\0';
+        }
+    }
+    ps_rpc_channel_destroy(ch);
+    if (rc != 0)
+        run_set_stop(run, STOP_STARTUP, 1);
+    else
+        PS_INFO(PS_SUB_MAIN, "torch's MASTER_ADDR:MASTER_PORT for attempt %lld: %s:%d",
+                (long long)run->attempt, run->torch_addr, run->torch_port);
+}
+
 /* Starts the trainers with the torchrun environment plus pshard's own variables. */
 static void run_start_trainers(run_t *run, char *const argv[])
 {
@@ -1029,7 +1226,7 @@ static void run_start_trainers(run_t *run, char *const argv[])
         ps_snprintf(local_world, sizeof(local_world), "%d", n);
         ps_snprintf(group_rank, sizeof(group_rank), "%d", run->node_rank);
         ps_snprintf(group_world, sizeof(group_world), "%d", run->nnodes);
-        ps_snprintf(mport, sizeof(mport), "%d", run->master_port);
+        ps_snprintf(mport, sizeof(mport), "%d", run->torch_port);
         ps_snprintf(server, sizeof(server), "127.0.0.1:%d", run->servers[r].port);
         const run_env_t env[] = {
             {"RANK", rank},
@@ -1040,7 +1237,7 @@ static void run_start_trainers(run_t *run, char *const argv[])
             {"GROUP_WORLD_SIZE", group_world},
             {"ROLE_RANK", rank},
             {"ROLE_WORLD_SIZE", world},
-            {"MASTER_ADDR", run->master_addr},
+            {"MASTER_ADDR", run->torch_addr},
             {"MASTER_PORT", mport},
             {"PSHARD_COORDINATOR", run->coord_addr},
             {"PSHARD_SERVER", server},
@@ -1247,15 +1444,20 @@ int main(int argc, char **argv)
         goto out;
     }
     if (res.help) {
-        ps_config_usage(stdout, RUN_PROG, "[OPTIONS] -- CMD [ARGS...]",
-                        "Starts a coordinator (unless --coordinator names one), NPROC shard "
-                        "servers and NPROC trainers running CMD with RANK, LOCAL_RANK, "
-                        "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, PSHARD_COORDINATOR and "
-                        "PSHARD_SERVER set, and stops them all when the trainers finish or one "
-                        "fails. Exits 0 on success, with the first failing trainer's status, "
-                        "128+N after signal N, 1 when a server or the coordinator fails, 2 on "
-                        "usage errors.",
-                        options, PS_ARRAY_LEN(options));
+        ps_config_usage(
+            stdout, RUN_PROG, "[OPTIONS] -- CMD [ARGS...]",
+            "Starts a coordinator (unless --coordinator names one), NPROC shard "
+            "servers and NPROC trainers running CMD with RANK, LOCAL_RANK, "
+            "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, PSHARD_COORDINATOR and "
+            "PSHARD_SERVER set, and stops them all when the trainers finish or one "
+            "fails. MASTER_ADDR:MASTER_PORT is where rank 0's torch hosts its "
+            "TCPStore for init_process_group's env:// (a free port picked for each "
+            "attempt; with --nnodes > 1 node 0 picks it and the other nodes learn it "
+            "through the coordinator's store), while PSHARD_COORDINATOR is pshard's "
+            "gRPC coordinator. Exits 0 on success, with the first failing trainer's "
+            "status, 128+N after signal N, 1 when a server or the coordinator fails, 2 on "
+            "usage errors.",
+            options, PS_ARRAY_LEN(options));
         goto out;
     }
     if (res.version) {
@@ -1343,6 +1545,8 @@ int main(int argc, char **argv)
             run_start_coordinator(&run, coord_bin);
         if (run.stop == STOP_NONE)
             run_start_servers(&run, server_bin);
+        if (run.stop == STOP_NONE)
+            run_choose_torch_master(&run);
         if (run.stop == STOP_NONE)
             run_start_trainers(&run, &argv[cmd]);
         while (run.stop == STOP_NONE) {

@@ -1040,6 +1040,8 @@ PyMODINIT_FUNC PyInit__C(void)
         goto fail;
     if (pshard_py_groups_init(m) < 0)
         goto fail;
+    if (pshard_py_store_init(m) < 0)
+        goto fail;
     Py_INCREF(&ClientType);
     Py_INCREF(&BufferType);
     Py_INCREF(&WorkType);

@@ -2,7 +2,8 @@
  * helpers their methods call. pshard_module.c has the module, the Client's core methods,
  * Buffers and Works; pshard_define.c define_model; pshard_colls.c the Client's plain
  * collectives on tensors (torch.distributed's calls); pshard_groups.c the process groups;
- * pshard_shard.c the views of the shard server's own memory and the trainer-side step.
+ * pshard_shard.c the views of the shard server's own memory and the trainer-side step,
+ * pshard_store.c the coordinator's store (pshard._C.Store).
  * Internal to the extension. */
 #ifndef PSHARD_PY_H
 #define PSHARD_PY_H
@@ -93,6 +94,9 @@ typedef struct {
     dl_in_t dl[2];
     PyObject *group;
 } WorkObject;
+
+/* Adds pshard._C.Store (pshard_store.c) to the module; -1 with an exception on failure. */
+int pshard_py_store_init(PyObject *m);
 
 /* Raises the exception class of st (pshard.Error's subclasses) with msg, the enum name on
  * .status; returns NULL. */
