@@ -86,8 +86,20 @@ def compare(gloo_dir, ps_dir, world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_pshard_matches_gloo(tmp_path, world):
+    """pshard.init_process_group() (torch's default group on backend "pshard", its store the
+    coordinator's) against gloo."""
+    gloo_dir, ps_dir = tmp_path / "gloo", tmp_path / "pshard"
+    run_gloo(world, gloo_dir, tmp_path)
+    p = pshardrun(world, WORKER, ["pshard", str(ps_dir)])
+    assert p.returncode == 0, p.stdout[-4000:]
+    compare(gloo_dir, ps_dir, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_torch_init_on_pshard_matches_gloo(tmp_path, world):
-    """torch's own init_process_group(backend="pshard") in a script that only imports pshard."""
+    """torch's own init_process_group(backend="pshard") in a script that only imports pshard
+    (a FileStore here, to show any torch store works)."""
     gloo_dir, ps_dir = tmp_path / "gloo", tmp_path / "pshard"
     run_gloo(world, gloo_dir, tmp_path)
     p = pshardrun(world, WORKER, ["pshard-torch", str(ps_dir), str(tmp_path / "ps-init")])

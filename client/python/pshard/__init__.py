@@ -78,7 +78,15 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     if dist.is_initialized():
         return  # torch's default group exists already (e.g. made by torch with this backend)
     if store is None:
+        if not (c.coordinator or _os.environ.get("PSHARD_COORDINATOR")):
+            _world.drop()
+            raise InvalidArgumentError(
+                "no coordinator is known for torch's store: set PSHARD_COORDINATOR (pshardrun "
+                "does) or pass store=")
         store = _store.Store(coordinator=c.coordinator or None, job=c.job or None)
+    # torch keeps only the C++ side of the store; its calls reach the Python methods while
+    # the Python object lives
+    _world.keep(store)
     kwargs = {} if timeout is None else {"timeout": timeout}
     try:
         dist.init_process_group(backend=_backend.BACKEND_NAME, store=store, rank=c.rank,
@@ -136,7 +144,9 @@ def destroy_process_group(group=None):
 # init_process_group(backend="pshard") works without calling pshard's first.
 try:
     from . import _backend as _backend_module
+    from . import _store as _store_module
 except ImportError:  # no torch: pshard's C API only
-    _backend_module = None
+    _backend_module = _store_module = None
 else:
     _backend_module.register()
+    _store_module.install_env_rendezvous()

@@ -667,11 +667,15 @@ def _create(opts, backend_options):
             raise ValueError(f"backend pshard: the process group says rank {opts.group_rank} of "
                              f"{opts.group_size}, but this trainer is rank {client.rank} of the "
                              f"{world} shard servers")
-        return ProcessGroupPshard(client, None, client.rank, world, range(world), opts.timeout)
+        pg = ProcessGroupPshard(client, None, client.rank, world, range(world), opts.timeout)
+        _world.keep(pg)  # torch holds the C++ side; the Python methods need the object
+        return pg
     if ranks != sorted(ranks):
         raise ValueError(f"backend pshard: group ranks {ranks} must be in increasing order")
     handle = client.new_groups([ranks], _timeout_ms(opts.timeout), key=str(opts.group_id))[0]
-    return ProcessGroupPshard(client, handle, handle.rank, handle.size, ranks, opts.timeout)
+    pg = ProcessGroupPshard(client, handle, handle.rank, handle.size, ranks, opts.timeout)
+    _world.keep(pg)
+    return pg
 
 
 def register():

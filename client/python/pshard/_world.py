@@ -9,6 +9,14 @@ from . import _C
 from ._C import FailedPreconditionError, InvalidArgumentError, TimeoutError
 
 _client = None
+# Python objects torch holds only through their C++ side (the default group's store, the
+# backends): kept alive until the client is dropped
+_kept = []
+
+
+def keep(obj):
+    """Keeps obj alive until drop()."""
+    _kept.append(obj)
 
 
 def current():
@@ -83,6 +91,7 @@ def drop():
     no-op without one."""
     global _client
     c, _client = _client, None
+    _kept.clear()
     if c is not None:
         c.close()
 
