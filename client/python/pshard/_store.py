@@ -72,10 +72,11 @@ class Store(dist.Store):
         try:
             return fn(*args)
         except _C.TimeoutError as e:
-            names = ", ".join(keys)
+            if not keys:  # the coordinator did not answer in time
+                raise dist.DistStoreError(f"pshard store on {self.coordinator}: {e}") from e
             raise dist.DistStoreError(
                 f"wait timeout after {int(self.timeout.total_seconds() * 1000)}ms, keys: "
-                f"{names} (pshard store on {self.coordinator}: {e})") from e
+                f"{', '.join(keys)} (pshard store on {self.coordinator}: {e})") from e
         except _C.UnavailableError as e:
             raise dist.DistNetworkError(
                 f"pshard store: coordinator {self.coordinator} unavailable: {e}") from e
