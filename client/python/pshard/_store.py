@@ -26,8 +26,9 @@ KEY_PREFIX = "torch/"
 
 
 def _ms(timeout):
-    """A timedelta as whole milliseconds, at least 1 (0 would mean the C default)."""
-    return max(1, int(timeout.total_seconds() * 1000))
+    """A timedelta as whole milliseconds, at least 1 (0 would mean the C default) and at most
+    what the C side takes (longer waits are waits without end in practice)."""
+    return min(max(1, int(timeout.total_seconds() * 1000)), 10**12)
 
 
 def _bytes(value, what):
