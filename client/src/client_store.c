@@ -47,9 +47,14 @@ static void store_begin(const pshard_store_t *s)
         tls_err[0] = '\0';
 }
 
+/* Longest timeout taken (about 31 years): deadlines in ns stay far from int64's end. */
+#define TIMEOUT_MAX_MS 1000000000000LL
+
 static int64_t timeout_of(int64_t timeout_ms)
 {
-    return timeout_ms > 0 ? timeout_ms : PSHARD_STORE_DEFAULT_TIMEOUT_MS;
+    if (timeout_ms <= 0)
+        return PSHARD_STORE_DEFAULT_TIMEOUT_MS;
+    return timeout_ms > TIMEOUT_MAX_MS ? TIMEOUT_MAX_MS : timeout_ms;
 }
 
 /* The key rules, checked here so that the message says which call broke them. */

@@ -829,20 +829,17 @@ static int run_parse_coordinator(run_t *run, const char *addr, bool allow_port_z
     return ps_strlcpy(run->coord_addr, addr, sizeof(run->coord_addr));
 }
 
-/* Multi-node: the address of this host that the rendezvous endpoint is reached from (what a
- * UDP socket connected there is bound to), for the shard servers' rings, unless
- * PSHARD_SOCKET_IFNAME or PSHARD_DATA_HOST chooses. Returns 0, or -1 after saying why. */
-static int run_local_address(run_t *run)
+/* The address of this host that host:port is reached from (what a UDP socket connected there
+ * is bound to: no packet is sent), into out; what names host in messages ("--rdzv-endpoint
+ * host"). Returns 0, or -1 after saying why. */
+static int run_route_address(const char *what, const char *host, int port, char *out, size_t outlen)
 {
-    const char *ifname = getenv("PSHARD_SOCKET_IFNAME"), *dh = getenv("PSHARD_DATA_HOST");
-    if ((ifname && *ifname) || (dh && *dh))
-        return 0; /* the servers read it themselves */
     struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_DGRAM}, *ai = NULL;
-    char port[16];
-    ps_snprintf(port, sizeof(port), "%d", run->master_port ? run->master_port : 9); /* no packet */
-    int rc = getaddrinfo(run->master_addr, port, &hints, &ai);
+    char service[16];
+    ps_snprintf(service, sizeof(service), "%d", port ? port : 9);
+    int rc = getaddrinfo(host, service, &hints, &ai);
     if (rc != 0 || !ai) {
-        fprintf(stderr, RUN_PROG ": --rdzv-endpoint host '%s': %s\n", run->master_addr,
+        fprintf(stderr, RUN_PROG ": %s '%s': %s\n", what, host,
                 rc ? gai_strerror(rc) : "no IPv4 address");
         return -1;
     }
@@ -851,16 +848,29 @@ static int run_local_address(run_t *run)
     socklen_t len = sizeof(me);
     bool ok = fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
               getsockname(fd, (struct sockaddr *)&me, &len) == 0 &&
-              inet_ntop(AF_INET, &me.sin_addr, run->data_host, sizeof(run->data_host));
+              inet_ntop(AF_INET, &me.sin_addr, out, (socklen_t)outlen);
     int e = errno;
     if (fd >= 0)
         close(fd);
     freeaddrinfo(ai);
-    if (!ok) {
+    if (!ok)
         fprintf(stderr,
-                RUN_PROG ": no route from this node to the rendezvous endpoint %s: %s (set "
+                RUN_PROG ": no route from this node to the %s %s: %s (set "
                          "PSHARD_SOCKET_IFNAME to choose the interface)\n",
-                run->coord_addr, strerror(e));
+                what, host, strerror(e));
+    return ok ? 0 : -1;
+}
+
+/* Multi-node: the address of this host that the rendezvous endpoint is reached from, for the
+ * shard servers' rings, unless PSHARD_SOCKET_IFNAME or PSHARD_DATA_HOST chooses. Returns 0, or
+ * -1 after saying why. */
+static int run_local_address(run_t *run)
+{
+    const char *ifname = getenv("PSHARD_SOCKET_IFNAME"), *dh = getenv("PSHARD_DATA_HOST");
+    if ((ifname && *ifname) || (dh && *dh))
+        return 0; /* the servers read it themselves */
+    if (run_route_address("--rdzv-endpoint host", run->master_addr, run->master_port,
+                          run->data_host, sizeof(run->data_host)) != 0) {
         run->data_host[0] = '\0';
         return -1;
     }
@@ -1046,35 +1056,6 @@ static int run_free_port(const char *host)
     return ntohs(a.sin_port);
 }
 
-/* The address of this host that host:port is reached from (what a UDP socket connected there
- * is bound to: no packet is sent), into out. Returns 0, or -1 after saying why. */
-static int run_route_address(const char *host, int port, char *out, size_t outlen)
-{
-    struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_DGRAM}, *ai = NULL;
-    char service[16];
-    ps_snprintf(service, sizeof(service), "%d", port ? port : 9);
-    int rc = getaddrinfo(host, service, &hints, &ai);
-    if (rc != 0 || !ai) {
-        fprintf(stderr, RUN_PROG ": coordinator host '%s': %s\n", host,
-                rc ? gai_strerror(rc) : "no IPv4 address");
-        return -1;
-    }
-    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in me;
-    socklen_t len = sizeof(me);
-    bool ok = fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
-              getsockname(fd, (struct sockaddr *)&me, &len) == 0 &&
-              inet_ntop(AF_INET, &me.sin_addr, out, (socklen_t)outlen);
-    int e = errno;
-    if (fd >= 0)
-        close(fd);
-    freeaddrinfo(ai);
-    if (!ok)
-        fprintf(stderr, RUN_PROG ": no route from this node to coordinator %s: %s\n", host,
-                strerror(e));
-    return ok ? 0 : -1;
-}
-
 /* A channel to the job's coordinator for pshardrun's own store keys; NULL after saying why. */
 static ps_rpc_channel_t *run_coord_channel(run_t *run)
 {
@@ -1178,8 +1159,8 @@ static void run_choose_torch_master(run_t *run)
         if (run->endpoint)
             rc = ps_strlcpy(run->torch_addr, run->master_addr, sizeof(run->torch_addr));
         else
-            rc = run_route_address(run->master_addr, run->master_port, run->torch_addr,
-                                   sizeof(run->torch_addr));
+            rc = run_route_address("coordinator host", run->master_addr, run->master_port,
+                                   run->torch_addr, sizeof(run->torch_addr));
         run->torch_port = rc == 0 ? run_free_port(NULL) : -1;
         rc = run->torch_port > 0 ? 0 : -1;
         char value[300], err[PSHARD_ERRLEN] = "";

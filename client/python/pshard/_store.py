@@ -26,8 +26,9 @@ KEY_PREFIX = "torch/"
 
 
 def _ms(timeout):
-    """A timedelta as whole milliseconds, at least 1 (0 would mean the C default)."""
-    return max(1, int(timeout.total_seconds() * 1000))
+    """A timedelta as whole milliseconds, at least 1 (0 would mean the C default) and at most
+    what the C side takes (longer waits are waits without end in practice)."""
+    return min(max(1, int(timeout.total_seconds() * 1000)), 10**12)
 
 
 def _bytes(value, what):
@@ -72,10 +73,11 @@ class Store(dist.Store):
         try:
             return fn(*args)
         except _C.TimeoutError as e:
-            names = ", ".join(keys)
+            if not keys:  # the coordinator did not answer in time
+                raise dist.DistStoreError(f"pshard store on {self.coordinator}: {e}") from e
             raise dist.DistStoreError(
                 f"wait timeout after {int(self.timeout.total_seconds() * 1000)}ms, keys: "
-                f"{names} (pshard store on {self.coordinator}: {e})") from e
+                f"{', '.join(keys)} (pshard store on {self.coordinator}: {e})") from e
         except _C.UnavailableError as e:
             raise dist.DistNetworkError(
                 f"pshard store: coordinator {self.coordinator} unavailable: {e}") from e
