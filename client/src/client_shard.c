@@ -71,11 +71,12 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
     }
     const char *name = r->shard_shm_name ? r->shard_shm_name : "";
     if (!name[0]) {
-        snprintf(out->reason, sizeof(out->reason), "the shard server does not share the shard: %s",
-                 r->shard_shared_reason && r->shard_shared_reason[0]
-                     ? r->shard_shared_reason
-                     : "it did not say why (an older pshard-server?); step with the shard "
-                       "servers' optimizer (pshard_step)");
+        ps_snprintf(out->reason, sizeof(out->reason),
+                    "the shard server does not share the shard: %s",
+                    r->shard_shared_reason && r->shard_shared_reason[0]
+                        ? r->shard_shared_reason
+                        : "it did not say why (an older pshard-server?); step with the shard "
+                          "servers' optimizer (pshard_step)");
         return;
     }
     /* The layout over the shard ranks: the whole world, or HSDP's shard ranks of a replica
@@ -94,7 +95,7 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
         nparams, numel, rows, &out->layout, why, sizeof(why));
     free(rows);
     if (rc != PSHARD_OK) {
-        snprintf(out->reason, sizeof(out->reason), "the shard's layout: %s", why);
+        ps_snprintf(out->reason, sizeof(out->reason), "the shard's layout: %s", why);
         return;
     }
     out->rank = c->rank % shards;
@@ -106,22 +107,22 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
                                                span <= r->shard_shm_bytes - r->shard_grad_offset));
     if (r->shard_elements != elems || !fits || r->shard_master_offset % sizeof(float) != 0 ||
         r->shard_grad_offset % sizeof(float) != 0 || !name_ok(name)) {
-        snprintf(out->reason, sizeof(out->reason),
-                 "the shard server announced a shard this client cannot place (%llu elements "
-                 "where the layout gives rank %d of %d %zu, object %.64s of %llu bytes); step "
-                 "with the shard servers' optimizer (pshard_step)",
-                 (unsigned long long)r->shard_elements, out->rank, shards, elems, name,
-                 (unsigned long long)r->shard_shm_bytes);
+        ps_snprintf(out->reason, sizeof(out->reason),
+                    "the shard server announced a shard this client cannot place (%llu elements "
+                    "where the layout gives rank %d of %d %zu, object %.64s of %llu bytes); step "
+                    "with the shard servers' optimizer (pshard_step)",
+                    (unsigned long long)r->shard_elements, out->rank, shards, elems, name,
+                    (unsigned long long)r->shard_shm_bytes);
         ps_layout_destroy(out->layout);
         out->layout = NULL;
         return;
     }
     rc = map_object(name, (size_t)r->shard_shm_bytes, &out->base, why, sizeof(why));
     if (rc != PSHARD_OK) {
-        snprintf(out->reason, sizeof(out->reason),
-                 "cannot map the shard server's shared memory (%s); step with the shard "
-                 "servers' optimizer (pshard_step)",
-                 why);
+        ps_snprintf(out->reason, sizeof(out->reason),
+                    "cannot map the shard server's shared memory (%s); step with the shard "
+                    "servers' optimizer (pshard_step)",
+                    why);
         ps_layout_destroy(out->layout);
         out->layout = NULL;
         return;

@@ -146,10 +146,10 @@ static void alloc_shared(shard_model_t *m, size_t bytes, bool in_backward, const
     char why[PSHARD_ERRLEN] = "";
     if (shard_shm_create(total, HUGE_FROM, &m->shm, why, sizeof(why)) != PSHARD_OK) {
         PS_WARN(PS_SUB_SHARD, "the shard stays private to this server: %s", why);
-        snprintf(m->shared_reason, sizeof(m->shared_reason),
-                 "the shard server could not put the shard in shared memory (%s); step with the "
-                 "shard servers' optimizer (pshard_step) or give /dev/shm more room",
-                 why);
+        ps_snprintf(m->shared_reason, sizeof(m->shared_reason),
+                    "the shard server could not put the shard in shared memory (%s); step with the "
+                    "shard servers' optimizer (pshard_step) or give /dev/shm more room",
+                    why);
         return;
     }
     m->master = m->shm.base;

@@ -1,7 +1,8 @@
 /* The shared-memory object a shard server keeps a model's host-resident master weights and
  * gradient accumulator in, so that its trainer can map them (pshard_shard_view): created per
- * model as "/pshard-srv-PID-HEX" (mode 0600), unlinked when the model is freed, and the
- * leftovers of servers that died swept when a server starts. Not thread-safe: one owner each. */
+ * model as "/pshard-srv-PID-NS-HEX" (mode 0600; NS is the PID namespace's id in hex, HEX
+ * random), unlinked when the model is freed, and the leftovers of servers that died swept when
+ * a server starts. Not thread-safe: one owner each. */
 #ifndef PSHARD_SHARD_SHM_H
 #define PSHARD_SHARD_SHM_H
 
@@ -30,8 +31,10 @@ pshard_status_t shard_shm_create(size_t bytes, size_t huge_from, shard_shm_t *ou
 void shard_shm_destroy(shard_shm_t *shm);
 
 /* Removes what dead shard servers left in /dev/shm: regular files named like this server's
- * objects ("pshard-srv-PID-HEX") whose PID is not alive, owned by this user. Links and other
- * names are never touched. Returns how many were removed. Best effort: errors are logged. */
+ * objects ("pshard-srv-PID-NS-HEX") of this PID namespace (a PID of another one, say a
+ * container sharing /dev/shm, cannot be checked from here) whose PID is not alive, owned by
+ * this user. Links and other names are never touched. Returns how many were removed. Best
+ * effort: errors are logged. */
 int shard_shm_sweep(void);
 
 #endif

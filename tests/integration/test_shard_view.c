@@ -436,8 +436,38 @@ static void test_not_shared(void)
     unsetenv("PSHARD_REMOTE");
 }
 
-/* A starting server removes a dead server's object, and neither a link named like one nor
- * another name. */
+/* The id of this process's PID namespace (as in /proc/self/ns/pid), 0 when unknown. */
+static unsigned long long pid_ns(void)
+{
+    char link[64];
+    ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
+    if (n <= 5)
+        return 0;
+    link[n] = '\0';
+    return strtoull(link + 5, NULL, 10);
+}
+
+static bool make_shm(const char *name)
+{
+    char path[96];
+    snprintf(path, sizeof(path), "/%s", name);
+    int fd = shm_open(path, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0)
+        return false;
+    close(fd);
+    return true;
+}
+
+static void remove_shm(const char *name)
+{
+    char path[96];
+    snprintf(path, sizeof(path), "/%s", name);
+    shm_unlink(path);
+}
+
+/* A starting server removes a dead server's object of its PID namespace, and neither a link
+ * named like one, nor another name, nor one of another PID namespace (whose PIDs it cannot
+ * check). */
 static void test_sweep(void)
 {
     pid_t dead = fork();
@@ -445,19 +475,14 @@ static void test_sweep(void)
         _exit(0);
     CU_ASSERT_FATAL(dead > 0);
     waitpid(dead, NULL, 0);
-    char left[64], link_name[64], other[64], link_path[96], target[] = "/tmp/pshard-view-tgtXXXXXX";
-    snprintf(left, sizeof(left), "pshard-srv-%d-0123456789ab", (int)dead);
-    snprintf(link_name, sizeof(link_name), "pshard-srv-%d-00ff", (int)dead);
-    snprintf(other, sizeof(other), "pshard-srv-%d-notours", (int)dead);
-    char shm_name[80];
-    snprintf(shm_name, sizeof(shm_name), "/%s", left);
-    int fd = shm_open(shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
-    CU_ASSERT_FATAL(fd >= 0);
-    close(fd);
-    snprintf(shm_name, sizeof(shm_name), "/%s", other);
-    fd = shm_open(shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
-    CU_ASSERT_FATAL(fd >= 0);
-    close(fd);
+    unsigned long long ns = pid_ns();
+    char left[80], link_name[80], other[80], foreign[80], link_path[112];
+    char target[] = "/tmp/pshard-view-tgtXXXXXX";
+    snprintf(left, sizeof(left), "pshard-srv-%d-%llx-0123456789ab", (int)dead, ns);
+    snprintf(link_name, sizeof(link_name), "pshard-srv-%d-%llx-00ff", (int)dead, ns);
+    snprintf(other, sizeof(other), "pshard-srv-%d-%llx-notours", (int)dead, ns);
+    snprintf(foreign, sizeof(foreign), "pshard-srv-%d-%llx-0123456789ab", (int)dead, ns + 1);
+    CU_ASSERT_FATAL(make_shm(left) && make_shm(other) && make_shm(foreign));
     int tfd = mkstemp(target);
     CU_ASSERT_FATAL(tfd >= 0);
     close(tfd);
@@ -467,13 +492,13 @@ static void test_sweep(void)
     CU_ASSERT(!exists_shm(left));
     CU_ASSERT(exists_shm(link_name));
     CU_ASSERT(exists_shm(other));
+    CU_ASSERT(exists_shm(foreign));
     struct stat st;
     CU_ASSERT(stat(target, &st) == 0);
     unlink(link_path);
-    snprintf(shm_name, sizeof(shm_name), "/%s", other);
-    shm_unlink(shm_name);
-    snprintf(shm_name, sizeof(shm_name), "/%s", left);
-    shm_unlink(shm_name);
+    remove_shm(other);
+    remove_shm(foreign);
+    remove_shm(left);
     unlink(target);
 }
 
