@@ -27,7 +27,9 @@ C_SKIP = ("tests/", "proto/", "examples/", "client/python/")
 def c_objects(build, source):
     """Maps each C/CUDA product source file (relative to source) to its object file in build."""
     objs = {}
-    for dirpath, _, files in os.walk(build):
+    for dirpath, dirs, files in os.walk(build):
+        # A virtual environment in the build (build/torch-venv) holds no product objects.
+        dirs[:] = [d for d in dirs if not os.path.exists(os.path.join(dirpath, d, "pyvenv.cfg"))]
         if "CMakeFiles" not in dirpath:
             continue
         for f in files:
