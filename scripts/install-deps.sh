@@ -5,6 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake pkg-config git ca-certificates
+  binutils  # nm, for scripts/file-cycles.py (CTest file_cycles)
   libgrpc-dev protobuf-c-compiler libprotobuf-c-dev protobuf-compiler libprotobuf-dev
   libevent-dev libcunit1-dev libssl-dev openssl libopenblas-dev libjansson-dev
   python3 python3-venv python3-dev  # python3-dev: the pshard extension module
