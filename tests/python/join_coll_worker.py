@@ -33,7 +33,7 @@ def main():
             opt.zero_grad()
             for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
                 x = torch.tensor([rank + 1.0, -(rank + 1.0)])
-                dist.all_reduce(x, op=dist.ReduceOp[name])
+                dist.all_reduce(x, op=getattr(dist.ReduceOp, name))
                 got[f"{name} {step}"] = x.tolist()
             # To and from a root while rank 0 has joined: its server takes part with the
             # reduction's identity (reduce) or zeros (its gather block).
@@ -76,7 +76,7 @@ def main():
             got[f"p2p {step}"] = box.tolist()
             for name in ("BAND", "BOR", "BXOR"):
                 x = torch.tensor([rank + 1, 12 - rank], dtype=torch.int64)
-                dist.all_reduce(x, op=dist.ReduceOp[name])
+                dist.all_reduce(x, op=getattr(dist.ReduceOp, name))
                 got[f"{name} {step}"] = x.tolist()
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(got, f)

@@ -38,7 +38,7 @@ def main():
                     continue  # not a member (torch's collectives would do nothing)
                 for op in ("SUM", "AVG", "MAX"):
                     x = torch.tensor([rank + 1.0, -(rank + 1.0)])
-                    dist.all_reduce(x, op=dist.ReduceOp[op], group=g)
+                    dist.all_reduce(x, op=getattr(dist.ReduceOp, op), group=g)
                     got[f"{gname} {op} {step}"] = x.tolist()
             x = torch.tensor([rank * 1.0, step * 1.0])
             if dist.get_rank(groups["123"]) >= 0:

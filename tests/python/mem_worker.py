@@ -27,21 +27,28 @@ def main():
     pt.fully_shard(model, reshard_after_forward=raf)
     opt = pt.optim.SGD(model.parameters(), lr=0.01)
     c = pshard._get_client()
-    addrs = []
+    addrs, locals_ = [], []
     for step in range(4):
         x = torch.randn(16, d)
         loss = model(x).pow(2).mean()
         loss.backward()
         opt.step()
-        # Where each parameter's storage is: the client's fixed shared-memory buffer.
-        addrs.append([p.data_ptr() for p in model.parameters()])
-    buffers = [c.param_buffer(i).address for i in range(len(list(model.parameters())))]
+        # Where each unsharded parameter's storage is: the client's fixed shared-memory buffer;
+        # and each sharded parameter's local tensor: the server's own master weights.
+        fsdp_params = model._pshard_model().fsdp_params
+        addrs.append([fp.unsharded.data_ptr() for fp in fsdp_params])
+        locals_.append([p.to_local().data_ptr() if p.to_local().numel() else 0
+                        for p in model.parameters()])
+    n = len(list(model.parameters()))
+    buffers = [c.param_buffer(i).address for i in range(n)]
+    masters = [c.shard_view(i)[0].address if c.shard_view(i)[3] else 0 for i in range(n)]
     st = pt.memory_stats()
     block_bytes = sum(p.numel() * 4 for p in blocks[0].parameters())
     root_bytes = sum(p.numel() * 4 for p in model.parameters()) - 8 * block_bytes
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump({"stats": st, "block_bytes": block_bytes, "root_bytes": root_bytes,
-                   "addrs": addrs, "buffers": buffers}, f)
+                   "addrs": addrs, "buffers": buffers, "locals": locals_,
+                   "masters": masters}, f)
     pshard.destroy_process_group()
 
 

@@ -61,12 +61,19 @@ def test_unsupported_options_are_refused():
     with pytest.raises(ValueError, match="betas"):
         pt.optim.AdamW(p, betas=(1.5, 0.9))
     m = torch.nn.Linear(2, 2)
-    with pytest.raises(TypeError, match="mesh must be a pshard.distributed.DeviceMesh"):
+    with pytest.raises(TypeError, match="mesh must be a torch.distributed.device_mesh"):
         pt.fully_shard(m, mesh=object())
     with pytest.raises(ValueError, match="offload"):
         pt.fully_shard(m, offload_policy=pt.CPUOffloadPolicy())
-    with pytest.raises(ValueError, match="reshard_after_forward"):
+    with pytest.raises(NotImplementedError, match="reshard_after_forward=2.*True"):
         pt.fully_shard(m, reshard_after_forward=2)
+    with pytest.raises(NotImplementedError, match="shard_placement_fn"):
+        pt.fully_shard(m, shard_placement_fn=lambda p: None)
+    # torch's own policy classes are the ones fully_shard takes
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    assert pt.MixedPrecisionPolicy is MixedPrecisionPolicy
+    with pytest.raises(pshard.FailedPreconditionError, match="init_process_group"):
+        pt.fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     with pytest.raises(TypeError):
         pt.fully_shard("not a module")
 

@@ -44,6 +44,9 @@ def test_parameters_are_views_of_shared_memory(both):
         # gathers write in place, nothing is copied into torch-owned memory.
         for addrs in r["addrs"]:
             assert addrs == r["buffers"]
+        # The sharded parameters (DTensors) hold the shard server's masters, not a copy.
+        for locs in r["locals"]:
+            assert locs == r["masters"]
 
 
 def test_shard_views_are_the_servers_masters(tmp_path):

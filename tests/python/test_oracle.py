@@ -70,9 +70,11 @@ def test_metric_all_reduce_after_backward(train):
             assert abs(r["mean_losses"][s] - want) <= 1e-6 * abs(want), (s, r["mean_losses"][s])
 
 
-def test_mlp_fsdp1_layout(train):
-    results, final, _ = train(MLP, 3, env={"PSHARD_LAYOUT": "fsdp1"})
-    check(results, final, MLP, 3)
+def test_mlp_fsdp1_layout_refused(train):
+    """pshard.torch's parameters are DTensors sharded on dim 0: the flat fsdp1 layout (whose
+    shards are not rows) is refused with a message saying so, not run wrongly."""
+    _, _, out = train(MLP, 2, env={"PSHARD_LAYOUT": "fsdp1"}, expect_ok=False)
+    assert "the flat fsdp1 layout is for C trainers" in out, out[-3000:]
 
 
 GPT2 = {"model": "gpt2", "steps": 20, "lr": 3e-3, "two_groups": True, "scheduler": True,

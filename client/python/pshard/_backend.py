@@ -493,7 +493,9 @@ class ProcessGroupPshard(_CBackend):
                              f"{tuple(output.shape)} must have the same shape beyond dim 0")
         ins = self._splits(input_split_sizes, rows, "input_split_sizes")
         outs = self._splits(output_split_sizes, orows, "output_split_sizes")
-        row = (input[0].numel() if input.dim() > 0 else 1) * input.element_size()
+        row = input.element_size()
+        for d in input.shape[1:]:
+            row *= d
         if len(set(ins)) == 1 and ins == outs:
             src = _bytes(input.detach().contiguous().view(-1)).view(n, -1)
             out, back = _flat(output)

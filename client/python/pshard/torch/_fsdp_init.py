@@ -1,8 +1,9 @@
 """The root's lazy initialisation (at its first forward, as FSDP2's): defines the whole model
-to the shard servers (every parameter by its fully qualified name, rank 0's values as the
-initial ones, the pshard optimizers' parameter groups), then moves every sharded parameter's
-local tensor onto the server's master weights and makes the unsharded parameters over the
-stable full buffers."""
+to the shard servers (every parameter by its fully qualified name, the pshard optimizers'
+parameter groups), then moves every sharded parameter's local tensor onto the server's master
+weights (each rank's own rows, as FSDP2 keeps them; replica 0's on an HSDP mesh; the
+checkpoint's after pshardrun --resume) and makes the unsharded parameters over the stable full
+buffers."""
 import os
 import warnings
 import weakref
@@ -187,18 +188,15 @@ def lazy_init(root_unit):
 
     kind, groups, param_groups, frozen, group_src, opts = _optimizer_groups(named, index)
 
-    # Buffers (BatchNorm statistics, ...) start equal everywhere: rank 0's.
-    if client.world_size > 1:
-        for _, b in root.named_buffers():
-            dist.broadcast(b.data, 0)
-
-    # The initial values: rank 0's full parameters (each rank holds its rows so far).
-    init = [] if client.rank == 0 else None
-    for _, p in named:
-        full = p.detach().full_tensor()
-        if init is not None:
-            init.append(full.to(torch.float32).contiguous())
-        del full
+    # The servers take the definition first (a rank whose model differs is named there, before
+    # any collective of its values); rank 0 passes zeros of the right sizes (one buffer of the
+    # largest parameter's size), and each rank then writes its own rows into its server's
+    # masters below, as FSDP2 keeps each rank's shard of its own module.
+    init = None
+    if client.rank == 0:
+        most = max(p.numel() for _, p in named)
+        zeros = torch.zeros(most, dtype=torch.float32)
+        init = [zeros[:p.numel()] for _, p in named]
     step = client.define_model(
         [n for n, _ in named], [tuple(p.shape) for _, p in named], init=init, optimizer=kind,
         groups=groups, param_groups=param_groups, param_dtype=DTYPE_NAMES[param_dtype],
@@ -206,6 +204,11 @@ def lazy_init(root_unit):
         max_gathers_in_flight=2, replicate=mesh.shape[0] if hsdp else 0,
         shard=mesh.shape[1] if hsdp else 0)
     del init
+
+    # Buffers (BatchNorm statistics, ...) start equal everywhere: rank 0's.
+    if client.world_size > 1:
+        for _, b in root.named_buffers():
+            dist.broadcast(b.data, 0)
 
     model = Model(root_unit, client)
     model.step = step
@@ -222,8 +225,15 @@ def lazy_init(root_unit):
         fp = FSDPParam(i, name, p, slots[i], mesh, p.placements, shard_rank, shard_size)
         master, grad, _offset, _numel = client.shard_view(i)
         full = torch.from_dlpack(client.param_buffer(i))
+        own = p.to_local().detach()
         fp.bind(full, torch.from_dlpack(master),
                 torch.from_dlpack(grad) if grad is not None else None)
+        if step == 0:  # a fresh model: this rank's rows (after --resume: the checkpoint's)
+            with torch.no_grad():
+                fp.sharded.to_local().copy_(own)
+                if hsdp:  # every replica starts from replica 0's values
+                    dist.broadcast(fp.sharded.to_local(), group=mesh.get_group(0),
+                                   group_src=0)
         p._pshard_id = i
         p._pshard_model_ref = weakref.ref(model)
         model.fsdp_params.append(fp)

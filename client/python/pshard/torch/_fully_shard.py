@@ -161,6 +161,9 @@ def _check_mesh(mesh):
     """mesh (None: the default) as the DeviceMesh the model shards over, with its placements
     and this rank's (shard index, shard count); TypeError/ValueError for a mesh pshard cannot
     shard over."""
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError("mesh must be a torch.distributed.device_mesh.DeviceMesh "
+                        f"(init_device_mesh), not {type(mesh).__name__}")
     if not pshard.is_initialized() or not dist.is_initialized():
         raise pshard.FailedPreconditionError(
             "fully_shard needs the process group: call pshard.init_process_group() first")
@@ -170,9 +173,6 @@ def _check_mesh(mesh):
                          "pshard.init_process_group())")
     if mesh is None:
         mesh = _default_mesh()
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError("mesh must be a torch.distributed.device_mesh.DeviceMesh "
-                        f"(init_device_mesh), not {type(mesh).__name__}")
     world = pshard.get_world_size()
     if mesh.mesh.reshape(-1).tolist() != list(range(world)):
         raise ValueError(f"mesh {mesh.mesh.tolist()} must hold every rank in order "
