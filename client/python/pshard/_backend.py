@@ -674,7 +674,10 @@ def _create(opts, backend_options):
         return pg
     if ranks != sorted(ranks):
         raise ValueError(f"backend pshard: group ranks {ranks} must be in increasing order")
-    handle = client.new_groups([ranks], _timeout_ms(opts.timeout), key=str(opts.group_id))[0]
+    # torch's group name, with the ranks: groups torch names alike (made in another order on
+    # some ranks) stay apart on the servers
+    key = f"{opts.group_id}:{','.join(map(str, ranks))}"
+    handle = client.new_groups([ranks], _timeout_ms(opts.timeout), key=key)[0]
     pg = ProcessGroupPshard(client, handle, handle.rank, handle.size, ranks, opts.timeout)
     _world.keep(pg)
     return pg
