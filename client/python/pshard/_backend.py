@@ -149,6 +149,16 @@ class _Calls:
         return Work(self.works, outputs, self.after)
 
 
+def _in_place(calls, op, buf, reduce=0, root=0):
+    """op (all_reduce, reduce, broadcast) on buf (1-D contiguous) in place, in pieces that fit
+    the scratch region."""
+    dt = _DTYPES[buf.dtype]
+    step = _steps(buf.element_size())
+    for i in range(0, buf.numel(), step):
+        piece = buf[i:i + step]
+        calls.run(op, piece, piece, piece.numel(), dt, reduce=reduce, root=root)
+
+
 def _steps(per_elem_bytes):
     """Chunk length (elements) so that a call's buffers stay within _CHUNK_BYTES."""
     return max(1, _CHUNK_BYTES // max(1, per_elem_bytes))
@@ -181,12 +191,7 @@ class ProcessGroupPshard(_CBackend):
             flat, back = _flat(t)
             if factor is not None:
                 flat.mul_(factor)
-            buf = _as_reduced(flat)
-            dt = _DTYPES[buf.dtype]
-            step = _steps(buf.element_size())
-            for i in range(0, buf.numel(), step):
-                piece = buf[i:i + step]
-                calls.run("all_reduce", piece, piece, piece.numel(), dt, reduce=red)
+            _in_place(calls, "all_reduce", _as_reduced(flat), reduce=red)
             calls.then(back)
 
     def allreduce(self, tensors, opts):
@@ -203,12 +208,7 @@ class ProcessGroupPshard(_CBackend):
                           for t in tensors])
         if factor is not None:
             flat.mul_(factor)
-        buf = _as_reduced(flat)
-        dt = _DTYPES[buf.dtype]
-        step = _steps(buf.element_size())
-        for i in range(0, buf.numel(), step):
-            piece = buf[i:i + step]
-            calls.run("all_reduce", piece, piece, piece.numel(), dt, reduce=red)
+        _in_place(calls, "all_reduce", _as_reduced(flat), reduce=red)
 
         def copy_out():
             at = 0
@@ -229,12 +229,7 @@ class ProcessGroupPshard(_CBackend):
                 # the root's tensor is overwritten; the others' must stay as they were
                 flat = flat.clone() if self.rank() != root else flat
                 flat.mul_(factor)
-            buf = _as_reduced(flat)
-            dt = _DTYPES[buf.dtype]
-            step = _steps(buf.element_size())
-            for i in range(0, buf.numel(), step):
-                piece = buf[i:i + step]
-                calls.run("reduce", piece, piece, piece.numel(), dt, reduce=red, root=root)
+            _in_place(calls, "reduce", _as_reduced(flat), reduce=red, root=root)
             if self.rank() == root:
                 calls.then(back)
         return calls.done(tensors)
@@ -298,11 +293,7 @@ class ProcessGroupPshard(_CBackend):
         for t in tensors:
             _cpu(t, "broadcast")
             flat, back = _flat(t)
-            buf = _bytes(flat)
-            step = _CHUNK_BYTES
-            for i in range(0, buf.numel(), step):
-                piece = buf[i:i + step]
-                calls.run("broadcast", piece, piece, piece.numel(), "uint8", root=root)
+            _in_place(calls, "broadcast", _bytes(flat), root=root)
             calls.then(back)
         return calls.done(tensors)
 

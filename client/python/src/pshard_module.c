@@ -943,8 +943,7 @@ static PyGetSetDef Client_getset[] = {
      "optimizer steps the defined model has taken (> 0 after a resume)", NULL},
     {"coordinator", (getter)Client_get_coordinator, NULL,
      "the coordinator HOST:PORT of this trainer's lease (\"\" without one)", NULL},
-    {"job", (getter)Client_get_job, NULL, "the job on the coordinator (\"\": its default)",
-     NULL},
+    {"job", (getter)Client_get_job, NULL, "the job on the coordinator (\"\": its default)", NULL},
     {NULL}};
 
 static PyTypeObject ClientType = {
