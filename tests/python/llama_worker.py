@@ -129,6 +129,8 @@ def train():
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)
         losses.append(mean.item())
         norms.append(float(norm))
+    import pshard.torch as pt
+    server_steps = pt.get_step(model)  # the steps the shard servers were told of
     if CKPT and FIRST == 0:
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=CKPT)
@@ -140,7 +142,7 @@ def train():
         logits = model(input_ids=probe).logits
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, f"rank-{rank}.json"), "w") as f:
-        json.dump({"losses": losses, "norms": norms}, f)
+        json.dump({"losses": losses, "norms": norms, "server_steps": server_steps}, f)
     if rank == 0:
         torch.save(full, os.path.join(OUT, "final.pt"))
         torch.save(logits, os.path.join(OUT, "logits.pt"))

@@ -69,8 +69,14 @@ def test_llama_torch_optim_dcp_2_then_3_ranks(tmp_path):
     """6 steps on 2 ranks, dcp.save, dcp.load on 3 ranks, 4 more steps."""
     want, ref_sd = reference(tmp_path)
     ckpt = tmp_path / "dcp"
-    check_steps(run(2, tmp_path / "a", 0, 6, ckpt), want, 0)
-    check_steps(run(3, tmp_path / "b", 6, 10, ckpt), want, 6)
+    first = run(2, tmp_path / "a", 0, 6, ckpt)
+    check_steps(first, want, 0)
+    second = run(3, tmp_path / "b", 6, 10, ckpt)
+    check_steps(second, want, 6)
+    # The servers were told of every torch.optim step (their step count, checkpoints and
+    # Join's check depend on it), also after DCP's state init stepped before the first forward.
+    assert [r["server_steps"] for r in first] == [6, 6], first
+    assert [r["server_steps"] for r in second] == [4, 4, 4], second
     check_final(tmp_path / "b", ref_sd)
 
 

@@ -230,7 +230,8 @@ def _models_of(opt):
                 "created before fully_shard): create the optimizer after fully_shard, from "
                 "model.parameters(), which are the sharded DTensor parameters")
         found = list(models.values())
-        _OPT_MODELS[opt] = found
+        if found:  # (a step before the first forward, DCP's state init, finds none yet)
+            _OPT_MODELS[opt] = found
     return [m for m in (r() for r in found) if m is not None]
 
 
