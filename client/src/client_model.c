@@ -400,16 +400,22 @@ void pshard_memory_stats(pshard_client_t *c, pshard_memory_stats_t *out)
     pthread_mutex_unlock(&c->mu);
 }
 
-/* What pshard_step, pshard_step_groups and pshard_step_trainer share: one Step with this
- * step's lr (set_lr), every group's hyperparameters (groups, ngroups > 0), or none of them for
- * a step the trainer's own optimizer took (trainer_stepped). */
+/* What pshard_step, pshard_step_groups, pshard_step_trainer and pshard_set_step share: one
+ * Step with this step's lr (set_lr), every group's hyperparameters (groups, ngroups > 0), or
+ * none of them for a step the trainer's own optimizer took (trainer_stepped) or one that sets
+ * the count (set_step_to >= 0). */
 static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
                                     const pshard_optim_group_t *groups, size_t ngroups,
-                                    bool trainer_stepped, int64_t *step, double *grad_norm)
+                                    bool trainer_stepped, int64_t set_step_to, int64_t *step,
+                                    double *grad_norm)
 {
     Pshard__StepRequest req = PSHARD__STEP_REQUEST__INIT;
     req.session = c->session;
     req.trainer_stepped = trainer_stepped;
+    if (set_step_to >= 0) {
+        req.set_step = true;
+        req.set_step_to = set_step_to;
+    }
     if (set_lr) {
         req.lr = lr;
         req.set_lr = true;
@@ -444,7 +450,7 @@ static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
 
 pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double *grad_norm)
 {
-    return step_request(c, lr >= 0, lr, NULL, 0, false, step, grad_norm);
+    return step_request(c, lr >= 0, lr, NULL, 0, false, -1, step, grad_norm);
 }
 
 pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step)
@@ -452,7 +458,18 @@ pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step)
     if (!c->nparams)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
                            "no model is defined: call pshard_define_model first");
-    return step_request(c, false, 0.0, NULL, 0, true, step, NULL);
+    return step_request(c, false, 0.0, NULL, 0, true, -1, step, NULL);
+}
+
+pshard_status_t pshard_set_step(pshard_client_t *c, int64_t step)
+{
+    if (!c->nparams)
+        return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                           "no model is defined: call pshard_define_model first");
+    if (step < 0)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "step count %lld is negative",
+                           (long long)step);
+    return step_request(c, false, 0.0, NULL, 0, false, step, NULL, NULL);
 }
 
 pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_t *groups,
@@ -461,7 +478,7 @@ pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_
     if (ngroups == 0 || !groups)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
                            "pshard_step_groups needs every group's hyperparameters (ngroups >= 1)");
-    return step_request(c, false, 0.0, groups, ngroups, false, step, grad_norm);
+    return step_request(c, false, 0.0, groups, ngroups, false, -1, step, grad_norm);
 }
 
 /* PSHARD_OK once a model is defined and everything issued before it has finished. */

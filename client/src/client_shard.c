@@ -18,6 +18,12 @@
 
 #define SRV_PREFIX "/pshard-srv-"
 
+/* An fp32 array of span bytes at off lies inside an object of bytes bytes, aligned. */
+static bool array_fits(uint64_t off, size_t span, uint64_t bytes)
+{
+    return off % sizeof(float) == 0 && off <= bytes && span <= bytes - off;
+}
+
 /* The name looks like the server's own objects: "/pshard-srv-" then letters, digits, '-'. */
 static bool name_ok(const char *name)
 {
@@ -101,12 +107,14 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
     out->rank = c->rank % shards;
     size_t elems = ps_layout_shard_numel(out->layout, out->rank);
     size_t span = elems * sizeof(float);
-    bool fits = r->shard_master_offset <= r->shard_shm_bytes &&
-                span <= r->shard_shm_bytes - r->shard_master_offset &&
-                (r->shard_grad_offset == 0 || (r->shard_grad_offset <= r->shard_shm_bytes &&
-                                               span <= r->shard_shm_bytes - r->shard_grad_offset));
-    if (r->shard_elements != elems || !fits || r->shard_master_offset % sizeof(float) != 0 ||
-        r->shard_grad_offset % sizeof(float) != 0 || !name_ok(name)) {
+    bool fits =
+        array_fits(r->shard_master_offset, span, r->shard_shm_bytes) &&
+        (r->shard_grad_offset == 0 || array_fits(r->shard_grad_offset, span, r->shard_shm_bytes)) &&
+        (r->shard_state0_offset == 0 ||
+         array_fits(r->shard_state0_offset, span, r->shard_shm_bytes)) &&
+        (r->shard_state1_offset == 0 ||
+         array_fits(r->shard_state1_offset, span, r->shard_shm_bytes));
+    if (r->shard_elements != elems || !fits || !name_ok(name)) {
         ps_snprintf(out->reason, sizeof(out->reason),
                     "the shard server announced a shard this client cannot place (%llu elements "
                     "where the layout gives rank %d of %d %zu, object %.64s of %llu bytes); step "
@@ -130,6 +138,8 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
     out->bytes = (size_t)r->shard_shm_bytes;
     out->master_off = (size_t)r->shard_master_offset;
     out->grad_off = (size_t)r->shard_grad_offset;
+    out->state0_off = (size_t)r->shard_state0_offset;
+    out->state1_off = (size_t)r->shard_state1_offset;
 }
 
 void client_shard_close(shard_map_t *s)
@@ -159,6 +169,8 @@ pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i, pshard_shard_vie
         uint8_t *base = s->base;
         out->master = (float *)(base + s->master_off) + at;
         out->grad = s->grad_off ? (float *)(base + s->grad_off) + at : NULL;
+        out->state0 = s->state0_off ? (float *)(base + s->state0_off) + at : NULL;
+        out->state1 = s->state1_off ? (float *)(base + s->state1_off) + at : NULL;
         out->numel = ps_layout_counts(s->layout, i)[s->rank];
         out->offset = ps_layout_piece_offset(s->layout, i, s->rank);
     }

@@ -418,6 +418,8 @@ out:
         a->shm_bytes = mm->shm.bytes;
         a->master_off = mm->shm_master_off;
         a->grad_off = mm->shm_grad_off;
+        a->state0_off = mm->shm_state0_off;
+        a->state1_off = mm->shm_state1_off;
         ps_strlcpy(a->shared_reason, mm->shared_reason, sizeof(a->shared_reason));
     }
     return rc;

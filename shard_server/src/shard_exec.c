@@ -353,6 +353,15 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
                                const shard_sop_t *op, int64_t ckpt_request, double *norm_out,
                                char *err, size_t errlen)
 {
+    if (op->set_step) {
+        /* A restored optimizer state: the count goes on from its step (Adam's bias
+         * correction, the checkpoint schedule); nothing else changes. */
+        pthread_mutex_lock(&s->mu);
+        m->step = op->step_to;
+        pthread_mutex_unlock(&s->mu);
+        *norm_out = 0.0;
+        return PSHARD_OK;
+    }
     if (op->trainer_stepped) {
         /* The trainer's optimizer updated the masters through the shared memory: nothing to
          * compute, clip or zero (the trainer owns the accumulators' lifetime then), only the

@@ -163,6 +163,8 @@ typedef struct {
     bool set_lr;
     bool trainer_stepped; /* step: the trainer's own optimizer updated the masters (only
                              counted here; refused while a rank has joined) */
+    bool set_step;        /* step: only sets the step count to step_to (a restored optimizer) */
+    int64_t step_to;
     size_t nwords;        /* step: the groups' new hyperparameters (shard_groups_encode); 0: */
     const int64_t *words; /* unchanged */
     double max_norm;      /* clip: clip_grad_norm's arguments */

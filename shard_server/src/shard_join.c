@@ -72,9 +72,10 @@ void shard_rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_fl
     r[W_NIDS] = (int64_t)op->nids;
     r[W_HASH] = (int64_t)ids_hash(op->ids, op->nids);
     if (op->kind == SHARD_SOP_STEP) {
-        r[W_ARG] = double_bits(op->lr);
+        r[W_ARG] = op->set_step ? op->step_to : double_bits(op->lr);
         r[W_COUNT] = (int64_t)op->nwords;
-        r[W_ROOT] = (int64_t)op->set_lr | (int64_t)op->trainer_stepped << 1;
+        r[W_ROOT] =
+            (int64_t)op->set_lr | (int64_t)op->trainer_stepped << 1 | (int64_t)op->set_step << 2;
         r[W_HASH] = (int64_t)words_hash(op->words, op->nwords);
     } else if (op->kind == SHARD_SOP_CLIP) {
         r[W_ARG] = double_bits(op->max_norm);
@@ -222,10 +223,12 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
     op->nids = (size_t)f[W_NIDS];
     op->reduce = (uint32_t)f[W_REDUCE];
     if (op->kind == SHARD_SOP_STEP) {
-        op->lr = bits_double(f[W_ARG]);
         op->nwords = (size_t)f[W_COUNT];
         op->set_lr = (f[W_ROOT] & 1) != 0;
         op->trainer_stepped = (f[W_ROOT] & 2) != 0;
+        op->set_step = (f[W_ROOT] & 4) != 0;
+        op->lr = op->set_step ? 0.0 : bits_double(f[W_ARG]);
+        op->step_to = op->set_step ? f[W_ARG] : 0;
         return PSHARD_OK;
     }
     if (op->kind == SHARD_SOP_CLIP) {

@@ -115,13 +115,13 @@ void shard_model_free(shard_model_t *m)
             m->dev->free_mem(m->device, arrays[i]);
     } else {
         if (m->shm.base) {
-            shard_shm_destroy(&m->shm); /* master and grad */
+            shard_shm_destroy(&m->shm); /* master, grad and the state */
         } else {
             free_touched(m->master, bytes);
             free_touched(m->grad, bytes);
+            free_touched(m->state0, bytes);
+            free_touched(m->state1, bytes);
         }
-        free_touched(m->state0, bytes);
-        free_touched(m->state1, bytes);
         free_touched(m->stage, m->max_piece * 4);
         free_touched(m->unit_stage, m->unit_stage_bytes);
     }
@@ -132,17 +132,19 @@ void shard_model_free(shard_model_t *m)
     free(m);
 }
 
-/* Host storage the trainer can map: master and (without in_backward) grad in one new
- * shared-memory object, each array at the start of its own touched_len span, so pinning and
- * huge pages work on them as on alloc_touched's. When no_share is set, or the object cannot be
- * made, m->shm stays empty and m->shared_reason says why (the caller allocates privately). */
-static void alloc_shared(shard_model_t *m, size_t bytes, bool in_backward, const char *no_share)
+/* Host storage the trainer can map: master, (without in_backward) grad and the nstate
+ * optimizer state arrays in one new shared-memory object, each array at the start of its own
+ * touched_len span, so pinning and huge pages work on them as on alloc_touched's. When
+ * no_share is set, or the object cannot be made, m->shm stays empty and m->shared_reason says
+ * why (the caller allocates privately). */
+static void alloc_shared(shard_model_t *m, size_t bytes, bool in_backward, int nstate,
+                         const char *no_share)
 {
     if (no_share) {
         ps_strlcpy(m->shared_reason, no_share, sizeof(m->shared_reason));
         return;
     }
-    size_t span = touched_len(bytes), total = span * (in_backward ? 1 : 2);
+    size_t span = touched_len(bytes), total = span * (size_t)(1 + !in_backward + nstate);
     char why[PSHARD_ERRLEN] = "";
     if (shard_shm_create(total, HUGE_FROM, &m->shm, why, sizeof(why)) != PSHARD_OK) {
         PS_WARN(PS_SUB_SHARD, "the shard stays private to this server: %s", why);
@@ -152,11 +154,23 @@ static void alloc_shared(shard_model_t *m, size_t bytes, bool in_backward, const
                     why);
         return;
     }
+    uint8_t *base = m->shm.base;
+    size_t at = span;
     m->master = m->shm.base;
     m->shm_master_off = 0;
     if (!in_backward) {
-        m->shm_grad_off = span;
-        m->grad = (float *)((uint8_t *)m->shm.base + span);
+        m->shm_grad_off = at;
+        m->grad = (float *)(base + at);
+        at += span;
+    }
+    if (nstate >= 1) {
+        m->shm_state0_off = at;
+        m->state0 = (float *)(base + at);
+        at += span;
+    }
+    if (nstate >= 2) {
+        m->shm_state1_off = at;
+        m->state1 = (float *)(base + at);
     }
 }
 
@@ -440,16 +454,16 @@ pshard_status_t shard_model_create(
         if (rc != PSHARD_OK)
             goto fail;
     } else {
-        alloc_shared(m, bytes, in_backward, no_share);
+        alloc_shared(m, bytes, in_backward, nstate, no_share);
         if (!m->shm.base) {
             m->master = alloc_touched(bytes);
             if (!in_backward)
                 m->grad = alloc_touched(bytes);
+            if (nstate >= 1)
+                m->state0 = alloc_touched(bytes);
+            if (nstate >= 2)
+                m->state1 = alloc_touched(bytes);
         }
-        if (nstate >= 1)
-            m->state0 = alloc_touched(bytes);
-        if (nstate >= 2)
-            m->state1 = alloc_touched(bytes);
         m->stage = alloc_touched(m->max_piece * 4); /* widest staged type: fp32 */
     }
     if (!m->master || (in_backward ? !m->reduced : !m->grad) || (nstate >= 1 && !m->state0) ||

@@ -56,12 +56,14 @@ typedef struct {
     shard_param_t *params;
     size_t shard_numel;                     /* elements this rank owns */
     float *master, *grad, *state0, *state1; /* device memory when dev is set */
-    /* Host shards shared with the trainer: master (at shm_master_off) and grad (at
-     * shm_grad_off; 0 without one) inside one shared-memory object the trainer maps
-     * (pshard_shard_view). shm.name is "" when they are private memory instead, and
-     * shared_reason then says why (GPU-resident shards, a remote trainer, /dev/shm full). */
+    /* Host shards shared with the trainer: master (at shm_master_off), grad (at
+     * shm_grad_off) and the optimizer state (state0 at shm_state0_off, state1 at
+     * shm_state1_off; an offset is 0 where the array does not exist) inside one shared-memory
+     * object the trainer maps (pshard_shard_view). shm.name is "" when they are private memory
+     * instead, and shared_reason then says why (GPU-resident shards, a remote trainer,
+     * /dev/shm full). */
     shard_shm_t shm;
-    size_t shm_master_off, shm_grad_off;
+    size_t shm_master_off, shm_grad_off, shm_state0_off, shm_state1_off;
     char shared_reason[PSHARD_ERRLEN];
     /* GPU-resident shards (--backend nccl --offload none): the operations on that memory
      * (shard_cuda.h) and the CUDA device; NULL: host memory. */
@@ -112,7 +114,8 @@ typedef struct {
  * ngroups. SGD momentum state exists when some group that is not frozen has momentum != 0.
  * Allocates and pre-touches storage: host memory when dev is NULL, else zeroed memory of dev
  * (shard_cuda.h) on CUDA device `device` (GPU-resident shards; errors then may be CUDA).
- * Host master weights and accumulator go into one new shared-memory object (m->shm) unless
+ * Host master weights, accumulator and optimizer state go into one new shared-memory object
+ * (m->shm) unless
  * no_share is non-NULL (the reason they are not shared, copied into m->shared_reason); when
  * the object cannot be made (e.g. /dev/shm is full) they are private memory and the reason
  * says so: the definition does not fail for it.

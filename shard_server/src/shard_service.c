@@ -192,6 +192,8 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.shard_shm_bytes = a.shm_bytes;
     out.shard_master_offset = a.master_off;
     out.shard_grad_offset = a.grad_off;
+    out.shard_state0_offset = a.state0_off;
+    out.shard_state1_offset = a.state1_off;
     out.shard_shared_reason = a.shared_reason;
     answer(call, rc, err, &out.base);
 }
@@ -533,6 +535,17 @@ static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm,
     if (req->set_lr && req->n_groups > 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "a step carries either groups (each with its lr) or lr, not both");
+    if (req->set_step) {
+        if (req->set_lr || req->n_groups > 0 || req->trainer_stepped)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "a step that sets the step count carries nothing else");
+        if (req->set_step_to < 0 || req->set_step_to > ((int64_t)1 << 53))
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "step count %" PRId64 " is not in 0 .. 2^53", req->set_step_to);
+        op->sop.set_step = true;
+        op->sop.step_to = req->set_step_to;
+        return PSHARD_OK;
+    }
     if (req->trainer_stepped) {
         if (req->set_lr || req->n_groups > 0)
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,

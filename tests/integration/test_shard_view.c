@@ -255,6 +255,15 @@ static int trainer_main(int argc, char **argv)
         CHECK(step == 1, "the trainer step is step %lld, not 1", (long long)step);
         CHECK(pshard_step_trainer(c, &step) == PSHARD_OK && step == 2, "second step: %s",
               pshard_last_error(c));
+        /* A restored count (a loaded optimizer state) goes on from there, changing nothing. */
+        CHECK(pshard_set_step(c, -1) == PSHARD_ERR_INVALID_ARGUMENT, "a negative count: %s",
+              pshard_last_error(c));
+        CHECK(pshard_set_step(c, 7) == PSHARD_OK, "set_step: %s", pshard_last_error(c));
+        CHECK(pshard_step_trainer(c, &step) == PSHARD_OK && step == 8,
+              "the step after set_step(7) is %lld: %s", (long long)step, pshard_last_error(c));
+        /* SGD without momentum keeps no optimizer state. */
+        CHECK(pshard_shard_view(c, 0, &v) == PSHARD_OK && !v.state0 && !v.state1,
+              "SGD without momentum shows optimizer state");
     }
     for (int p = 0; p < NP; p++) {
         CHECK(pshard_shard_view(c, (size_t)p, &v) == PSHARD_OK, "view: %s", pshard_last_error(c));

@@ -293,6 +293,9 @@ typedef struct {
                       no rows; the pointers are then not to be dereferenced) */
     size_t offset; /* index, in the full parameter flattened row-major, of the first element
                       (FSDP2: first row * row size; FSDP1 cuts anywhere) */
+    float *state0; /* the shard servers' optimizer state of these elements (numel each), or
+                      NULL where their optimizer keeps none: state0 is Adam's exp_avg or SGD's */
+    float *state1; /* momentum buffer, state1 Adam's exp_avg_sq (torch.optim's names) */
 } pshard_shard_view_t;
 
 /* Fills *out with parameter i's shard on this rank, over the shard ranks of this trainer's
@@ -324,6 +327,14 @@ PSHARD_API pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i,
  * and on every rank while some rank has joined (without throw_on_early_termination): a joined
  * rank's trainer no longer steps its shard; the collectives' own. Not thread-safe. */
 PSHARD_API pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step);
+
+/* Sets the shard servers' step count to step (>= 0) and changes nothing else: what loading
+ * the servers' optimizer state (through pshard_shard_view's state arrays) ends with, so that
+ * Adam's bias correction and the checkpoint schedule go on from the saved step. Collective
+ * like pshard_step (waits for queued work first; every trainer passes the same step, else
+ * DESYNC). Errors: FAILED_PRECONDITION with no model, INVALID_ARGUMENT for a negative step or
+ * one above 2^53, the collectives' own. Not thread-safe. */
+PSHARD_API pshard_status_t pshard_set_step(pshard_client_t *c, int64_t step);
 
 /* torch.nn.utils.clip_grad_norm_ on the shard servers, after backward and before the step:
  * *total_norm (may be NULL) gets the fp32 norm of every rank's accumulated gradients (frozen

@@ -120,6 +120,30 @@ static void test_verdict_joined_ranks(void)
     shard_agreement_free(&ag);
 }
 
+/* A step that sets the count: its value travels in the agreement, and two ranks that would set
+ * different counts are a desync. */
+static void test_verdict_set_step(void)
+{
+    int64_t recs[2 * REC_WORDS];
+    shard_sop_t a = {.kind = SHARD_SOP_STEP, .set_step = true, .step_to = 1234567};
+    shard_sop_t b = a;
+    b.step_to = 7;
+    agreement_t ag;
+    char err[512] = "";
+    rec_op(recs, 0, &a, 0);
+    rec_op(recs, 1, &a, 0);
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_TRUE(ag.op.set_step);
+    CU_ASSERT_FALSE(ag.op.trainer_stepped);
+    CU_ASSERT_EQUAL(ag.op.step_to, 1234567);
+    CU_ASSERT_EQUAL(ag.op.lr, 0.0);
+    shard_agreement_free(&ag);
+    rec_op(recs, 1, &b, 0);
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &a, recs, err, sizeof(err)), PSHARD_ERR_DESYNC);
+    shard_agreement_free(&ag);
+}
+
 /* A step the trainers' own optimizer took: told apart from a server-side step (a desync), and
  * refused on every active rank while some rank has joined, naming each joined rank. */
 static void test_verdict_trainer_step(void)
@@ -491,6 +515,7 @@ int main(void)
         {"verdict: joined, throwing and all-joined ranks", test_verdict_joined_ranks},
         {"verdict: a broadcast whose root joined", test_verdict_broadcast_root_joined},
         {"verdict: a step the trainers' optimizer took", test_verdict_trainer_step},
+        {"verdict: a step that sets the count", test_verdict_set_step},
         {"verdict: malformed records", test_verdict_malformed},
         {"verdict: process groups", test_verdict_new_groups},
         {"verdict: send / recv", test_verdict_p2p},
