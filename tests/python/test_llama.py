@@ -80,11 +80,25 @@ def test_llama_torch_optim_dcp_2_then_3_ranks(tmp_path):
     check_final(tmp_path / "b", ref_sd)
 
 
-def test_llama_server_side_adamw(tmp_path):
-    """pshard.torch.optim.AdamW (the optimizer on the shard servers) on 2 ranks."""
+def test_llama_server_side_adamw_dcp(tmp_path):
+    """pshard.torch.optim.AdamW (the optimizer on the shard servers): 6 steps on 2 ranks,
+    dcp.save of its state (the servers' memory as DTensors), dcp.load on 3 ranks, 4 more steps;
+    and the same checkpoint continued by torch.optim.AdamW in the trainer (the state dict is
+    torch's format)."""
     want, ref_sd = reference(tmp_path)
-    check_steps(run(2, tmp_path / "a", 0, 10, env={"LLAMA_OPT": "pshard"}), want, 0)
-    check_final(tmp_path / "a", ref_sd)
+    ckpt = tmp_path / "dcp"
+    pshard_opt = {"LLAMA_OPT": "pshard"}
+    first = run(2, tmp_path / "a", 0, 6, ckpt, env=pshard_opt)
+    check_steps(first, want, 0)
+    second = run(3, tmp_path / "b", 6, 10, ckpt, env=pshard_opt)
+    check_steps(second, want, 6)
+    # The servers' step count (Adam's bias correction) went on from the checkpoint's.
+    assert [r["server_steps"] for r in first] == [6, 6], first
+    assert [r["server_steps"] for r in second] == [10, 10, 10], second
+    check_final(tmp_path / "b", ref_sd)
+    third = run(2, tmp_path / "c", 6, 10, ckpt)
+    check_steps(third, want, 6)
+    check_final(tmp_path / "c", ref_sd)
 
 
 @pytest.mark.parametrize("opt", ["torch", "pshard"])

@@ -888,6 +888,11 @@ static PyMethodDef Client_methods[] = {
     {"shard_view", (PyCFunction)Client_shard_view, METH_O,
      "shard_view(i) -> (master, grad or None, offset, numel): this rank's fp32 shard of "
      "parameter i in the shard server's memory (1-D Buffers of numel elements)"},
+    {"shard_state", (PyCFunction)Client_shard_state, METH_O,
+     "shard_state(i) -> (state0 or None, state1 or None): the shard servers' optimizer state of "
+     "the elements of shard_view(i) (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer, None)"},
+    {"set_step", (PyCFunction)Client_set_step, METH_O,
+     "set_step(n): the shard servers' step count becomes n (a restored optimizer state)"},
     {"clip_grad_norm", (PyCFunction)Client_clip_grad_norm, METH_VARARGS,
      "clip_grad_norm(max_norm, norm_type=2.0) -> total norm"},
     {"join", (PyCFunction)(void (*)(void))Client_join, METH_VARARGS | METH_KEYWORDS,

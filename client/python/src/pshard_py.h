@@ -132,10 +132,12 @@ PyObject *pshard_py_work_started(ClientObject *self, WorkObject *w, pshard_statu
 PyObject *pshard_py_buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype,
                                PyObject *shape);
 
-/* Client.shard_view and Client.step_trainer (pshard_shard.c), for the Client's method
- * table. */
+/* Client.shard_view, shard_state, step_trainer and set_step (pshard_shard.c), for the
+ * Client's method table. */
 PyObject *Client_shard_view(ClientObject *self, PyObject *arg);
 PyObject *Client_step_trainer(ClientObject *self, PyObject *unused);
+PyObject *Client_shard_state(ClientObject *self, PyObject *arg);
+PyObject *Client_set_step(ClientObject *self, PyObject *arg);
 
 /* Client.define_model (pshard_define.c), for the Client's method table. */
 PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObject *kw);

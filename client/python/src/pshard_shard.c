@@ -1,7 +1,8 @@
 /* pshard._C's views of the shard server's own memory: Client.shard_view(i), this rank's fp32
  * master weights and gradient accumulator of parameter i as Buffers (what a DTensor's local
- * shard and its .grad are made from), and Client.step_trainer(), which ends a step that a
- * torch.optim optimizer took on them. */
+ * shard and its .grad are made from), Client.shard_state(i), the servers' optimizer state of
+ * the same elements, Client.step_trainer(), which ends a step that a torch.optim optimizer
+ * took on them, and Client.set_step(n), which restores the servers' step count. */
 #include "pshard_py.h"
 
 PyObject *Client_shard_view(ClientObject *self, PyObject *arg)
@@ -48,4 +49,55 @@ PyObject *Client_step_trainer(ClientObject *self, PyObject *unused)
     if (st != PSHARD_OK)
         return pshard_py_client_fail(self, st);
     return PyLong_FromLongLong((long long)step);
+}
+
+/* A Buffer over n fp32 values at p, or None when p is NULL. */
+static PyObject *view_or_none(ClientObject *self, float *p, PyObject *shape)
+{
+    if (!p)
+        Py_RETURN_NONE;
+    return pshard_py_buffer_new(self, p, PSHARD_FP32, shape);
+}
+
+PyObject *Client_shard_state(ClientObject *self, PyObject *arg)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (!pshard_py_client_ok(self))
+        return NULL;
+    if (i < 0)
+        return pshard_py_raise_status(PSHARD_ERR_INVALID_ARGUMENT, "a parameter index is >= 0");
+    pshard_shard_view_t v;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_shard_view(self->c, (size_t)i, &v));
+    if (st != PSHARD_OK)
+        return pshard_py_client_fail(self, st);
+    PyObject *shape = Py_BuildValue("(n)", (Py_ssize_t)v.numel);
+    if (!shape)
+        return NULL;
+    PyObject *s0 = view_or_none(self, v.state0, shape);
+    PyObject *s1 = s0 ? view_or_none(self, v.state1, shape) : NULL;
+    Py_DECREF(shape);
+    if (!s1) {
+        Py_XDECREF(s0);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", s0, s1);
+}
+
+PyObject *Client_set_step(ClientObject *self, PyObject *arg)
+{
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (!pshard_py_client_ok(self))
+        return NULL;
+    if (n < 0)
+        return pshard_py_raise_status(PSHARD_ERR_INVALID_ARGUMENT, "a step count is >= 0");
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_set_step(self->c, (int64_t)n));
+    if (st != PSHARD_OK)
+        return pshard_py_client_fail(self, st);
+    Py_RETURN_NONE;
 }

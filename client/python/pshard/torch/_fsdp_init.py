@@ -244,6 +244,8 @@ def lazy_init(root_unit):
     for o in opts:
         o._pshard_model = model
     _check_uncovered(model, opts)
+    for o in opts:  # a state loaded before the definition (DCP's load) goes to the servers
+        o._pshard_apply_pending()
     return model
 
 

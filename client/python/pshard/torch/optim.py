@@ -3,15 +3,20 @@ signatures and defaults. Each shard server updates its slice of every parameter 
 master weights and optimizer state; ``step()`` waits for the gradients' reduce-scatters and
 sends every param_group's hyperparameters (read at every step, so torch.optim.lr_scheduler
 schedulers work unchanged). Create the optimizer after fully_shard and before the model's
-first forward, which defines the model to the servers. The state lives on the servers, not in
-``optimizer.state`` (pshard.torch.save_checkpoint saves it; ``state_dict()`` raises, saying
-so). Any torch.optim optimizer may step the same sharded parameters in the trainer instead.
-Options pshard cannot honour (amsgrad, maximize, capturable, differentiable, fused) raise
-ValueError.
+first forward, which defines the model to the servers. The state lives in the servers' memory,
+not in the trainer: ``state_dict()`` gives it as torch's optimizers name it (Adam's ``step``,
+``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``), each tensor a DTensor shaped and
+placed like its parameter whose local tensor views the server's memory (so torch's
+``get_optimizer_state_dict``/``set_optimizer_state_dict`` and ``torch.distributed.checkpoint``
+work, and a checkpoint loads into torch's own optimizer and back); ``load_state_dict`` writes
+it there (before the first forward it is kept until the model is defined). Any torch.optim
+optimizer may step the same sharded parameters in the trainer instead. Options pshard cannot
+honour (amsgrad, maximize, capturable, differentiable, fused) raise ValueError.
 """
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import pshard
 from ._join import NoopJoinHook
@@ -53,26 +58,184 @@ class _Optimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults):
         self._pshard_model = None
+        self._pshard_pending = None  # a state loaded before the model was defined
         super().__init__(params, defaults)
         # The state lives on the servers. An entry here tells torch's DCP helpers
         # (get_optimizer_state_dict) it exists, so they do not run a "zero-lr" step to make
-        # one, which would advance the servers' Adam step count; state_dict() then says
-        # where it is.
-        self.state["pshard"] = "the optimizer state is on the shard servers"
+        # one, which would advance the servers' Adam step count.
+        self.state["pshard"] = "the optimizer state is on the shard servers: see state_dict()"
         _ALL.add(self)
 
+    # The state's names, torch.optim's: the server's state arrays in order (state0, state1).
+    _state_names = ()
+
+    def _pshard_state_names(self, group):
+        return self._state_names
+
+    def _pshard_params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _pshard_local_shape(self, p):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        return tuple(local.shape)
+
+    def _pshard_as_dtensor(self, p, local):
+        if not isinstance(p, DTensor):
+            return local
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+
+    def _pshard_views(self, p):
+        """The server's state arrays of p's shard (local tensors shaped like p's), or None
+        before the model is defined."""
+        model = self._pshard_model
+        if model is None:
+            return None
+        s0, s1 = model.client.shard_state(p._pshard_id)
+        shape = self._pshard_local_shape(p)
+        return [torch.from_dlpack(v).view(shape) if v is not None else None for v in (s0, s1)]
+
     def state_dict(self):
-        raise NotImplementedError(
-            f"pshard.torch.optim.{type(self).__name__} keeps its state on the shard servers, "
-            "not in the trainer: checkpoint it with pshard.torch.save_checkpoint(model) (or "
-            "pshardrun --checkpoint-dir), which loads on any world size; for "
-            "torch.distributed.checkpoint use a torch.optim optimizer, which steps the same "
-            "sharded parameters in the trainer")
+        """torch.optim's state dict of the servers' state (see the module's doc): per trained
+        parameter its DTensors (views of the servers' memory once the model is defined; before
+        that zeros, or what load_state_dict was given, for torch.distributed.checkpoint.load
+        to fill in) and, for Adam, ``step`` as torch keeps it (a float32 scalar tensor)."""
+        index, groups, state = {}, [], {}
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
+            groups.append(d)
+        model = self._pshard_model
+        step = model.step if model is not None else (
+            self._pshard_pending[1] if self._pshard_pending else 0)
+        for g in self.param_groups:
+            names = self._pshard_state_names(g)
+            for p in g["params"]:
+                if not p.requires_grad or not names:
+                    continue
+                views = self._pshard_views(p)
+                if views is None:
+                    pend = (self._pshard_pending or ({}, 0))[0].get(id(p))
+                    shape = self._pshard_local_shape(p)
+                    views = pend or [torch.zeros(shape) for _ in names]
+                st = {n: self._pshard_as_dtensor(p, v) for n, v in zip(names, views)}
+                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+                state[index[id(p)]] = st
+        return {"state": state, "param_groups": groups}
+
+    def _pshard_local(self, p, name, v):
+        """This rank's rows of a loaded state tensor v of parameter p (a DTensor like p, or a
+        full plain tensor), fp32; ValueError naming what does not fit."""
+        shape = self._pshard_local_shape(p)
+        if isinstance(v, DTensor):
+            if tuple(v.shape) != tuple(p.shape) or v.placements != p.placements:
+                raise ValueError(f"optimizer state '{name}' is a DTensor of shape "
+                                 f"{tuple(v.shape)} placed {v.placements}; its parameter is "
+                                 f"{tuple(p.shape)} placed {p.placements}")
+            v = v.to_local()
+        elif isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) and \
+                isinstance(p, DTensor):
+            from ._fsdp_param import shard_rows
+            dim = p.placements[-1].dim
+            mesh_dim = p.device_mesh.ndim - 1
+            lo, rows = shard_rows(p.shape[dim], p.device_mesh.get_local_rank(mesh_dim),
+                                  p.device_mesh.size(mesh_dim))
+            v = v.narrow(dim, lo, rows)
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape:
+            raise ValueError(f"optimizer state '{name}' of shape "
+                             f"{tuple(getattr(v, 'shape', ()))} does not fit this rank's "
+                             f"shard of its parameter, {shape}")
+        return v.detach().to(torch.float32)
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError(
-            f"pshard.torch.optim.{type(self).__name__} keeps its state on the shard servers: "
-            "resume it with pshardrun --resume DIR (a pshard checkpoint)")
+        """Loads torch.optim's state dict format (this optimizer's own, or torch's optimizer of
+        the same kind: keys by index or, from torch.distributed.checkpoint's helpers, by
+        parameter name, matched by position as torch does) into the servers' memory, and
+        sets the servers' step count to its ``step``; before the model's first forward it is
+        kept until the model is defined. The parameter groups' hyperparameters are replaced
+        by the saved ones, as torch does."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"the loaded state dict has {len(saved)} parameter groups, this "
+                             f"optimizer {len(self.param_groups)}")
+        for g, sg in zip(self.param_groups, saved):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError("the loaded state dict has a parameter group of "
+                                 f"{len(sg['params'])} parameters where this optimizer's has "
+                                 f"{len(g['params'])}")
+        new_groups = []
+        for g, sg in zip(self.param_groups, saved):
+            ng = {k: v for k, v in sg.items() if k != "params"}
+            ng["params"] = g["params"]
+            _unsupported(ng, self._refused)
+            self._pshard_group_dict(ng)  # validates the values
+            new_groups.append(ng)
+        keys = {}
+        for g, sg in zip(self.param_groups, saved):
+            for p, k in zip(g["params"], sg["params"]):
+                keys[k] = p
+        locals_, steps = {}, {}
+        for k, st in state_dict.get("state", {}).items():
+            p = keys.get(k)
+            if p is None:
+                raise ValueError(f"the loaded state dict has state for parameter {k!r}, which "
+                                 "is in none of its parameter groups")
+            g = next(g for g in new_groups if any(q is p for q in g["params"]))
+            names = self._pshard_state_names(g)
+            if not p.requires_grad or not names:
+                continue
+            missing = [n for n in names if n not in st]
+            if missing:
+                raise ValueError(f"the loaded state of parameter {k!r} lacks {missing} (it has "
+                                 f"{sorted(st)}): it is not {type(self).__name__}'s")
+            locals_[id(p)] = [self._pshard_local(p, n, st[n]) for n in names]
+            if "step" in st:
+                s = st["step"]
+                steps[k] = int(round(float(s.item() if isinstance(s, torch.Tensor) else s)))
+        if len(set(steps.values())) > 1:
+            raise ValueError("the loaded state's parameters took different numbers of steps "
+                             f"({dict(list(steps.items())[:4])} ...); pshard's shard servers "
+                             "keep one step count for the model, so this state cannot be "
+                             "given the same values here: continue it with the optimizer "
+                             "that saved it")
+        step = steps.popitem()[1] if steps else None
+        if step is None and locals_:
+            # torch's SGD keeps no count: a loaded momentum buffer is used from the next step
+            # on, which the servers do once their count is past 0.
+            step = max(1, self._pshard_model.step if self._pshard_model else 0)
+        for g, ng in zip(self.param_groups, new_groups):
+            # In place: the model keeps these dicts (it reads them at every step).
+            params = g["params"]
+            g.clear()
+            g.update(ng)
+            g["params"] = params
+        self._pshard_pending = (locals_, step)
+        if self._pshard_model is not None:
+            self._pshard_apply_pending()
+
+    def _pshard_apply_pending(self):
+        """Writes a loaded state into the servers' memory (the model is defined)."""
+        if not self._pshard_pending:
+            return
+        locals_, step = self._pshard_pending
+        self._pshard_pending = None
+        with torch.no_grad():
+            for p in self._pshard_params():
+                vals = locals_.get(id(p))
+                if vals is None:
+                    continue
+                views = self._pshard_views(p)
+                for view, v in zip(views, vals):
+                    if view is None:
+                        raise ValueError("the shard servers keep no such optimizer state for "
+                                         "this model (SGD without momentum?)")
+                    if view.data_ptr() != v.data_ptr():
+                        view.copy_(v)
+        model = self._pshard_model
+        if step is not None and step != model.step:
+            model.wait_reductions()
+            model.client.set_step(step)
+            model.step = step
 
     def add_param_group(self, param_group):
         if getattr(self, "_pshard_model", None) is not None:
@@ -130,6 +293,9 @@ class SGD(_Optimizer):
     """torch.optim.SGD on the shard servers (momentum, dampening, nesterov, weight_decay)."""
     _pshard_kind = "sgd"
 
+    def _pshard_state_names(self, group):
+        return ("momentum_buffer",) if float(group["momentum"]) != 0 else ()
+
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False,
                  *, maximize=False, foreach=None, differentiable=False, fused=None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
@@ -152,6 +318,7 @@ class Adam(_Optimizer):
     AdamW)."""
     _pshard_kind = "adam"
     _refused = _Optimizer._refused + (("amsgrad", (False,)),)
+    _state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
