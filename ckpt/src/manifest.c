@@ -188,6 +188,10 @@ pshard_status_t ckpt_manifest_check(const ps_ckpt_manifest_t *m, char *err, size
             if (pr->shape[d] < 0)
                 return invalid(err, errlen, "params[%zu].shape[%d]: %" PRId64 " is negative", p, d,
                                pr->shape[d]);
+        if (pr->skipped < 0 || pr->skipped > m->step)
+            return invalid(err, errlen,
+                           "params[%zu].skipped_steps: %" PRId64 " is not in 0..%" PRId64, p,
+                           pr->skipped, m->step);
         if (ckpt_param_numel(pr) == UINT64_MAX)
             return invalid(err, errlen, "params[%zu].shape: more than %" PRIu64 " elements", p,
                            CKPT_MAX_NUMEL);
@@ -378,8 +382,11 @@ static json_t *manifest_json(const ps_ckpt_manifest_t *m, const size_t *order)
         for (int d = 0; shape && d < pr->ndim; d++)
             if (json_array_append_new(shape, json_integer(pr->shape[d])) != 0)
                 json_decref(shape), shape = NULL;
-        ok = shape && json_array_append_new(
-                          params, json_pack("{s:s, s:o}", "name", pr->name, "shape", shape)) == 0;
+        json_t *entry = shape ? json_pack("{s:s, s:o}", "name", pr->name, "shape", shape) : NULL;
+        if (entry && pr->skipped != 0 &&
+            json_object_set_new(entry, "skipped_steps", json_integer(pr->skipped)) != 0)
+            json_decref(entry), entry = NULL;
+        ok = entry && json_array_append_new(params, entry) == 0;
     }
     for (size_t i = 0; ok && i < m->nfiles; i++) {
         const ps_ckpt_file_t *f = &m->files[order[i]];
@@ -509,8 +516,8 @@ static const ckpt_json_field_t optim_fields[] = {
     {"nesterov", CKPT_JSON_BOOLEAN}, {"weight_decay", CKPT_JSON_NUMBER},
     {"beta1", CKPT_JSON_NUMBER},     {"beta2", CKPT_JSON_NUMBER},
     {"eps", CKPT_JSON_NUMBER},       {"max_grad_norm", CKPT_JSON_NUMBER}};
-static const ckpt_json_field_t param_fields[] = {{"name", CKPT_JSON_STRING},
-                                                 {"shape", CKPT_JSON_ARRAY}};
+static const ckpt_json_field_t param_fields[] = {
+    {"name", CKPT_JSON_STRING}, {"shape", CKPT_JSON_ARRAY}, {"skipped_steps", CKPT_JSON_INTEGER}};
 static const ckpt_json_field_t file_fields[] = {
     {"rank", CKPT_JSON_INTEGER},   {"path", CKPT_JSON_STRING},         {"bytes", CKPT_JSON_INTEGER},
     {"crc32c", CKPT_JSON_INTEGER}, {"shard_numel", CKPT_JSON_INTEGER}, {"pieces", CKPT_JSON_ARRAY}};
@@ -554,11 +561,11 @@ static pshard_status_t read_params(const json_t *arr, ps_ckpt_manifest_t *m, cha
         ps_ckpt_param_t *pr = &m->params[p];
         const char *name;
         size_t name_len;
-        json_t *shape;
+        json_t *shape, *skipped = NULL;
         json_error_t je;
-        if (json_unpack_ex((json_t *)entry, &je, JSON_STRICT, "{s:s%, s:o}", "name", &name,
-                           &name_len, "shape", &shape) != 0 ||
-            !json_is_array(shape))
+        if (json_unpack_ex((json_t *)entry, &je, JSON_STRICT, "{s:s%, s:o, s?o}", "name", &name,
+                           &name_len, "shape", &shape, "skipped_steps", &skipped) != 0 ||
+            !json_is_array(shape) || (skipped && !json_is_integer(skipped)))
             return ckpt_json_explain(entry, where, param_fields, PS_ARRAY_LEN(param_fields), err,
                                      errlen);
         PS_CHECK(copy_string(name, name_len, path, pr->name, sizeof(pr->name), err, errlen));
@@ -577,6 +584,11 @@ static pshard_status_t read_params(const json_t *arr, ps_ckpt_manifest_t *m, cha
                            ckpt_json_type_name(dim), d);
             pr->shape[d] = json_integer_value(dim);
             PS_CHECK(in_range(pr->shape[d], dpath, 0, INT64_MAX, err, errlen));
+        }
+        if (skipped) {
+            snprintf(path, sizeof(path), "%s.skipped_steps", where);
+            pr->skipped = json_integer_value(skipped);
+            PS_CHECK(in_range(pr->skipped, path, 0, m->step, err, errlen));
         }
     }
     return PSHARD_OK;

@@ -35,13 +35,14 @@ typedef struct {
 
 /* The shard server's fp32 shard of the model, mapped from the shared-memory object it created
  * (pshard_shard_view): master weights at master_off, gradient accumulator at grad_off and
- * the servers' optimizer state at state0_off and state1_off (0: none), this rank's pieces laid out
+ * the servers' optimizer state at state0_off and state1_off (0: none) and the parameters' step
+ * counts at steps_off, this rank's pieces laid out
  * by layout over the shard ranks of its replica. base NULL: not mapped, and reason says why and
  * what to do instead. */
 typedef struct {
     void *base;
     size_t bytes;
-    size_t master_off, grad_off, state0_off, state1_off;
+    size_t master_off, grad_off, state0_off, state1_off, steps_off;
     ps_layout_t *layout;
     int rank; /* this trainer's rank among the shard ranks (HSDP: within its replica) */
     char reason[PSHARD_ERRLEN];

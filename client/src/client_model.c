@@ -406,11 +406,13 @@ void pshard_memory_stats(pshard_client_t *c, pshard_memory_stats_t *out)
  * the count (set_step_to >= 0). */
 static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
                                     const pshard_optim_group_t *groups, size_t ngroups,
-                                    bool trainer_stepped, int64_t set_step_to, int64_t *step,
-                                    double *grad_norm)
+                                    bool trainer_stepped, int64_t set_step_to, const uint8_t *skip,
+                                    size_t skip_bytes, int64_t *step, double *grad_norm)
 {
     Pshard__StepRequest req = PSHARD__STEP_REQUEST__INIT;
     req.session = c->session;
+    req.skip.data = (uint8_t *)skip;
+    req.skip.len = skip ? skip_bytes : 0;
     req.trainer_stepped = trainer_stepped;
     if (set_step_to >= 0) {
         req.set_step = true;
@@ -450,7 +452,7 @@ static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
 
 pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double *grad_norm)
 {
-    return step_request(c, lr >= 0, lr, NULL, 0, false, -1, step, grad_norm);
+    return step_request(c, lr >= 0, lr, NULL, 0, false, -1, NULL, 0, step, grad_norm);
 }
 
 pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step)
@@ -458,7 +460,7 @@ pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step)
     if (!c->nparams)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
                            "no model is defined: call pshard_define_model first");
-    return step_request(c, false, 0.0, NULL, 0, true, -1, step, NULL);
+    return step_request(c, false, 0.0, NULL, 0, true, -1, NULL, 0, step, NULL);
 }
 
 pshard_status_t pshard_set_step(pshard_client_t *c, int64_t step)
@@ -469,7 +471,7 @@ pshard_status_t pshard_set_step(pshard_client_t *c, int64_t step)
     if (step < 0)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "step count %lld is negative",
                            (long long)step);
-    return step_request(c, false, 0.0, NULL, 0, false, step, NULL, NULL);
+    return step_request(c, false, 0.0, NULL, 0, false, step, NULL, 0, NULL, NULL);
 }
 
 pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_t *groups,
@@ -478,7 +480,22 @@ pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_
     if (ngroups == 0 || !groups)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
                            "pshard_step_groups needs every group's hyperparameters (ngroups >= 1)");
-    return step_request(c, false, 0.0, groups, ngroups, false, -1, step, grad_norm);
+    return step_request(c, false, 0.0, groups, ngroups, false, -1, NULL, 0, step, grad_norm);
+}
+
+pshard_status_t pshard_step_groups_skip(pshard_client_t *c, const pshard_optim_group_t *groups,
+                                        size_t ngroups, const uint8_t *skip, size_t skip_bytes,
+                                        int64_t *step, double *grad_norm)
+{
+    if (ngroups == 0 || !groups)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "pshard_step_groups_skip needs every group's hyperparameters "
+                           "(ngroups >= 1)");
+    if (skip_bytes > 0 && !skip)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "a skip mask of %zu bytes is NULL",
+                           skip_bytes);
+    return step_request(c, false, 0.0, groups, ngroups, false, -1, skip, skip_bytes, step,
+                        grad_norm);
 }
 
 /* PSHARD_OK once a model is defined and everything issued before it has finished. */

@@ -113,7 +113,9 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
         (r->shard_state0_offset == 0 ||
          array_fits(r->shard_state0_offset, span, r->shard_shm_bytes)) &&
         (r->shard_state1_offset == 0 ||
-         array_fits(r->shard_state1_offset, span, r->shard_shm_bytes));
+         array_fits(r->shard_state1_offset, span, r->shard_shm_bytes)) &&
+        r->shard_steps_offset != 0 && r->shard_steps_offset % sizeof(int64_t) == 0 &&
+        array_fits(r->shard_steps_offset, nparams * sizeof(int64_t), r->shard_shm_bytes);
     if (r->shard_elements != elems || !fits || !name_ok(name)) {
         ps_snprintf(out->reason, sizeof(out->reason),
                     "the shard server announced a shard this client cannot place (%llu elements "
@@ -140,6 +142,7 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
     out->grad_off = (size_t)r->shard_grad_offset;
     out->state0_off = (size_t)r->shard_state0_offset;
     out->state1_off = (size_t)r->shard_state1_offset;
+    out->steps_off = (size_t)r->shard_steps_offset;
 }
 
 void client_shard_close(shard_map_t *s)
@@ -171,6 +174,7 @@ pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i, pshard_shard_vie
         out->grad = s->grad_off ? (float *)(base + s->grad_off) + at : NULL;
         out->state0 = s->state0_off ? (float *)(base + s->state0_off) + at : NULL;
         out->state1 = s->state1_off ? (float *)(base + s->state1_off) + at : NULL;
+        out->step = (int64_t *)(void *)(base + s->steps_off) + i;
         out->numel = ps_layout_counts(s->layout, i)[s->rank];
         out->offset = ps_layout_piece_offset(s->layout, i, s->rank);
     }

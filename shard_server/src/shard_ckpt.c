@@ -203,6 +203,7 @@ static pshard_status_t build_manifest(const shard_model_t *m, int world, const i
         ps_strlcpy(man->params[p].name, m->params[p].name, sizeof(man->params[p].name));
         man->params[p].ndim = m->params[p].ndim;
         memcpy(man->params[p].shape, m->params[p].shape, sizeof(man->params[p].shape));
+        man->params[p].skipped = m->step - shard_model_pstep(m, p);
     }
     for (int r = 0; r < world; r++) {
         ps_ckpt_file_t *f = &man->files[r];
@@ -541,6 +542,13 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
                 failed = r;
     }
     int64_t saved_step = man ? man->step : 0;
+    /* Each parameter's own count (torch.optim's per-parameter step), set with the step's. */
+    size_t nskipped = man ? man->nparams : 0;
+    int64_t *skipped = man ? calloc(nskipped ? nskipped : 1, sizeof(int64_t)) : NULL;
+    if (man && !skipped && rc == PSHARD_OK)
+        rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    for (size_t p = 0; skipped && p < nskipped; p++)
+        skipped[p] = man->params[p].skipped;
     int64_t file_named = failed >= 0 ? all[(size_t)failed * 2 + 1] : -1;
     char file_name[64] = "";
     if (man && file_named >= 0 && (size_t)file_named < man->nfiles)
@@ -548,6 +556,8 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
     ps_ckpt_manifest_free(man);
     bounce_close(&b);
     free(all);
+    if (rc != PSHARD_OK || failed >= 0)
+        free(skipped);
     if (rc != PSHARD_OK)
         return rc;
     if (failed >= 0) {
@@ -563,8 +573,11 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
                        failed);
     }
     pthread_mutex_lock(&s->mu);
-    m->step = saved_step;
+    shard_model_set_step(m, saved_step);
+    for (size_t p = 0; skipped && p < m->nparams && p < nskipped; p++)
+        m->psteps[p] = saved_step - skipped[p];
     pthread_mutex_unlock(&s->mu);
+    free(skipped);
     char abs[PATH_MAX];
     if (!realpath(step_dir, abs))
         ps_strlcpy(abs, step_dir, sizeof(abs));

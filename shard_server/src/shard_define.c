@@ -420,6 +420,7 @@ out:
         a->grad_off = mm->shm_grad_off;
         a->state0_off = mm->shm_state0_off;
         a->state1_off = mm->shm_state1_off;
+        a->steps_off = mm->shm_steps_off;
         ps_strlcpy(a->shared_reason, mm->shared_reason, sizeof(a->shared_reason));
     }
     return rc;

@@ -357,7 +357,7 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
         /* A restored optimizer state: the count goes on from its step (Adam's bias
          * correction, the checkpoint schedule); nothing else changes. */
         pthread_mutex_lock(&s->mu);
-        m->step = op->step_to;
+        shard_model_set_step(m, op->step_to);
         pthread_mutex_unlock(&s->mu);
         *norm_out = 0.0;
         return PSHARD_OK;
@@ -367,12 +367,20 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
          * compute, clip or zero (the trainer owns the accumulators' lifetime then), only the
          * count, which checkpoints and a resume go by. */
         pthread_mutex_lock(&s->mu);
-        m->step++;
+        shard_model_set_step(m, m->step + 1); /* (its parameters' counts are its own) */
         pthread_mutex_unlock(&s->mu);
         *norm_out = 0.0;
         return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
     }
-    PS_CHECK(shard_model_take_groups(m, op->words, op->nwords, err, errlen));
+    /* The words: the groups' hyperparameters (if any), then the skip mask (if any). */
+    size_t nskip = op->skip ? shard_model_skip_words(m) : 0;
+    if (nskip > op->nwords || (op->nwords - nskip) % SHARD_GROUP_WORDS != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
+                       "a step's words (%zu) are not groups and a skip mask of %zu", op->nwords,
+                       nskip);
+    size_t ngroup_words = op->nwords - nskip;
+    const uint64_t *skip = op->skip ? (const uint64_t *)(op->words + ngroup_words) : NULL;
+    PS_CHECK(shard_model_take_groups(m, op->words, ngroup_words, err, errlen));
     /* The global gradient norm, what the step reports and max_grad_norm clips by. */
     double norm = 0.0;
     PS_CHECK(global_norm(comm, m, false, TAG_STEP_NORM, "grad norm", &norm, err, errlen));
@@ -385,6 +393,8 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
         m->cur_lr_set = op->set_lr;
         m->cur_lr = op->lr;
         m->grad_sq = 0;
+        for (size_t p = 0; p < m->nparams; p++)
+            m->psteps[p] = shard_model_pstep(m, p) + m->reduced[p];
         memset(m->reduced, 0, m->nparams);
         *norm_out = norm;
         return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
@@ -394,7 +404,7 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
         if (coef < 1.0)
             PS_CHECK(shard_model_scale_grads(m, (float)coef, err, errlen));
     }
-    PS_CHECK(shard_model_optimize(m, op->set_lr, op->lr, err, errlen));
+    PS_CHECK(shard_model_optimize(m, op->set_lr, op->lr, skip, err, errlen));
     pthread_mutex_lock(&s->mu);
     m->step++;
     pthread_mutex_unlock(&s->mu);

@@ -165,6 +165,7 @@ typedef struct {
                              counted here; refused while a rank has joined) */
     bool set_step;        /* step: only sets the step count to step_to (a restored optimizer) */
     int64_t step_to;
+    bool skip;            /* step: words end with a skip mask (shard_model_skip_words words) */
     size_t nwords;        /* step: the groups' new hyperparameters (shard_groups_encode); 0: */
     const int64_t *words; /* unchanged */
     double max_norm;      /* clip: clip_grad_norm's arguments */

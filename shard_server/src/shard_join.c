@@ -74,8 +74,8 @@ void shard_rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_fl
     if (op->kind == SHARD_SOP_STEP) {
         r[W_ARG] = op->set_step ? op->step_to : double_bits(op->lr);
         r[W_COUNT] = (int64_t)op->nwords;
-        r[W_ROOT] =
-            (int64_t)op->set_lr | (int64_t)op->trainer_stepped << 1 | (int64_t)op->set_step << 2;
+        r[W_ROOT] = (int64_t)op->set_lr | (int64_t)op->trainer_stepped << 1 |
+                    (int64_t)op->set_step << 2 | (int64_t)op->skip << 3;
         r[W_HASH] = (int64_t)words_hash(op->words, op->nwords);
     } else if (op->kind == SHARD_SOP_CLIP) {
         r[W_ARG] = double_bits(op->max_norm);
@@ -174,8 +174,9 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
               x[W_NIDS] > SHARD_MAX_PARAMS || x[W_DTYPE] < 0 || x[W_DTYPE] >= PSHARD_DTYPE_COUNT ||
               x[W_REDUCE] < 0 || x[W_REDUCE] >= PSHARD_REDUCE_COUNT ||
               (x[W_SOP] == SHARD_SOP_STEP &&
-               (x[W_COUNT] < 0 || x[W_COUNT] > SHARD_MAX_GROUPS * SHARD_GROUP_WORDS ||
-                x[W_COUNT] % SHARD_GROUP_WORDS != 0)))))
+               (x[W_COUNT] < 0 ||
+                x[W_COUNT] > SHARD_MAX_GROUPS * SHARD_GROUP_WORDS + SHARD_MAX_SKIP_WORDS ||
+                ((x[W_ROOT] & 8) == 0 && x[W_COUNT] % SHARD_GROUP_WORDS != 0))))))
             return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
                            "rank %d sent a malformed agreement record (kind %" PRId64 ")", r,
                            x[W_KIND]);
@@ -227,6 +228,7 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
         op->set_lr = (f[W_ROOT] & 1) != 0;
         op->trainer_stepped = (f[W_ROOT] & 2) != 0;
         op->set_step = (f[W_ROOT] & 4) != 0;
+        op->skip = (f[W_ROOT] & 8) != 0;
         op->lr = op->set_step ? 0.0 : bits_double(f[W_ARG]);
         op->step_to = op->set_step ? f[W_ARG] : 0;
         return PSHARD_OK;

@@ -26,7 +26,8 @@ enum {
     W_NIDS,
     W_ARG,    /* lr bits (step), max_norm bits (clip) or collective op */
     W_COUNT,  /* element count (collective), group words (step), norm_type bits (clip) */
-    W_ROOT,   /* root (collective); step: bit 0 set_lr, bit 1 trainer_stepped, bit 2 set_step */
+    W_ROOT,   /* root (collective); step: bit 0 set_lr, bit 1 trainer_stepped, bit 2 set_step,
+                 bit 3 skip */
     W_REDUCE, /* collective: pshard_reduce_t */
     W_THROW,
     W_STEP,

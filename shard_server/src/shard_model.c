@@ -113,6 +113,7 @@ void shard_model_free(shard_model_t *m)
         void *arrays[5] = {m->master, m->grad, m->state0, m->state1, m->stage};
         for (int i = 0; i < 5; i++)
             m->dev->free_mem(m->device, arrays[i]);
+        free(m->psteps);
     } else {
         if (m->shm.base) {
             shard_shm_destroy(&m->shm); /* master, grad and the state */
@@ -121,6 +122,7 @@ void shard_model_free(shard_model_t *m)
             free_touched(m->grad, bytes);
             free_touched(m->state0, bytes);
             free_touched(m->state1, bytes);
+            free(m->psteps);
         }
         free_touched(m->stage, m->max_piece * 4);
         free_touched(m->unit_stage, m->unit_stage_bytes);
@@ -145,6 +147,7 @@ static void alloc_shared(shard_model_t *m, size_t bytes, bool in_backward, int n
         return;
     }
     size_t span = touched_len(bytes), total = span * (size_t)(1 + !in_backward + nstate);
+    total += touched_len(m->nparams * sizeof(int64_t)); /* psteps */
     char why[PSHARD_ERRLEN] = "";
     if (shard_shm_create(total, HUGE_FROM, &m->shm, why, sizeof(why)) != PSHARD_OK) {
         PS_WARN(PS_SUB_SHARD, "the shard stays private to this server: %s", why);
@@ -171,7 +174,10 @@ static void alloc_shared(shard_model_t *m, size_t bytes, bool in_backward, int n
     if (nstate >= 2) {
         m->shm_state1_off = at;
         m->state1 = (float *)(base + at);
+        at += span;
     }
+    m->shm_steps_off = at;
+    m->psteps = (int64_t *)(base + at);
 }
 
 /* GPU-resident storage: the same arrays in zeroed device memory. */
@@ -453,6 +459,7 @@ pshard_status_t shard_model_create(
         rc = alloc_on_device(m, bytes, in_backward, nstate, err, errlen);
         if (rc != PSHARD_OK)
             goto fail;
+        m->psteps = calloc(nparams, sizeof(int64_t));
     } else {
         alloc_shared(m, bytes, in_backward, nstate, no_share);
         if (!m->shm.base) {
@@ -463,11 +470,12 @@ pshard_status_t shard_model_create(
                 m->state0 = alloc_touched(bytes);
             if (nstate >= 2)
                 m->state1 = alloc_touched(bytes);
+            m->psteps = calloc(nparams, sizeof(int64_t));
         }
         m->stage = alloc_touched(m->max_piece * 4); /* widest staged type: fp32 */
     }
     if (!m->master || (in_backward ? !m->reduced : !m->grad) || (nstate >= 1 && !m->state0) ||
-        (nstate >= 2 && !m->state1) || !m->stage) {
+        (nstate >= 2 && !m->state1) || !m->stage || !m->psteps) {
         rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "cannot allocate %zu bytes of shard state",
                      bytes * (size_t)(1 + !in_backward + nstate));
         goto fail;
@@ -740,7 +748,7 @@ static pshard_status_t reduce_on_device(shard_model_t *m, uint32_t p, pshard_dty
             m->dev->sum_squares(m->device, m->stage, dt, cnt, scaled, scale, &sq, err, errlen));
         m->grad_sq += sq;
         ps_optim_scalars_t sc;
-        ps_optim_step_scalars(cfg, lr, m->step + 1, &sc);
+        ps_optim_step_scalars(cfg, lr, shard_model_pstep(m, p) + 1, &sc);
         PS_CHECK(m->dev->optim_step(m->device, &sc, m->master + off, m->stage, dt, scaled, scale,
                                     m->state0 ? m->state0 + off : NULL,
                                     m->state1 ? m->state1 + off : NULL, cnt, err, errlen));
@@ -782,8 +790,8 @@ pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype
             for (size_t k = 0; k < cnt; k++)
                 r[k] *= scale;
         m->grad_sq += ps_sum_squares(r, cnt);
-        ps_optim_step(cfg, lr, m->step + 1, m->master + off, r, m->state0 ? m->state0 + off : NULL,
-                      m->state1 ? m->state1 + off : NULL, cnt);
+        ps_optim_step(cfg, lr, shard_model_pstep(m, p) + 1, m->master + off, r,
+                      m->state0 ? m->state0 + off : NULL, m->state1 ? m->state1 + off : NULL, cnt);
         m->reduced[p] = 1;
         return PSHARD_OK;
     }
@@ -855,28 +863,72 @@ pshard_status_t shard_model_scale_grads(shard_model_t *m, float factor, char *er
     return PSHARD_OK;
 }
 
-/* One optimizer update of every trained slice from its accumulator, each run with its group's
- * hyperparameters and, with set_lr, lr instead of the group's (step m->step + 1). */
-pshard_status_t shard_model_optimize(shard_model_t *m, bool set_lr, double lr, char *err,
-                                     size_t errlen)
+size_t shard_model_skip_words(const shard_model_t *m)
 {
-    size_t p = 0;
-    shard_run_t run;
-    while (shard_model_next_run(m, true, &p, &run)) {
-        const ps_optim_config_t *cfg = &m->groups[run.group].cfg;
+    return (m->nparams + 63) / 64;
+}
+
+void shard_model_set_step(shard_model_t *m, int64_t step)
+{
+    m->step = step;
+    for (size_t p = 0; p < m->nparams; p++)
+        m->psteps[p] = step;
+}
+
+int64_t shard_model_pstep(const shard_model_t *m, size_t p)
+{
+    int64_t v = m->psteps[p];
+    return v < 0 ? 0 : v > m->step ? m->step : v;
+}
+
+/* Parameter p is updated in this step: trained, and not in the skip mask. */
+static bool updated(const shard_model_t *m, const uint64_t *skip, size_t p)
+{
+    return !m->groups[m->param_group[p]].frozen && !(skip && (skip[p / 64] >> (p % 64) & 1));
+}
+
+/* One optimizer update of the trained slices from their accumulators, in runs of consecutive
+ * parameters of one group at one step: each with its group's hyperparameters (with set_lr,
+ * lr instead of the group's) at its own step psteps[p] + 1; the skipped ones keep their
+ * values, state and count. */
+pshard_status_t shard_model_optimize(shard_model_t *m, bool set_lr, double lr, const uint64_t *skip,
+                                     char *err, size_t errlen)
+{
+    for (size_t p = 0; p < m->nparams;) {
+        size_t cnt = ps_layout_counts(m->layout, p)[m->rank];
+        if (cnt == 0 || !updated(m, skip, p)) {
+            p++;
+            continue;
+        }
+        uint32_t g = m->param_group[p];
+        int64_t at = shard_model_pstep(m, p);
+        size_t off = ps_layout_shard_offset(m->layout, p, m->rank), n = cnt, q = p + 1;
+        for (; q < m->nparams; q++) {
+            size_t c = ps_layout_counts(m->layout, q)[m->rank];
+            if (c == 0)
+                continue;
+            if (!updated(m, skip, q) || m->param_group[q] != g || shard_model_pstep(m, q) != at)
+                break;
+            n += c; /* a rank's pieces lie back to back in parameter order (layout.h) */
+        }
+        const ps_optim_config_t *cfg = &m->groups[g].cfg;
         double run_lr = set_lr ? lr : cfg->lr;
-        float *master = m->master + run.off, *grad = m->grad + run.off;
-        float *s0 = m->state0 ? m->state0 + run.off : NULL;
-        float *s1 = m->state1 ? m->state1 + run.off : NULL;
+        float *master = m->master + off, *grad = m->grad + off;
+        float *s0 = m->state0 ? m->state0 + off : NULL;
+        float *s1 = m->state1 ? m->state1 + off : NULL;
         if (m->dev) {
             ps_optim_scalars_t sc;
-            ps_optim_step_scalars(cfg, run_lr, m->step + 1, &sc);
+            ps_optim_step_scalars(cfg, run_lr, at + 1, &sc);
             PS_CHECK(m->dev->optim_step(m->device, &sc, master, grad, PSHARD_FP32, false, 1.0f, s0,
-                                        s1, run.n, err, errlen));
+                                        s1, n, err, errlen));
         } else {
-            ps_optim_step(cfg, run_lr, m->step + 1, master, grad, s0, s1, run.n);
+            ps_optim_step(cfg, run_lr, at + 1, master, grad, s0, s1, n);
         }
+        p = q;
     }
+    for (size_t p = 0; p < m->nparams; p++)
+        if (updated(m, skip, p))
+            m->psteps[p] = shard_model_pstep(m, p) + 1;
     return PSHARD_OK;
 }
 

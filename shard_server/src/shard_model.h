@@ -16,6 +16,8 @@
 #include "shard_shm.h"
 
 #define SHARD_MAX_PARAMS 100000
+/* A step's skip mask: a bit per parameter, in 64-bit words. */
+#define SHARD_MAX_SKIP_WORDS ((SHARD_MAX_PARAMS + 63) / 64)
 #define SHARD_MAX_DIMS 8
 #define SHARD_NAME_MAX 255
 #define SHARD_MAX_GROUPS 1024
@@ -63,7 +65,7 @@ typedef struct {
      * instead, and shared_reason then says why (GPU-resident shards, a remote trainer,
      * /dev/shm full). */
     shard_shm_t shm;
-    size_t shm_master_off, shm_grad_off, shm_state0_off, shm_state1_off;
+    size_t shm_master_off, shm_grad_off, shm_state0_off, shm_state1_off, shm_steps_off;
     char shared_reason[PSHARD_ERRLEN];
     /* GPU-resident shards (--backend nccl --offload none): the operations on that memory
      * (shard_cuda.h) and the CUDA device; NULL: host memory. */
@@ -97,6 +99,11 @@ typedef struct {
     uint8_t *reduced;
     double grad_sq;
     int64_t step;
+    /* Per parameter, the optimizer steps that updated it (torch.optim's per-parameter "step"):
+     * step, less the steps that skipped it for want of a gradient (a Step's skip mask), as
+     * torch skips a parameter whose grad is None. In the shared-memory object (at
+     * shm_steps_off) with host shards, so a trainer reads and restores it with the state. */
+    int64_t *psteps;
     uint64_t fingerprint;
     char *spec_text; /* canonical text of the definition, compared across ranks */
     bool pinned;     /* storage page-locked by shard_model_pin, on pin_device */
@@ -151,6 +158,16 @@ size_t shard_model_state_bytes(const shard_model_t *m);
  * elements on this rank neither end nor start a run. False when there is none left. */
 bool shard_model_next_run(const shard_model_t *m, bool by_group, size_t *p, shard_run_t *run);
 
+/* Words of a Step's skip mask for m: one bit per parameter. */
+size_t shard_model_skip_words(const shard_model_t *m);
+
+/* Sets the step count and every parameter's to step (a restored optimizer state). */
+void shard_model_set_step(shard_model_t *m, int64_t step);
+
+/* Parameter p's own step count, psteps[p] kept within 0..step (a trainer may write it through
+ * the shared memory when it restores an optimizer state). */
+int64_t shard_model_pstep(const shard_model_t *m, size_t p);
+
 /* Checks n groups from a Step against m: n == m->ngroups, each valid for m's optimizer kind by
  * torch's rules (INVALID_ARGUMENT naming the group), frozen as at definition, SGD momentum
  * only where the state was allocated at definition (FAILED_PRECONDITION). */
@@ -176,9 +193,10 @@ void shard_groups_decode(const int64_t *words, size_t n, ps_optim_kind_t kind,
  * shard_model_local_norm: this rank's part of the gradient norm of the trained accumulators,
  * the sum of squares (inf false) or the largest magnitude. shard_model_scale_grads multiplies
  * them by factor; shard_model_optimize runs one optimizer update of every trained slice
- * (step m->step + 1; with set_lr, lr for every group); shard_model_take_groups takes a Step's
- * groups (nwords words from the agreement, checked against the model); shard_model_zero_grads
- * zeroes the accumulators. */
+ * but those of the parameters whose bit is set in skip (NULL: none; bit p % 64 of word p / 64),
+ * each at its own step (psteps[p] + 1, then counted; with set_lr, lr for every group);
+ * shard_model_take_groups takes a Step's groups (nwords words from the agreement, checked against
+ * the model); shard_model_zero_grads zeroes the accumulators. */
 pshard_status_t shard_model_slice_in(shard_model_t *m, uint32_t p, pshard_dtype_t dt, void *stage,
                                      const void **out, char *err, size_t errlen);
 pshard_status_t shard_model_slice_out(shard_model_t *m, uint32_t p, pshard_dtype_t dt, int active,
@@ -188,8 +206,8 @@ void *shard_model_unit_stage(shard_model_t *m, size_t bytes);
 pshard_status_t shard_model_local_norm(shard_model_t *m, bool inf, double *out, char *err,
                                        size_t errlen);
 pshard_status_t shard_model_scale_grads(shard_model_t *m, float factor, char *err, size_t errlen);
-pshard_status_t shard_model_optimize(shard_model_t *m, bool set_lr, double lr, char *err,
-                                     size_t errlen);
+pshard_status_t shard_model_optimize(shard_model_t *m, bool set_lr, double lr, const uint64_t *skip,
+                                     char *err, size_t errlen);
 pshard_status_t shard_model_take_groups(shard_model_t *m, const int64_t *words, size_t nwords,
                                         char *err, size_t errlen);
 pshard_status_t shard_model_zero_grads(shard_model_t *m, char *err, size_t errlen);

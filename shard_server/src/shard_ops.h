@@ -106,9 +106,10 @@ typedef struct {
     uint64_t shard_numel, fingerprint;
     int64_t step;
     /* The shard as shared memory (the model's shm): its name ("" when not shared, with the
-     * reason), size, and where master, grad and the optimizer state (0: none) are in it. */
+     * reason), size, and where master, grad, the optimizer state (0: none) and the
+     * parameters' step counts are in it. */
     char shm_name[64];
-    uint64_t shm_bytes, master_off, grad_off, state0_off, state1_off;
+    uint64_t shm_bytes, master_off, grad_off, state0_off, state1_off, steps_off;
     char shared_reason[PSHARD_ERRLEN];
 } shard_define_arg_t;
 pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,

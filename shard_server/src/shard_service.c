@@ -194,6 +194,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.shard_grad_offset = a.grad_off;
     out.shard_state0_offset = a.state0_off;
     out.shard_state1_offset = a.state1_off;
+    out.shard_steps_offset = a.steps_off;
     out.shard_shared_reason = a.shared_reason;
     answer(call, rc, err, &out.base);
 }
@@ -525,6 +526,21 @@ typedef struct {
     double norm;
 } step_arg_t;
 
+/* A Step's skip mask: ceil(nparams / 8) bytes, no bit past the last parameter. */
+static pshard_status_t skip_check(const shard_model_t *m, const uint8_t *bits, size_t len,
+                                  char *err, size_t errlen)
+{
+    size_t want = (m->nparams + 7) / 8;
+    if (len != want)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "a skip mask of %zu bytes for a model of %zu parameters (it takes %zu)", len,
+                       m->nparams, want);
+    if (m->nparams % 8 != 0 && (bits[len - 1] >> (m->nparams % 8)) != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "the skip mask names a parameter past the model's %zu", m->nparams);
+    return PSHARD_OK;
+}
+
 /* Checks a Step's lr and groups and encodes the groups for the agreement. Nothing has run
  * yet, so every rank refuses alike. */
 static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
@@ -535,6 +551,9 @@ static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm,
     if (req->set_lr && req->n_groups > 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "a step carries either groups (each with its lr) or lr, not both");
+    if (req->skip.len > 0 && (req->set_step || req->trainer_stepped))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "a skip mask goes with a step of the shard servers' optimizer only");
     if (req->set_step) {
         if (req->set_lr || req->n_groups > 0 || req->trainer_stepped)
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
@@ -565,23 +584,39 @@ static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm,
                        req->lr);
     op->sop.set_lr = req->set_lr;
     op->sop.lr = req->set_lr ? req->lr : 0.0;
-    if (req->n_groups == 0)
+    size_t nskip = 0;
+    if (req->skip.len > 0) {
+        PS_CHECK(skip_check(s->model, req->skip.data, req->skip.len, err, errlen));
+        nskip = shard_model_skip_words(s->model);
+    }
+    if (req->n_groups == 0 && nskip == 0)
         return PSHARD_OK;
     shard_group_t *g = NULL;
-    pshard_status_t rc =
-        shard_groups_from_pb(req->groups, req->n_groups, s->model->optim.kind, &g, err, errlen);
-    if (rc == PSHARD_OK)
-        rc = shard_model_check_groups(s->model, g, req->n_groups, err, errlen);
+    pshard_status_t rc = PSHARD_OK;
+    if (req->n_groups > 0) {
+        rc =
+            shard_groups_from_pb(req->groups, req->n_groups, s->model->optim.kind, &g, err, errlen);
+        if (rc == PSHARD_OK)
+            rc = shard_model_check_groups(s->model, g, req->n_groups, err, errlen);
+    }
+    size_t ngw = req->n_groups * SHARD_GROUP_WORDS;
     if (rc == PSHARD_OK) {
-        a->words = malloc(req->n_groups * SHARD_GROUP_WORDS * sizeof(int64_t));
-        if (a->words)
-            shard_groups_encode(g, req->n_groups, a->words);
-        else
+        a->words = calloc(ngw + nskip, sizeof(int64_t));
+        if (a->words) {
+            if (req->n_groups > 0)
+                shard_groups_encode(g, req->n_groups, a->words);
+            /* The mask's bytes as little-endian words after the groups'. */
+            uint64_t *mask = (uint64_t *)(a->words + ngw);
+            for (size_t i = 0; i < req->skip.len; i++)
+                mask[i / 8] |= (uint64_t)req->skip.data[i] << (8 * (i % 8));
+        } else {
             rc = ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+        }
     }
     free(g);
-    op->sop.nwords = req->n_groups * SHARD_GROUP_WORDS;
+    op->sop.nwords = ngw + nskip;
     op->sop.words = a->words;
+    op->sop.skip = nskip > 0;
     return rc;
 }
 

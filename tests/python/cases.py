@@ -11,9 +11,14 @@ def make_model(cfg):
     torch.manual_seed(cfg.get("seed", 0))
     if cfg["model"] == "mlp":
         d = cfg.get("width", 16)
-        return torch.nn.Sequential(
+        m = torch.nn.Sequential(
             torch.nn.Linear(cfg.get("din", 8), d), torch.nn.LayerNorm(d), torch.nn.GELU(),
             torch.nn.Linear(d, d), torch.nn.Tanh(), torch.nn.Linear(d, cfg.get("dout", 4)))
+        if cfg.get("unused"):
+            # Parameters in a unit that runs, which forward never uses: their grad stays
+            # None, so torch's optimizers leave them alone (no weight decay, no state).
+            m[0].spare = torch.nn.Linear(d, d)
+        return m
     if cfg["model"] == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
         c = GPT2Config(vocab_size=256, n_positions=cfg.get("seq", 16), n_embd=cfg.get("width", 32),

@@ -57,6 +57,20 @@ def test_mlp_variants(train, variant):
     check(results, final, cfg, 2)
 
 
+def test_unused_parameters_left_alone(train):
+    """Parameters of a unit that runs but never used in forward: their .grad is None on every
+    rank, so torch's AdamW leaves them alone (no weight decay, no state, no step), and so do
+    pshard's servers; their step counts in the optimizer's state dict say so."""
+    cfg = dict(MLP, unused=True)
+    results, final, _ = train(cfg, 2)
+    check(results, final, cfg, 2)
+    init = cases.make_model(cfg)
+    for k in ("0.spare.weight", "0.spare.bias"):
+        assert torch.equal(final[k], init.state_dict()[k]), k
+    steps = results[0]["param_steps"]
+    assert sorted(steps.values()) == [0, 0] + [20] * (len(steps) - 2), steps
+
+
 def test_metric_all_reduce_after_backward(train):
     """dist.all_reduce of the loss between backward and the step, the usual logging: it
     runs after the reduce-scatters still queued on each rank (issue order), so no rank's

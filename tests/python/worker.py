@@ -163,6 +163,8 @@ def train(cfg, rank, world, result, out):
             result["join"] = ctx.result
     if join == "throw":
         return  # the other ranks stopped with JoinedError: no collective state dict
+    result["param_steps"] = {k: int(v["step"]) for k, v in opt.state_dict()["state"].items()
+                             if "step" in v}
     sd = pt.get_model_state_dict(model, options=pt.StateDictOptions(full_state_dict=True,
                                                                      cpu_offload=True))
     if rank == 0:

@@ -76,6 +76,9 @@ typedef struct {
     char name[256];
     int ndim; /* 1..8 */
     int64_t shape[8];
+    int64_t skipped; /* steps of the checkpoint's that left this parameter alone (it had no
+                        gradient; torch.optim's per-parameter "step" is step - skipped);
+                        0..step, "skipped_steps" in the JSON, written only when not 0 */
 } ps_ckpt_param_t;
 
 typedef struct {

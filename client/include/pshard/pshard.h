@@ -296,6 +296,9 @@ typedef struct {
     float *state0; /* the shard servers' optimizer state of these elements (numel each), or
                       NULL where their optimizer keeps none: state0 is Adam's exp_avg or SGD's */
     float *state1; /* momentum buffer, state1 Adam's exp_avg_sq (torch.optim's names) */
+    int64_t *step; /* the servers' optimizer steps that updated this parameter (torch.optim's
+                      per-parameter "step"; a step without a gradient for it skips it): read,
+                      or restored with the state, under the same rules as master */
 } pshard_shard_view_t;
 
 /* Fills *out with parameter i's shard on this rank, over the shard ranks of this trainer's
@@ -327,6 +330,18 @@ PSHARD_API pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i,
  * and on every rank while some rank has joined (without throw_on_early_termination): a joined
  * rank's trainer no longer steps its shard; the collectives' own. Not thread-safe. */
 PSHARD_API pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step);
+
+/* pshard_step_groups, leaving alone the parameters no rank had a gradient for in this step
+ * (torch.optim skips a parameter whose grad is None): skip holds one bit per parameter of the
+ * definition (bit p % 8 of byte p / 8), skip_bytes = ceil(nparams / 8), no bit set past the
+ * last parameter (0 bytes: none skipped). A skipped parameter keeps its values, optimizer state
+ * and own step count (pshard_shard_view's step). Every trainer passes the same mask (else
+ * DESYNC). Errors: pshard_step_groups', and INVALID_ARGUMENT for a mask of the wrong size. */
+PSHARD_API pshard_status_t pshard_step_groups_skip(pshard_client_t *c,
+                                                   const pshard_optim_group_t *groups,
+                                                   size_t ngroups, const uint8_t *skip,
+                                                   size_t skip_bytes, int64_t *step,
+                                                   double *grad_norm);
 
 /* Sets the shard servers' step count to step (>= 0) and changes nothing else: what loading
  * the servers' optimizer state (through pshard_shard_view's state arrays) ends with, so that

@@ -763,11 +763,17 @@ static PyTypeObject WorkType = {
 
 static PyObject *Client_step(ClientObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"groups", "lr", NULL};
+    static char *kwlist[] = {"groups", "lr", "skip", NULL};
     PyObject *groups = Py_None;
     double lr = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Od", kwlist, &groups, &lr))
+    Py_buffer skip = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Ody*", kwlist, &groups, &lr, &skip))
         return NULL;
+    if (skip.buf && skip.len > 0 && groups == Py_None) {
+        PyBuffer_Release(&skip);
+        PyErr_SetString(PyExc_ValueError, "step(skip=...) goes with groups=");
+        return NULL;
+    }
     if (!pshard_py_client_ok(self))
         return NULL;
     int64_t step = 0;
@@ -783,19 +789,27 @@ static PyObject *Client_step(ClientObject *self, PyObject *args, PyObject *kw)
         pshard_optim_group_t *g = PyMem_Calloc(ng ? ng : 1, sizeof(*g));
         if (!g) {
             Py_DECREF(seq);
+            if (skip.buf)
+                PyBuffer_Release(&skip);
             return PyErr_NoMemory();
         }
         for (size_t k = 0; k < ng; k++) {
             if (pshard_py_group_from_dict(PySequence_Fast_GET_ITEM(seq, k), &g[k]) != 0) {
                 PyMem_Free(g);
                 Py_DECREF(seq);
+                if (skip.buf)
+                    PyBuffer_Release(&skip);
                 return NULL;
             }
         }
         Py_DECREF(seq);
-        CLIENT_CALL(self, st = pshard_step_groups(self->c, g, ng, &step, &norm));
+        const uint8_t *bits = skip.buf;
+        size_t nbytes = skip.buf ? (size_t)skip.len : 0;
+        CLIENT_CALL(self, st = pshard_step_groups_skip(self->c, g, ng, bits, nbytes, &step, &norm));
         PyMem_Free(g);
     }
+    if (skip.buf)
+        PyBuffer_Release(&skip);
     if (st != PSHARD_OK)
         return pshard_py_client_fail(self, st);
     return Py_BuildValue("(Ld)", (long long)step, norm);
@@ -882,15 +896,17 @@ static PyMethodDef Client_methods[] = {
      "Asynchronous reduce-scatter -> Work."},
     {"reshard", (PyCFunction)Client_reshard, METH_O, "Frees the full buffers of ids."},
     {"step", (PyCFunction)(void (*)(void))Client_step, METH_VARARGS | METH_KEYWORDS,
-     "step(groups=None, lr=-1) -> (step, grad_norm)"},
+     "step(groups=None, lr=-1, skip=b'') -> (step, grad_norm); skip: a bit per parameter "
+     "the servers' optimizer leaves alone (no gradient this step)"},
     {"step_trainer", (PyCFunction)Client_step_trainer, METH_NOARGS,
      "step_trainer() -> step: ends a step the trainer's own optimizer took on the shard views"},
     {"shard_view", (PyCFunction)Client_shard_view, METH_O,
      "shard_view(i) -> (master, grad or None, offset, numel): this rank's fp32 shard of "
      "parameter i in the shard server's memory (1-D Buffers of numel elements)"},
     {"shard_state", (PyCFunction)Client_shard_state, METH_O,
-     "shard_state(i) -> (state0 or None, state1 or None): the shard servers' optimizer state of "
-     "the elements of shard_view(i) (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer, None)"},
+     "shard_state(i) -> (state0 or None, state1 or None, step): the shard servers' optimizer "
+     "state of the elements of shard_view(i) (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer, "
+     "None) and the parameter's own step count (a 1-element int64 Buffer)"},
     {"set_step", (PyCFunction)Client_set_step, METH_O,
      "set_step(n): the shard servers' step count becomes n (a restored optimizer state)"},
     {"clip_grad_norm", (PyCFunction)Client_clip_grad_norm, METH_VARARGS,

@@ -76,14 +76,18 @@ PyObject *Client_shard_state(ClientObject *self, PyObject *arg)
     PyObject *shape = Py_BuildValue("(n)", (Py_ssize_t)v.numel);
     if (!shape)
         return NULL;
+    PyObject *one = Py_BuildValue("(n)", (Py_ssize_t)1);
     PyObject *s0 = view_or_none(self, v.state0, shape);
     PyObject *s1 = s0 ? view_or_none(self, v.state1, shape) : NULL;
+    PyObject *count = s1 && one ? pshard_py_buffer_new(self, v.step, PSHARD_INT64, one) : NULL;
     Py_DECREF(shape);
-    if (!s1) {
+    Py_XDECREF(one);
+    if (!count) {
         Py_XDECREF(s0);
+        Py_XDECREF(s1);
         return NULL;
     }
-    return Py_BuildValue("(NN)", s0, s1);
+    return Py_BuildValue("(NNN)", s0, s1, count);
 }
 
 PyObject *Client_set_step(ClientObject *self, PyObject *arg)

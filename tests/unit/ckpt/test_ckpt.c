@@ -348,7 +348,7 @@ static void test_manifest_roundtrip(void)
     snprintf(m.sections[0], 32, "master");
     snprintf(m.sections[1], 32, "exp_avg");
     snprintf(m.sections[2], 32, "exp_avg_sq");
-    ps_ckpt_param_t params[2] = {{"w \"quoted\"\\ \xc3\xa9\t", 2, {3, 4}}, {"b", 1, {5}}};
+    ps_ckpt_param_t params[2] = {{"w \"quoted\"\\ \xc3\xa9\t", 2, {3, 4}, 0}, {"b", 1, {5}, 39}};
     m.nparams = 2;
     m.params = params;
     /* Files given rank 1 first: the manifest is written, and read back, in rank order. */
@@ -422,6 +422,8 @@ static void test_manifest_roundtrip(void)
     CU_ASSERT_STRING_EQUAL(r->params[1].name, "b");
     CU_ASSERT_EQUAL(r->params[1].ndim, 1);
     CU_ASSERT_EQUAL(r->params[1].shape[0], 5);
+    CU_ASSERT_EQUAL(r->params[0].skipped, 0);
+    CU_ASSERT_EQUAL(r->params[1].skipped, 39);
     CU_ASSERT_EQUAL_FATAL(r->nfiles, 2);
     for (int i = 0; i < 2; i++) {
         const ps_ckpt_file_t *want = &files[1 - i], *got = &r->files[i];
@@ -935,7 +937,7 @@ static void test_read_range_scattered(void)
     snprintf(path, sizeof(path), "%s/b.bin", dir);
     write_text(path, (const char *)b, sizeof(b));
     ps_ckpt_piece_t pa[] = {{0, 7, 3, 0}, {0, 0, 3, 5}}, pb[] = {{0, 3, 4, 1}};
-    ps_ckpt_param_t prm = {"x", 1, {10}};
+    ps_ckpt_param_t prm = {"x", 1, {10}, 0};
     ps_ckpt_file_t files[2] = {
         {.rank = 0,
          .path = "a.bin",

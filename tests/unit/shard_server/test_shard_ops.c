@@ -144,6 +144,40 @@ static void test_verdict_set_step(void)
     shard_agreement_free(&ag);
 }
 
+/* A step with a skip mask: its words (groups, then the mask) need not be whole groups, and a
+ * mask that differs between ranks is a desync; without the skip bit the words must be. */
+static void test_verdict_skip_mask(void)
+{
+    int64_t recs[2 * REC_WORDS];
+    int64_t w1[SHARD_GROUP_WORDS + 1] = {0}, w2[SHARD_GROUP_WORDS + 1] = {0};
+    w1[SHARD_GROUP_WORDS] = 5;
+    w2[SHARD_GROUP_WORDS] = 4;
+    shard_sop_t a = {
+        .kind = SHARD_SOP_STEP, .skip = true, .words = w1, .nwords = SHARD_GROUP_WORDS + 1};
+    shard_sop_t b = a;
+    b.words = w2;
+    agreement_t ag;
+    char err[512] = "";
+    rec_op(recs, 0, &a, 0);
+    rec_op(recs, 1, &a, 0);
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_TRUE(ag.op.skip);
+    CU_ASSERT_EQUAL(ag.op.nwords, SHARD_GROUP_WORDS + 1);
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &a, recs, err, sizeof(err)), PSHARD_OK);
+    shard_agreement_free(&ag);
+    rec_op(recs, 1, &b, 0);
+    CU_ASSERT_EQUAL_FATAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_OK);
+    CU_ASSERT_EQUAL(shard_agree_refusal(&ag, &a, recs, err, sizeof(err)), PSHARD_ERR_DESYNC);
+    shard_agreement_free(&ag);
+    a.skip = false;
+    err[0] = '\0';
+    rec_op(recs, 0, &a, 0);
+    rec_op(recs, 1, &a, 0);
+    CU_ASSERT_EQUAL(shard_agree_verdict(recs, 2, &ag, err, sizeof(err)), PSHARD_ERR_DESYNC);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "malformed"));
+    shard_agreement_free(&ag);
+}
+
 /* A step the trainers' own optimizer took: told apart from a server-side step (a desync), and
  * refused on every active rank while some rank has joined, naming each joined rank. */
 static void test_verdict_trainer_step(void)
@@ -516,6 +550,7 @@ int main(void)
         {"verdict: a broadcast whose root joined", test_verdict_broadcast_root_joined},
         {"verdict: a step the trainers' optimizer took", test_verdict_trainer_step},
         {"verdict: a step that sets the count", test_verdict_set_step},
+        {"verdict: a step with a skip mask", test_verdict_skip_mask},
         {"verdict: malformed records", test_verdict_malformed},
         {"verdict: process groups", test_verdict_new_groups},
         {"verdict: send / recv", test_verdict_p2p},

@@ -96,7 +96,13 @@ class Model:
             d = opt._pshard_group_dict(g) if g is not None else {"lr": 0.0}
             d["frozen"] = frozen
             groups.append(d)
-        self.step, self.last_grad_norm = self.client.step(groups=groups)
+        # torch.optim skips a parameter whose .grad is None (no rank produced one): so do the
+        # servers, leaving its values, state and own step count alone.
+        skip = bytearray((len(self.fsdp_params) + 7) // 8)
+        for i, fp in enumerate(self.fsdp_params):
+            if fp.sharded.grad is None:
+                skip[i // 8] |= 1 << (i % 8)
+        self.step, self.last_grad_norm = self.client.step(groups=groups, skip=bytes(skip))
         self.after_step()
 
     def trainer_step(self):

@@ -86,14 +86,15 @@ class _Optimizer(torch.optim.Optimizer):
                                   shape=p.shape, stride=p.stride())
 
     def _pshard_views(self, p):
-        """The server's state arrays of p's shard (local tensors shaped like p's), or None
-        before the model is defined."""
+        """The server's state arrays of p's shard (local tensors shaped like p's) and its own
+        step count (a 1-element int64 tensor), or None before the model is defined."""
         model = self._pshard_model
         if model is None:
             return None
-        s0, s1 = model.client.shard_state(p._pshard_id)
+        s0, s1, step = model.client.shard_state(p._pshard_id)
         shape = self._pshard_local_shape(p)
-        return [torch.from_dlpack(v).view(shape) if v is not None else None for v in (s0, s1)]
+        return ([torch.from_dlpack(v).view(shape) if v is not None else None for v in (s0, s1)],
+                torch.from_dlpack(step))
 
     def state_dict(self):
         """torch.optim's state dict of the servers' state (see the module's doc): per trained
@@ -105,19 +106,19 @@ class _Optimizer(torch.optim.Optimizer):
             d = {k: v for k, v in g.items() if k != "params"}
             d["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
             groups.append(d)
-        model = self._pshard_model
-        step = model.step if model is not None else (
-            self._pshard_pending[1] if self._pshard_pending else 0)
+        pend_states, pend_steps = (self._pshard_pending or ({}, None, {}))[0::2]
         for g in self.param_groups:
             names = self._pshard_state_names(g)
             for p in g["params"]:
                 if not p.requires_grad or not names:
                     continue
-                views = self._pshard_views(p)
-                if views is None:
-                    pend = (self._pshard_pending or ({}, 0))[0].get(id(p))
+                got = self._pshard_views(p)
+                if got is None:
                     shape = self._pshard_local_shape(p)
-                    views = pend or [torch.zeros(shape) for _ in names]
+                    views = pend_states.get(id(p)) or [torch.zeros(shape) for _ in names]
+                    step = pend_steps.get(id(p), 0)
+                else:
+                    views, step = got[0], int(got[1].item())
                 st = {n: self._pshard_as_dtensor(p, v) for n, v in zip(names, views)}
                 st["step"] = torch.tensor(float(step), dtype=torch.float32)
                 state[index[id(p)]] = st
@@ -191,51 +192,64 @@ class _Optimizer(torch.optim.Optimizer):
             locals_[id(p)] = [self._pshard_local(p, n, st[n]) for n in names]
             if "step" in st:
                 s = st["step"]
-                steps[k] = int(round(float(s.item() if isinstance(s, torch.Tensor) else s)))
-        if len(set(steps.values())) > 1:
-            raise ValueError("the loaded state's parameters took different numbers of steps "
-                             f"({dict(list(steps.items())[:4])} ...); pshard's shard servers "
-                             "keep one step count for the model, so this state cannot be "
-                             "given the same values here: continue it with the optimizer "
-                             "that saved it")
-        step = steps.popitem()[1] if steps else None
-        if step is None and locals_:
-            # torch's SGD keeps no count: a loaded momentum buffer is used from the next step
-            # on, which the servers do once their count is past 0.
-            step = max(1, self._pshard_model.step if self._pshard_model else 0)
+                s = float(s.item() if isinstance(s, torch.Tensor) else s)
+                if not (s >= 0 and s == int(s)):
+                    raise ValueError(f"the loaded state of parameter {k!r} has step {s}: not a "
+                                     "count of steps")
+                steps[id(p)] = int(s)
+            else:
+                # torch's SGD keeps no count: a loaded momentum buffer is used from the next
+                # step on, which the servers do once the parameter's count is past 0.
+                steps[id(p)] = 1
+        # The servers' count (checkpoints, Adam's bias correction of a parameter stepped every
+        # time) is the furthest parameter's; each parameter keeps its own, as torch's do.
+        step = max(steps.values()) if steps else None
+        if step is not None and not any("step" in st for st in state_dict.get("state",
+                                                                                {}).values()):
+            step = max(step, self._pshard_model.step if self._pshard_model else 0)
         for g, ng in zip(self.param_groups, new_groups):
             # In place: the model keeps these dicts (it reads them at every step).
             params = g["params"]
             g.clear()
             g.update(ng)
             g["params"] = params
-        self._pshard_pending = (locals_, step)
+        self._pshard_pending = (locals_, step, steps)
         if self._pshard_model is not None:
             self._pshard_apply_pending()
 
     def _pshard_apply_pending(self):
-        """Writes a loaded state into the servers' memory (the model is defined)."""
+        """Writes a loaded state into the servers' memory (the model is defined). A trained
+        parameter the state has nothing for starts afresh, as in torch (no state, count 0)."""
         if not self._pshard_pending:
             return
-        locals_, step = self._pshard_pending
+        locals_, step, steps = self._pshard_pending
         self._pshard_pending = None
-        with torch.no_grad():
-            for p in self._pshard_params():
-                vals = locals_.get(id(p))
-                if vals is None:
-                    continue
-                views = self._pshard_views(p)
-                for view, v in zip(views, vals):
-                    if view is None:
-                        raise ValueError("the shard servers keep no such optimizer state for "
-                                         "this model (SGD without momentum?)")
-                    if view.data_ptr() != v.data_ptr():
-                        view.copy_(v)
         model = self._pshard_model
+        model.wait_reductions()
         if step is not None and step != model.step:
-            model.wait_reductions()
-            model.client.set_step(step)
+            model.client.set_step(step)  # (every parameter's count too)
             model.step = step
+        with torch.no_grad():
+            for g in self.param_groups:
+                if not self._pshard_state_names(g):
+                    continue
+                for p in g["params"]:
+                    if not p.requires_grad:
+                        continue
+                    views, count = self._pshard_views(p)
+                    vals = locals_.get(id(p))
+                    for j, view in enumerate(views):
+                        if view is None:
+                            if vals is not None and j < len(vals):
+                                raise ValueError("the shard servers keep no such optimizer "
+                                                 "state for this model (SGD without "
+                                                 "momentum?)")
+                            continue
+                        if vals is None:
+                            view.zero_()
+                        elif view.data_ptr() != vals[j].data_ptr():
+                            view.copy_(vals[j])
+                    count.fill_(steps.get(id(p), 0))
 
     def add_param_group(self, param_group):
         if getattr(self, "_pshard_model", None) is not None:
