@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
 """One rank of run-torch-bench.sh: the example LM (examples/torch/train_lm.py's model, text and
 batches) trained for --warmup + --steps steps with AdamW (two param groups), one torch thread,
-in one of four modes:
+in one of these modes:
 
-  local   one process, plain torch.optim.AdamW, no communication (the yardstick of overhead)
-  ddp     torch DistributedDataParallel on gloo (launch with torchrun --nproc-per-node N)
-  fsdp2   torch fully_shard per GPT-2 block and on the root, gloo on a CPU DeviceMesh (torchrun)
-  pshard  pshard.torch.fully_shard per block and on the root, pshard.torch.optim.AdamW, the
-          optimizer on the shard servers (launch with pshardrun --nproc N)
+  local        one process, plain torch.optim.AdamW, no communication (the yardstick)
+  ddp          torch DistributedDataParallel on gloo (launch with torchrun --nproc-per-node N)
+  fsdp2        torch fully_shard per GPT-2 block and on the root, gloo on a CPU DeviceMesh
+               (torchrun)
+  pshard       pshard.torch.fully_shard per block and on the root, pshard.torch.optim.AdamW,
+               the optimizer on the shard servers (launch with pshardrun --nproc N)
+  pshard_topt  the same with torch.optim.AdamW, stepping the DTensor shards in the trainer
+               (their local tensors are the servers' memory) (pshardrun)
+  fsdp2_pshard torch's own fully_shard as in fsdp2, on backend "pshard": torch's
+               init_process_group("pshard") under pshardrun
 
 Each rank prints one line that run-torch-bench.sh reads:
-  bench MODE rank R world N step_ms X loss Y vmhwm_kb H [server_vmhwm_kb S server_shmem_kb M]
+  bench MODE rank R world N step_ms X loss Y vmhwm_kb H shmem_kb T [server_vmhwm_kb S
+  server_shmem_kb M ...]
 step_ms is this rank's mean over the timed steps (the script takes the slowest rank); vmhwm_kb
-is this process's peak RSS; in pshard mode the server_* fields are the peak RSS of this rank's
-own shard server (found as pshardrun names it) and that server's shared-memory RSS, the pages of
-the trainer's model region which both processes map and /proc counts in each.
+is this process's peak RSS and shmem_kb its shared-memory RSS at the end (the pages of the
+model region it touched, which its shard server maps too); under pshardrun the server_* fields
+are the peak RSS of this rank's own shard server (found as pshardrun names it) and that server's
+shared-memory RSS (the model region, with the optimizer state only the server touches).
 When the installed torch cannot run the mode, rank 0 prints
   bench MODE rank 0 world N unsupported: REASON
 and the exit status is 0.
@@ -78,7 +85,7 @@ def fsdp2_fully_shard():
 def setup(args):
     """(rank, world, model, optimizer, all_reduce_max(float) -> float, finish())."""
     model = train_lm.build_model(args)
-    if args.mode == "pshard":
+    if args.mode in ("pshard", "pshard_topt"):
         import pshard
         import pshard.torch as pt
         import pshard.distributed as pd
@@ -87,8 +94,9 @@ def setup(args):
         for block in model.transformer.h:
             pt.fully_shard(block)
         pt.fully_shard(model)
-        opt = pt.optim.AdamW(train_lm.param_groups(model, args.weight_decay), lr=args.lr,
-                             betas=(0.9, 0.95))
+        optim = pt.optim if args.mode == "pshard" else torch.optim
+        opt = optim.AdamW(train_lm.param_groups(model, args.weight_decay), lr=args.lr,
+                          betas=(0.9, 0.95))
 
         def barrier():
             pd.barrier()
@@ -98,8 +106,12 @@ def setup(args):
                                 betas=(0.9, 0.95))
         return 0, 1, model, opt, lambda: None, lambda: None
     import torch.distributed as dist
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo")
+    if args.mode == "fsdp2_pshard":
+        import pshard  # noqa: F401  (registers the backend)
+        dist.init_process_group("pshard")
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -118,7 +130,8 @@ def setup(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", required=True, choices=["local", "ddp", "fsdp2", "pshard"])
+    ap.add_argument("--mode", required=True, choices=["local", "ddp", "fsdp2", "pshard", "pshard_topt",
+                                                     "fsdp2_pshard"])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
@@ -166,13 +179,14 @@ def main():
     elapsed = time.perf_counter() - t0
     fields = [f"bench {args.mode} rank {rank} world {world}",
               f"step_ms {elapsed * 1000.0 / args.steps:.3f} loss {loss:.5f}",
-              f"vmhwm_kb {status_kb('/proc/self/status', ('VmHWM',))['VmHWM']}"]
-    if args.mode == "pshard":
-        srv = own_server_status(rank)
-        if srv is not None:
-            fields.append(f"server_vmhwm_kb {srv['VmHWM']} server_shmem_kb {srv['RssShmem']} "
-                          f"server_pss_kb {srv.get('Pss', 0)} "
-                          f"server_pss_shmem_kb {srv.get('Pss_Shmem', 0)}")
+              "vmhwm_kb {VmHWM} shmem_kb {RssShmem}".format(
+                  **status_kb('/proc/self/status', ('VmHWM', 'RssShmem')))]
+    srv = own_server_status(rank)
+    if srv is not None:
+        fields.append(f"server_vmhwm_kb {srv['VmHWM']} server_shmem_kb {srv['RssShmem']} "
+                      f"server_pss_kb {srv.get('Pss', 0)} "
+                      f"server_pss_shmem_kb {srv.get('Pss_Shmem', 0)}")
+    if args.mode in ("pshard", "pshard_topt"):
         import pshard.torch as pt
         st = pt.memory_stats()
         fields.append(f"pool_peak_kb {st['peak_in_use_bytes'] // 1024} "
