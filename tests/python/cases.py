@@ -133,14 +133,29 @@ def reference(cfg, world):
         ranks = [r for r in range(w) if s < batches_of(cfg, r)]
         opt.zero_grad()
         total = 0.0
+        # divide_factor: the ranks' gradients summed and divided by it instead of averaged;
+        # reduce_fp16: each rank's gradient rounded to float16 before the (fp32) sum.
+        divide = cfg.get("divide_factor") or len(ranks)
+        per_rank = cfg.get("reduce_fp16", False)
         for r in ranks:
+            held = [p.grad for p in model.parameters()] if per_rank else None
+            if per_rank:
+                for p in model.parameters():
+                    p.grad = None
             for a in range(accum):
                 x, y = batch(cfg, r, s * accum + a)
                 if x.is_floating_point():
                     x, y = x.to(dtype), y.to(dtype)
                 loss = loss_of(model, cfg, x, y) / (len(ranks) * accum)
-                loss.backward()
+                (loss * (len(ranks) / divide)).backward()
                 total += loss.item()
+            if per_rank:
+                for p, h in zip(model.parameters(), held):
+                    if p.grad is not None:
+                        g = p.grad.to(torch.float16).to(p.grad.dtype)
+                        p.grad = g if h is None else h + g
+                    else:
+                        p.grad = h
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()

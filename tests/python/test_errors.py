@@ -63,7 +63,11 @@ def test_unsupported_options_are_refused():
     m = torch.nn.Linear(2, 2)
     with pytest.raises(TypeError, match="mesh must be a torch.distributed.device_mesh"):
         pt.fully_shard(m, mesh=object())
-    with pytest.raises(ValueError, match="offload"):
+    with pytest.raises(TypeError, match="offload_policy"):
+        pt.fully_shard(m, offload_policy=object())
+    # torch's CPUOffloadPolicy is accepted (what pshard does anyway): only the missing
+    # process group stops this one
+    with pytest.raises(pshard.FailedPreconditionError, match="init_process_group"):
         pt.fully_shard(m, offload_policy=pt.CPUOffloadPolicy())
     with pytest.raises(NotImplementedError, match="reshard_after_forward=2.*True"):
         pt.fully_shard(m, reshard_after_forward=2)

@@ -44,6 +44,14 @@ def test_hsdp_matches_reference(train, tmp_path, mesh):
         assert not any(op == "reduce_scatter" for op, _ in seen.get("shard", ())), seen
 
 
+def test_hsdp_accumulate_without_all_reduce(train):
+    """set_requires_all_reduce(False) on the micro-batches but the last (FSDP2's HSDP gradient
+    accumulation): the step's gradients are the sums over every micro-batch and rank."""
+    cfg = dict(MLP, mesh=[2, 2], accum=3, accum_all_reduce=True)
+    results, final, _ = train(cfg, 4)
+    check(results, final, cfg, 4)
+
+
 def test_hsdp_bf16(train, tmp_path):
     """bf16 gathers and gradient reductions on a (2, 2) mesh (the replicas' all-reduce then
     runs per parameter): within bf16's precision of an fp64 reference."""

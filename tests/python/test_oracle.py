@@ -50,6 +50,11 @@ def test_mlp_adamw_groups_scheduler_clip(train, world):
     {"optimizer": "sgd", "momentum": 0.9, "reshard_after_forward": False},
     {"optimizer": "adam", "accum": 3},
     {"freeze": True},
+    # FSDP2's set_gradient_divide_factor: the sum over 2 ranks divided by 5, not 2
+    # (SGD: Adam's update hardly changes when every gradient is scaled alike)
+    {"optimizer": "sgd", "momentum": 0.9, "divide_factor": 5.0, "clip": None},
+    # MixedPrecisionPolicy(reduce_dtype=torch.float16): each rank's gradient rounded to fp16
+    {"reduce_fp16": True, "accum": 2},
 ])
 def test_mlp_variants(train, variant):
     cfg = dict(MLP, **variant)

@@ -89,8 +89,9 @@ def train(cfg, rank, world, result, out):
             if isinstance(m, torch.nn.LayerNorm):
                 for p in m.parameters():
                     p.requires_grad_(False)
-    mp = pt.MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"])) \
-        if cfg.get("param_dtype") else pt.MixedPrecisionPolicy()
+    mp = pt.MixedPrecisionPolicy(
+        param_dtype=getattr(torch, cfg["param_dtype"]) if cfg.get("param_dtype") else None,
+        reduce_dtype=torch.float16 if cfg.get("reduce_fp16") else None)
     raf = cfg.get("reshard_after_forward", True)
     mesh = None
     if cfg.get("mesh"):  # HSDP: (replicate, shard)
@@ -100,6 +101,10 @@ def train(cfg, rank, world, result, out):
     for b in cases.blocks(model, cfg):
         pt.fully_shard(b, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
     pt.fully_shard(model, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
+    if cfg.get("divide_factor"):
+        for m in model.modules():
+            if isinstance(m, pt.FSDPModule):
+                m.set_gradient_divide_factor(cfg["divide_factor"])
     if cfg.get("load"):
         sd = torch.load(cfg["load"])
         pt.set_model_state_dict(model, sd)
@@ -124,7 +129,10 @@ def train(cfg, rank, world, result, out):
         for s in range(start, nb):
             total = 0.0
             for a in range(accum):
-                model.set_requires_gradient_sync(a == accum - 1)
+                if cfg.get("accum_all_reduce"):  # HSDP: skip only the replicas' all-reduce
+                    model.set_requires_all_reduce(a == accum - 1)
+                else:
+                    model.set_requires_gradient_sync(a == accum - 1)
                 x, y = cases.batch(cfg, rank, s * accum + a)
                 loss = cases.loss_of(model, cfg, x, y) / accum
                 loss.backward()

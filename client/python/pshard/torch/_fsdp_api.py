@@ -13,8 +13,8 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 def check_policies(mp_policy, offload_policy):
     """TypeError/ValueError for policies pshard cannot honour: an mp_policy that is not a
-    MixedPrecisionPolicy (torch's), a dtype the servers do not convert to, CPU offload (the
-    shard server's own setting)."""
+    MixedPrecisionPolicy (torch's), a dtype the servers do not convert to, an offload_policy
+    that is not torch's (CPUOffloadPolicy is what pshard does anyway)."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError("mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, not "
                         f"{type(mp_policy).__name__}")
@@ -26,7 +26,6 @@ def check_policies(mp_policy, offload_policy):
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError("offload_policy must be a torch.distributed.fsdp.OffloadPolicy, not "
                         f"{type(offload_policy).__name__}")
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise ValueError("CPUOffloadPolicy: with pshard, where the shard state lives is the shard "
-                         "server's setting (pshard-server --offload cpu; CPU shard servers keep "
-                         "it in host memory anyway): pass OffloadPolicy() or None")
+    # CPUOffloadPolicy is what pshard.torch always does: the sharded parameters, gradients
+    # and optimizer state are in host memory (the shard servers'), the trainers compute on the
+    # CPU and the optimizer steps there (pin_memory has nothing to pin).

@@ -176,9 +176,12 @@ def lazy_init(root_unit):
                          "MixedPrecisionPolicy param_dtype and reduce_dtype")
     param_dtype = pdt.pop() or torch.float32
     reduce_dtype = rdt.pop() or param_dtype
-    if reduce_dtype == torch.float16:
-        raise ValueError("reduce_dtype float16 is not supported by the shard servers: use "
-                         "float32 or bfloat16")
+    # float16 reductions: the trainer rounds the gradients to float16 (what FSDP2 reduces)
+    # and the servers sum them in float32 (they reduce fp32 and bf16 only), so the sums carry
+    # no float16 rounding or overflow of their own.
+    round_grads = reduce_dtype if reduce_dtype == torch.float16 else None
+    if round_grads is not None:
+        reduce_dtype = torch.float32
     meshes = {id(u.mesh): u.mesh for u in units}
     if len(meshes) > 1:
         raise ValueError("the units of one model were given different meshes: pass the same "
@@ -213,6 +216,8 @@ def lazy_init(root_unit):
     model = Model(root_unit, client)
     model.step = step
     model.param_dtype, model.reduce_dtype = param_dtype, reduce_dtype
+    model.round_grads = round_grads
+    model.mean_over = mesh.size()  # the ranks the servers average a gradient over
     model.units = units
     model.names = [n for n, _ in named]
     model.frozen = frozen

@@ -30,7 +30,9 @@ class Model:
         self.callback_queued = False
         self.optimizers = []       # pshard.torch.optim optimizers (stepped on the servers)
         self.param_dtype = None
-        self.reduce_dtype = None
+        self.reduce_dtype = None    # what the servers reduce in
+        self.round_grads = None     # float16: gradients rounded to it before the reduction
+        self.mean_over = 1          # the ranks the servers average gradients over
         self.step = 0
         self.last_grad_norm = None
         self.reduced = False       # a reduce-scatter was issued since the last step

@@ -23,6 +23,8 @@ class Unit:
         self.grad_ids = []         # those whose gradients are reduce-scattered
         self.gather_work = None    # an issued asynchronous gather
         self.requires_grad_sync = True
+        self.requires_all_reduce = True  # HSDP: False defers the reduction (see FSDPModule)
+        self.divide_factor = None  # set_gradient_divide_factor: the sum is divided by it
         self.fwd_prefetch = None   # explicit set_modules_to_forward_prefetch, or None
         self.bwd_prefetch = None
         self.ready = 0             # gradients accumulated in this backward

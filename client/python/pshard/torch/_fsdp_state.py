@@ -185,7 +185,16 @@ def _post_backward(u):
     for fp in u.params:
         if fp.frozen:
             fp.unsharded.grad = None
-    if u.requires_grad_sync and u.grad_ids:
+    hsdp = model.mesh.ndim == 2
+    if u.requires_grad_sync and (u.requires_all_reduce or not hsdp) and u.grad_ids:
+        if model.round_grads is not None or u.divide_factor is not None:
+            scale = model.mean_over / u.divide_factor if u.divide_factor is not None else None
+            for i in u.grad_ids:
+                view, _ = _grad_view(model, i)
+                if model.round_grads is not None:
+                    view.copy_(view.to(model.round_grads))
+                if scale is not None:
+                    view.mul_(scale)
         for i in u.grad_ids:
             model.grad_views.pop(i, None)
             model.fsdp_params[i].unsharded.grad = None

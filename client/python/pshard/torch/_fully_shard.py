@@ -95,19 +95,27 @@ class FSDPModule:
             raise ValueError("is_last_backward must be a bool")
 
     def set_gradient_divide_factor(self, factor):
-        raise NotImplementedError(
-            "set_gradient_divide_factor: pshard's shard servers average gradients over the "
-            "ranks that contributed (Join-aware); scale the loss instead (loss * world / "
-            "factor) to get another divisor")
+        """This unit's reduced gradients are the ranks' sum divided by factor instead of their
+        mean (FSDP2's; not recursive). The trainer scales its gradients by (ranks / factor)
+        before the servers average them; with ranks joined (pshard's Join) the servers
+        average over the ranks that contributed, so the divisor shrinks in proportion."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or \
+                not float(factor) > 0 or float(factor) == float("inf"):
+            raise ValueError(f"gradient divide factor must be a positive finite number, not "
+                             f"{factor!r}")
+        self._pshard_unit().divide_factor = float(factor)
 
     def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
-        """HSDP: the replicas' all-reduce runs with every reduce-scatter on the servers; True
-        is what they do, False (skipping it for accumulation) is not supported."""
-        if not requires_all_reduce:
-            raise NotImplementedError(
-                "set_requires_all_reduce(False): pshard's servers all-reduce across replicas "
-                "with every reduce-scatter; accumulate with set_requires_gradient_sync(False) "
-                "instead")
+        """HSDP: False leaves the replicas' gradients unreduced for this backward (gradient
+        accumulation). pshard's servers reduce-scatter and all-reduce in one operation, so
+        False defers the whole reduction, as set_requires_gradient_sync(False) does: the
+        gradients accumulate in the trainer and the next backward with True reduces them all
+        (the sums FSDP2 reaches; its sharded .grad between is partial, pshard's is not set).
+        No effect on a 1-D mesh, as in FSDP2."""
+        if not isinstance(requires_all_reduce, bool):
+            raise ValueError("requires_all_reduce must be a bool")
+        for u in self._units(recurse):
+            u.requires_all_reduce = requires_all_reduce
 
     def join_hook(self, **kwargs):
         return ModelJoinHook(self)
