@@ -39,6 +39,31 @@ def test_save_on_3_resume_on_2(train, tmp_path):
         assert torch.equal(final2[k], v), k
 
 
+def test_pshard_checkpoint_to_torch_optimizer_state(train, tmp_path):
+    """A shard servers' checkpoint (pshardrun --checkpoint-dir) resumed on another world size
+    gives the server-side AdamW's state back in torch's format (get_optimizer_state_dict, what
+    dcp.save writes): exactly the state the saving job had, each parameter's step included
+    (one parameter never had a gradient). That is the conversion from pshard's checkpoints to
+    DCP; the other way, dcp.load then save_checkpoint (test_llama loads DCP into it)."""
+    ck = tmp_path / "ck"
+    cfg = dict(MLP, steps=5, save_at=5, optim_dump_at=5, unused=True)
+    first, _, _ = train(cfg, 3, extra=["--checkpoint-dir", str(ck)])
+    assert all(r["error"] is None for r in first), first
+    second, _, _ = train(dict(cfg, steps=5, save_at=None), 2, extra=["--resume", str(ck)])
+    assert [r["start"] for r in second] == [5, 5], second
+    want = torch.load(next(tmp_path.glob("run-3-*")) / "optim-5.pt")  # (train's run dirs)
+    got = torch.load(next(tmp_path.glob("run-2-*")) / "optim-5.pt")
+    assert set(want["state"]) == set(got["state"]) and len(want["state"]) > 2
+    steps = {}
+    for k, st in want["state"].items():
+        assert set(st) == {"exp_avg", "exp_avg_sq", "step"}, st.keys()
+        for n, v in st.items():
+            assert torch.equal(got["state"][k][n], v), (k, n)
+        steps[k] = int(st["step"])
+    assert steps["0.spare.weight"] == 0 and steps["0.weight"] == 5, steps
+    assert [g["lr"] for g in got["param_groups"]] == [g["lr"] for g in want["param_groups"]]
+
+
 def test_state_dict_round_trip(train, tmp_path):
     _, final, _ = train(dict(MLP, steps=3), 2)
     path = tmp_path / "sd.pt"

@@ -124,8 +124,21 @@ def train(cfg, rank, world, result, out):
                   enable=(join != "disabled")) if join else None
     peak_units = 0
 
+    def dump_optim(at):
+        """The optimizer's full state dict (torch's get_optimizer_state_dict, what dcp.save
+        takes) after `at` steps, written by rank 0 to optim-AT.pt."""
+        if cfg.get("optim_dump_at") != at:
+            return
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(osd, os.path.join(out, f"optim-{at}.pt"))
+
     def run():
         nonlocal peak_units
+        dump_optim(start)
         for s in range(start, nb):
             total = 0.0
             for a in range(accum):
@@ -158,6 +171,7 @@ def train(cfg, rank, world, result, out):
             result["losses"].append(total)
             if cfg.get("save_at") == s + 1:
                 result["checkpoint"] = pt.save_checkpoint(model)
+            dump_optim(s + 1)
             st = pt.memory_stats()
             result["peak_in_use_bytes"] = st["peak_in_use_bytes"]
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import pshard
 from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy, check_policies
@@ -153,7 +153,19 @@ def _before_state_dict(module, prefix, keep_vars):
 
 def _before_load_state_dict(module, state_dict, prefix, *args):
     """load_state_dict copies into the sharded parameters (the servers' masters): a gathered
-    unit would keep the old values, so it is resharded first."""
+    unit would keep the old values, so it is resharded first. A full plain tensor for a
+    DTensor parameter cannot be copied (torch says "mixed torch.Tensor and DTensor"): refused
+    up front, naming the function that loads full state dicts."""
+    for name, p in module.named_parameters():
+        v = state_dict.get(prefix + name)
+        if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+            raise RuntimeError(
+                f"load_state_dict: '{prefix + name}' is a plain tensor of shape "
+                f"{tuple(v.shape)}, and the model's parameters are sharded DTensors: load a "
+                "full state dict with torch.distributed.checkpoint.state_dict."
+                "set_model_state_dict(model, sd, options=StateDictOptions("
+                "full_state_dict=True)) (or pshard.torch.set_model_state_dict), or pass the "
+                "DTensors of model.state_dict()")
     _before_state_dict(module, prefix, False)
 
 
