@@ -10,7 +10,8 @@ usage: llama_worker.py MODE OUT [CKPT]
           (dcp.load); with CKPT and FIRST == 0 it saves CKPT after the last step (dcp.save)
   reference  the same steps in one process, plain torch, on the union of the ranks' batches
 Environment: LLAMA_FIRST, LLAMA_LAST (steps), LLAMA_OPT (torch: torch.optim.AdamW in the trainer;
-pshard: pshard.torch.optim.AdamW on the shard servers), LLAMA_MESH ("R,S": HSDP).
+pshard: pshard.torch.optim.AdamW on the shard servers), LLAMA_MESH ("R,S": HSDP), LLAMA_ASYNC
+(set: dcp.async_save instead of dcp.save).
 Writes OUT/rank-R.json (losses and grad norms per step) and, from rank 0, OUT/final.pt (the
 full state dict) and OUT/logits.pt (the sharded model's logits on a fixed input).
 """
@@ -133,7 +134,10 @@ def train():
     server_steps = pt.get_step(model)  # the steps the shard servers were told of
     if CKPT and FIRST == 0:
         msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=CKPT)
+        if os.environ.get("LLAMA_ASYNC"):  # dcp.async_save: staged, then written by a thread
+            dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=CKPT).result()
+        else:
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=CKPT)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))

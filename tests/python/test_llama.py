@@ -82,13 +82,14 @@ def test_llama_torch_optim_dcp_2_then_3_ranks(tmp_path):
 
 def test_llama_server_side_adamw_dcp(tmp_path):
     """pshard.torch.optim.AdamW (the optimizer on the shard servers): 6 steps on 2 ranks,
-    dcp.save of its state (the servers' memory as DTensors), dcp.load on 3 ranks, 4 more steps;
+    dcp.async_save of its state (the servers' memory as DTensors), dcp.load on 3 ranks, 4 more
+    steps;
     and the same checkpoint continued by torch.optim.AdamW in the trainer (the state dict is
     torch's format)."""
     want, ref_sd = reference(tmp_path)
     ckpt = tmp_path / "dcp"
     pshard_opt = {"LLAMA_OPT": "pshard"}
-    first = run(2, tmp_path / "a", 0, 6, ckpt, env=pshard_opt)
+    first = run(2, tmp_path / "a", 0, 6, ckpt, env=dict(pshard_opt, LLAMA_ASYNC="1"))
     check_steps(first, want, 0)
     second = run(3, tmp_path / "b", 6, 10, ckpt, env=pshard_opt)
     check_steps(second, want, 6)
