@@ -33,6 +33,31 @@ def pshardrun(nproc, script, args, *, timeout=300, extra=(), env=None):
                           timeout=timeout, env=e, stdin=subprocess.DEVNULL)
 
 
+def run_gloo(world, argv, timeout=300):
+    """Runs python argv... as world plain processes on torch's gloo (RANK / WORLD_SIZE in the
+    environment, no pshard cluster: the scripts compared with their pshard runs); asserts that
+    each exits 0."""
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                   PYTHONDONTWRITEBYTECODE="1")
+        for k in ("PSHARD_SERVER", "PSHARD_COORDINATOR"):
+            env.pop(k, None)
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True,
+                                      stdin=subprocess.DEVNULL))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+
+
 @pytest.fixture
 def train(tmp_path):
     """train(cfg, world) -> (results per rank, final state dict or None, output)."""

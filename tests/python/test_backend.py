@@ -3,38 +3,13 @@ collective of the backend table, async, object and functional collectives, DTens
 torch's gloo and on pshard's shard servers, and every rank's results must agree (exactly for
 data movement and integer reductions, to a rounding of the dtype for floating-point sums)."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import HERE, pshardrun
+from conftest import HERE, pshardrun, run_gloo
 
 WORKER = os.path.join(HERE, "backend_worker.py")
-
-
-def run_gloo(world, out, tmp):
-    init = tmp / "gloo-init"
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                   PYTHONDONTWRITEBYTECODE="1")
-        for k in ("PSHARD_SERVER", "PSHARD_COORDINATOR"):
-            env.pop(k, None)
-        procs.append(subprocess.Popen([sys.executable, WORKER, "gloo", str(out), str(init)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, stdin=subprocess.DEVNULL))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
 
 
 def flat(v):
@@ -90,7 +65,7 @@ def test_pshard_matches_gloo(tmp_path, world):
     """pshard.init_process_group() (torch's default group on backend "pshard", its store the
     coordinator's) against gloo."""
     gloo_dir, ps_dir = tmp_path / "gloo", tmp_path / "pshard"
-    run_gloo(world, gloo_dir, tmp_path)
+    run_gloo(world, [WORKER, "gloo", str(gloo_dir), str(tmp_path / "gloo-init")])
     p = pshardrun(world, WORKER, ["pshard", str(ps_dir)])
     assert p.returncode == 0, p.stdout[-4000:]
     compare(gloo_dir, ps_dir, world)
@@ -101,7 +76,7 @@ def test_torch_init_on_pshard_matches_gloo(tmp_path, world):
     """torch's own init_process_group(backend="pshard") in a script that only imports pshard
     (a FileStore here, to show any torch store works)."""
     gloo_dir, ps_dir = tmp_path / "gloo", tmp_path / "pshard"
-    run_gloo(world, gloo_dir, tmp_path)
+    run_gloo(world, [WORKER, "gloo", str(gloo_dir), str(tmp_path / "gloo-init")])
     p = pshardrun(world, WORKER, ["pshard-torch", str(ps_dir), str(tmp_path / "ps-init")])
     assert p.returncode == 0, p.stdout[-4000:]
     compare(gloo_dir, ps_dir, world)

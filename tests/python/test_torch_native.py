@@ -5,39 +5,14 @@ or a tiny Llama, AdamW with two parameter groups, clip_grad_norm_, 5 steps, a di
 per rank): every rank's loss at every step within 1e-6 relative, the clipped gradient norms
 within 1e-5, and the final full state dict close (rtol 1e-5)."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import HERE, pshardrun
+from conftest import HERE, pshardrun, run_gloo
 
 WORKER = os.path.join(HERE, "torch_native_worker.py")
 TIMEOUT = 600  # seconds per run: two cores, shared with other suites
-
-
-def run_gloo(args, world):
-    """Runs the worker on gloo as world plain processes (RANK / WORLD_SIZE, no pshard)."""
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                   PYTHONDONTWRITEBYTECODE="1")
-        for k in ("PSHARD_SERVER", "PSHARD_COORDINATOR"):
-            env.pop(k, None)
-        procs.append(subprocess.Popen([sys.executable, WORKER, "gloo", *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, stdin=subprocess.DEVNULL))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=TIMEOUT)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
 
 
 @pytest.mark.parametrize("mode,model,world", [
@@ -45,7 +20,8 @@ def run_gloo(args, world):
     ("fsdp2", "mlp", 2), ("fsdp2", "mlp", 3), ("fsdp2", "llama", 2), ("fsdp2", "llama", 3)])
 def test_torch_native_on_pshard_matches_gloo(tmp_path, mode, model, world):
     gloo_dir, ps_dir = tmp_path / "gloo", tmp_path / "pshard"
-    run_gloo([mode, model, str(gloo_dir), str(tmp_path / "gloo-init")], world)
+    run_gloo(world, [WORKER, "gloo", mode, model, str(gloo_dir), str(tmp_path / "gloo-init")],
+             timeout=TIMEOUT)
     p = pshardrun(world, WORKER, ["pshard", mode, model, str(ps_dir), str(tmp_path / "ps-init")],
                   timeout=TIMEOUT)
     assert p.returncode == 0, p.stdout[-4000:]
