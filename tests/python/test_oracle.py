@@ -74,6 +74,7 @@ def test_unused_parameters_left_alone(train):
         assert torch.equal(final[k], init.state_dict()[k]), k
     steps = results[0]["param_steps"]
     assert sorted(steps.values()) == [0, 0] + [20] * (len(steps) - 2), steps
+    assert results[0]["state_steps"] == sorted(steps.values()), results[0]
 
 
 def test_metric_all_reduce_after_backward(train):

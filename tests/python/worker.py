@@ -187,6 +187,9 @@ def train(cfg, rank, world, result, out):
         return  # the other ranks stopped with JoinedError: no collective state dict
     result["param_steps"] = {k: int(v["step"]) for k, v in opt.state_dict()["state"].items()
                              if "step" in v}
+    # optimizer.state, as tools read it (torch.optim's layout): the same counts
+    result["state_steps"] = sorted(int(st["step"]) for st in opt.state.values()
+                                   if isinstance(st, dict) and "step" in st)
     sd = pt.get_model_state_dict(model, options=pt.StateDictOptions(full_state_dict=True,
                                                                      cpu_offload=True))
     if rank == 0:

@@ -251,6 +251,7 @@ def lazy_init(root_unit):
     _check_uncovered(model, opts)
     for o in opts:  # a state loaded before the definition (DCP's load) goes to the servers
         o._pshard_apply_pending()
+        o._pshard_bind_state()
     return model
 
 

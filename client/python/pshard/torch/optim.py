@@ -60,9 +60,10 @@ class _Optimizer(torch.optim.Optimizer):
         self._pshard_model = None
         self._pshard_pending = None  # a state loaded before the model was defined
         super().__init__(params, defaults)
-        # The state lives on the servers. An entry here tells torch's DCP helpers
-        # (get_optimizer_state_dict) it exists, so they do not run a "zero-lr" step to make
-        # one, which would advance the servers' Adam step count.
+        # The state lives on the servers. Until the model is defined, an entry here tells
+        # torch's DCP helpers (get_optimizer_state_dict) it exists, so they do not run a
+        # "zero-lr" step to make one (a step before the first forward); then the entries are
+        # the servers' state itself (_pshard_bind_state).
         self.state["pshard"] = "the optimizer state is on the shard servers: see state_dict()"
         _ALL.add(self)
 
@@ -216,6 +217,25 @@ class _Optimizer(torch.optim.Optimizer):
         self._pshard_pending = (locals_, step, steps)
         if self._pshard_model is not None:
             self._pshard_apply_pending()
+
+    def _pshard_bind_state(self):
+        """optimizer.state as torch.optim keeps it, over the servers' memory (the model is
+        defined): per trained parameter its state DTensors (live views: always current) and
+        "step", a 0-dim int64 view of the parameter's own count."""
+        state = {}
+        for g in self.param_groups:
+            names = self._pshard_state_names(g)
+            for p in g["params"]:
+                if not p.requires_grad or not names:
+                    continue
+                views, count = self._pshard_views(p)
+                st = {n: self._pshard_as_dtensor(p, v) for n, v in zip(names, views)
+                      if v is not None}
+                st["step"] = count.view(())
+                state[p] = st
+        if state:  # (else the marker stays: SGD without momentum keeps no state)
+            self.state.clear()
+            self.state.update(state)
 
     def _pshard_apply_pending(self):
         """Writes a loaded state into the servers' memory (the model is defined). A trained
