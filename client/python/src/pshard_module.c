@@ -1019,6 +1019,12 @@ static PyObject *mod_rendezvous_file_read(PyObject *mod, PyObject *arg)
 static PyMethodDef module_methods[] = {
     {"rendezvous_file_read", mod_rendezvous_file_read, METH_O,
      "rendezvous_file_read(path): the coordinator's HOST:PORT, or None while not written"},
+    {"ckpt_open", (PyCFunction)(void (*)(void))pshard_py_ckpt_open, METH_VARARGS | METH_KEYWORDS,
+     "ckpt_open(step_dir, verify=True) -> (handle, info): a pshard checkpoint, offline"},
+    {"ckpt_read", pshard_py_ckpt_read, METH_VARARGS,
+     "ckpt_read(handle, section, param, out): one parameter's section (fp32) into out"},
+    {"ckpt_write", pshard_py_ckpt_write, METH_VARARGS,
+     "ckpt_write(root, step, optimizer, sections, params, data) -> step_dir (world size 1)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef pshard_module = {PyModuleDef_HEAD_INIT, "pshard._C",

@@ -98,6 +98,11 @@ typedef struct {
 /* Adds pshard._C.Store (pshard_store.c) to the module; -1 with an exception on failure. */
 int pshard_py_store_init(PyObject *m);
 
+/* pshard_ckpt.c: pshard's checkpoints read and written offline (module functions). */
+PyObject *pshard_py_ckpt_open(PyObject *mod, PyObject *args, PyObject *kw);
+PyObject *pshard_py_ckpt_read(PyObject *mod, PyObject *args);
+PyObject *pshard_py_ckpt_write(PyObject *mod, PyObject *args);
+
 /* Raises the exception class of st (pshard.Error's subclasses) with msg, the enum name on
  * .status; returns NULL. */
 PyObject *pshard_py_raise_status(pshard_status_t st, const char *msg);
