@@ -195,20 +195,31 @@ fail:
     return rc;
 }
 
-void pshard_close(pshard_client_t *c)
+void pshard_leave(pshard_client_t *c)
 {
     if (!c)
         return;
-    if (c->worker_started) {
+    if (c->worker_started) { /* it runs what is queued first: every work ends done */
         pthread_mutex_lock(&c->mu);
         c->stop = true;
         pthread_cond_broadcast(&c->cv);
         pthread_mutex_unlock(&c->mu);
         pthread_join(c->worker, NULL);
+        c->worker_started = false;
     }
-    client_lease_stop(c);
+    client_lease_stop(c); /* the coordinator hears the trainer leave */
     ps_rpc_channel_destroy(c->coord);
     ps_rpc_channel_destroy(c->ch);
+    c->coord = c->ch = NULL;
+    client_region_unlink(&c->scratch);
+    client_region_unlink(&c->model);
+}
+
+void pshard_close(pshard_client_t *c)
+{
+    if (!c)
+        return;
+    pshard_leave(c);
     client_region_destroy(&c->scratch);
     client_region_destroy(&c->model);
     client_model_free(c);

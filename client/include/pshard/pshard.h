@@ -76,6 +76,14 @@ PSHARD_API pshard_status_t pshard_rendezvous_file_read(const char *path, char *a
 /* Closes the connection and frees the client and its shared memory. NULL is a no-op. */
 PSHARD_API void pshard_close(pshard_client_t *c);
 
+/* Leaves the cluster now, as pshard_close does (queued works run to the end; the coordinator
+ * hears a clean leave, so the shard server does not evict this trainer), but keeps the
+ * client's memory mapped: pointers into it (parameters, gradients, shard views) stay readable
+ * and writable, holding their last values, until pshard_close. After it only pshard_close,
+ * pshard_work_wait / pshard_work_test of works started before, pshard_last_error and the
+ * getters may be called. Idempotent; NULL is a no-op. */
+PSHARD_API void pshard_leave(pshard_client_t *c);
+
 PSHARD_API int pshard_rank(const pshard_client_t *c);
 PSHARD_API int pshard_world_size(const pshard_client_t *c);
 /* The coordinator "HOST:PORT" this trainer holds its lease with ("" without one) and its job

@@ -1,6 +1,9 @@
 """This process's connection to its shard server (a pshard._C.Client): made by
 pshard.init_process_group or by backend "pshard" when torch's init_process_group comes first,
-closed by destroy_process_group. Needs no torch."""
+closed by destroy_process_group, or at the interpreter's exit (an atexit hook), so that a
+trainer that ends cleanly leaves the cluster and its shard server serves the next job. Needs no
+torch."""
+import atexit
 import datetime as _dt
 import os as _os
 import time
@@ -9,6 +12,7 @@ from . import _C
 from ._C import FailedPreconditionError, InvalidArgumentError, TimeoutError
 
 _client = None
+_hooked = False  # drop() is registered with atexit
 # Python objects torch holds only through their C++ side (the default group's store, the
 # backends): kept alive until the client is dropped
 _kept = []
@@ -83,12 +87,17 @@ def connect(init_method=None, rank=-1, world_size=-1, timeout=None):
                         world_size=int(world_size), timeout_ms=timeout_ms,
                         connect_timeout_ms=connect_ms,
                         job=_os.environ.get("PSHARD_JOB") or None)
+    global _hooked
+    if not _hooked:
+        atexit.register(drop)
+        _hooked = True
     return _client
 
 
 def drop():
-    """Closes this process's client (backend "pshard"'s shutdown, destroy_process_group); a
-    no-op without one."""
+    """Closes this process's client (backend "pshard"'s shutdown, destroy_process_group, and
+    at exit): it leaves the cluster at once; tensors still viewing its memory keep it mapped
+    with their last values until they are gone. A no-op without one."""
     global _client
     c, _client = _client, None
     _kept.clear()

@@ -10,6 +10,7 @@
 #include "pshard_py.h"
 
 #include <string.h>
+#include <time.h>
 
 #include "pshard_groups.h"
 
@@ -169,13 +170,40 @@ static void Client_dealloc(ClientObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* close(): leaves the cluster. Views of the client's memory that are still alive keep it
- * mapped until the last one is gone; every call fails from now on. */
+/* close(): leaves the cluster now; every call fails from now on. Views of the client's memory
+ * that are still alive (tensors over it) keep it mapped, with their last values, until the
+ * last one is gone, and Works not yet waited for have finished (waiting gives their outcome).
+ * A thread inside a call holds the client: close waits for it up to 10 s, then leaves the
+ * rest to the shard server (which evicts the trainer when its lease lapses). */
+/* pshard_leave under the client's call lock, waiting up to 10 s for a call in another
+ * thread. 0, or the lock's error. */
+static int client_leave(ClientObject *self)
+{
+    pshard_client_t *c = self->c;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    rc = pthread_mutex_timedlock(&self->op_mu, &until);
+    if (rc == 0) {
+        pshard_leave(c);
+        pthread_mutex_unlock(&self->op_mu);
+    }
+    Py_END_ALLOW_THREADS return rc;
+}
+
 static PyObject *Client_close(ClientObject *self, PyObject *unused)
 {
     self->closing = true;
     if (self->exports == 0 && self->pending == 0)
         client_really_close(self);
+    else if (self->c && client_leave(self) != 0 &&
+             PyErr_WarnEx(PyExc_RuntimeWarning,
+                          "pshard: another thread is inside a call on this trainer's connection; "
+                          "it was not closed (the shard server evicts the trainer when its "
+                          "lease lapses)",
+                          1) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
