@@ -9,6 +9,9 @@
 
 #include "pshard/util.h"
 
+/* What the coordinator keeps of a not-serving reason, NUL included. */
+#define COORD_REASON_LEN 256
+
 #define PS_COORD_DEFINE_(fn, Method, Req, Resp, resp, flags)                                       \
     pshard_status_t ps_coord_rpc_##fn(ps_rpc_channel_t *ch, const Pshard__##Req *request,          \
                                       Pshard__##Resp **response, int64_t timeout_ms, char *err,    \
@@ -112,6 +115,7 @@ struct ps_coord_lease {
     pthread_mutex_t mu; /* guards the fields below */
     pthread_cond_t cv;
     bool stop;
+    bool poked; /* ps_coord_lease_poke: heartbeat at once */
     char member_id[64], lease_key[64];
     int64_t heartbeat_ms;
     uint64_t generation;
@@ -166,6 +170,10 @@ static bool lease_wait(ps_coord_lease_t *l, int64_t ms, bool last_ok)
         pthread_cond_timedwait(&l->cv, &l->mu, &ts);
         if (l->stop)
             break;
+        if (l->poked && last_ok) { /* news for the coordinator: heartbeat now */
+            l->poked = false;
+            break;
+        }
         if (l->cfg.on_wait) {
             pthread_mutex_unlock(&l->mu);
             l->cfg.on_wait(l->cfg.ctx, last_ok);
@@ -201,6 +209,11 @@ static void *lease_main(void *arg)
             Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
             req.member_id = id;
             req.lease_key = key;
+            char why[COORD_REASON_LEN] = "";
+            if (l->cfg.health)
+                l->cfg.health(l->cfg.ctx, why, sizeof(why));
+            req.not_serving = why[0] != '\0';
+            req.not_serving_reason = why;
             int64_t timeout =
                 l->cfg.heartbeat_timeout_ms > 0 ? l->cfg.heartbeat_timeout_ms : 2 * every;
             rc = ps_coord_rpc_heartbeat(l->cfg.channel, &req, &view, timeout, err, sizeof(err));
@@ -310,6 +323,16 @@ void ps_coord_lease_stop(ps_coord_lease_t *l)
         ps_coord_rpc_leave(l->cfg.channel, &lv, NULL, 1000, err, sizeof(err));
     }
     lease_free(l);
+}
+
+void ps_coord_lease_poke(ps_coord_lease_t *l)
+{
+    if (!l)
+        return;
+    pthread_mutex_lock(&l->mu);
+    l->poked = true;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
 }
 
 void ps_coord_lease_member(ps_coord_lease_t *l, char *id, size_t idlen, char *key, size_t keylen)

@@ -124,6 +124,8 @@ static void members_to_pb(const coord_snapshot_t *snap, int64_t now_ns, Pshard__
         pm->lease_remaining_ms = left > 0 ? left : 0;
         pm->last_heartbeat_ms_ago = (now_ns - m->last_heartbeat_ns) / 1000000;
         pm->registered_generation = m->registered_generation;
+        pm->not_serving = m->not_serving;
+        pm->not_serving_reason = (char *)m->not_serving_reason;
         ptrs[i] = pm;
     }
 }
@@ -265,8 +267,17 @@ static void send_event_locked(coord_job_t *c, ps_rpc_call_t *only, uint64_t gene
     coord_snapshot_free(snap);
 }
 
-/* Pushes the changes recorded by on_state_change; the default job's state is the readiness
- * health status "pshard.Cluster". */
+/* The default job's state is the readiness health status "pshard.Cluster": SERVING while
+ * formed with every ranked shard server serving. */
+static void cluster_health_locked(coord_job_t *c)
+{
+    if (c == c->c->jobs) {
+        bool formed = coord_state_cluster_state(c->state) == COORD_CLUSTER_FORMED;
+        ps_rpc_server_set_health(c->c->srv, "pshard.Cluster", formed ? 1 : 2);
+    }
+}
+
+/* Pushes the changes recorded by on_state_change, then updates the health. */
 static void flush_events_locked(coord_job_t *c)
 {
     if (c->nevents == 0)
@@ -277,10 +288,7 @@ static void flush_events_locked(coord_job_t *c)
                               c->events[i].last_joiner);
     }
     c->nevents = 0;
-    if (c == c->c->jobs) {
-        bool formed = coord_state_cluster_state(c->state) == COORD_CLUSTER_FORMED;
-        ps_rpc_server_set_health(c->c->srv, "pshard.Cluster", formed ? 1 : 2);
-    }
+    cluster_health_locked(c);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -522,10 +530,15 @@ static void handle_heartbeat(ps_rpc_call_t *call, const ProtobufCMessage *reques
     pshard_status_t rc = PSHARD_OK;
     pthread_mutex_lock(&c->mu);
     coord_job_t *j = job_of_call_locked(c, call, false, &rc, err, sizeof(err));
-    if (j)
+    if (j) {
         rc = coord_state_heartbeat(j->state, req->member_id, req->lease_key, ps_now_ns(), &view,
                                    err, sizeof(err));
-    else if (rc == PSHARD_ERR_NOT_FOUND)
+        const char *why = req->not_serving ? req->not_serving_reason : NULL;
+        if (rc == PSHARD_OK && req->not_serving && (!why || !*why))
+            why = "(no reason given)";
+        if (rc == PSHARD_OK && coord_state_set_health(j->state, req->member_id, why))
+            cluster_health_locked(j);
+    } else if (rc == PSHARD_ERR_NOT_FOUND)
         rc = unknown_member(req->member_id, err, sizeof(err));
     pthread_mutex_unlock(&c->mu);
     reply_view(call, rc, &view, err);

@@ -902,9 +902,39 @@ uint64_t coord_state_generation(const coord_state_t *st)
     return st->generation;
 }
 
+/* A ranked shard server of a formed cluster that reports it is not serving. */
+static bool rank_not_serving(const coord_member_t *m)
+{
+    return m->role == COORD_ROLE_SHARD_SERVER && m->rank >= 0 && m->not_serving;
+}
+
 coord_cluster_state_t coord_state_cluster_state(const coord_state_t *st)
 {
+    if (st->state == COORD_CLUSTER_FORMED)
+        for (size_t i = 0; i < st->nmembers; i++)
+            if (rank_not_serving(&st->members[i]))
+                return COORD_CLUSTER_DEGRADED;
     return st->state;
+}
+
+bool coord_state_set_health(coord_state_t *st, const char *member_id, const char *reason)
+{
+    char clean[COORD_FIELD_MAX + 1] = "";
+    size_t n = 0;
+    for (; reason && reason[n] && n < COORD_FIELD_MAX; n++)
+        clean[n] = reason[n] >= 0x20 && reason[n] < 0x7f ? reason[n] : '?';
+    clean[n] = '\0';
+    for (size_t i = 0; i < st->nmembers; i++) {
+        coord_member_t *m = &st->members[i];
+        if (strcmp(m->member_id, member_id) != 0)
+            continue;
+        bool not_serving = n > 0;
+        bool changed = m->not_serving != not_serving || strcmp(m->not_serving_reason, clean) != 0;
+        m->not_serving = not_serving;
+        memcpy(m->not_serving_reason, clean, n + 1);
+        return changed;
+    }
+    return false;
 }
 
 /* Snapshot order: shard servers by rank, unranked shard servers by name, trainers by name. */
@@ -920,6 +950,20 @@ static int cmp_snapshot(const void *a, const void *b)
             return ma->rank < mb->rank ? -1 : (ma->rank > mb->rank);
     }
     return ps_natural_cmp(ma->name, mb->name);
+}
+
+/* Appends item to buf (len bytes, used so far); false (with ", ..." or "..." written) when
+ * it does not fit. */
+static bool append_item(char *buf, size_t len, size_t *used, const char *item)
+{
+    size_t n = strlen(item);
+    if (*used + n + 5 >= len) {
+        ps_strlcpy(buf + *used, *used ? ", ..." : "...", len - *used);
+        return false;
+    }
+    memcpy(buf + *used, item, n + 1);
+    *used += n;
+    return true;
 }
 
 static void describe_awaiting(const coord_state_t *st, int shard_servers, int64_t remaining_ms,
@@ -940,23 +984,27 @@ static void describe_awaiting(const coord_state_t *st, int shard_servers, int64_
         }
         return;
     }
-    if (st->state != COORD_CLUSTER_DEGRADED)
-        return;
-    /* "rank 2 (was pshard-server-2), rank 5 (was ...)"; ends in ", ..." when out of room. */
+    /* "rank 2 (was pshard-server-2), rank 0 (pshard-server-0) not serving: why"; ends in
+     * ", ..." when out of room. */
     size_t used = 0;
-    for (int r = 0; r < st->world_size; r++) {
+    for (int r = 0; st->state == COORD_CLUSTER_DEGRADED && r < st->world_size; r++) {
         if (st->slots[r].held)
             continue;
         char item[COORD_NAME_MAX + 40];
         ps_snprintf(item, sizeof(item), "%srank %d (was %s)", used ? ", " : "", r,
                     st->slots[r].name);
-        size_t n = strlen(item);
-        if (used + n + 5 >= len) {
-            ps_strlcpy(buf + used, used ? ", ..." : "...", len - used);
+        if (!append_item(buf, len, &used, item))
             return;
-        }
-        memcpy(buf + used, item, n + 1);
-        used += n;
+    }
+    for (size_t i = 0; i < st->nmembers; i++) {
+        const coord_member_t *m = &st->members[i];
+        if (!rank_not_serving(m))
+            continue;
+        char item[COORD_NAME_MAX + COORD_FIELD_MAX + 64];
+        ps_snprintf(item, sizeof(item), "%srank %d (%s) not serving: %s", used ? ", " : "", m->rank,
+                    m->name, m->not_serving_reason);
+        if (!append_item(buf, len, &used, item))
+            return;
     }
 }
 
@@ -977,7 +1025,7 @@ coord_snapshot_t *coord_state_snapshot(const coord_state_t *st, int64_t now_ns)
     snap->nmembers = st->nmembers;
     qsort(snap->members, snap->nmembers, sizeof(*snap->members), cmp_snapshot);
     snap->generation = st->generation;
-    snap->state = st->state;
+    snap->state = coord_state_cluster_state(st);
     snap->world_size = st->world_size;
     snap->formed_generation = st->formed_generation;
     snap->min_nodes = st->cfg.min_nodes;

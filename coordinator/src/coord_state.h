@@ -26,7 +26,8 @@ typedef enum {
 typedef enum {
     COORD_CLUSTER_FORMING = 1,  /* rendezvous not complete yet */
     COORD_CLUSTER_FORMED = 2,   /* ranks 0..world_size-1 assigned and all held by live members */
-    COORD_CLUSTER_DEGRADED = 3, /* formed once, but a ranked shard server is gone */
+    COORD_CLUSTER_DEGRADED = 3, /* formed once, but a ranked shard server is gone or reports
+                                   that it is not serving */
 } coord_cluster_state_t;
 
 typedef struct {
@@ -50,6 +51,8 @@ typedef struct {
     int64_t last_heartbeat_ns; /* last register or heartbeat */
     int64_t lease_deadline_ns; /* evicted when now_ns passes this */
     uint64_t registered_generation;
+    bool not_serving;                             /* a shard server's last heartbeat said so */
+    char not_serving_reason[COORD_FIELD_MAX + 1]; /* its reason, printable ASCII */
 } coord_member_t;
 
 /* What a member learns from Register and Heartbeat. */
@@ -108,7 +111,7 @@ typedef struct {
     int min_nodes, max_nodes;       /* from the config */
     int shard_servers;              /* registered shard servers right now */
     int64_t last_call_remaining_ms; /* -1 when no last call is running */
-    char awaiting[256];             /* human-readable: who the rendezvous still waits for, or "" */
+    char awaiting[1024]; /* human-readable: who the rendezvous waits for, what is degraded, or "" */
     size_t nmembers;
     coord_member_t *members; /* sorted: shard servers by rank (unranked last, by name), then
                                 trainers by name */
@@ -157,6 +160,14 @@ pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id,
                                       const char *lease_key, int64_t now_ns,
                                       coord_member_view_t *out, char *err, size_t errlen);
 
+/* Records what a member's heartbeat said of its own health (call after coord_state_heartbeat
+ * succeeded for member_id): reason NULL or "" while it serves, else why not (untrusted: kept
+ * as printable ASCII, at most COORD_FIELD_MAX bytes). A ranked shard server that is not
+ * serving makes a formed cluster report DEGRADED (coord_state_cluster_state, snapshots, with
+ * the reason in awaiting) until it serves again; the generation and the ranks do not change.
+ * Returns true when the member's health changed. */
+bool coord_state_set_health(coord_state_t *st, const char *member_id, const char *reason);
+
 /* Removes a member at its own request (lease_key as for heartbeat); bumps the generation. A
  * ranked shard server leaving a formed cluster makes it DEGRADED. Errors: as heartbeat's. */
 pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id, const char *lease_key,
@@ -192,6 +203,8 @@ int coord_state_last_joiner(const coord_state_t *st);
 uint64_t coord_state_generation(const coord_state_t *st);
 size_t coord_state_member_count(const coord_state_t *st);
 int coord_state_world_size(const coord_state_t *st); /* 0 until formed */
+/* The state to report: DEGRADED also while the cluster is formed but a ranked shard server
+ * reports it is not serving. */
 coord_cluster_state_t coord_state_cluster_state(const coord_state_t *st);
 
 /* Returns a malloc'd snapshot (free with coord_snapshot_free), or NULL when out of memory. */

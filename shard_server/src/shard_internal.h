@@ -85,6 +85,7 @@ struct pshard_shard_server {
     char session[40];
     char trainer_name[128]; /* the attached trainer's coordinator member name (Attach's
                                member_name; under mu) */
+    bool trainer_gone;      /* it was seen, and has left or been evicted since (mu) */
     bool trainer_seen;      /* the coordinator's membership (Watch) holds a live trainer
                                member of that name (mu) */
     int64_t attached_ns;    /* when the session began (mu) */

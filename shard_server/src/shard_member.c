@@ -154,6 +154,19 @@ static void lease_wait(void *ctx, bool last_ok)
         lost_contact_check(ctx);
 }
 
+/* Every heartbeat tells the coordinator whether this server serves (its health and why
+ * not), so the cluster's state and health say what is true. */
+static void lease_health(void *ctx, char *reason, size_t len)
+{
+    pshard_shard_server_t *s = ctx;
+    pthread_mutex_lock(&s->health_mu);
+    if (atomic_load(&s->serving) == 2)
+        ps_strlcpy(reason, s->health_reason[0] ? s->health_reason : "NOT_SERVING", len);
+    else
+        reason[0] = '\0';
+    pthread_mutex_unlock(&s->health_mu);
+}
+
 pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t errlen)
 {
     s->register_backoff_ms = 100;
@@ -167,6 +180,7 @@ pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t er
         .device = strcmp(s->cfg.backend, "nccl") == 0 ? "cuda" : "cpu",
         .on_event = lease_event,
         .on_wait = lease_wait,
+        .health = lease_health,
         .ctx = s,
     };
     return ps_coord_lease_start(&lc, false, &s->lease, err, errlen);
@@ -370,8 +384,11 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         if (next[i].role == PSHARD__ROLE__TRAINER && strcmp(next[i].name, s->trainer_name) == 0)
             seen = true;
     /* A list cut short says nothing about those it left out. */
-    if (seen || ev->members_omitted == 0)
+    if (seen || ev->members_omitted == 0) {
+        if (s->trainer_seen && !seen)
+            s->trainer_gone = true; /* no longer attached, whatever the session says */
         s->trainer_seen = seen;
+    }
     pthread_mutex_unlock(&s->mu);
     if (ev->members_omitted > 0)
         PS_DEBUG(PS_SUB_SHARD, "Watch event lists %zu members, %u more left out (a large job)",

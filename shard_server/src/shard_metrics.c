@@ -9,6 +9,8 @@
 
 #include "pshard/log.h"
 #include "pshard/util.h"
+#include "pshard/coord_client.h"
+
 #include "shard_internal.h"
 
 static const char *const opk_names[SHARD_OPK_COUNT] = {
@@ -125,6 +127,8 @@ void shard_health_update(pshard_shard_server_t *s)
     }
     ps_strlcpy(s->health_reason, why, sizeof(s->health_reason));
     pthread_mutex_unlock(&s->health_mu);
+    if (want != had) /* the coordinator hears it now, not at the next heartbeat */
+        ps_coord_lease_poke(s->lease);
 }
 
 void *shard_monitor_main(void *arg)
@@ -169,7 +173,7 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     int rank = s->rank, world = s->world;
     uint64_t generation = s->generation, ring_generation = s->comm_generation;
     bool ring = s->comm && pshard_comm_error(s->comm, NULL, 0) == PSHARD_OK;
-    bool attached = s->session[0] != 0;
+    bool attached = s->session[0] != 0 && !s->trainer_gone;
     bool joined = s->joined;
     int64_t joined_step = s->joined_step;
     uint64_t shadowed = s->shadowed_ops, ahead = s->ops_ahead, diverted = s->ops_diverted;

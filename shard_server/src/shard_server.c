@@ -236,13 +236,14 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     shard_pgs_abort(s, -1, PSHARD_ERR_ABORTED, "shard server stopping");
     if (s->setup_started)
         pthread_join(s->setup_thread, NULL);
+    /* The health monitor pokes the lease: it ends first. */
+    if (s->monitor_started)
+        pthread_join(s->monitor_thread, NULL);
     /* Ends the heartbeats and leaves the job. */
     ps_coord_lease_stop(s->lease);
     s->lease = NULL;
     if (s->watch_started)
         pthread_join(s->watch_thread, NULL);
-    if (s->monitor_started)
-        pthread_join(s->monitor_thread, NULL);
     /* Scrapes read the RPC server's counters: end them first. */
     ps_metrics_server_stop(s->metrics);
     ps_rpc_server_destroy(s->srv);

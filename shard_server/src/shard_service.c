@@ -144,6 +144,7 @@ static pshard_status_t attach_run(pshard_shard_server_t *s, pshard_comm_t *comm,
     memcpy(s->session, a->session, sizeof(a->session));
     ps_strlcpy(s->trainer_name, req->member_name ? req->member_name : "", sizeof(s->trainer_name));
     s->trainer_seen = false; /* until the coordinator shows its lease */
+    s->trainer_gone = false;
     s->attached_ns = ps_now_ns();
     pthread_mutex_unlock(&s->mu);
     a->rank = pshard_comm_rank(comm);
@@ -896,7 +897,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.n_groups = ng;
     out.groups = glines;
     shard_model_t *m = s->model;
-    out.attached = s->session[0] != 0;
+    out.attached = s->session[0] != 0 && !s->trainer_gone;
     if (m) {
         out.params = (uint32_t)m->nparams;
         out.shard_elements = m->shard_numel;

@@ -87,22 +87,38 @@ class Cluster:
     trainer when one dies), on ephemeral loopback ports; trainers are started with
     trainer_env(rank). stop() kills what it started, by PID."""
 
-    def __init__(self, tmp, n, lease_ms=2000, heartbeat_ms=500, rdzv_file=None):
-        import time
+    def __init__(self, tmp, n, lease_ms=2000, heartbeat_ms=500, rdzv_file=None, metrics=False):
         self.n, self.tmp, self.procs = n, tmp, []
         self.lease_ms = lease_ms
         extra = ["--rdzv-file", str(rdzv_file)] if rdzv_file else []
+
+        def mx(name):  # with metrics: a /metrics listener on a free port, written to a file
+            return (["--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
+                     str(tmp / f"{name}.mport")] if metrics else [])
         self._start([program("pshard-coordinator"), "--listen", "127.0.0.1:0",
                      "--port-file", str(tmp / "coord.port"), "--world-size", str(n),
-                     "--lease-ms", str(lease_ms), "--heartbeat-ms", str(heartbeat_ms), *extra],
-                    tmp / "coord.log")
+                     "--lease-ms", str(lease_ms), "--heartbeat-ms", str(heartbeat_ms), *extra,
+                     *mx("coord")], tmp / "coord.log")
         self.coord = "127.0.0.1:" + self._port(tmp / "coord.port")
         for r in range(n):
             self._start([program("pshard-server"), "--coordinator", self.coord,
                          "--listen", "127.0.0.1:0", "--port-file", str(tmp / f"s{r}.port"),
-                         "--name", f"pshard-server-{r}"], tmp / f"s{r}.log")
+                         "--name", f"pshard-server-{r}", *mx(f"s{r}")], tmp / f"s{r}.log")
         self.servers = ["127.0.0.1:" + self._port(tmp / f"s{r}.port") for r in range(n)]
-        del time
+        if metrics:
+            self.metrics = {k: "127.0.0.1:" + self._port(tmp / f"{k}.mport")
+                            for k in ["coord"] + [f"s{r}" for r in range(n)]}
+
+    def scrape(self, who):
+        """The /metrics text of "coord" or "sR" (needs metrics=True)."""
+        import urllib.request
+        with urllib.request.urlopen(f"http://{self.metrics[who]}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def ctl(self, *args):
+        """pshardctl --coordinator COORD ARGS -> CompletedProcess (text)."""
+        return subprocess.run([program("pshardctl"), "--coordinator", self.coord, *args],
+                              capture_output=True, text=True, timeout=60)
 
     def _start(self, cmd, log):
         with open(log, "ab") as f:

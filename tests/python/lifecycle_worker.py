@@ -2,7 +2,7 @@
 scripts do: mode "exit" keeps the model and optimizer at module level and just returns (no
 destroy_process_group); mode "destroy" calls pshard.destroy_process_group() while a shard view
 (a parameter's local tensor) is alive, then reads it (its last values) and uses the model (an
-error). Writes out/rank-R.json."""
+error); mode "die" ends with os._exit (no exit hooks: as if killed). Writes out/rank-R.json."""
 import json
 import os
 import sys
@@ -38,3 +38,5 @@ if mode == "destroy":
         result["use_after_close"] = f"{type(e).__name__}: {e}"
 with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
     json.dump(result, f)
+if mode == "die":
+    os._exit(0)

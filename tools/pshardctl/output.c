@@ -132,13 +132,14 @@ const char *ctl_role_name(Pshard__Role r)
 
 json_t *ctl_json_member(const Pshard__Member *m)
 {
-    return json_pack("{s:o,s:s,s:o,s:i,s:o,s:o,s:o,s:I,s:I,s:I}", "member_id",
+    return json_pack("{s:o,s:s,s:o,s:i,s:o,s:o,s:o,s:I,s:I,s:I,s:b,s:o}", "member_id",
                      ctl_jstr(m->member_id), "role", ctl_role_name(m->role), "name",
                      ctl_jstr(m->name), "rank", m->rank, "address", ctl_jstr(m->address), "node",
                      ctl_jstr(m->node), "device", ctl_jstr(m->device), "lease_remaining_ms",
                      (json_int_t)m->lease_remaining_ms, "last_heartbeat_ms_ago",
                      (json_int_t)m->last_heartbeat_ms_ago, "registered_generation",
-                     (json_int_t)m->registered_generation);
+                     (json_int_t)m->registered_generation, "serving", !m->not_serving,
+                     "not_serving_reason", ctl_jstr(m->not_serving_reason));
 }
 
 json_t *ctl_json_members(Pshard__Member **members, size_t n)
@@ -167,6 +168,8 @@ void ctl_print_members(FILE *out, Pshard__Member **members, size_t n)
                 ctl_role_name(m->role), m->name, *m->address ? m->address : "-",
                 *m->node ? m->node : "-", *m->device ? m->device : "-", m->lease_remaining_ms,
                 m->last_heartbeat_ms_ago);
+        if (m->not_serving)
+            fprintf(out, "      NOT SERVING: %s\n", m->not_serving_reason);
     }
     if (n == 0)
         fprintf(out, "(no members)\n");
@@ -179,7 +182,8 @@ const char ctl_usage_text[] =
     "  status                      cluster state, joins, members, each shard server's step\n"
     "                              and flight records (who is stuck where), request counters\n"
     "  members                     the member table only\n"
-    "  health [SERVICE]            health of the coordinator or of SERVICE (e.g. pshard.Cluster)\n"
+    "  health [SERVICE]            health of SERVICE (e.g. pshard.Cluster), or of the server and\n"
+    "                              its pshard services (exit 1 when one is not SERVING)\n"
     "  store get KEY               print a store value\n"
     "  store set KEY VALUE         set a store value\n"
     "  store delete KEY            delete a store value (torch's delete_key)\n"

@@ -349,44 +349,84 @@ int cmd_status(bool members_only)
             }
         }
     }
+    /* A degraded cluster (a rank gone, or a shard server not serving) is not healthy. */
+    if (rc == EXIT_OK && !members_only && st->state == PSHARD__CLUSTER_STATE__DEGRADED)
+        rc = EXIT_NOT_SERVING;
     free_probes(probes, nprobes);
     protobuf_c_message_free_unpacked(&st->base, NULL);
     return rc;
 }
 
-int cmd_health(int argc, char **argv)
+/* One health check: 1 SERVING, 2 NOT_SERVING, 0 UNKNOWN, -1 no such service; -2 failed
+ * (printed). */
+static int check_health(const char *service)
 {
-    if (argc > 1)
-        return ctl_fail("health takes at most one SERVICE");
     Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
-    req.service = argc == 1 ? argv[0] : "";
+    req.service = (char *)service;
     ProtobufCMessage *msg = NULL;
     char err[PSHARD_ERRLEN] = "";
     int code = 0;
     pshard_status_t rc = ps_rpc_unary(ctl_channel, "/grpc.health.v1.Health/Check", &req.base,
                                       &grpc__health__v1__health_check_response__descriptor, &msg,
                                       ctl_opts.timeout_ms, 0, &code, err, sizeof(err));
-    const char *service = *req.service ? req.service : "(server)";
-    if (rc == PSHARD_ERR_NOT_FOUND) {
-        if (ctl_opts.json)
-            ctl_json_print(
-                json_pack("{s:o,s:s}", "service", ctl_jstr(service), "status", "SERVICE_UNKNOWN"));
-        else
-            printf("%s: SERVICE_UNKNOWN\n", service);
-        return EXIT_NOT_SERVING;
+    if (rc == PSHARD_ERR_NOT_FOUND)
+        return -1;
+    if (rc != PSHARD_OK) {
+        ctl_fail("health: %s (%s)", err, pshard_status_name(rc));
+        return -2;
     }
-    if (rc != PSHARD_OK)
-        return ctl_fail("health: %s (%s)", err, pshard_status_name(rc));
-    Grpc__Health__V1__HealthCheckResponse *resp = (Grpc__Health__V1__HealthCheckResponse *)msg;
-    const char *name = resp->status == 1   ? "SERVING"
-                       : resp->status == 2 ? "NOT_SERVING"
-                                           : "UNKNOWN";
-    if (ctl_opts.json) {
-        ctl_json_print(json_pack("{s:o,s:s}", "service", ctl_jstr(service), "status", name));
-    } else {
-        printf("%s: %s\n", service, name);
-    }
-    int exit_code = resp->status == 1 ? EXIT_OK : EXIT_NOT_SERVING;
+    int status = ((Grpc__Health__V1__HealthCheckResponse *)msg)->status;
     protobuf_c_message_free_unpacked(msg, NULL);
+    return status == 1 || status == 2 ? status : 0;
+}
+
+static const char *health_name(int status)
+{
+    return status == 1    ? "SERVING"
+           : status == 2  ? "NOT_SERVING"
+           : status == -1 ? "SERVICE_UNKNOWN"
+                          : "UNKNOWN";
+}
+
+/* health SERVICE: that service. health: the server's overall status and each pshard service
+ * it has (the coordinator's pshard.Cluster, a shard server's pshard.ShardServer), so a live
+ * process whose cluster or shard service cannot serve is not reported healthy. */
+int cmd_health(int argc, char **argv)
+{
+    if (argc > 1)
+        return ctl_fail("health takes at most one SERVICE");
+    static const char *const all[] = {"", "pshard.Coordinator", "pshard.Cluster",
+                                      "pshard.ShardServer"};
+    const char *one[] = {argc == 1 ? argv[0] : ""};
+    const char *const *services = argc == 1 ? one : all;
+    size_t n = argc == 1 ? 1 : PS_ARRAY_LEN(all);
+    json_t *list = ctl_opts.json ? json_array() : NULL;
+    int exit_code = EXIT_OK, worst = 1;
+    const char *worst_service = "(server)";
+    for (size_t i = 0; i < n; i++) {
+        int st = check_health(services[i]);
+        if (st == -2) {
+            json_decref(list);
+            return EXIT_ERROR;
+        }
+        if (st == -1 && argc == 0)
+            continue; /* a service this server does not have */
+        const char *service = *services[i] ? services[i] : "(server)";
+        if (st != 1) {
+            exit_code = EXIT_NOT_SERVING;
+            if (worst == 1) {
+                worst = st;
+                worst_service = service;
+            }
+        }
+        if (list)
+            json_array_append_new(list, json_pack("{s:o,s:s}", "service", ctl_jstr(service),
+                                                  "status", health_name(st)));
+        else
+            printf("%s: %s\n", service, health_name(st));
+    }
+    if (list)
+        ctl_json_print(json_pack("{s:o,s:s,s:o}", "service", ctl_jstr(worst_service), "status",
+                                 health_name(worst), "services", list));
     return exit_code;
 }

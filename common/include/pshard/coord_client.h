@@ -100,6 +100,9 @@ typedef struct {
     /* Every 100 ms or so while waiting for the next attempt (NULL: none); last_ok says
      * whether the last attempt went through. */
     void (*on_wait)(void *ctx, bool last_ok);
+    /* Before every Heartbeat (NULL: always serving): writes why the member cannot serve now
+     * into reason (len bytes), or "" while it serves; the heartbeat carries it. */
+    void (*health)(void *ctx, char *reason, size_t len);
     void *ctx;
 } ps_coord_lease_config_t;
 
@@ -115,6 +118,10 @@ pshard_status_t ps_coord_lease_start(const ps_coord_lease_config_t *cfg, bool re
 /* Stops the thread (an attempt in flight is cancelled) and, when the last attempt went
  * through, leaves. NULL is a no-op. */
 void ps_coord_lease_stop(ps_coord_lease_t *lease);
+
+/* Sends the next heartbeat now instead of at its time (e.g. the member's health changed); a
+ * no-op while out of contact, or for NULL. Thread-safe. */
+void ps_coord_lease_poke(ps_coord_lease_t *lease);
 
 /* The member id and the secret lease key of the current registration ("" before one), e.g.
  * for ReportJoin. Thread-safe. */
