@@ -92,6 +92,10 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
     if (!have_server && !(cfg->coordinator && *cfg->coordinator))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "no shard server address and no coordinator to ask for it");
+    if (cfg->coll_timeout_ms < 0 || cfg->coll_timeout_ms > 86400000)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "coll_timeout_ms %lld is not in 0..86400000 ms (0: the servers')",
+                       (long long)cfg->coll_timeout_ms);
     pshard_client_t *c = calloc(1, sizeof(*c));
     if (!c)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
@@ -100,6 +104,8 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
     c->cfg.server = c->cfg.coordinator = c->cfg.job = NULL; /* the caller's; copied where kept */
     if (c->cfg.timeout_ms <= 0)
         c->cfg.timeout_ms = 600000;
+    if (c->cfg.coll_timeout_ms > 0 && c->cfg.timeout_ms < 2 * c->cfg.coll_timeout_ms + 10000)
+        c->cfg.timeout_ms = 2 * c->cfg.coll_timeout_ms + 10000;
     if (c->cfg.connect_timeout_ms <= 0)
         c->cfg.connect_timeout_ms = 300000;
     if (c->cfg.scratch_bytes == 0)
@@ -151,6 +157,7 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
         char member[32];
         snprintf(member, sizeof(member), "trainer-%d", cfg->rank); /* as lease_register names it */
         req.member_name = member;
+        req.coll_timeout_ms = c->cfg.coll_timeout_ms;
         ProtobufCMessage *resp = NULL;
         char e[1024] = "";
         rc = client_call(c, "Attach", &req.base, &pshard__attach_response__descriptor, &resp, e,
@@ -271,6 +278,7 @@ pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opt
         result->last_rank = r->last_rank;
         result->step = r->step;
         result->shadowed_ops = r->shadowed_ops;
+        result->others_raised = r->others_raised;
     }
     protobuf_c_message_free_unpacked(resp, NULL);
     return PSHARD_OK;

@@ -69,7 +69,8 @@ pshard_status_t pshard_comm_create(const pshard_comm_config_t *cfg, pshard_comm_
     c->world_size = cfg->world_size;
     ps_strlcpy(c->name, name, sizeof(c->name));
     c->generation = cfg->generation;
-    c->timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : DEFAULT_TIMEOUT_MS;
+    c->base_timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : DEFAULT_TIMEOUT_MS;
+    atomic_store(&c->timeout_ms, c->base_timeout_ms);
     c->backend = backend;
     c->host_mem = backend->host_buffers || cfg->host_buffers;
     pthread_mutex_init(&c->mu, NULL);
@@ -150,6 +151,11 @@ pshard_status_t pshard_comm_error(const pshard_comm_t *comm, char *err, size_t e
         ps_errf(err, errlen, st, "%s", c->sticky_msg);
     pthread_mutex_unlock(&c->mu);
     return st;
+}
+
+void pshard_comm_set_timeout(pshard_comm_t *comm, int64_t timeout_ms)
+{
+    atomic_store(&comm->timeout_ms, timeout_ms > 0 ? timeout_ms : comm->base_timeout_ms);
 }
 
 void pshard_comm_abort(pshard_comm_t *comm, const char *reason)

@@ -93,7 +93,8 @@ struct pshard_comm {
     int rank, world_size;
     char name[COLL_NAME_MAX + 1];
     uint64_t generation;
-    int64_t timeout_ms;
+    _Atomic int64_t timeout_ms; /* operations' default (pshard_comm_set_timeout) */
+    int64_t base_timeout_ms;    /* the one it was created with */
     const coll_backend_t *backend;
     bool host_mem; /* the caller's buffers are host memory (tcp, or nccl's host_buffers) */
     void *impl;    /* backend state */

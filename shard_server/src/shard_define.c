@@ -246,6 +246,9 @@ static pshard_status_t hsdp_comms(pshard_shard_server_t *s, shard_model_t *m, in
     if (rc != PSHARD_OK)
         return ps_errf(err, errlen, rc, "cannot connect the replicas of shard %d: %s", index, why);
     m->replicas = reps;
+    int64_t own = atomic_load(&s->session_timeout_ms); /* the trainer's init timeout */
+    pshard_comm_set_timeout(m->shard_comm, own);
+    pshard_comm_set_timeout(m->replicate_comm, own);
     return PSHARD_OK;
 }
 

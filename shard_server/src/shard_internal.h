@@ -83,12 +83,13 @@ struct pshard_shard_server {
     /* Trainer state, guarded by op_mu (one operation at a time). */
     pthread_mutex_t op_mu;
     char session[40];
-    char trainer_name[128]; /* the attached trainer's coordinator member name (Attach's
-                               member_name; under mu) */
-    bool trainer_gone;      /* it was seen, and has left or been evicted since (mu) */
-    bool trainer_seen;      /* the coordinator's membership (Watch) holds a live trainer
-                               member of that name (mu) */
-    int64_t attached_ns;    /* when the session began (mu) */
+    char trainer_name[128];             /* the attached trainer's coordinator member name (Attach's
+                                           member_name; under mu) */
+    bool trainer_gone;                  /* it was seen, and has left or been evicted since (mu) */
+    bool trainer_seen;                  /* the coordinator's membership (Watch) holds a live trainer
+                                           member of that name (mu) */
+    int64_t attached_ns;                /* when the session began (mu) */
+    _Atomic int64_t session_timeout_ms; /* the trainer's collective timeout (0: the server's) */
     shm_map_t scratch, model_shm;
     shm_map_t pending_model;  /* remote trainers: private model region filled before DefineModel */
     uint64_t max_model_bytes; /* --max-model-memory, or what this machine / cgroup has */
@@ -100,6 +101,9 @@ struct pshard_shard_server {
 
     /* Join, guarded by op_mu (status reads the copies under mu). */
     bool joined; /* this rank's trainer joined; Join shadows the others */
+    /* Since the last completed join, a rank's operation was refused because a rank joined with
+     * throw_on_early_termination (every server sees the same rounds, so all agree) (mu) */
+    bool join_refused;
     int64_t joined_step;
     uint64_t shadowed_ops; /* (mu: a joined rank's group threads count theirs too) */
     /* Operations run ahead of the agreement, and those diverted to it (shard_op_run; mu). */
@@ -289,6 +293,10 @@ void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *m
  * under the same name when evicted, which gives the old rank back) and heartbeats, adopting
  * the coordinator's view of the cluster. Stopped, with a Leave, by ps_coord_lease_stop. */
 pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t errlen);
+
+/* Sets the attached trainer's collective timeout (session_timeout_ms, 0: the server's) on comm
+ * (the world ring, or NULL) and on the model's HSDP rings. */
+void shard_apply_session_timeout(pshard_shard_server_t *s, pshard_comm_t *comm);
 
 /* The configuration of a communicator of this server's (the world's "shard", or a process
  * group's): its settings from the server's flags, this rank and world of it. */

@@ -257,8 +257,8 @@ pshard_status_t shard_agree_refusal(const agreement_t *ag, const shard_sop_t *op
     if (ag->throw_rank >= 0)
         return ps_errf(err, errlen, PSHARD_ERR_JOINED,
                        "rank %d joined at step %" PRId64 " (its trainer ran out of input) "
-                       "with throw_on_early_termination: this %s ran on no rank; call "
-                       "pshard_join to finish",
+                       "with throw_on_early_termination: this %s ran on no rank; leave the "
+                       "Join block to finish (C: pshard_join)",
                        ag->throw_rank, ag->throw_step, shard_sop_name(op->kind));
     if (op->kind == SHARD_SOP_STEP && op->trainer_stepped && ag->any_joined) {
         /* The joined ranks' masters would not move while the others' do: no rank steps. */

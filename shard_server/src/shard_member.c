@@ -202,6 +202,17 @@ static bool comm_stale(pshard_shard_server_t *s)
     return !same;
 }
 
+void shard_apply_session_timeout(pshard_shard_server_t *s, pshard_comm_t *comm)
+{
+    int64_t ms = atomic_load(&s->session_timeout_ms);
+    if (comm)
+        pshard_comm_set_timeout(comm, ms);
+    if (s->model && s->model->shard_comm)
+        pshard_comm_set_timeout(s->model->shard_comm, ms);
+    if (s->model && s->model->replicate_comm)
+        pshard_comm_set_timeout(s->model->replicate_comm, ms);
+}
+
 void shard_comm_config(const pshard_shard_server_t *s, pshard_comm_config_t *cc, const char *name,
                        int rank, int world, uint64_t generation)
 {
@@ -275,6 +286,9 @@ void *shard_setup_main(void *arg)
         ps_log_set_rank(rank);
         pshard_comm_config_t cc;
         shard_comm_config(s, &cc, "shard", rank, world, gen);
+        int64_t own = atomic_load(&s->session_timeout_ms); /* the attached trainer's */
+        if (own > 0)
+            cc.timeout_ms = own;
         char err[PSHARD_ERRLEN] = "";
         pshard_comm_t *comm = NULL;
         pshard_status_t rc = pshard_comm_create(&cc, &comm, err, sizeof(err));

@@ -239,6 +239,11 @@ static pshard_status_t agree(pshard_shard_server_t *s, pshard_comm_t *comm, shar
     PS_CHECK(shard_agree_verdict(bufs->agree_buf, world, ag, err, errlen));
     if (ag->any_joined)
         bufs->joined_seen = true;
+    if (ag->throw_rank >= 0 && ag->active > 0) { /* the active ranks get JOINED */
+        pthread_mutex_lock(&s->mu);
+        s->join_refused = true;
+        pthread_mutex_unlock(&s->mu);
+    }
     shard_sop_t *op = &ag->op;
     if (ag->all_joined || op->kind == SHARD_SOP_CLIP)
         return PSHARD_OK;
@@ -541,6 +546,9 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
     pthread_mutex_lock(&s->mu);
     s->joined = false;
     res->shadowed = s->shadowed_ops;
+    res->others_raised = s->join_refused;
+    if (rc == PSHARD_OK) /* every rank joined: the next join starts afresh */
+        s->join_refused = false;
     pthread_mutex_unlock(&s->mu);
     res->step = s->model->step;
     if (rc != PSHARD_OK) {

@@ -66,7 +66,8 @@ typedef struct {
     bool is_last_joiner;
     int last_rank;
     int64_t step;
-    uint64_t shadowed; /* operations shadowed */
+    uint64_t shadowed;  /* operations shadowed */
+    bool others_raised; /* some rank's operation was refused with JOINED (throw mode) */
 } shard_join_result_t;
 pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                char *err, size_t errlen);

@@ -104,6 +104,10 @@ static pshard_status_t attach_check(pshard_shard_server_t *s, pshard_comm_t *com
                                     char *err, size_t errlen)
 {
     const Pshard__AttachRequest *req = ((attach_arg_t *)op->arg)->req;
+    if (req->coll_timeout_ms < 0 || req->coll_timeout_ms > 86400000)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "coll_timeout_ms %" PRId64 " is not in 0..86400000 (0: the server's)",
+                       req->coll_timeout_ms);
     if (req->rank != pshard_comm_rank(comm))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "trainer rank %d attached to the shard server of rank %d (RANK and "
@@ -145,8 +149,11 @@ static pshard_status_t attach_run(pshard_shard_server_t *s, pshard_comm_t *comm,
     ps_strlcpy(s->trainer_name, req->member_name ? req->member_name : "", sizeof(s->trainer_name));
     s->trainer_seen = false; /* until the coordinator shows its lease */
     s->trainer_gone = false;
+    s->join_refused = false;
     s->attached_ns = ps_now_ns();
+    atomic_store(&s->session_timeout_ms, req->coll_timeout_ms);
     pthread_mutex_unlock(&s->mu);
+    shard_apply_session_timeout(s, comm);
     a->rank = pshard_comm_rank(comm);
     a->world = pshard_comm_world_size(comm);
     a->generation = s->comm_generation;
@@ -750,6 +757,7 @@ static void handle_join(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
     out.last_rank = r.last_rank;
     out.step = r.step;
     out.shadowed_ops = r.shadowed;
+    out.others_raised = r.others_raised;
     answer(call, rc, err, &out.base);
 }
 
@@ -873,17 +881,40 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.ops_ahead = s->ops_ahead;
     out.ops_diverted = s->ops_diverted;
     out.transport = comm ? (char *)pshard_comm_transport(comm) : "";
+    pshard_coll_record_t recs[32];
+    Pshard__FlightRecord fr[32], *frp[32];
     if (comm) {
-        pshard_coll_record_t recs[32];
         size_t n = pshard_comm_flight_records(comm, recs, 32);
+        int64_t now = ps_now_ns();
         for (size_t i = 0; i < n; i++) {
-            pshard_coll_record_format(comm, &recs[i], buf[nl], sizeof(buf[nl]));
+            const pshard_coll_record_t *r = &recs[i];
+            pshard_coll_record_format(comm, r, buf[nl], sizeof(buf[nl]));
             lines[nl] = buf[nl];
+            Pshard__FlightRecord *f = &fr[nl];
+            pshard__flight_record__init(f);
+            static const char *const states[] = {"queued", "running", "done", "failed"};
+            f->rank = pshard_comm_rank(comm);
+            f->op = (char *)pshard_coll_op_name(r->op);
+            f->seq = r->seq;
+            f->state = (unsigned)r->state < 4 ? (char *)states[r->state] : "unknown";
+            f->stuck = r->state == PSHARD_COLL_RUNNING && r->waiting_on >= 0;
+            f->waiting_on = f->stuck ? r->waiting_on : -1;
+            f->seconds = r->state == PSHARD_COLL_RUNNING && r->start_ns > 0
+                             ? (double)(now - r->start_ns) / 1e9
+                         : r->state == PSHARD_COLL_DONE ? (double)(r->end_ns - r->start_ns) / 1e9
+                                                        : 0;
+            f->label = (char *)r->label;
+            f->dtype = (char *)pshard_dtype_name(r->dtype);
+            f->count = r->total_count;
+            f->error = r->state == PSHARD_COLL_FAILED ? (char *)r->error : "";
+            frp[nl] = f;
             nl++;
         }
     }
     out.n_flight_records = nl;
     out.flight_records = lines;
+    out.n_records = nl;
+    out.records = frp;
     char *glines[32];
     char gbuf[32][320];
     size_t ng = 0;

@@ -59,6 +59,26 @@ static void handle_fake_status(ps_rpc_call_t *call, const ProtobufCMessage *requ
     out.step = 12;
     out.n_flight_records = PS_ARRAY_LEN(fake_records);
     out.flight_records = (char **)fake_records;
+    /* The same as fields: the finished ones, then the stuck one. */
+    Pshard__FlightRecord recs[PS_ARRAY_LEN(fake_records)], *rp[PS_ARRAY_LEN(fake_records)];
+    for (size_t i = 0; i < PS_ARRAY_LEN(fake_records); i++) {
+        bool stuck = i + 1 == PS_ARRAY_LEN(fake_records);
+        pshard__flight_record__init(&recs[i]);
+        recs[i].rank = 0;
+        recs[i].op = "all_gather";
+        recs[i].seq = stuck ? 418 : 411 + i;
+        recs[i].state = stuck ? "running" : "done";
+        recs[i].stuck = stuck;
+        recs[i].waiting_on = stuck ? 1 : -1;
+        recs[i].seconds = stuck ? 5.25 : 0.000125;
+        recs[i].label = "step 12, fc3.weight";
+        recs[i].dtype = "fp32";
+        recs[i].count = 4096;
+        recs[i].error = "";
+        rp[i] = &recs[i];
+    }
+    out.n_records = PS_ARRAY_LEN(fake_records);
+    out.records = rp;
     ps_rpc_call_reply(call, &out.base);
 }
 
@@ -279,9 +299,10 @@ static void test_status_joins_and_servers(void)
     snprintf(want, sizeof(want),
              "{\"rank\":0,\"name\":\"srv-0\",\"address\":\"%s\",\"reachable\":true,"
              "\"server_rank\":0,\"world_size\":2,\"step\":12,\"attached\":true,\"generation\":7,"
-             "\"backend\":\"tcp\",\"placement\":\"cuda:0\",\"transport\":\"shm\",\"stuck\":[\"rank "
-             "0 is stuck in "
-             "all_gather seq 418",
+             "\"backend\":\"tcp\",\"placement\":\"cuda:0\",\"transport\":\"shm\",\"stuck\":[{"
+             "\"rank\":0,\"op\":\"all_gather\",\"seq\":418,\"state\":\"running\",\"stuck\":true,"
+             "\"waiting_on\":1,\"seconds\":5.25,\"label\":\"step 12, fc3.weight\",\"dtype\":"
+             "\"fp32\",\"count\":4096,\"error\":\"\"}],\"flight_records\":[{\"rank\":0,",
              addr0);
     expect_contains(out, want);
     snprintf(
@@ -297,7 +318,9 @@ static void test_status_joins_and_servers(void)
         char cmd[512];
         snprintf(cmd, sizeof(cmd),
                  "/usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); "
-                 "assert len(d[\"servers\"]) == 3 and d[\"joins\"][0][\"step\"] == 40' %s",
+                 "assert len(d[\"servers\"]) == 3 and d[\"joins\"][0][\"step\"] == 40; "
+                 "f = d[\"servers\"][0][\"flight_records\"]; "
+                 "assert len(f) == 6 and f[0][\"seq\"] == 411 and not f[0][\"stuck\"]' %s",
                  out_path);
         CU_ASSERT_EQUAL(system(cmd), 0);
     }

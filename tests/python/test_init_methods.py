@@ -122,3 +122,18 @@ def test_no_coordinator_times_out():
                        stderr=subprocess.STDOUT, text=True, env=bare_env(), timeout=60)
     assert p.returncode == 0 and "raised" in p.stdout, p.stdout
     assert "no shard server for rank 0 at coordinator 127.0.0.1:1" in p.stdout, p.stdout
+
+
+def test_world_size_argument_named(cluster):
+    """A world size given as init_process_group's argument (no WORLD_SIZE in the environment)
+    that the cluster does not have is named as the argument, not as the variable."""
+    c = cluster(2)
+    env = bare_env()
+    env["PSHARD_SERVER"] = c.servers[0]
+    code = ("import pshard\ntry:\n    pshard.init_process_group(rank=0, world_size=3)\n"
+            "except pshard.InvalidArgumentError as e:\n    print('raised', e)\n")
+    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "raised world_size=3 (the argument) but the cluster has 2" \
+        in p.stdout, p.stdout
+    assert "WORLD_SIZE" not in p.stdout, p.stdout

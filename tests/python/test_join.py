@@ -1,4 +1,6 @@
 """pshard.torch.Join for uneven inputs on a sharded model (torch's Join semantics)."""
+import pytest
+
 from test_oracle import check
 
 MLP = {"model": "mlp", "steps": 10, "lr": 1e-2, "two_groups": True, "scheduler": True}
@@ -23,7 +25,10 @@ def test_rank_without_data(train):
 def test_throw_on_early_termination(train):
     cfg = dict(MLP, uneven=True, join="throw")
     results, _, out = train(cfg, 3)
-    assert results[0]["error"] is None and len(results[0]["losses"]) == 10
+    # As torch's Join: the rank that ran out of input raises too, after its 10 steps.
+    e0 = results[0]["error"]
+    assert len(results[0]["losses"]) == 10 and e0 is not None, results[0]
+    assert e0["type"] == "JoinedError" and e0["message"] == "Rank 0 exhausted all inputs.", e0
     for r in results[1:]:
         e = r["error"]
         assert e is not None, r
@@ -102,3 +107,65 @@ def test_joined_rank_shadows_its_groups(tmp_path):
             if r == 1:
                 msg = got[f"01 broadcast {step}"]
                 assert "root" in msg and "joined" in msg, msg
+
+
+@pytest.mark.parametrize("inputs", ["uneven", "even"])
+def test_throw_mode_matches_torch(tmp_path, inputs):
+    """Join(throw_on_early_termination=True) ends as torch's does (DDP + torch's Join on gloo,
+    the same script): with uneven inputs every rank raises, the one that ran out of input with
+    "Rank 0 exhausted all inputs.", at the same step, and no post hook runs; with even inputs
+    nobody raises and the post hooks run. A collective after the block completes either way."""
+    import json
+
+    from conftest import HERE, pshardrun, run_gloo
+    worker = HERE + "/join_throw_worker.py"
+    runs = {}
+    for backend in ("gloo", "pshard"):
+        out = tmp_path / backend
+        out.mkdir()
+        args = [backend, str(out), str(tmp_path / f"{backend}-init"), inputs]
+        if backend == "gloo":
+            run_gloo(3, [worker, *args])
+        else:
+            p = pshardrun(3, worker, args)
+            assert p.returncode == 0, p.stdout[-4000:]
+        runs[backend] = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(3)]
+    torch_runs, ps = runs["gloo"], runs["pshard"]
+    for r in range(3):
+        t, p = torch_runs[r], ps[r]
+        assert p["steps"] == t["steps"] and p["post_hook"] == t["post_hook"], (r, t, p)
+        assert p["after"] == t["after"] == 3.0, (r, t, p)
+        assert (p["error"] is None) == (t["error"] is None), (r, t, p)
+    if inputs == "uneven":
+        assert torch_runs[0]["error"] == "RuntimeError: Rank 0 exhausted all inputs.", torch_runs
+        assert ps[0]["error"] == "JoinedError: Rank 0 exhausted all inputs.", ps
+        assert all("rank 0" in p["error"] for p in ps[1:]), ps
+    else:
+        assert all(p["error"] is None and p["post_hook"] for p in ps), ps
+
+
+def test_main_hook_refused():
+    """pshard does not run main hooks (its servers answer the others' collectives for a joined
+    rank): a Joinable whose hook has one is refused when the Join is made, naming why."""
+    import torch.distributed.algorithms.join as tj
+
+    import pshard.torch as pt
+
+    class Shadowing(tj.JoinHook):
+        def main_hook(self):
+            pass
+
+    class Mine:
+        def join_hook(self, **kwargs):
+            return Shadowing()
+    with pytest.raises(NotImplementedError, match="does not run main hooks"):
+        pt.Join([Mine()])
+
+    class PostOnly(tj.JoinHook):
+        def post_hook(self, is_last_joiner):
+            pass
+
+    class Fine:
+        def join_hook(self, **kwargs):
+            return PostOnly()
+    pt.Join([Fine()])  # a post hook alone is fine

@@ -188,6 +188,16 @@ static bool append(json_t *a, json_t *v)
     return json_array_append_new(a, v) == 0;
 }
 
+/* A flight record as JSON: its fields, and the sentence the table output shows. */
+static json_t *json_flight_record(const Pshard__FlightRecord *f)
+{
+    return json_pack("{s:i,s:o,s:I,s:o,s:b,s:i,s:f,s:o,s:o,s:I,s:o}", "rank", f->rank, "op",
+                     ctl_jstr(f->op), "seq", (json_int_t)f->seq, "state", ctl_jstr(f->state),
+                     "stuck", f->stuck, "waiting_on", f->waiting_on, "seconds", f->seconds, "label",
+                     ctl_jstr(f->label), "dtype", ctl_jstr(f->dtype), "count", (json_int_t)f->count,
+                     "error", ctl_jstr(f->error));
+}
+
 static json_t *json_servers(const server_probe_t *probes, size_t n)
 {
     json_t *a = json_array();
@@ -205,10 +215,10 @@ static json_t *json_servers(const server_probe_t *probes, size_t n)
         } else if (o) {
             const Pshard__ShardStatusResponse *r = p->resp;
             json_t *stuck = json_array(), *records = json_array(), *groups = json_array();
-            for (size_t k = 0; stuck && records && k < r->n_flight_records; k++) {
-                if (!append(records, ctl_jstr(r->flight_records[k])) ||
-                    (flight_line_is_stuck(r->flight_records[k]) &&
-                     !append(stuck, ctl_jstr(r->flight_records[k]))))
+            for (size_t k = 0; stuck && records && k < r->n_records; k++) {
+                const Pshard__FlightRecord *f = r->records[k];
+                if (!append(records, json_flight_record(f)) ||
+                    (f->stuck && !append(stuck, json_flight_record(f))))
                     break;
             }
             for (size_t k = 0; groups && k < r->n_groups; k++)

@@ -49,6 +49,12 @@ typedef struct {
                                    PSHARD_COORDINATOR; init_method tcp://), which names the shard
                                    server of this rank once the cluster has formed */
     const char *job;            /* the coordinator's job (env PSHARD_JOB; NULL: its default) */
+    int64_t coll_timeout_ms;    /* this trainer's collective timeout (torch's
+                                   init_process_group(timeout=)): its shard server aborts a
+                                   collective of the world or of the model waiting longer, on
+                                   every rank, naming the rank it waited for (0: the server's
+                                   --coll-timeout-ms). Each call's own deadline is then at least
+                                   twice this plus 10 s, so the servers' answer comes first */
 } pshard_client_config_t;
 
 /* Fills cfg from the environment (RANK, WORLD_SIZE, PSHARD_SERVER or PSHARD_COORDINATOR,
@@ -383,6 +389,9 @@ typedef struct {
     int last_rank;         /* the rank that joined last */
     int64_t step;          /* optimizer steps taken when everyone had joined */
     uint64_t shadowed_ops; /* operations this rank's server ran for the others meanwhile */
+    bool others_raised;    /* throw_on_early_termination: another rank's operation failed with
+                              PSHARD_ERR_JOINED before every rank joined (torch's Join raises
+                              on this rank too then) */
 } pshard_join_result_t;
 
 /* enable = true, throw_on_early_termination = false. */

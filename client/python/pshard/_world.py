@@ -54,6 +54,9 @@ def connect(init_method=None, rank=-1, world_size=-1, timeout=None):
         timeout_ms = int(timeout.total_seconds() * 1000)
         if timeout_ms <= 0:
             raise ValueError("timeout must be positive")
+        if timeout_ms > 86400000:
+            raise ValueError(f"timeout={timeout} is longer than pshard's collectives allow "
+                             "(24 hours)")
     server = coordinator = None
     connect_ms = timeout_ms or 300000
     if init_method in (None, "env://"):
@@ -83,10 +86,20 @@ def connect(init_method=None, rank=-1, world_size=-1, timeout=None):
                              "arguments, or RANK and WORLD_SIZE), as torch does")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size {world_size})")
-    _client = _C.Client(server=server, coordinator=coordinator, rank=int(rank),
-                        world_size=int(world_size), timeout_ms=timeout_ms,
-                        connect_timeout_ms=connect_ms,
-                        job=_os.environ.get("PSHARD_JOB") or None)
+    try:
+        _client = _C.Client(server=server, coordinator=coordinator, rank=int(rank),
+                            world_size=int(world_size), coll_timeout_ms=timeout_ms,
+                            connect_timeout_ms=connect_ms,
+                            job=_os.environ.get("PSHARD_JOB") or None)
+    except InvalidArgumentError as e:
+        # libpshard names the environment's variables; name the arguments where they came
+        # from the call
+        msg = str(e)
+        env = f"WORLD_SIZE is {world_size}"
+        if world_size > 0 and msg.startswith(env + " "):
+            raise InvalidArgumentError(f"world_size={world_size} (the argument)"
+                                       + msg[len(env):]) from None
+        raise
     global _hooked
     if not _hooked:
         atexit.register(drop)

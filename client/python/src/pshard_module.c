@@ -103,12 +103,13 @@ static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"server",      "token",      "rank",
                              "world_size",  "timeout_ms", "connect_timeout_ms",
-                             "coordinator", "job",        NULL};
+                             "coordinator", "job",        "coll_timeout_ms",
+                             NULL};
     const char *server = NULL, *token = NULL, *coordinator = NULL, *job = NULL;
     int rank = -1, world = -1;
-    long long timeout_ms = 0, connect_ms = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zziiLLzz", kwlist, &server, &token, &rank, &world,
-                                     &timeout_ms, &connect_ms, &coordinator, &job))
+    long long timeout_ms = 0, connect_ms = 0, coll_ms = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zziiLLzzL", kwlist, &server, &token, &rank, &world,
+                                     &timeout_ms, &connect_ms, &coordinator, &job, &coll_ms))
         return -1;
     if (self->c) {
         PyErr_SetString(PyExc_RuntimeError, "Client is already connected");
@@ -141,6 +142,7 @@ static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
         cfg.world_size = world;
     if (timeout_ms > 0)
         cfg.timeout_ms = timeout_ms;
+    cfg.coll_timeout_ms = coll_ms;
     if (connect_ms > 0)
         cfg.connect_timeout_ms = connect_ms;
     pshard_client_t *c = NULL;
@@ -874,9 +876,10 @@ static PyObject *Client_join(ClientObject *self, PyObject *args, PyObject *kw)
     CLIENT_CALL(self, st = pshard_join(self->c, &o, &r));
     if (st != PSHARD_OK)
         return pshard_py_client_fail(self, st);
-    return Py_BuildValue("{s:O,s:i,s:L,s:K}", "is_last_joiner",
+    return Py_BuildValue("{s:O,s:i,s:L,s:K,s:O}", "is_last_joiner",
                          r.is_last_joiner ? Py_True : Py_False, "last_rank", r.last_rank, "step",
-                         (long long)r.step, "shadowed_ops", (unsigned long long)r.shadowed_ops);
+                         (long long)r.step, "shadowed_ops", (unsigned long long)r.shadowed_ops,
+                         "others_raised", r.others_raised ? Py_True : Py_False);
 }
 
 static PyObject *Client_checkpoint_save(ClientObject *self, PyObject *unused)
@@ -1001,7 +1004,8 @@ static PyTypeObject ClientType = {
     .tp_dealloc = (destructor)Client_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Client(server=None, token=None, rank=-1, world_size=-1, timeout_ms=0, "
-              "connect_timeout_ms=0): one trainer's connection to its shard server (defaults "
+              "connect_timeout_ms=0, coordinator=None, job=None, coll_timeout_ms=0): one trainer's "
+              "connection to its shard server (defaults "
               "from RANK, WORLD_SIZE, PSHARD_SERVER, PSHARD_TOKEN_FILE).",
     .tp_methods = Client_methods,
     .tp_getset = Client_getset,

@@ -229,6 +229,11 @@ pshard_status_t pshard_coll_run(pshard_comm_t *comm, const pshard_coll_args_t *a
  * transport without slots (PSHARD_SHM_SLOT_BYTES=0) and nccl cannot. Thread-safe. */
 bool pshard_comm_divert_next(pshard_comm_t *comm, uint64_t check);
 
+/* Sets the default timeout of the operations started from now on (timeout_ms 0: the one the
+ * communicator was created with), e.g. a trainer's own init_process_group(timeout=...).
+ * Thread-safe. */
+void pshard_comm_set_timeout(pshard_comm_t *comm, int64_t timeout_ms);
+
 /* Aborts from any thread: every in-flight and queued operation fails with PSHARD_ERR_ABORTED
  * (message includes reason) within 100 ms, and the communicator stays unusable. */
 void pshard_comm_abort(pshard_comm_t *comm, const char *reason);

@@ -5,16 +5,26 @@ running each Joinable's main hook in lockstep with them. With pshard the shard s
 themselves: a joined rank's server takes part in every gather, reduce-scatter, step and
 collective the others run (its real slice for gathers, zeros for gradients, averages over the
 contributing ranks). So on leaving the ``with`` block a rank calls pshard's join, which returns
-once every rank has joined, and then runs each hook's post_hook(is_last_joiner); main hooks
-are not called.
+once every rank has joined, and then runs each hook's post_hook(is_last_joiner).
+
+Main hooks are not called: what torch's main hooks do (answer the others' collectives with
+zeros or this rank's shard) is what the servers do. A Joinable whose hook overrides main_hook
+is refused when the Join is made, since pshard cannot run it in lockstep with the others.
+
+With throw_on_early_termination=True, as torch's Join: the ranks still training raise
+pshard.JoinedError at their next operation (naming the rank that ran out of input), and the
+ranks that ran out of input raise JoinedError("Rank R exhausted all inputs.") when they leave
+the block (a RuntimeError, as torch's), so every rank ends in the same except branch; no post
+hooks run then. With even inputs (no rank's operation was refused) nobody raises.
 """
 import torch
+from torch.distributed.algorithms.join import JoinHook as _TorchJoinHook
 
 import pshard
 from ._fsdp_param_group import unit_of
 
 
-class JoinHook:
+class JoinHook(_TorchJoinHook):
     """torch's JoinHook: main_hook() (not called by pshard: the servers shadow the joined
     rank) and post_hook(is_last_joiner), run once every rank has joined."""
 
@@ -69,6 +79,16 @@ class Join:
                 raise TypeError(f"{type(j).__name__} is not Joinable (it has no join_hook)")
         self._joinables = list(joinables)
         self._hooks = [j.join_hook(**kwargs) for j in self._joinables]
+        for j, h in zip(self._joinables, self._hooks):
+            main = getattr(type(h), "main_hook", None)
+            if main not in (None, JoinHook.main_hook, _TorchJoinHook.main_hook):
+                raise NotImplementedError(
+                    f"{type(j).__name__}'s join hook ({type(h).__name__}) has a main_hook: "
+                    "pshard.torch.Join does not run main hooks, because the shard servers "
+                    "answer the other ranks' collectives for a joined rank themselves (zeros "
+                    "to sums, its shard to gathers). Drop the main_hook if it only shadows "
+                    "collectives (post_hook runs as in torch); anything else it does cannot "
+                    "run in lockstep with the others under pshard")
         self._enable = bool(enable)
         self._throw = bool(throw_on_early_termination)
         self.result = None  # pshard's join result: is_last_joiner, last_rank, step, ...
@@ -92,6 +112,10 @@ class Join:
             else:
                 unit.model.reset_after_error()
         self.result = client.join(enable=True, throw_on_early_termination=self._throw)
+        if self._throw and exc_type is not None:
+            return False  # the JoinedError goes on; torch runs no post hooks when it throws
+        if self._throw and self.result["others_raised"]:
+            raise pshard.JoinedError(f"Rank {client.rank} exhausted all inputs.")
         for h in self._hooks:
             h.post_hook(self.result["is_last_joiner"])
         return False
