@@ -40,6 +40,29 @@ static ssize_t read_all(int fd, char *buf, size_t len)
     return (ssize_t)got;
 }
 
+/* What a claim writes until the address is published: readers take it for "not yet", and a
+ * second coordinator claiming the same file finds it taken. */
+#define RDZV_CLAIMED "#claimed"
+
+/* Who may have written the file: this user or root, and nobody else (no group or other write
+ * permission), as ssh insists for its keys; the address it holds receives the cluster token. */
+static pshard_status_t check_owner(const struct stat *st, const char *path, char *err,
+                                   size_t errlen)
+{
+    if (st->st_uid != geteuid() && st->st_uid != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_PERMISSION,
+                       "rendezvous file %s is owned by uid %u, not by this user (uid %u) or root: "
+                       "refused, since whoever can write it receives the cluster token",
+                       path, (unsigned)st->st_uid, (unsigned)geteuid());
+    if (st->st_mode & (S_IWGRP | S_IWOTH))
+        return ps_errf(err, errlen, PSHARD_ERR_PERMISSION,
+                       "rendezvous file %s is writable by %s (mode %03o): refused, since whoever "
+                       "can write it receives the cluster token (chmod go-w it)",
+                       path, st->st_mode & S_IWOTH ? "others" : "its group",
+                       (unsigned)(st->st_mode & 0777));
+    return PSHARD_OK;
+}
+
 /* Replaces characters a message should not carry (control bytes) with '?'. */
 static void printable(char *s)
 {
@@ -64,6 +87,11 @@ pshard_status_t ps_rdzv_file_claim(ps_rdzv_file_t *f, const char *path, char *er
         close(fd);
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "rendezvous file %s is not a regular file", path);
+    }
+    pshard_status_t own = check_owner(&st, path, err, errlen);
+    if (own != PSHARD_OK) {
+        close(fd);
+        return own;
     }
     if (lock_fd(fd, F_WRLCK) != 0) {
         pshard_status_t rc =
@@ -92,6 +120,19 @@ pshard_status_t ps_rdzv_file_claim(ps_rdzv_file_t *f, const char *path, char *er
         close(fd);
         return rc;
     }
+    /* Taken under the lock: a second coordinator claiming the file now finds it not empty. */
+    char mark[64];
+    int len = snprintf(mark, sizeof(mark), RDZV_CLAIMED " by pid %d\n", (int)getpid());
+    if (pwrite(fd, mark, (size_t)len, 0) != len || fsync(fd) != 0) {
+        pshard_status_t rc =
+            ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "rendezvous file %s: cannot claim it: %s", path,
+                    strerror(errno));
+        lock_fd(fd, F_UNLCK);
+        close(fd);
+        return rc;
+    }
+    ps_strlcpy(f->addr, mark, sizeof(f->addr));
+    f->addr[strcspn(f->addr, "\n")] = '\0';
     lock_fd(fd, F_UNLCK);
     f->fd = fd;
     return PSHARD_OK;
@@ -151,6 +192,11 @@ pshard_status_t ps_rdzv_file_read(const char *path, char *addr, size_t addrlen, 
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "rendezvous file %s is not a regular file", path);
     }
+    pshard_status_t own = check_owner(&st, path, err, errlen);
+    if (own != PSHARD_OK) {
+        close(fd);
+        return own;
+    }
     char buf[RDZV_MAX];
     ssize_t n = -1;
     if (lock_fd(fd, F_RDLCK) == 0) {
@@ -163,6 +209,11 @@ pshard_status_t ps_rdzv_file_read(const char *path, char *addr, size_t addrlen, 
                        strerror(errno));
     if (n == 0)
         return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND, "rendezvous file %s is empty", path);
+    if (strncmp(buf, RDZV_CLAIMED, strlen(RDZV_CLAIMED)) == 0)
+        return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND,
+                       "rendezvous file %s is claimed by a coordinator that has not published "
+                       "its address yet",
+                       path);
     size_t line = strcspn(buf, "\n");
     bool one_line = buf[line] == '\0' || buf[line + 1] == '\0';
     buf[line] = '\0';

@@ -137,3 +137,51 @@ def test_world_size_argument_named(cluster):
     assert p.returncode == 0 and "raised world_size=3 (the argument) but the cluster has 2" \
         in p.stdout, p.stdout
     assert "WORLD_SIZE" not in p.stdout, p.stdout
+
+
+def test_rendezvous_file_others_may_write_is_refused(tmp_path):
+    """The address in a rendezvous file receives the cluster token: a file its group or others
+    may write is refused (with the reason), never connected to."""
+    path = tmp_path / "rdzv"
+    path.write_text("127.0.0.1:1\n")
+    path.chmod(0o666)
+    code = ("import pshard\ntry:\n    pshard.init_process_group(init_method="
+            f"'file://{path}', rank=0, world_size=1)\n"
+            "except pshard.Error as e:\n    print('raised', e.status, e)\n")
+    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, env=bare_env(), timeout=60)
+    assert p.returncode == 0 and "raised PSHARD_ERR_PERMISSION" in p.stdout, p.stdout
+    assert "writable by others" in p.stdout, p.stdout
+
+
+def test_two_coordinators_one_rendezvous_file(tmp_path):
+    """Two coordinators started together on one rendezvous file: exactly one keeps it."""
+    import time
+    path = tmp_path / "rdzv"
+    procs = [subprocess.Popen([os.path.join(BIN, "pshard-coordinator"), "--listen",
+                               "127.0.0.1:0", "--port-file", str(tmp_path / f"port{i}"),
+                               "--rdzv-file", str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while all(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "neither coordinator gave the file up"
+            time.sleep(0.05)
+        lost = [p for p in procs if p.poll() is not None]
+        assert len(lost) == 1 and lost[0].returncode == 2, [p.returncode for p in procs]
+        out = lost[0].stdout.read()
+        assert "rendezvous file" in out and "already holds" in out, out
+        kept = procs.index(next(p for p in procs if p.poll() is None))
+        port_file = tmp_path / f"port{kept}"
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        while path.read_text().startswith("#"):  # claimed; published right after
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert path.read_text() == f"127.0.0.1:{port_file.read_text().strip()}\n"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()

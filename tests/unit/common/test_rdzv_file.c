@@ -1,6 +1,7 @@
 /* Unit tests for pshard/rdzv_file.h: a claim refuses a file with content (naming it) and other
- * kinds of file, publish writes one line that read gives back, release empties only what it
- * wrote, and read refuses content that is not one HOST:PORT line. */
+ * kinds of file and is exclusive at once, publish writes one line that read gives back,
+ * release empties only what it wrote, read refuses content that is not one HOST:PORT line, and
+ * both refuse another user's file or one others may write. */
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,7 +50,63 @@ static void test_round_trip(void)
     CU_ASSERT(stat(path, &st) == 0 && st.st_size == 0);
     /* Released: it can be claimed again. */
     CU_ASSERT_EQUAL(ps_rdzv_file_claim(&g, path, err, sizeof err), PSHARD_OK);
-    ps_rdzv_file_release(&g); /* nothing published: left as it is */
+    ps_rdzv_file_release(&g); /* nothing published: its claim is taken back */
+    CU_ASSERT(stat(path, &st) == 0 && st.st_size == 0);
+    unlink(path);
+}
+
+/* Two coordinators started together: the claim is exclusive at once, before any publish, and
+ * a reader meanwhile sees "not yet". */
+static void test_claim_is_exclusive(void)
+{
+    char path[128], addr[64] = "", err[512] = "";
+    path_of(path, sizeof path, "excl");
+    ps_rdzv_file_t f, g;
+    CU_ASSERT_EQUAL_FATAL(ps_rdzv_file_claim(&f, path, err, sizeof err), PSHARD_OK);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(ps_rdzv_file_claim(&g, path, err, sizeof err), PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "#claimed by pid"));
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(ps_rdzv_file_read(path, addr, sizeof addr, err, sizeof err),
+                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "has not published"));
+    CU_ASSERT_EQUAL(ps_rdzv_file_publish(&f, "h:1", err, sizeof err), PSHARD_OK);
+    CU_ASSERT_EQUAL(ps_rdzv_file_read(path, addr, sizeof addr, err, sizeof err), PSHARD_OK);
+    CU_ASSERT_STRING_EQUAL(addr, "h:1");
+    ps_rdzv_file_release(&f);
+    unlink(path);
+}
+
+/* Whoever can write the file gets the cluster token: a file others may write, or another
+ * user's, is refused by the reader and by a claim. */
+static void test_owner_and_mode(void)
+{
+    char path[128], addr[64] = "", err[512] = "";
+    path_of(path, sizeof path, "perm");
+    put(path, "evil.example:443\n");
+    CU_ASSERT_FATAL(chmod(path, 0666) == 0);
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(ps_rdzv_file_read(path, addr, sizeof addr, err, sizeof err),
+                    PSHARD_ERR_PERMISSION);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "writable by others (mode 666)"));
+    CU_ASSERT_FATAL(chmod(path, 0620) == 0);
+    CU_ASSERT_EQUAL(ps_rdzv_file_read(path, addr, sizeof addr, err, sizeof err),
+                    PSHARD_ERR_PERMISSION);
+    put(path, "");
+    ps_rdzv_file_t f;
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(ps_rdzv_file_claim(&f, path, err, sizeof err), PSHARD_ERR_PERMISSION);
+    CU_ASSERT_FATAL(chmod(path, 0644) == 0);
+    if (geteuid() == 0) { /* another user's file (root can make one) */
+        put(path, "evil.example:443\n");
+        CU_ASSERT_FATAL(chown(path, 4242, 4242) == 0);
+        err[0] = '\0';
+        CU_ASSERT_EQUAL(ps_rdzv_file_read(path, addr, sizeof addr, err, sizeof err),
+                        PSHARD_ERR_PERMISSION);
+        CU_ASSERT_PTR_NOT_NULL(strstr(err, "owned by uid 4242"));
+        put(path, "");
+        CU_ASSERT_EQUAL(ps_rdzv_file_claim(&f, path, err, sizeof err), PSHARD_ERR_PERMISSION);
+    }
     unlink(path);
 }
 
@@ -123,6 +180,8 @@ int main(void)
         {"claim, publish, read, release", test_round_trip},
         {"release keeps what another wrote", test_release_keeps_what_others_wrote},
         {"bad content, directories and links", test_bad_content_and_kinds},
+        {"a claim is exclusive at once", test_claim_is_exclusive},
+        {"another user's or a group/other-writable file is refused", test_owner_and_mode},
         {NULL, NULL},
     };
     int rc = ps_test_main("common_rdzv_file", cases);
