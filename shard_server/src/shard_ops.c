@@ -31,7 +31,10 @@ pshard_comm_t *shard_op_comm(pshard_shard_server_t *s, pshard_status_t *rc, char
     ps_strlcpy(msg, s->fatal_msg, sizeof(msg));
     pthread_mutex_unlock(&s->mu);
     if (fatal != PSHARD_OK) {
-        *rc = ps_errf(err, errlen, PSHARD_ERR_UNAVAILABLE, "shard server failed: %s", msg);
+        /* Its own status, not UNAVAILABLE: a retry cannot help (a full store, the cluster that
+         * did not form in time), so a trainer attaching fails at once with the cause instead
+         * of retrying until its connect timeout. */
+        *rc = ps_errf(err, errlen, fatal, "shard server failed: %s", msg);
         return NULL;
     }
     if (!c)

@@ -437,7 +437,8 @@ static void test_op_refusals(void)
     s->comm = o.comm;
     s->fatal = PSHARD_ERR_TIMEOUT;
     strcpy(s->fatal_msg, "the cluster did not form in time");
-    CU_ASSERT_EQUAL(run_fresh(s, &op, err, sizeof(err)), PSHARD_ERR_UNAVAILABLE);
+    /* (not UNAVAILABLE: a trainer must not retry what cannot recover) */
+    CU_ASSERT_EQUAL(run_fresh(s, &op, err, sizeof(err)), PSHARD_ERR_TIMEOUT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "shard server failed: the cluster did not form"));
     s->fatal = PSHARD_OK;
 
