@@ -53,13 +53,21 @@ static void reply_text(struct evhttp_request *req, int code, const char *reason,
     struct evkeyvalq *h = evhttp_request_get_output_headers(req);
     evhttp_add_header(h, "Content-Type", code == 200 ? CONTENT_TYPE : "text/plain; charset=utf-8");
     evhttp_add_header(h, "Cache-Control", "no-store");
+    if (evhttp_request_get_command(req) == EVHTTP_REQ_HEAD) {
+        /* GET's Content-Length and no body (libevent 2.1 would send the body after HEAD's
+         * headers, which a client then reads as the start of its next response). */
+        char n[32];
+        snprintf(n, sizeof(n), "%zu", len);
+        evhttp_add_header(h, "Content-Length", n);
+        evhttp_send_reply(req, code, reason, NULL);
+        return;
+    }
     struct evbuffer *body = evbuffer_new();
     if (!body) {
         evhttp_send_error(req, 500, "out of memory");
         return;
     }
     evbuffer_add(body, text, len);
-    /* evhttp sends no body for HEAD, but the Content-Length of GET's. */
     evhttp_send_reply(req, code, reason, body);
     evbuffer_free(body);
 }

@@ -362,6 +362,18 @@ class MetricsTest(unittest.TestCase):
             self.assertEqual(self.request(port, "GET", "/metricsx")[0], 404)
             status, body, _ = self.request(port, "HEAD", "/metrics")
             self.assertEqual((status, body), (200, b""))
+            # On the wire: GET's Content-Length, and not one byte of body after the headers.
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                raw = b""
+                while chunk := s.recv(65536):
+                    raw += chunk
+            head, _, rest = raw.partition(b"\r\n\r\n")
+            self.assertTrue(head.startswith(b"HTTP/1.1 200"), raw[:200])
+            self.assertEqual(rest, b"", raw[:300])
+            length = [ln for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")]
+            self.assertEqual(len(length), 1, head)
+            self.assertGreater(int(length[0].split(b":")[1]), 100, head)
             status, _, allow = self.request(port, "POST", "/metrics")
             self.assertEqual(status, 405)
             self.assertEqual(allow, "GET, HEAD")
