@@ -26,8 +26,8 @@ typedef struct {
     void *base;
     size_t bytes;
     char name[64]; /* "" for a private region (remote trainers) */
-    bool linked;   /* the name is still in /dev/shm (until the server has mapped it) */
-    int fd;        /* the shared-memory file, kept open to map parts of it again; with has_fd */
+    bool linked;   /* the name is in /dev/shm (while the server opens it) */
+    int fd;        /* the shared-memory file, kept open to name it and map parts of it again */
     bool has_fd;
 } region_t;
 
@@ -207,9 +207,14 @@ pshard_status_t client_fail(pshard_client_t *c, pshard_status_t st, const char *
     __attribute__((format(printf, 3, 4)));
 
 /* client_region.c: the shared-memory regions the shard server maps (private ones for remote
- * trainers). */
+ * trainers). A shared region is an unnamed file in /dev/shm (where it can be: O_TMPFILE) whose
+ * name "/pshard-trn-PID-NS-HEX" exists only from client_region_link until
+ * client_region_unlink, around the calls that have the server open it (once unlinked it cannot
+ * be named again); what a killed trainer leaves there is swept by the next pshard process
+ * (pshard/shm_names.h). */
 pshard_status_t client_region_create(region_t *r, size_t bytes, const char *what, bool remote,
-                                     bool touch, bool keep_fd, char *err, size_t errlen);
+                                     bool touch, char *err, size_t errlen);
+pshard_status_t client_region_link(region_t *r, char *err, size_t errlen);
 void client_region_unlink(region_t *r);
 void client_region_destroy(region_t *r);
 void client_region_discard(region_t *r, size_t off, size_t len);

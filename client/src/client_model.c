@@ -202,8 +202,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     }
     region_t model = {0};
     char err[PSHARD_ERRLEN] = "";
-    rc =
-        client_region_create(&model, bytes, "model", c->cfg.remote, false, remap, err, sizeof(err));
+    rc = client_region_create(&model, bytes, "model", c->cfg.remote, false, err, sizeof(err));
     if (rc != PSHARD_OK) {
         client_fail(c, rc, "%s", err);
         goto out;
@@ -271,8 +270,11 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     req.replicate = mc->replicate;
     req.shard = mc->shard;
     ProtobufCMessage *dresp = NULL;
-    rc = client_call(c, "DefineModel", &req.base, &pshard__define_model_response__descriptor,
-                     &dresp, err, sizeof(err));
+    rc = client_region_link(&model, err, sizeof(err)); /* named only while the server opens it */
+    if (rc == PSHARD_OK)
+        rc = client_call(c, "DefineModel", &req.base, &pshard__define_model_response__descriptor,
+                         &dresp, err, sizeof(err));
+    client_region_unlink(&model);
     pb_groups_free(&pg);
     if (rc != PSHARD_OK) {
         client_region_destroy(&model);
@@ -284,7 +286,6 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     client_shard_open(c, (const Pshard__DefineModelResponse *)dresp, params, nparams, numel, mc,
                       &shard);
     protobuf_c_message_free_unpacked(dresp, NULL);
-    client_region_unlink(&model);
     /* The initial values are consumed: their pages go back (in both processes). */
     if (need_init) {
         /* Up to the end of the last page: nothing else is in use yet, and a fixed buffer in

@@ -9,15 +9,31 @@
 #include <unistd.h>
 
 #include "pshard/log.h"
+#include "pshard/shm_names.h"
 #include "pshard/util.h"
 
 #include "client_internal.h"
 
-/* A region of bytes, shared with the server unless remote; touch backs every page now (the
- * scratch region), otherwise pages are backed as they are first used (the model's pool). */
-pshard_status_t client_region_create(region_t *r, size_t bytes, const char *what, bool remote,
-                                     bool touch, bool keep_fd, char *err, size_t errlen)
+/* A new shared-memory file of bytes: an unnamed one in /dev/shm (O_TMPFILE) that gets its name
+ * only while the server opens it (client_region_link), so that nothing is left in /dev/shm when
+ * the trainer is killed; where /dev/shm cannot make unnamed files, a named one (shm_open). */
+static int open_file(region_t *r, bool *named)
 {
+    *named = false;
+    int fd = open("/dev/shm", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    if (fd >= 0)
+        return fd;
+    *named = true;
+    return shm_open(r->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+}
+
+/* A region of bytes, shared with the server unless remote; touch backs every page now (the
+ * scratch region), otherwise pages are backed as they are first used (the model's pool). The
+ * file stays open (the name can be given to it again, and parts of it mapped again). */
+pshard_status_t client_region_create(region_t *r, size_t bytes, const char *what, bool remote,
+                                     bool touch, char *err, size_t errlen)
+{
+    memset(r, 0, sizeof(*r));
     if (remote) {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED)
@@ -26,39 +42,53 @@ pshard_status_t client_region_create(region_t *r, size_t bytes, const char *what
             memset(p, 0, bytes);
         r->base = p;
         r->bytes = bytes;
-        r->name[0] = '\0';
         return PSHARD_OK;
     }
-    uint8_t rnd[8];
-    if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd))
-        memset(rnd, 0x5a, sizeof(rnd));
-    snprintf(r->name, sizeof(r->name), "/pshard-%d-%s-%02x%02x%02x%02x%02x%02x", (int)getpid(),
-             what, rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5]);
-    int fd = shm_open(r->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (ps_shm_name(PS_SHM_TRAINER, r->name, sizeof(r->name)) != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "getrandom: %s", strerror(errno));
+    bool named;
+    int fd = open_file(r, &named);
     if (fd < 0)
-        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "shm_open %s: %s", r->name, strerror(errno));
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot create the %s region %s: %s", what,
+                       r->name, strerror(errno));
+    r->linked = named;
+    r->fd = fd;
+    r->has_fd = true;
     if (ftruncate(fd, (off_t)bytes) != 0) {
         int e = errno;
-        close(fd);
-        shm_unlink(r->name);
-        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot size %s to %zu bytes: %s", r->name,
-                       bytes, strerror(e));
+        client_region_destroy(r);
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot size the %s region to %zu bytes: %s",
+                       what, bytes, strerror(e));
     }
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED || !keep_fd)
-        close(fd);
     if (p == MAP_FAILED) {
-        shm_unlink(r->name);
-        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "mmap %s: %s", r->name, strerror(errno));
+        int e = errno;
+        client_region_destroy(r);
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "mmap of the %s region: %s", what,
+                       strerror(e));
     }
-    r->linked = true;
-    r->fd = fd;
-    r->has_fd = keep_fd;
     /* Touch every page now, not inside the first operation. */
     if (touch)
         memset(p, 0, bytes);
     r->base = p;
     r->bytes = bytes;
+    return PSHARD_OK;
+}
+
+/* Gives the file its name (a no-op while it has it). Once the name is removed the file cannot
+ * have one again (Linux: an O_TMPFILE file is linkable once). */
+pshard_status_t client_region_link(region_t *r, char *err, size_t errlen)
+{
+    if (r->linked || !r->name[0])
+        return PSHARD_OK;
+    char from[64], to[128];
+    snprintf(from, sizeof(from), "/proc/self/fd/%d", r->fd);
+    snprintf(to, sizeof(to), "/dev/shm%s", r->name);
+    if (linkat(AT_FDCWD, from, AT_FDCWD, to, AT_SYMLINK_FOLLOW) != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM,
+                       "cannot name shared memory %s for the shard server: %s", r->name,
+                       strerror(errno));
+    r->linked = true;
     return PSHARD_OK;
 }
 

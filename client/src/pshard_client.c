@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "pshard/log.h"
+#include "pshard/shm_names.h"
 #include "pshard/util.h"
 
 #include "client_internal.h"
@@ -138,8 +139,9 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
         rc = PSHARD_ERR_INVALID_ARGUMENT;
         goto fail;
     }
+    ps_shm_sweep(PS_SHM_TRAINER, "trainer"); /* what killed trainers left in /dev/shm */
     rc = client_region_create(&c->scratch, c->cfg.scratch_bytes, "scratch", c->cfg.remote, true,
-                              false, err, errlen);
+                              err, errlen);
     if (rc != PSHARD_OK)
         goto fail;
     /* Attach, retrying while the cluster forms (UNAVAILABLE) until the connect timeout. */
@@ -160,12 +162,16 @@ pshard_status_t pshard_connect(const pshard_client_config_t *cfg, pshard_client_
         req.coll_timeout_ms = c->cfg.coll_timeout_ms;
         ProtobufCMessage *resp = NULL;
         char e[1024] = "";
-        rc = client_call(c, "Attach", &req.base, &pshard__attach_response__descriptor, &resp, e,
-                         sizeof(e));
+        /* Named from the first attempt until one succeeds (a file cannot be named again once
+         * its name is gone), for the server to open it. */
+        rc = client_region_link(&c->scratch, e, sizeof(e));
+        if (rc == PSHARD_OK)
+            rc = client_call(c, "Attach", &req.base, &pshard__attach_response__descriptor, &resp, e,
+                             sizeof(e));
         if (rc == PSHARD_OK) {
+            client_region_unlink(&c->scratch);
             Pshard__AttachResponse *a = (Pshard__AttachResponse *)resp;
             ps_strlcpy(c->session, a->session, sizeof(c->session));
-            client_region_unlink(&c->scratch);
             c->rank = a->rank;
             c->world = a->world_size;
             ps_strlcpy(c->coord_addr, a->coordinator ? a->coordinator : "", sizeof(c->coord_addr));

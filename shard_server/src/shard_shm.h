@@ -10,8 +10,6 @@
 
 #include "pshard/status.h"
 
-#define SHARD_SHM_PREFIX "/pshard-srv-"
-
 typedef struct {
     char name[64]; /* "" when there is none */
     void *base;    /* MAP_SHARED mapping of the whole object */
@@ -30,11 +28,8 @@ pshard_status_t shard_shm_create(size_t bytes, size_t huge_from, shard_shm_t *ou
  * *shm; an empty one is a no-op. */
 void shard_shm_destroy(shard_shm_t *shm);
 
-/* Removes what dead shard servers left in /dev/shm: regular files named like this server's
- * objects ("pshard-srv-PID-NS-HEX") of this PID namespace (a PID of another one, say a
- * container sharing /dev/shm, cannot be checked from here) whose PID is not alive, owned by
- * this user. Links and other names are never touched. Returns how many were removed. Best
- * effort: errors are logged. */
+/* Removes what dead shard servers and trainers left in /dev/shm (ps_shm_sweep of both
+ * prefixes). Returns how many were removed. */
 int shard_shm_sweep(void);
 
 #endif

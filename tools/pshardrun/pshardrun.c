@@ -37,6 +37,7 @@
 #include "pshard/coord_client.h"
 #include "pshard/log.h"
 #include "pshard/rpc.h"
+#include "pshard/shm_names.h"
 #include "pshard/util.h"
 
 #define RUN_PROG "pshardrun"
@@ -1548,6 +1549,10 @@ int main(int argc, char **argv)
         run_stop_role(&run, ROLE_COORDINATOR, SIGTERM);
         run_sweep(&run);
         run_drain(&run);
+        /* What the killed ones left in /dev/shm (a trainer stopped inside an Attach or a
+         * DefineModel, a server killed): their PIDs are gone now. */
+        ps_shm_sweep(PS_SHM_TRAINER, "trainer");
+        ps_shm_sweep(PS_SHM_SERVER, "shard server");
         bool failed = run.stop == STOP_TRAINER_FAILED || run.stop == STOP_SERVICE_DIED;
         if (!failed || run.attempt >= o.max_restarts)
             break;
