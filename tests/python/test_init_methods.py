@@ -29,6 +29,18 @@ def bare_env():
     return env
 
 
+def init_raises(args, exc, **env):
+    """Runs pshard.init_process_group(ARGS) in a fresh interpreter (bare_env plus env) and
+    returns what it printed of the exception it raised (class exc): its status and message."""
+    code = (f"import datetime, pshard\ntry:\n    pshard.init_process_group({args})\n"
+            f"except {exc} as e:\n    print('raised', getattr(e, 'status', ''), e)\n")
+    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, env=dict(bare_env(), **env),
+                       timeout=120)
+    assert p.returncode == 0 and "raised" in p.stdout, p.stdout
+    return p.stdout
+
+
 def run_trainers(method, world):
     procs = [subprocess.Popen([sys.executable, "-c", TRAINER, method, str(r), str(world)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -107,36 +119,24 @@ def test_rendezvous_file_emptied_at_clean_stop(tmp_path):
     ("udp://127.0.0.1:1", {}, ValueError, "not supported"),
 ])
 def test_bad_init_methods(method, kwargs, exc, text):
-    code = (f"import pshard\ntry:\n    pshard.init_process_group(init_method={method!r}, "
-            f"**{kwargs!r})\nexcept {exc.__name__} as e:\n    print('raised', e)\n")
-    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, env=bare_env(), timeout=60)
-    assert p.returncode == 0 and "raised" in p.stdout and text in p.stdout, p.stdout
+    out = init_raises(f"init_method={method!r}, **{kwargs!r}", exc.__name__)
+    assert text in out, out
 
 
 def test_no_coordinator_times_out():
-    code = ("import datetime, pshard\ntry:\n    pshard.init_process_group(init_method="
-            "'tcp://127.0.0.1:1', rank=0, world_size=1, timeout=datetime.timedelta(seconds=2))\n"
-            "except pshard.TimeoutError as e:\n    print('raised', e)\n")
-    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, env=bare_env(), timeout=60)
-    assert p.returncode == 0 and "raised" in p.stdout, p.stdout
-    assert "no shard server for rank 0 at coordinator 127.0.0.1:1" in p.stdout, p.stdout
+    out = init_raises("init_method='tcp://127.0.0.1:1', rank=0, world_size=1, "
+                      "timeout=datetime.timedelta(seconds=2)", "pshard.TimeoutError")
+    assert "no shard server for rank 0 at coordinator 127.0.0.1:1" in out, out
 
 
 def test_world_size_argument_named(cluster):
     """A world size given as init_process_group's argument (no WORLD_SIZE in the environment)
     that the cluster does not have is named as the argument, not as the variable."""
     c = cluster(2)
-    env = bare_env()
-    env["PSHARD_SERVER"] = c.servers[0]
-    code = ("import pshard\ntry:\n    pshard.init_process_group(rank=0, world_size=3)\n"
-            "except pshard.InvalidArgumentError as e:\n    print('raised', e)\n")
-    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, env=env, timeout=120)
-    assert p.returncode == 0 and "raised world_size=3 (the argument) but the cluster has 2" \
-        in p.stdout, p.stdout
-    assert "WORLD_SIZE" not in p.stdout, p.stdout
+    out = init_raises("rank=0, world_size=3", "pshard.InvalidArgumentError",
+                      PSHARD_SERVER=c.servers[0])
+    assert "world_size=3 (the argument) but the cluster has 2" in out, out
+    assert "WORLD_SIZE" not in out, out
 
 
 def test_rendezvous_file_others_may_write_is_refused(tmp_path):
@@ -145,13 +145,8 @@ def test_rendezvous_file_others_may_write_is_refused(tmp_path):
     path = tmp_path / "rdzv"
     path.write_text("127.0.0.1:1\n")
     path.chmod(0o666)
-    code = ("import pshard\ntry:\n    pshard.init_process_group(init_method="
-            f"'file://{path}', rank=0, world_size=1)\n"
-            "except pshard.Error as e:\n    print('raised', e.status, e)\n")
-    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, env=bare_env(), timeout=60)
-    assert p.returncode == 0 and "raised PSHARD_ERR_PERMISSION" in p.stdout, p.stdout
-    assert "writable by others" in p.stdout, p.stdout
+    out = init_raises(f"init_method='file://{path}', rank=0, world_size=1", "pshard.Error")
+    assert "PSHARD_ERR_PERMISSION" in out and "writable by others" in out, out
 
 
 def test_two_coordinators_one_rendezvous_file(tmp_path):
