@@ -1,9 +1,16 @@
-/* The /metrics HTTP endpoint: one thread with its own libevent event_base and evhttp server,
- * bound to --metrics-listen. Every scrape asks the service to write its families into a fresh
+/* The /metrics HTTP endpoint: one thread with its own libevent event_base serving HTTP/1.x on
+ * --metrics-listen with bufferevents of its own (not evhttp, whose 2.1 version cannot bound
+ * its connections). Every scrape asks the service to write its families into a fresh
  * exposition; the service's own threads are never touched, and stop wakes the loop with
- * event_active. */
+ * event_active. The endpoint is unauthenticated, so it is bounded: at most MAX_CONNS
+ * connections at once (more are closed at accept, leaving the process's descriptors to gRPC),
+ * each closed CONN_DEADLINE_S after it was accepted whatever it sends (a client trickling a byte
+ * at a time cannot hold one), one request per connection (Connection: close), headers up to
+ * MAX_HEADERS_BYTES; refused connections and accept errors are logged once a minute with a
+ * count. */
 #include <errno.h>
 #include <limits.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -12,9 +19,9 @@
 #include <sys/socket.h>
 
 #include <event2/buffer.h>
+#include <event2/bufferevent.h>
 #include <event2/event.h>
-#include <event2/http.h>
-#include <event2/keyvalq_struct.h>
+#include <event2/listener.h>
 #include <event2/thread.h>
 
 #include "pshard/atomic_file.h"
@@ -23,14 +30,19 @@
 #include "pshard/util.h"
 
 #define MAX_HEADERS_BYTES 8192
-#define MAX_BODY_BYTES 1024
-#define REQUEST_TIMEOUT_S 10
+#define MAX_CONNS 32
+#define CONN_DEADLINE_S 10
+#define LOG_EVERY_NS (60LL * 1000000000)
 #define CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
 
 struct ps_metrics_server {
     struct event_base *base;
-    struct evhttp *http;
-    struct event *stop_ev;
+    struct evconnlistener *listener;
+    struct event *stop_ev, *resume_ev;
+    int conns;                            /* open now (the loop's thread only) */
+    struct conn *open;                    /* and which */
+    uint64_t refused, accept_errors;      /* since the last log line */
+    int64_t refused_log_ns, error_log_ns; /* when those were last logged */
     pthread_t thread;
     bool thread_started;
     int port;
@@ -47,67 +59,223 @@ static void evthread_init(void)
     evthread_rc = evthread_use_pthreads();
 }
 
-static void reply_text(struct evhttp_request *req, int code, const char *reason, const char *text,
-                       size_t len)
+/* One connection: its bufferevent and the timer that ends it CONN_DEADLINE_S after accept. */
+typedef struct conn {
+    ps_metrics_server_t *m;
+    struct bufferevent *bev;
+    struct event *deadline;
+    bool replied;
+    struct conn *prev, *next; /* the open ones, for stop */
+} conn_t;
+
+static void conn_free(conn_t *c)
 {
-    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
-    evhttp_add_header(h, "Content-Type", code == 200 ? CONTENT_TYPE : "text/plain; charset=utf-8");
-    evhttp_add_header(h, "Cache-Control", "no-store");
-    if (evhttp_request_get_command(req) == EVHTTP_REQ_HEAD) {
-        /* GET's Content-Length and no body (libevent 2.1 would send the body after HEAD's
-         * headers, which a client then reads as the start of its next response). */
-        char n[32];
-        snprintf(n, sizeof(n), "%zu", len);
-        evhttp_add_header(h, "Content-Length", n);
-        evhttp_send_reply(req, code, reason, NULL);
-        return;
-    }
-    struct evbuffer *body = evbuffer_new();
-    if (!body) {
-        evhttp_send_error(req, 500, "out of memory");
-        return;
-    }
-    evbuffer_add(body, text, len);
-    evhttp_send_reply(req, code, reason, body);
-    evbuffer_free(body);
+    c->m->conns--;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        c->m->open = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    event_free(c->deadline);
+    bufferevent_free(c->bev); /* closes the socket */
+    free(c);
 }
 
-static void on_request(struct evhttp_request *req, void *arg)
+static void on_deadline(evutil_socket_t fd, short what, void *arg)
 {
-    ps_metrics_server_t *m = arg;
-    enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
-    if (cmd != EVHTTP_REQ_GET && cmd != EVHTTP_REQ_HEAD) {
-        evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", "GET, HEAD");
-        static const char msg[] = "only GET and HEAD\n";
-        reply_text(req, 405, "Method Not Allowed", msg, sizeof(msg) - 1);
+    (void)fd;
+    (void)what;
+    conn_free(arg);
+}
+
+/* Closes once the reply has gone out. */
+static void on_written(struct bufferevent *bev, void *arg)
+{
+    (void)bev;
+    conn_t *c = arg;
+    if (c->replied)
+        conn_free(c);
+}
+
+static void on_conn_event(struct bufferevent *bev, short what, void *arg)
+{
+    (void)bev;
+    (void)what; /* EOF or an error: the peer is gone */
+    conn_free(arg);
+}
+
+/* Queues the reply (no body for HEAD, but GET's Content-Length) and closes after it. */
+static void reply(conn_t *c, bool head, int code, const char *reason, const char *extra,
+                  const char *type, const char *body, size_t len)
+{
+    struct evbuffer *out = bufferevent_get_output(c->bev);
+    evbuffer_add_printf(out,
+                        "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nCache-Control: no-store\r\n"
+                        "Content-Length: %zu\r\nConnection: close\r\n%s\r\n",
+                        code, reason, type, len, extra);
+    if (!head && len)
+        evbuffer_add(out, body, len);
+    c->replied = true;
+    bufferevent_disable(c->bev, EV_READ);
+    bufferevent_setcb(c->bev, NULL, on_written, on_conn_event, c);
+    if (evbuffer_get_length(out) == 0)
+        conn_free(c);
+}
+
+static void reply_text(conn_t *c, bool head, int code, const char *reason, const char *extra,
+                       const char *msg)
+{
+    reply(c, head, code, reason, extra, "text/plain; charset=utf-8", msg, strlen(msg));
+}
+
+/* The request line of a request whose headers have all arrived: GET or HEAD of /metrics (a
+ * query string is ignored) gets the exposition; other paths 404, other methods 405. */
+static void on_request(conn_t *c, char *line)
+{
+    char *sp1 = strchr(line, ' ');
+    char *sp2 = sp1 ? strchr(sp1 + 1, ' ') : NULL;
+    if (!sp1 || !sp2 || strncmp(sp2 + 1, "HTTP/1.", 7) != 0) {
+        reply_text(c, false, 400, "Bad Request", "", "not an HTTP/1.x request line\n");
         return;
     }
-    const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
-    const char *path = uri ? evhttp_uri_get_path(uri) : NULL;
-    if (!path || strcmp(path, "/metrics") != 0) {
-        static const char msg[] = "not found: metrics are at /metrics\n";
-        reply_text(req, 404, "Not Found", msg, sizeof(msg) - 1);
+    *sp1 = *sp2 = '\0';
+    const char *method = line, *target = sp1 + 1;
+    bool get = strcmp(method, "GET") == 0, head = strcmp(method, "HEAD") == 0;
+    if (!get && !head) {
+        reply_text(c, false, 405, "Method Not Allowed", "Allow: GET, HEAD\r\n",
+                   "only GET and HEAD\n");
+        return;
+    }
+    size_t plen = strcspn(target, "?#");
+    if (plen != 8 || strncmp(target, "/metrics", 8) != 0) {
+        reply_text(c, head, 404, "Not Found", "", "not found: metrics are at /metrics\n");
         return;
     }
     ps_metrics_t *w = ps_metrics_create();
     if (!w) {
-        evhttp_send_error(req, 500, "out of memory");
+        reply_text(c, head, 500, "Internal Server Error", "", "out of memory\n");
         return;
     }
-    m->collect(m->arg, w);
+    c->m->collect(c->m->arg, w);
     const char *error = ps_metrics_error(w);
     if (error[0]) {
         /* A bug in a family, not the scraper's fault: say which, and log it once per scrape. */
         PS_ERROR(PS_SUB_MAIN, "metrics: %s", error);
         char msg[PSHARD_ERRLEN];
-        int n = snprintf(msg, sizeof(msg), "metrics error: %s\n", error);
-        reply_text(req, 500, "Internal Server Error", msg, n > 0 ? (size_t)n : 0);
+        snprintf(msg, sizeof(msg), "metrics error: %s\n", error);
+        reply_text(c, head, 500, "Internal Server Error", "", msg);
     } else {
         size_t len;
         const char *text = ps_metrics_text(w, &len);
-        reply_text(req, 200, "OK", text, len);
+        reply(c, head, 200, "OK", "", CONTENT_TYPE, text, len);
     }
     ps_metrics_destroy(w);
+}
+
+/* Reads until the headers end; more than MAX_HEADERS_BYTES of them is refused (431). */
+static void on_readable(struct bufferevent *bev, void *arg)
+{
+    conn_t *c = arg;
+    struct evbuffer *in = bufferevent_get_input(bev);
+    struct evbuffer_ptr end = evbuffer_search(in, "\r\n\r\n", 4, NULL);
+    if (end.pos < 0) {
+        if (evbuffer_get_length(in) > MAX_HEADERS_BYTES)
+            reply_text(c, false, 431, "Request Header Fields Too Large", "",
+                       "headers over 8 KiB\n");
+        return;
+    }
+    if ((size_t)end.pos > MAX_HEADERS_BYTES) {
+        reply_text(c, false, 431, "Request Header Fields Too Large", "", "headers over 8 KiB\n");
+        return;
+    }
+    char line[MAX_HEADERS_BYTES + 1];
+    size_t n = 0;
+    char *eol = evbuffer_readln(in, &n, EVBUFFER_EOL_CRLF);
+    if (!eol || n > MAX_HEADERS_BYTES) {
+        free(eol);
+        reply_text(c, false, 400, "Bad Request", "", "no request line\n");
+        return;
+    }
+    memcpy(line, eol, n + 1);
+    free(eol);
+    evbuffer_drain(in, evbuffer_get_length(in)); /* headers and any body: not needed */
+    on_request(c, line);
+}
+
+/* At most one line a minute for what keeps happening: refused connections, accept errors. */
+static void log_count(uint64_t *count, int64_t *last_ns, const char *what)
+{
+    (*count)++;
+    int64_t now = ps_now_ns();
+    if (*last_ns && now - *last_ns < LOG_EVERY_NS)
+        return;
+    PS_WARN(PS_SUB_MAIN, "metrics: %s (%llu since the last such line)", what,
+            (unsigned long long)*count);
+    *count = 0;
+    *last_ns = now;
+}
+
+static void on_accept(struct evconnlistener *l, evutil_socket_t fd, struct sockaddr *sa, int len,
+                      void *arg)
+{
+    (void)l;
+    (void)sa;
+    (void)len;
+    ps_metrics_server_t *m = arg;
+    if (m->conns >= MAX_CONNS) {
+        evutil_closesocket(fd);
+        log_count(&m->refused, &m->refused_log_ns,
+                  "connections refused: as many as allowed are open already");
+        return;
+    }
+    conn_t *c = calloc(1, sizeof(*c));
+    struct bufferevent *bev = c ? bufferevent_socket_new(m->base, fd, BEV_OPT_CLOSE_ON_FREE) : NULL;
+    struct event *deadline = bev ? evtimer_new(m->base, on_deadline, c) : NULL;
+    if (!deadline) {
+        if (bev)
+            bufferevent_free(bev);
+        else
+            evutil_closesocket(fd);
+        free(c);
+        return;
+    }
+    c->m = m;
+    c->bev = bev;
+    c->deadline = deadline;
+    c->next = m->open;
+    if (m->open)
+        m->open->prev = c;
+    m->open = c;
+    m->conns++;
+    struct timeval tv = {CONN_DEADLINE_S, 0};
+    evtimer_add(deadline, &tv);
+    bufferevent_setcb(bev, on_readable, NULL, on_conn_event, c);
+    bufferevent_enable(bev, EV_READ);
+}
+
+/* Out of descriptors (or memory): the listening socket stays readable, so accepting again at
+ * once would spin; pause it for a while instead. */
+static void on_accept_error(struct evconnlistener *l, void *arg)
+{
+    ps_metrics_server_t *m = arg;
+    int e = EVUTIL_SOCKET_ERROR();
+    char what[160];
+    snprintf(what, sizeof(what), "accept failed: %s", evutil_socket_error_to_string(e));
+    log_count(&m->accept_errors, &m->error_log_ns, what);
+    if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) {
+        evconnlistener_disable(l);
+        struct timeval tv = {0, 200 * 1000};
+        evtimer_add(m->resume_ev, &tv);
+    }
+}
+
+static void on_resume(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    ps_metrics_server_t *m = arg;
+    evconnlistener_enable(m->listener);
 }
 
 static void on_stop(evutil_socket_t fd, short what, void *arg)
@@ -171,31 +339,34 @@ ps_metrics_server_t *ps_metrics_server_start(const char *listen, ps_metrics_coll
     m->collect = collect;
     m->arg = arg;
     m->base = event_base_new();
-    m->http = m->base ? evhttp_new(m->base) : NULL;
     m->stop_ev = m->base ? event_new(m->base, -1, 0, on_stop, m) : NULL;
-    if (!m->http || !m->stop_ev) {
+    m->resume_ev = m->base ? evtimer_new(m->base, on_resume, m) : NULL;
+    if (!m->stop_ev || !m->resume_ev) {
         ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "cannot create the metrics HTTP server");
         goto fail;
     }
-    evhttp_set_max_headers_size(m->http, MAX_HEADERS_BYTES);
-    evhttp_set_max_body_size(m->http, MAX_BODY_BYTES);
-    evhttp_set_timeout(m->http, REQUEST_TIMEOUT_S);
-    /* Let every method reach on_request, which answers 405 with Allow for all but GET/HEAD. */
-    evhttp_set_allowed_methods(m->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
-                                            EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
-                                            EVHTTP_REQ_OPTIONS | EVHTTP_REQ_TRACE |
-                                            EVHTTP_REQ_CONNECT | EVHTTP_REQ_PATCH);
-    evhttp_set_gencb(m->http, on_request, m);
-    struct evhttp_bound_socket *bs =
-        evhttp_bind_socket_with_handle(m->http, host, (ev_uint16_t)port);
-    if (!bs) {
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV},
+                    *ai = NULL;
+    char portstr[16];
+    snprintf(portstr, sizeof(portstr), "%d", port);
+    if (getaddrinfo(host, portstr, &hints, &ai) == 0 && ai)
+        m->listener = evconnlistener_new_bind(m->base, on_accept, m,
+                                              LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE |
+                                                  LEV_OPT_CLOSE_ON_EXEC,
+                                              64, ai->ai_addr, (int)ai->ai_addrlen);
+    if (ai)
+        freeaddrinfo(ai);
+    if (!m->listener) {
         ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                 "cannot listen for metrics on '%s' (bad address, or the port is in use)", listen);
         goto fail;
     }
+    evconnlistener_set_error_cb(m->listener, on_accept_error);
     struct sockaddr_storage ss;
     socklen_t sl = sizeof(ss);
-    if (getsockname(evhttp_bound_socket_get_fd(bs), (struct sockaddr *)&ss, &sl) != 0) {
+    if (getsockname(evconnlistener_get_fd(m->listener), (struct sockaddr *)&ss, &sl) != 0) {
         ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "getsockname: %s", strerror(errno));
         goto fail;
     }
@@ -227,10 +398,14 @@ void ps_metrics_server_stop(ps_metrics_server_t *m)
         event_active(m->stop_ev, EV_READ, 0);
         pthread_join(m->thread, NULL);
     }
+    while (m->open) /* the loop has stopped: what it had open goes now */
+        conn_free(m->open);
+    if (m->listener)
+        evconnlistener_free(m->listener);
     if (m->stop_ev)
         event_free(m->stop_ev);
-    if (m->http)
-        evhttp_free(m->http);
+    if (m->resume_ev)
+        event_free(m->resume_ev);
     if (m->base)
         event_base_free(m->base);
     free(m);

@@ -388,6 +388,56 @@ class MetricsTest(unittest.TestCase):
             self.assertFalse(reply.startswith(b"HTTP/1.1 200"), reply)
             self.assertEqual(scrape(port)[0]["pshard_process_open_fds"].type, "gauge")
 
+    def test_connection_flood_is_bounded(self):
+        """/metrics is unauthenticated: 300 connections that each send a byte and then trickle
+        (what locked gRPC out when each held a descriptor) are held to a small number, each
+        for a bounded time; gRPC (health, on the same process) answers meanwhile, the process's
+        descriptors stay bounded, refusals are logged once, and scraping works afterwards."""
+        port = self.cluster.mports[0]
+        pid = self.cluster.servers[0].pid
+        fds_before = len(os.listdir("/proc/%d/fd" % pid))
+        socks = []
+        try:
+            for _ in range(300):
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                try:
+                    s.sendall(b"G")
+                except OSError:
+                    pass  # refused and closed at once
+                socks.append(s)
+            stub = health_pb2_grpc.HealthStub(self.cluster.channels[0])
+            r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            self.assertEqual(r.status, health_pb2.HealthCheckResponse.SERVING)
+            held = len(os.listdir("/proc/%d/fd" % pid)) - fds_before
+            self.assertLess(held, 64, "the server holds %d more descriptors" % held)
+            # Those it kept are closed within the per-connection deadline, trickle or not.
+            t0 = time.monotonic()
+            alive = [s for s in socks]
+            while alive and time.monotonic() - t0 < 60:
+                still = []
+                for s in alive:
+                    try:
+                        s.sendall(b"E")
+                        s.settimeout(0.01)
+                        if s.recv(1) == b"":
+                            continue  # closed by the server
+                    except (socket.timeout, BlockingIOError):
+                        pass
+                    except OSError:
+                        continue  # reset: closed
+                    still.append(s)
+                alive = still
+                time.sleep(0.5)
+            self.assertEqual(alive, [], "connections still open after %.0f s" %
+                             (time.monotonic() - t0))
+        finally:
+            for s in socks:
+                s.close()
+        self.assertEqual(scrape(port)[0]["pshard_process_open_fds"].type, "gauge")
+        log = self.cluster.log_text()
+        self.assertIn("connections refused", log)
+        self.assertLessEqual(log.count("connections refused"), 2, log[-3000:])
+
 
 if __name__ == "__main__":
     if len(sys.argv) < 3:
