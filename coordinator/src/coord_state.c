@@ -924,17 +924,15 @@ bool coord_state_set_health(coord_state_t *st, const char *member_id, const char
     for (; reason && reason[n] && n < COORD_FIELD_MAX; n++)
         clean[n] = reason[n] >= 0x20 && reason[n] < 0x7f ? reason[n] : '?';
     clean[n] = '\0';
-    for (size_t i = 0; i < st->nmembers; i++) {
-        coord_member_t *m = &st->members[i];
-        if (strcmp(m->member_id, member_id) != 0)
-            continue;
-        bool not_serving = n > 0;
-        bool changed = m->not_serving != not_serving || strcmp(m->not_serving_reason, clean) != 0;
-        m->not_serving = not_serving;
-        memcpy(m->not_serving_reason, clean, n + 1);
-        return changed;
-    }
-    return false;
+    long i = find_by_id(st, member_id); /* (hashed: this runs on every heartbeat) */
+    if (i < 0)
+        return false;
+    coord_member_t *m = &st->members[i];
+    bool not_serving = n > 0;
+    bool changed = m->not_serving != not_serving || strcmp(m->not_serving_reason, clean) != 0;
+    m->not_serving = not_serving;
+    memcpy(m->not_serving_reason, clean, n + 1);
+    return changed;
 }
 
 /* Snapshot order: shard servers by rank, unranked shard servers by name, trainers by name. */

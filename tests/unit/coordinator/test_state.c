@@ -576,6 +576,34 @@ static void test_leave(void)
     coord_state_destroy(st);
 }
 
+/* A shard server's own health (its heartbeat says): a ranked one not serving makes a formed
+ * cluster DEGRADED, named with its reason (kept printable), without a bump; serving again
+ * makes it FORMED. A trainer's or a standby's says nothing about the cluster. */
+static void test_health_reports(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    uint64_t gen = coord_state_generation(st);
+    CU_ASSERT_FALSE(coord_state_set_health(st, v[1].member_id, NULL)); /* serving already */
+    CU_ASSERT_TRUE(coord_state_set_health(st, v[1].member_id, "ring failed\033[2J"));
+    CU_ASSERT_FALSE(coord_state_set_health(st, v[1].member_id, "ring failed\033[2J"));
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen);
+    coord_snapshot_t *snap = coord_state_snapshot(st, MS(1));
+    CU_ASSERT_PTR_NOT_NULL_FATAL(snap);
+    CU_ASSERT_EQUAL(snap->state, COORD_CLUSTER_DEGRADED);
+    CU_ASSERT_PTR_NOT_NULL(strstr(snap->awaiting, "not serving: ring failed?[2J"));
+    CU_ASSERT_PTR_NULL(strchr(snap->awaiting, '\033'));
+    coord_snapshot_free(snap);
+    CU_ASSERT_TRUE(coord_state_set_health(st, v[1].member_id, ""));
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    coord_member_view_t t = reg(st, TRN, "t0", MS(2));
+    CU_ASSERT_TRUE(coord_state_set_health(st, t.member_id, "whatever"));
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    CU_ASSERT_FALSE(coord_state_set_health(st, "0123456789abcdef0123456789abcdef", "x"));
+    coord_state_destroy(st);
+}
+
 /* The member id is public (Status and Watch show it); the lease key is the credential. A
  * stranger who knows a live member's id or name can neither renew, end nor report for its
  * lease, nor take its name (and rank) until that lease has lapsed. */
@@ -1186,6 +1214,7 @@ int main(void)
         {"degraded: returning names get their own ranks",
          test_degraded_returning_names_get_their_own_ranks},
         {"leave", test_leave},
+        {"health reports: not serving is degraded", test_health_reports},
         {"trainers; names unique per role", test_trainers_and_names_per_role},
         {"validation errors", test_validation},
         {"next deadline", test_next_deadline},
