@@ -412,7 +412,7 @@ class MetricsTest(unittest.TestCase):
             self.assertLess(held, 64, "the server holds %d more descriptors" % held)
             # Those it kept are closed within the per-connection deadline, trickle or not.
             t0 = time.monotonic()
-            alive = [s for s in socks]
+            alive = list(socks)
             while alive and time.monotonic() - t0 < 60:
                 still = []
                 for s in alive:

@@ -199,7 +199,7 @@ def from_dcp(dcp_dir, root, *, step=None, optimizer=None, params=None):
             t, buf = _buffer(t)
             keep.append(t)
             data[i].append(buf)
-    return _C.ckpt_write(os.fspath(root), int(step), opt, ["master", *states], plist, data)
+    return _C.ckpt_write(os.fspath(root), int(step), opt, plist, data)
 
 
 def main(argv=None):

@@ -5,7 +5,7 @@
  *       optimizer, params [(name, shape, skipped_steps)]).
  *   ckpt_read(handle, section, param, out): section `section` of parameter `param` (fp32,
  *       flattened) into the writable buffer out of exactly numel * 4 bytes.
- *   ckpt_write(root, step, optimizer, sections, params, data): a new checkpoint ROOT/step-N of
+ *   ckpt_write(root, step, optimizer, params, data): a new checkpoint ROOT/step-N of
  *       world size 1 (it loads on any world size, as every pshard checkpoint does); data[s][p]
  *       is a buffer of parameter p's section s (fp32, numel * 4 bytes). A committed checkpoint
  *       of that step is never overwritten. */
@@ -270,8 +270,8 @@ fail:
 }
 
 /* Writes section after section, each parameter's buffer in turn, into the one shard file. */
-static int write_data(ps_ckpt_shard_out_t *out, const char *step_dir, const ps_ckpt_manifest_t *m,
-                      PyObject *data, char *err, size_t errlen, pshard_status_t *st)
+static int write_data(ps_ckpt_shard_out_t *out, const ps_ckpt_manifest_t *m, PyObject *data,
+                      char *err, size_t errlen, pshard_status_t *st)
 {
     PyObject *secs = PySequence_Fast(data, "data is a list (sections) of lists (parameters)");
     if (!secs)
@@ -315,7 +315,6 @@ static int write_data(ps_ckpt_shard_out_t *out, const char *step_dir, const ps_c
         Py_DECREF(bufs);
     }
     Py_DECREF(secs);
-    (void)step_dir;
     return rc;
 }
 
@@ -324,10 +323,9 @@ PyObject *pshard_py_ckpt_write(PyObject *mod, PyObject *args)
     (void)mod;
     const char *root;
     long long step;
-    PyObject *optim, *sections, *params, *data;
-    if (!PyArg_ParseTuple(args, "sLOOOO", &root, &step, &optim, &sections, &params, &data))
+    PyObject *optim, *params, *data;
+    if (!PyArg_ParseTuple(args, "sLOOO", &root, &step, &optim, &params, &data))
         return NULL;
-    (void)sections; /* the optimizer's kind names them; the caller's list is checked below */
     if (step < 0)
         return pshard_py_raise_status(PSHARD_ERR_INVALID_ARGUMENT, "the step is >= 0");
     ps_ckpt_manifest_t m = {0};
@@ -342,22 +340,6 @@ PyObject *pshard_py_ckpt_write(PyObject *mod, PyObject *args)
     if (parse_optim(optim, &m.optim, &m.nsections, m.sections) < 0 ||
         parse_params(params, step, &m) < 0)
         goto done;
-    PyObject *want = PySequence_List(sections);
-    if (!want)
-        goto done;
-    int same = PyList_GET_SIZE(want) == m.nsections;
-    for (int s = 0; same && s < m.nsections; s++) {
-        PyObject *v = PyList_GET_ITEM(want, s);
-        same = PyUnicode_Check(v) && strcmp(PyUnicode_AsUTF8(v), m.sections[s]) == 0;
-    }
-    Py_DECREF(want);
-    if (!same) {
-        PyErr_Format(PyExc_ValueError, "optimizer '%s' keeps the sections %s%s%s%s%s", m.optim.kind,
-                     m.sections[0], m.nsections > 1 ? ", " : "",
-                     m.nsections > 1 ? m.sections[1] : "", m.nsections > 2 ? ", " : "",
-                     m.nsections > 2 ? m.sections[2] : "");
-        goto done;
-    }
     ps_ckpt_step_dir(root, step, step_dir, sizeof(step_dir));
     st = ps_ckpt_step_dir_make(root, step, &dfd, err, sizeof(err));
     if (st == PSHARD_OK && faccessat(dfd, PS_CKPT_MANIFEST, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
@@ -369,7 +351,7 @@ PyObject *pshard_py_ckpt_write(PyObject *mod, PyObject *args)
         st = ps_ckpt_shard_out_open(dfd, step_dir, 0, 1, &out, err, sizeof(err));
     if (st != PSHARD_OK)
         goto done;
-    int wrc = write_data(out, step_dir, &m, data, err, sizeof(err), &st);
+    int wrc = write_data(out, &m, data, err, sizeof(err), &st);
     pshard_status_t st2 =
         ps_ckpt_shard_out_close(out, wrc == 0, &file.bytes, &file.crc32c, err, sizeof(err));
     if (wrc < 0 || st2 != PSHARD_OK) {

@@ -1056,7 +1056,7 @@ static PyMethodDef module_methods[] = {
     {"ckpt_read", pshard_py_ckpt_read, METH_VARARGS,
      "ckpt_read(handle, section, param, out): one parameter's section (fp32) into out"},
     {"ckpt_write", pshard_py_ckpt_write, METH_VARARGS,
-     "ckpt_write(root, step, optimizer, sections, params, data) -> step_dir (world size 1)"},
+     "ckpt_write(root, step, optimizer, params, data) -> step_dir (world size 1)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef pshard_module = {PyModuleDef_HEAD_INIT, "pshard._C",
