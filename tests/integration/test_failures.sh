@@ -42,6 +42,21 @@ wait_for() {
   done
 }
 
+# wait_progressing SECONDS LOG CMD...: polls CMD until it succeeds; fails once LOG has printed
+# no new step for SECONDS.
+wait_progressing() {
+  local idle=$1 log=$2; shift 2
+  local seen=-1 since
+  since=$(now_ms)
+  until "$@"; do
+    local n
+    n=$(grep -c '^step' "$log" 2>/dev/null || true)
+    if [ "$n" != "$seen" ]; then seen=$n; since=$(now_ms); fi
+    if [ $(( $(now_ms) - since )) -gt $(( idle * 1000 )) ]; then return 1; fi
+    sleep 0.05
+  done
+}
+
 steps_printed() { [ "$(grep -c '^step' "$1" 2>/dev/null || true)" -ge "$2" ]; }
 gone() { ! kill -0 "$1" 2>/dev/null; }
 
@@ -186,7 +201,8 @@ fi
 
 if want coordinator-restart; then
 echo "== coordinator restart (kill -9, then again on the same port)"
-start_cluster 2 4000
+steps=2000
+start_cluster 2 "$steps"
 port=$(cat "$cw/coord.port")
 kill -9 "$cpid"
 wait "$cpid" 2>/dev/null || true
@@ -199,18 +215,23 @@ start_coordinator "$port"
 at_restart=$(grep -c '^step' "$cw/t0.out" || true)
 ok=1
 for r in 0 1; do
-  if ! wait_for 120 gone "${tpid[$r]}"; then echo "FAIL: trainer $r did not finish"; ok=0; continue; fi
+  # A loaded machine (a sanitizer build beside other tests) trains far slower: what fails is a
+  # trainer that stops making progress, not one that is slow.
+  if ! wait_progressing 60 "$cw/t0.out" gone "${tpid[$r]}"; then
+    echo "FAIL: trainer $r did not finish (no new step for 60 s; $(grep -c '^step' "$cw/t0.out" || true) of $steps)"
+    ok=0; continue
+  fi
   code=0; wait "${tpid[$r]}" || code=$?
   if [ "$code" -ne 0 ]; then echo "FAIL: trainer $r exited $code:"; cat "$cw/t$r.err"; ok=0; fi
 done
 after=$(grep -c '^step' "$cw/t0.out" || true)
-if [ "$ok" -eq 1 ] && [ "$after" -eq 4000 ] && [ "$at_restart" -lt 4000 ]; then
-  echo "ok: training went on through the outage and after the restart (step $before of 4000 when the coordinator died, $at_restart when it came back)"
+if [ "$ok" -eq 1 ] && [ "$after" -eq "$steps" ] && [ "$at_restart" -lt "$steps" ]; then
+  echo "ok: training went on through the outage and after the restart (step $before of $steps when the coordinator died, $at_restart when it came back)"
   if ! wait_for 20 "$ctl" --coordinator "$caddr" health pshard.Cluster > /dev/null; then
     echo "FAIL: the restarted coordinator did not see the cluster form again"; fails=$((fails + 1))
   fi
 else
-  [ "$ok" -eq 1 ] && echo "FAIL: $after of 4000 steps ($at_restart at the restart; must be below 4000)"
+  [ "$ok" -eq 1 ] && echo "FAIL: $after of $steps steps ($at_restart at the restart; must be below $steps)"
   fails=$((fails + 1))
 fi
 stop_cluster
