@@ -348,6 +348,32 @@ def main():
     expect("async all_to_all_single",
            torch.equal(a2a, torch.tensor([100.0 * s + 2 * rank + k for s in range(world)
                                           for k in range(2)])))
+    # An operation in flight whose tensors are resized before wait() (torch's Works hold what
+    # they use): 8 MB each, memory the allocator unmaps when a resize frees it. A resized input
+    # still sends what it held at the call; a resized output gets no result and wait() says so
+    # (the new memory is left as the caller filled it); the group works on afterwards.
+    n = 1_000_000
+    src = data(rank, n, torch.int64, 9)
+    inp, gathered = src.clone(), torch.zeros(world * n, dtype=torch.int64)
+    w = dist.all_gather_into_tensor(gathered, inp, async_op=True)
+    inp.resize_(3 * n)
+    inp.fill_(-5)
+    expect("resized input: wait", w.wait() is True)
+    expect("resized input: sent as it was at the call",
+           torch.equal(gathered, torch.cat([data(r, n, torch.int64, 9) for r in range(world)])))
+    res = src.clone()
+    w = dist.all_reduce(res, async_op=True)
+    res.resize_(3 * n)
+    res.fill_(7)
+    try:
+        w.wait()
+        expect("resized output: wait raises", False)
+    except pshard.FailedPreconditionError as e:
+        expect("resized output: the error says why", "resized" in str(e))
+    expect("resized output: the new memory untouched", bool((res == 7).all()))
+    again = torch.ones(3)
+    dist.all_reduce(again)
+    expect("after a resized output", torch.equal(again, torch.full((3,), world * 1.0)))
     # Leaving with a Work not yet waited for: the client closes once it is (a nonzero exit
     # here fails the test).
     last = torch.ones(5)

@@ -131,7 +131,8 @@ class _Calls:
 
     def run(self, op, send, recv, count, dt, reduce=0, root=0, tag=0):
         c, h = self.pg._client, self.pg._handle
-        w = c.collective_start(_OPS[op], send, recv, count, dt, reduce, root, h, tag)
+        w = c.collective_start(_OPS[op], send, recv, count, dt, reduce, root, h, tag,
+                               self.queued)
         if self.queued:
             self.works.append(w)
         else:

@@ -5,6 +5,7 @@
  * call releases the GIL. */
 #include "pshard_py.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "pshard_groups.h"
@@ -44,18 +45,59 @@ static int check_root(ClientObject *self, const pshard_group_t *g, int root, con
     return -1;
 }
 
-/* collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None, tag=0) -> Work:
- * one collective (pshard_op_t numbers) queued behind what was issued before (torch's
- * async_op=True). send / recv: contiguous CPU tensors of dtype holding at least what this
- * rank's role uses (None where it uses nothing); both are held until the work is waited. */
+/* w's collective on private copies of its tensors (collective_start's own): send_b bytes of
+ * the send tensor copied now, recv_b bytes of the recv tensor written back when the work
+ * finishes (pshard_py_work_own_finish); recv_in: recv is also read (a root's broadcast without
+ * send). One buffer serves both when they were one tensor. 0, or -1 with MemoryError. */
+static int own_copies(WorkObject *w, PyObject *recv, pshard_dtype_t dtype, size_t send_b,
+                      size_t recv_b, bool recv_in)
+{
+    uint8_t *sd = w->dl[0].data, *rd = w->dl[1].data;
+    if (sd && send_b) {
+        if (!(w->priv[0] = malloc(send_b)))
+            goto nomem;
+        memcpy(w->priv[0], sd, send_b);
+    }
+    if (rd && recv_b) {
+        if (rd == sd && w->priv[0] && recv_b <= send_b) {
+            w->priv[1] = w->priv[0];
+        } else {
+            if (!(w->priv[1] = malloc(recv_b)))
+                goto nomem;
+            if (recv_in)
+                memcpy(w->priv[1], rd, recv_b);
+        }
+        w->out_bytes = recv_b;
+        w->out_dtype = dtype;
+        w->out_obj = recv;
+        Py_INCREF(recv);
+    }
+    return 0;
+nomem:
+    PyErr_Format(PyExc_MemoryError,
+                 "collective_start: cannot allocate %zu bytes for a copy of "
+                 "the tensors of a queued collective",
+                 send_b + recv_b);
+    return -1;
+}
+
+/* collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None, tag=0,
+ * own=False) -> Work: one collective (pshard_op_t numbers) queued behind what was issued
+ * before (torch's async_op=True). send / recv: contiguous CPU tensors of dtype holding at least
+ * what this rank's role uses (None where it uses nothing); both are held until the work is
+ * waited. own: the collective runs on private copies, so the caller may resize or free the
+ * tensors meanwhile (as it may with torch's Works): send is copied now, recv written when the
+ * work finishes, and only if it still has the memory it had (else wait() raises). Without own
+ * the caller must keep both tensors' memory as it is until then (a blocking call). */
 PyObject *Client_collective_start(ClientObject *self, PyObject *args)
 {
     int op, reduce = 0, root = 0;
     PyObject *send, *recv, *dt, *gobj = Py_None;
     unsigned long long count;
     unsigned int tag = 0;
-    if (!PyArg_ParseTuple(args, "iOOKO|iiOI", &op, &send, &recv, &count, &dt, &reduce, &root, &gobj,
-                          &tag))
+    int own = 0;
+    if (!PyArg_ParseTuple(args, "iOOKO|iiOIp", &op, &send, &recv, &count, &dt, &reduce, &root,
+                          &gobj, &tag, &own))
         return NULL;
     pshard_dtype_t dtype;
     const pshard_group_t *g = NULL;
@@ -143,7 +185,17 @@ PyObject *Client_collective_start(ClientObject *self, PyObject *args)
                                   .reduce = (pshard_reduce_t)reduce,
                                   .root = root,
                                   .tag = tag};
-    if (op == PSHARD_OP_BROADCAST && !a.send)
+    bool recv_in = op == PSHARD_OP_BROADCAST && !a.send;
+    if (own) {
+        size_t es = pshard_dtype_size(dtype);
+        if (own_copies(w, recv, dtype, need[0] * es, need[1] * es, recv_in && root_me) != 0) {
+            Py_DECREF(w);
+            return NULL;
+        }
+        a.send = w->priv[0];
+        a.recv = w->priv[1];
+    }
+    if (recv_in)
         a.send = a.recv;
     pshard_status_t st;
     pshard_work_t *work = NULL;

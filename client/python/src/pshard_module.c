@@ -663,6 +663,9 @@ static void work_init(WorkObject *w, ClientObject *owner)
     w->error[0] = '\0';
     memset(w->dl, 0, sizeof(w->dl));
     w->group = NULL;
+    w->priv[0] = w->priv[1] = NULL;
+    w->out_bytes = 0;
+    w->out_obj = NULL;
 }
 
 WorkObject *pshard_py_work_new(ClientObject *owner)
@@ -732,6 +735,39 @@ static PyObject *Client_reduce_scatter_start(ClientObject *self, PyObject *a)
     return ids_start(self, a, pshard_reduce_scatter_start);
 }
 
+/* A collective on private copies (collective_start's own), finished: its result written into
+ * the recv tensor if that still has the memory it had at the start; else the work fails
+ * saying so. The copies are freed. */
+static void work_own_finish(WorkObject *w)
+{
+    if (w->out_obj && w->status == PSHARD_OK) {
+        PyObject *et, *ev, *tb; /* a dealloc may come while an exception propagates */
+        PyErr_Fetch(&et, &ev, &tb);
+        dl_in_t now;
+        bool same = pshard_py_dl_acquire(w->out_obj, w->out_dtype, "the recv tensor", &now) == 0 &&
+                    now.data == w->dl[1].data && now.numel == w->dl[1].numel;
+        pshard_py_dl_release(&now);
+        PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+        if (same) {
+            memcpy(w->dl[1].data, w->priv[1], w->out_bytes);
+        } else {
+            w->status = PSHARD_ERR_FAILED_PRECONDITION;
+            PyOS_snprintf(w->error, sizeof(w->error),
+                          "the output tensor of an asynchronous collective was resized, freed "
+                          "or given other memory before the collective finished, so its result "
+                          "(%zu bytes) was not written: keep the tensor as it is until wait() "
+                          "on the Work returns",
+                          w->out_bytes);
+        }
+    }
+    if (w->priv[1] != w->priv[0])
+        free(w->priv[1]);
+    free(w->priv[0]);
+    w->priv[0] = w->priv[1] = NULL;
+    Py_CLEAR(w->out_obj);
+}
+
 /* Waits for the work (GIL released) and keeps its outcome; idempotent. */
 static void work_finish(WorkObject *w)
 {
@@ -748,6 +784,7 @@ static void work_finish(WorkObject *w)
         if (--owner->pending == 0 && owner->exports == 0 && owner->closing)
             client_really_close(owner);
     }
+    work_own_finish(w);
     pshard_py_dl_release(&w->dl[0]);
     pshard_py_dl_release(&w->dl[1]);
     Py_CLEAR(w->group);
@@ -768,7 +805,12 @@ static PyObject *Work_is_completed(WorkObject *w, PyObject *unused)
 
 static void Work_dealloc(WorkObject *w)
 {
-    work_finish(w); /* a handle is freed only by waiting for it */
+    /* A handle is freed only by waiting for it; an error nobody will wait for is told. */
+    bool unwaited = w->w || w->out_obj;
+    work_finish(w);
+    if (unwaited && w->status != PSHARD_OK)
+        PySys_FormatStderr("pshard: an operation dropped without wait() failed: %s\n",
+                           w->error[0] ? w->error : pshard_status_name(w->status));
     Py_DECREF(w->owner);
     PyObject_Free(w);
 }
@@ -953,8 +995,9 @@ static PyMethodDef Client_methods[] = {
     {"all_gather", (PyCFunction)Client_all_gather, METH_VARARGS,
      "all_gather(output, input, dtype, group=None)"},
     {"collective_start", (PyCFunction)Client_collective_start, METH_VARARGS,
-     "collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None, tag=0) -> "
-     "Work"},
+     "collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None, tag=0, "
+     "own=False) "
+     "-> Work (own: on private copies of the tensors)"},
     {"reduce_scatter_tensor", (PyCFunction)Client_reduce_scatter_tensor, METH_VARARGS,
      "reduce_scatter_tensor(output, input, dtype, op, group=None)"},
     {"p2p", (PyCFunction)Client_p2p, METH_VARARGS,

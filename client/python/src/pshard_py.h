@@ -93,6 +93,14 @@ typedef struct {
     /* An asynchronous collective's tensors and group, held until it finished. */
     dl_in_t dl[2];
     PyObject *group;
+    /* A queued collective runs on private copies of its tensors (collective_start's own):
+     * priv[0] holds what it sends, copied at the start; priv[1] what it receives (priv[0]
+     * again when both were one tensor), copied into out_bytes of the recv tensor out_obj when
+     * the work finishes, if that tensor still has the memory it had at the start. */
+    void *priv[2];
+    size_t out_bytes;
+    PyObject *out_obj;
+    pshard_dtype_t out_dtype;
 } WorkObject;
 
 /* Adds pshard._C.Store (pshard_store.c) to the module; -1 with an exception on failure. */
