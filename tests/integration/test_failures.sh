@@ -57,7 +57,11 @@ wait_progressing() {
   done
 }
 
-steps_printed() { [ "$(grep -c '^step' "$1" 2>/dev/null || true)" -ge "$2" ]; }
+steps_printed() {
+  local n
+  n=$(grep -c '^step' "$1" 2>/dev/null || true)
+  [ "${n:-0}" -ge "$2" ]
+}
 gone() { ! kill -0 "$1" 2>/dev/null; }
 
 # start_coordinator [PORT]: on PORT or a free one; sets caddr and cpid.
@@ -201,7 +205,11 @@ fi
 
 if want coordinator-restart; then
 echo "== coordinator restart (kill -9, then again on the same port)"
-steps=2000
+# This case measures no failure time: a longer lease keeps a loaded machine's late heartbeat
+# from evicting a trainer, while the outage still outlasts the lease.
+LEASE_MS=4000
+HB_MS=1000
+steps=4000
 start_cluster 2 "$steps"
 port=$(cat "$cw/coord.port")
 kill -9 "$cpid"
