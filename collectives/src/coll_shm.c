@@ -246,6 +246,10 @@ pshard_status_t coll_shm_fetch_buf(coll_shm_t *s, int q, uint64_t addr, uint32_t
         out->base = addr;
         return PSHARD_OK;
     }
+    if (npieces > PSHARD_COLL_MAX_SEGS)
+        return ps_errf(err, errlen, PSHARD_ERR_DESYNC,
+                       "rank %d's buffer has %u pieces (at most %d)", q, npieces,
+                       PSHARD_COLL_MAX_SEGS);
     out->pieces = malloc((size_t)npieces * sizeof(coll_piece_t));
     out->ends = malloc((size_t)npieces * sizeof(uint64_t));
     if (!out->pieces || !out->ends) {

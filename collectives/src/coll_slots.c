@@ -24,6 +24,7 @@
 #include "pshard/util.h"
 
 #define SLOTS_MAGIC 0x3173746f6c737370ull /* "psslots1" */
+#define SLOTS_SEALS (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
 #define HDR_BYTES 4096u
 #define ABORT_MSG 512
 /* Elements a reduction sums at a time (its partial sums stay in the core's cache). */
@@ -232,8 +233,11 @@ coll_slots_t *coll_slots_create(int n, const uint8_t nonce[16], int *fd, char *w
     s->slot_bytes = slot_bytes;
     s->block = block_bytes(slot_bytes);
     s->size = segment_bytes(n, slot_bytes);
-    s->fd = memfd_create("pshard-coll-slots", MFD_CLOEXEC);
-    if (s->fd < 0 || ftruncate(s->fd, (off_t)s->size) != 0) {
+    /* Sealed at its size: another process that opens it cannot shrink it under the ranks'
+     * mappings (a SIGBUS in every rank's server). */
+    s->fd = memfd_create("pshard-coll-slots", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (s->fd < 0 || ftruncate(s->fd, (off_t)s->size) != 0 ||
+        fcntl(s->fd, F_ADD_SEALS, SLOTS_SEALS) != 0) {
         snprintf(why, whylen, "cannot make the slots' memory: %s", strerror(errno));
         slots_free(s);
         return NULL;
@@ -272,6 +276,13 @@ coll_slots_t *coll_slots_attach(int n, int rank, pid_t pid0, int fd0, const uint
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < (off_t)segment_bytes(n, 256) ||
         (uint64_t)st.st_size > most) {
         snprintf(why, whylen, "%s is not rank 0's slots (size %lld)", path, (long long)st.st_size);
+        close(fd);
+        return NULL;
+    }
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || (seals & SLOTS_SEALS) != SLOTS_SEALS) {
+        snprintf(why, whylen, "%s is not sealed at its size (seals %#x): not rank 0's slots", path,
+                 seals < 0 ? 0 : seals);
         close(fd);
         return NULL;
     }
@@ -475,16 +486,22 @@ bool coll_slots_aborted(coll_slots_t *s, pshard_status_t *status, char *msg, siz
         snprintf(msg, msglen, "another rank failed the communicator");
         return true;
     }
+    /* Written by another process: read like input from the wire. */
     pshard_status_t st = (pshard_status_t)h->abort_status;
     *status = st >= 0 || st < PSHARD_ERR_CANCELLED ? PSHARD_ERR_ABORTED : st;
-    char text[ABORT_MSG];
-    memcpy(text, h->abort_msg, sizeof(text));
-    text[sizeof(text) - 1] = '\0';
+    char raw[ABORT_MSG], text[ABORT_MSG];
+    memcpy(raw, h->abort_msg, sizeof(raw));
+    ps_copy_printable(text, sizeof(text), raw, strnlen(raw, sizeof(raw)));
     uint32_t origin = h->abort_origin;
     if (origin == (uint32_t)s->rank)
         snprintf(msg, msglen, "%s", text);
-    else
+    else if (origin < (uint32_t)s->n)
         snprintf(msg, msglen, "%s (reported by rank %u)", text, origin);
+    else
+        snprintf(msg, msglen,
+                 "%s (an abort record naming rank %u of a %d-rank communicator: "
+                 "another process wrote the slots' memory)",
+                 text, origin, s->n);
     return true;
 }
 

@@ -111,16 +111,6 @@ static bool is_printable(uint8_t c)
     return c >= 0x20 && c <= 0x7e;
 }
 
-/* Copies n wire bytes into dst (capacity cap >= 1), replacing anything that is not printable
- * ASCII by '?' and truncating to cap - 1; always NUL-terminates. */
-static void copy_sanitised(char *dst, size_t cap, const uint8_t *src, size_t n)
-{
-    size_t k = n < cap - 1 ? n : cap - 1;
-    for (size_t i = 0; i < k; i++)
-        dst[i] = is_printable(src[i]) ? (char)src[i] : '?';
-    dst[k] = '\0';
-}
-
 static const char *frame_type_name(unsigned type)
 {
     switch (type) {
@@ -308,7 +298,7 @@ pshard_status_t coll_reject_decode(const uint8_t *in, size_t len, char *reason, 
     if (len != 2 + n)
         return bad_size(err, errlen, "REJECT", len, 2 + n);
     if (reason && reason_len > 0)
-        copy_sanitised(reason, reason_len, in + 2, n);
+        ps_copy_printable(reason, reason_len, in + 2, n);
     return PSHARD_OK;
 }
 
@@ -454,7 +444,7 @@ pshard_status_t coll_abort_decode(const uint8_t *in, size_t len, coll_abort_t *m
                        "ABORT carries status %d, expected an error (< 0)", (int)status);
     m->origin_rank = get_u32(in);
     m->status = status;
-    copy_sanitised(m->message, sizeof m->message, in + ABORT_HEAD_SIZE, n);
+    ps_copy_printable(m->message, sizeof m->message, in + ABORT_HEAD_SIZE, n);
     return PSHARD_OK;
 }
 

@@ -67,6 +67,15 @@ int ps_strlcpy(char *dst, const char *src, size_t len)
     return 0;
 }
 
+void ps_copy_printable(char *dst, size_t cap, const void *src, size_t n)
+{
+    const unsigned char *b = src;
+    size_t k = n < cap - 1 ? n : cap - 1;
+    for (size_t i = 0; i < k; i++)
+        dst[i] = b[i] >= 0x20 && b[i] <= 0x7e ? (char)b[i] : '?';
+    dst[k] = '\0';
+}
+
 int ps_parse_i64(const char *text, int64_t min, int64_t max, int64_t *out)
 {
     if (!text || !*text || isspace((unsigned char)*text))

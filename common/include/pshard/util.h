@@ -32,6 +32,11 @@ int ps_snprintf(char *buf, size_t len, const char *fmt, ...) __attribute__((form
 /* Copies src into dst (capacity len) and always NUL-terminates; returns -1 on truncation. */
 int ps_strlcpy(char *dst, const char *src, size_t len);
 
+/* Copies n bytes of src (text from the wire or another process) into dst (capacity cap >= 1),
+ * each byte that is not printable ASCII (a NUL too) replaced by '?', truncated to cap - 1;
+ * always NUL-terminates. */
+void ps_copy_printable(char *dst, size_t cap, const void *src, size_t n);
+
 /* Parses a whole string as a base-10 integer within [min, max]; returns 0 or -1. */
 int ps_parse_i64(const char *text, int64_t min, int64_t max, int64_t *out);
 

@@ -4,13 +4,16 @@
  * does not read back, a process that is gone); reads of the child's memory, of memory it does
  * not have, and after it exited; reductions over a peer's buffer given in pieces; and buffers
  * in pieces addressed by logical offset; the slots' segment (coll_slots.h): what opening it
- * refuses (another segment, another size of ring, a file that is not one, a closed fd), what
- * PSHARD_SHM_SLOT_BYTES turns off or refuses, and the failure record every rank reads. */
+ * refuses (another segment, another size of ring, a file that is not one, one not sealed, a
+ * closed fd), that nobody can resize it, what PSHARD_SHM_SLOT_BYTES turns off or refuses, and
+ * the failure record every rank reads (a forged one too). */
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -279,11 +282,53 @@ static void test_slots_segment(void)
     close(fifo_fd);
     unlink(fifo);
 
-    /* A failure recorded on one rank is read on the others, naming who reported it; the first
-     * one stays. */
+    /* Sealed at its size: another process that opens it can neither shrink it under the
+     * ranks' mappings (a SIGBUS in each) nor grow it; the mappings stay good. */
+    struct stat st0;
+    CU_ASSERT_FATAL(fstat(fd, &st0) == 0);
+    CU_ASSERT_EQUAL(ftruncate(fd, 4096), -1);
+    CU_ASSERT_EQUAL(errno, EPERM);
+    CU_ASSERT_EQUAL(ftruncate(fd, st0.st_size * 2), -1);
     pshard_status_t st = PSHARD_OK;
     char msg[PSHARD_ERRLEN] = "";
     CU_ASSERT_FALSE(coll_slots_aborted(peer, &st, msg, sizeof msg));
+    /* A copy of the segment that is not sealed is refused: someone could shrink it. */
+    int copy = memfd_create("not-sealed", MFD_CLOEXEC);
+    CU_ASSERT_FATAL(copy >= 0 && ftruncate(copy, st0.st_size) == 0);
+    void *src = mmap(NULL, (size_t)st0.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    CU_ASSERT_FATAL(src != MAP_FAILED);
+    CU_ASSERT_EQUAL(pwrite(copy, src, (size_t)st0.st_size, 0), st0.st_size);
+    munmap(src, (size_t)st0.st_size);
+    why[0] = '\0';
+    CU_ASSERT_PTR_NULL(coll_slots_attach(3, 2, getpid(), copy, nonce, why, sizeof why));
+    CU_ASSERT_PTR_NOT_NULL(strstr(why, "is not sealed"));
+
+    /* An abort record forged by another process with write access (its layout: state at 32,
+     * status at 36, origin at 40, message at 44): read like input from the wire, the control
+     * bytes replaced and a rank the ring does not have called so. */
+    coll_slots_t *forged = coll_slots_create(2, nonce, &fd, why, sizeof why);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(forged);
+    uint8_t *h = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    CU_ASSERT_FATAL(h != MAP_FAILED);
+    const char evil[] = "rank 1 failed\x1b[2J\r\nERROR: everything is fine";
+    memcpy(h + 44, evil, sizeof evil);
+    uint32_t origin = 7, state = 2;
+    int32_t status = (int32_t)PSHARD_ERR_PEER_LOST;
+    memcpy(h + 40, &origin, 4);
+    memcpy(h + 36, &status, 4);
+    memcpy(h + 32, &state, 4);
+    CU_ASSERT_TRUE(coll_slots_aborted(forged, &st, msg, sizeof msg));
+    CU_ASSERT_EQUAL(st, PSHARD_ERR_PEER_LOST);
+    for (const char *c = msg; *c; c++)
+        CU_ASSERT(*c >= 0x20 && *c <= 0x7e);
+    CU_ASSERT_PTR_NOT_NULL(strstr(msg, "rank 1 failed?[2J??ERROR"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(msg, "naming rank 7 of a 2-rank communicator"));
+    munmap(h, 4096);
+    coll_slots_destroy(forged);
+    close(copy);
+
+    /* A failure recorded on one rank is read on the others, naming who reported it; the first
+     * one stays. */
     coll_slots_abort(made, PSHARD_ERR_DESYNC, "desync: rank 0 ran this but rank 1 ran that");
     coll_slots_abort(peer, PSHARD_ERR_TIMEOUT, "a later failure");
     CU_ASSERT_TRUE(coll_slots_aborted(peer, &st, msg, sizeof msg));
