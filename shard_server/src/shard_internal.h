@@ -23,6 +23,7 @@ typedef struct {
     size_t bytes;
     bool pinned;    /* page-locked for the GPU's copies (--backend nccl) */
     int pin_device; /* the CUDA device current while pinning */
+    int guard;      /* a shared mapping's ps_shm_guard id + 1 (0: none) */
     char name[SHM_NAME_MAX + 2];
 } shm_map_t;
 
@@ -342,6 +343,13 @@ bool shard_on_gpu(const pshard_shard_server_t *s);
 /* --backend nccl: page-locks a trainer region so the collectives' copies between it and the
  * GPU run by DMA; a failure only costs speed and is logged. No-op for tcp. */
 void shard_pin_region(pshard_shard_server_t *s, shm_map_t *m);
+
+/* PSHARD_OK, or FAILED_PRECONDITION naming the first shared memory of this server's trainer
+ * (its regions; with model_too the model's own object) that another process shrank while it
+ * was mapped: what the server wrote there or read from there since is not what the trainer
+ * sees. Sticky until the memory is unmapped (a new Attach, a new model). */
+pshard_status_t shard_shm_check(const pshard_shard_server_t *s, bool model_too, char *err,
+                                size_t errlen);
 
 /* True when [offset, offset + len) lies inside m and offset is a multiple of align (0: any). */
 bool shard_in_region(const shm_map_t *m, uint64_t offset, uint64_t len, size_t align);

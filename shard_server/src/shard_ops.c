@@ -99,6 +99,8 @@ pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err
     }
     if (!op->no_session)
         rc = shard_session_check(s, op->session, err, errlen);
+    if (rc == PSHARD_OK && !op->no_session)
+        rc = shard_shm_check(s, !op->new_model, err, errlen);
     if (rc == PSHARD_OK && op->needs_model && !s->model)
         rc = ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION, "%s", op->needs_model);
     shard_bufs_t *bufs = &s->bufs;
@@ -148,6 +150,10 @@ pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err
         if (rc == PSHARD_OK)
             rc = op->run(s, comm, op, err, errlen);
     }
+    /* Another process may have shrunk the memory the operation used: then it did not do what
+     * it says, whatever it returned. */
+    if (rc == PSHARD_OK && !op->no_session)
+        rc = shard_shm_check(s, true, err, errlen);
     if (op->opk >= 0)
         shard_stats_record(s, (shard_opk_t)op->opk, start_ns, op->bytes, rc == PSHARD_OK);
     pthread_mutex_unlock(&s->op_mu);

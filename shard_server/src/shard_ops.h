@@ -29,6 +29,8 @@ struct shard_op {
     int peer;                /* with p2p: the world rank of a send's or recv's peer; the
                                 operation runs on their pair's communicator */
     bool p2p;
+    bool new_model;       /* DefineModel: replaces the model, so a lost copy of the old one
+                             does not refuse it */
     int opk;              /* shard_opk_t for the statistics, or -1 for none */
     uint64_t bytes;       /* moved bytes, for the statistics (check may set it) */
     shard_op_fn check;    /* before agreeing: this rank's own refusals, which every rank

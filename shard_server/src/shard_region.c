@@ -12,6 +12,7 @@
 
 #include "pshard/collectives.h"
 #include "pshard/log.h"
+#include "pshard/shm_guard.h"
 #include "pshard/shard.pb-c.h"
 #include "pshard/util.h"
 #include "shard_internal.h"
@@ -57,6 +58,7 @@ pshard_status_t shard_map_shm(const char *name, uint64_t bytes, shm_map_t *out, 
         return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot map %s: %s", name, strerror(errno));
     out->base = p;
     out->bytes = (size_t)bytes;
+    out->guard = ps_shm_guard_add(p, (size_t)bytes) + 1;
     ps_strlcpy(out->name, name, sizeof(out->name));
     return PSHARD_OK;
 }
@@ -79,11 +81,42 @@ pshard_status_t shard_alloc_private(uint64_t bytes, shm_map_t *out, char *err, s
 
 void shard_unmap(shm_map_t *m)
 {
+    ps_shm_guard_remove(m->guard - 1);
     if (m->pinned)
         pshard_host_unpin(m->pin_device, m->base);
     if (m->base)
         munmap(m->base, m->bytes);
     memset(m, 0, sizeof(*m));
+}
+
+/* True when m is mapped and another process shrank it under the mapping. */
+static bool shrunk(const shm_map_t *m)
+{
+    return m->base && ps_shm_guard_lost(m->guard - 1);
+}
+
+pshard_status_t shard_shm_check(const pshard_shard_server_t *s, bool model_too, char *err,
+                                size_t errlen)
+{
+    const char *what = NULL, *name = "", *then = "the trainer must attach again";
+    if (shrunk(&s->model_shm)) {
+        what = "the trainer's model region";
+        name = s->model_shm.name;
+    } else if (shrunk(&s->scratch)) {
+        what = "the trainer's scratch region";
+        name = s->scratch.name;
+    } else if (model_too && s->model && s->model->shm.base &&
+               ps_shm_guard_lost(s->model->shm.guard - 1)) {
+        what = "the shard server's own copy of its shard";
+        name = s->model->shm.name;
+        then = "the model must be defined again, from a checkpoint";
+    }
+    if (!what)
+        return PSHARD_OK;
+    return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                   "%s (shared memory %s) was shrunk by another process while this server had it "
+                   "mapped: its contents are lost and nothing more runs on it (%s)",
+                   what, name, then);
 }
 
 /* True when this server's collectives run on the GPU (host buffers staged by the backend). */

@@ -186,7 +186,8 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
 {
     const Pshard__DefineModelRequest *req = (const Pshard__DefineModelRequest *)request;
     shard_define_arg_t a = {.req = req, .resumed_from = ""};
-    shard_op_t op = {.session = req->session, .opk = -1, .run = shard_define_run, .arg = &a};
+    shard_op_t op = {
+        .session = req->session, .new_model = true, .opk = -1, .run = shard_define_run, .arg = &a};
     char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
     Pshard__DefineModelResponse out = PSHARD__DEFINE_MODEL_RESPONSE__INIT;

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "pshard/log.h"
+#include "pshard/shm_guard.h"
 #include "pshard/shm_names.h"
 #include "pshard/util.h"
 
@@ -54,6 +55,7 @@ pshard_status_t shard_shm_create(size_t bytes, size_t huge_from, shard_shm_t *ou
     ps_strlcpy(out->name, name, sizeof(out->name));
     out->base = p;
     out->bytes = bytes;
+    out->guard = ps_shm_guard_add(p, bytes) + 1;
     return PSHARD_OK;
 fail:
     close(fd);
@@ -63,6 +65,7 @@ fail:
 
 void shard_shm_destroy(shard_shm_t *shm)
 {
+    ps_shm_guard_remove(shm->guard - 1);
     if (shm->base)
         munmap(shm->base, shm->bytes);
     if (shm->name[0] && shm_unlink(shm->name) != 0 && errno != ENOENT)

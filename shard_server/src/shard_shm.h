@@ -14,6 +14,7 @@ typedef struct {
     char name[64]; /* "" when there is none */
     void *base;    /* MAP_SHARED mapping of the whole object */
     size_t bytes;
+    int guard; /* its ps_shm_guard id + 1 (0: none) */
 } shard_shm_t;
 
 /* Creates a new object of bytes (> 0) bytes, maps it, advises huge pages from huge_from bytes

@@ -2224,6 +2224,60 @@ static void test_region_bad(void)
     check_serving_(ch, &tr, __LINE__);
 }
 
+/* Another process of the same user shrinks shared memory the server has mapped: the trainer's
+ * model region, then the server's own copy of its shard. The server used to die of SIGBUS at
+ * its next access; now that operation fails naming the memory, so does every later one on it,
+ * and the server goes on serving the trainer once it attaches again (defines its model again). */
+static void test_shm_shrunk(void)
+{
+    CU_ASSERT_FATAL(ensure_trainer());
+    ps_rpc_channel_t *ch = one.ch[0];
+    const pshard_status_t FP = PSHARD_ERR_FAILED_PRECONDITION;
+    const uint32_t ps[2] = {0, 1};
+    const uint64_t go[2] = {OFF_GATHER_W, OFF_GATHER_B};
+    int fd = shm_open(tr.region.name, O_RDWR, 0);
+    CU_ASSERT_FATAL(fd >= 0);
+    CU_ASSERT_FATAL(ftruncate(fd, 0) == 0);
+    close(fd);
+    /* (This process must not touch its own mapping of the region from here on.) */
+    for (int k = 0; k < 2; k++) {
+        res_t r = do_tensors(ch, false, tr.session, ps, go, 2, PSHARD__DTYPE__FP32, 10000);
+        CU_ASSERT(strstr(r.err, tr.region.name) != NULL);
+        CU_ASSERT(expect_err_(&r, FP, "model region", "Gather into a shrunk region", __LINE__));
+    }
+    CU_ASSERT(health(ch, "") == 1);
+    trainer_free(&tr); /* unmaps without touching */
+    CU_ASSERT_FATAL(ensure_trainer());
+    CHECK_SERVING(ch, &tr);
+
+    /* The server's own copy of its shard (the name DefineModel gives the trainer). */
+    define_t d;
+    write_init(&tr.region);
+    define_init(&d, tr.session, &tr.region);
+    Pshard__DefineModelResponse *dr =
+        (Pshard__DefineModelResponse *)EXPECT_OK("DefineModel", do_define(ch, &d, 20000));
+    CU_ASSERT_FATAL(dr != NULL);
+    char own[64];
+    ps_strlcpy(own, dr->shard_shm_name, sizeof(own));
+    protobuf_c_message_free_unpacked(&dr->base, NULL);
+    tr.steps = 0;
+    CU_ASSERT_FATAL(own[0] == '/');
+    fd = shm_open(own, O_RDWR, 0);
+    CU_ASSERT_FATAL(fd >= 0);
+    CU_ASSERT_FATAL(ftruncate(fd, 0) == 0);
+    close(fd);
+    for (int k = 0; k < 2; k++) {
+        res_t r = do_tensors(ch, false, tr.session, ps, go, 2, PSHARD__DTYPE__FP32, 10000);
+        CU_ASSERT(strstr(r.err, own) != NULL);
+        CU_ASSERT(
+            expect_err_(&r, FP, "own copy of its shard", "Gather from a shrunk shard", __LINE__));
+    }
+    EXPECT_ERR("Step on a shrunk shard", do_step(ch, tr.session, false, 0), FP, "defined again");
+    CU_ASSERT(health(ch, "") == 1);
+    CU_ASSERT(trainer_define(ch, &tr));
+    CHECK_SERVING(ch, &tr);
+}
+
 static long status_kb(pid_t pid, const char *key)
 {
     char path[64], line[256];
@@ -2388,6 +2442,8 @@ int main(int argc, char **argv)
         {"--offload cpu/none, --offload gpu and --backend nccl refused",
          test_offload_and_backend_options},
         {"--transport tcp: two servers of one host use the sockets", test_transport_option},
+        {"shared memory shrunk by another process: the operation fails, the server lives",
+         test_shm_shrunk},
         {"a trainer killed mid-step: ReduceScatter times out naming the rank",
          test_trainer_killed_mid_step},
         {NULL, NULL},
