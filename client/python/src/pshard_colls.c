@@ -45,6 +45,55 @@ static int check_root(ClientObject *self, const pshard_group_t *g, int root, con
     return -1;
 }
 
+void *pshard_py_copy_get(ClientObject *owner, size_t bytes, size_t *cap)
+{
+    int best = -1;
+    for (int i = 0; i < PSHARD_PY_SPARES; i++) {
+        size_t have = owner->spare_bytes[i];
+        if (owner->spare[i] && have >= bytes && have / 2 <= bytes &&
+            (best < 0 || have < owner->spare_bytes[best]))
+            best = i;
+    }
+    if (best >= 0) {
+        void *p = owner->spare[best];
+        *cap = owner->spare_bytes[best];
+        owner->spare[best] = NULL;
+        owner->spare_bytes[best] = 0;
+        return p;
+    }
+    *cap = bytes;
+    return malloc(bytes ? bytes : 1);
+}
+
+void pshard_py_copy_put(ClientObject *owner, void *p, size_t cap)
+{
+    if (!p)
+        return;
+    size_t held = 0;
+    int free_slot = -1;
+    for (int i = 0; i < PSHARD_PY_SPARES; i++) {
+        held += owner->spare_bytes[i];
+        if (!owner->spare[i])
+            free_slot = i;
+    }
+    /* Small ones come from the heap quickly anyway. */
+    if (free_slot < 0 || cap < (64u << 10) || held + cap > PSHARD_PY_SPARE_MAX) {
+        free(p);
+        return;
+    }
+    owner->spare[free_slot] = p;
+    owner->spare_bytes[free_slot] = cap;
+}
+
+void pshard_py_copy_drop(ClientObject *owner)
+{
+    for (int i = 0; i < PSHARD_PY_SPARES; i++) {
+        free(owner->spare[i]);
+        owner->spare[i] = NULL;
+        owner->spare_bytes[i] = 0;
+    }
+}
+
 /* w's collective on private copies of its tensors (collective_start's own): send_b bytes of
  * the send tensor copied now, recv_b bytes of the recv tensor written back when the work
  * finishes (pshard_py_work_own_finish); recv_in: recv is also read (a root's broadcast without
@@ -54,7 +103,7 @@ static int own_copies(WorkObject *w, PyObject *recv, pshard_dtype_t dtype, size_
 {
     uint8_t *sd = w->dl[0].data, *rd = w->dl[1].data;
     if (sd && send_b) {
-        if (!(w->priv[0] = malloc(send_b)))
+        if (!(w->priv[0] = pshard_py_copy_get(w->owner, send_b, &w->priv_cap[0])))
             goto nomem;
         memcpy(w->priv[0], sd, send_b);
     }
@@ -62,7 +111,7 @@ static int own_copies(WorkObject *w, PyObject *recv, pshard_dtype_t dtype, size_
         if (rd == sd && w->priv[0] && recv_b <= send_b) {
             w->priv[1] = w->priv[0];
         } else {
-            if (!(w->priv[1] = malloc(recv_b)))
+            if (!(w->priv[1] = pshard_py_copy_get(w->owner, recv_b, &w->priv_cap[1])))
                 goto nomem;
             if (recv_in)
                 memcpy(w->priv[1], rd, recv_b);

@@ -167,6 +167,7 @@ static PyObject *Client_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 static void Client_dealloc(ClientObject *self)
 {
     client_really_close(self);
+    pshard_py_copy_drop(self);
     Py_XDECREF(self->shapes);
     pthread_mutex_destroy(&self->op_mu);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -664,6 +665,7 @@ static void work_init(WorkObject *w, ClientObject *owner)
     memset(w->dl, 0, sizeof(w->dl));
     w->group = NULL;
     w->priv[0] = w->priv[1] = NULL;
+    w->priv_cap[0] = w->priv_cap[1] = 0;
     w->out_bytes = 0;
     w->out_obj = NULL;
 }
@@ -762,8 +764,8 @@ static void work_own_finish(WorkObject *w)
         }
     }
     if (w->priv[1] != w->priv[0])
-        free(w->priv[1]);
-    free(w->priv[0]);
+        pshard_py_copy_put(w->owner, w->priv[1], w->priv_cap[1]);
+    pshard_py_copy_put(w->owner, w->priv[0], w->priv_cap[0]);
     w->priv[0] = w->priv[1] = NULL;
     Py_CLEAR(w->out_obj);
 }
