@@ -245,6 +245,15 @@ int mlp_dist_train(const mlp_dist_args_t *da)
         }
         if (st != PSHARD_OK)
             goto pshard_error;
+        if (!isfinite(loss)) {
+            /* Every rank has the same mean, so all stop here: nothing goes on training (and
+             * exits 0) on weights that are no longer numbers. */
+            fprintf(stderr,
+                    "pshard-mlp: rank %d: the mean loss is %g at step %lld: training diverged "
+                    "(is --lr too high?) or its data was corrupted; stopping\n",
+                    rank, (double)loss, (long long)s + 1);
+            goto out;
+        }
         done_steps++;
         int64_t n = s + 1;
         bool print = a->print_every > 0 && (n == 1 || n % a->print_every == 0 || n == my_steps);

@@ -5,6 +5,8 @@
 # the coordinator. For each fault: every surviving trainer must fail (not hang) with an error
 # that names the lost rank, within lease + 1 s (plus 2 s of slack for a loaded machine; the
 # measured times are printed), and a coordinator restart must not disturb training at all.
+# Also: a training whose loss stops being a number (here a huge learning rate; corrupt data
+# does the same) stops every trainer with exit 1 instead of going on to exit 0.
 # usage: test_failures.sh COORDINATOR SERVER PSHARDCTL PSHARD-MLP
 set -euo pipefail
 coord_bin="$1"
@@ -75,10 +77,13 @@ start_coordinator() {
   caddr="127.0.0.1:$(cat "$cw/coord.port")"
 }
 
-# start_cluster N STEPS: coordinator, N servers, N trainers; waits until training runs.
+# start_cluster N STEPS [STEPS_SEEN [TRAINER ARGS...]]: coordinator, N servers, N trainers
+# (pshard-mlp with the extra ARGS); waits until rank 0 printed STEPS_SEEN (3) steps.
 start_cluster() {
   N="$1"
-  local steps="$2"
+  local steps="$2" seen="${3:-3}"
+  shift 2; [ $# -gt 0 ] && shift
+  local extra=("$@")
   case_no=$((case_no + 1))
   cw="$work/case$case_no" # each case's logs stay apart (kept when something fails)
   mkdir -p "$cw"
@@ -94,11 +99,11 @@ start_cluster() {
   for ((r = 0; r < N; r++)); do
     RANK=$r WORLD_SIZE=$N PSHARD_SERVER="127.0.0.1:$(cat "$cw/s$r.port")" \
       "$mlp" --steps "$steps" --widths 32,32 --input 16 --output 4 --batch 4 --print-every 1 \
-      > "$cw/t$r.out" 2> "$cw/t$r.err" &
+      ${extra[@]+"${extra[@]}"} > "$cw/t$r.out" 2> "$cw/t$r.err" &
     tpid[$r]=$!
     pids+=("${tpid[$r]}")
   done
-  wait_for 60 steps_printed "$cw/t0.out" 3
+  wait_for 60 steps_printed "$cw/t0.out" "$seen"
 }
 
 stop_cluster() {
@@ -136,7 +141,7 @@ expect_failures() {
   done
 }
 
-cases="${FAILURE_CASES:-trainer-kill server-stop server-kill coordinator-restart}"
+cases="${FAILURE_CASES:-trainer-kill server-stop server-kill diverged coordinator-restart}"
 want() { [[ " $cases " == *" $1 "* ]]; }
 
 if want trainer-kill; then
@@ -200,6 +205,21 @@ start_cluster 3 100000000
 t0=$(now_ms)
 kill -9 "${spid[1]}"
 expect_failures "$t0" "rank 1" 0 2
+stop_cluster
+fi
+
+if want diverged; then
+echo "== a loss that is no longer a number stops every trainer (exit 1), not exit 0"
+start_cluster 2 200 1 --lr 1e30
+for r in 0 1; do
+  if ! wait_for 60 gone "${tpid[$r]}"; then echo "FAIL: trainer $r still trains"; fails=$((fails + 1)); continue; fi
+  code=0; wait "${tpid[$r]}" || code=$?
+  if [ "$code" -ne 1 ] || ! grep -q "the mean loss is .* at step" "$cw/t$r.err"; then
+    echo "FAIL: trainer $r exited $code:"; cat "$cw/t$r.err"; fails=$((fails + 1))
+  else
+    echo "ok: trainer $r stopped: $(grep -m1 'the mean loss' "$cw/t$r.err" | cut -c1-160)"
+  fi
+done
 stop_cluster
 fi
 
