@@ -191,9 +191,13 @@ static inline void client_run_alone_end(pshard_client_t *c)
 pshard_status_t client_work_queue_collective(pshard_client_t *c, const pshard_collective_args_t *a,
                                              const coll_layout_t *l, pshard_work_t **out);
 
-/* Runs one plain collective laid out as l (pshard_collective's request; the caller holds the
- * worker off or is the worker): PSHARD_OK with the result copied out, or the error with its
- * message in err. */
+/* client_coll.c: torch.distributed's name of op (for messages), or NULL when op is none of
+ * them. */
+const char *client_op_name(pshard_op_t op);
+
+/* client_coll.c: runs one plain collective laid out as l (pshard_collective's request; the
+ * caller holds the worker off or is the worker): PSHARD_OK with the result copied out, or the
+ * error with its message in err. */
 pshard_status_t client_collective_exec(pshard_client_t *c, const pshard_collective_args_t *a,
                                        const coll_layout_t *l, char *err, size_t errlen);
 
@@ -202,7 +206,7 @@ static inline size_t client_align(size_t x)
     return (x + CLIENT_POOL_ALIGN - 1) / CLIENT_POOL_ALIGN * CLIENT_POOL_ALIGN;
 }
 
-/* pshard_client.c: sets the client's last error message and returns st. */
+/* client_rpc.c: sets the client's last error message and returns st. */
 pshard_status_t client_fail(pshard_client_t *c, pshard_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 

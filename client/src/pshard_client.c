@@ -2,9 +2,10 @@
  * scratch region for plain collectives and a model region holding every parameter's full
  * buffer (param_dtype) and gradient buffer (reduce_dtype). Requests go over gRPC; asynchronous
  * ones run in issue order on the client's worker thread. This file connects and closes a
- * client, and runs Join and the plain collectives (pshard_collective, on the world or a process
- * group); the model, the buffers, the work queue, the regions, the RPC wrappers, the lease and
- * the process groups each have a client_*.c of their own. */
+ * client, and runs Join and checks and issues the plain collectives (pshard_collective, on the
+ * world or a process group; their request is client_coll.c's); the model, the buffers, the work
+ * queue, the regions, the RPC wrappers, the lease and the process groups each have a client_*.c
+ * of their own. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -293,36 +294,6 @@ pshard_status_t pshard_join(pshard_client_t *c, const pshard_join_options_t *opt
 /* ---------------------------------------------------------------------------------------- */
 /* Plain collectives                                                                         */
 
-/* torch.distributed's name of op (for messages), or NULL when op is none of them. */
-static const char *op_name(pshard_op_t op)
-{
-    switch (op) {
-    case PSHARD_OP_ALL_GATHER:
-        return "all_gather";
-    case PSHARD_OP_REDUCE_SCATTER:
-        return "reduce_scatter";
-    case PSHARD_OP_ALL_REDUCE:
-        return "all_reduce";
-    case PSHARD_OP_BROADCAST:
-        return "broadcast";
-    case PSHARD_OP_BARRIER:
-        return "barrier";
-    case PSHARD_OP_REDUCE:
-        return "reduce";
-    case PSHARD_OP_GATHER:
-        return "gather";
-    case PSHARD_OP_SCATTER:
-        return "scatter";
-    case PSHARD_OP_ALL_TO_ALL:
-        return "all_to_all";
-    case PSHARD_OP_SEND:
-        return "send";
-    case PSHARD_OP_RECV:
-        return "recv";
-    }
-    return NULL;
-}
-
 /* a's layout for a rank that is group rank me of n ranks; fails (set on c) for arguments the
  * collective cannot run with. */
 static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_args_t *a,
@@ -429,55 +400,13 @@ static pshard_status_t coll_layout(pshard_client_t *c, const pshard_collective_a
     return PSHARD_OK;
 }
 
-pshard_status_t client_collective_exec(pshard_client_t *c, const pshard_collective_args_t *a,
-                                       const coll_layout_t *l, char *err, size_t errlen)
-{
-    const char *what = op_name(a->op);
-    if (l->send_bytes)
-        memcpy(c->scratch.base, l->src, l->send_bytes);
-    char why[PSHARD_ERRLEN] = "";
-    pshard_status_t rc = PSHARD_OK;
-    if (c->cfg.remote && l->send_bytes)
-        rc = client_remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, 0, l->send_bytes, 0, why,
-                                 sizeof(why));
-    if (rc == PSHARD_OK) {
-        bool barrier = a->op == PSHARD_OP_BARRIER;
-        Pshard__CollectiveRequest req = PSHARD__COLLECTIVE_REQUEST__INIT;
-        req.session = c->session;
-        req.op = (uint32_t)a->op;
-        req.dtype = client_dtype_pb(barrier ? PSHARD_FP32 : a->dtype);
-        req.reduce = barrier ? 0 : (uint32_t)a->reduce;
-        req.root = barrier ? 0 : a->root;
-        bool p2p = a->op == PSHARD_OP_SEND || a->op == PSHARD_OP_RECV;
-        if (p2p) {
-            /* the peer's world rank: the pair's communicator is not the group's */
-            req.root = a->group ? a->group->ranks[a->root] : a->root;
-            req.tag = a->tag;
-        }
-        req.count = barrier ? 0 : a->count;
-        req.send_offset = 0;
-        req.recv_offset = l->recv_off;
-        req.group = a->group && !p2p ? a->group->id : 0;
-        rc = client_call(c, "Collective", &req.base, &pshard__collective_response__descriptor, NULL,
-                         why, sizeof(why));
-    }
-    if (rc == PSHARD_OK && c->cfg.remote && l->recv_bytes)
-        rc = client_remote_read(c, PSHARD__REGION__SCRATCH, &c->scratch, l->recv_off, l->recv_bytes,
-                                why, sizeof(why));
-    if (rc != PSHARD_OK)
-        return ps_errf(err, errlen, rc, "%s: %s", what, why);
-    if (l->recv_bytes)
-        memcpy(l->dst, (uint8_t *)c->scratch.base + l->recv_off, l->recv_bytes);
-    return PSHARD_OK;
-}
-
 /* Checks a collective's arguments and lays it out (failures set on c). */
 static pshard_status_t collective_check(pshard_client_t *c, const pshard_collective_args_t *a,
                                         coll_layout_t *l)
 {
     if (!a)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "collective: no arguments");
-    const char *what = op_name(a->op);
+    const char *what = client_op_name(a->op);
     if (!what)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
                            "collective: unknown op %d (pshard_op_t)", (int)a->op);
