@@ -1,6 +1,7 @@
 /* Internals of the shard server shared by its files: the server struct, its lifecycle
  * (shard_server.c), membership side (shard_member.c: register, heartbeat, building the
- * communicator), trainer-facing service (shard_service.c) and trainer regions (shard_region.c). */
+ * communicator), trainer-facing service (shard_service.c), trainer regions (shard_region.c) and
+ * what every communicator is made with (shard_comm.c). */
 #ifndef PSHARD_SHARD_INTERNAL_H
 #define PSHARD_SHARD_INTERNAL_H
 
@@ -258,7 +259,12 @@ pshard_status_t shard_ckpt_after_step(pshard_shard_server_t *s, pshard_comm_t *c
                                       shard_model_t *m, int64_t ckpt_request, char *err,
                                       size_t errlen);
 
-/* Frees a communicator's agreement and shadowing buffers. */
+/* A communicator's pieces (shard_comm.c). shard_comm_config gives the configuration of a
+ * communicator of this server's (the world's "shard", a process group's, a pair's, an HSDP
+ * mesh's): its settings from the server's flags, this rank and world of it. shard_bufs_free
+ * frees a communicator's agreement and shadowing buffers. */
+void shard_comm_config(const pshard_shard_server_t *s, pshard_comm_config_t *cc, const char *name,
+                       int rank, int world, uint64_t generation);
 void shard_bufs_free(shard_bufs_t *b);
 
 /* Process groups (shard_groups.c). shard_pgs_clear destroys every group (op_mu held; the
@@ -298,11 +304,6 @@ pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t er
 /* Sets the attached trainer's collective timeout (session_timeout_ms, 0: the server's) on comm
  * (the world ring, or NULL) and on the model's HSDP rings. */
 void shard_apply_session_timeout(pshard_shard_server_t *s, pshard_comm_t *comm);
-
-/* The configuration of a communicator of this server's (the world's "shard", or a process
- * group's): its settings from the server's flags, this rank and world of it. */
-void shard_comm_config(const pshard_shard_server_t *s, pshard_comm_config_t *cc, const char *name,
-                       int rank, int world, uint64_t generation);
 
 /* Thread body (arg is the server): building (and, when the cluster re-forms, rebuilding) the
  * communicator. Returns once s->stop is set. */

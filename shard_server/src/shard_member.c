@@ -213,29 +213,6 @@ void shard_apply_session_timeout(pshard_shard_server_t *s, pshard_comm_t *comm)
         pshard_comm_set_timeout(s->model->replicate_comm, ms);
 }
 
-void shard_comm_config(const pshard_shard_server_t *s, pshard_comm_config_t *cc, const char *name,
-                       int rank, int world, uint64_t generation)
-{
-    *cc = (pshard_comm_config_t){
-        .rank = rank,
-        .world_size = world,
-        .backend = s->cfg.backend,
-        .name = name,
-        .coordinator = s->cfg.coordinator,
-        .job = s->cfg.job,
-        .listen_host = s->cfg.data_host ? s->cfg.data_host : "127.0.0.1",
-        .token = s->cfg.token,
-        .generation = generation,
-        .timeout_ms = s->cfg.coll_timeout_ms,
-        .connect_timeout_ms = 120000,
-        .device = s->cfg.device,
-        .host_buffers = true, /* shards and trainer regions live in host memory */
-        .cancel = &s->stop_flag,
-        .transport = s->cfg.transport,
-        .socket_ifname = s->cfg.socket_ifname,
-    };
-}
-
 void *shard_setup_main(void *arg)
 {
     pshard_shard_server_t *s = arg;

@@ -574,10 +574,3 @@ pshard_status_t shard_join_run(pshard_shard_server_t *s, pshard_comm_t *comm, sh
     res->last_rank = last_rank;
     return PSHARD_OK;
 }
-
-void shard_bufs_free(shard_bufs_t *b)
-{
-    free(b->agree_buf);
-    free(b->follow_buf);
-    *b = (shard_bufs_t){0};
-}
