@@ -680,7 +680,9 @@ static void complete(pshard_coll_req_t *req, pshard_status_t status, const char 
         if (!r->start_ns)
             r->start_ns = req->op.start_ns;
         r->end_ns = req->op.start_ns ? ps_now_ns() : r->start_ns;
-        r->waiting_on = -1;
+        /* A failure keeps the peer it was blocked on: a trace of a timeout names it. */
+        if (status == PSHARD_OK)
+            r->waiting_on = -1;
         if (status != PSHARD_OK)
             ps_strlcpy(r->error, msg ? msg : pshard_status_str(status), sizeof(r->error));
     }

@@ -44,6 +44,7 @@ typedef struct {
     int64_t max_model_memory;
     char *metrics_listen;
     char *metrics_port_file;
+    char *trace_dir;
 } server_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
@@ -124,6 +125,10 @@ static const ps_option_t options[] = {
         metrics_listen, 0, 0),
     OPT("metrics-port-file", "PSHARD_METRICS_PORT_FILE", PS_OPT_STRING, NULL,
         "write the bound metrics port to this file once serving", metrics_port_file, 0, 0),
+    OPT("trace-dir", "PSHARD_TRACE_DIR", PS_OPT_STRING, NULL,
+        "on a collective timeout or abort, write this rank's flight records as JSON to "
+        "DIR/pshard-trace-rank-R.json (read them with pshardctl trace analyze DIR)",
+        trace_dir, 0, 0),
 };
 
 int main(int argc, char **argv)
@@ -190,6 +195,7 @@ int main(int argc, char **argv)
         .resume_allow_fresh = o.resume_allow_fresh,
         .max_model_memory = o.max_model_memory,
         .metrics_listen = o.metrics_listen,
+        .trace_dir = o.trace_dir,
     };
     srv = pshard_shard_server_start(&cfg, err, sizeof(err));
     if (!srv) {

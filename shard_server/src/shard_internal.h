@@ -79,6 +79,14 @@ struct pshard_shard_server {
     int64_t lease_ms; /* the coordinator's lease, from heartbeats (mu) */
     bool formed;
     pshard_comm_t *comm; /* set once built; replaced only by the setup thread */
+    /* --trace-dir (shard_trace.c): the comm generation whose trace was written (mu), and
+     * whether a failed write was logged already. */
+    bool trace_written;
+    uint64_t trace_generation;
+    atomic_bool trace_warned;
+    /* The newest trace request seen in the coordinator's store (the lease's thread only). */
+    bool trace_request_known;
+    int64_t trace_request_seen;
     pshard_status_t fatal;
     char fatal_msg[PSHARD_ERRLEN];
 

@@ -14,6 +14,7 @@
 #include "pshard/util.h"
 #include "shard_internal.h"
 #include "shard_ops.h"
+#include "shard_trace.h"
 
 static void sleep_ms(int64_t ms)
 {
@@ -143,6 +144,9 @@ static int64_t lease_event(void *ctx, const ps_coord_lease_event_t *ev)
         pthread_mutex_unlock(&s->mu);
         poll_checkpoint_request(s);
     }
+    /* A ring that failed since the last heartbeat leaves its flight records (--trace-dir):
+     * here, on the lease's thread, the collective path never waits for the file. */
+    shard_trace_check(s, NULL);
     /* Heartbeat faster while forming. */
     return s->formed && s->comm ? every : (every < 100 ? every : 100);
 }
@@ -258,6 +262,7 @@ void *shard_setup_main(void *arg)
                                          "the cluster re-formed: this ring is replaced");
             shard_pgs_abort(s, -1, PSHARD_ERR_ABORTED,
                             "the cluster re-formed: the process groups of the old one end");
+            shard_trace_check(s, old); /* unless its failure was written already */
             shard_ops_retire_comm(s, old);
         }
         ps_log_set_rank(rank);

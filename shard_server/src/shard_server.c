@@ -142,6 +142,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     s->cfg.job = own(s, 11, cfg->job);
     s->cfg.transport = own(s, 12, transport);
     s->cfg.socket_ifname = own(s, 13, cfg->socket_ifname);
+    s->cfg.trace_dir = own(s, 14, cfg->trace_dir);
     s->max_model_bytes =
         cfg->max_model_memory > 0 ? (uint64_t)cfg->max_model_memory : machine_memory();
     if (s->cfg.checkpoint_keep <= 0)

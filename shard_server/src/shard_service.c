@@ -23,6 +23,7 @@
 #include "shard_cuda.h"
 #include "shard_internal.h"
 #include "shard_ops.h"
+#include "shard_trace.h"
 
 /* ---------------------------------------------------------------------------------------- */
 /* Helpers                                                                                   */
@@ -866,9 +867,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     else
         ps_strlcpy(placement, shard_on_gpu(s) ? "host, pinned" : "host", sizeof(placement));
     out.placement = placement;
-    char *lines[32];
-    char buf[32][256];
-    size_t nl = 0;
+    shard_flight_t flight = {.n = 0}, *fl = &flight;
     /* One hold of s->mu for the whole snapshot: the setup thread swaps s->comm under it before
      * it destroys an old ring, so the flight records are read from a live communicator. */
     pthread_mutex_lock(&s->mu);
@@ -882,40 +881,12 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.ops_ahead = s->ops_ahead;
     out.ops_diverted = s->ops_diverted;
     out.transport = comm ? (char *)pshard_comm_transport(comm) : "";
-    pshard_coll_record_t recs[32];
-    Pshard__FlightRecord fr[32], *frp[32];
-    if (comm) {
-        size_t n = pshard_comm_flight_records(comm, recs, 32);
-        int64_t now = ps_now_ns();
-        for (size_t i = 0; i < n; i++) {
-            const pshard_coll_record_t *r = &recs[i];
-            pshard_coll_record_format(comm, r, buf[nl], sizeof(buf[nl]));
-            lines[nl] = buf[nl];
-            Pshard__FlightRecord *f = &fr[nl];
-            pshard__flight_record__init(f);
-            static const char *const states[] = {"queued", "running", "done", "failed"};
-            f->rank = pshard_comm_rank(comm);
-            f->op = (char *)pshard_coll_op_name(r->op);
-            f->seq = r->seq;
-            f->state = (unsigned)r->state < 4 ? (char *)states[r->state] : "unknown";
-            f->stuck = r->state == PSHARD_COLL_RUNNING && r->waiting_on >= 0;
-            f->waiting_on = f->stuck ? r->waiting_on : -1;
-            f->seconds = r->state == PSHARD_COLL_RUNNING && r->start_ns > 0
-                             ? (double)(now - r->start_ns) / 1e9
-                         : r->state == PSHARD_COLL_DONE ? (double)(r->end_ns - r->start_ns) / 1e9
-                                                        : 0;
-            f->label = (char *)r->label;
-            f->dtype = (char *)pshard_dtype_name(r->dtype);
-            f->count = r->total_count;
-            f->error = r->state == PSHARD_COLL_FAILED ? (char *)r->error : "";
-            frp[nl] = f;
-            nl++;
-        }
-    }
-    out.n_flight_records = nl;
-    out.flight_records = lines;
-    out.n_records = nl;
-    out.records = frp;
+    if (comm)
+        shard_flight_read(comm, fl);
+    out.n_flight_records = fl->n;
+    out.flight_records = fl->lines;
+    out.n_records = fl->n;
+    out.records = fl->records;
     char *glines[32];
     char gbuf[32][320];
     size_t ng = 0;

@@ -302,7 +302,8 @@ static void test_status_joins_and_servers(void)
              "\"backend\":\"tcp\",\"placement\":\"cuda:0\",\"transport\":\"shm\",\"stuck\":[{"
              "\"rank\":0,\"op\":\"all_gather\",\"seq\":418,\"state\":\"running\",\"stuck\":true,"
              "\"waiting_on\":1,\"seconds\":5.25,\"label\":\"step 12, fc3.weight\",\"dtype\":"
-             "\"fp32\",\"count\":4096,\"error\":\"\"}],\"flight_records\":[{\"rank\":0,",
+             "\"fp32\",\"count\":4096,\"error\":\"\",\"tag\":0,\"start_time\":0.0,"
+             "\"end_time\":0.0}],\"flight_records\":[{\"rank\":0,",
              addr0);
     expect_contains(out, want);
     snprintf(

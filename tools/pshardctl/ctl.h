@@ -4,6 +4,7 @@
 #ifndef PSHARD_CTL_H
 #define PSHARD_CTL_H
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -15,7 +16,9 @@
 #include "pshard/config.h"
 #include "pshard/coord_client.h"
 #include "pshard/coordinator.pb-c.h"
+#include "pshard/flight_json.h"
 #include "pshard/rpc.h"
+#include "pshard/shard.pb-c.h"
 
 #define EXIT_OK 0
 #define EXIT_NOT_SERVING 1
@@ -68,6 +71,24 @@ void ctl_print_members(FILE *out, Pshard__Member **members, size_t n);
 json_t *ctl_json_joins(Pshard__JoinEntry **joins, size_t n);
 void ctl_print_joins(FILE *out, const Pshard__StatusResponse *st);
 
+/* One shard server asked for its own Status (with its flight records) by its own thread. */
+typedef struct {
+    const Pshard__Member *member;      /* borrowed from the coordinator's status */
+    pshard_status_t rc;                /* PSHARD_OK when resp is set */
+    char err[PSHARD_ERRLEN];           /* why it could not be asked */
+    Pshard__ShardStatusResponse *resp; /* owned; free with protobuf_c_message_free_unpacked */
+    pthread_t thread;
+    bool started;
+} ctl_server_probe_t;
+
+/* Asks every shard server in st for its Status (ctl_opts.server_timeout_ms each, the same
+ * token and TLS as the coordinator), many at once, so that hung or dead servers cost one
+ * deadline per batch, not one each. Returns a calloc'd array of *n probes (free with
+ * ctl_free_probes), or NULL with *n = 0 when there are none, server_timeout_ms is 0 or memory
+ * ran out. */
+ctl_server_probe_t *ctl_probe_servers(const Pshard__StatusResponse *st, size_t *n);
+void ctl_free_probes(ctl_server_probe_t *probes, size_t n); /* NULL: nothing */
+
 /* The commands; argv holds the words after the command's name. */
 int cmd_status(bool members_only);
 int cmd_health(int argc, char **argv);
@@ -75,6 +96,7 @@ int cmd_store(int argc, char **argv);
 int cmd_watch(int argc, char **argv);
 int cmd_register(int argc, char **argv);
 int cmd_checkpoint(int argc, char **argv);
+int cmd_trace(int argc, char **argv); /* trace dump (coordinator) and trace analyze (offline) */
 
 /* A command's own options (they win over a global option of the same name), for hoisting the
  * global ones: register's, and a checkpoint subcommand's (NULL with *n = 0 when none). */

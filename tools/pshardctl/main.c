@@ -2,7 +2,8 @@
  * status (with the Join table, and each shard server's own status and flight records, to see
  * who is stuck where), members, health, store entries and the Watch stream, can register
  * a member by hand, and handles checkpoints: list, verify and export them offline, or ask the
- * running cluster to save one. Tables for people, --json for scripts; exit 0 ok, 1 not
+ * running cluster to save one, and writes (trace dump) and reads (trace analyze) the shard
+ * servers' flight records as trace files. Tables for people, --json for scripts; exit 0 ok, 1 not
  * serving or failed (a corrupt checkpoint, a save that failed), 2 error. */
 
 #include <stddef.h>
@@ -146,6 +147,11 @@ int main(int argc, char **argv)
         rc = cmd_checkpoint(cargc, cargv);
         goto out;
     }
+    /* So is a trace directory. */
+    if (strcmp(cmd, "trace") == 0 && !(cargc > 0 && strcmp(cargv[0], "dump") == 0)) {
+        rc = cmd_trace(cargc, cargv);
+        goto out;
+    }
     if (!ctl_opts.coordinator) {
         ps_default_coordinator(default_target, sizeof(default_target));
         ctl_opts.coordinator = strdup(default_target);
@@ -189,6 +195,8 @@ int main(int argc, char **argv)
         rc = cmd_register(cargc, cargv);
     else if (strcmp(cmd, "checkpoint") == 0)
         rc = cmd_checkpoint(cargc, cargv);
+    else if (strcmp(cmd, "trace") == 0)
+        rc = cmd_trace(cargc, cargv);
     else
         rc = ctl_fail("unknown command '%s' (see --help)", cmd);
 out:

@@ -21,57 +21,14 @@ int ctl_fail(const char *fmt, ...)
     return EXIT_ERROR;
 }
 
-/* Length of the valid UTF-8 sequence at p (n bytes left), or 0: overlong forms, surrogates
- * and code points past U+10FFFF are not valid. */
-static size_t utf8_at(const unsigned char *p, size_t n)
-{
-    if (p[0] < 0x80)
-        return 1;
-    size_t len = p[0] >= 0xc2 && p[0] <= 0xdf   ? 2
-                 : p[0] >= 0xe0 && p[0] <= 0xef ? 3
-                 : p[0] >= 0xf0 && p[0] <= 0xf4 ? 4
-                                                : 0;
-    if (len == 0 || len > n)
-        return 0;
-    for (size_t i = 1; i < len; i++)
-        if ((p[i] & 0xc0) != 0x80)
-            return 0;
-    if ((p[0] == 0xe0 && p[1] < 0xa0) || (p[0] == 0xed && p[1] > 0x9f) ||
-        (p[0] == 0xf0 && p[1] < 0x90) || (p[0] == 0xf4 && p[1] > 0x8f))
-        return 0;
-    return len;
-}
-
 json_t *ctl_jstrn(const char *s, size_t len)
 {
-    json_t *v = json_stringn(s ? s : "", s ? len : 0);
-    if (v || !s)
-        return v;
-    /* Not UTF-8: JSON holds text only, so each stray byte shows as U+FFFD. */
-    char *clean = malloc(len * 3 + 1);
-    if (!clean)
-        return NULL;
-    size_t o = 0;
-    for (size_t i = 0; i < len;) {
-        size_t k = utf8_at((const unsigned char *)s + i, len - i);
-        if (k == 0) {
-            memcpy(clean + o, "\xef\xbf\xbd", 3);
-            o += 3;
-            i++;
-        } else {
-            memcpy(clean + o, s + i, k);
-            o += k;
-            i += k;
-        }
-    }
-    v = json_stringn(clean, o);
-    free(clean);
-    return v;
+    return ps_json_strn(s, len);
 }
 
 json_t *ctl_jstr(const char *s)
 {
-    return ctl_jstrn(s, s ? strlen(s) : 0);
+    return ps_json_str(s);
 }
 
 json_t *ctl_jbytes(const void *data, size_t len)
@@ -202,7 +159,17 @@ const char ctl_usage_text[] =
     "  checkpoint save [--timeout-ms T]\n"
     "                              ask the running shard servers to save a checkpoint after\n"
     "                              their next optimizer step, and wait for it (default 10 min)\n"
-    "  (DIR defaults to $PSHARD_CHECKPOINT_DIR; 'checkpoint SUBCOMMAND --help' for details)\n";
+    "  (DIR defaults to $PSHARD_CHECKPOINT_DIR; 'checkpoint SUBCOMMAND --help' for details)\n"
+    "  trace dump --dir DIR        ask every shard server for its flight records and write\n"
+    "                              DIR/pshard-trace-rank-R.json for each (exit 1 when one\n"
+    "                              could not be asked)\n"
+    "  trace analyze DIR           read the pshard-trace-rank-*.json in DIR (a dump, or what\n"
+    "                              pshard-server --trace-dir wrote on a timeout) and say which\n"
+    "                              rank never started the newest operation, which ranks ran\n"
+    "                              different descriptors at one seq, and each rank's last\n"
+    "                              operation (offline; exit 0 with the report, 2 when DIR or\n"
+    "                              a file in it cannot be read: malformed, too large, a rank\n"
+    "                              claimed twice)\n";
 
 ctl_opts_t ctl_opts;
 ps_rpc_channel_t *ctl_channel;

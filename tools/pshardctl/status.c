@@ -20,21 +20,11 @@
 
 /* ---- Shard servers' own status (hang attribution) ----------------------------------------- */
 
-/* One shard server asked for its status by its own thread. */
-typedef struct {
-    const Pshard__Member *member;      /* borrowed from the coordinator's status */
-    pshard_status_t rc;                /* PSHARD_OK when resp is set */
-    char err[PSHARD_ERRLEN];           /* why it could not be asked */
-    Pshard__ShardStatusResponse *resp; /* owned; free with protobuf_c_message_free_unpacked */
-    pthread_t thread;
-    bool started;
-} server_probe_t;
-
 /* Asks one shard server for its Status with ctl_opts.server_timeout_ms, with the same token and
  * TLS settings as the coordinator. Runs on its own thread; touches only its probe. */
 static void *probe_server_main(void *arg)
 {
-    server_probe_t *p = arg;
+    ctl_server_probe_t *p = arg;
     const Pshard__Member *m = p->member;
     if (!m->address || !*m->address) {
         p->rc = PSHARD_ERR_INVALID_ARGUMENT;
@@ -67,11 +57,8 @@ static void *probe_server_main(void *arg)
     return NULL;
 }
 
-/* Asks every shard server in st for its status, PROBE_BATCH at a time in parallel, so that
- * hung or dead servers cost one deadline per batch, not one each. Returns a calloc'd array
- * of *n probes (free with free_probes), or NULL with *n = 0 when there are none or memory
- * ran out. */
-static server_probe_t *probe_servers(const Pshard__StatusResponse *st, size_t *n)
+/* PROBE_BATCH servers are asked at a time, in parallel (ctl.h). */
+ctl_server_probe_t *ctl_probe_servers(const Pshard__StatusResponse *st, size_t *n)
 {
     *n = 0;
     size_t count = 0;
@@ -79,7 +66,7 @@ static server_probe_t *probe_servers(const Pshard__StatusResponse *st, size_t *n
         count += st->members[i]->role == PSHARD__ROLE__SHARD_SERVER;
     if (count == 0 || ctl_opts.server_timeout_ms <= 0)
         return NULL;
-    server_probe_t *probes = calloc(count, sizeof(*probes));
+    ctl_server_probe_t *probes = calloc(count, sizeof(*probes));
     if (!probes)
         return NULL;
     size_t k = 0;
@@ -102,7 +89,7 @@ static server_probe_t *probe_servers(const Pshard__StatusResponse *st, size_t *n
     return probes;
 }
 
-static void free_probes(server_probe_t *probes, size_t n)
+void ctl_free_probes(ctl_server_probe_t *probes, size_t n)
 {
     for (size_t i = 0; probes && i < n; i++)
         if (probes[i].resp)
@@ -125,12 +112,12 @@ static void server_label(const Pshard__Member *m, char *buf, size_t len)
         ps_snprintf(buf, len, "standby %s", m->name);
 }
 
-static void print_servers_table(FILE *out, const server_probe_t *probes, size_t n)
+static void print_servers_table(FILE *out, const ctl_server_probe_t *probes, size_t n)
 {
     fprintf(out, "\nshard servers (Status of each, %" PRId64 " ms deadline)\n",
             ctl_opts.server_timeout_ms);
     for (size_t i = 0; i < n; i++) {
-        const server_probe_t *p = &probes[i];
+        const ctl_server_probe_t *p = &probes[i];
         char label[300];
         server_label(p->member, label, sizeof(label));
         const char *addr = *p->member->address ? p->member->address : "no address";
@@ -188,21 +175,11 @@ static bool append(json_t *a, json_t *v)
     return json_array_append_new(a, v) == 0;
 }
 
-/* A flight record as JSON: its fields, and the sentence the table output shows. */
-static json_t *json_flight_record(const Pshard__FlightRecord *f)
-{
-    return json_pack("{s:i,s:o,s:I,s:o,s:b,s:i,s:f,s:o,s:o,s:I,s:o}", "rank", f->rank, "op",
-                     ctl_jstr(f->op), "seq", (json_int_t)f->seq, "state", ctl_jstr(f->state),
-                     "stuck", f->stuck, "waiting_on", f->waiting_on, "seconds", f->seconds, "label",
-                     ctl_jstr(f->label), "dtype", ctl_jstr(f->dtype), "count", (json_int_t)f->count,
-                     "error", ctl_jstr(f->error));
-}
-
-static json_t *json_servers(const server_probe_t *probes, size_t n)
+static json_t *json_servers(const ctl_server_probe_t *probes, size_t n)
 {
     json_t *a = json_array();
     for (size_t i = 0; a && i < n; i++) {
-        const server_probe_t *p = &probes[i];
+        const ctl_server_probe_t *p = &probes[i];
         json_t *o = json_pack("{s:i,s:o,s:o,s:b}", "rank", p->member->rank, "name",
                               ctl_jstr(p->member->name), "address", ctl_jstr(p->member->address),
                               "reachable", p->rc == PSHARD_OK);
@@ -217,8 +194,8 @@ static json_t *json_servers(const server_probe_t *probes, size_t n)
             json_t *stuck = json_array(), *records = json_array(), *groups = json_array();
             for (size_t k = 0; stuck && records && k < r->n_records; k++) {
                 const Pshard__FlightRecord *f = r->records[k];
-                if (!append(records, json_flight_record(f)) ||
-                    (f->stuck && !append(stuck, json_flight_record(f))))
+                if (!append(records, ps_flight_record_json(f)) ||
+                    (f->stuck && !append(stuck, ps_flight_record_json(f))))
                     break;
             }
             for (size_t k = 0; groups && k < r->n_groups; k++)
@@ -274,7 +251,7 @@ static json_t *json_counters(const Pshard__StatusResponse *st)
 }
 
 /* status and members. status also asks every shard server for its own status (see
- * probe_servers); a server that does not answer is reported, not an error of the command. */
+ * ctl_probe_servers); a server that does not answer is reported, not an error of the command. */
 int cmd_status(bool members_only)
 {
     Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
@@ -283,7 +260,7 @@ int cmd_status(bool members_only)
     if (rc != EXIT_OK)
         return rc;
     size_t nprobes = 0;
-    server_probe_t *probes = members_only ? NULL : probe_servers(st, &nprobes);
+    ctl_server_probe_t *probes = members_only ? NULL : ctl_probe_servers(st, &nprobes);
     if (ctl_opts.json) {
         json_t *v;
         if (members_only) {
@@ -362,7 +339,7 @@ int cmd_status(bool members_only)
     /* A degraded cluster (a rank gone, or a shard server not serving) is not healthy. */
     if (rc == EXIT_OK && !members_only && st->state == PSHARD__CLUSTER_STATE__DEGRADED)
         rc = EXIT_NOT_SERVING;
-    free_probes(probes, nprobes);
+    ctl_free_probes(probes, nprobes);
     protobuf_c_message_free_unpacked(&st->base, NULL);
     return rc;
 }

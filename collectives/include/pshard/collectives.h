@@ -261,7 +261,8 @@ typedef struct {
     uint64_t total_count; /* elements across ranks */
     pshard_coll_state_t state;
     int64_t start_ns, end_ns; /* ps_now_ns clock; end 0 while running */
-    int waiting_on;           /* rank this one is blocked on while running, else -1 */
+    int waiting_on;           /* rank this one is blocked on while running, or was blocked on
+                                 when it failed (FAILED), else -1 */
     char label[64];
     char error[160]; /* first error, for FAILED */
 } pshard_coll_record_t;

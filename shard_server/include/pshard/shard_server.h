@@ -47,6 +47,9 @@ typedef struct {
                                  warning instead of failing DefineModel */
     const char *metrics_listen; /* "HOST:PORT" for Prometheus' /metrics (port 0 picks one);
                                    NULL: no metrics listener */
+    const char *trace_dir;      /* on a collective timeout or abort, write the flight records
+                                   to DIR/pshard-trace-rank-R.json (created if missing); NULL:
+                                   no trace files */
 } pshard_shard_server_config_t;
 
 /* Starts serving trainers at once (health "pshard.ShardServer" is NOT_SERVING until the
