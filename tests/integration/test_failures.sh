@@ -23,26 +23,13 @@ fails=0
 case_no=0
 cw="$work"
 
+# shellcheck source=harness.sh
+. "$(dirname "$0")/harness.sh"
 cleanup() {
-  for p in "${pids[@]}"; do
-    kill -CONT "$p" 2>/dev/null || true
-    kill -9 "$p" 2>/dev/null || true
-  done
-  wait 2>/dev/null || true
+  stop_started
   if [ "$fails" -eq 0 ]; then rm -rf "$work"; else echo "logs kept in $work"; fi
 }
 trap cleanup EXIT
-
-now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
-
-# wait_for SECONDS CMD...: polls CMD every 20 ms until it succeeds; fails after SECONDS.
-wait_for() {
-  local end=$(( $(now_ms) + $1 * 1000 )); shift
-  until "$@"; do
-    if [ "$(now_ms)" -gt "$end" ]; then return 1; fi
-    sleep 0.02
-  done
-}
 
 # wait_progressing SECONDS LOG CMD...: polls CMD until it succeeds; fails once LOG has printed
 # no new step for SECONDS.
@@ -59,12 +46,6 @@ wait_progressing() {
   done
 }
 
-steps_printed() {
-  local n
-  n=$(grep -c '^step' "$1" 2>/dev/null || true)
-  [ "${n:-0}" -ge "$2" ]
-}
-gone() { ! kill -0 "$1" 2>/dev/null; }
 
 # start_coordinator [PORT]: on PORT or a free one; sets caddr and cpid.
 start_coordinator() {
@@ -107,11 +88,7 @@ start_cluster() {
 }
 
 stop_cluster() {
-  for p in "${pids[@]}"; do
-    kill -CONT "$p" 2>/dev/null || true
-    kill -9 "$p" 2>/dev/null || true
-  done
-  wait 2>/dev/null || true
+  stop_started
   pids=()
   rm -f "$cw"/*.port
 }

@@ -17,21 +17,14 @@ unset PSHARD_JOB PSHARD_COORDINATOR MASTER_ADDR MASTER_PORT RANK WORLD_SIZE || t
 work=$(mktemp -d)
 pids=()
 failed=0
+# shellcheck source=harness.sh
+. "$(dirname "$0")/harness.sh"
 cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  stop_started
   if [ "$failed" -eq 0 ]; then rm -rf "$work"; else echo "logs kept in $work"; fi
 }
 trap cleanup EXIT
 fail() { failed=1; echo "FAIL: $*" >&2; exit 1; }
-now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
-wait_for() {
-  local end=$(( $(now_ms) + $1 * 1000 )); shift
-  until "$@"; do
-    if [ "$(now_ms)" -gt "$end" ]; then return 1; fi
-    sleep 0.05
-  done
-}
 
 LINGER_MS=3000
 "$coord_bin" --listen 127.0.0.1:0 --port-file "$work/coord.port" --world-size 2 \

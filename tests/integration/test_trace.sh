@@ -19,31 +19,13 @@ work=$(mktemp -d)
 pids=()
 fails=0
 
+# shellcheck source=harness.sh
+. "$(dirname "$0")/harness.sh"
 cleanup() {
-  for p in "${pids[@]}"; do
-    kill -CONT "$p" 2>/dev/null || true
-    kill -9 "$p" 2>/dev/null || true
-  done
-  wait 2>/dev/null || true
+  stop_started
   if [ "$fails" -eq 0 ]; then rm -rf "$work"; else echo "logs kept in $work"; fi
 }
 trap cleanup EXIT
-
-now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
-
-# wait_for SECONDS CMD...: polls CMD every 50 ms until it succeeds; fails after SECONDS.
-wait_for() {
-  local end=$(( $(now_ms) + $1 * 1000 )); shift
-  until "$@"; do
-    if [ "$(now_ms)" -gt "$end" ]; then return 1; fi
-    sleep 0.05
-  done
-}
-steps_printed() {
-  local n
-  n=$(grep -c '^step' "$1" 2>/dev/null || true)
-  [ "${n:-0}" -ge "$2" ]
-}
 fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 
 "$coord_bin" --listen 127.0.0.1:0 --port-file "$work/coord.port" --world-size "$N" \
