@@ -82,6 +82,21 @@ def train(tmp_path):
     return run
 
 
+def stop_procs(procs):
+    """Stops what a test started: SIGTERM first, so that a shard server removes its shared memory
+    (one killed with -9 leaves it in /dev/shm until the next server starts), then SIGKILL what
+    has not exited within 20 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 class Cluster:
     """A coordinator and N shard servers started by hand (not by pshardrun, which stops every
     trainer when one dies), on ephemeral loopback ports; trainers are started with
@@ -143,11 +158,7 @@ class Cluster:
                     OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
 
     def stop(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            p.wait()
+        stop_procs(self.procs)
 
 
 @pytest.fixture

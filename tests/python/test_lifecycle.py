@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import run_trainers
+from conftest import run_trainers, stop_procs
 
 
 def server_logs(c):
@@ -151,9 +151,7 @@ def test_full_store_fails_the_job_at_once(tmp_path):
         assert "raised" in p.stdout and "store is full" in p.stdout, p.stdout
         assert took < 120, took  # long before the 300 s connect timeout
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        stop_procs(procs)
 
 
 def test_killed_trainers_leave_nothing_in_dev_shm(tmp_path):
@@ -243,7 +241,4 @@ def test_killed_trainers_leave_nothing_in_dev_shm(tmp_path):
         nxt.send_signal(signal.SIGKILL)
         nxt.wait()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        stop_procs(procs)
