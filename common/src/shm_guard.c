@@ -47,8 +47,11 @@ static void on_sigbus(int sig, siginfo_t *si, void *ctx)
     } else if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
         previous.sa_handler(sig);
     } else {
-        /* The default action: dies on the same access once this returns. */
+        /* The default action: a fault dies on the same access once this returns; a SIGBUS
+         * another process sent is sent again, to be delivered when this returns. */
         signal(SIGBUS, SIG_DFL);
+        if (si->si_code <= 0)
+            raise(SIGBUS);
     }
 }
 
