@@ -76,8 +76,8 @@ void pshard_py_copy_put(ClientObject *owner, void *p, size_t cap)
         if (!owner->spare[i])
             free_slot = i;
     }
-    /* Small ones come from the heap quickly anyway. */
-    if (free_slot < 0 || cap < (64u << 10) || held + cap > PSHARD_PY_SPARE_MAX) {
+    /* Small ones come from the heap quickly anyway; a closed client needs none. */
+    if (!owner->c || free_slot < 0 || cap < (64u << 10) || held + cap > PSHARD_PY_SPARE_MAX) {
         free(p);
         return;
     }

@@ -97,6 +97,7 @@ static void client_really_close(ClientObject *self)
         Py_BEGIN_ALLOW_THREADS pshard_close(c);
         Py_END_ALLOW_THREADS
     }
+    pshard_py_copy_drop(self);
 }
 
 static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
@@ -167,7 +168,6 @@ static PyObject *Client_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 static void Client_dealloc(ClientObject *self)
 {
     client_really_close(self);
-    pshard_py_copy_drop(self);
     Py_XDECREF(self->shapes);
     pthread_mutex_destroy(&self->op_mu);
     Py_TYPE(self)->tp_free((PyObject *)self);
