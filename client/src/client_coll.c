@@ -1,7 +1,8 @@
 /* libpshard's plain collective as one request to its shard server: the send bytes copied into
- * the scratch region, the Collective call, the result copied out. pshard_collective
- * (pshard_client.c) runs it on the caller, the worker thread (client_work.c) for
- * pshard_collective_start, so it sits below both. */
+ * its place in the scratch region (client_stage.c), the Collective call, the result copied
+ * out (a staged collective's are copied in when it is issued and out when the caller takes
+ * them). pshard_collective (pshard_client.c) runs it on the caller, the worker thread
+ * (client_work.c) for pshard_collective_start, so it sits below both. */
 #include <string.h>
 
 #include "pshard/util.h"
@@ -39,16 +40,18 @@ const char *client_op_name(pshard_op_t op)
 }
 
 pshard_status_t client_collective_exec(pshard_client_t *c, const pshard_collective_args_t *a,
-                                       const coll_layout_t *l, char *err, size_t errlen)
+                                       const coll_layout_t *l, size_t base, bool copy, char *err,
+                                       size_t errlen)
 {
     const char *what = client_op_name(a->op);
-    if (l->send_bytes)
-        memcpy(c->scratch.base, l->src, l->send_bytes);
+    uint8_t *at = (uint8_t *)c->scratch.base + base;
+    if (copy && l->send_bytes)
+        memcpy(at, l->src, l->send_bytes);
     char why[PSHARD_ERRLEN] = "";
     pshard_status_t rc = PSHARD_OK;
     if (c->cfg.remote && l->send_bytes)
-        rc = client_remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, 0, l->send_bytes, 0, why,
-                                 sizeof(why));
+        rc = client_remote_write(c, PSHARD__REGION__SCRATCH, &c->scratch, base, l->send_bytes, 0,
+                                 why, sizeof(why));
     if (rc == PSHARD_OK) {
         bool barrier = a->op == PSHARD_OP_BARRIER;
         Pshard__CollectiveRequest req = PSHARD__COLLECTIVE_REQUEST__INIT;
@@ -64,18 +67,18 @@ pshard_status_t client_collective_exec(pshard_client_t *c, const pshard_collecti
             req.tag = a->tag;
         }
         req.count = barrier ? 0 : a->count;
-        req.send_offset = 0;
-        req.recv_offset = l->recv_off;
+        req.send_offset = base;
+        req.recv_offset = base + l->recv_off;
         req.group = a->group && !p2p ? a->group->id : 0;
         rc = client_call(c, "Collective", &req.base, &pshard__collective_response__descriptor, NULL,
                          why, sizeof(why));
     }
     if (rc == PSHARD_OK && c->cfg.remote && l->recv_bytes)
-        rc = client_remote_read(c, PSHARD__REGION__SCRATCH, &c->scratch, l->recv_off, l->recv_bytes,
-                                why, sizeof(why));
+        rc = client_remote_read(c, PSHARD__REGION__SCRATCH, &c->scratch, base + l->recv_off,
+                                l->recv_bytes, why, sizeof(why));
     if (rc != PSHARD_OK)
         return ps_errf(err, errlen, rc, "%s: %s", what, why);
-    if (l->recv_bytes)
-        memcpy(l->dst, (uint8_t *)c->scratch.base + l->recv_off, l->recv_bytes);
+    if (copy && l->recv_bytes)
+        memcpy(l->dst, at + l->recv_off, l->recv_bytes);
     return PSHARD_OK;
 }

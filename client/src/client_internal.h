@@ -60,6 +60,21 @@ typedef struct {
     void *dst;
 } coll_layout_t;
 
+/* The bytes of the scratch region a collective laid out as l uses, from its start. */
+static inline size_t coll_span(const coll_layout_t *l)
+{
+    size_t end = l->recv_off + l->recv_bytes;
+    return end > l->send_bytes ? end : l->send_bytes;
+}
+
+/* The most works that hold a place in the scratch region at once (client_stage.c); more
+ * staged collectives wait on the heap. */
+#define CLIENT_STAGE_MAX 64
+/* Heap copies of staged collectives kept for the next ones: fresh pages for each copy cost
+ * more than the copy. At most CLIENT_SPARES of them, CLIENT_SPARE_MAX bytes in all. */
+#define CLIENT_SPARES 8
+#define CLIENT_SPARE_MAX ((size_t)256 << 20)
+
 /* Where a parameter's full values or its full gradient stand in the client's pool. */
 typedef enum {
     BUF_NONE = 0, /* sharded: no full buffer */
@@ -82,6 +97,16 @@ struct pshard_work {
     /* WORK_COLLECTIVE: the collective (its buffers and group the caller's) and its layout */
     pshard_collective_args_t coll;
     coll_layout_t layout;
+    /* Its bytes, laid out as layout says, while it has a place: coll_span(layout) bytes at
+     * st_off in the scratch region (in_scratch, listed in c->stage), or a heap copy (heap,
+     * heap_cap bytes). A staged collective (pshard_collective_start_staged) has one from its
+     * start (its send bytes, copied from the caller) until pshard_work_wait (its result);
+     * another one only while it runs. running: the collective is using it; pinned: the caller
+     * reads the result (pshard_work_wait_result). Neither may be moved. */
+    bool staged, in_scratch, running, pinned;
+    size_t st_off;
+    uint8_t *heap;
+    size_t heap_cap;
     bool done;
     pshard_status_t status;
     char error[PSHARD_ERRLEN];
@@ -139,6 +164,13 @@ struct pshard_client {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     ps_queue_t queue; /* pshard_work_t issued, not yet taken by the worker (mu) */
+
+    /* The scratch region's places (client_stage.c; mu): the works holding a range of it,
+     * ordered by offset, and spare heap copies. */
+    pshard_work_t *stage[CLIENT_STAGE_MAX];
+    size_t nstage;
+    void *spare[CLIENT_SPARES];
+    size_t spare_bytes[CLIENT_SPARES];
 };
 
 /* A process group's handle (client_group.c): the id NewGroups gave it, the world ranks it
@@ -189,17 +221,35 @@ static inline void client_run_alone_end(pshard_client_t *c)
 
 /* Queues a checked collective behind the work issued before it (client_work.c). */
 pshard_status_t client_work_queue_collective(pshard_client_t *c, const pshard_collective_args_t *a,
-                                             const coll_layout_t *l, pshard_work_t **out);
+                                             const coll_layout_t *l, bool staged,
+                                             pshard_work_t **out);
 
 /* client_coll.c: torch.distributed's name of op (for messages), or NULL when op is none of
  * them. */
 const char *client_op_name(pshard_op_t op);
 
-/* client_coll.c: runs one plain collective laid out as l (pshard_collective's request; the
- * caller holds the worker off or is the worker): PSHARD_OK with the result copied out, or the
- * error with its message in err. */
+/* client_coll.c: runs one plain collective laid out as l at offset base of the scratch region
+ * (pshard_collective's request; the caller holds the worker off or is the worker, and holds
+ * that place). copy: the send bytes are copied there from l->src first and the result to
+ * l->dst after; else they are there already and the result stays. PSHARD_OK, or the error
+ * with its message in err. */
 pshard_status_t client_collective_exec(pshard_client_t *c, const pshard_collective_args_t *a,
-                                       const coll_layout_t *l, char *err, size_t errlen);
+                                       const coll_layout_t *l, size_t base, bool copy, char *err,
+                                       size_t errlen);
+
+/* client_stage.c, all holding c->mu. A place for w's bytes (coll_span of its layout) in the
+ * scratch region. wait: moves other works' bytes to the heap where none is free (waiting for
+ * pinned ones to be read), so it fails only without memory for that (NO_MEMORY, set on c);
+ * else PSHARD_ERR_UNAVAILABLE at once (not set on c) when no range is free. */
+pshard_status_t client_stage_place(pshard_client_t *c, pshard_work_t *w, bool wait);
+/* Gives up w's place (range or heap copy), waking whoever waits for room. */
+void client_stage_drop(pshard_client_t *c, pshard_work_t *w);
+/* A heap buffer of at least bytes for w (a spare if one fits), or NULL. */
+bool client_stage_heap(pshard_client_t *c, pshard_work_t *w, size_t bytes);
+/* Gives up w's heap copy (kept as a spare, or freed). */
+void client_stage_drop_heap(pshard_client_t *c, pshard_work_t *w);
+/* Frees the spare heap copies (pshard_close). */
+void client_stage_free_spares(pshard_client_t *c);
 
 static inline size_t client_align(size_t x)
 {

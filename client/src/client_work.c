@@ -160,6 +160,33 @@ static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const
     return PSHARD_OK;
 }
 
+/* The worker's run of a queued collective w, entered and left holding c->mu: a place in the
+ * scratch region first (a staged one waiting on the heap gets one now and its send bytes move
+ * in), then the collective with c->mu released. A staged one keeps its place and result for
+ * the caller; another one's bytes are copied from and to the caller's buffers. */
+static pshard_status_t run_collective(pshard_client_t *c, pshard_work_t *w, char *err,
+                                      size_t errlen)
+{
+    w->running = true;
+    pshard_status_t rc = w->in_scratch ? PSHARD_OK : client_stage_place(c, w, true);
+    if (rc != PSHARD_OK) {
+        ps_strlcpy(err, c->last_error, errlen);
+        w->running = false;
+        return rc;
+    }
+    pthread_mutex_unlock(&c->mu);
+    /* w is running: nobody else moves its place or heap copy meanwhile */
+    if (w->heap && w->layout.send_bytes)
+        memcpy((uint8_t *)c->scratch.base + w->st_off, w->heap, w->layout.send_bytes);
+    rc = client_collective_exec(c, &w->coll, &w->layout, w->st_off, !w->staged, err, errlen);
+    pthread_mutex_lock(&c->mu);
+    client_stage_drop_heap(c, w);
+    w->running = false;
+    if (!w->staged || rc != PSHARD_OK)
+        client_stage_drop(c, w);
+    return rc;
+}
+
 void *client_worker_main(void *arg)
 {
     pshard_client_t *c = arg;
@@ -173,13 +200,15 @@ void *client_worker_main(void *arg)
             return NULL;
         }
         c->busy = true;
-        pthread_mutex_unlock(&c->mu);
         char err[PSHARD_ERRLEN] = "";
-        pshard_status_t rc =
-            w->kind == WORK_COLLECTIVE
-                ? client_collective_exec(c, &w->coll, &w->layout, err, sizeof(err))
-                : run_tensor_op(c, w->kind, w->ids, w->offs, w->n, err, sizeof(err));
-        pthread_mutex_lock(&c->mu);
+        pshard_status_t rc;
+        if (w->kind == WORK_COLLECTIVE) {
+            rc = run_collective(c, w, err, sizeof(err)); /* unlocks and locks c->mu */
+        } else {
+            pthread_mutex_unlock(&c->mu);
+            rc = run_tensor_op(c, w->kind, w->ids, w->offs, w->n, err, sizeof(err));
+            pthread_mutex_lock(&c->mu);
+        }
         finish_buffers(c, w, rc);
         c->busy = false;
         w->status = rc;
@@ -238,7 +267,8 @@ static pshard_status_t start_work(pshard_client_t *c, work_kind_t kind, const si
 }
 
 pshard_status_t client_work_queue_collective(pshard_client_t *c, const pshard_collective_args_t *a,
-                                             const coll_layout_t *l, pshard_work_t **out)
+                                             const coll_layout_t *l, bool staged,
+                                             pshard_work_t **out)
 {
     pshard_work_t *w = calloc(1, sizeof(*w));
     if (!w)
@@ -247,7 +277,27 @@ pshard_status_t client_work_queue_collective(pshard_client_t *c, const pshard_co
     w->c = c;
     w->coll = *a;
     w->layout = *l;
+    w->staged = staged;
     pthread_mutex_lock(&c->mu);
+    if (staged) {
+        /* the send bytes now, into a free range of the scratch region, else onto the heap */
+        uint8_t *to = NULL;
+        if (client_stage_place(c, w, false) == PSHARD_OK)
+            to = (uint8_t *)c->scratch.base + w->st_off;
+        else if (client_stage_heap(c, w, coll_span(l)))
+            to = w->heap;
+        if (!to) {
+            pthread_mutex_unlock(&c->mu);
+            free(w);
+            return client_fail(c, PSHARD_ERR_NO_MEMORY,
+                               "out of memory for a %zu-byte copy of a queued collective's bytes",
+                               coll_span(l));
+        }
+        if (l->send_bytes)
+            memcpy(to, l->src, l->send_bytes);
+        w->coll.send = w->coll.recv = NULL; /* never read or written again */
+        w->layout.src = w->layout.dst = NULL;
+    }
     ps_queue_push(&c->queue, &w->node);
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
@@ -267,19 +317,47 @@ pshard_status_t pshard_reduce_scatter_start(pshard_client_t *c, const size_t *id
     return start_work(c, WORK_REDUCE_SCATTER, ids, n, work);
 }
 
+/* Holding c->mu: waits for w to finish; its status (its message made the client's). */
+static pshard_status_t work_outcome(pshard_work_t *w)
+{
+    pshard_client_t *c = w->c;
+    while (!w->done)
+        pthread_cond_wait(&c->cv, &c->mu);
+    if (w->status != PSHARD_OK)
+        ps_strlcpy(c->last_error, w->error, sizeof(c->last_error));
+    return w->status;
+}
+
 pshard_status_t pshard_work_wait(pshard_work_t *w)
 {
     if (!w)
         return PSHARD_ERR_INVALID_ARGUMENT;
     pshard_client_t *c = w->c;
     pthread_mutex_lock(&c->mu);
-    while (!w->done)
-        pthread_cond_wait(&c->cv, &c->mu);
-    pshard_status_t rc = w->status;
-    if (rc != PSHARD_OK)
-        ps_strlcpy(c->last_error, w->error, sizeof(c->last_error));
+    pshard_status_t rc = work_outcome(w);
+    w->pinned = false;
+    client_stage_drop(c, w);
     pthread_mutex_unlock(&c->mu);
     work_free(w);
+    return rc;
+}
+
+pshard_status_t pshard_work_wait_result(pshard_work_t *w, const void **result, size_t *bytes)
+{
+    if (!w || !result || !bytes)
+        return PSHARD_ERR_INVALID_ARGUMENT;
+    *result = NULL;
+    *bytes = 0;
+    pshard_client_t *c = w->c;
+    pthread_mutex_lock(&c->mu);
+    pshard_status_t rc = work_outcome(w);
+    if (rc == PSHARD_OK && w->staged && w->layout.recv_bytes) {
+        w->pinned = true;
+        const uint8_t *at = w->in_scratch ? (uint8_t *)c->scratch.base + w->st_off : w->heap;
+        *result = at + w->layout.recv_off;
+        *bytes = w->layout.recv_bytes;
+    }
+    pthread_mutex_unlock(&c->mu);
     return rc;
 }
 

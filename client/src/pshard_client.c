@@ -237,6 +237,7 @@ void pshard_close(pshard_client_t *c)
     client_region_destroy(&c->scratch);
     client_region_destroy(&c->model);
     client_model_free(c);
+    client_stage_free_spares(c);
     free(c->server);
     free(c->token);
     pthread_mutex_destroy(&c->mu);
@@ -422,7 +423,18 @@ pshard_status_t pshard_collective(pshard_client_t *c, const pshard_collective_ar
     PS_CHECK(collective_check(c, a, &l));
     char err[PSHARD_ERRLEN] = "";
     client_run_alone_begin(c);
-    pshard_status_t rc = client_collective_exec(c, a, &l, err, sizeof(err));
+    /* a place in the scratch region, among the staged collectives' results not yet taken */
+    pshard_work_t here = {.c = c, .kind = WORK_COLLECTIVE, .layout = l, .running = true};
+    pthread_mutex_lock(&c->mu);
+    pshard_status_t rc = client_stage_place(c, &here, true);
+    pthread_mutex_unlock(&c->mu);
+    if (rc == PSHARD_OK)
+        rc = client_collective_exec(c, a, &l, here.st_off, true, err, sizeof(err));
+    else
+        ps_strlcpy(err, c->last_error, sizeof(err));
+    pthread_mutex_lock(&c->mu);
+    client_stage_drop(c, &here);
+    pthread_mutex_unlock(&c->mu);
     client_run_alone_end(c);
     if (rc != PSHARD_OK)
         return client_fail(c, rc, "%s", err);
@@ -437,7 +449,19 @@ pshard_status_t pshard_collective_start(pshard_client_t *c, const pshard_collect
     *work = NULL;
     coll_layout_t l;
     PS_CHECK(collective_check(c, a, &l));
-    return client_work_queue_collective(c, a, &l, work);
+    return client_work_queue_collective(c, a, &l, false, work);
+}
+
+pshard_status_t pshard_collective_start_staged(pshard_client_t *c,
+                                               const pshard_collective_args_t *a,
+                                               pshard_work_t **work)
+{
+    if (!work)
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "collective: work is NULL");
+    *work = NULL;
+    coll_layout_t l;
+    PS_CHECK(collective_check(c, a, &l));
+    return client_work_queue_collective(c, a, &l, true, work);
 }
 
 /* The world's collectives of the API before process groups: pshard_collective with group

@@ -1,7 +1,8 @@
 """What a queued (async_op=True) collective of backend "pshard" costs beside the same blocking
-one: a queued one runs on private copies of its tensors (so the caller may resize them before
-wait()), a blocking one on the tensors themselves. Prints, for all_reduce of 0.25 and 16 MiB,
-the best of 5 rounds of 10 of each, measured side by side in one run, and their ratio.
+one: a queued one is staged (its input copied into the client's scratch region at the call and
+its result copied out at wait(), so the caller may resize its tensors meanwhile), a blocking one
+copies the same bytes in and out as it runs. Prints, for all_reduce of 0.25 and 16 MiB, the
+best of 5 rounds of 10 of each, measured side by side in one run, and their ratio.
 usage: pshardrun --nproc 2 -- python tests/bench/backend_async_bench.py"""
 import time
 

@@ -374,6 +374,42 @@ def main():
     again = torch.ones(3)
     dist.all_reduce(again)
     expect("after a resized output", torch.equal(again, torch.full((3,), world * 1.0)))
+    # More queued than the scratch region (16 MiB) holds: 24 all_reduces of 1 MiB and 80 small
+    # ones (more than its 64 places), a blocking all_gather of 8 MiB behind them that makes
+    # room by moving finished results, then more queued ones; waited for in a shuffled order.
+    salts = range(20, 44)
+    pending = []
+    for s in salts:
+        t = data(rank, 262_144, torch.int32, s)
+        pending.append((f"queued 1 MiB {s}", t, dist.all_reduce(t, async_op=True), s, 262_144))
+    for s in range(100, 180):
+        t = data(rank, 3, torch.int32, s)
+        pending.append((f"queued small {s}", t, dist.all_reduce(t, async_op=True), s, 3))
+    n = 1_048_576 // world
+    gathered = torch.empty(world * n, dtype=torch.int64)
+    dist.all_gather_into_tensor(gathered, data(rank, n, torch.int64, 11))
+    expect("blocking among queued ones", torch.equal(
+        gathered, torch.cat([data(r, n, torch.int64, 11) for r in range(world)])))
+    for s in range(50, 60):
+        t = data(rank, 262_144, torch.int32, s)
+        pending.append((f"queued after {s}", t, dist.all_reduce(t, async_op=True), s, 262_144))
+    order = torch.randperm(len(pending), generator=torch.Generator().manual_seed(5)).tolist()
+    for i in order:
+        name, t, w, s, m = pending[i]
+        w.wait()
+        want = sum(data(r, m, torch.int32, s).long() for r in range(world)).to(torch.int32)
+        expect(name, torch.equal(t, want))
+    # Staged collectives of 10, 12 and 4 MiB straight on the client (all_reduce, op 3): the
+    # second waits on the heap and, when it runs, moves the first's result and the third's
+    # queued send bytes out of its way.
+    c = pshard._world.current()
+    big = [(data(rank, m, torch.int32, 60 + m % 7), m) for m in (2_621_440, 3_145_728, 1_048_576)]
+    works = [(t, c.collective_start(3, t, t, m, "int32", 0, 0, None, 0, True), m)
+             for t, m in big]
+    for t, w, m in reversed(works):
+        w.wait()
+        want = sum(data(r, m, torch.int32, 60 + m % 7).long() for r in range(world))
+        expect(f"staged {m * 4} bytes", torch.equal(t, want.to(torch.int32)))
     # Leaving with a Work not yet waited for: the client closes once it is (a nonzero exit
     # here fails the test).
     last = torch.ones(5)

@@ -553,6 +553,23 @@ PSHARD_API pshard_status_t pshard_collective_start(pshard_client_t *c,
                                                    const pshard_collective_args_t *a,
                                                    pshard_work_t **work);
 
+/* pshard_collective_start that is done with the caller's buffers when it returns (torch's Work
+ * lets the caller resize or free its tensors meanwhile): send is copied into the client's
+ * scratch region before it returns (onto the heap while that is full) and recv is never
+ * written; the result waits with the work until pshard_work_wait frees it. Read it with
+ * pshard_work_wait_result. The bytes move as often as with pshard_collective. */
+PSHARD_API pshard_status_t pshard_collective_start_staged(pshard_client_t *c,
+                                                          const pshard_collective_args_t *a,
+                                                          pshard_work_t **work);
+
+/* Waits for a work without freeing it; returns its status. For a successful staged collective
+ * that receives, *result points at its recv bytes (*bytes of them), readable until
+ * pshard_work_wait frees the work, which the caller does soon after: meanwhile those bytes
+ * hold their place and other collectives may wait for room. Else *result is NULL and *bytes 0.
+ * Thread-safe as pshard_work_wait. */
+PSHARD_API pshard_status_t pshard_work_wait_result(pshard_work_t *work, const void **result,
+                                                   size_t *bytes);
+
 #ifdef __cplusplus
 }
 #endif

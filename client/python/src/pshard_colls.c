@@ -45,99 +45,15 @@ static int check_root(ClientObject *self, const pshard_group_t *g, int root, con
     return -1;
 }
 
-void *pshard_py_copy_get(ClientObject *owner, size_t bytes, size_t *cap)
-{
-    int best = -1;
-    for (int i = 0; i < PSHARD_PY_SPARES; i++) {
-        size_t have = owner->spare_bytes[i];
-        if (owner->spare[i] && have >= bytes && have / 2 <= bytes &&
-            (best < 0 || have < owner->spare_bytes[best]))
-            best = i;
-    }
-    if (best >= 0) {
-        void *p = owner->spare[best];
-        *cap = owner->spare_bytes[best];
-        owner->spare[best] = NULL;
-        owner->spare_bytes[best] = 0;
-        return p;
-    }
-    *cap = bytes;
-    return malloc(bytes ? bytes : 1);
-}
-
-void pshard_py_copy_put(ClientObject *owner, void *p, size_t cap)
-{
-    if (!p)
-        return;
-    size_t held = 0;
-    int free_slot = -1;
-    for (int i = 0; i < PSHARD_PY_SPARES; i++) {
-        held += owner->spare_bytes[i];
-        if (!owner->spare[i])
-            free_slot = i;
-    }
-    /* Small ones come from the heap quickly anyway; a closed client needs none. */
-    if (!owner->c || free_slot < 0 || cap < (64u << 10) || held + cap > PSHARD_PY_SPARE_MAX) {
-        free(p);
-        return;
-    }
-    owner->spare[free_slot] = p;
-    owner->spare_bytes[free_slot] = cap;
-}
-
-void pshard_py_copy_drop(ClientObject *owner)
-{
-    for (int i = 0; i < PSHARD_PY_SPARES; i++) {
-        free(owner->spare[i]);
-        owner->spare[i] = NULL;
-        owner->spare_bytes[i] = 0;
-    }
-}
-
-/* w's collective on private copies of its tensors (collective_start's own): send_b bytes of
- * the send tensor copied now, recv_b bytes of the recv tensor written back when the work
- * finishes (pshard_py_work_own_finish); recv_in: recv is also read (a root's broadcast without
- * send). One buffer serves both when they were one tensor. 0, or -1 with MemoryError. */
-static int own_copies(WorkObject *w, PyObject *recv, pshard_dtype_t dtype, size_t send_b,
-                      size_t recv_b, bool recv_in)
-{
-    uint8_t *sd = w->dl[0].data, *rd = w->dl[1].data;
-    if (sd && send_b) {
-        if (!(w->priv[0] = pshard_py_copy_get(w->owner, send_b, &w->priv_cap[0])))
-            goto nomem;
-        memcpy(w->priv[0], sd, send_b);
-    }
-    if (rd && recv_b) {
-        if (rd == sd && w->priv[0] && recv_b <= send_b) {
-            w->priv[1] = w->priv[0];
-        } else {
-            if (!(w->priv[1] = pshard_py_copy_get(w->owner, recv_b, &w->priv_cap[1])))
-                goto nomem;
-            if (recv_in)
-                memcpy(w->priv[1], rd, recv_b);
-        }
-        w->out_bytes = recv_b;
-        w->out_dtype = dtype;
-        w->out_obj = recv;
-        Py_INCREF(recv);
-    }
-    return 0;
-nomem:
-    PyErr_Format(PyExc_MemoryError,
-                 "collective_start: cannot allocate %zu bytes for a copy of "
-                 "the tensors of a queued collective",
-                 send_b + recv_b);
-    return -1;
-}
-
 /* collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None, tag=0,
  * own=False) -> Work: one collective (pshard_op_t numbers) queued behind what was issued
  * before (torch's async_op=True). send / recv: contiguous CPU tensors of dtype holding at least
  * what this rank's role uses (None where it uses nothing); both are held until the work is
- * waited. own: the collective runs on private copies, so the caller may resize or free the
- * tensors meanwhile (as it may with torch's Works): send is copied now, recv written when the
- * work finishes, and only if it still has the memory it had (else wait() raises). Without own
- * the caller must keep both tensors' memory as it is until then (a blocking call). */
+ * waited. own: the collective is staged (pshard_collective_start_staged), so the caller may
+ * resize or free the tensors meanwhile (as it may with torch's Works): send is read now, recv
+ * written when the work is waited for, and only if it still has the memory it had (else wait()
+ * raises). Without own the caller must keep both tensors' memory as it is until then (a
+ * blocking call). */
 PyObject *Client_collective_start(ClientObject *self, PyObject *args)
 {
     int op, reduce = 0, root = 0;
@@ -234,21 +150,20 @@ PyObject *Client_collective_start(ClientObject *self, PyObject *args)
                                   .reduce = (pshard_reduce_t)reduce,
                                   .root = root,
                                   .tag = tag};
-    bool recv_in = op == PSHARD_OP_BROADCAST && !a.send;
-    if (own) {
-        size_t es = pshard_dtype_size(dtype);
-        if (own_copies(w, recv, dtype, need[0] * es, need[1] * es, recv_in && root_me) != 0) {
-            Py_DECREF(w);
-            return NULL;
-        }
-        a.send = w->priv[0];
-        a.recv = w->priv[1];
-    }
-    if (recv_in)
+    if (op == PSHARD_OP_BROADCAST && !a.send)
         a.send = a.recv;
+    if (own && a.recv && need[1]) {
+        w->out_bytes = need[1] * pshard_dtype_size(dtype);
+        w->out_dtype = dtype;
+        w->out_obj = recv;
+        Py_INCREF(recv);
+    }
     pshard_status_t st;
     pshard_work_t *work = NULL;
-    CLIENT_CALL(self, st = pshard_collective_start(self->c, &a, &work));
+    CLIENT_CALL(self, st = own ? pshard_collective_start_staged(self->c, &a, &work)
+                               : pshard_collective_start(self->c, &a, &work));
+    if (own && st == PSHARD_OK) /* the send tensor was read; the recv one is checked at the end */
+        pshard_py_dl_release(&w->dl[0]);
     return pshard_py_work_started(self, w, st, work);
 }
 

@@ -97,7 +97,6 @@ static void client_really_close(ClientObject *self)
         Py_BEGIN_ALLOW_THREADS pshard_close(c);
         Py_END_ALLOW_THREADS
     }
-    pshard_py_copy_drop(self);
 }
 
 static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
@@ -664,8 +663,6 @@ static void work_init(WorkObject *w, ClientObject *owner)
     w->error[0] = '\0';
     memset(w->dl, 0, sizeof(w->dl));
     w->group = NULL;
-    w->priv[0] = w->priv[1] = NULL;
-    w->priv_cap[0] = w->priv_cap[1] = 0;
     w->out_bytes = 0;
     w->out_obj = NULL;
 }
@@ -737,10 +734,10 @@ static PyObject *Client_reduce_scatter_start(ClientObject *self, PyObject *a)
     return ids_start(self, a, pshard_reduce_scatter_start);
 }
 
-/* A collective on private copies (collective_start's own), finished: its result written into
- * the recv tensor if that still has the memory it had at the start; else the work fails
- * saying so. The copies are freed. */
-static void work_own_finish(WorkObject *w)
+/* A staged collective's result (collective_start's own), result_bytes at result, written into
+ * the recv tensor if that still has the memory it had at the start; else the work fails saying
+ * so. With the GIL, so that no other Python thread resizes the tensor meanwhile. */
+static void work_own_finish(WorkObject *w, const void *result, size_t result_bytes)
 {
     if (w->out_obj && w->status == PSHARD_OK) {
         PyObject *et, *ev, *tb; /* a dealloc may come while an exception propagates */
@@ -751,22 +748,24 @@ static void work_own_finish(WorkObject *w)
         pshard_py_dl_release(&now);
         PyErr_Clear();
         PyErr_Restore(et, ev, tb);
-        if (same) {
-            memcpy(w->dl[1].data, w->priv[1], w->out_bytes);
+        if (same && result && result_bytes == w->out_bytes) {
+            memcpy(w->dl[1].data, result, w->out_bytes);
         } else {
             w->status = PSHARD_ERR_FAILED_PRECONDITION;
-            PyOS_snprintf(w->error, sizeof(w->error),
-                          "the output tensor of an asynchronous collective was resized, freed "
-                          "or given other memory before the collective finished, so its result "
-                          "(%zu bytes) was not written: keep the tensor as it is until wait() "
-                          "on the Work returns",
-                          w->out_bytes);
+            if (same)
+                PyOS_snprintf(w->error, sizeof(w->error),
+                              "an asynchronous collective ended with %zu bytes for an output of "
+                              "%zu: its result was not written",
+                              result_bytes, w->out_bytes);
+            else
+                PyOS_snprintf(w->error, sizeof(w->error),
+                              "the output tensor of an asynchronous collective was resized, "
+                              "freed or given other memory before the collective finished, so "
+                              "its result (%zu bytes) was not written: keep the tensor as it is "
+                              "until wait() on the Work returns",
+                              w->out_bytes);
         }
     }
-    if (w->priv[1] != w->priv[0])
-        pshard_py_copy_put(w->owner, w->priv[1], w->priv_cap[1]);
-    pshard_py_copy_put(w->owner, w->priv[0], w->priv_cap[0]);
-    w->priv[0] = w->priv[1] = NULL;
     Py_CLEAR(w->out_obj);
 }
 
@@ -777,16 +776,24 @@ static void work_finish(WorkObject *w)
         pshard_work_t *work = w->w;
         w->w = NULL;
         pshard_status_t st;
-        Py_BEGIN_ALLOW_THREADS st = pshard_work_wait(work);
+        const void *result = NULL;
+        size_t result_bytes = 0;
+        bool own = w->out_obj != NULL;
+        Py_BEGIN_ALLOW_THREADS st =
+            own ? pshard_work_wait_result(work, &result, &result_bytes) : pshard_work_wait(work);
         Py_END_ALLOW_THREADS w->status = st;
         if (st != PSHARD_OK && w->owner->c)
             PyOS_snprintf(w->error, sizeof(w->error), "%s", pshard_last_error(w->owner->c));
+        if (own) {
+            work_own_finish(w, result, result_bytes);
+            pshard_work_wait(work); /* frees it; its status is kept already */
+        }
         /* A close asked for meanwhile waited for this work (its handle needs the client). */
         ClientObject *owner = w->owner;
         if (--owner->pending == 0 && owner->exports == 0 && owner->closing)
             client_really_close(owner);
     }
-    work_own_finish(w);
+    Py_CLEAR(w->out_obj);
     pshard_py_dl_release(&w->dl[0]);
     pshard_py_dl_release(&w->dl[1]);
     Py_CLEAR(w->group);
@@ -808,7 +815,7 @@ static PyObject *Work_is_completed(WorkObject *w, PyObject *unused)
 static void Work_dealloc(WorkObject *w)
 {
     /* A handle is freed only by waiting for it; an error nobody will wait for is told. */
-    bool unwaited = w->w || w->out_obj;
+    bool unwaited = w->w != NULL;
     work_finish(w);
     if (unwaited && w->status != PSHARD_OK)
         PySys_FormatStderr("pshard: an operation dropped without wait() failed: %s\n",
@@ -999,7 +1006,7 @@ static PyMethodDef Client_methods[] = {
     {"collective_start", (PyCFunction)Client_collective_start, METH_VARARGS,
      "collective_start(op, send, recv, count, dtype, reduce=0, root=0, group=None, tag=0, "
      "own=False) "
-     "-> Work (own: on private copies of the tensors)"},
+     "-> Work (own: staged, done with send at once, recv written at wait)"},
     {"reduce_scatter_tensor", (PyCFunction)Client_reduce_scatter_tensor, METH_VARARGS,
      "reduce_scatter_tensor(output, input, dtype, op, group=None)"},
     {"p2p", (PyCFunction)Client_p2p, METH_VARARGS,

@@ -54,10 +54,6 @@ typedef struct DLManagedTensor {
 #define DL_BOOL 6
 
 /* A Client: one trainer's connection to its shard server. */
-/* Spare copy buffers a client keeps, and the bytes they may hold in all. */
-#define PSHARD_PY_SPARES 8
-#define PSHARD_PY_SPARE_MAX ((size_t)256 << 20)
-
 typedef struct {
     PyObject_HEAD pshard_client_t *c;
     /* libpshard's client is used by one thread at a time: Python threads take turns here,
@@ -69,10 +65,6 @@ typedef struct {
     bool closing;       /* close() was called while views of its memory were alive */
     Py_ssize_t exports; /* live Buffers (and DLPack tensors) pointing into its memory */
     Py_ssize_t pending; /* Works not yet waited for: close waits for them to be */
-    /* Private copies of queued collectives' tensors, kept for the next ones (pshard_py_copy_get
-     * / _put; the GIL guards them): fresh pages for each copy cost more than the copy. */
-    void *spare[PSHARD_PY_SPARES];
-    size_t spare_bytes[PSHARD_PY_SPARES];
 } ClientObject;
 
 /* Runs stmt on self's client with the GIL released, one Python thread at a time. */
@@ -101,12 +93,9 @@ typedef struct {
     /* An asynchronous collective's tensors and group, held until it finished. */
     dl_in_t dl[2];
     PyObject *group;
-    /* A queued collective runs on private copies of its tensors (collective_start's own):
-     * priv[0] holds what it sends, copied at the start; priv[1] what it receives (priv[0]
-     * again when both were one tensor), copied into out_bytes of the recv tensor out_obj when
-     * the work finishes, if that tensor still has the memory it had at the start. */
-    void *priv[2];
-    size_t priv_cap[2]; /* what each holds (it may be a bigger spare) */
+    /* A staged collective (collective_start's own) that receives: its result, out_bytes,
+     * goes into the recv tensor out_obj when the work is waited for, if that tensor still has
+     * the memory it had at the start. */
     size_t out_bytes;
     PyObject *out_obj;
     pshard_dtype_t out_dtype;
@@ -139,16 +128,6 @@ int pshard_py_parse_dtype(PyObject *o, pshard_dtype_t *out);
  * exception set. */
 int pshard_py_dl_acquire(PyObject *obj, pshard_dtype_t want, const char *what, dl_in_t *in);
 void pshard_py_dl_release(dl_in_t *in);
-
-/* A buffer of at least bytes for a private copy (a spare of owner's if one fits), its size in
- * *cap; NULL when out of memory. With the GIL. */
-void *pshard_py_copy_get(ClientObject *owner, size_t bytes, size_t *cap);
-
-/* Gives back a buffer of pshard_py_copy_get: kept as a spare, or freed. With the GIL. */
-void pshard_py_copy_put(ClientObject *owner, void *p, size_t cap);
-
-/* Frees owner's spares. */
-void pshard_py_copy_drop(ClientObject *owner);
 
 /* A new Work of owner with nothing started, or NULL with an exception set. */
 WorkObject *pshard_py_work_new(ClientObject *owner);
