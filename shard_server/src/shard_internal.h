@@ -15,6 +15,7 @@
 #include "pshard/shard_server.h"
 #include "shard_metrics.h"
 #include "shard_model.h"
+#include "shard_steps.h"
 
 #define NMETHODS 13
 #define SHM_NAME_MAX 200
@@ -147,6 +148,7 @@ struct pshard_shard_server {
     /* Statistics and health (shard_metrics.c): atomics, never behind op_mu. */
     int64_t started_ns;
     shard_op_stats_t op_stats[SHARD_OPK_COUNT];
+    shard_steps_t steps;       /* the trainer's step, compute and wait times (shard_steps.h) */
     atomic_int region_reads;   /* ReadRegion calls running (shard_service.c) */
     atomic_int serving;        /* what "pshard.ShardServer" reports: 1 SERVING, 2 NOT */
     pthread_mutex_t health_mu; /* serializes shard_health_update's evaluate-and-set */

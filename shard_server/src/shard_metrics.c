@@ -262,6 +262,7 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
         ps_metrics_histogram(w, labels, ps_metrics_latency_bounds, counts,
                              PS_METRICS_LATENCY_BUCKETS, (double)atomic_load(&st->sum_ns) / 1e9);
     }
+    shard_steps_metrics(&s->steps, w);
     ps_metrics_rpc(w, s->srv);
     ps_metrics_process(w, s->started_ns);
 }

@@ -83,7 +83,8 @@ static bool runs_ahead(pshard_shard_server_t *s, pshard_comm_t *comm, const shar
     return true;
 }
 
-pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err, size_t errlen)
+/* shard_op_run's body. */
+static pshard_status_t op_run(pshard_shard_server_t *s, shard_op_t *op, char *err, size_t errlen)
 {
     pshard_status_t rc = PSHARD_OK;
     /* A quick refusal while the cluster forms, without waiting for a running operation. */
@@ -157,6 +158,16 @@ pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err
     if (op->opk >= 0)
         shard_stats_record(s, (shard_opk_t)op->opk, start_ns, op->bytes, rc == PSHARD_OK);
     pthread_mutex_unlock(&s->op_mu);
+    return rc;
+}
+
+pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err, size_t errlen)
+{
+    /* From its arrival, the wait for op_mu included: the trainer waits on pshard all along
+     * (the step's wait time, shard_steps.h). */
+    shard_steps_op_begin(&s->steps, ps_now_ns());
+    pshard_status_t rc = op_run(s, op, err, errlen);
+    shard_steps_op_end(&s->steps, ps_now_ns());
     return rc;
 }
 

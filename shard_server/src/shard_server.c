@@ -152,6 +152,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->op_mu, NULL);
     pthread_mutex_init(&s->health_mu, NULL);
+    shard_steps_init(&s->steps);
     atomic_init(&s->stop, false);
     atomic_init(&s->serving, 2);
     atomic_init(&s->region_reads, 0);
@@ -263,5 +264,6 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->op_mu);
     pthread_mutex_destroy(&s->health_mu);
+    shard_steps_destroy(&s->steps);
     free(s);
 }

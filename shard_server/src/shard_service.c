@@ -152,6 +152,7 @@ static pshard_status_t attach_run(pshard_shard_server_t *s, pshard_comm_t *comm,
     s->trainer_gone = false;
     s->join_refused = false;
     s->attached_ns = ps_now_ns();
+    shard_steps_reset(&s->steps); /* a new trainer's steps, from its first Step on */
     atomic_store(&s->session_timeout_ms, req->coll_timeout_ms);
     pthread_mutex_unlock(&s->mu);
     shard_apply_session_timeout(s, comm);
@@ -558,6 +559,12 @@ static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm,
 {
     step_arg_t *a = op->arg;
     const Pshard__StepRequest *req = a->req;
+    /* Counters that add them must not wrap: 2^53 per step is beyond any real batch. */
+    if (req->tokens > ((uint64_t)1 << 53) || req->samples > ((uint64_t)1 << 53))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "a step reports at most 2^53 tokens and samples (got %" PRIu64
+                       " tokens, %" PRIu64 " samples)",
+                       req->tokens, req->samples);
     if (req->set_lr && req->n_groups > 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "a step carries either groups (each with its lr) or lr, not both");
@@ -655,6 +662,12 @@ static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
     char err[PSHARD_ERRLEN] = "";
     pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
     free(a.words);
+    /* A step boundary (shard_steps.h), for the server's optimizer and a trainer's own alike;
+     * a Step that only restores the count ends no step. */
+    if (rc == PSHARD_OK && !req->set_step) {
+        pshard_shard_server_t *s = ctx;
+        shard_steps_boundary(&s->steps, ps_now_ns(), req->tokens, req->samples);
+    }
     Pshard__StepResponse out = PSHARD__STEP_RESPONSE__INIT;
     out.step = a.step;
     out.grad_norm = a.norm;
