@@ -214,6 +214,9 @@ static void *lease_main(void *arg)
                 l->cfg.health(l->cfg.ctx, why, sizeof(why));
             req.not_serving = why[0] != '\0';
             req.not_serving_reason = why;
+            Pshard__StepSummary steps = PSHARD__STEP_SUMMARY__INIT;
+            if (l->cfg.steps && l->cfg.steps(l->cfg.ctx, &steps))
+                req.steps = &steps;
             int64_t timeout =
                 l->cfg.heartbeat_timeout_ms > 0 ? l->cfg.heartbeat_timeout_ms : 2 * every;
             rc = ps_coord_rpc_heartbeat(l->cfg.channel, &req, &view, timeout, err, sizeof(err));

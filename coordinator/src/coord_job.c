@@ -236,6 +236,7 @@ coord_job_t *coord_job_create_locked(pshard_coordinator_t *c, const char *name, 
         return NULL;
     }
     j->idle_since_ns = ps_now_ns();
+    coord_straggler_watch_init(&j->straggler);
     return j;
 }
 

@@ -3,6 +3,7 @@
  * ends jobs nobody uses any more), the membership handlers (Register, Heartbeat, Leave), the
  * Watch stream, Status and the metrics view. The store and ReportJoin handlers are in
  * coord_store_service.c; the jobs and their Watch events, which both use, in coord_job.c. */
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -129,18 +130,74 @@ static void handle_register(ps_rpc_call_t *call, const ProtobufCMessage *request
     reply_view(call, rc, &view, err);
 }
 
+/* The job's slowest rank now (c->mu held). */
+static void straggler_locked(coord_job_t *j, coord_straggler_t *out)
+{
+    size_t n;
+    const coord_member_t *m = coord_state_members(j->state, &n);
+    coord_straggler_find(m, n, j->c->cfg.straggler_ratio, (uint32_t)j->c->cfg.straggler_steps, out);
+}
+
+/* After a heartbeat with step figures: logs a rank that stayed slow, once, and its recovery.
+ * Looks at most twice a second per job, so heartbeats of a large job do not each walk every
+ * member. c->mu held. */
+static void straggler_check_locked(coord_job_t *j, int64_t now)
+{
+    if (now - j->straggler_checked_ns < 500 * 1000000LL)
+        return;
+    j->straggler_checked_ns = now;
+    coord_straggler_t cur;
+    straggler_locked(j, &cur);
+    char msg[768];
+    coord_straggler_event_t ev =
+        coord_straggler_watch_update(&j->straggler, &cur, (uint32_t)j->c->cfg.straggler_steps,
+                                     j->c->cfg.straggler_ratio, msg, sizeof(msg));
+    if (ev == COORD_STRAGGLER_SLOW)
+        PS_WARN(PS_SUB_COORD, "job %s: %s", j->name, msg);
+    else if (ev == COORD_STRAGGLER_RECOVERED)
+        PS_INFO(PS_SUB_COORD, "job %s: %s", j->name, msg);
+}
+
+/* A heartbeat's step figures, checked (they are untrusted) into *out; out->set stays false
+ * without any. */
+static pshard_status_t steps_from_pb(const Pshard__StepSummary *pb, coord_steps_t *out, char *err,
+                                     size_t errlen)
+{
+    memset(out, 0, sizeof(*out));
+    if (!pb || pb->window == 0)
+        return PSHARD_OK;
+    out->set = true;
+    out->window = pb->window;
+    out->steps = pb->steps;
+    out->step_s = pb->step_seconds;
+    out->compute_s = pb->compute_seconds;
+    out->wait_s = pb->wait_seconds;
+    return coord_steps_check(out, err, errlen);
+}
+
 static void handle_heartbeat(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
 {
     pshard_coordinator_t *c = ctx;
     const Pshard__HeartbeatRequest *req = (const Pshard__HeartbeatRequest *)request;
     char err[PSHARD_ERRLEN] = "";
     coord_member_view_t view;
-    pshard_status_t rc = PSHARD_OK;
+    coord_steps_t steps;
+    /* Refused whole, before the lease is renewed: a member that sends nonsense hears so. */
+    pshard_status_t rc = steps_from_pb(req->steps, &steps, err, sizeof(err));
+    if (rc != PSHARD_OK) {
+        ps_rpc_call_fail(call, rc, "%s", err);
+        return;
+    }
     pthread_mutex_lock(&c->mu);
     coord_job_t *j = coord_job_of_call_locked(c, call, false, &rc, err, sizeof(err));
     if (j) {
-        rc = coord_state_heartbeat(j->state, req->member_id, req->lease_key, ps_now_ns(), &view,
-                                   err, sizeof(err));
+        int64_t now = ps_now_ns();
+        rc = coord_state_heartbeat(j->state, req->member_id, req->lease_key, now, &view, err,
+                                   sizeof(err));
+        if (rc == PSHARD_OK) /* none: its trainer took no step yet (in this session) */
+            coord_state_set_steps(j->state, req->member_id, &steps);
+        if (rc == PSHARD_OK && steps.set)
+            straggler_check_locked(j, now);
         const char *why = req->not_serving ? req->not_serving_reason : NULL;
         if (rc == PSHARD_OK && req->not_serving && (!why || !*why))
             why = "(no reason given)";
@@ -268,13 +325,39 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     Pshard__Member **ptrs = snap ? calloc(snap->nmembers + 1, sizeof(*ptrs)) : NULL;
     Pshard__JoinEntry *jitems = snap ? calloc(snap->njoins + 1, sizeof(*jitems)) : NULL;
     Pshard__JoinEntry **jptrs = snap ? calloc(snap->njoins + 1, sizeof(*jptrs)) : NULL;
+    Pshard__StepSummary *sitems = snap ? calloc(snap->nmembers + 1, sizeof(*sitems)) : NULL;
     if (!snap || !cs.items || !cs.ptrs || !items || !ptrs || !jitems || !jptrs || !jitems_all ||
-        !jptrs_all || !jnames) {
+        !jptrs_all || !jnames || !sitems) {
         ps_rpc_call_fail(call, PSHARD_ERR_NO_MEMORY, "out of memory building status");
     } else {
         ps_rpc_server_counters(c->srv, collect_counter, &cs);
         coord_members_to_pb(snap, now, items, ptrs);
         coord_joins_to_pb(snap, now, jitems, jptrs);
+        for (size_t i = 0; i < snap->nmembers; i++) {
+            const coord_steps_t *st = &snap->members[i].steps;
+            if (!st->set)
+                continue;
+            pshard__step_summary__init(&sitems[i]);
+            sitems[i].window = st->window;
+            sitems[i].steps = st->steps;
+            sitems[i].step_seconds = st->step_s;
+            sitems[i].compute_seconds = st->compute_s;
+            sitems[i].wait_seconds = st->wait_s;
+            items[i].steps = &sitems[i];
+        }
+        coord_straggler_t slow;
+        coord_straggler_find(snap->members, snap->nmembers, c->cfg.straggler_ratio,
+                             (uint32_t)c->cfg.straggler_steps, &slow);
+        Pshard__Straggler straggler = PSHARD__STRAGGLER__INIT;
+        straggler.rank = slow.rank;
+        straggler.name = slow.name;
+        straggler.ratio = slow.ratio;
+        straggler.compute_seconds = slow.compute_s;
+        straggler.median_compute_seconds = slow.median_s;
+        straggler.window = slow.window;
+        straggler.ranks = slow.ranks;
+        straggler.threshold = c->cfg.straggler_ratio;
+        straggler.slow = slow.slow;
         Pshard__StatusResponse out = PSHARD__STATUS_RESPONSE__INIT;
         out.version = PSHARD_VERSION_STRING;
         out.generation = snap->generation;
@@ -301,6 +384,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         out.n_jobs = njobs;
         out.jobs = jptrs_all;
         out.job_linger_ms = c->cfg.job_linger_ms;
+        out.straggler = &straggler;
         ps_rpc_call_reply(call, &out.base);
     }
     free(jitems_all);
@@ -310,6 +394,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     free(ptrs);
     free(jitems);
     free(jptrs);
+    free(sitems);
     free(cs.items);
     free(cs.ptrs);
     coord_snapshot_free(snap);
@@ -417,6 +502,10 @@ pshard_coordinator_t *pshard_coordinator_start(const pshard_coordinator_config_t
 
     if (c->cfg.job_linger_ms <= 0)
         c->cfg.job_linger_ms = 300000;
+    if (!(c->cfg.straggler_ratio > 1) || !isfinite(c->cfg.straggler_ratio))
+        c->cfg.straggler_ratio = 1.5;
+    if (c->cfg.straggler_steps <= 0)
+        c->cfg.straggler_steps = 10;
     c->jobs = coord_job_create_locked(c, DEFAULT_JOB, strlen(DEFAULT_JOB));
     c->njobs = c->jobs ? 1 : 0;
     if (!c->jobs) {

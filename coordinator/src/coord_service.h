@@ -16,6 +16,7 @@
 
 #include "coord_state.h"
 #include "coord_store.h"
+#include "coord_straggler.h"
 #include "pshard/coordinator.h"
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/rpc.h"
@@ -48,6 +49,8 @@ typedef struct coord_job {
     pending_event_t events[MAX_PENDING_EVENTS];
     size_t nevents;
     int64_t idle_since_ns; /* when it was last seen unused (no members, watchers or waits) */
+    coord_straggler_watch_t straggler; /* what the log said of its slowest rank */
+    int64_t straggler_checked_ns;      /* when a heartbeat last looked for it */
 } coord_job_t;
 
 struct pshard_coordinator {

@@ -935,6 +935,19 @@ bool coord_state_set_health(coord_state_t *st, const char *member_id, const char
     return changed;
 }
 
+void coord_state_set_steps(coord_state_t *st, const char *member_id, const coord_steps_t *steps)
+{
+    long i = find_by_id(st, member_id);
+    if (i >= 0)
+        st->members[i].steps = *steps;
+}
+
+const coord_member_t *coord_state_members(const coord_state_t *st, size_t *n)
+{
+    *n = st->nmembers;
+    return st->members;
+}
+
 /* Snapshot order: shard servers by rank, unranked shard servers by name, trainers by name. */
 static int cmp_snapshot(const void *a, const void *b)
 {

@@ -38,6 +38,15 @@ typedef struct {
     int64_t last_call_ms; /* after min_nodes registered, wait this long for more (up to max) */
 } coord_state_config_t;
 
+/* A shard server's figures of its trainer's last steps, from its heartbeats (StepSummary; checked
+ * by coord_steps_check before they are kept). */
+typedef struct {
+    bool set;        /* a heartbeat carried them */
+    uint32_t window; /* steps the medians are over, 1..COORD_STEP_WINDOW */
+    uint64_t steps;  /* steps measured since that server started */
+    double step_s, compute_s, wait_s;
+} coord_steps_t;
+
 typedef struct {
     char member_id[COORD_ID_LEN + 1];
     char lease_key[COORD_KEY_LEN + 1]; /* the member's secret; blank in snapshots */
@@ -53,6 +62,7 @@ typedef struct {
     uint64_t registered_generation;
     bool not_serving;                             /* a shard server's last heartbeat said so */
     char not_serving_reason[COORD_FIELD_MAX + 1]; /* its reason, printable ASCII */
+    coord_steps_t steps;                          /* a shard server's, from its heartbeats */
 } coord_member_t;
 
 /* What a member learns from Register and Heartbeat. */
@@ -167,6 +177,14 @@ pshard_status_t coord_state_heartbeat(coord_state_t *st, const char *member_id,
  * the reason in awaiting) until it serves again; the generation and the ranks do not change.
  * Returns true when the member's health changed. */
 bool coord_state_set_health(coord_state_t *st, const char *member_id, const char *reason);
+
+/* Keeps what a member's heartbeat said of its trainer's steps (call after
+ * coord_state_heartbeat succeeded for member_id, with figures coord_steps_check accepted).
+ * Nothing else changes. */
+void coord_state_set_steps(coord_state_t *st, const char *member_id, const coord_steps_t *steps);
+
+/* The live members, unordered, borrowed until the next call that changes the state. */
+const coord_member_t *coord_state_members(const coord_state_t *st, size_t *n);
 
 /* Removes a member at its own request (lease_key as for heartbeat); bumps the generation. A
  * ranked shard server leaving a formed cluster makes it DEGRADED. Errors: as heartbeat's. */

@@ -1,5 +1,6 @@
 /* pshard-coordinator: parses flags and environment, starts the coordinator service, prints
  * "listening on HOST:PORT", and shuts down cleanly on SIGTERM or SIGINT. */
+#include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +37,8 @@ typedef struct {
     char *metrics_listen;
     char *metrics_port_file;
     char *rdzv_file;
+    char *straggler_ratio;
+    int64_t straggler_steps;
 } coord_opts_t;
 
 #define OPT(flag, env, type, def, help, field, lo, hi)                                             \
@@ -85,6 +88,15 @@ static const ps_option_t options[] = {
         1, 256),
     OPT("log", "PSHARD_LOG", PS_OPT_STRING, "warn", "log level: error|warn|info|debug|trace", log,
         0, 0),
+    OPT("straggler-ratio", "PSHARD_STRAGGLER_RATIO", PS_OPT_STRING, "1.5",
+        "a rank whose median step compute time (last 50 steps) is at least this many times "
+        "the median of all ranks' medians is slow: pshardctl status says so, and the log once "
+        "it stayed slow for --straggler-steps steps (a number > 1)",
+        straggler_ratio, 0, 0),
+    OPT("straggler-steps", "PSHARD_STRAGGLER_STEPS", PS_OPT_INT, "10",
+        "steps a rank's figures must cover before it is compared, and that it must stay slow "
+        "before it is logged",
+        straggler_steps, 1, 50),
     OPT("metrics-listen", "PSHARD_METRICS_LISTEN", PS_OPT_STRING, NULL,
         "serve Prometheus metrics at http://HOST:PORT/metrics; port 0 picks a free port "
         "(default: no metrics listener)",
@@ -166,6 +178,16 @@ int main(int argc, char **argv)
         exit_code = 2;
         goto out;
     }
+    char *ratio_end = NULL;
+    double straggler_ratio = o.straggler_ratio ? strtod(o.straggler_ratio, &ratio_end) : 1.5;
+    if (o.straggler_ratio &&
+        (ratio_end == o.straggler_ratio || *ratio_end || !isfinite(straggler_ratio) ||
+         straggler_ratio <= 1 || straggler_ratio > 1000)) {
+        fprintf(stderr, "pshard-coordinator: --straggler-ratio '%s' is not a number in (1, 1000]\n",
+                o.straggler_ratio);
+        exit_code = 2;
+        goto out;
+    }
     if ((o.tls_cert == NULL) != (o.tls_key == NULL)) {
         fprintf(stderr, "pshard-coordinator: --tls-cert and --tls-key go together\n");
         exit_code = 2;
@@ -199,6 +221,8 @@ int main(int argc, char **argv)
         .store_wait_default_ms = o.store_wait_ms,
         .job_linger_ms = o.job_linger_ms,
         .worker_threads = (int)o.threads,
+        .straggler_ratio = straggler_ratio,
+        .straggler_steps = o.straggler_steps,
     };
     /* Claimed before serving: a file another run left is refused before anything starts. */
     if (o.rdzv_file && ps_rdzv_file_claim(&rdzv, o.rdzv_file, err, sizeof(err)) != PSHARD_OK) {

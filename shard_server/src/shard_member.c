@@ -171,6 +171,22 @@ static void lease_health(void *ctx, char *reason, size_t len)
     pthread_mutex_unlock(&s->health_mu);
 }
 
+/* Every heartbeat carries the medians of the trainer's last steps, so the coordinator can
+ * name the slowest rank (shard_steps.h). */
+static bool lease_steps(void *ctx, Pshard__StepSummary *out)
+{
+    pshard_shard_server_t *s = ctx;
+    shard_step_summary_t sum;
+    if (!shard_steps_summary(&s->steps, &sum))
+        return false;
+    out->window = sum.window;
+    out->steps = sum.steps;
+    out->step_seconds = sum.step_s;
+    out->compute_seconds = sum.compute_s;
+    out->wait_seconds = sum.wait_s;
+    return true;
+}
+
 pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t errlen)
 {
     s->register_backoff_ms = 100;
@@ -185,6 +201,7 @@ pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t er
         .on_event = lease_event,
         .on_wait = lease_wait,
         .health = lease_health,
+        .steps = lease_steps,
         .ctx = s,
     };
     return ps_coord_lease_start(&lc, false, &s->lease, err, errlen);

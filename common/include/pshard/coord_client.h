@@ -103,6 +103,10 @@ typedef struct {
     /* Before every Heartbeat (NULL: always serving): writes why the member cannot serve now
      * into reason (len bytes), or "" while it serves; the heartbeat carries it. */
     void (*health)(void *ctx, char *reason, size_t len);
+    /* Before every Heartbeat (NULL: none): fills *out (initialised) with the member's step
+     * figures and returns true, or returns false when it has none; the heartbeat carries
+     * them. */
+    bool (*steps)(void *ctx, Pshard__StepSummary *out);
     void *ctx;
 } ps_coord_lease_config_t;
 

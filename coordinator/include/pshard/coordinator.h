@@ -25,6 +25,12 @@ typedef struct {
     int64_t job_linger_ms;         /* an unused job other than "default" ends after this
                                       (<= 0: 300000) */
     int worker_threads;
+    /* "Who is slow": a rank whose median step compute time is at least straggler_ratio times
+     * the median of the ranks' medians is the slow one (<= 1 or not finite: 1.5), and is
+     * logged once it stayed so for straggler_steps steps (<= 0: 10); only figures over at
+     * least straggler_steps steps are compared. */
+    double straggler_ratio;
+    int64_t straggler_steps;
 } pshard_coordinator_config_t;
 
 /* Starts serving (threads of its own). NULL with a message in err on a bad config or when the
