@@ -250,6 +250,64 @@ static json_t *json_counters(const Pshard__StatusResponse *st)
     return a;
 }
 
+/* The slowest rank and every rank's step figures (README, "Who is slow"), as JSON. */
+static json_t *json_straggler(const Pshard__StatusResponse *st)
+{
+    json_t *ranks = json_array();
+    for (size_t i = 0; ranks && i < st->n_members; i++) {
+        const Pshard__Member *m = st->members[i];
+        const Pshard__StepSummary *s = m->steps;
+        if (!s || m->rank < 0)
+            continue;
+        if (!append(ranks, json_pack("{s:i,s:o,s:i,s:I,s:f,s:f,s:f}", "rank", m->rank, "name",
+                                     ctl_jstr(m->name), "window", (int)s->window, "steps",
+                                     (json_int_t)s->steps, "step_seconds", s->step_seconds,
+                                     "compute_seconds", s->compute_seconds, "wait_seconds",
+                                     s->wait_seconds))) {
+            json_decref(ranks);
+            return NULL;
+        }
+    }
+    const Pshard__Straggler *g = st->straggler;
+    if (!g || g->rank < 0)
+        return json_pack("{s:n,s:o}", "rank", "ranks", ranks);
+    return json_pack("{s:i,s:o,s:f,s:f,s:f,s:i,s:i,s:f,s:b,s:o}", "rank", g->rank, "name",
+                     ctl_jstr(g->name), "ratio", g->ratio, "compute_seconds", g->compute_seconds,
+                     "median_compute_seconds", g->median_compute_seconds, "window", (int)g->window,
+                     "ranks_compared", (int)g->ranks, "threshold", g->threshold, "slow", g->slow,
+                     "ranks", ranks);
+}
+
+/* "slowest      rank 3 (shard-3) is 1.80x the median step compute ..." and one line per rank
+ * with step figures; nothing before any rank has them. */
+static void print_straggler(FILE *out, const Pshard__StatusResponse *st)
+{
+    const Pshard__Straggler *g = st->straggler;
+    bool any = false;
+    for (size_t i = 0; i < st->n_members; i++)
+        any |= st->members[i]->steps != NULL && st->members[i]->rank >= 0;
+    if (!any)
+        return;
+    if (g && g->rank >= 0)
+        fprintf(out,
+                "slowest      rank %d (%s) is %.2fx the median step compute over the last %u "
+                "steps (%.3f s against %.3f s)%s\n",
+                g->rank, g->name, g->ratio, g->window, g->compute_seconds,
+                g->median_compute_seconds, g->slow ? ": SLOW (--straggler-ratio)" : "");
+    else
+        fprintf(out, "slowest      not known yet: two ranks need enough steps to compare\n");
+    for (size_t i = 0; i < st->n_members; i++) {
+        const Pshard__Member *m = st->members[i];
+        const Pshard__StepSummary *s = m->steps;
+        if (!s || m->rank < 0)
+            continue;
+        fprintf(out,
+                "  rank %-4d  step %.3f s  compute %.3f s  wait %.3f s  (medians of %u steps, "
+                "%" PRIu64 " in all)\n",
+                m->rank, s->step_seconds, s->compute_seconds, s->wait_seconds, s->window, s->steps);
+    }
+}
+
 /* status and members. status also asks every shard server for its own status (see
  * ctl_probe_servers); a server that does not answer is reported, not an error of the command. */
 int cmd_status(bool members_only)
@@ -281,6 +339,10 @@ int cmd_status(bool members_only)
                 "{s:o,s:o,s:i,s:o,s:o}", "members", ctl_json_members(st->members, st->n_members),
                 "joins", ctl_json_joins(st->joins, st->n_joins), "last_joiner", st->last_joiner,
                 "servers", json_servers(probes, nprobes), "counters", json_counters(st));
+            if (rest && json_object_set_new(rest, "straggler", json_straggler(st)) != 0) {
+                json_decref(rest);
+                rest = NULL;
+            }
             if (v && (!rest || json_object_update(v, rest) != 0)) {
                 json_decref(v);
                 v = NULL;
@@ -307,6 +369,7 @@ int cmd_status(bool members_only)
                    st->heartbeat_ms);
             printf("store        %" PRIu64 " keys, %" PRIu64 " waiting\n", st->store_keys,
                    st->store_waiters);
+            print_straggler(stdout, st);
             ctl_print_joins(stdout, st);
             if (st->n_jobs > 1) {
                 printf("jobs         %zu on this coordinator (unused ones end after %" PRId64
