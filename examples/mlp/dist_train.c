@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "pshard/ckpt.h"
@@ -230,6 +231,13 @@ int mlp_dist_train(const mlp_dist_args_t *da)
             _exit(3); /* like a crash: no goodbye to the shard server */
         }
         mlp_task_batch(task, a->data_seed, rank, s, a->batch, x, y);
+        if (da->sleep_ms_per_step > 0 && (da->sleep_rank < 0 || da->sleep_rank == rank)) {
+            /* A straggler (pshardctl status names it): time outside pshard, like slow data. */
+            struct timespec ts = {da->sleep_ms_per_step / 1000,
+                                  (da->sleep_ms_per_step % 1000) * 1000000L};
+            while (nanosleep(&ts, &ts) != 0)
+                ;
+        }
         double l = NAN;
         pshard_status_t st = train_step(c, da, ws, x, y, tmp[0], tmp[1], tmp[2], tmp[3], &l);
         if (st == PSHARD_OK)

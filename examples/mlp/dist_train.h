@@ -23,6 +23,8 @@ typedef struct {
     bool join_mid_step;         /* --uneven: join after the first gather of one more step */
     int64_t fail_at_step;       /* first attempt only: rank fail_rank exits 3 before it */
     int fail_rank;
+    int64_t sleep_ms_per_step; /* rank sleep_rank (-1: every rank) sleeps this long per step */
+    int sleep_rank;
     bool checkpoint_at_end; /* pshard_checkpoint_save after the last step */
     const char *init_from;  /* safetensors file with the initial weights, or NULL */
 } mlp_dist_args_t;

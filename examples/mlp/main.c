@@ -52,6 +52,8 @@ typedef struct {
     bool join_mid_step;
     int64_t fail_at_step;
     int64_t fail_rank;
+    int64_t sleep_ms_per_step;
+    int64_t sleep_rank;
     char *dump_weights;
     bool checkpoint_at_end;
     char *init_from;
@@ -118,6 +120,12 @@ static const ps_option_t options[] = {
         "0), rank --fail-rank exits with status 3 just before this step (0: never)",
         fail_at_step, 0, 1000000000),
     OPT("fail-rank", NULL, PS_OPT_INT, "0", "the rank --fail-at-step stops", fail_rank, 0, 1000000),
+    OPT("sleep-ms-per-step", NULL, PS_OPT_INT, "0",
+        "a straggler for tests of pshardctl status: rank --sleep-rank sleeps this long in every "
+        "step, before its forward (as a slow data loader would)",
+        sleep_ms_per_step, 0, 3600000),
+    OPT("sleep-rank", NULL, PS_OPT_INT, "-1", "the rank --sleep-ms-per-step slows (-1: every rank)",
+        sleep_rank, -1, 1000000),
     OPT("optimizer-in-backward", NULL, PS_OPT_BOOL, "false",
         "shard servers update each layer at its reduce-scatter and keep no gradient "
         "accumulator (needs --max-grad-norm 0)",
@@ -276,6 +284,8 @@ static int run_distributed(const mlp_config_t *cfg, const mlp_opts_t *o)
     d.join_mid_step = o->join_mid_step;
     d.fail_at_step = o->fail_at_step;
     d.fail_rank = (int)o->fail_rank;
+    d.sleep_ms_per_step = o->sleep_ms_per_step;
+    d.sleep_rank = (int)o->sleep_rank;
     d.checkpoint_at_end = o->checkpoint_at_end;
     d.init_from = o->init_from;
     a->dump_weights = o->dump_weights;
