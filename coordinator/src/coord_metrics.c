@@ -2,10 +2,12 @@
  * leases, the Join table, the store, plus the gRPC and process families every service has.
  * Written from one snapshot of every job (coord_service_metrics_view), each per-job family
  * with a "job" label, on the metrics thread. */
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "coord_metrics.h"
+#include "coord_straggler.h"
 #include "pshard/util.h"
 
 static void gauge(ps_metrics_t *w, const char *name, const char *help, double v)
@@ -54,6 +56,61 @@ static double store_keys_of(const coord_metrics_job_t *j)
 static double store_waiters_of(const coord_metrics_job_t *j)
 {
     return (double)j->store_waiters;
+}
+
+/* "Who is slow": each ranked server's step medians (from its heartbeats) and the slowest rank
+ * of each job, as pshardctl status shows them. */
+static void straggler_families(ps_metrics_t *w, const coord_metrics_view_t *v)
+{
+    static const char *const names[3] = {"pshard_coordinator_step_median_seconds",
+                                         "pshard_coordinator_step_compute_median_seconds",
+                                         "pshard_coordinator_step_wait_median_seconds"};
+    static const char *const helps[3] = {
+        "A rank's median step time over its last steps (at most 50), from its heartbeats.",
+        "A rank's median step compute time (its trainer outside pshard).",
+        "A rank's median step wait time (its trainer waiting on its shard server)."};
+    for (int k = 0; k < 3; k++) {
+        ps_metrics_family(w, names[k], PS_METRIC_GAUGE, helps[k]);
+        for (size_t i = 0; i < v->njobs; i++) {
+            const coord_snapshot_t *snap = v->jobs[i].snap;
+            for (size_t m = 0; snap && m < snap->nmembers; m++) {
+                const coord_member_t *mb = &snap->members[m];
+                if (!mb->steps.set || mb->rank < 0)
+                    continue;
+                char rank[16];
+                snprintf(rank, sizeof(rank), "%d", mb->rank);
+                const char *labels[] = {"job", v->jobs[i].job, "rank", rank, NULL};
+                double x = k == 0   ? mb->steps.step_s
+                           : k == 1 ? mb->steps.compute_s
+                                    : mb->steps.wait_s;
+                ps_metrics_sample(w, labels, x);
+            }
+        }
+    }
+    coord_straggler_t *found = calloc(v->njobs + 1, sizeof(*found));
+    if (!found)
+        return;
+    for (size_t i = 0; i < v->njobs; i++) {
+        found[i].rank = -1;
+        if (v->jobs[i].snap)
+            coord_straggler_find(v->jobs[i].snap->members, v->jobs[i].snap->nmembers,
+                                 v->straggler_ratio, v->straggler_steps, &found[i]);
+    }
+    ps_metrics_family(w, "pshard_coordinator_slowest_rank", PS_METRIC_GAUGE,
+                      "The rank with the highest median step compute time (-1: fewer than two "
+                      "ranks have enough steps).");
+    for (size_t i = 0; i < v->njobs; i++) {
+        const char *labels[] = {"job", v->jobs[i].job, NULL};
+        ps_metrics_sample(w, labels, found[i].rank);
+    }
+    ps_metrics_family(w, "pshard_coordinator_slowest_ratio", PS_METRIC_GAUGE,
+                      "The slowest rank's median compute time over the median of all ranks' "
+                      "medians (0: no slowest rank yet); slow at --straggler-ratio or more.");
+    for (size_t i = 0; i < v->njobs; i++) {
+        const char *labels[] = {"job", v->jobs[i].job, NULL};
+        ps_metrics_sample(w, labels, found[i].rank >= 0 ? found[i].ratio : 0);
+    }
+    free(found);
 }
 
 static void write_view(void *arg, const coord_metrics_view_t *v)
@@ -143,6 +200,7 @@ static void write_view(void *arg, const coord_metrics_view_t *v)
               store_keys_of);
     job_gauge(w, v, "pshard_coordinator_store_waiters", "A job's pending store waits (StoreWait).",
               store_waiters_of);
+    straggler_families(w, v);
     ps_metrics_rpc(w, v->srv);
     ps_metrics_process(w, v->started_ns);
 }

@@ -25,7 +25,9 @@ typedef struct {
     size_t njobs;
     int64_t now_ns, started_ns; /* ps_now_ns clock */
     int64_t lease_ms;
-    ps_rpc_server_t *srv; /* for the per-method counters */
+    double straggler_ratio;   /* --straggler-ratio */
+    uint32_t straggler_steps; /* --straggler-steps */
+    ps_rpc_server_t *srv;     /* for the per-method counters */
 } coord_metrics_view_t;
 
 /* Takes every job's snapshot under the service's mutex (briefly), then calls fn(arg, view)

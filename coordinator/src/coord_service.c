@@ -612,6 +612,8 @@ void coord_service_metrics_view(pshard_coordinator_t *c,
     v.now_ns = ps_now_ns();
     v.started_ns = c->started_ns;
     v.lease_ms = c->cfg.lease_ms;
+    v.straggler_ratio = c->cfg.straggler_ratio;
+    v.straggler_steps = (uint32_t)c->cfg.straggler_steps;
     v.srv = c->srv;
     pthread_mutex_lock(&c->mu);
     coord_metrics_job_t *jobs = calloc(c->njobs ? c->njobs : 1, sizeof(*jobs));

@@ -3,7 +3,8 @@
 # pshard-mlp trainers, of which rank 2 sleeps 200 ms in every step (--sleep-ms-per-step, time
 # outside pshard as a slow data loader's). `pshardctl status` must name rank 2 as the slowest,
 # at a ratio well over 1, and as SLOW; the coordinator must log it once; and rank 2's /metrics
-# must show more compute time than rank 0's and rank 0's more wait time than rank 2's. Only
+# must show more compute time than rank 0's and rank 0's more wait time than rank 2's, and the
+# coordinator's /metrics name rank 2 as the slowest. Only
 # orderings and a loose ratio are asserted: the machine may be busy.
 # usage: test_straggler.sh COORDINATOR SERVER PSHARDCTL PSHARD-MLP
 set -euo pipefail
@@ -40,9 +41,10 @@ metric() { awk -v n="$2" '$1 == n { print $2 }' "$1"; }
 
 "$coord_bin" --listen 127.0.0.1:0 --port-file "$work/coord.port" --world-size "$N" \
   --lease-ms 4000 --heartbeat-ms 200 --straggler-ratio 1.3 --straggler-steps 5 \
-  > "$work/coord.log" 2>&1 &
+  --metrics-listen 127.0.0.1:0 --metrics-port-file "$work/mc.port" > "$work/coord.log" 2>&1 &
 pids+=("$!")
 wait_for 20 test -s "$work/coord.port"
+wait_for 20 test -s "$work/mc.port"
 caddr="127.0.0.1:$(cat "$work/coord.port")"
 for ((r = 0; r < N; r++)); do
   "$server_bin" --coordinator "$caddr" --listen 127.0.0.1:0 --port-file "$work/s$r.port" \
@@ -105,6 +107,13 @@ awk -v a="${slow_compute:-0}" -v b="${fast_compute:-0}" 'BEGIN { exit !(a > b &&
   fail "rank $SLOW's compute sum ${slow_compute} is not above rank 0's ${fast_compute}"
 awk -v a="${fast_wait:-0}" -v b="${slow_wait:-0}" 'BEGIN { exit !(a > b) }' ||
   fail "rank 0's wait sum ${fast_wait} is not above rank $SLOW's ${slow_wait}"
+
+# 4. The coordinator's /metrics say the same.
+scrape "$(cat "$work/mc.port")" > "$work/metrics-coord.txt"
+grep -q "^pshard_coordinator_slowest_rank{job=\"default\"} $SLOW\$" "$work/metrics-coord.txt" ||
+  fail "coordinator /metrics: $(grep slowest "$work/metrics-coord.txt")"
+grep -q "^pshard_coordinator_step_compute_median_seconds{job=\"default\",rank=\"$SLOW\"} " \
+  "$work/metrics-coord.txt" || fail "coordinator /metrics has no compute median of rank $SLOW"
 
 n=$(grep -c "slow rank: rank $SLOW " "$work/coord.log" || true)
 [ "$n" = 1 ] || fail "the coordinator logged rank $SLOW slow $n times, not once"
