@@ -464,6 +464,26 @@ pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step)
     return step_request(c, false, 0.0, NULL, 0, true, -1, NULL, 0, step, NULL);
 }
 
+pshard_status_t pshard_report_step(pshard_client_t *c, uint64_t tokens, uint64_t samples)
+{
+    if (tokens > ((uint64_t)1 << 53) || samples > ((uint64_t)1 << 53))
+        return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
+                           "a step reports at most 2^53 tokens and samples (got %llu, %llu)",
+                           (unsigned long long)tokens, (unsigned long long)samples);
+    Pshard__MarkStepRequest req = PSHARD__MARK_STEP_REQUEST__INIT;
+    req.session = c->session;
+    req.tokens = tokens;
+    req.samples = samples;
+    ProtobufCMessage *resp = NULL;
+    char err[PSHARD_ERRLEN] = "";
+    pshard_status_t rc = client_call(
+        c, "MarkStep", &req.base, &pshard__mark_step_response__descriptor, &resp, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        return client_fail(c, rc, "MarkStep: %s", err);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return PSHARD_OK;
+}
+
 pshard_status_t pshard_set_step(pshard_client_t *c, int64_t step)
 {
     if (!c->nparams)

@@ -17,7 +17,7 @@
 #include "shard_model.h"
 #include "shard_steps.h"
 
-#define NMETHODS 13
+#define NMETHODS 14
 #define SHM_NAME_MAX 200
 
 typedef struct {

@@ -56,7 +56,7 @@ pshard_comm_t *shard_op_comm(pshard_shard_server_t *s, pshard_status_t *rc, char
                              size_t errlen);
 
 /* PSHARD_OK when session names the attached trainer, else FAILED_PRECONDITION saying why.
- * Call with op_mu held. */
+ * Call with op_mu or mu held (Attach changes the session under both). */
 pshard_status_t shard_session_check(const pshard_shard_server_t *s, const char *session, char *err,
                                     size_t errlen);
 

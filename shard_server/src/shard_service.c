@@ -559,12 +559,6 @@ static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm,
 {
     step_arg_t *a = op->arg;
     const Pshard__StepRequest *req = a->req;
-    /* Counters that add them must not wrap: 2^53 per step is beyond any real batch. */
-    if (req->tokens > ((uint64_t)1 << 53) || req->samples > ((uint64_t)1 << 53))
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "a step reports at most 2^53 tokens and samples (got %" PRIu64
-                       " tokens, %" PRIu64 " samples)",
-                       req->tokens, req->samples);
     if (req->set_lr && req->n_groups > 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "a step carries either groups (each with its lr) or lr, not both");
@@ -666,7 +660,7 @@ static void handle_step(ps_rpc_call_t *call, const ProtobufCMessage *request, vo
      * a Step that only restores the count ends no step. */
     if (rc == PSHARD_OK && !req->set_step) {
         pshard_shard_server_t *s = ctx;
-        shard_steps_boundary(&s->steps, ps_now_ns(), req->tokens, req->samples);
+        shard_steps_boundary(&s->steps, ps_now_ns(), false, 0, 0);
     }
     Pshard__StepResponse out = PSHARD__STEP_RESPONSE__INIT;
     out.step = a.step;
@@ -925,6 +919,34 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     pthread_mutex_unlock(&s->mu);
 }
 
+/* MarkStep: the trainer ends a step itself (shard_steps.h). Inline (no worker, no op_mu): it
+ * only reads the clock, and must not wait behind the trainer's own queued operations. */
+static void handle_mark_step(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    pshard_shard_server_t *s = ctx;
+    const Pshard__MarkStepRequest *req = (const Pshard__MarkStepRequest *)request;
+    char err[PSHARD_ERRLEN] = "";
+    pshard_status_t rc = PSHARD_OK;
+    /* Counters that add them must not wrap: 2^53 per step is beyond any real batch. */
+    if (req->tokens > ((uint64_t)1 << 53) || req->samples > ((uint64_t)1 << 53))
+        rc = ps_errf(err, sizeof(err), PSHARD_ERR_INVALID_ARGUMENT,
+                     "a step reports at most 2^53 tokens and samples (got %" PRIu64
+                     " tokens, %" PRIu64 " samples)",
+                     req->tokens, req->samples);
+    pthread_mutex_lock(&s->mu); /* (attach_run writes the session under mu too) */
+    if (rc == PSHARD_OK)
+        rc = shard_session_check(s, req->session, err, sizeof(err));
+    pthread_mutex_unlock(&s->mu);
+    Pshard__MarkStepResponse out = PSHARD__MARK_STEP_RESPONSE__INIT;
+    if (rc == PSHARD_OK) {
+        shard_steps_boundary(&s->steps, ps_now_ns(), true, req->tokens, req->samples);
+        shard_step_summary_t sum;
+        shard_steps_summary(&s->steps, &sum);
+        out.steps = sum.steps;
+    }
+    answer(call, rc, err, &out.base);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* The method table                                                                          */
 
@@ -948,13 +970,15 @@ void shard_service_add_methods(pshard_shard_server_t *s)
         {"Checkpoint", &pshard__checkpoint_request__descriptor, handle_checkpoint},
         {"ClipGradNorm", &pshard__clip_grad_norm_request__descriptor, handle_clip_grad_norm},
         {"NewGroups", &pshard__new_groups_request__descriptor, handle_new_groups},
+        {"MarkStep", &pshard__mark_step_request__descriptor, handle_mark_step},
     };
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);
         /* Status must answer while trainer operations hold every worker: inline. */
         unsigned flags = table[i].fn == handle_read_region ? PS_RPC_STREAM
-                         : table[i].fn == handle_status    ? PS_RPC_INLINE
-                                                           : 0;
+                         : table[i].fn == handle_status || table[i].fn == handle_mark_step
+                             ? PS_RPC_INLINE
+                             : 0;
         s->methods[i] = (ps_rpc_method_t){s->paths[i], table[i].desc, table[i].fn, flags, s};
     }
     ps_rpc_server_add_methods(s->srv, s->methods, NMETHODS);

@@ -38,14 +38,21 @@ void shard_steps_reset(shard_steps_t *st)
     pthread_mutex_lock(&st->mu);
     st->step_start_ns = 0;
     st->busy_ns = 0;
+    st->marked = false;
     st->nwindow = 0;
     st->next = 0;
     pthread_mutex_unlock(&st->mu);
 }
 
-void shard_steps_boundary(shard_steps_t *st, int64_t now_ns, uint64_t tokens, uint64_t samples)
+void shard_steps_boundary(shard_steps_t *st, int64_t now_ns, bool mark, uint64_t tokens,
+                          uint64_t samples)
 {
     pthread_mutex_lock(&st->mu);
+    if (!mark && st->marked) {
+        pthread_mutex_unlock(&st->mu);
+        return;
+    }
+    st->marked |= mark;
     /* The wait so far, up to now, belongs to the step that ends here; a call still inside
      * counts on into the next one. */
     int64_t busy = st->busy_ns;
@@ -73,9 +80,10 @@ void shard_steps_boundary(shard_steps_t *st, int64_t now_ns, uint64_t tokens, ui
         if (st->nwindow < SHARD_STEP_WINDOW)
             st->nwindow++;
         st->steps++;
-        st->tokens += tokens;
-        st->samples += samples;
     }
+    /* The first mark's counts are the trainer's too, even if its step had no start here. */
+    st->tokens += tokens;
+    st->samples += samples;
     st->step_start_ns = now_ns;
     pthread_mutex_unlock(&st->mu);
 }

@@ -6,8 +6,11 @@
  *
  * Definitions (README, "Who is slow"):
  * - a step boundary is the end of a successful Step (the shard servers' optimizer, or
- *   pshard_step_trainer after a trainer's own torch.optim optimizer); a Step that only sets the
- *   step count is none. The first boundary of a session only starts the clock;
+ *   pshard_step_trainer after a trainer's own torch.optim optimizer; a Step that only sets the
+ *   step count is none), or a mark the trainer sends itself (MarkStep: pshard.report_step,
+ *   which a trainer without Steps, e.g. DDP on the "pshard" backend, calls). Once a session's
+ *   trainer marked a step, only its marks are boundaries, so a trainer calling both counts
+ *   each step once. The first boundary of a session only starts the clock;
  * - step time: the wall time between two consecutive boundaries;
  * - wait time: the part of it during which at least one call of the trainer was inside this
  *   server (its collectives, the agreement rounds, the copies, and the wait for op_mu): the
@@ -41,6 +44,7 @@ typedef struct {
     uint64_t hist[SHARD_STEP_NFIG][PS_METRICS_LATENCY_BUCKETS + 1];
     double sum[SHARD_STEP_NFIG];
     uint64_t tokens, samples; /* what trainers reported with their steps */
+    bool marked;              /* this session's trainer marks its steps itself */
 } shard_steps_t;
 
 /* What a heartbeat carries: the medians over the window, which holds window steps (0: nothing
@@ -62,9 +66,12 @@ void shard_steps_op_end(shard_steps_t *st, int64_t now_ns);
  * (the histograms and totals stay: they count since the server started). Thread-safe. */
 void shard_steps_reset(shard_steps_t *st);
 
-/* A step boundary at now_ns: records the step that ends here (unless it is the session's
- * first boundary) and adds the tokens and samples the trainer reported for it. Thread-safe. */
-void shard_steps_boundary(shard_steps_t *st, int64_t now_ns, uint64_t tokens, uint64_t samples);
+/* A step boundary at now_ns, from a Step (mark false) or the trainer's MarkStep (mark true; a
+ * Step is none once the session marked one): records the step that ends here (unless it is
+ * the session's first boundary) and adds the tokens and samples the trainer reported for it.
+ * Thread-safe. */
+void shard_steps_boundary(shard_steps_t *st, int64_t now_ns, bool mark, uint64_t tokens,
+                          uint64_t samples);
 
 /* The window's medians into *out. Returns whether the window holds any step. Thread-safe. */
 bool shard_steps_summary(shard_steps_t *st, shard_step_summary_t *out);

@@ -345,6 +345,19 @@ PSHARD_API pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i,
  * rank's trainer no longer steps its shard; the collectives' own. Not thread-safe. */
 PSHARD_API pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step);
 
+/* Tells this rank's shard server that a training step ends now, and what the trainer processed
+ * in it: tokens and samples (each at most 2^53; 0 when not counted) add to the server's
+ * pshard_step_tokens_total and pshard_step_samples_total. The server times each step between
+ * two marks, splitting it into the time the trainer spent in pshard's calls and the rest
+ * (compute), and the coordinator compares the ranks (pshardctl status names the slowest).
+ * Without marks the server ends a step at each pshard_step or pshard_step_trainer; once a
+ * trainer marked a step, only its marks count, so calling both counts each step once. Call it
+ * at the same point of every step (after the optimizer). Not collective; it waits for nothing
+ * queued. Errors: INVALID_ARGUMENT (a count over 2^53), FAILED_PRECONDITION (not attached),
+ * the RPC's. Not thread-safe (one thread per client). */
+PSHARD_API pshard_status_t pshard_report_step(pshard_client_t *c, uint64_t tokens,
+                                              uint64_t samples);
+
 /* pshard_step_groups, leaving alone the parameters no rank had a gradient for in this step
  * (torch.optim skips a parameter whose grad is None): skip holds one bit per parameter of the
  * definition (bit p % 8 of byte p / 8), skip_bytes = ceil(nparams / 8), no bit set past the

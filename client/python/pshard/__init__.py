@@ -29,7 +29,7 @@ __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
     "get_world_size", "Error", "PeerLostError", "DesyncError", "JoinedError", "TimeoutError",
     "AbortedError", "InvalidArgumentError", "NotFoundError", "OutOfMemoryError",
-    "FailedPreconditionError", "UnavailableError",
+    "FailedPreconditionError", "UnavailableError", "report_step",
 ]
 
 from ._world import _get_client, current as _current  # noqa: F401  (pshard._get_client)
@@ -120,6 +120,18 @@ def get_world_size(group=None):
     if group is not None:
         return _torch_distributed().get_world_size(group)
     return _get_client().world_size
+
+
+def report_step(tokens=None, samples=None):
+    """Marks the end of a training step on this rank's shard server, with the tokens and samples
+    the step processed (None: not counted). The server times each step, splits it into the time
+    spent waiting on pshard and the rest (compute), and exposes both in /metrics with the
+    counters pshard_step_tokens_total and pshard_step_samples_total; ``pshardctl status`` names
+    the slowest rank. Without marks each optimizer step on the servers (or a torch.optim step
+    of a ``fully_shard`` model) ends a step; once a trainer reports one, only its reports do.
+    Call it once per step, after the optimizer, on every rank. Raises ValueError for a negative
+    count, and pshard's errors (e.g. InvalidArgumentError over 2**53)."""
+    _get_client().report_step(tokens=int(tokens or 0), samples=int(samples or 0))
 
 
 def destroy_process_group(group=None):

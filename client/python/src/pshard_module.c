@@ -982,6 +982,9 @@ static PyMethodDef Client_methods[] = {
      "the servers' optimizer leaves alone (no gradient this step)"},
     {"step_trainer", (PyCFunction)Client_step_trainer, METH_NOARGS,
      "step_trainer() -> step: ends a step the trainer's own optimizer took on the shard views"},
+    {"report_step", (PyCFunction)(void (*)(void))Client_report_step, METH_VARARGS | METH_KEYWORDS,
+     "report_step(tokens=0, samples=0): a training step ends now, having processed these "
+     "(the server's step timing and throughput counters; pshard.report_step)"},
     {"shard_view", (PyCFunction)Client_shard_view, METH_O,
      "shard_view(i) -> (master, grad or None, offset, numel): this rank's fp32 shard of "
      "parameter i in the shard server's memory (1-D Buffers of numel elements)"},

@@ -51,6 +51,27 @@ PyObject *Client_step_trainer(ClientObject *self, PyObject *unused)
     return PyLong_FromLongLong((long long)step);
 }
 
+PyObject *Client_report_step(ClientObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"tokens", "samples", NULL};
+    long long tokens = 0, samples = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|LL:report_step", kwlist, &tokens, &samples))
+        return NULL;
+    if (tokens < 0 || samples < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "report_step: tokens and samples must be >= 0 (got %lld, %lld)", tokens,
+                     samples);
+        return NULL;
+    }
+    if (!pshard_py_client_ok(self))
+        return NULL;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_report_step(self->c, (uint64_t)tokens, (uint64_t)samples));
+    if (st != PSHARD_OK)
+        return pshard_py_client_fail(self, st);
+    Py_RETURN_NONE;
+}
+
 /* A Buffer over n fp32 values at p, or None when p is NULL. */
 static PyObject *view_or_none(ClientObject *self, float *p, PyObject *shape)
 {

@@ -15,9 +15,8 @@ static void test_step_figures(void)
     shard_step_summary_t sum;
     CU_ASSERT_FALSE(shard_steps_summary(&st, &sum));
     /* The first boundary only starts the clock. */
-    shard_steps_boundary(&st, MS(1000), 7, 1);
+    shard_steps_boundary(&st, MS(1000), false, 0, 0);
     CU_ASSERT_FALSE(shard_steps_summary(&st, &sum));
-    CU_ASSERT_EQUAL(st.tokens, 0);
     /* A 100 ms step with calls 1000..1020 and, overlapping, 1010..1030 and 1050..1060:
      * 40 ms of wait. */
     shard_steps_op_begin(&st, MS(1000));
@@ -28,7 +27,7 @@ static void test_step_figures(void)
     shard_steps_op_end(&st, MS(1060));
     /* A call still inside at the boundary: 1090..1100 counts here, 1100..1110 in the next. */
     shard_steps_op_begin(&st, MS(1090));
-    shard_steps_boundary(&st, MS(1100), 512, 4);
+    shard_steps_boundary(&st, MS(1100), false, 512, 4);
     shard_steps_op_end(&st, MS(1110));
     CU_ASSERT_TRUE(shard_steps_summary(&st, &sum));
     CU_ASSERT_EQUAL(sum.window, 1);
@@ -38,8 +37,8 @@ static void test_step_figures(void)
     CU_ASSERT_DOUBLE_EQUAL(sum.compute_s, 0.050, 1e-9);
     CU_ASSERT_EQUAL(st.tokens, 512);
     CU_ASSERT_EQUAL(st.samples, 4);
-    shard_steps_boundary(&st, MS(1300), 0, 0); /* 200 ms, 10 ms wait */
-    shard_steps_boundary(&st, MS(1400), 0, 0); /* 100 ms, none */
+    shard_steps_boundary(&st, MS(1300), false, 0, 0); /* 200 ms, 10 ms wait */
+    shard_steps_boundary(&st, MS(1400), false, 0, 0); /* 100 ms, none */
     CU_ASSERT_TRUE(shard_steps_summary(&st, &sum));
     CU_ASSERT_EQUAL(sum.window, 3);
     CU_ASSERT_DOUBLE_EQUAL(sum.step_s, 0.100, 1e-9);
@@ -47,7 +46,7 @@ static void test_step_figures(void)
     CU_ASSERT_DOUBLE_EQUAL(sum.compute_s, 0.100, 1e-9);
     /* The window keeps the last 50 steps: 60 steps of 10 ms after these. */
     for (int i = 1; i <= 60; i++)
-        shard_steps_boundary(&st, MS(1400 + 10 * i), 0, 0);
+        shard_steps_boundary(&st, MS(1400 + 10 * i), false, 0, 0);
     CU_ASSERT_TRUE(shard_steps_summary(&st, &sum));
     CU_ASSERT_EQUAL(sum.window, SHARD_STEP_WINDOW);
     CU_ASSERT_EQUAL(sum.steps, 63);
@@ -55,8 +54,8 @@ static void test_step_figures(void)
     /* A new session: the window restarts, the totals stay. */
     shard_steps_reset(&st);
     CU_ASSERT_FALSE(shard_steps_summary(&st, &sum));
-    shard_steps_boundary(&st, MS(5000), 0, 0);
-    shard_steps_boundary(&st, MS(5300), 0, 0);
+    shard_steps_boundary(&st, MS(5000), false, 0, 0);
+    shard_steps_boundary(&st, MS(5300), false, 0, 0);
     CU_ASSERT_TRUE(shard_steps_summary(&st, &sum));
     CU_ASSERT_EQUAL(sum.window, 1);
     CU_ASSERT_EQUAL(sum.steps, 64);
@@ -64,14 +63,41 @@ static void test_step_figures(void)
     shard_steps_destroy(&st);
 }
 
+/* Once the trainer marks its steps, Steps end none: each step counts once. */
+static void test_marks(void)
+{
+    shard_steps_t st;
+    shard_steps_init(&st);
+    shard_step_summary_t sum;
+    shard_steps_boundary(&st, MS(1000), false, 0, 0);  /* a Step */
+    shard_steps_boundary(&st, MS(1050), true, 100, 2); /* the trainer's mark just after it */
+    CU_ASSERT_TRUE(shard_steps_summary(&st, &sum));
+    CU_ASSERT_EQUAL(sum.steps, 1);
+    shard_steps_boundary(&st, MS(1300), false, 0, 0); /* ignored */
+    shard_steps_boundary(&st, MS(1350), true, 100, 2);
+    CU_ASSERT_TRUE(shard_steps_summary(&st, &sum));
+    CU_ASSERT_EQUAL(sum.steps, 2);
+    CU_ASSERT_EQUAL(sum.window, 2);
+    CU_ASSERT_DOUBLE_EQUAL(sum.step_s, (0.05 + 0.3) / 2, 1e-9);
+    CU_ASSERT_EQUAL(st.tokens, 200);
+    CU_ASSERT_EQUAL(st.samples, 4);
+    /* A new session goes by its Steps again until it marks one. */
+    shard_steps_reset(&st);
+    shard_steps_boundary(&st, MS(2000), false, 0, 0);
+    shard_steps_boundary(&st, MS(2100), false, 0, 0);
+    CU_ASSERT_TRUE(shard_steps_summary(&st, &sum));
+    CU_ASSERT_EQUAL(sum.steps, 3);
+    shard_steps_destroy(&st);
+}
+
 static void test_metrics(void)
 {
     shard_steps_t st;
     shard_steps_init(&st);
-    shard_steps_boundary(&st, MS(1000), 0, 0);
+    shard_steps_boundary(&st, MS(1000), false, 0, 0);
     shard_steps_op_begin(&st, MS(1100));
     shard_steps_op_end(&st, MS(1400));
-    shard_steps_boundary(&st, MS(2000), 1000, 8);
+    shard_steps_boundary(&st, MS(2000), false, 1000, 8);
     ps_metrics_t *w = ps_metrics_create();
     CU_ASSERT_PTR_NOT_NULL_FATAL(w);
     shard_steps_metrics(&st, w);
@@ -93,6 +119,7 @@ int main(void)
 {
     static const ps_test_case_t cases[] = {
         {"step, compute and wait time", test_step_figures},
+        {"the trainer's marks end its steps", test_marks},
         {"the /metrics families", test_metrics},
         {NULL, NULL},
     };
