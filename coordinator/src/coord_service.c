@@ -159,20 +159,21 @@ static void straggler_check_locked(coord_job_t *j, int64_t now)
 }
 
 /* A heartbeat's step figures, checked (they are untrusted) into *out; out->set stays false
- * without any. */
+ * without any, or with a window of 0 steps. */
 static pshard_status_t steps_from_pb(const Pshard__StepSummary *pb, coord_steps_t *out, char *err,
                                      size_t errlen)
 {
     memset(out, 0, sizeof(*out));
-    if (!pb || pb->window == 0)
+    if (!pb)
         return PSHARD_OK;
-    out->set = true;
     out->window = pb->window;
     out->steps = pb->steps;
     out->step_s = pb->step_seconds;
     out->compute_s = pb->compute_seconds;
     out->wait_s = pb->wait_seconds;
-    return coord_steps_check(out, err, errlen);
+    pshard_status_t rc = coord_steps_check(out, err, errlen);
+    out->set = rc == PSHARD_OK && pb->window > 0;
+    return rc;
 }
 
 static void handle_heartbeat(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)

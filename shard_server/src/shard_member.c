@@ -171,6 +171,15 @@ static void lease_health(void *ctx, char *reason, size_t len)
     pthread_mutex_unlock(&s->health_mu);
 }
 
+/* The coordinator refuses a step figure over a day (StepSummary): a trainer paused that long
+ * must not cost its server its lease, so the figures are capped here. */
+#define STEP_SECONDS_SENT_MAX 86400.0
+
+static double cap_seconds(double x)
+{
+    return x < STEP_SECONDS_SENT_MAX ? x : STEP_SECONDS_SENT_MAX;
+}
+
 /* Every heartbeat carries the medians of the trainer's last steps, so the coordinator can
  * name the slowest rank (shard_steps.h). */
 static bool lease_steps(void *ctx, Pshard__StepSummary *out)
@@ -181,9 +190,9 @@ static bool lease_steps(void *ctx, Pshard__StepSummary *out)
         return false;
     out->window = sum.window;
     out->steps = sum.steps;
-    out->step_seconds = sum.step_s;
-    out->compute_seconds = sum.compute_s;
-    out->wait_seconds = sum.wait_s;
+    out->step_seconds = cap_seconds(sum.step_s);
+    out->compute_seconds = cap_seconds(sum.compute_s);
+    out->wait_seconds = cap_seconds(sum.wait_s);
     return true;
 }
 

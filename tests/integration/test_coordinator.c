@@ -1,6 +1,7 @@
 /* Integration tests against the real pshard-coordinator binary on an ephemeral loopback port:
  * membership with lease expiry, Watch, store waits released by another client, rendezvous,
  * rank recovery by name, and graceful shutdown with open streams. argv[1] is the binary. */
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -98,6 +99,90 @@ static const Pshard__Member *find_member(const Pshard__StatusResponse *st, const
             return st->members[i];
     }
     return NULL;
+}
+
+/* Heartbeats as v with the step figures (window, compute median) of a shard server. */
+static pshard_status_t do_heartbeat_steps(ps_rpc_channel_t *ch, const Pshard__MemberView *v,
+                                          uint32_t window, double compute, double wait, char *err,
+                                          size_t errlen)
+{
+    Pshard__HeartbeatRequest req = PSHARD__HEARTBEAT_REQUEST__INIT;
+    Pshard__StepSummary steps = PSHARD__STEP_SUMMARY__INIT;
+    steps.window = window;
+    steps.steps = 100;
+    steps.step_seconds = 0.3;
+    steps.compute_seconds = compute;
+    steps.wait_seconds = wait;
+    req.member_id = v->member_id;
+    req.lease_key = v->lease_key;
+    req.steps = &steps;
+    return ps_coord_rpc_heartbeat(ch, &req, NULL, 5000, err, errlen);
+}
+
+/* Who is slow: step figures ride on heartbeats (untrusted: nonsense is refused, naming the
+ * field), Status carries each rank's and names the slowest against the median of medians. */
+static void test_straggler_status(void)
+{
+    fixture_t f;
+    const char *args[] = {"--world-size", "3", "--straggler-ratio", "1.5", "--straggler-steps",
+                          "10",           NULL};
+    CU_ASSERT_FATAL(start(&f, args) == 0);
+    Pshard__MemberView *v[3] = {NULL};
+    const char *names[3] = {"s0", "s1", "s2"};
+    for (int i = 0; i < 3; i++)
+        CU_ASSERT_FATAL(do_register(f.ch, PSHARD__ROLE__SHARD_SERVER, names[i], &v[i]) ==
+                        PSHARD_OK);
+    char err[256] = "";
+    CU_ASSERT_EQUAL(do_heartbeat_steps(f.ch, v[0], 50, NAN, 0, err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "compute_seconds"));
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(do_heartbeat_steps(f.ch, v[0], 50, 0.1, -1, err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "wait_seconds"));
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(do_heartbeat_steps(f.ch, v[0], 51, 0.1, 0, err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "window 51"));
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(do_heartbeat_steps(f.ch, v[0], 0, INFINITY, 0, err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    /* Ranks 0 and 1 compute 0.1 s a step, the member holding rank 2 0.25 s. */
+    Pshard__StatusResponse *st = ps_coord_status(f.ch);
+    CU_ASSERT_FATAL(st != NULL);
+    const double compute[3] = {0.1, 0.1, 0.25};
+    for (int i = 0; i < 3; i++) {
+        const Pshard__Member *m = find_member(st, names[i]);
+        CU_ASSERT_FATAL(m != NULL);
+        double c = compute[m->rank];
+        CU_ASSERT_EQUAL(do_heartbeat_steps(f.ch, v[i], 50, c, 0.3 - c, err, sizeof(err)),
+                        PSHARD_OK);
+    }
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    st = ps_coord_status(f.ch);
+    CU_ASSERT_FATAL(st != NULL);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(st->straggler);
+    CU_ASSERT_EQUAL(st->straggler->rank, 2);
+    CU_ASSERT_DOUBLE_EQUAL(st->straggler->ratio, 2.5, 1e-9);
+    CU_ASSERT_DOUBLE_EQUAL(st->straggler->median_compute_seconds, 0.1, 1e-12);
+    CU_ASSERT_EQUAL(st->straggler->ranks, 3);
+    CU_ASSERT_TRUE(st->straggler->slow);
+    CU_ASSERT_DOUBLE_EQUAL(st->straggler->threshold, 1.5, 1e-12);
+    for (size_t i = 0; i < st->n_members; i++) {
+        CU_ASSERT_PTR_NOT_NULL_FATAL(st->members[i]->steps);
+        CU_ASSERT_EQUAL(st->members[i]->steps->window, 50);
+    }
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    /* A heartbeat without figures (a new trainer session) drops that rank's. */
+    for (int i = 0; i < 3; i++)
+        CU_ASSERT_EQUAL(do_heartbeat(f.ch, v[i], err, sizeof(err)), PSHARD_OK);
+    st = ps_coord_status(f.ch);
+    CU_ASSERT_FATAL(st != NULL);
+    CU_ASSERT_EQUAL(st->straggler->rank, -1);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    for (int i = 0; i < 3; i++)
+        protobuf_c_message_free_unpacked(&v[i]->base, NULL);
+    CU_ASSERT(stop(&f) == 0);
 }
 
 /* A member that stops heartbeating is evicted after its lease; the generation moves on, and
@@ -678,6 +763,7 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     static const ps_test_case_t cases[] = {
         {"lease expiry evicts a silent member", test_lease_expiry},
+        {"step figures on heartbeats name the slowest rank", test_straggler_status},
         {"watch sees a new generation", test_watch_sees_generation},
         {"watch events of a huge job fit the receive limit", test_watch_event_fits_the_limit},
         {"store wait released by another client", test_store_wait_released},
