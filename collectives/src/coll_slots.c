@@ -488,7 +488,7 @@ bool coll_slots_aborted(coll_slots_t *s, pshard_status_t *status, char *msg, siz
     }
     /* Written by another process: read like input from the wire. */
     pshard_status_t st = (pshard_status_t)h->abort_status;
-    *status = st >= 0 || st < PSHARD_ERR_CANCELLED ? PSHARD_ERR_ABORTED : st;
+    *status = st >= 0 || st < PSHARD_ERR_LOWEST ? PSHARD_ERR_ABORTED : st;
     char raw[ABORT_MSG], text[ABORT_MSG];
     memcpy(raw, h->abort_msg, sizeof(raw));
     ps_copy_printable(text, sizeof(text), raw, strnlen(raw, sizeof(raw)));

@@ -48,6 +48,7 @@ int ps_status_to_grpc(pshard_status_t status)
     case PSHARD_ERR_ABORTED:
     case PSHARD_ERR_JOINED:
     case PSHARD_ERR_DIVERTED: /* the shard servers' own; a trainer never sees it */
+    case PSHARD_ERR_STEP_ABORTED:
         return GRPC_STATUS_ABORTED;
     case PSHARD_ERR_NOT_FOUND:
         return GRPC_STATUS_NOT_FOUND;

@@ -36,13 +36,18 @@ extern "C" {
     X(PSHARD_ERR_UNAUTHENTICATED, -19, "unauthenticated")                                          \
     X(PSHARD_ERR_UNIMPLEMENTED, -20, "not implemented")                                            \
     X(PSHARD_ERR_CANCELLED, -21, "cancelled")                                                      \
-    X(PSHARD_ERR_DIVERTED, -22, "the ranks' divertible operations differed; none ran")
+    X(PSHARD_ERR_DIVERTED, -22, "the ranks' divertible operations differed; none ran")             \
+    X(PSHARD_ERR_STEP_ABORTED, -23, "a trainer was lost: the step was aborted on every rank")
 
 typedef enum {
 #define PSHARD_STATUS_ENUM_(name, value, msg) name = value,
     PSHARD_STATUS_MAP(PSHARD_STATUS_ENUM_)
 #undef PSHARD_STATUS_ENUM_
 } pshard_status_t;
+
+/* The lowest (newest) code: a status read from another process is one of
+ * PSHARD_ERR_LOWEST..-1. */
+#define PSHARD_ERR_LOWEST PSHARD_ERR_STEP_ABORTED
 
 /* Returns the enum name of a status ("PSHARD_ERR_TIMEOUT"), or "PSHARD_ERR_UNKNOWN" for a value
  * outside the enum. The string is static. Thread-safe. */
