@@ -652,7 +652,7 @@ static void handle_abort(engine_t *e)
     if ((int)a.origin_rank == e->t.rank || a.origin_rank >= (uint32_t)e->t.n)
         return; /* our own notice came back around */
     pshard_status_t st = (pshard_status_t)a.status;
-    if (st >= 0 || st < PSHARD_ERR_DIVERTED)
+    if (st >= 0 || st < PSHARD_ERR_LOWEST)
         st = PSHARD_ERR_ABORTED;
     if ((int)a.origin_rank != e->t.next)
         coll_engine_queue_abort(e, a.origin_rank, st, a.message, e->if_h.seq);
@@ -1028,6 +1028,20 @@ static void *engine_main(void *arg)
         pthread_mutex_lock(&e->t.qmu);
         bool stop = e->t.stop;
         pthread_mutex_unlock(&e->t.qmu);
+        /* An abort queues its notice first, also when a destroy follows at once: an idle
+         * rank's peers must learn why the ring ends, not just that its sockets closed. */
+        if (!e->failed && atomic_load(&e->t.comm->aborted)) {
+            e->failed = true;
+            e->drain_until_ns = ps_now_ns() + DRAIN_NS;
+            char msg[PSHARD_ERRLEN] = "";
+            pshard_status_t st = pshard_comm_error(e->t.comm, msg, sizeof(msg));
+            if (st == PSHARD_OK) {
+                st = PSHARD_ERR_ABORTED;
+                ps_strlcpy(msg, "aborted", sizeof(msg));
+            }
+            if (e->t.n > 1)
+                coll_engine_queue_abort(e, (uint32_t)e->t.rank, st, msg, 0);
+        }
         if (stop) {
             /* Push out what the ring still needs from us (forwarded descriptors, an abort
              * notice) before the sockets close. */
@@ -1041,18 +1055,6 @@ static void *engine_main(void *arg)
                 }
             }
             break;
-        }
-        if (!e->failed && atomic_load(&e->t.comm->aborted)) {
-            e->failed = true;
-            e->drain_until_ns = ps_now_ns() + DRAIN_NS;
-            char msg[PSHARD_ERRLEN] = "";
-            pshard_status_t st = pshard_comm_error(e->t.comm, msg, sizeof(msg));
-            if (st == PSHARD_OK) {
-                st = PSHARD_ERR_ABORTED;
-                ps_strlcpy(msg, "aborted", sizeof(msg));
-            }
-            if (e->t.n > 1)
-                coll_engine_queue_abort(e, (uint32_t)e->t.rank, st, msg, 0);
         }
         if (e->failed) {
             fail_queued(e);
