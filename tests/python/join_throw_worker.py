@@ -74,4 +74,8 @@ with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
 if backend == "pshard":
     pshard.destroy_process_group()
 else:
-    dist.destroy_process_group()
+    # torch's gloo aborts now and then in its teardown after a Join in throw mode ("terminate
+    # called without an active exception", some 3 runs in 10 on torch 2.15), after everything
+    # compared was written: leave without that teardown.
+    sys.stdout.flush()
+    os._exit(0)
