@@ -138,8 +138,9 @@ struct pshard_client {
     bool remap;
     size_t page;
     pshard_dtype_t param_dtype, reduce_dtype;
-    int64_t model_step; /* from DefineModel: > 0 after a resume */
-    shard_map_t shard;  /* the server's shard, mapped (client_shard.c) */
+    int64_t model_step;    /* from DefineModel: > 0 after a resume */
+    int64_t aborted_steps; /* from DefineModel or Resync: steps aborted (a trainer replaced) */
+    shard_map_t shard;     /* the server's shard, mapped (client_shard.c) */
     bool reshard_after_forward;
     int max_gathers_in_flight;
     int gathers_in_flight;

@@ -282,6 +282,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         goto out;
     }
     int64_t model_step = ((Pshard__DefineModelResponse *)dresp)->step;
+    int64_t aborted_steps = ((Pshard__DefineModelResponse *)dresp)->aborted_steps;
     shard_map_t shard;
     client_shard_open(c, (const Pshard__DefineModelResponse *)dresp, params, nparams, numel, mc,
                       &shard);
@@ -314,6 +315,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     c->reshard_after_forward = mc->reshard_after_forward;
     c->max_gathers_in_flight = mc->max_gathers_in_flight;
     c->model_step = model_step;
+    c->aborted_steps = aborted_steps;
     c->shard = shard;
     c->gathers_in_flight = 0;
     memset(&c->mem, 0, sizeof(c->mem));
@@ -555,6 +557,40 @@ pshard_status_t pshard_clip_grad_norm(pshard_client_t *c, double max_norm, doubl
 int64_t pshard_model_step(const pshard_client_t *c)
 {
     return c->model_step;
+}
+
+int64_t pshard_resume_step(const pshard_client_t *c)
+{
+    return c->model_step + c->aborted_steps;
+}
+
+pshard_status_t pshard_resync(pshard_client_t *c, int64_t *next_step)
+{
+    if (!c->nparams)
+        return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "resync: no model is defined");
+    /* What was issued before fails too (the server refuses it until the Resync); then nothing
+     * of the aborted step is held: full parameters and gradients go back to the pool. */
+    pthread_mutex_lock(&c->mu);
+    client_wait_idle(c);
+    client_params_reset(c);
+    for (size_t i = 0; i < c->nparams; i++)
+        client_buf_release(c, &c->gbuf[i]);
+    pthread_mutex_unlock(&c->mu);
+    Pshard__ResyncRequest req = PSHARD__RESYNC_REQUEST__INIT;
+    req.session = c->session;
+    ProtobufCMessage *resp = NULL;
+    char err[PSHARD_ERRLEN] = "";
+    pshard_status_t rc = client_call(c, "Resync", &req.base, &pshard__resync_response__descriptor,
+                                     &resp, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        return client_fail(c, rc, "Resync: %s", err);
+    const Pshard__ResyncResponse *r = (const Pshard__ResyncResponse *)resp;
+    c->model_step = r->step;
+    c->aborted_steps = r->aborted_steps;
+    protobuf_c_message_free_unpacked(resp, NULL);
+    if (next_step)
+        *next_step = c->model_step + c->aborted_steps;
+    return PSHARD_OK;
 }
 
 pshard_status_t pshard_checkpoint_save(pshard_client_t *c, int64_t *step, char *dir, size_t dirlen)

@@ -119,6 +119,15 @@ static pshard_status_t train_step(pshard_client_t *c, const mlp_dist_args_t *da,
     return first;
 }
 
+/* Whether --skip-steps leaves out step n (1-based). */
+static bool skipped(const mlp_dist_args_t *da, int64_t n)
+{
+    for (size_t i = 0; i < da->nskip; i++)
+        if (da->skip[i] == n)
+            return true;
+    return false;
+}
+
 int mlp_dist_train(const mlp_dist_args_t *da)
 {
     const mlp_local_args_t *a = &da->common;
@@ -215,10 +224,13 @@ int mlp_dist_train(const mlp_dist_args_t *da)
     int64_t my_steps = a->steps + (a->uneven ? rank : 0);
     int printer = a->uneven ? world - 1 : 0;
     int64_t t0 = 0, done_steps = 0;
-    /* After --resume the servers hold the checkpoint's step: the data continues from there. */
-    int64_t first = pshard_model_step(c);
+    /* After --resume the servers hold the checkpoint's step: the data continues from there; a
+     * replacement trainer's continues after the steps applied and aborted so far. */
+    int64_t first = pshard_resume_step(c);
     if (first > 0 && rank == printer)
         fprintf(out, "resumed at step %lld\n", (long long)first);
+    if (first > 0)
+        fprintf(stderr, "pshard-mlp: rank %d: resuming at step %lld\n", rank, (long long)first + 1);
     const char *attempt = getenv("PSHARD_RESTART_COUNT");
     bool first_attempt = !attempt || !*attempt || strcmp(attempt, "0") == 0;
     for (int64_t s = first; s < my_steps; s++) {
@@ -230,6 +242,8 @@ int mlp_dist_train(const mlp_dist_args_t *da)
             fflush(out);
             _exit(3); /* like a crash: no goodbye to the shard server */
         }
+        if (skipped(da, s + 1))
+            continue;
         mlp_task_batch(task, a->data_seed, rank, s, a->batch, x, y);
         if (da->sleep_ms_per_step > 0 && (da->sleep_rank < 0 || da->sleep_rank == rank)) {
             /* A straggler (pshardctl status names it): time outside pshard, like slow data. */
@@ -242,9 +256,28 @@ int mlp_dist_train(const mlp_dist_args_t *da)
         pshard_status_t st = train_step(c, da, ws, x, y, tmp[0], tmp[1], tmp[2], tmp[3], &l);
         if (st == PSHARD_OK)
             st = pshard_step(c, -1, NULL, NULL);
+        bool stepped = st == PSHARD_OK;
         float loss = (float)l;
         if (st == PSHARD_OK)
             st = pshard_all_reduce(c, &loss, 1, PSHARD_FP32, true);
+        if (st == PSHARD_ERR_STEP_ABORTED) {
+            /* A trainer of the job was lost: this step (or, when the optimizer step went
+             * through, the next one, whose loss all-reduce it was) is not applied on any rank.
+             * Go on where the servers say, as the replacement will. */
+            char why[PSHARD_ERRLEN];
+            snprintf(why, sizeof(why), "%s", pshard_last_error(c));
+            int64_t next = 0;
+            if (pshard_resync(c, &next) != PSHARD_OK)
+                goto pshard_error;
+            for (int64_t k = s + (stepped ? 1 : 0); k < next; k++)
+                fprintf(stderr, "pshard-mlp: rank %d: step %lld aborted: %s\n", rank,
+                        (long long)k + 1, why);
+            fprintf(stderr, "pshard-mlp: rank %d: going on at step %lld\n", rank,
+                    (long long)next + 1);
+            done_steps += stepped;
+            s = next - 1;
+            continue;
+        }
         if (st == PSHARD_ERR_JOINED && da->join_throw) {
             /* Another rank ran out with throw_on_early_termination: stop and join too. */
             fprintf(stderr, "pshard-mlp: rank %d: stopping at step %lld: %s\n", rank,

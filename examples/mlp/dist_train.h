@@ -10,6 +10,8 @@
 #include "local_train.h"
 #include "pshard/types.h"
 
+#define MLP_MAX_SKIPS 64
+
 typedef struct {
     mlp_local_args_t common;    /* shape, batch, steps, seeds, optimizer, clipping, printing */
     pshard_dtype_t param_dtype; /* what gathers return */
@@ -25,8 +27,10 @@ typedef struct {
     int fail_rank;
     int64_t sleep_ms_per_step; /* rank sleep_rank (-1: every rank) sleeps this long per step */
     int sleep_rank;
-    bool checkpoint_at_end; /* pshard_checkpoint_save after the last step */
-    const char *init_from;  /* safetensors file with the initial weights, or NULL */
+    bool checkpoint_at_end;      /* pshard_checkpoint_save after the last step */
+    int64_t skip[MLP_MAX_SKIPS]; /* steps (1-based) left out: a reference for aborted ones */
+    size_t nskip;
+    const char *init_from; /* safetensors file with the initial weights, or NULL */
 } mlp_dist_args_t;
 
 /* Connects through the environment (RANK, WORLD_SIZE, PSHARD_SERVER; pshardrun sets them),

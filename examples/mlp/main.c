@@ -55,6 +55,7 @@ typedef struct {
     int64_t sleep_ms_per_step;
     int64_t sleep_rank;
     char *dump_weights;
+    char *skip_steps;
     bool checkpoint_at_end;
     char *init_from;
 } mlp_opts_t;
@@ -133,6 +134,10 @@ static const ps_option_t options[] = {
     OPT("dump-weights", NULL, PS_OPT_STRING, NULL,
         "write the final weights here (raw fp32, definition order; rank 0 in distributed mode)",
         dump_weights, 0, 0),
+    OPT("skip-steps", NULL, PS_OPT_STRING, NULL,
+        "comma list of steps (1-based) to leave out, as the steps a lost trainer aborted were: "
+        "the reference run of a job whose trainers were replaced",
+        skip_steps, 0, 0),
     OPT("checkpoint-at-end", NULL, PS_OPT_BOOL, "false",
         "save a checkpoint after the last step (the servers' --checkpoint-dir)", checkpoint_at_end,
         0, 0),
@@ -257,6 +262,34 @@ static int run_local(const mlp_config_t *cfg, const char *dump)
     return mlp_local_train(&a);
 }
 
+/* --skip-steps "3,17": positive step numbers, at most MLP_MAX_SKIPS. 0, or 2 with a message. */
+static int parse_steps(const char *text, mlp_dist_args_t *d)
+{
+    d->nskip = 0;
+    if (!text || !*text)
+        return 0;
+    const char *p = text;
+    while (*p) {
+        char item[24];
+        size_t n = strcspn(p, ",");
+        int64_t v;
+        if (n == 0 || n >= sizeof(item) || d->nskip == MLP_MAX_SKIPS) {
+            fprintf(stderr, PROG ": --skip-steps '%s' is not a list of at most %d steps\n", text,
+                    MLP_MAX_SKIPS);
+            return 2;
+        }
+        memcpy(item, p, n);
+        item[n] = '\0';
+        if (ps_parse_i64(item, 1, INT64_MAX, &v) != 0) {
+            fprintf(stderr, PROG ": --skip-steps: '%s' is not a step number (1, 2, ...)\n", item);
+            return 2;
+        }
+        d->skip[d->nskip++] = v;
+        p += n + (p[n] == ',');
+    }
+    return 0;
+}
+
 static int run_distributed(const mlp_config_t *cfg, const mlp_opts_t *o)
 {
     const char *layout = o->layout;
@@ -289,6 +322,8 @@ static int run_distributed(const mlp_config_t *cfg, const mlp_opts_t *o)
     d.checkpoint_at_end = o->checkpoint_at_end;
     d.init_from = o->init_from;
     a->dump_weights = o->dump_weights;
+    if (parse_steps(o->skip_steps, &d) != 0)
+        return 2;
     if (strcmp(layout, "fsdp2") == 0) {
         d.layout = PSHARD_LAYOUT_FSDP2;
     } else if (strcmp(layout, "fsdp1") == 0) {

@@ -44,6 +44,7 @@ typedef struct {
     int64_t max_model_memory;
     char *metrics_listen;
     char *metrics_port_file;
+    int64_t trainer_replace_ms;
     char *trace_dir;
 } server_opts_t;
 
@@ -125,6 +126,11 @@ static const ps_option_t options[] = {
         metrics_listen, 0, 0),
     OPT("metrics-port-file", "PSHARD_METRICS_PORT_FILE", PS_OPT_STRING, NULL,
         "write the bound metrics port to this file once serving", metrics_port_file, 0, 0),
+    OPT("trainer-replace-ms", "PSHARD_TRAINER_REPLACE_MS", PS_OPT_INT, "0",
+        "keep a lost trainer's rank and wait this long for its replacement (pshardrun "
+        "--max-restarts): the step in flight aborts on every rank and training goes on when "
+        "the new trainer attaches (0: a lost trainer ends the job)",
+        trainer_replace_ms, 0, 86400000),
     OPT("trace-dir", "PSHARD_TRACE_DIR", PS_OPT_STRING, NULL,
         "on a collective timeout or abort, write this rank's flight records as JSON to "
         "DIR/pshard-trace-rank-R.json (read them with pshardctl trace analyze DIR)",
@@ -195,6 +201,7 @@ int main(int argc, char **argv)
         .resume_allow_fresh = o.resume_allow_fresh,
         .max_model_memory = o.max_model_memory,
         .metrics_listen = o.metrics_listen,
+        .trainer_replace_ms = o.trainer_replace_ms,
         .trace_dir = o.trace_dir,
     };
     srv = pshard_shard_server_start(&cfg, err, sizeof(err));

@@ -252,6 +252,36 @@ static pshard_status_t hsdp_comms(pshard_shard_server_t *s, shard_model_t *m, in
     return PSHARD_OK;
 }
 
+/* The replacement of a lost trainer defined candidate: when it is the model this server kept
+ * (the same definition, so the same fingerprint), the new trainer takes it over as it is,
+ * with its region in place of the lost trainer's, and no other rank takes part; another model
+ * is refused. */
+static pshard_status_t take_over(pshard_shard_server_t *s, const shard_model_t *candidate,
+                                 shm_map_t *region, char *err, size_t errlen)
+{
+    shard_model_t *kept = s->model;
+    if (candidate->fingerprint != kept->fingerprint)
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "rank %d's replacement trainer defines another model (fingerprint "
+                       "%016" PRIx64 ") than the lost trainer's (%016" PRIx64
+                       "), whose state this server keeps: start the same training script",
+                       s->rank, candidate->fingerprint, kept->fingerprint);
+    shard_unmap(&s->model_shm);
+    s->model_shm = *region;
+    memset(region, 0, sizeof(*region));
+    pthread_mutex_lock(&s->mu);
+    int64_t waited_ms =
+        s->cfg.trainer_replace_ms - (s->replace_deadline_ns - ps_now_ns()) / 1000000;
+    s->replace_deadline_ns = 0;
+    pthread_mutex_unlock(&s->mu);
+    PS_WARN(PS_SUB_SHARD,
+            "rank %d's replacement trainer took over the model at step %" PRId64 " (%" PRId64
+            " step%s aborted so far) %lld ms after its predecessor was lost",
+            s->rank, kept->step, kept->aborted_steps, kept->aborted_steps == 1 ? "" : "s",
+            (long long)waited_ms);
+    return PSHARD_OK;
+}
+
 pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                  char *err, size_t errlen)
 {
@@ -371,6 +401,13 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
                             s->cfg.device, s->max_model_bytes, no_share, &m, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
+    pthread_mutex_lock(&s->mu);
+    bool replacing = s->replace_deadline_ns != 0 && s->model;
+    pthread_mutex_unlock(&s->mu);
+    if (replacing) {
+        rc = take_over(s, m, &region, err, errlen);
+        goto out;
+    }
     rc = check_definitions(s, m, mesh_line, wrank, world, err, errlen);
     if (rc == PSHARD_OK && reps > 1)
         rc = hsdp_comms(s, m, wrank, reps, shards, err, errlen);
@@ -416,6 +453,7 @@ out:
         a->fingerprint = s->model->fingerprint;
         a->shard_numel = s->model->shard_numel;
         a->step = s->model->step;
+        a->aborted_steps = s->model->aborted_steps;
         const shard_model_t *mm = s->model;
         ps_strlcpy(a->shm_name, mm->shm.name, sizeof(a->shm_name));
         a->shm_bytes = mm->shm.bytes;

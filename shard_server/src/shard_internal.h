@@ -17,7 +17,7 @@
 #include "shard_model.h"
 #include "shard_steps.h"
 
-#define NMETHODS 14
+#define NMETHODS 15
 #define SHM_NAME_MAX 200
 
 typedef struct {
@@ -90,6 +90,17 @@ struct pshard_shard_server {
     int64_t trace_request_seen;
     pshard_status_t fatal;
     char fatal_msg[PSHARD_ERRLEN];
+    /* Trainer replacement (--trainer-replace-ms; shard_member.c), under mu. A lost trainer's
+     * server aborts the world ring with STEP_ABORTED; every server then rebuilds it under a new
+     * name ("shard~N", N = ring_serial, the step aborts so far), discards the gradients of the
+     * aborted step and counts it in the model. replace_deadline_ns: while a replacement is
+     * awaited (0: none), when the rank gives up. comm_serial: the
+     * ring_serial of the current ring. session_aborts: the step aborts the attached trainer
+     * took note of (Resync) or began after; every other operation of a trainer that took
+     * note of fewer fails with STEP_ABORTED (shard_op_run). */
+    int64_t replace_deadline_ns;
+    uint32_t ring_serial, comm_serial, session_aborts;
+    char abort_msg[PSHARD_ERRLEN];
 
     /* Trainer state, guarded by op_mu (one operation at a time). */
     pthread_mutex_t op_mu;

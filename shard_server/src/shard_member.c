@@ -222,6 +222,9 @@ pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t er
  * Call with mu held. */
 static bool comm_stale(pshard_shard_server_t *s)
 {
+    /* A step aborted for a lost trainer: the same ranks, on a new ring. */
+    if (pshard_comm_error(s->comm, NULL, 0) == PSHARD_ERR_STEP_ABORTED)
+        return true;
     if (s->formed_generation == s->comm_generation)
         return false;
     bool same = s->rank == pshard_comm_rank(s->comm) &&
@@ -243,6 +246,49 @@ void shard_apply_session_timeout(pshard_shard_server_t *s, pshard_comm_t *comm)
         pshard_comm_set_timeout(s->model->replicate_comm, ms);
 }
 
+/* Holding mu: past the deadline of an awaited replacement trainer, the rank gives up: its ring
+ * fails with PEER_LOST, so the other ranks stop waiting for it and fail naming it, and this
+ * server refuses everything from then on. */
+static void replace_check(pshard_shard_server_t *s)
+{
+    if (s->replace_deadline_ns == 0 || ps_now_ns() < s->replace_deadline_ns)
+        return;
+    s->replace_deadline_ns = 0;
+    char msg[PSHARD_ERRLEN];
+    snprintf(msg, sizeof(msg),
+             "rank %d's trainer was lost and no replacement defined its model within %lld ms "
+             "(--trainer-replace-ms): the job cannot go on",
+             s->rank, (long long)s->cfg.trainer_replace_ms);
+    PS_ERROR(PS_SUB_SHARD, "%s", msg);
+    if (s->comm && pshard_comm_error(s->comm, NULL, 0) == PSHARD_OK)
+        pshard_comm_abort_status(s->comm, PSHARD_ERR_PEER_LOST, msg);
+    if (s->fatal == PSHARD_OK) {
+        s->fatal = PSHARD_ERR_PEER_LOST;
+        ps_strlcpy(s->fatal_msg, msg, sizeof(s->fatal_msg));
+    }
+}
+
+/* After a step aborted for a lost trainer (every rank's ring failed with STEP_ABORTED): the
+ * gradients that reached this rank's accumulators in that step are dropped, so none of it is
+ * applied, and the model counts the step as aborted (the data position a replacement resumes
+ * at is its steps plus those). Under op_mu: an operation of the old ring may still hold it. */
+static void discard_step(pshard_shard_server_t *s)
+{
+    pthread_mutex_lock(&s->op_mu);
+    shard_model_t *m = s->model;
+    if (m && !m->in_backward) {
+        char err[PSHARD_ERRLEN] = "";
+        if (shard_model_zero_grads(m, err, sizeof(err)) != PSHARD_OK) {
+            shard_set_fatal(s, PSHARD_ERR_INTERNAL, err); /* the step cannot be dropped */
+        } else {
+            pthread_mutex_lock(&s->mu);
+            m->aborted_steps++;
+            pthread_mutex_unlock(&s->mu);
+        }
+    }
+    pthread_mutex_unlock(&s->op_mu);
+}
+
 void *shard_setup_main(void *arg)
 {
     pshard_shard_server_t *s = arg;
@@ -259,6 +305,7 @@ void *shard_setup_main(void *arg)
                 ts.tv_nsec -= 1000000000;
             }
             pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+            replace_check(s);
             if (!s->comm && ps_now_ns() > give_up) {
                 pthread_mutex_unlock(&s->mu);
                 shard_set_fatal(s, PSHARD_ERR_TIMEOUT, "the cluster did not form in time");
@@ -272,8 +319,26 @@ void *shard_setup_main(void *arg)
         int rank = s->rank, world = s->world;
         uint64_t gen = s->formed_generation;
         pshard_comm_t *old = s->comm;
+        char why[PSHARD_ERRLEN] = "";
+        bool step_abort =
+            old && pshard_comm_error(old, why, sizeof(why)) == PSHARD_ERR_STEP_ABORTED;
+        if (step_abort) {
+            s->ring_serial++;
+            ps_strlcpy(s->abort_msg, why, sizeof(s->abort_msg));
+        }
+        uint32_t serial = s->ring_serial;
         s->comm = NULL;
         pthread_mutex_unlock(&s->mu);
+        if (step_abort) {
+            PS_WARN(PS_SUB_SHARD, "step aborted (%s); rebuilding the ring (serial %u)", why,
+                    serial);
+            shard_health_update(s);
+            shard_pgs_abort(s, -1, PSHARD_ERR_STEP_ABORTED, why);
+            shard_trace_check(s, old);
+            shard_ops_retire_comm(s, old);
+            discard_step(s);
+            old = NULL;
+        }
         if (old) {
             /* The cluster re-formed: the old ring is not the new one. */
             PS_WARN(PS_SUB_SHARD,
@@ -293,7 +358,10 @@ void *shard_setup_main(void *arg)
         }
         ps_log_set_rank(rank);
         pshard_comm_config_t cc;
-        shard_comm_config(s, &cc, "shard", rank, world, gen);
+        char ring[32] = "shard";
+        if (serial > 0) /* a fresh name: no store key or handshake of the failed ring matches */
+            snprintf(ring, sizeof(ring), "shard~%u", serial);
+        shard_comm_config(s, &cc, ring, rank, world, gen);
         int64_t own = atomic_load(&s->session_timeout_ms); /* the attached trainer's */
         if (own > 0)
             cc.timeout_ms = own;
@@ -320,12 +388,38 @@ void *shard_setup_main(void *arg)
         pthread_mutex_lock(&s->mu);
         s->comm = comm;
         s->comm_generation = gen;
+        s->comm_serial = serial;
         pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
         shard_health_update(s); /* SERVING unless another reason holds */
         PS_INFO(PS_SUB_SHARD, "rank %d of %d ready (generation %" PRIu64 ")", rank, world, gen);
     }
     return NULL;
+}
+
+/* This rank's trainer was lost and --trainer-replace-ms keeps the rank for a replacement: the
+ * step in flight aborts on every rank (the ring and this rank's groups fail with STEP_ABORTED,
+ * so every server rebuilds its ring and discards the step's gradients, shard_setup_main), and
+ * the replacement may attach until the deadline (replace_check). */
+static void await_replacement(pshard_shard_server_t *s, pshard_comm_t *comm, const char *name,
+                              int64_t lease)
+{
+    char msg[PSHARD_ERRLEN];
+    int64_t wait_ms = s->cfg.trainer_replace_ms;
+    snprintf(msg, sizeof(msg),
+             "rank %d's trainer %s was lost (no heartbeat within its %lld ms lease): the step in "
+             "flight is aborted on every rank and none of it is applied; its replacement may "
+             "attach within %lld ms (pshardrun --max-restarts)",
+             pshard_comm_rank(comm), name, (long long)lease, (long long)wait_ms);
+    pthread_mutex_lock(&s->mu);
+    s->replace_deadline_ns = ps_now_ns() + wait_ms * 1000000;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    if (pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
+        PS_WARN(PS_SUB_SHARD, "%s", msg);
+        pshard_comm_abort_status(comm, PSHARD_ERR_STEP_ABORTED, msg);
+    }
+    shard_pgs_abort(s, -1, PSHARD_ERR_STEP_ABORTED, msg);
 }
 
 /* What the watch thread remembers of a member between events: enough to name an evicted one. */
@@ -359,13 +453,20 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         pshard_comm_t *comm = s->comm;
         int64_t lease = s->lease_ms;
         bool ours = s->session[0] && strcmp(s->trainer_name, name) == 0;
+        /* A replacement can take over only a defined model whose gradients can be discarded
+         * (not optimizer_in_backward, which applies them as they come) and whose collectives
+         * all run on the world ring (not HSDP's replica and shard rings: not yet). */
+        bool keep = s->cfg.trainer_replace_ms > 0 && s->model && !s->model->in_backward &&
+                    s->model->replicas <= 1;
         pthread_mutex_unlock(&s->mu);
         /* Our own trainer is known by name: a job too large for one event may have left it
          * out of the member lists (members_omitted). */
         bool trainer = ours && (!who || who->role == PSHARD__ROLE__TRAINER);
         bool matters =
             trainer || (who && who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0);
-        if (matters && comm) {
+        if (trainer && keep && comm) {
+            await_replacement(s, comm, name, lease);
+        } else if (matters && comm) {
             char msg[PSHARD_ERRLEN];
             if (trainer)
                 snprintf(msg, sizeof(msg),

@@ -181,6 +181,9 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     bool registered = s->member_id[0] != 0;
     const shard_model_t *m = s->model;
     int64_t step = m ? m->step : 0;
+    int64_t aborted = m ? m->aborted_steps : 0;
+    uint32_t step_aborts = s->ring_serial;
+    bool awaiting = s->replace_deadline_ns != 0;
     size_t nparams = m ? m->nparams : 0;
     uint64_t shard_elements = m ? m->shard_numel : 0;
     uint64_t state_bytes = m ? shard_model_state_bytes(m) : 0;
@@ -217,6 +220,15 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
           (double)lease_ms / 1e3);
     gauge(w, "pshard_shard_trainer_attached", "1 while a trainer is attached.", attached ? 1 : 0);
     gauge(w, "pshard_shard_step", "Optimizer steps taken on this rank's shard.", (double)step);
+    gauge(w, "pshard_shard_steps_aborted",
+          "Steps of the defined model aborted on every rank because a trainer was lost and "
+          "replaced (--trainer-replace-ms).",
+          (double)aborted);
+    ps_metrics_family(w, "pshard_shard_step_aborts_total", PS_METRIC_COUNTER,
+                      "Rebuilds of this server's ring after a step aborted for a lost trainer.");
+    ps_metrics_sample_u64(w, NULL, step_aborts);
+    gauge(w, "pshard_shard_awaiting_trainer",
+          "1 while this rank's trainer was lost and its replacement is awaited.", awaiting ? 1 : 0);
     gauge(w, "pshard_shard_params", "Parameters of the defined model (0: none defined).",
           (double)nparams);
     gauge(w, "pshard_shard_elements", "Elements of the parameters this rank owns.",

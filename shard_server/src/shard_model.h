@@ -99,6 +99,7 @@ typedef struct {
     uint8_t *reduced;
     double grad_sq;
     int64_t step;
+    int64_t aborted_steps; /* steps aborted (a trainer lost and replaced) since defined */
     /* Per parameter, the optimizer steps that updated it (torch.optim's per-parameter "step"):
      * step, less the steps that skipped it for want of a gradient (a Step's skip mask), as
      * torch skips a parameter whose grad is None. In the shared-memory object (at

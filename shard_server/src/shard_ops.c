@@ -83,23 +83,90 @@ static bool runs_ahead(pshard_shard_server_t *s, pshard_comm_t *comm, const shar
     return true;
 }
 
+/* Holding mu: the world ring failed for an aborted step (a lost trainer) and the setup thread
+ * has not put its replacement in place yet. */
+static bool ring_rebuilding(pshard_shard_server_t *s)
+{
+    if (s->comm)
+        return pshard_comm_error(s->comm, NULL, 0) == PSHARD_ERR_STEP_ABORTED;
+    return s->ring_serial > s->comm_serial && s->fatal == PSHARD_OK;
+}
+
+/* Waits (without op_mu, which the rebuild takes) while the world ring is rebuilt after an
+ * aborted step, at most as long as a ring takes to form, so that an operation runs on the new
+ * ring instead of failing UNAVAILABLE. False (UNAVAILABLE in *rc, err says why) when it was not
+ * rebuilt by until. */
+static bool wait_ring(pshard_shard_server_t *s, int64_t until, pshard_status_t *rc, char *err,
+                      size_t errlen)
+{
+    pthread_mutex_lock(&s->mu);
+    while (ring_rebuilding(s) && !atomic_load(&s->stop) && ps_now_ns() < until) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 50 * 1000000;
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    }
+    bool ready = !ring_rebuilding(s);
+    pthread_mutex_unlock(&s->mu);
+    if (!ready)
+        *rc = ps_errf(err, errlen, PSHARD_ERR_UNAVAILABLE,
+                      "the ring is still being rebuilt after an aborted step; retry");
+    return ready;
+}
+
+/* Holding op_mu: fails every operation of a trainer that has not taken note of every step
+ * abort yet (its operations queued before it heard of one must not run on the new ring),
+ * until it does (Resync). */
+static pshard_status_t abort_check(pshard_shard_server_t *s, const shard_op_t *op, char *err,
+                                   size_t errlen)
+{
+    pshard_status_t rc = PSHARD_OK;
+    pthread_mutex_lock(&s->mu);
+    if (s->session_aborts < s->ring_serial) {
+        if (op->ack_abort)
+            s->session_aborts = s->ring_serial;
+        else
+            rc = ps_errf(err, errlen, PSHARD_ERR_STEP_ABORTED, "%s", s->abort_msg);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
 /* shard_op_run's body. */
 static pshard_status_t op_run(pshard_shard_server_t *s, shard_op_t *op, char *err, size_t errlen)
 {
     pshard_status_t rc = PSHARD_OK;
-    /* A quick refusal while the cluster forms, without waiting for a running operation. */
-    if (!shard_op_comm(s, &rc, err, errlen))
-        return rc;
-    pthread_mutex_lock(&s->op_mu);
-    /* Again under op_mu: the setup thread may have replaced and retired the communicator
-     * (shard_ops_retire_comm) while this operation waited for the lock. */
-    pshard_comm_t *comm = shard_op_comm(s, &rc, err, errlen);
-    if (!comm) {
-        pthread_mutex_unlock(&s->op_mu);
-        return rc;
+    pshard_comm_t *comm;
+    int64_t until = ps_now_ns() + (int64_t)120 * 1000000000; /* as long as a ring may form */
+    for (;;) {
+        if (!wait_ring(s, until, &rc, err, errlen))
+            return rc;
+        /* A quick refusal while the cluster forms, without waiting for a running operation. */
+        if (!shard_op_comm(s, &rc, err, errlen))
+            return rc;
+        pthread_mutex_lock(&s->op_mu);
+        /* Again under op_mu: the setup thread may have replaced and retired the communicator
+         * (shard_ops_retire_comm) while this operation waited for the lock. */
+        comm = shard_op_comm(s, &rc, err, errlen);
+        if (!comm) {
+            pthread_mutex_unlock(&s->op_mu);
+            return rc;
+        }
+        pthread_mutex_lock(&s->mu);
+        bool again = ring_rebuilding(s);
+        pthread_mutex_unlock(&s->mu);
+        if (!again)
+            break;
+        pthread_mutex_unlock(&s->op_mu); /* a step abort came meanwhile: wait for its ring */
     }
     if (!op->no_session)
         rc = shard_session_check(s, op->session, err, errlen);
+    if (rc == PSHARD_OK && !op->no_session)
+        rc = abort_check(s, op, err, errlen);
     if (rc == PSHARD_OK && !op->no_session)
         rc = shard_shm_check(s, !op->new_model, err, errlen);
     if (rc == PSHARD_OK && op->needs_model && !s->model)

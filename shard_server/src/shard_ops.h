@@ -31,6 +31,8 @@ struct shard_op {
     bool p2p;
     bool new_model;       /* DefineModel: replaces the model, so a lost copy of the old one
                              does not refuse it */
+    bool ack_abort;       /* Resync: the trainer takes note of the step aborts so far, so this
+                             operation does not fail with STEP_ABORTED for them */
     int opk;              /* shard_opk_t for the statistics, or -1 for none */
     uint64_t bytes;       /* moved bytes, for the statistics (check may set it) */
     shard_op_fn check;    /* before agreeing: this rank's own refusals, which every rank
@@ -101,13 +103,14 @@ pshard_status_t shard_new_group_keyed_run(pshard_shard_server_t *s, pshard_comm_
 /* DefineModel (shard_define.c): checks the definition, compares it with the other ranks'
  * through the coordinator's store, takes the initial values (from rank 0, or each rank's own)
  * or the newest checkpoint (--resume), and adopts the new model and region only when all of it
- * succeeded; a refused definition leaves the previous ones in place. arg is a
- * shard_define_arg_t: req in, the rest out. */
+ * succeeded; a refused definition leaves the previous ones in place. The replacement of a
+ * lost trainer (--trainer-replace-ms) takes over the model as it is instead, alone, when it
+ * defines the same one. arg is a shard_define_arg_t: req in, the rest out. */
 typedef struct {
     const Pshard__DefineModelRequest *req;
     char resumed_from[4096]; /* the checkpoint --resume restored, or "" */
     uint64_t shard_numel, fingerprint;
-    int64_t step;
+    int64_t step, aborted_steps;
     /* The shard as shared memory (the model's shm): its name ("" when not shared, with the
      * reason), size, and where master, grad, the optimizer state (0: none) and the
      * parameters' step counts are in it. */

@@ -152,7 +152,8 @@ static pshard_status_t attach_run(pshard_shard_server_t *s, pshard_comm_t *comm,
     s->trainer_gone = false;
     s->join_refused = false;
     s->attached_ns = ps_now_ns();
-    shard_steps_reset(&s->steps); /* a new trainer's steps, from its first Step on */
+    s->session_aborts = s->ring_serial; /* a new trainer begins after them */
+    shard_steps_reset(&s->steps);       /* a new trainer's steps, from its first Step on */
     atomic_store(&s->session_timeout_ms, req->coll_timeout_ms);
     pthread_mutex_unlock(&s->mu);
     shard_apply_session_timeout(s, comm);
@@ -198,6 +199,7 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.shard_elements = a.shard_numel;
     out.fingerprint = fp;
     out.step = a.step;
+    out.aborted_steps = a.aborted_steps;
     out.resumed_from = a.resumed_from;
     out.shard_shm_name = a.shm_name;
     out.shard_shm_bytes = a.shm_bytes;
@@ -947,6 +949,43 @@ static void handle_mark_step(ps_rpc_call_t *call, const ProtobufCMessage *reques
     answer(call, rc, err, &out.base);
 }
 
+/* Resync: the trainer takes note of the step aborts so far (its operations failed with
+ * STEP_ABORTED), once the ring is rebuilt (shard_op_run waits for it), and learns where
+ * training goes on: the steps applied and the steps aborted. */
+typedef struct {
+    int64_t step, aborted;
+} resync_arg_t;
+
+static pshard_status_t resync_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
+                                  char *err, size_t errlen)
+{
+    (void)comm, (void)err, (void)errlen;
+    resync_arg_t *a = op->arg;
+    pthread_mutex_lock(&s->mu);
+    a->step = s->model->step;
+    a->aborted = s->model->aborted_steps;
+    pthread_mutex_unlock(&s->mu);
+    return PSHARD_OK;
+}
+
+static void handle_resync(ps_rpc_call_t *call, const ProtobufCMessage *request, void *ctx)
+{
+    const Pshard__ResyncRequest *req = (const Pshard__ResyncRequest *)request;
+    resync_arg_t a = {0};
+    shard_op_t op = {.session = req->session,
+                     .ack_abort = true,
+                     .needs_model = "no model is defined: nothing to resync",
+                     .opk = -1,
+                     .run = resync_run,
+                     .arg = &a};
+    char err[PSHARD_ERRLEN] = "";
+    pshard_status_t rc = shard_op_run(ctx, &op, err, sizeof(err));
+    Pshard__ResyncResponse out = PSHARD__RESYNC_RESPONSE__INIT;
+    out.step = a.step;
+    out.aborted_steps = a.aborted;
+    answer(call, rc, err, &out.base);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* The method table                                                                          */
 
@@ -971,6 +1010,7 @@ void shard_service_add_methods(pshard_shard_server_t *s)
         {"ClipGradNorm", &pshard__clip_grad_norm_request__descriptor, handle_clip_grad_norm},
         {"NewGroups", &pshard__new_groups_request__descriptor, handle_new_groups},
         {"MarkStep", &pshard__mark_step_request__descriptor, handle_mark_step},
+        {"Resync", &pshard__resync_request__descriptor, handle_resync},
     };
     for (size_t i = 0; i < NMETHODS; i++) {
         snprintf(s->paths[i], sizeof(s->paths[i]), "/pshard.ShardServer/%s", table[i].name);

@@ -198,6 +198,18 @@ PSHARD_API pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_
  * Not thread-safe against pshard_define_model. */
 PSHARD_API int64_t pshard_model_step(const pshard_client_t *c);
 
+/* Where the trainer's data goes on: the steps applied (pshard_model_step) plus the steps
+ * aborted because a trainer was lost and replaced (pshard-server --trainer-replace-ms), as of
+ * pshard_define_model or the last pshard_resync. A replacement trainer starts its data there. */
+PSHARD_API int64_t pshard_resume_step(const pshard_client_t *c);
+
+/* After an operation failed with PSHARD_ERR_STEP_ABORTED (a trainer of the job was lost and
+ * is being replaced; none of the step in flight is applied on any rank): waits for what was
+ * issued before (it fails too), gives back every full parameter and gradient, waits until the
+ * shard servers rebuilt their ring, and sets *next_step to the step whose data comes next
+ * (pshard_resume_step). Until it is called every operation fails with STEP_ABORTED. */
+PSHARD_API pshard_status_t pshard_resync(pshard_client_t *c, int64_t *next_step);
+
 /* Saves a checkpoint now, like torch.distributed.checkpoint.save: collective, every trainer
  * calls it at the same point (ranks that joined take part by themselves). Each shard server
  * writes its shard under its --checkpoint-dir, then the manifest commits the step. *step and

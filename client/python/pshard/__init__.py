@@ -19,6 +19,7 @@ from ._C import (  # noqa: F401  (re-exported)
     NotFoundError,
     OutOfMemoryError,
     PeerLostError,
+    StepAbortedError,
     TimeoutError,
     UnavailableError,
 )
@@ -29,7 +30,7 @@ __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
     "get_world_size", "Error", "PeerLostError", "DesyncError", "JoinedError", "TimeoutError",
     "AbortedError", "InvalidArgumentError", "NotFoundError", "OutOfMemoryError",
-    "FailedPreconditionError", "UnavailableError", "report_step",
+    "FailedPreconditionError", "UnavailableError", "StepAbortedError", "report_step",
 ]
 
 from ._world import _get_client, current as _current  # noqa: F401  (pshard._get_client)

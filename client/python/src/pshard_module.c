@@ -18,7 +18,7 @@
 
 static PyObject *Error, *InvalidArgumentError, *OutOfMemoryError, *TimeoutErr, *PeerLostError,
     *AbortedError, *DesyncError, *JoinedError, *NotFoundError, *FailedPreconditionError,
-    *UnavailableError;
+    *UnavailableError, *StepAbortedError;
 
 static PyObject *error_class(pshard_status_t st)
 {
@@ -46,6 +46,8 @@ static PyObject *error_class(pshard_status_t st)
     case PSHARD_ERR_UNAVAILABLE:
     case PSHARD_ERR_RPC:
         return UnavailableError;
+    case PSHARD_ERR_STEP_ABORTED:
+        return StepAbortedError;
     default:
         return Error;
     }
@@ -228,6 +230,13 @@ static PyObject *Client_get_model_step(ClientObject *self, void *unused)
     if (!pshard_py_client_ok(self))
         return NULL;
     return PyLong_FromLongLong(pshard_model_step(self->c));
+}
+
+static PyObject *Client_get_resume_step(ClientObject *self, void *unused)
+{
+    if (!pshard_py_client_ok(self))
+        return NULL;
+    return PyLong_FromLongLong(pshard_resume_step(self->c));
 }
 
 /* ---- incoming tensors (DLPack consumer) -------------------------------------------------- */
@@ -982,6 +991,10 @@ static PyMethodDef Client_methods[] = {
      "the servers' optimizer leaves alone (no gradient this step)"},
     {"step_trainer", (PyCFunction)Client_step_trainer, METH_NOARGS,
      "step_trainer() -> step: ends a step the trainer's own optimizer took on the shard views"},
+    {"resync", (PyCFunction)Client_resync, METH_NOARGS,
+     "resync() -> step: after StepAbortedError, waits until the shard servers rebuilt their "
+     "ring, gives back every gathered parameter and gradient, and returns the step whose data "
+     "comes next (steps applied plus steps aborted)"},
     {"report_step", (PyCFunction)(void (*)(void))Client_report_step, METH_VARARGS | METH_KEYWORDS,
      "report_step(tokens=0, samples=0): a training step ends now, having processed these "
      "(the server's step timing and throughput counters; pshard.report_step)"},
@@ -1048,6 +1061,9 @@ static PyGetSetDef Client_getset[] = {
     {"world_size", (getter)Client_get_world, NULL, "the number of shard servers", NULL},
     {"model_step", (getter)Client_get_model_step, NULL,
      "optimizer steps the defined model has taken (> 0 after a resume)", NULL},
+    {"resume_step", (getter)Client_get_resume_step, NULL,
+     "the step whose data comes next: steps taken plus steps aborted (a lost trainer replaced)",
+     NULL},
     {"coordinator", (getter)Client_get_coordinator, NULL,
      "the coordinator HOST:PORT of this trainer's lease (\"\" without one)", NULL},
     {"job", (getter)Client_get_job, NULL, "the job on the coordinator (\"\": its default)", NULL},
@@ -1149,7 +1165,10 @@ PyMODINIT_FUNC PyInit__C(void)
         add_error(m, &FailedPreconditionError, "FailedPreconditionError", NULL,
                   "The operation is not possible in the current state.") ||
         add_error(m, &UnavailableError, "UnavailableError", PyExc_ConnectionError,
-                  "A pshard service could not be reached."))
+                  "A pshard service could not be reached.") ||
+        add_error(m, &StepAbortedError, "StepAbortedError", NULL,
+                  "A trainer was lost and is being replaced: the step in flight was aborted on "
+                  "every rank and none of it applied. Skip to the next step."))
         goto fail;
     if (pshard_py_groups_init(m) < 0)
         goto fail;

@@ -147,6 +147,7 @@ PyObject *pshard_py_buffer_new(ClientObject *owner, void *data, pshard_dtype_t d
  * Client's method table. */
 PyObject *Client_shard_view(ClientObject *self, PyObject *arg);
 PyObject *Client_step_trainer(ClientObject *self, PyObject *unused);
+PyObject *Client_resync(ClientObject *self, PyObject *unused);
 PyObject *Client_report_step(ClientObject *self, PyObject *args, PyObject *kwargs);
 PyObject *Client_shard_state(ClientObject *self, PyObject *arg);
 PyObject *Client_set_step(ClientObject *self, PyObject *arg);

@@ -51,6 +51,19 @@ PyObject *Client_step_trainer(ClientObject *self, PyObject *unused)
     return PyLong_FromLongLong((long long)step);
 }
 
+PyObject *Client_resync(ClientObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!pshard_py_client_ok(self))
+        return NULL;
+    int64_t next = 0;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_resync(self->c, &next));
+    if (st != PSHARD_OK)
+        return pshard_py_client_fail(self, st);
+    return PyLong_FromLongLong((long long)next);
+}
+
 PyObject *Client_report_step(ClientObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"tokens", "samples", NULL};

@@ -47,6 +47,10 @@ typedef struct {
                                  warning instead of failing DefineModel */
     const char *metrics_listen; /* "HOST:PORT" for Prometheus' /metrics (port 0 picks one);
                                    NULL: no metrics listener */
+    int64_t trainer_replace_ms; /* > 0: a lost trainer (its lease lapsed) aborts the step in
+                                   flight on every rank, this server keeps the rank's state and
+                                   its replacement may attach within this long; 0: a lost
+                                   trainer ends the job (PEER_LOST) */
     const char *trace_dir;      /* on a collective timeout or abort, write the flight records
                                    to DIR/pshard-trace-rank-R.json (created if missing); NULL:
                                    no trace files */
