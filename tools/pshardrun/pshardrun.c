@@ -5,7 +5,12 @@
  * stderr names the first to fail: "pshardrun: first failure: trainer 2 (pid 1234) exited with
  * status 1" (or "shard server 1 ... killed by signal 9", "coordinator ...").
  *
- * Exit status: 0 when every trainer exited 0; the first failing trainer's exit status (or
+ * With --max-restarts, a trainer that fails while the coordinator and every shard server still
+ * run is replaced alone (the servers hold the state, so nobody else restarts), and its line
+ * says so instead: "pshardrun: trainer 2 exited with status 1; replacing it (restart 1 of 3);
+ * ...". Any other failure stops everything and starts it again from the newest checkpoint.
+ *
+ * Exit status: 0 when every rank's last trainer exited 0; the failing trainer's exit status (or
  * 128+N when it was killed by signal N); 128+N when pshardrun itself got signal N; 1 when a
  * shard server or the coordinator died unexpectedly or could not be started; 2 for usage
  * errors. Trainers run with stdin from /dev/null. */
@@ -77,6 +82,7 @@ typedef struct {
     char *resume;
     bool resume_allow_fresh;
     int64_t max_restarts;
+    int64_t replace_timeout_ms;
     char *rdzv_id;
     int64_t nnodes;
     int64_t node_rank;
@@ -148,11 +154,17 @@ static const ps_option_t options[] = {
         "run with --coordinator, the coordinator's default job without)",
         rdzv_id, 0, 0),
     OPT("max-restarts", "PSHARD_MAX_RESTARTS", PS_OPT_INT, "0",
-        "when a trainer or server fails, stop everything and start it again up to this many "
-        "times (torchrun's --max-restarts), resuming from the newest checkpoint under "
-        "--checkpoint-dir (or --resume) when there is one; trainers see the attempt in "
-        "PSHARD_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT",
+        "restarts allowed in all (torchrun's --max-restarts): a trainer that fails while the "
+        "coordinator and every shard server run is replaced alone (see --replace-timeout-ms); "
+        "any other failure stops everything and starts it again, resuming from the newest "
+        "checkpoint under --checkpoint-dir (or --resume) when there is one; trainers see the "
+        "restarts so far in PSHARD_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT",
         max_restarts, 0, 1000000),
+    OPT("replace-timeout-ms", "PSHARD_REPLACE_TIMEOUT_MS", PS_OPT_INT, "60000",
+        "with --max-restarts: the shard servers keep a failed trainer's state this long while "
+        "its replacement starts (pshard-server --trainer-replace-ms); 0: no replacement, any "
+        "failure restarts everything",
+        replace_timeout_ms, 0, 86400000),
 };
 
 /* One environment variable set in a trainer; both strings borrowed. */
@@ -187,6 +199,9 @@ typedef struct {
     bool reaped;              /* waitpid returned its status */
     int wait_status;          /* valid when reaped */
     bool signalled;           /* pshardrun asked it to stop, so its exit is expected */
+    bool unjudged;            /* a trainer that failed: replace it or stop? (run_judge_trainers) */
+    bool replace;             /* a trainer that failed, to be replaced (run_replace_trainers) */
+    int64_t replace_restarts; /* with replace: what its replacement gets as the restart count */
     run_stream_t streams[2];  /* stdout, stderr */
 } run_child_t;
 
@@ -218,7 +233,7 @@ typedef struct {
     int exit_code;   /* decided together with stop */
     bool force_kill; /* a second signal arrived: SIGKILL without grace */
     char tmpdir[PATH_MAX];
-    int64_t attempt;       /* 0, then 1.. after each restart */
+    int64_t attempt;       /* restarts so far: replacements and full restarts together */
     const char *resume;    /* what the servers get as --resume in this attempt, or NULL */
     char coord_addr[300];  /* HOST:PORT trainers and servers use */
     char job[72];          /* the job id servers get (--job), or "" for the default job */
@@ -417,8 +432,19 @@ static void run_set_stop(run_t *run, run_stop_t why, int exit_code)
     run->exit_code = exit_code;
 }
 
-/* Takes note of one reaped child: a failing trainer or a service that died on its own is
- * the first failure unless something else already is. */
+/* Forwards what the child's pipes hold now: a failed child's last words (often the reason)
+ * come before the line about it. */
+static void run_child_read_now(run_child_t *c)
+{
+    for (int k = 0; k < 2; k++) {
+        if (c->streams[k].fd >= 0)
+            run_stream_read(c, &c->streams[k]);
+    }
+}
+
+/* Takes note of one reaped child: a service that died on its own is the first failure unless
+ * something else already is; a failed trainer is judged once every child that ended by now is
+ * reaped (run_judge_trainers), so that a server lost at the same time is seen first. */
 static void run_on_exit(run_t *run, run_child_t *c, int status)
 {
     c->reaped = true;
@@ -428,28 +454,71 @@ static void run_on_exit(run_t *run, run_child_t *c, int status)
     PS_INFO(PS_SUB_MAIN, "%s (pid %d) %s", c->label, (int)c->pid, what);
     if (run->stop != STOP_NONE)
         return;
-    if (c->role == ROLE_TRAINER && WIFEXITED(status) && WEXITSTATUS(status) == 0)
-        return;
-    /* Its last words (often the reason) come before the summary line. */
-    for (int k = 0; k < 2; k++) {
-        if (c->streams[k].fd >= 0)
-            run_stream_read(c, &c->streams[k]);
-    }
-    char failure[96];
-    run_describe_status(status, false, failure, sizeof(failure));
     if (c->role == ROLE_TRAINER) {
-        run_report_first_failure(c, failure);
-        run_set_stop(run, STOP_TRAINER_FAILED,
-                     WIFEXITED(status)     ? WEXITSTATUS(status)
-                     : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
-                                           : 1);
-    } else if (!c->signalled) {
+        c->unjudged = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        return;
+    }
+    if (!c->signalled) {
+        run_child_read_now(c);
+        char failure[96];
+        run_describe_status(status, false, failure, sizeof(failure));
         run_report_first_failure(c, failure);
         run_set_stop(run, STOP_SERVICE_DIED, 1);
     }
 }
 
-/* Reaps every child that has ended, ours or orphans handed to us as subreaper. */
+/* True when a failed trainer can be replaced alone: replacement is on, a restart is left, and
+ * every service pshardrun started still runs (their state is what the replacement needs). */
+static bool run_can_replace(const run_t *run)
+{
+    const run_opts_t *o = run->opts;
+    if (o->max_restarts == 0 || o->replace_timeout_ms == 0 || run->attempt >= o->max_restarts)
+        return false;
+    if (run->coord && run->coord->reaped)
+        return false;
+    for (int r = 0; r < (int)o->nproc; r++) {
+        if (run->servers[r].reaped)
+            return false;
+    }
+    return true;
+}
+
+/* Decides for each trainer that failed since the last call: replace it alone (one restart
+ * used, one line saying so; run_replace_trainers starts the replacement), or, when that is not
+ * possible, stop the run as the first failure. Does nothing but forget them when the run is
+ * already stopping, e.g. because a server ended in the same round of reaping. */
+static void run_judge_trainers(run_t *run)
+{
+    for (int r = 0; r < (int)run->opts->nproc; r++) {
+        run_child_t *c = &run->trainers[r];
+        if (!c->unjudged)
+            continue;
+        c->unjudged = false;
+        if (run->stop != STOP_NONE)
+            continue;
+        run_child_read_now(c);
+        char failure[96];
+        run_describe_status(c->wait_status, false, failure, sizeof(failure));
+        if (run_can_replace(run)) {
+            c->replace = true;
+            c->replace_restarts = ++run->attempt;
+            fprintf(stderr,
+                    RUN_PROG ": %s %s; replacing it (restart %lld of %lld); the other ranks "
+                             "and the shard servers keep running\n",
+                    c->label, failure, (long long)run->attempt, (long long)run->opts->max_restarts);
+            continue;
+        }
+        int status = c->wait_status;
+        run_report_first_failure(c, failure);
+        run_set_stop(run, STOP_TRAINER_FAILED,
+                     WIFEXITED(status)     ? WEXITSTATUS(status)
+                     : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
+                                           : 1);
+    }
+}
+
+/* Reaps every child that has ended, ours or orphans handed to us as subreaper, then judges
+ * the trainers that failed. */
 static void run_reap(run_t *run)
 {
     for (;;) {
@@ -458,7 +527,7 @@ static void run_reap(run_t *run)
         if (pid <= 0) {
             if (pid < 0 && errno == EINTR)
                 continue;
-            return;
+            break;
         }
         run_child_t *c = NULL;
         for (size_t i = 0; i < run->nchildren; i++) {
@@ -472,6 +541,7 @@ static void run_reap(run_t *run)
         else
             PS_DEBUG(PS_SUB_MAIN, "reaped orphaned descendant pid %d", (int)pid);
     }
+    run_judge_trainers(run);
 }
 
 /* What a signal to pshardrun does: the first one stops the run (forwarding it to the
@@ -649,15 +719,18 @@ static void run_wait_ports(run_t *run, run_child_t *first, size_t count)
     }
 }
 
-/* Stops every child of one role that is still running: sends sig to its process group, waits
- * up to the grace period, then SIGKILLs what is left and waits for it to be reaped. */
-static void run_stop_role(run_t *run, run_role_t role, int sig)
+/* Stops every child of one role that is still running, or only the child `only` when it is
+ * not NULL: sends sig to its process group, waits up to the grace period, then SIGKILLs what is
+ * left and waits for it to be reaped. */
+static void run_stop_role(run_t *run, run_role_t role, const run_child_t *only, int sig)
 {
     char name[32];
     const char *signame = run_signame(sig, name, sizeof(name));
     bool any = false;
     for (size_t i = 0; i < run->nchildren; i++) {
         run_child_t *c = &run->children[i];
+        if (only && c != only)
+            continue;
         if (c->role == role && run_child_alive(c)) {
             PS_DEBUG(PS_SUB_MAIN, "sending %s to %s (pid %d)", signame, c->label, (int)c->pid);
             run_child_signal(c, sig);
@@ -671,13 +744,16 @@ static void run_stop_role(run_t *run, run_role_t role, int sig)
     for (;;) {
         bool alive = false;
         for (size_t i = 0; i < run->nchildren && !alive; i++)
-            alive = run->children[i].role == role && run_child_alive(&run->children[i]);
+            alive = (!only || &run->children[i] == only) && run->children[i].role == role &&
+                    run_child_alive(&run->children[i]);
         if (!alive)
             return;
         int64_t now = ps_now_ns();
         if (!killed && (run->force_kill || now >= deadline)) {
             for (size_t i = 0; i < run->nchildren; i++) {
                 run_child_t *c = &run->children[i];
+                if (only && c != only)
+                    continue;
                 if (c->role == role && run_child_alive(c)) {
                     if (!run->force_kill)
                         fprintf(stderr,
@@ -968,7 +1044,7 @@ static void run_start_servers(run_t *run, const char *bin)
     for (int r = 0; r < (int)run->opts->nproc && run->stop == STOP_NONE; r++) {
         run_child_t *c = &run->servers[r];
         ps_snprintf(c->port_file, sizeof(c->port_file), "%s/server-%d.port", run->tmpdir, r);
-        char name[64], device[24], every[24], keep[24];
+        char name[64], device[24], every[24], keep[24], replace_ms[24];
         /* The coordinator ranks servers by name (natural order): across nodes the names sort
          * by node rank, then local rank, so server K * NPROC + r is this node's r-th. */
         if (run->nnodes > 1)
@@ -1025,6 +1101,14 @@ static void run_start_servers(run_t *run, const char *bin)
         argv[a++] = every;
         argv[a++] = "--checkpoint-keep";
         argv[a++] = keep;
+        if (run->opts->max_restarts > 0 && run->opts->replace_timeout_ms > 0) {
+            /* Only where a trainer may be replaced: a lost trainer's state is kept for its
+             * replacement instead of being given up. */
+            ps_snprintf(replace_ms, sizeof(replace_ms), "%lld",
+                        (long long)run->opts->replace_timeout_ms);
+            argv[a++] = "--trainer-replace-ms";
+            argv[a++] = replace_ms;
+        }
         argv[a] = NULL;
         if (run_spawn(run, c, bin, argv, NULL, 0) != 0)
             run_set_stop(run, STOP_STARTUP, 1);
@@ -1193,47 +1277,78 @@ static void run_choose_torch_master(run_t *run)
                 (long long)run->attempt, run->torch_addr, run->torch_port);
 }
 
-/* Starts the trainers with the torchrun environment plus pshard's own variables. */
-static void run_start_trainers(run_t *run, char *const argv[])
+/* Starts rank r's trainer with the torchrun environment plus pshard's own variables, which
+ * tell it the restarts so far. Stops the run (STOP_STARTUP) when it cannot be started. */
+static void run_start_trainer(run_t *run, int r, char *const argv[], int64_t restarts)
 {
     int n = (int)run->opts->nproc;
-    for (int r = 0; r < n && run->stop == STOP_NONE; r++) {
-        char rank[16], local_rank[16], world[16], local_world[16], group_rank[16], group_world[16],
-            mport[16], server[64], attempt[24], max_restarts[24];
-        ps_snprintf(attempt, sizeof(attempt), "%lld", (long long)run->attempt);
-        ps_snprintf(max_restarts, sizeof(max_restarts), "%lld", (long long)run->opts->max_restarts);
-        ps_snprintf(rank, sizeof(rank), "%d", run->node_rank * n + r);
-        ps_snprintf(local_rank, sizeof(local_rank), "%d", r);
-        ps_snprintf(world, sizeof(world), "%d", n * run->nnodes);
-        ps_snprintf(local_world, sizeof(local_world), "%d", n);
-        ps_snprintf(group_rank, sizeof(group_rank), "%d", run->node_rank);
-        ps_snprintf(group_world, sizeof(group_world), "%d", run->nnodes);
-        ps_snprintf(mport, sizeof(mport), "%d", run->torch_port);
-        ps_snprintf(server, sizeof(server), "127.0.0.1:%d", run->servers[r].port);
-        const run_env_t env[] = {
-            {"RANK", rank},
-            {"LOCAL_RANK", local_rank},
-            {"WORLD_SIZE", world},
-            {"LOCAL_WORLD_SIZE", local_world},
-            {"GROUP_RANK", group_rank},
-            {"GROUP_WORLD_SIZE", group_world},
-            {"ROLE_RANK", rank},
-            {"ROLE_WORLD_SIZE", world},
-            {"MASTER_ADDR", run->torch_addr},
-            {"MASTER_PORT", mport},
-            {"PSHARD_COORDINATOR", run->coord_addr},
-            {"PSHARD_SERVER", server},
-            {"PSHARD_LOG", run->opts->log},
-            {"PSHARD_JOB", run->job},
-            {"TORCHELASTIC_RUN_ID", run->job[0] ? run->job : "none"},
-            {"PSHARD_RESTART_COUNT", attempt},
-            {"TORCHELASTIC_RESTART_COUNT", attempt},
-            {"TORCHELASTIC_MAX_RESTARTS", max_restarts},
-            {"PSHARD_TOKEN_FILE", run->opts->token_file}, /* last: dropped when NULL */
-        };
-        size_t nenv = PS_ARRAY_LEN(env) - (run->opts->token_file ? 0 : 1);
-        if (run_spawn(run, &run->trainers[r], argv[0], argv, env, nenv) != 0)
-            run_set_stop(run, STOP_STARTUP, 1);
+    char rank[16], local_rank[16], world[16], local_world[16], group_rank[16], group_world[16],
+        mport[16], server[64], attempt[24], max_restarts[24];
+    ps_snprintf(attempt, sizeof(attempt), "%lld", (long long)restarts);
+    ps_snprintf(max_restarts, sizeof(max_restarts), "%lld", (long long)run->opts->max_restarts);
+    ps_snprintf(rank, sizeof(rank), "%d", run->node_rank * n + r);
+    ps_snprintf(local_rank, sizeof(local_rank), "%d", r);
+    ps_snprintf(world, sizeof(world), "%d", n * run->nnodes);
+    ps_snprintf(local_world, sizeof(local_world), "%d", n);
+    ps_snprintf(group_rank, sizeof(group_rank), "%d", run->node_rank);
+    ps_snprintf(group_world, sizeof(group_world), "%d", run->nnodes);
+    ps_snprintf(mport, sizeof(mport), "%d", run->torch_port);
+    ps_snprintf(server, sizeof(server), "127.0.0.1:%d", run->servers[r].port);
+    const run_env_t env[] = {
+        {"RANK", rank},
+        {"LOCAL_RANK", local_rank},
+        {"WORLD_SIZE", world},
+        {"LOCAL_WORLD_SIZE", local_world},
+        {"GROUP_RANK", group_rank},
+        {"GROUP_WORLD_SIZE", group_world},
+        {"ROLE_RANK", rank},
+        {"ROLE_WORLD_SIZE", world},
+        {"MASTER_ADDR", run->torch_addr},
+        {"MASTER_PORT", mport},
+        {"PSHARD_COORDINATOR", run->coord_addr},
+        {"PSHARD_SERVER", server},
+        {"PSHARD_LOG", run->opts->log},
+        {"PSHARD_JOB", run->job},
+        {"TORCHELASTIC_RUN_ID", run->job[0] ? run->job : "none"},
+        {"PSHARD_RESTART_COUNT", attempt},
+        {"TORCHELASTIC_RESTART_COUNT", attempt},
+        {"TORCHELASTIC_MAX_RESTARTS", max_restarts},
+        {"PSHARD_TOKEN_FILE", run->opts->token_file}, /* last: dropped when NULL */
+    };
+    size_t nenv = PS_ARRAY_LEN(env) - (run->opts->token_file ? 0 : 1);
+    if (run_spawn(run, &run->trainers[r], argv[0], argv, env, nenv) != 0)
+        run_set_stop(run, STOP_STARTUP, 1);
+}
+
+/* Starts every trainer of an attempt. */
+static void run_start_trainers(run_t *run, char *const argv[])
+{
+    for (int r = 0; r < (int)run->opts->nproc && run->stop == STOP_NONE; r++)
+        run_start_trainer(run, r, argv, run->attempt);
+}
+
+/* Starts a new trainer for each rank whose trainer failed and was judged replaceable
+ * (run_judge_trainers), with the same command and environment but the restart count; the
+ * other trainers, the servers and the coordinator are not touched. What is left of the failed
+ * trainer's process group is stopped first and its pipes are drained and closed, so the new
+ * one starts clean. Stops when the run is stopping (a replacement then no longer matters). */
+static void run_replace_trainers(run_t *run, char *const argv[])
+{
+    for (int r = 0; r < (int)run->opts->nproc && run->stop == STOP_NONE; r++) {
+        run_child_t *c = &run->trainers[r];
+        if (!c->replace)
+            continue;
+        run_stop_role(run, ROLE_TRAINER, c, SIGTERM);
+        if (run->stop != STOP_NONE)
+            return;
+        run_child_read_now(c);
+        for (int k = 0; k < 2; k++) {
+            run_stream_close(c, &c->streams[k]);
+            free(c->streams[k].buf);
+        }
+        int64_t restarts = c->replace_restarts;
+        run_child_init(c, ROLE_TRAINER, c->rank);
+        run_start_trainer(run, r, argv, restarts);
     }
 }
 
@@ -1436,9 +1551,11 @@ int main(int argc, char **argv)
             "TCPStore for init_process_group's env:// (a free port picked for each "
             "attempt; with --nnodes > 1 node 0 picks it and the other nodes learn it "
             "through the coordinator's store), while PSHARD_COORDINATOR is pshard's "
-            "gRPC coordinator. Exits 0 on success, with the first failing trainer's "
-            "status, 128+N after signal N, 1 when a server or the coordinator fails, 2 on "
-            "usage errors.",
+            "gRPC coordinator. With --max-restarts, a failed trainer is replaced alone "
+            "while the coordinator and the servers run, and any other failure restarts "
+            "them all. Exits 0 when every rank's last trainer exited 0, with the failing "
+            "trainer's status when no restart is left, 128+N after signal N, 1 when a "
+            "server or the coordinator fails, 2 on usage errors.",
             options, PS_ARRAY_LEN(options));
         goto out;
     }
@@ -1532,9 +1649,17 @@ int main(int argc, char **argv)
         if (run.stop == STOP_NONE)
             run_start_trainers(&run, &argv[cmd]);
         while (run.stop == STOP_NONE) {
+            run_replace_trainers(&run, &argv[cmd]);
+            if (run.stop != STOP_NONE)
+                break;
+            /* Done when each rank's latest trainer exited 0 (a failed one is being replaced
+             * or has stopped the run). */
             bool all_done = true;
-            for (size_t r = 0; r < n && all_done; r++)
-                all_done = run.trainers[r].reaped;
+            for (size_t r = 0; r < n && all_done; r++) {
+                const run_child_t *t = &run.trainers[r];
+                all_done = t->reaped && !t->replace && WIFEXITED(t->wait_status) &&
+                           WEXITSTATUS(t->wait_status) == 0;
+            }
             if (all_done) {
                 run_set_stop(&run, STOP_DONE, 0);
                 break;
@@ -1544,9 +1669,10 @@ int main(int argc, char **argv)
 
         /* Stop in dependency order: trainers first (with the signal pshardrun got, if any),
          * then the servers (which leave the cluster), then the coordinator. */
-        run_stop_role(&run, ROLE_TRAINER, run.stop == STOP_SIGNAL ? run.stop_signal : SIGTERM);
-        run_stop_role(&run, ROLE_SERVER, SIGTERM);
-        run_stop_role(&run, ROLE_COORDINATOR, SIGTERM);
+        run_stop_role(&run, ROLE_TRAINER, NULL,
+                      run.stop == STOP_SIGNAL ? run.stop_signal : SIGTERM);
+        run_stop_role(&run, ROLE_SERVER, NULL, SIGTERM);
+        run_stop_role(&run, ROLE_COORDINATOR, NULL, SIGTERM);
         run_sweep(&run);
         run_drain(&run);
         /* What the killed ones left in /dev/shm (a trainer stopped inside an Attach or a
