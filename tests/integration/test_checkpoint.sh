@@ -108,7 +108,7 @@ fi
 
 echo "== pshardrun --max-restarts: a trainer dies, everything restarts from the newest checkpoint"
 rm -rf "$work/ckr"
-if ! timeout 180 "$run" --nproc 2 --max-restarts 1 --checkpoint-dir "$work/ckr" \
+if ! timeout 180 "$run" --nproc 2 --max-restarts 1 --replace-timeout-ms 0 --checkpoint-dir "$work/ckr" \
     --checkpoint-every 4 -- "$mlp" "${ARGS[@]}" --steps 20 --fail-at-step 15 --fail-rank 1 \
     --dump-weights "$work/restarted.bin" > "$work/restart.txt" 2>&1; then
   cat "$work/restart.txt"; fail "the run with a restart failed"

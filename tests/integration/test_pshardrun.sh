@@ -229,7 +229,7 @@ echo "PASS (4b) a trainer killed by SIGKILL is named as the first failure"
 
 # ---- (4c) --max-restarts 2 with a trainer that always fails: two restarts, each a fresh start
 # with the attempt in PSHARD_RESTART_COUNT, then pshardrun gives up with the trainer's status.
-start_bg restarts --nproc 2 --log info --max-restarts 2 -- sh -c \
+start_bg restarts --nproc 2 --log info --max-restarts 2 --replace-timeout-ms 0 -- sh -c \
     'echo "attempt $PSHARD_RESTART_COUNT/$TORCHELASTIC_MAX_RESTARTS rank $RANK"; sleep 30 & echo "sleeper $!"; if [ "$RANK" = 0 ]; then exit 4; fi; wait'
 restarts_pid=$bg_pid
 wait_bg 60
