@@ -55,7 +55,7 @@ static void test_names_distinct_messages_nonempty(void)
 
 static void test_unknown_status(void)
 {
-    static const int unknown[] = {1, 12345, -23, -1000, INT32_MIN};
+    static const int unknown[] = {1, 12345, PSHARD_ERR_LOWEST - 1, -1000, INT32_MIN};
     for (size_t i = 0; i < sizeof(unknown) / sizeof(unknown[0]); i++) {
         pshard_status_t s = (pshard_status_t)unknown[i];
         CU_ASSERT_STRING_EQUAL(pshard_status_name(s), "PSHARD_ERR_UNKNOWN");
