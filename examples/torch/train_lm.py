@@ -114,8 +114,11 @@ def main(argv=None):
     pt.fully_shard(model, mp_policy=mp)
     opt = pt.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
-    start = pt.get_step(model)  # > 0 after pshardrun --resume
-    for _ in range(start):
+    # > 0 after pshardrun --resume, or in a replacement of a lost trainer (pshardrun
+    # --max-restarts): the data goes on after the steps applied and aborted, the schedule
+    # after the steps applied.
+    start = pt.resume_step(model)
+    for _ in range(pt.get_step(model)):
         sched.step()
     if rank == 0:
         nparams = sum(p.numel() for p in model.parameters())
@@ -127,23 +130,35 @@ def main(argv=None):
     join = pt.Join([model, opt], enable=args.uneven)
     t0, done = time.perf_counter(), 0
     with join:
-        for step in range(start, steps):
+        step = start
+        while step < steps:
             x = batch_at(text, rank, world, step, args)
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            if args.clip > 0:
-                pt.clip_grad_norm_(model, args.clip)
-            opt.step()
-            sched.step()
-            done += 1
-            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-                path = pt.save_checkpoint(model)
+            try:
+                loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+                if args.clip > 0:
+                    pt.clip_grad_norm_(model, args.clip)
+                opt.step()
+                sched.step()
+                done += 1
+                if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                    path = pt.save_checkpoint(model)
+                    if rank == 0:
+                        print(f"checkpoint {path}", flush=True)
+            except pshard.StepAbortedError as e:
+                # A trainer of the job was lost and is being replaced: none of this step was
+                # applied anywhere; go on where the shard servers say, as its replacement will.
+                nxt = pt.resync(model)
                 if rank == 0:
-                    print(f"checkpoint {path}", flush=True)
+                    print(f"step {step + 1} aborted ({e}); going on at step {nxt + 1}",
+                          flush=True)
+                step = nxt
+                continue
             if args.print_every and ((step + 1) % args.print_every == 0 or step == start):
                 dt = time.perf_counter() - t0
                 print(f"step {step + 1} loss {loss.item():.4f} tokens/s "
                       f"{done * tokens / dt:.0f}", flush=True)
+            step += 1
     if args.uneven and join.result and join.result["is_last_joiner"]:
         print(f"rank {rank} joined last after {steps} steps", flush=True)
     pshard.destroy_process_group()

@@ -368,6 +368,7 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
          * count, which checkpoints and a resume go by. */
         pthread_mutex_lock(&s->mu);
         shard_model_set_step(m, m->step + 1); /* (its parameters' counts are its own) */
+        m->trainer_optimizer = true;
         pthread_mutex_unlock(&s->mu);
         *norm_out = 0.0;
         return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);

@@ -453,11 +453,20 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         pshard_comm_t *comm = s->comm;
         int64_t lease = s->lease_ms;
         bool ours = s->session[0] && strcmp(s->trainer_name, name) == 0;
+        const char *why_not = !s->model || s->cfg.trainer_replace_ms <= 0 ? ""
+                              : s->model->trainer_optimizer
+                                  ? " (not replaceable: its own optimizer, torch.optim, held "
+                                    "state only it had)"
+                              : s->model->in_backward  ? " (not replaceable: optimizer_in_backward)"
+                              : s->model->replicas > 1 ? " (not replaceable yet: an HSDP model)"
+                                                       : "";
         /* A replacement can take over only a defined model whose gradients can be discarded
-         * (not optimizer_in_backward, which applies them as they come) and whose collectives
-         * all run on the world ring (not HSDP's replica and shard rings: not yet). */
+         * (not optimizer_in_backward, which applies them as they come), whose optimizer state
+         * is on the servers (not a trainer's torch.optim, lost with it, and maybe stepped on
+         * the other ranks already) and whose collectives all run on the world ring (not
+         * HSDP's replica and shard rings: not yet). Else the job fails as without. */
         bool keep = s->cfg.trainer_replace_ms > 0 && s->model && !s->model->in_backward &&
-                    s->model->replicas <= 1;
+                    !s->model->trainer_optimizer && s->model->replicas <= 1;
         pthread_mutex_unlock(&s->mu);
         /* Our own trainer is known by name: a job too large for one event may have left it
          * out of the member lists (members_omitted). */
@@ -471,8 +480,8 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
             if (trainer)
                 snprintf(msg, sizeof(msg),
                          "trainer %s was evicted: no heartbeat within its %lld ms lease (it "
-                         "died, hangs or is cut off); rank %d stops its collectives",
-                         name, (long long)lease, pshard_comm_rank(comm));
+                         "died, hangs or is cut off); rank %d stops its collectives%s",
+                         name, (long long)lease, pshard_comm_rank(comm), why_not);
             else
                 snprintf(msg, sizeof(msg),
                          "rank %d (shard server %s) was evicted: no heartbeat within its %lld "

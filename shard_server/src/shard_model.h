@@ -100,6 +100,9 @@ typedef struct {
     double grad_sq;
     int64_t step;
     int64_t aborted_steps; /* steps aborted (a trainer lost and replaced) since defined */
+    /* A trainer's own optimizer (torch.optim) stepped it: its state lives in the trainer, so
+     * a lost trainer cannot be replaced (mu). */
+    bool trainer_optimizer;
     /* Per parameter, the optimizer steps that updated it (torch.optim's per-parameter "step"):
      * step, less the steps that skipped it for want of a gradient (a Step's skip mask), as
      * torch skips a parameter whose grad is None. In the shared-memory object (at

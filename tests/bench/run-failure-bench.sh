@@ -4,12 +4,14 @@
 # cluster each time, lease 2000 ms, heartbeat 500 ms): kill -9 of a trainer (found through the
 # coordinator's lease), SIGSTOP of a shard server (lease), kill -9 of a shard server (the ring's
 # sockets). Prints p50 / p90 / max of the slowest trainer per trial, per fault.
-# usage: tests/bench/run-failure-bench.sh [BUILD_DIR]   (env TRIALS)
+# Then the recovery comparison at the end of this file.
+# usage: tests/bench/run-failure-bench.sh [BUILD_DIR]   (env TRIALS, RECOVERY_TRIALS, LEASE_MS; TRIALS=0 runs only the recovery part)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD="${1:-$ROOT/build}"
 TRIALS="${TRIALS:-20}"
 for fault in trainer-kill server-stop server-kill; do
+  [ "$TRIALS" -gt 0 ] || break
   times=()
   for ((t = 0; t < TRIALS; t++)); do
     out=$(FAILURE_CASES="$fault" bash "$ROOT/tests/integration/test_failures.sh" \
@@ -25,3 +27,44 @@ for fault in trainer-kill server-stop server-kill; do
           printf "%-13s %d trials: every trainer had its error after p50 %d ms, p90 %d ms, max %d ms\n",
                  fault, n, p50, p90, v[n] }'
 done
+
+# Recovery: from a trainer's death to the job training again (rank 0 finishing a step), over
+# RECOVERY_TRIALS (5) runs of a 3-rank pshardrun job of pshard-mlp (--lease-ms LEASE_MS, 2000;
+# 4 layers of 1024; trainer 1 exits at step 13, --fail-at-step), side by side:
+#   replace: --max-restarts 1 (trainer 1 alone is replaced; the others skip the aborted step)
+#   restart: --max-restarts 1 --replace-timeout-ms 0 (every process restarts, resuming from
+#            the step-10 checkpoint: today's torchrun way)
+# Prints p50 / max per mode and the ratio of the medians.
+RECOVERY_TRIALS="${RECOVERY_TRIALS:-5}"
+LEASE_MS="${LEASE_MS:-2000}"
+now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
+# recovery_ms MODE: one run; prints the milliseconds from trainer 1's exit to rank 0's next step.
+recovery_ms() {
+  local extra=() ck
+  ck=$(mktemp -d)
+  [ "$1" = restart ] && extra=(--replace-timeout-ms 0 --checkpoint-dir "$ck" --checkpoint-every 5)
+  # stdbuf: the trainers' lines reach pshardrun (and the clock below) as they are printed.
+  "$BUILD/tools/pshardrun" --nproc 3 --lease-ms "$LEASE_MS" --max-restarts 1 "${extra[@]}" -- \
+    stdbuf -oL "$BUILD/examples/pshard-mlp" --steps 24 --print-every 1 --fail-at-step 13 \
+    --fail-rank 1 2>&1 | while IFS= read -r line; do echo "$(now_ms) $line"; done > "$ck/log"
+  awk '/exiting before step/ && !t { t = $1 }
+       t && /\[trainer 0\] step [0-9]+ loss/ && $1 > t { print $1 - t; exit }' "$ck/log"
+  rm -rf "$ck"
+}
+declare -A rec
+for mode in replace restart; do rec[$mode]=""; done
+for ((t = 0; t < RECOVERY_TRIALS; t++)); do
+  for mode in replace restart; do # interleaved: drifting load hits both alike
+    ms=$(recovery_ms "$mode")
+    [ -n "$ms" ] || { echo "recovery ($mode): the job did not train again" >&2; exit 1; }
+    rec[$mode]+="$ms "
+  done
+done
+for mode in replace restart; do
+  printf '%s\n' ${rec[$mode]} | sort -n | awk -v mode="$mode" -v n="$RECOVERY_TRIALS" '
+    { v[NR] = $1 } END { printf "recovery %-8s %d trials: training again after p50 %d ms, max %d ms\n",
+                                mode, n, v[int((n + 1) / 2)], v[n] }'
+done
+med() { printf '%s\n' $1 | sort -n | awk -v n="$RECOVERY_TRIALS" '{ v[NR] = $1 } END { print v[int((n + 1) / 2)] }'; }
+awk -v a="$(med "${rec[replace]}")" -v b="$(med "${rec[restart]}")" -v l="$LEASE_MS" \
+  'BEGIN { printf "recovery: replace / restart %.2f (medians %d / %d ms; lease %d ms)\n", a / b, a, b, l }'

@@ -35,6 +35,8 @@ from ._state import (  # noqa: E402
     get_model_state_dict,
     get_step,
     load_safetensors,
+    resume_step,
+    resync,
     save_checkpoint,
     set_model_state_dict,
 )
@@ -44,7 +46,7 @@ __all__ = [
     "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
     "Join", "JoinHook", "Joinable", "optim", "clip_grad_norm_", "get_model_state_dict",
     "set_model_state_dict", "StateDictOptions", "save_checkpoint", "load_safetensors",
-    "get_step", "memory_stats",
+    "get_step", "resume_step", "resync", "memory_stats",
 ]
 
 

@@ -207,9 +207,12 @@ def lazy_init(root_unit):
         max_gathers_in_flight=2, replicate=mesh.shape[0] if hsdp else 0,
         shard=mesh.shape[1] if hsdp else 0)
     del init
+    # A lost trainer's replacement (steps aborted so far): the servers hold the job's state, and
+    # the other ranks are mid-training, running no collective of an initialisation.
+    taken_over = client.resume_step > step
 
     # Buffers (BatchNorm statistics, ...) start equal everywhere: rank 0's.
-    if client.world_size > 1:
+    if client.world_size > 1 and not taken_over:
         for _, b in root.named_buffers():
             dist.broadcast(b.data, 0)
 
@@ -233,7 +236,8 @@ def lazy_init(root_unit):
         own = p.to_local().detach()
         fp.bind(full, torch.from_dlpack(master),
                 torch.from_dlpack(grad) if grad is not None else None)
-        if step == 0:  # a fresh model: this rank's rows (after --resume: the checkpoint's)
+        if step == 0 and not taken_over:  # a fresh model: this rank's rows (after --resume or
+            # a take-over: the servers')
             with torch.no_grad():
                 fp.sharded.to_local().copy_(own)
                 if hsdp:  # every replica starts from replica 0's values

@@ -127,6 +127,18 @@ class Model:
         for fp in self.fsdp_params:
             fp.sharded.grad = None
 
+    def resync(self):
+        """After pshard.StepAbortedError (a trainer of the job was lost; none of the step in
+        flight was applied on any rank): forgets the step's gradients and gathers, waits until
+        the shard servers rebuilt their ring and returns the step whose data comes next."""
+        self.reset_after_error()
+        for fp in self.fsdp_params:
+            fp.sharded.grad = None
+        self.reduced = False
+        nxt = self.client.resync()
+        self.step = self.client.model_step
+        return nxt
+
     def reset_after_error(self):
         """Forgets per-iteration state after a failed or joined iteration."""
         self.pending = []

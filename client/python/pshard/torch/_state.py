@@ -156,6 +156,31 @@ def get_step(model):
     return model._pshard_model().step
 
 
+def resume_step(model):
+    """The step whose data this trainer takes next: get_step plus the steps aborted because
+    a trainer was lost and replaced (pshardrun --max-restarts). A replacement trainer starts
+    its data there; after resync it is where the others go on. Defines the model to the shard
+    servers if that has not happened yet."""
+    return model._pshard_model().client.resume_step
+
+
+def resync(model):
+    """After pshard.StepAbortedError (a trainer of the job was lost and is being replaced;
+    none of the step in flight was applied on any rank): drops what the step had gathered and
+    accumulated, waits until the shard servers rebuilt their ring, and returns the step whose
+    data comes next (resume_step). Call optimizer.zero_grad() too, and go on from there::
+
+        step = pshard.torch.resume_step(model)
+        while step < steps:
+            try:
+                train_one_step(batch(step))
+                step += 1
+            except pshard.StepAbortedError:
+                step = pshard.torch.resync(model)
+    """
+    return model._pshard_model().resync()
+
+
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                     foreach=None):
     """torch.nn.utils.clip_grad_norm_ over all shards: waits for the gradients'
