@@ -298,8 +298,10 @@ int mlp_dist_train(const mlp_dist_args_t *da)
         done_steps++;
         int64_t n = s + 1;
         bool print = a->print_every > 0 && (n == 1 || n % a->print_every == 0 || n == my_steps);
-        if (rank == printer && print)
+        if (rank == printer && print) {
             fprintf(out, "step %lld loss %.9g\n", (long long)n, (double)loss);
+            fflush(out); /* progress as it happens, also into a file or a pipe */
+        }
     }
     if (a->uneven && da->join_mid_step && done_steps == my_steps - first) {
         /* One more step begun and abandoned: its first layer gathered (with the others' same

@@ -43,9 +43,9 @@ recovery_ms() {
   local extra=() ck
   ck=$(mktemp -d)
   [ "$1" = restart ] && extra=(--replace-timeout-ms 0 --checkpoint-dir "$ck" --checkpoint-every 5)
-  # stdbuf: the trainers' lines reach pshardrun (and the clock below) as they are printed.
+  # pshard-mlp flushes each step line: they reach pshardrun (and the clock below) as printed.
   "$BUILD/tools/pshardrun" --nproc 3 --lease-ms "$LEASE_MS" --max-restarts 1 "${extra[@]}" -- \
-    stdbuf -oL "$BUILD/examples/pshard-mlp" --steps 24 --print-every 1 --fail-at-step 13 \
+    "$BUILD/examples/pshard-mlp" --steps 24 --print-every 1 --fail-at-step 13 \
     --fail-rank 1 2>&1 | while IFS= read -r line; do echo "$(now_ms) $line"; done > "$ck/log"
   # Training again: rank 0 finishes a step past the one trainer 1 died before (13), the same
   # progress either way (the restart redoes steps 11-13 from the step-10 checkpoint).

@@ -62,7 +62,7 @@ start_trainer() {
   [ "$tag" != "$r" ] && restarts=1
   RANK=$r WORLD_SIZE=3 PSHARD_SERVER="127.0.0.1:$(cat "$cw/s$r.port")" \
     PSHARD_RESTART_COUNT=$restarts \
-    stdbuf -oL "$mlp" "${MODEL[@]}" "$@" > "$cw/t$tag.out" 2> "$cw/t$tag.err" &
+    "$mlp" "${MODEL[@]}" "$@" > "$cw/t$tag.out" 2> "$cw/t$tag.err" &
   tpid[$r]=$!
   pids+=("${tpid[$r]}")
 }
