@@ -278,7 +278,7 @@ timeout 300 "$run" --nproc 2 --coordinator "$caddr" --rdzv-id online-job \
   "${ARGS[@]}" --steps 3000 --print-every 0 > "$work/online.txt" 2>&1 &
 bg+=($!)
 if out=$("$ctl" --coordinator "$caddr" --job online-job checkpoint save --timeout-ms 60000 2>&1) &&
-   echo "$out" | grep -q "checkpoint saved: step [0-9]* in .*online/step-"; then
+   grep -q "checkpoint saved: step [0-9]* in .*online/step-" <<< "$out"; then
   echo "ok: $out"
   if ! "$ctl" checkpoint list --verify --checkpoint-dir "$work/online" > "$work/online-list.txt" 2>&1; then
     cat "$work/online-list.txt"; fail "the online checkpoint does not verify"

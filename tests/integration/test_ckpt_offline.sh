@@ -44,9 +44,9 @@ echo "$out" | sed 's/^/  /'
 steps=$(echo "$out" | awk '$1 ~ /^[0-9]+$/ {print $1}' | tr '\n' ' ')
 if [ "$steps" != "10 20 30 " ]; then
   fail "list shows steps '$steps', want '10 20 30 '"
-elif ! echo "$out" | grep -q "^10 .* 3 fsdp2 *adam .*master,exp_avg,exp_avg_sq"; then
+elif ! grep -q "^10 .* 3 fsdp2 *adam .*master,exp_avg,exp_avg_sq" <<< "$out"; then
   fail "step 10's row is wrong"
-elif ! echo "$out" | grep -q "ignored: step-00000040: no manifest.json"; then
+elif ! grep -q "ignored: step-00000040: no manifest.json" <<< "$out"; then
   fail "the uncommitted step 40 is not noted"
 else
   ok "steps 10 20 30 listed, step 40 noted as uncommitted"
@@ -77,7 +77,7 @@ fi
 echo "== list --verify"
 if out=$("$ctl" checkpoint list --verify --checkpoint-dir "$ck"); then
   n_ok=$(echo "$out" | grep -c "^    ok ")
-  if [ "$n_ok" -eq 9 ] && echo "$out" | grep -q "verified 9 files: all ok"; then
+  if [ "$n_ok" -eq 9 ] && grep -q "verified 9 files: all ok" <<< "$out"; then
     ok "9 files verified"
   else
     echo "$out"; fail "expected 9 ok files"
@@ -240,14 +240,14 @@ if [ -n "$coord_bin" ]; then
   rc=0
   out=$("$ctl" "${c[@]}" checkpoint save --timeout-ms 20000 2>&1) || rc=$?
   wait $! || true
-  if [ "$rc" -eq 1 ] && echo "$out" | grep -q "checkpoint save failed: rank 1: cannot write /ck/step-00000041: No space left on device"; then
+  if [ "$rc" -eq 1 ] && grep -q "checkpoint save failed: rank 1: cannot write /ck/step-00000041: No space left on device" <<< "$out"; then
     ok "$out"
   else
     fail "save answered with an error: exit $rc: $out"
   fi
   rc=0
   out=$("$ctl" "${c[@]}" checkpoint save --timeout-ms 300 2>&1) || rc=$?
-  if [ "$rc" -eq 1 ] && echo "$out" | grep -q "no answer to request 3 within 300 ms"; then
+  if [ "$rc" -eq 1 ] && grep -q "no answer to request 3 within 300 ms" <<< "$out"; then
     ok "$out"
   else
     fail "save without an answer: exit $rc: $out"
