@@ -139,7 +139,12 @@ fi
 # job) lets its lease lapse: the job must not notice.
 "$ctl" --coordinator "$caddr" register --role trainer --name stray-monitor > "$cw/stray.txt" 2>&1 ||
   { echo "FAIL: could not register a stray trainer:"; cat "$cw/stray.txt"; fails=$((fails + 1)); }
-evicted() { "$ctl" --coordinator "$caddr" members 2>/dev/null | grep -q stray-monitor && return 1; return 0; }
+evicted() {
+  local m
+  m=$("$ctl" --coordinator "$caddr" members 2>/dev/null) || return 1
+  grep -q stray-monitor <<< "$m" && return 1
+  return 0
+}
 wait_for 20 evicted || { echo "FAIL: the stray trainer was never evicted"; fails=$((fails + 1)); }
 before=$(grep -c '^step' "$cw/t0.out")
 wait_for 20 steps_printed "$cw/t0.out" $((before + 3)) || true
