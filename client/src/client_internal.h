@@ -46,6 +46,11 @@ typedef struct {
     ps_layout_t *layout;
     int rank; /* this trainer's rank among the shard ranks (HSDP: within its replica) */
     char reason[PSHARD_ERRLEN];
+    /* Where a trainer's own optimizer keeps its state for a replacement (both "" when the
+     * server gave no valid names) and the server's --trainer-replace-ms
+     * (pshard_trainer_state_info). */
+    char state_names[2][64];
+    int64_t replace_ms;
 } shard_map_t;
 
 typedef enum { WORK_GATHER, WORK_REDUCE_SCATTER, WORK_COLLECTIVE } work_kind_t;

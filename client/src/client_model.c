@@ -405,18 +405,20 @@ void pshard_memory_stats(pshard_client_t *c, pshard_memory_stats_t *out)
 
 /* What pshard_step, pshard_step_groups, pshard_step_trainer and pshard_set_step share: one
  * Step with this step's lr (set_lr), every group's hyperparameters (groups, ngroups > 0), or
- * none of them for a step the trainer's own optimizer took (trainer_stepped) or one that sets
- * the count (set_step_to >= 0). */
+ * none of them for a step the trainer's own optimizer took (trainer_stepped 1; 2: and the
+ * trainer keeps that optimizer's state for a replacement) or one that sets the count
+ * (set_step_to >= 0). */
 static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
                                     const pshard_optim_group_t *groups, size_t ngroups,
-                                    bool trainer_stepped, int64_t set_step_to, const uint8_t *skip,
+                                    int trainer_stepped, int64_t set_step_to, const uint8_t *skip,
                                     size_t skip_bytes, int64_t *step, double *grad_norm)
 {
     Pshard__StepRequest req = PSHARD__STEP_REQUEST__INIT;
     req.session = c->session;
     req.skip.data = (uint8_t *)skip;
     req.skip.len = skip ? skip_bytes : 0;
-    req.trainer_stepped = trainer_stepped;
+    req.trainer_stepped = trainer_stepped != 0;
+    req.trainer_state_kept = trainer_stepped == 2;
     if (set_step_to >= 0) {
         req.set_step = true;
         req.set_step_to = set_step_to;
@@ -455,7 +457,7 @@ static pshard_status_t step_request(pshard_client_t *c, bool set_lr, double lr,
 
 pshard_status_t pshard_step(pshard_client_t *c, double lr, int64_t *step, double *grad_norm)
 {
-    return step_request(c, lr >= 0, lr, NULL, 0, false, -1, NULL, 0, step, grad_norm);
+    return step_request(c, lr >= 0, lr, NULL, 0, 0, -1, NULL, 0, step, grad_norm);
 }
 
 pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step)
@@ -463,7 +465,15 @@ pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step)
     if (!c->nparams)
         return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
                            "no model is defined: call pshard_define_model first");
-    return step_request(c, false, 0.0, NULL, 0, true, -1, NULL, 0, step, NULL);
+    return step_request(c, false, 0.0, NULL, 0, 1, -1, NULL, 0, step, NULL);
+}
+
+pshard_status_t pshard_step_trainer_kept(pshard_client_t *c, int64_t *step)
+{
+    if (!c->nparams)
+        return client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                           "no model is defined: call pshard_define_model first");
+    return step_request(c, false, 0.0, NULL, 0, 2, -1, NULL, 0, step, NULL);
 }
 
 pshard_status_t pshard_report_step(pshard_client_t *c, uint64_t tokens, uint64_t samples)
@@ -494,7 +504,7 @@ pshard_status_t pshard_set_step(pshard_client_t *c, int64_t step)
     if (step < 0)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "step count %lld is negative",
                            (long long)step);
-    return step_request(c, false, 0.0, NULL, 0, false, step, NULL, 0, NULL, NULL);
+    return step_request(c, false, 0.0, NULL, 0, 0, step, NULL, 0, NULL, NULL);
 }
 
 pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_t *groups,
@@ -503,7 +513,7 @@ pshard_status_t pshard_step_groups(pshard_client_t *c, const pshard_optim_group_
     if (ngroups == 0 || !groups)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT,
                            "pshard_step_groups needs every group's hyperparameters (ngroups >= 1)");
-    return step_request(c, false, 0.0, groups, ngroups, false, -1, NULL, 0, step, grad_norm);
+    return step_request(c, false, 0.0, groups, ngroups, 0, -1, NULL, 0, step, grad_norm);
 }
 
 pshard_status_t pshard_step_groups_skip(pshard_client_t *c, const pshard_optim_group_t *groups,
@@ -517,8 +527,7 @@ pshard_status_t pshard_step_groups_skip(pshard_client_t *c, const pshard_optim_g
     if (skip_bytes > 0 && !skip)
         return client_fail(c, PSHARD_ERR_INVALID_ARGUMENT, "a skip mask of %zu bytes is NULL",
                            skip_bytes);
-    return step_request(c, false, 0.0, groups, ngroups, false, -1, skip, skip_bytes, step,
-                        grad_norm);
+    return step_request(c, false, 0.0, groups, ngroups, 0, -1, skip, skip_bytes, step, grad_norm);
 }
 
 /* PSHARD_OK once a model is defined and everything issued before it has finished. */

@@ -143,6 +143,39 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
     out->state0_off = (size_t)r->shard_state0_offset;
     out->state1_off = (size_t)r->shard_state1_offset;
     out->steps_off = (size_t)r->shard_steps_offset;
+    out->replace_ms = r->trainer_replace_ms > 0 ? r->trainer_replace_ms : 0;
+    if (r->n_trainer_state_names == 2 && name_ok(r->trainer_state_names[0]) &&
+        name_ok(r->trainer_state_names[1]) &&
+        strcmp(r->trainer_state_names[0], r->trainer_state_names[1]) != 0 &&
+        strcmp(r->trainer_state_names[0], name) != 0 &&
+        strcmp(r->trainer_state_names[1], name) != 0) {
+        ps_strlcpy(out->state_names[0], r->trainer_state_names[0], sizeof(out->state_names[0]));
+        ps_strlcpy(out->state_names[1], r->trainer_state_names[1], sizeof(out->state_names[1]));
+    }
+}
+
+pshard_status_t pshard_trainer_state_info(pshard_client_t *c, pshard_trainer_state_info_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    pthread_mutex_lock(&c->mu);
+    pshard_status_t rc = PSHARD_OK;
+    const shard_map_t *s = &c->shard;
+    if (!c->nparams) {
+        rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                         "no model is defined: call pshard_define_model first");
+    } else if (!s->base) {
+        rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "%s", s->reason);
+    } else if (!s->state_names[0][0]) {
+        rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                         "the shard server named no object for a trainer optimizer's state (an "
+                         "older pshard-server?)");
+    } else {
+        out->trainer_replace_ms = s->replace_ms;
+        for (int i = 0; i < 2; i++)
+            ps_strlcpy(out->names[i], s->state_names[i], sizeof(out->names[i]));
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
 }
 
 void client_shard_close(shard_map_t *s)

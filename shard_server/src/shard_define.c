@@ -463,6 +463,9 @@ out:
         a->state1_off = mm->shm_state1_off;
         a->steps_off = mm->shm_steps_off;
         ps_strlcpy(a->shared_reason, mm->shared_reason, sizeof(a->shared_reason));
+        for (int i = 0; i < 2; i++)
+            ps_strlcpy(a->state_names[i], mm->trainer_state_names[i], sizeof(a->state_names[i]));
+        a->trainer_replace_ms = s->cfg.trainer_replace_ms;
     }
     return rc;
 }

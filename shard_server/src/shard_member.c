@@ -289,6 +289,69 @@ static void discard_step(pshard_shard_server_t *s)
     pthread_mutex_unlock(&s->op_mu);
 }
 
+/* The tag of reconcile_step's all-gather: no trainer operation's (shard_exec.c's are below). */
+#define TAG_RECONCILE 0x7ffffff0u
+
+/* After a step aborted for a lost trainer, on the new ring and before any trainer operation
+ * runs on it (op_mu held): the ranks agree on the model's step count. A trainer's own optimizer
+ * (torch.optim) commits a step with a Step that every rank's trainer sends after its optimizer
+ * ran; the abort may cut that Step's agreement short on some ranks after others completed it,
+ * so the step counts wherever one rank counted it (each trainer had applied it; the trainers
+ * learn which way it went from Resync). The shard servers' own optimizer applies its update
+ * inside the Step, so there such a split cannot be mended: the job ends, saying so. Bounded:
+ * a rank that never comes fails it after timeout_ms. */
+static pshard_status_t reconcile_step(pshard_shard_server_t *s, pshard_comm_t *comm,
+                                      uint32_t serial, int64_t timeout_ms, char *err, size_t errlen)
+{
+    int world = pshard_comm_world_size(comm);
+    int64_t *all = calloc((size_t)world, sizeof(*all));
+    if (!all)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    pthread_mutex_lock(&s->op_mu);
+    shard_model_t *m = s->model;
+    int64_t mine = m ? m->step : -1;
+    pshard_comm_set_timeout(comm, timeout_ms);
+    pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER,
+                            .dtype = PSHARD_INT64,
+                            .send = &mine,
+                            .recv = all,
+                            .count = 1,
+                            .tag = ((uint64_t)serial << 32) | TAG_RECONCILE,
+                            .label = "step count after an abort"};
+    pshard_status_t rc = pshard_coll_run(comm, &a, err, errlen);
+    shard_apply_session_timeout(s, comm);
+    /* Every rank judges the same counts, so all go on or all fail alike. */
+    int top = 0, low = 0;
+    for (int r = 1; r < world && rc == PSHARD_OK; r++) {
+        if (all[r] > all[top])
+            top = r;
+        if (all[r] < all[low])
+            low = r;
+    }
+    if (rc == PSHARD_OK && m && all[top] != all[low]) {
+        if (m->trainer_optimizer) {
+            if (mine < all[top])
+                PS_WARN(PS_SUB_SHARD,
+                        "step %" PRId64 " was committed on rank %d before the abort cut it "
+                        "short here: it counts on this rank too (the trainer had applied it)",
+                        all[top], top);
+            pthread_mutex_lock(&s->mu);
+            m->step = all[top];
+            pthread_mutex_unlock(&s->mu);
+        } else {
+            rc = ps_errf(err, errlen, PSHARD_ERR_INTERNAL,
+                         "rank %d applied step %" PRId64 " of the shard servers' optimizer and "
+                         "rank %d did not (the abort for a lost trainer cut the step short "
+                         "between them): the ranks' shards no longer belong to one model; "
+                         "restart the job from its last checkpoint",
+                         top, all[top], low);
+        }
+    }
+    pthread_mutex_unlock(&s->op_mu);
+    free(all);
+    return rc;
+}
+
 void *shard_setup_main(void *arg)
 {
     pshard_shard_server_t *s = arg;
@@ -385,6 +448,23 @@ void *shard_setup_main(void *arg)
             sleep_ms(500);
             continue;
         }
+        if (step_abort) {
+            pthread_mutex_lock(&s->mu);
+            int64_t lease = s->lease_ms;
+            pthread_mutex_unlock(&s->mu);
+            int64_t bound = 4 * lease > 10000 ? 4 * lease : 10000;
+            rc = reconcile_step(s, comm, serial, bound, err, sizeof(err));
+            if (rc != PSHARD_OK) {
+                char msg[PSHARD_ERRLEN];
+                ps_snprintf(msg, sizeof(msg),
+                            "after the aborted step, the ranks could not agree on the step count: "
+                            "%s",
+                            err);
+                pshard_comm_destroy(comm);
+                shard_set_fatal(s, rc, msg);
+                break;
+            }
+        }
         pthread_mutex_lock(&s->mu);
         s->comm = comm;
         s->comm_generation = gen;
@@ -453,20 +533,24 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         pshard_comm_t *comm = s->comm;
         int64_t lease = s->lease_ms;
         bool ours = s->session[0] && strcmp(s->trainer_name, name) == 0;
-        const char *why_not = !s->model || s->cfg.trainer_replace_ms <= 0 ? ""
-                              : s->model->trainer_optimizer
-                                  ? " (not replaceable: its own optimizer, torch.optim, held "
-                                    "state only it had)"
-                              : s->model->in_backward  ? " (not replaceable: optimizer_in_backward)"
-                              : s->model->replicas > 1 ? " (not replaceable yet: an HSDP model)"
-                                                       : "";
+        bool state_lost = s->model && s->model->trainer_optimizer && !s->model->trainer_state_kept;
+        const char *why_not =
+            !s->model || s->cfg.trainer_replace_ms <= 0 ? ""
+            : state_lost ? " (not replaceable: its own optimizer, torch.optim, held state only "
+                           "it had; pshard.torch keeps it for a replacement when one "
+                           "torch.optim optimizer steps the model on a trainer that maps its "
+                           "shard server's memory)"
+            : s->model->in_backward  ? " (not replaceable: optimizer_in_backward)"
+            : s->model->replicas > 1 ? " (not replaceable yet: an HSDP model)"
+                                     : "";
         /* A replacement can take over only a defined model whose gradients can be discarded
          * (not optimizer_in_backward, which applies them as they come), whose optimizer state
-         * is on the servers (not a trainer's torch.optim, lost with it, and maybe stepped on
-         * the other ranks already) and whose collectives all run on the world ring (not
-         * HSDP's replica and shard rings: not yet). Else the job fails as without. */
+         * survives the trainer (on the servers, or a trainer's own optimizer's kept in shared
+         * memory with the values its step began from: trainer_state_kept) and whose
+         * collectives all run on the world ring (not HSDP's replica and shard rings: not
+         * yet). Else the job fails as without. */
         bool keep = s->cfg.trainer_replace_ms > 0 && s->model && !s->model->in_backward &&
-                    !s->model->trainer_optimizer && s->model->replicas <= 1;
+                    !state_lost && s->model->replicas <= 1;
         pthread_mutex_unlock(&s->mu);
         /* Our own trainer is known by name: a job too large for one event may have left it
          * out of the member lists (members_omitted). */

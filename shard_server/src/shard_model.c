@@ -5,6 +5,7 @@
 #include "shard_model.h"
 
 #include <assert.h>
+#include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -14,6 +15,7 @@
 
 #include "pshard/collectives.h"
 #include "pshard/log.h"
+#include "pshard/shm_names.h"
 #include "pshard/util.h"
 #include "shard_cuda.h"
 
@@ -117,6 +119,12 @@ void shard_model_free(shard_model_t *m)
     } else {
         if (m->shm.base) {
             shard_shm_destroy(&m->shm); /* master, grad and the state */
+            /* The trainer's optimizer state, if its trainer made one (else ENOENT). */
+            for (int i = 0; i < 2; i++)
+                if (m->trainer_state_names[i][0] && shm_unlink(m->trainer_state_names[i]) != 0 &&
+                    errno != ENOENT)
+                    PS_WARN(PS_SUB_SHARD, "cannot remove %s: %s", m->trainer_state_names[i],
+                            strerror(errno));
         } else {
             free_touched(m->master, bytes);
             free_touched(m->grad, bytes);
@@ -157,6 +165,9 @@ static void alloc_shared(shard_model_t *m, size_t bytes, bool in_backward, int n
                     why);
         return;
     }
+    if (ps_shm_name(PS_SHM_SERVER, m->trainer_state_names[0], 64) != 0 ||
+        ps_shm_name(PS_SHM_SERVER, m->trainer_state_names[1], 64) != 0)
+        m->trainer_state_names[0][0] = m->trainer_state_names[1][0] = '\0';
     uint8_t *base = m->shm.base;
     size_t at = span;
     m->master = m->shm.base;

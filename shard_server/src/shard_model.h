@@ -103,6 +103,12 @@ typedef struct {
     /* A trainer's own optimizer (torch.optim) stepped it: its state lives in the trainer, so
      * a lost trainer cannot be replaced (mu). */
     bool trainer_optimizer;
+    /* ...and its trainer said, at its last step, that it keeps that optimizer's state in the
+     * object named trainer_state_names (so a replacement recovers it: mu). */
+    bool trainer_state_kept;
+    /* With host shards shared (shm.name set): the names a trainer's own optimizer keeps its
+     * state under (DefineModelResponse.trainer_state_names), removed with the model; "" else. */
+    char trainer_state_names[2][64];
     /* Per parameter, the optimizer steps that updated it (torch.optim's per-parameter "step"):
      * step, less the steps that skipped it for want of a gradient (a Step's skip mask), as
      * torch skips a parameter whose grad is None. In the shared-memory object (at

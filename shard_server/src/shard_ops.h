@@ -117,6 +117,9 @@ typedef struct {
     char shm_name[64];
     uint64_t shm_bytes, master_off, grad_off, state0_off, state1_off, steps_off;
     char shared_reason[PSHARD_ERRLEN];
+    /* The model's trainer_state_names and the server's --trainer-replace-ms. */
+    char state_names[2][64];
+    int64_t trainer_replace_ms;
 } shard_define_arg_t;
 pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                  char *err, size_t errlen);

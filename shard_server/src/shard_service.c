@@ -209,6 +209,12 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.shard_state1_offset = a.state1_off;
     out.shard_steps_offset = a.steps_off;
     out.shard_shared_reason = a.shared_reason;
+    out.trainer_replace_ms = a.trainer_replace_ms;
+    char *names[2] = {a.state_names[0], a.state_names[1]};
+    if (names[0][0] && names[1][0]) {
+        out.n_trainer_state_names = 2;
+        out.trainer_state_names = names;
+    }
     answer(call, rc, err, &out.base);
 }
 
@@ -564,6 +570,9 @@ static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm,
     if (req->set_lr && req->n_groups > 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "a step carries either groups (each with its lr) or lr, not both");
+    if (req->trainer_state_kept && !req->trainer_stepped)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "trainer_state_kept goes with a step of the trainer's own optimizer only");
     if (req->skip.len > 0 && (req->set_step || req->trainer_stepped))
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                        "a skip mask goes with a step of the shard servers' optimizer only");
@@ -590,6 +599,10 @@ static pshard_status_t step_check(pshard_shard_server_t *s, pshard_comm_t *comm,
                            "twice; define the model without optimizer_in_backward to step with "
                            "the trainer's optimizer (pshard_step_trainer)");
         op->sop.trainer_stepped = true;
+        /* Whether a replacement could recover this trainer's optimizer (on_cluster_event). */
+        pthread_mutex_lock(&s->mu);
+        s->model->trainer_state_kept = req->trainer_state_kept;
+        pthread_mutex_unlock(&s->mu);
         return PSHARD_OK;
     }
     if (req->set_lr && (!(req->lr >= 0) || !isfinite(req->lr)))

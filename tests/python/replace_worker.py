@@ -1,14 +1,19 @@
 """Trainer for test_replace.py: a small model under pshard.torch (fully_shard per layer and
-root, pshard.torch.optim.AdamW on the shard servers) trained for STEPS steps on data that each
-rank draws from (step, rank). On the first attempt rank 1 exits (os._exit, no goodbye) just
-before step FAIL_STEP; the others catch pshard.StepAbortedError, resync and go on, and the
-replacement that pshardrun starts begins at pshard.torch.resume_step. SKIP (a comma list)
-leaves steps out: the reference run. Rank 0 writes the final full weights to OUT/weights.pt;
-every rank writes OUT/rank-R-A.json (A: its attempt) with the steps it saw aborted and where
-it started.
-With OPTIM "torch" a torch.optim.AdamW steps the shards in the trainer instead: its state is
-the trainer's, so a lost trainer cannot be replaced and the job must fail.
-argv: OUT FAIL_STEP SKIP [OPTIM]"""
+root) trained for STEPS steps on data that each rank draws from (step, rank). On the first
+attempt rank 1 is lost (os._exit, no goodbye) at step FAIL_STEP, at the point WHERE says; the
+others catch pshard.StepAbortedError, resync and go on, and the replacement that pshardrun
+starts begins at pshard.torch.resume_step. SKIP (a comma list) leaves steps out: the reference
+run. Rank 0 writes the final full weights to OUT/weights.pt; every rank writes OUT/rank-R-A.json
+(A: its attempt) with the steps it saw aborted and where it started.
+OPTIM: "server" (pshard.torch.optim.AdamW, on the shard servers), "torch" (torch.optim.AdamW
+in the trainer, two parameter groups and a LambdaLR schedule, its state kept for a replacement
+by pshard.torch; the replacement advances its schedule to get_step) or "torch-extra" (an AdamW
+that also steps a parameter outside the model, whose state therefore cannot be kept).
+WHERE: "forward" (before the step's forward), "update" (after the optimizer updated the values,
+before the step's commit: nobody counts the step and everyone rolls it back), "commit" (after
+the commit: everybody counts it), "backup" (after the values were copied aside, before the
+update).
+argv: OUT FAIL_STEP SKIP [OPTIM [WHERE]]"""
 import json
 import os
 import sys
@@ -17,11 +22,13 @@ import torch
 
 import pshard
 import pshard.torch as pt
+from pshard.torch import _optim_keep
 
 torch.set_num_threads(1)
 out, fail_step = sys.argv[1], int(sys.argv[2])
 skip = {int(s) for s in sys.argv[3].split(",") if s}
 optim = sys.argv[4] if len(sys.argv) > 4 else "server"
+where = sys.argv[5] if len(sys.argv) > 5 else "forward"
 STEPS = 12
 attempt = os.environ.get("PSHARD_RESTART_COUNT", "0")
 pshard.init_process_group()
@@ -31,22 +38,59 @@ model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.L
 pt.fully_shard(model[0])
 pt.fully_shard(model[2])
 pt.fully_shard(model)
-opt = (pt.optim.AdamW if optim == "server" else torch.optim.AdamW)(model.parameters(), lr=1e-2)
+sched = None
+if optim == "server":
+    opt = pt.optim.AdamW(model.parameters(), lr=1e-2)
+elif optim == "torch-extra":  # a parameter outside the model too: nothing can be kept
+    extra = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([*model.parameters(), extra], lr=1e-2)
+else:
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "weight_decay": 0.1},
+                             {"params": model[2].parameters(), "lr": 2e-2}], lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
 step = started_at = pt.resume_step(model)
+if sched is not None:
+    for _ in range(pt.get_step(model)):  # the schedule goes by the steps applied
+        sched.step()
 aborted = []
+lose = rank == 1 and attempt == "0"
+
+
+def lost():
+    sys.stdout.flush()
+    os._exit(3)
+
+
+if lose and where != "forward":
+    # The points inside opt.step(): the optimizer's own post-hook runs before pshard.torch's
+    # global one (the commit); the kept state's methods run at the others.
+    if where == "update":
+        opt.register_step_post_hook(lambda *a: lost() if step == fail_step else None)
+    else:
+        cls = _optim_keep.KeptState
+        name = {"commit": "committed", "backup": "before_step"}[where]
+        orig = getattr(cls, name)
+
+        def at_point(self, *a):
+            r = orig(self, *a)
+            if step == fail_step:
+                lost()
+            return r
+        setattr(cls, name, at_point)
 while step < STEPS:
     if step in skip:
         step += 1
         continue
-    if rank == 1 and step == fail_step and attempt == "0":
-        sys.stdout.flush()
-        os._exit(3)
+    if lose and where == "forward" and step == fail_step:
+        lost()
     g = torch.Generator().manual_seed(1000 * step + rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
     try:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
         step += 1
     except pshard.StepAbortedError:
         opt.zero_grad()
@@ -57,5 +101,6 @@ sd = pt.get_model_state_dict(model, options=pt.StateDictOptions(full_state_dict=
 if rank == 0:
     torch.save({k: v.clone() for k, v in sd.items()}, os.path.join(out, "weights.pt"))
 with open(os.path.join(out, f"rank-{rank}-{attempt}.json"), "w") as f:
-    json.dump({"aborted": aborted, "started_at": started_at, "steps": pt.get_step(model)}, f)
+    json.dump({"aborted": aborted, "started_at": started_at, "steps": pt.get_step(model),
+               "lr": [g["lr"] for g in opt.param_groups]}, f)
 pshard.destroy_process_group()

@@ -5,6 +5,7 @@ weights equal, bit for bit, a run of the same data that leaves the aborted step 
 import json
 import os
 
+import pytest
 import torch
 
 from conftest import HERE, pshardrun
@@ -34,11 +35,51 @@ def test_lost_trainer_replaced(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_trainer_side_optimizer_not_replaced(tmp_path):
-    """A torch.optim optimizer in the trainer held state only the lost trainer had (and the
-    others may have stepped already): no replacement takes over, the job fails naming why."""
+# Where rank 1 is lost in a torch.optim step, and the steps that then count nowhere (the data
+# index the others skip): before the forward, or after the update but before the commit, the
+# step itself; after the commit, the next one (the others count the step and are aborted in
+# the next); after the copy of the values the step begins from, before the update, the step.
+TORCH_LOSSES = {"forward": 4, "update": 4, "commit": 5, "backup": 4}
+
+
+@pytest.mark.parametrize("where", sorted(TORCH_LOSSES))
+def test_trainer_side_optimizer_replaced(tmp_path, where):
+    """torch.optim.AdamW in the trainer (two groups, a LambdaLR): pshard.torch keeps its state
+    in the shard server's shared memory with the values each step begins from, so the
+    replacement recovers it and the step in flight counts on every rank or on none. The
+    final weights (and lrs) equal a run that leaves the reported step out, bit for bit."""
     worker = os.path.join(HERE, "replace_worker.py")
-    p = pshardrun(3, worker, [str(tmp_path), "4", "", "torch"],
+    run = tmp_path / "replace"
+    run.mkdir()
+    p = pshardrun(3, worker, [str(run), "4", "", "torch", where],
+                  extra=["--max-restarts", "1", "--lease-ms", "2000"])
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert "replacing it (restart 1 of 1)" in p.stdout, p.stdout[-4000:]
+    lost = TORCH_LOSSES[where]
+    first = [json.loads((run / f"rank-{r}-0.json").read_text()) for r in (0, 2)]
+    repl = json.loads((run / "rank-1-1.json").read_text())
+    assert all(f["aborted"] == [lost] for f in first), first
+    assert repl["started_at"] == lost + 1 and repl["aborted"] == [], repl
+    assert all(f["steps"] == 11 and f["lr"] == repl["lr"] for f in first + [repl]), \
+        (first, repl)
+
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    p = pshardrun(3, worker, [str(ref), "-1", str(lost), "torch"])
+    assert p.returncode == 0, p.stdout[-4000:]
+    a, b = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_trainer_side_optimizer_not_kept(tmp_path):
+    """A torch.optim optimizer that also steps a parameter outside the pshard model: that
+    parameter lives only in the trainer, so its state is not kept, the trainer says why, and
+    a lost trainer ends the job, the server naming why."""
+    worker = os.path.join(HERE, "replace_worker.py")
+    p = pshardrun(3, worker, [str(tmp_path), "4", "", "torch-extra"],
                   extra=["--max-restarts", "1", "--lease-ms", "2000"])
     assert p.returncode != 0, p.stdout[-4000:]
+    assert "cannot keep its torch.optim optimizer's state" in p.stdout, p.stdout[-4000:]
     assert "not replaceable: its own optimizer" in p.stdout, p.stdout[-4000:]

@@ -357,6 +357,30 @@ PSHARD_API pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i,
  * rank's trainer no longer steps its shard; the collectives' own. Not thread-safe. */
 PSHARD_API pshard_status_t pshard_step_trainer(pshard_client_t *c, int64_t *step);
 
+/* pshard_step_trainer for a trainer that keeps its optimizer's state where a replacement
+ * recovers it: in the shared-memory objects pshard_trainer_state_info names, with the values
+ * this step began from, so that a replacement keeps the step if it completed on this rank's
+ * server and rolls it back if not. With it a lost trainer can be replaced (pshard-server
+ * --trainer-replace-ms); after plain pshard_step_trainer it cannot, and the job fails naming
+ * why. When the step fails with STEP_ABORTED it may still have completed on other ranks:
+ * pshard_model_step after pshard_resync says whether it counts. Errors:
+ * pshard_step_trainer's. Not thread-safe. */
+PSHARD_API pshard_status_t pshard_step_trainer_kept(pshard_client_t *c, int64_t *step);
+
+/* Where a trainer's own optimizer keeps its state for a replacement (pshard_step_trainer_kept):
+ * two names of POSIX shared-memory objects ("/pshard-srv-..."), which the trainer creates
+ * (mode 0600) and the shard server removes with the model, and the server's
+ * --trainer-replace-ms (0: a lost trainer ends the job, so there is nothing to keep). */
+typedef struct {
+    char names[2][64];
+    int64_t trainer_replace_ms;
+} pshard_trainer_state_info_t;
+
+/* Fills *out. Errors: FAILED_PRECONDITION (no model, or the shard is not mapped: the reason is
+ * pshard_shard_view's; or the server named no objects). Thread-safe. */
+PSHARD_API pshard_status_t pshard_trainer_state_info(pshard_client_t *c,
+                                                     pshard_trainer_state_info_t *out);
+
 /* Tells this rank's shard server that a training step ends now, and what the trainer processed
  * in it: tokens and samples (each at most 2^53; 0 when not counted) add to the server's
  * pshard_step_tokens_total and pshard_step_samples_total. The server times each step between

@@ -989,8 +989,14 @@ static PyMethodDef Client_methods[] = {
     {"step", (PyCFunction)(void (*)(void))Client_step, METH_VARARGS | METH_KEYWORDS,
      "step(groups=None, lr=-1, skip=b'') -> (step, grad_norm); skip: a bit per parameter "
      "the servers' optimizer leaves alone (no gradient this step)"},
-    {"step_trainer", (PyCFunction)Client_step_trainer, METH_NOARGS,
-     "step_trainer() -> step: ends a step the trainer's own optimizer took on the shard views"},
+    {"step_trainer", (PyCFunction)(void (*)(void))Client_step_trainer, METH_VARARGS | METH_KEYWORDS,
+     "step_trainer(*, kept=False) -> step: ends a step the trainer's own optimizer took on the "
+     "shard views; kept: the trainer keeps that optimizer's state for a replacement "
+     "(trainer_state_info)"},
+    {"trainer_state_info", (PyCFunction)Client_trainer_state_info, METH_NOARGS,
+     "trainer_state_info() -> (name, other_name, trainer_replace_ms): the shared-memory objects "
+     "a trainer's own optimizer keeps its state in for a replacement, and the server's "
+     "--trainer-replace-ms (0: none)"},
     {"resync", (PyCFunction)Client_resync, METH_NOARGS,
      "resync() -> step: after StepAbortedError, waits until the shard servers rebuilt their "
      "ring, gives back every gathered parameter and gradient, and returns the step whose data "

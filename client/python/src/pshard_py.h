@@ -143,10 +143,11 @@ PyObject *pshard_py_work_started(ClientObject *self, WorkObject *w, pshard_statu
 PyObject *pshard_py_buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype,
                                PyObject *shape);
 
-/* Client.shard_view, shard_state, step_trainer and set_step (pshard_shard.c), for the
- * Client's method table. */
+/* Client.shard_view, shard_state, step_trainer, trainer_state_info and set_step
+ * (pshard_shard.c), for the Client's method table. */
 PyObject *Client_shard_view(ClientObject *self, PyObject *arg);
-PyObject *Client_step_trainer(ClientObject *self, PyObject *unused);
+PyObject *Client_step_trainer(ClientObject *self, PyObject *args, PyObject *kwargs);
+PyObject *Client_trainer_state_info(ClientObject *self, PyObject *unused);
 PyObject *Client_resync(ClientObject *self, PyObject *unused);
 PyObject *Client_report_step(ClientObject *self, PyObject *args, PyObject *kwargs);
 PyObject *Client_shard_state(ClientObject *self, PyObject *arg);

@@ -2,7 +2,8 @@
  * master weights and gradient accumulator of parameter i as Buffers (what a DTensor's local
  * shard and its .grad are made from), Client.shard_state(i), the servers' optimizer state of
  * the same elements, Client.step_trainer(), which ends a step that a torch.optim optimizer
- * took on them, and Client.set_step(n), which restores the servers' step count. */
+ * took on them, Client.trainer_state_info(), where such an optimizer keeps its state for a
+ * replacement, and Client.set_step(n), which restores the servers' step count. */
 #include "pshard_py.h"
 
 PyObject *Client_shard_view(ClientObject *self, PyObject *arg)
@@ -38,17 +39,34 @@ PyObject *Client_shard_view(ClientObject *self, PyObject *arg)
     return out;
 }
 
-PyObject *Client_step_trainer(ClientObject *self, PyObject *unused)
+PyObject *Client_step_trainer(ClientObject *self, PyObject *args, PyObject *kwargs)
 {
-    (void)unused;
+    static char *kwlist[] = {"kept", NULL};
+    int kept = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$p:step_trainer", kwlist, &kept))
+        return NULL;
     if (!pshard_py_client_ok(self))
         return NULL;
     int64_t step = 0;
     pshard_status_t st;
-    CLIENT_CALL(self, st = pshard_step_trainer(self->c, &step));
+    CLIENT_CALL(self, st = kept ? pshard_step_trainer_kept(self->c, &step)
+                                : pshard_step_trainer(self->c, &step));
     if (st != PSHARD_OK)
         return pshard_py_client_fail(self, st);
     return PyLong_FromLongLong((long long)step);
+}
+
+PyObject *Client_trainer_state_info(ClientObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!pshard_py_client_ok(self))
+        return NULL;
+    pshard_trainer_state_info_t info;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_trainer_state_info(self->c, &info));
+    if (st != PSHARD_OK)
+        return pshard_py_client_fail(self, st);
+    return Py_BuildValue("(ssL)", info.names[0], info.names[1], (long long)info.trainer_replace_ms);
 }
 
 PyObject *Client_resync(ClientObject *self, PyObject *unused)

@@ -15,6 +15,7 @@ import pshard
 from . import optim as _optim
 from ._fsdp_api import DTYPE_NAMES
 from ._fsdp_model import Model
+from ._optim_keep import open_kept
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import unit_of
 
@@ -142,6 +143,20 @@ def _optimizer_groups(named, index):
     return kind, groups, param_groups, frozen, group_src, opts
 
 
+def _take_over_kept_state(model, client, step):
+    """A replacement: the torch.optim state its lost predecessor kept (if it kept one) is
+    settled against the servers' step count, the step in flight kept or rolled back on this
+    rank's shard, and goes into the new optimizer at its first step."""
+    try:
+        names = client.trainer_state_info()[:2]
+    except pshard.Error:
+        return  # the shard is not mapped here: no torch.optim optimizer stepped it
+    kept = open_kept(model, names)
+    if kept is not None:
+        kept.settle(step)
+        model.keeper = kept
+
+
 def lazy_init(root_unit):
     """Defines the model of root_unit's subtree to the shard servers and binds every parameter
     to the servers' memory. Collective: every rank's root runs it at its first forward."""
@@ -250,6 +265,8 @@ def lazy_init(root_unit):
         u.model = model
         u.params = [model.fsdp_params[i] for i in u.ids]
         u.grad_ids = [i for i in u.ids if not frozen[i]]
+    if taken_over:
+        _take_over_kept_state(model, client, step)
     for o in opts:
         o._pshard_model = model
     _check_uncovered(model, opts)

@@ -2,10 +2,13 @@
 parameter and unit, the reduce-scatters in flight, the forward order for prefetching, and the
 steps: pshard.torch.optim's on the shard servers, or a torch.optim optimizer's in the trainer
 (which the servers are told of, so their step count, checkpoints and Join stay right)."""
+import warnings
+
 import torch
 import torch.distributed as dist
 
 import pshard
+from ._optim_keep import KeptState
 
 __all__ = ["Model"]
 
@@ -38,6 +41,10 @@ class Model:
         self.reduced = False       # a reduce-scatter was issued since the last step
         self.group_src = []
         self.mesh = None           # the torch DeviceMesh of every unit
+        # A torch.optim optimizer's state kept for a replacement trainer (KeptState), while
+        # the shard servers allow one; keep_checked: whether they were asked.
+        self.keeper = None
+        self.keep_checked = False
 
     @property
     def params(self):
@@ -107,13 +114,49 @@ class Model:
         self.step, self.last_grad_norm = self.client.step(groups=groups, skip=bytes(skip))
         self.after_step()
 
+    def before_trainer_step(self, opt):
+        """Before a torch.optim optimizer steps the model in the trainer: with the shard
+        servers allowing a replacement trainer (--trainer-replace-ms), its state is kept where
+        a replacement finds it, with the values the step starts from (_optim_keep)."""
+        self.finish_gradients()
+        if not self.keep_checked:
+            self.keep_checked = True
+            try:
+                a, b, replace_ms = self.client.trainer_state_info()
+            except pshard.Error:
+                replace_ms = 0  # the shard is not mapped: the optimizer cannot step it anyway
+            if replace_ms > 0 and self.keeper is None:
+                self.keeper = KeptState(self, (a, b))
+        if self.keeper is not None:
+            self._kept_or_not(self.keeper.before_step(opt))
+
+    def _kept_or_not(self, why):
+        if why is not None:
+            self.keeper = None
+            warnings.warn(
+                f"pshard: rank {self.client.rank} cannot keep its torch.optim optimizer's state "
+                f"for a replacement trainer ({why}): if this trainer is lost, the job ends",
+                RuntimeWarning, stacklevel=4)
+
     def trainer_step(self):
         """After a torch.optim optimizer updated the sharded parameters in the trainer (their
         local tensors are the servers' masters): the servers count the step (checkpoints,
-        get_step, Join's check that no joined rank's shard goes stale) and every unit is
-        resharded on the client (its gathered values are the old ones)."""
+        get_step, Join's check that no joined rank's shard goes stale; the commit a
+        replacement goes by) and every unit is resharded on the client (its gathered values
+        are the old ones)."""
         self.finish_gradients()
-        self.step = self.client.step_trainer()
+        kept = self.keeper
+        if kept is not None:
+            self._kept_or_not(kept.after_update(kept.opt))
+            kept = self.keeper
+        try:
+            self.step = self.client.step_trainer(kept=kept is not None)
+        except pshard.StepAbortedError:
+            if kept is not None:  # it may have counted elsewhere: resync says
+                kept.unsettled = True
+            raise
+        if kept is not None:
+            kept.committed(self.step)
         self.reduced = False
         for u in self.units:
             u.to_sharded()
@@ -137,6 +180,10 @@ class Model:
         self.reduced = False
         nxt = self.client.resync()
         self.step = self.client.model_step
+        if self.keeper is not None and self.keeper.unsettled:
+            # The commit of a torch.optim step failed here: the servers counted it everywhere
+            # or nowhere, and the values follow.
+            self.keeper.settle(self.step)
         return nxt
 
     def reset_after_error(self):

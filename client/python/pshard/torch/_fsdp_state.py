@@ -252,7 +252,7 @@ def _pre_step(opt, args, kwargs):
             raise pshard.FailedPreconditionError(
                 f"{type(opt).__name__} would step a model that pshard.torch.optim optimizers "
                 "step on the shard servers: use one kind for a model")
-        model.finish_gradients()
+        model.before_trainer_step(opt)
 
 
 def _post_step(opt, args, kwargs):

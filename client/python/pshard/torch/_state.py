@@ -168,7 +168,10 @@ def resync(model):
     """After pshard.StepAbortedError (a trainer of the job was lost and is being replaced;
     none of the step in flight was applied on any rank): drops what the step had gathered and
     accumulated, waits until the shard servers rebuilt their ring, and returns the step whose
-    data comes next (resume_step). Call optimizer.zero_grad() too, and go on from there::
+    data comes next (resume_step). With a torch.optim optimizer whose step() raised it, the
+    step either counted on every rank (the lost trainer's commit had gone through) or it is
+    rolled back here, values and optimizer state, as on every rank. Call
+    optimizer.zero_grad() too, and go on from there::
 
         step = pshard.torch.resume_step(model)
         while step < steps:
