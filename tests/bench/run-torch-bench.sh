@@ -10,8 +10,10 @@
 # memory bandwidth cannot go below without any communication), torch DDP and torch FSDP2
 # (fully_shard per block + root) on gloo under torchrun, pshard (pshard.torch fully_shard per
 # block + root, the optimizer on the shard servers) under pshardrun, pshard_topt (the same with
-# torch.optim.AdamW in the trainer), fsdp2_pshard (torch's own FSDP2 as above on backend
-# "pshard", under pshardrun).
+# torch.optim.AdamW in the trainer), pshard_topt_keep (pshard_topt under pshardrun
+# --max-restarts 1: the servers allow a replacement trainer, so pshard.torch keeps the
+# optimizer's state in shared memory and copies shard and state aside before each step),
+# fsdp2_pshard (torch's own FSDP2 as above on backend "pshard", under pshardrun).
 # Reports, per model: step time (median over repetitions of the slowest rank's mean), each
 # distributed mode's overhead over local and over local2, and peak memory per rank: the
 # trainer's VmHWM; under pshardrun also trainer + its own shard server, counted twice (plain
@@ -22,7 +24,7 @@
 #
 # Environment: VENV (<repo>/build/torch-venv, made by scripts/pshard-venv.sh, which also builds
 # and installs pshard into it), REPEAT (3), SMALL_STEPS (20), LARGE_STEPS (8), WARMUP (3),
-# MODELS ("small large"), OUT (a directory for the raw outputs; default a fresh temporary one,
+# MODELS ("small large"), MODES (every mode above, in that order), OUT (a directory for the raw outputs; default a fresh temporary one,
 # kept), SUMMARY_ONLY=1 (with OUT: only print the summary of an earlier run). The machine should
 # be otherwise idle: the load is printed.
 set -euo pipefail
@@ -34,6 +36,7 @@ SMALL_STEPS="${SMALL_STEPS:-20}"
 LARGE_STEPS="${LARGE_STEPS:-8}"
 WARMUP="${WARMUP:-3}"
 MODELS="${MODELS:-small large}"
+MODES="${MODES:-local local2 ddp fsdp2 pshard pshard_topt pshard_topt_keep fsdp2_pshard}"
 OUT="${OUT:-$(mktemp -d /tmp/pshard-torch-bench.XXXXXX)}"
 mkdir -p "$OUT"
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -71,6 +74,9 @@ run_one() {
     ddp | fsdp2) cmd=("$VENV/bin/torchrun" --standalone --nproc-per-node 2 "$BENCH" --mode "$mode" "${flags[@]}") ;;
     pshard | pshard_topt | fsdp2_pshard)
         cmd=("$VENV/bin/pshardrun" --nproc 2 -- "$PY" "$BENCH" --mode "$mode" "${flags[@]}") ;;
+    pshard_topt_keep)
+        cmd=("$VENV/bin/pshardrun" --nproc 2 --max-restarts 1 -- "$PY" "$BENCH" --mode pshard_topt "${flags[@]}") ;;
+    *) echo "unknown mode '$mode' in MODES" >&2; exit 2 ;;
     esac
     timeout 1800 "${cmd[@]}" >"$f" 2>&1 || echo "($model $mode run $rep failed: see $f)" >&2
 }
@@ -83,7 +89,7 @@ if [ "${SUMMARY_ONLY:-0}" != 1 ]; then
     echo "# torch $("$PY" -c 'import torch; print(torch.__version__)'), raw outputs in $OUT"
     for rep in $(seq "$REPEAT"); do
         for model in $MODELS; do
-            for mode in local local2 ddp fsdp2 pshard pshard_topt fsdp2_pshard; do
+            for mode in $MODES; do
                 log "$model $mode, repetition $rep of $REPEAT"
                 run_one "$model" "$mode" "$rep"
             done
@@ -116,7 +122,8 @@ median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print ""; else if (N
 stat() { # model mode field -> median over repetitions
     local f
     for f in "$OUT/${1}_${2}"_r*.txt; do
-        [ -f "$f" ] && per_run "$f" "$3"
+        [ -f "$f" ] || continue # a mode left out of MODES
+        per_run "$f" "$3"
     done | median
 }
 mib() { awk -v k="$1" 'BEGIN { if (k == "") print "n/a"; else printf "%.1f", k / 1024 }'; }
@@ -180,6 +187,10 @@ for model in $MODELS; do
     pdt=$(stat "$model" pshard_topt dedup)
     r=$(ratio "$pdt" "$ft")
     row "$model: peak MiB/rank, +torch.optim trainer+server" "$(mib "$pdt")" "$(mib "$ft")" "$r" "<= 1.00" "$(verdict "$r" 1.00)"
+    ptk=$(stat "$model" pshard_topt_keep step_ms)
+    row "$model: step ms, torch.optim kept for a replacement/not" "${ptk:-n/a}" "${pto:-n/a}" "$(ratio "$ptk" "$pto")" "(report)" "-"
+    pdk=$(stat "$model" pshard_topt_keep dedup)
+    row "$model: peak MiB/rank, torch.optim kept/not" "$(mib "$pdk")" "$(mib "$pdt")" "$(ratio "$pdk" "$pdt")" "(report)" "-"
     fpd=$(stat "$model" fsdp2_pshard dedup)
     row "$model: peak MiB/rank, FSDP2 on pshard (+server)" "$(mib "$fpd")" "$(mib "$ft")" "$(ratio "$fpd" "$ft")" "(report)" "-"
     pp=$(stat "$model" pshard pss)
