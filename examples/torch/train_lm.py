@@ -10,6 +10,11 @@ Each rank trains on its own part of the text. The port from torch FSDP2 is the i
   --param-dtype bf16   gathers parameters in bfloat16 (fp32 master weights on the servers)
   --checkpoint-every K saves a sharded checkpoint every K steps (pshardrun --checkpoint-dir D);
                        ``pshardrun --resume D`` continues from the newest one, on any world size
+  --optimizer torch    torch.optim.AdamW in the trainer instead of pshard.torch.optim.AdamW on
+                       the shard servers (a replacement of a lost trainer gets its state back)
+  --fail-at-step N --fail-rank R
+                       trainer R exits before step N on its first attempt (a lost trainer, for
+                       pshardrun --max-restarts and tests/bench/run-failure-bench.sh)
 Prints ``step N loss X tokens/s Y`` lines.
 """
 import argparse
@@ -18,6 +23,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -43,7 +49,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text-bytes", type=int, default=4 << 20,
                    help="how much of the standard library's sources to read")
-    return p.parse_args(argv)
+    p.add_argument("--optimizer", choices=["server", "torch"], default="server")
+    p.add_argument("--fail-at-step", type=int, default=0)
+    p.add_argument("--fail-rank", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.uneven and args.optimizer == "torch":
+        p.error("--uneven needs --optimizer server: a rank that joined steps its shard on the "
+                "shard servers, where a trainer's torch.optim cannot reach it")
+    return args
 
 
 def build_model(args):
@@ -112,14 +125,17 @@ def main(argv=None):
     for block in model.transformer.h:
         pt.fully_shard(block, mp_policy=mp, reshard_after_forward=bool(args.reshard_after_forward))
     pt.fully_shard(model, mp_policy=mp)
-    opt = pt.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    adamw = torch.optim.AdamW if args.optimizer == "torch" else pt.optim.AdamW
+    opt = adamw(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     # > 0 after pshardrun --resume, or in a replacement of a lost trainer (pshardrun
     # --max-restarts): the data goes on after the steps applied and aborted, the schedule
     # after the steps applied.
     start = pt.resume_step(model)
-    for _ in range(pt.get_step(model)):
-        sched.step()
+    with warnings.catch_warnings():  # (torch warns of a schedule stepped before the optimizer)
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(pt.get_step(model)):
+            sched.step()
     if rank == 0:
         nparams = sum(p.numel() for p in model.parameters())
         print(f"GPT-2 {args.layers}x{args.d_model}, {nparams / 1e6:.2f}M parameters, "
@@ -127,11 +143,16 @@ def main(argv=None):
               + (f", resuming at step {start}" if start else ""), flush=True)
     steps = args.steps + (rank if args.uneven else 0)
     tokens = args.batch * args.seq
-    join = pt.Join([model, opt], enable=args.uneven)
+    join = pt.Join([model, opt] if args.optimizer == "server" else [model], enable=args.uneven)
     t0, done = time.perf_counter(), 0
     with join:
         step = start
+        first_attempt = os.environ.get("PSHARD_RESTART_COUNT", "0") == "0"
         while step < steps:
+            if first_attempt and rank == args.fail_rank and step + 1 == args.fail_at_step:
+                print(f"rank {rank} exiting before step {step + 1} (--fail-at-step)",
+                      flush=True)
+                os._exit(3)
             x = batch_at(text, rank, world, step, args)
             try:
                 loss = model(input_ids=x, labels=x).loss
@@ -139,6 +160,7 @@ def main(argv=None):
                 if args.clip > 0:
                     pt.clip_grad_norm_(model, args.clip)
                 opt.step()
+                opt.zero_grad()
                 sched.step()
                 done += 1
                 if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
@@ -146,8 +168,10 @@ def main(argv=None):
                     if rank == 0:
                         print(f"checkpoint {path}", flush=True)
             except pshard.StepAbortedError as e:
-                # A trainer of the job was lost and is being replaced: none of this step was
-                # applied anywhere; go on where the shard servers say, as its replacement will.
+                # A trainer of the job was lost and is being replaced: this step counts on
+                # every rank or on none (resync restores what it changed here then); go on
+                # where the shard servers say, as its replacement will.
+                opt.zero_grad()
                 nxt = pt.resync(model)
                 if rank == 0:
                     print(f"step {step + 1} aborted ({e}); going on at step {nxt + 1}",

@@ -5,7 +5,8 @@
 # coordinator's lease), SIGSTOP of a shard server (lease), kill -9 of a shard server (the ring's
 # sockets). Prints p50 / p90 / max of the slowest trainer per trial, per fault.
 # Then the recovery comparison at the end of this file.
-# usage: tests/bench/run-failure-bench.sh [BUILD_DIR]   (env TRIALS, RECOVERY_TRIALS, LEASE_MS; TRIALS=0 runs only the recovery part)
+# usage: tests/bench/run-failure-bench.sh [BUILD_DIR]   (env TRIALS, RECOVERY_TRIALS, RECOVERY_JOBS,
+# LEASE_MS, VENV; TRIALS=0 runs only the recovery part)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BUILD="${1:-$ROOT/build}"
@@ -29,44 +30,67 @@ for fault in trainer-kill server-stop server-kill; do
 done
 
 # Recovery: from a trainer's death to the job training again (rank 0 finishing step 14), over
-# RECOVERY_TRIALS (5) runs of a 3-rank pshardrun job of pshard-mlp (--lease-ms LEASE_MS, 2000;
-# 4 layers of 1024; trainer 1 exits at step 13, --fail-at-step), side by side:
+# RECOVERY_TRIALS (5) runs of a 3-rank pshardrun job (--lease-ms LEASE_MS, 2000; trainer 1
+# exits before step 13, --fail-at-step), side by side, for each job of RECOVERY_JOBS:
+#   mlp      pshard-mlp, 4 layers of 1024
+#   lm       examples/torch/train_lm.py (GPT-2 2x128, pshard.torch.optim.AdamW on the servers;
+#            needs VENV, default <build>/torch-venv from scripts/pshard-venv.sh)
+#   lm_topt  the same with torch.optim.AdamW in the trainer, whose state pshard.torch keeps
+#            (replace mode only: a full restart cannot bring a trainer's optimizer state back)
+# and each mode:
 #   replace: --max-restarts 1 (trainer 1 alone is replaced; the others skip the aborted step)
 #   restart: --max-restarts 1 --replace-timeout-ms 0 (every process restarts, resuming from
 #            the step-10 checkpoint: today's torchrun way)
-# Prints p50 / max per mode and the ratio of the medians.
+# Prints p50 / max per job and mode and the ratio of the medians.
 RECOVERY_TRIALS="${RECOVERY_TRIALS:-5}"
+RECOVERY_JOBS="${RECOVERY_JOBS:-mlp lm lm_topt}"
 LEASE_MS="${LEASE_MS:-2000}"
+VENV="${VENV:-$BUILD/torch-venv}"
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
-# recovery_ms MODE: one run; prints the milliseconds from trainer 1's exit to rank 0's next step.
+# recovery_ms JOB MODE: one run; prints the milliseconds from trainer 1's exit to rank 0's
+# next step.
 recovery_ms() {
-  local extra=() ck
+  local extra=() ck run
   ck=$(mktemp -d)
-  [ "$1" = restart ] && extra=(--replace-timeout-ms 0 --checkpoint-dir "$ck" --checkpoint-every 5)
-  # pshard-mlp flushes each step line: they reach pshardrun (and the clock below) as printed.
-  "$BUILD/tools/pshardrun" --nproc 3 --lease-ms "$LEASE_MS" --max-restarts 1 "${extra[@]}" -- \
-    "$BUILD/examples/pshard-mlp" --steps 24 --print-every 1 --fail-at-step 13 \
-    --fail-rank 1 2>&1 | while IFS= read -r line; do echo "$(now_ms) $line"; done > "$ck/log"
+  [ "$2" = restart ] && extra=(--replace-timeout-ms 0 --checkpoint-dir "$ck" --checkpoint-every 5)
+  case "$1" in
+  mlp) run=("$BUILD/tools/pshardrun" --nproc 3 --lease-ms "$LEASE_MS" --max-restarts 1 "${extra[@]}" --
+            "$BUILD/examples/pshard-mlp" --steps 24 --print-every 1 --fail-at-step 13 --fail-rank 1) ;;
+  lm | lm_topt)
+    run=("$VENV/bin/pshardrun" --nproc 3 --lease-ms "$LEASE_MS" --max-restarts 1 "${extra[@]}" --
+         "$VENV/bin/python" "$ROOT/examples/torch/train_lm.py" --steps 20 --print-every 1
+         --fail-at-step 13 --fail-rank 1 --layers 2 --d-model 128 --heads 2)
+    [ "$1" = lm_topt ] && run+=(--optimizer torch) ;;
+  esac
+  # The trainers flush each step line: they reach pshardrun (and the clock below) as printed.
+  OMP_NUM_THREADS=1 "${run[@]}" 2>&1 | while IFS= read -r line; do echo "$(now_ms) $line"; done > "$ck/log"
   # Training again: rank 0 finishes a step past the one trainer 1 died before (13), the same
   # progress either way (the restart redoes steps 11-13 from the step-10 checkpoint).
   awk '/exiting before step/ && !t { t = $1 }
        t && /\[trainer 0\] step [0-9]+ loss/ && $5 + 0 > 13 { print $1 - t; exit }' "$ck/log"
   rm -rf "$ck"
 }
+med() { printf '%s\n' $1 | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 declare -A rec
-for mode in replace restart; do rec[$mode]=""; done
-for ((t = 0; t < RECOVERY_TRIALS; t++)); do
-  for mode in replace restart; do # interleaved: drifting load hits both alike
-    ms=$(recovery_ms "$mode")
-    [ -n "$ms" ] || { echo "recovery ($mode): the job did not train again" >&2; exit 1; }
-    rec[$mode]+="$ms "
+for job in $RECOVERY_JOBS; do
+  modes="replace restart"
+  [ "$job" = lm_topt ] && modes=replace
+  case "$job" in lm | lm_topt) [ -x "$VENV/bin/python" ] ||
+    { echo "recovery $job: no $VENV (scripts/pshard-venv.sh makes it); skipped" >&2; continue; } ;; esac
+  for mode in $modes; do rec[$job.$mode]=""; done
+  for ((t = 0; t < RECOVERY_TRIALS; t++)); do
+    for mode in $modes; do # interleaved: drifting load hits both alike
+      ms=$(recovery_ms "$job" "$mode")
+      [ -n "$ms" ] || { echo "recovery ($job $mode): the job did not train again" >&2; exit 1; }
+      rec[$job.$mode]+="$ms "
+    done
   done
+  for mode in $modes; do
+    printf '%s\n' ${rec[$job.$mode]} | sort -n | awk -v what="$job $mode" -v n="$RECOVERY_TRIALS" '
+      { v[NR] = $1 } END { printf "recovery %-16s %d trials: training again after p50 %d ms, max %d ms\n",
+                                  what, n, v[int((n + 1) / 2)], v[n] }'
+  done
+  [ "$job" = lm_topt ] && continue
+  awk -v a="$(med "${rec[$job.replace]}")" -v b="$(med "${rec[$job.restart]}")" -v l="$LEASE_MS" -v j="$job" \
+    'BEGIN { printf "recovery %s: replace / restart %.2f (medians %d / %d ms; lease %d ms)\n", j, a / b, a, b, l }'
 done
-for mode in replace restart; do
-  printf '%s\n' ${rec[$mode]} | sort -n | awk -v mode="$mode" -v n="$RECOVERY_TRIALS" '
-    { v[NR] = $1 } END { printf "recovery %-8s %d trials: training again after p50 %d ms, max %d ms\n",
-                                mode, n, v[int((n + 1) / 2)], v[n] }'
-done
-med() { printf '%s\n' $1 | sort -n | awk -v n="$RECOVERY_TRIALS" '{ v[NR] = $1 } END { print v[int((n + 1) / 2)] }'; }
-awk -v a="$(med "${rec[replace]}")" -v b="$(med "${rec[restart]}")" -v l="$LEASE_MS" \
-  'BEGIN { printf "recovery: replace / restart %.2f (medians %d / %d ms; lease %d ms)\n", a / b, a, b, l }'
