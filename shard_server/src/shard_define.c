@@ -226,26 +226,39 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
     return rc;
 }
 
-/* HSDP: the communicators of this rank's replica (its shard ranks) and of its shard index
- * (one rank per replica), named for this definition attempt, which every rank numbers alike. */
-static pshard_status_t hsdp_comms(pshard_shard_server_t *s, shard_model_t *m, int wrank, int reps,
-                                  int shards, char *err, size_t errlen)
+pshard_status_t shard_mesh_connect(pshard_shard_server_t *s, shard_model_t *m, int wrank, int reps,
+                                   int shards, uint64_t attempt, uint32_t serial,
+                                   uint64_t generation, char *err, size_t errlen)
 {
     int replica = wrank / shards, index = wrank % shards;
-    char name[64], why[PSHARD_ERRLEN] = "";
+    char name[64], suffix[16] = "", why[PSHARD_ERRLEN] = "";
+    if (serial > 0)
+        snprintf(suffix, sizeof(suffix), "~%u", serial);
+    pshard_comm_t *shard_comm = NULL, *replicate_comm = NULL;
     pshard_comm_config_t cc;
-    snprintf(name, sizeof(name), "hsdp%" PRIu64 "s%d", s->define_attempts, replica);
-    shard_comm_config(s, &cc, name, index, shards, s->comm_generation);
-    pshard_status_t rc = pshard_comm_create(&cc, &m->shard_comm, why, sizeof(why));
+    snprintf(name, sizeof(name), "hsdp%" PRIu64 "s%d%s", attempt, replica, suffix);
+    shard_comm_config(s, &cc, name, index, shards, generation);
+    pshard_status_t rc = pshard_comm_create(&cc, &shard_comm, why, sizeof(why));
     if (rc != PSHARD_OK)
         return ps_errf(err, errlen, rc, "cannot connect the shard ranks of replica %d: %s", replica,
                        why);
-    snprintf(name, sizeof(name), "hsdp%" PRIu64 "r%d", s->define_attempts, index);
-    shard_comm_config(s, &cc, name, replica, reps, s->comm_generation);
-    rc = pshard_comm_create(&cc, &m->replicate_comm, why, sizeof(why));
-    if (rc != PSHARD_OK)
+    snprintf(name, sizeof(name), "hsdp%" PRIu64 "r%d%s", attempt, index, suffix);
+    shard_comm_config(s, &cc, name, replica, reps, generation);
+    rc = pshard_comm_create(&cc, &replicate_comm, why, sizeof(why));
+    if (rc != PSHARD_OK) {
+        pshard_comm_destroy(shard_comm);
         return ps_errf(err, errlen, rc, "cannot connect the replicas of shard %d: %s", index, why);
+    }
+    pshard_comm_t *old[2] = {m->shard_comm, m->replicate_comm};
+    pthread_mutex_lock(&s->mu); /* (the watch thread aborts them under mu) */
+    m->shard_comm = shard_comm;
+    m->replicate_comm = replicate_comm;
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < 2; i++)
+        if (old[i])
+            pshard_comm_destroy(old[i]);
     m->replicas = reps;
+    m->mesh_attempt = attempt;
     int64_t own = atomic_load(&s->session_timeout_ms); /* the trainer's init timeout */
     pshard_comm_set_timeout(m->shard_comm, own);
     pshard_comm_set_timeout(m->replicate_comm, own);
@@ -410,7 +423,8 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
     }
     rc = check_definitions(s, m, mesh_line, wrank, world, err, errlen);
     if (rc == PSHARD_OK && reps > 1)
-        rc = hsdp_comms(s, m, wrank, reps, shards, err, errlen);
+        rc = shard_mesh_connect(s, m, wrank, reps, shards, s->define_attempts, 0,
+                                s->comm_generation, err, errlen);
     if (rc != PSHARD_OK)
         goto out;
     if (shard_on_gpu(s)) {

@@ -30,6 +30,9 @@
 /* The longest key a keyed NewGroups takes (torch's names are a counter or a 40-digit hash). */
 #define GROUP_KEY_MAX 1024
 
+static void keyed_name(const char *key, char *buf, size_t len);
+static void ranks_format(const int *ranks, int n, char *buf, size_t len);
+
 static void group_free(shard_pg_t *g)
 {
     if (!g)
@@ -52,6 +55,76 @@ void shard_pgs_clear(pshard_shard_server_t *s)
     for (size_t i = 0; i < n; i++)
         group_free(gs[i]);
     free(gs);
+}
+
+void shard_pgs_suspend(pshard_shard_server_t *s, uint32_t serial)
+{
+    pthread_mutex_lock(&s->mu);
+    for (size_t i = 0; i < s->npgs; i++) {
+        shard_pg_t *g = s->pgs[i];
+        pshard_comm_destroy(g->comm);
+        g->comm = NULL;
+        shard_bufs_free(&g->bufs);
+        g->serial = serial;
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+void shard_pgs_hand_over(pshard_shard_server_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    size_t kept = 0;
+    for (size_t i = 0; i < s->npgs; i++) {
+        shard_pg_t *g = s->pgs[i];
+        /* A keyed group the aborted step suspended: its other members keep it under its id */
+        if (g->key && !g->comm && g->serial > 0) {
+            g->orphan = true;
+            s->pgs[kept++] = g;
+        } else {
+            group_free(g);
+        }
+    }
+    s->npgs = kept;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Rebuilds the communicator of g, suspended by an aborted step, under its name and serial:
+ * blocks until every member's server has done the same (the members' trainers use the group
+ * again, a replaced one after making it again). */
+static pshard_status_t group_rebuild(pshard_shard_server_t *s, shard_pg_t *g, char *err,
+                                     size_t errlen)
+{
+    char name[64], base[48], list[160];
+    if (g->key)
+        keyed_name(g->key, base, sizeof(base));
+    else
+        snprintf(base, sizeof(base), "grp%" PRIu32, g->id);
+    snprintf(name, sizeof(name), "%s~%" PRIu32, base, g->serial);
+    pshard_comm_config_t cc;
+    shard_comm_config(s, &cc, name, g->grank, g->size, s->comm_generation);
+    if (g->timeout_ms > 0)
+        cc.timeout_ms = g->timeout_ms;
+    cc.connect_timeout_ms = g->timeout_ms > 0 ? g->timeout_ms : s->cfg.coll_timeout_ms;
+    char why[PSHARD_ERRLEN] = "";
+    pshard_comm_t *comm = NULL;
+    pshard_status_t rc = pshard_comm_create(&cc, &comm, why, sizeof(why));
+    if (rc != PSHARD_OK) {
+        ranks_format(g->ranks, g->size, list, sizeof(list));
+        return ps_errf(err, errlen, rc,
+                       "group %" PRIu32 " (ranks %s) could not be rebuilt after the aborted step "
+                       "(ring serial %" PRIu32 "): %s. Every member's trainer must use it again; "
+                       "a replaced trainer must first make it again (torch's new_group, the same "
+                       "calls in the same order%s)",
+                       g->id, list, g->serial, why,
+                       g->key ? "" : "; an unkeyed group cannot be made again by one rank alone");
+    }
+    pthread_mutex_lock(&s->mu);
+    g->comm = comm;
+    pthread_mutex_unlock(&s->mu);
+    PS_INFO(PS_SUB_SHARD,
+            "rebuilt process group %" PRIu32 " after the aborted step (serial %" PRIu32 ")", g->id,
+            g->serial);
+    return PSHARD_OK;
 }
 
 void shard_pgs_abort(pshard_shard_server_t *s, int lost, pshard_status_t status, const char *msg)
@@ -116,7 +189,7 @@ shard_pg_t *shard_pg_find(pshard_shard_server_t *s, uint32_t id, pshard_status_t
 {
     for (size_t i = 0; i < s->npgs; i++) {
         shard_pg_t *g = s->pgs[i];
-        if (g->id != id)
+        if (g->id != id || g->orphan)
             continue;
         if (g->grank < 0) {
             char list[160];
@@ -125,6 +198,8 @@ shard_pg_t *shard_pg_find(pshard_shard_server_t *s, uint32_t id, pshard_status_t
                           "this rank is not in group %" PRIu32 " (ranks %s)", id, list);
             return NULL;
         }
+        if (!g->comm && (*rc = group_rebuild(s, g, err, errlen)) != PSHARD_OK)
+            return NULL;
         return g;
     }
     uint32_t gen16 = (uint32_t)(s->comm_generation & 0xffff), counter = id & GROUP_COUNTER_MAX;
@@ -212,6 +287,7 @@ static pshard_status_t group_make(pshard_shard_server_t *s, int rank, const Psha
     g->id = id;
     g->size = (int)pb->n_ranks;
     g->grank = -1;
+    g->timeout_ms = timeout_ms;
     for (int k = 0; k < g->size; k++) {
         g->ranks[k] = pb->ranks[k];
         if (g->ranks[k] == rank)
@@ -387,8 +463,11 @@ shard_pg_t *shard_pair_get(pshard_shard_server_t *s, pshard_comm_t *world, int p
     g->ranks[0] = lo;
     g->ranks[1] = hi;
     g->grank = me == lo ? 0 : 1;
-    char name[48];
-    snprintf(name, sizeof(name), "p2p%dx%de%" PRIu32, lo, hi, s->pair_epoch[peer]);
+    char name[64];
+    /* The ring's serial too: pairs made again after an aborted step (same generation) must not
+     * meet the old pairs' store keys. */
+    snprintf(name, sizeof(name), "p2p%dx%de%" PRIu32 "s%" PRIu32, lo, hi, s->pair_epoch[peer],
+             s->comm_serial);
     pshard_comm_config_t cc;
     shard_comm_config(s, &cc, name, g->grank, 2, s->comm_generation);
     if (timeout_ms > 0)
@@ -515,7 +594,7 @@ pshard_status_t shard_new_group_keyed_run(pshard_shard_server_t *s, pshard_comm_
     char name[48];
     keyed_name(key, name, sizeof(name));
     for (size_t i = 0; i < s->npgs; i++) {
-        const shard_pg_t *o = s->pgs[i];
+        shard_pg_t *o = s->pgs[i];
         if (!o->key)
             continue;
         char oname[48];
@@ -523,6 +602,27 @@ pshard_status_t shard_new_group_keyed_run(pshard_shard_server_t *s, pshard_comm_
         if (strcmp(o->key, key) != 0 && strcmp(oname, name) != 0)
             continue;
         ranks_format(o->ranks, o->size, list, sizeof(list));
+        if (o->orphan && strcmp(o->key, key) == 0) {
+            /* The lost trainer's group, made again by its replacement: the same group, under
+             * the id the other members use, rebuilt with them on its first use. */
+            bool same = o->size == (int)pb->n_ranks;
+            for (int k = 0; same && k < o->size; k++)
+                same = o->ranks[k] == pb->ranks[k];
+            if (!same)
+                return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                               "group \"%.64s\" was made with ranks %s by the trainer this one "
+                               "replaces; a replacement makes its groups again alike",
+                               key, list);
+            pthread_mutex_lock(&s->mu);
+            o->orphan = false;
+            o->timeout_ms = req->timeout_ms;
+            pthread_mutex_unlock(&s->mu);
+            a->first_id = o->id;
+            PS_INFO(PS_SUB_SHARD,
+                    "the replacement trainer made group \"%.64s\" (ranks %s) again: id %" PRIu32,
+                    key, list, o->id);
+            return PSHARD_OK;
+        }
         if (strcmp(o->key, key) == 0)
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                            "group \"%.64s\" already exists (id %" PRIu32 ", ranks %s): a key "
@@ -566,6 +666,7 @@ pshard_status_t shard_new_group_keyed_run(pshard_shard_server_t *s, pshard_comm_
     g->id = id;
     g->size = (int)pb->n_ranks;
     g->grank = grank;
+    g->timeout_ms = req->timeout_ms;
     for (int k = 0; k < g->size; k++)
         g->ranks[k] = pb->ranks[k];
     ranks_format(g->ranks, g->size, list, sizeof(list));

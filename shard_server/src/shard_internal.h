@@ -50,6 +50,13 @@ typedef struct shard_pg {
     int *ranks;
     pshard_comm_t *comm;
     shard_bufs_t bufs;
+    /* After an aborted step (a trainer replaced): the ring serial its communicator is rebuilt
+     * under ("<name>~serial"), on its first use, and whether the group was a lost trainer's,
+     * kept for its replacement to claim by making the keyed group again (shard_pgs_suspend). */
+    uint32_t serial;
+    bool orphan;
+    int64_t
+        timeout_ms; /* its collectives' timeout (NewGroupsRequest.timeout_ms; 0: the server's) */
 } shard_pg_t;
 
 struct pshard_shard_server {
@@ -294,8 +301,17 @@ void shard_bufs_free(shard_bufs_t *b);
  * HSDP model's mesh, with status and msg; any thread. shard_pg_find gives the group id of this
  * session, or NULL with the error (INVALID_ARGUMENT for an id never made, UNAVAILABLE for one of an
  * earlier session or generation, FAILED_PRECONDITION when this rank is not a member); op_mu held.
+ * A group suspended by an aborted step is rebuilt first (blocking until every member's server
+ * rebuilds it, at most the collective timeout).
  */
 void shard_pgs_clear(pshard_shard_server_t *s);
+/* After an aborted step: every group's communicator (aborted already) is destroyed, the group
+ * kept under its id, and rebuilt under ring serial serial on its first use (shard_pg_find);
+ * op_mu held. shard_pgs_hand_over, at a replacement trainer's Attach (op_mu held), keeps the
+ * lost trainer's keyed groups as orphans its replacement claims by making them again (a keyed
+ * NewGroups with the same key and ranks) and destroys the others. */
+void shard_pgs_suspend(pshard_shard_server_t *s, uint32_t serial);
+void shard_pgs_hand_over(pshard_shard_server_t *s);
 void shard_pgs_abort(pshard_shard_server_t *s, int lost, pshard_status_t status, const char *msg);
 /* One line on a group this rank is in, for Status: "group ID (ranks 0, 2): rank 1 of 2 over
  * shm; " and its newest flight record. */

@@ -398,7 +398,7 @@ void *shard_setup_main(void *arg)
             shard_health_update(s);
             shard_pgs_abort(s, -1, PSHARD_ERR_STEP_ABORTED, why);
             shard_trace_check(s, old);
-            shard_ops_retire_comm(s, old);
+            shard_ops_retire_ring(s, old, serial);
             discard_step(s);
             old = NULL;
         }
@@ -454,6 +454,16 @@ void *shard_setup_main(void *arg)
             pthread_mutex_unlock(&s->mu);
             int64_t bound = 4 * lease > 10000 ? 4 * lease : 10000;
             rc = reconcile_step(s, comm, serial, bound, err, sizeof(err));
+            if (rc == PSHARD_OK) {
+                /* An HSDP model's replica and shard rings failed with the world's: new ones,
+                 * under new names, as the world's. */
+                pthread_mutex_lock(&s->op_mu);
+                shard_model_t *m = s->model;
+                if (m && m->replicas > 1)
+                    rc = shard_mesh_connect(s, m, rank, m->replicas, m->world, m->mesh_attempt,
+                                            serial, gen, err, sizeof(err));
+                pthread_mutex_unlock(&s->op_mu);
+            }
             if (rc != PSHARD_OK) {
                 char msg[PSHARD_ERRLEN];
                 ps_snprintf(msg, sizeof(msg),
@@ -540,17 +550,15 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
                            "it had; pshard.torch keeps it for a replacement when one "
                            "torch.optim optimizer steps the model on a trainer that maps its "
                            "shard server's memory)"
-            : s->model->in_backward  ? " (not replaceable: optimizer_in_backward)"
-            : s->model->replicas > 1 ? " (not replaceable yet: an HSDP model)"
-                                     : "";
+            : s->model->in_backward ? " (not replaceable: optimizer_in_backward)"
+                                    : "";
         /* A replacement can take over only a defined model whose gradients can be discarded
          * (not optimizer_in_backward, which applies them as they come), whose optimizer state
          * survives the trainer (on the servers, or a trainer's own optimizer's kept in shared
-         * memory with the values its step began from: trainer_state_kept) and whose
-         * collectives all run on the world ring (not HSDP's replica and shard rings: not
-         * yet). Else the job fails as without. */
-        bool keep = s->cfg.trainer_replace_ms > 0 && s->model && !s->model->in_backward &&
-                    !state_lost && s->model->replicas <= 1;
+         * memory with the values its step began from: trainer_state_kept). Else the job fails
+         * as without. */
+        bool keep =
+            s->cfg.trainer_replace_ms > 0 && s->model && !s->model->in_backward && !state_lost;
         pthread_mutex_unlock(&s->mu);
         /* Our own trainer is known by name: a job too large for one event may have left it
          * out of the member lists (members_omitted). */

@@ -53,6 +53,7 @@ typedef struct {
      * no mesh, the world's communicator does it all. Owned: shard_model_free destroys them. */
     struct pshard_comm *shard_comm, *replicate_comm;
     int replicas;
+    uint64_t mesh_attempt; /* the definition attempt their names carry (shard_mesh_connect) */
     ps_layout_t *layout;
     size_t nparams;
     shard_param_t *params;

@@ -251,6 +251,17 @@ void shard_ops_retire_comm(pshard_shard_server_t *s, pshard_comm_t *old)
     pthread_mutex_unlock(&s->op_mu);
 }
 
+void shard_ops_retire_ring(pshard_shard_server_t *s, pshard_comm_t *old, uint32_t serial)
+{
+    pthread_mutex_lock(&s->op_mu);
+    pshard_comm_destroy(old);
+    s->bufs.joined_seen = false;
+    /* The generation goes on: the groups keep their ids and are rebuilt on their first use. */
+    shard_pgs_suspend(s, serial);
+    shard_pairs_clear(s);
+    pthread_mutex_unlock(&s->op_mu);
+}
+
 /* ---- the agreement round and Join's shadowing (the codec and verdict are shard_join.c's) ---- */
 
 /* Broadcasts the agreed step's group words from the first active rank when a joined rank

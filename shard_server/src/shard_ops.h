@@ -52,6 +52,9 @@ pshard_status_t shard_op_run(pshard_shard_server_t *s, shard_op_t *op, char *err
  * after clearing s->comm (under mu) and aborting old, which ends a collective an operation may
  * be blocked in; it waits for that operation by taking op_mu. The setup thread's only. */
 void shard_ops_retire_comm(pshard_shard_server_t *s, pshard_comm_t *old);
+/* The same for a ring an aborted step failed (the generation goes on): the process groups are
+ * suspended (shard_pgs_suspend), to be rebuilt under serial, the new ring's serial. */
+void shard_ops_retire_ring(pshard_shard_server_t *s, pshard_comm_t *old, uint32_t serial);
 
 /* The communicator, or NULL with UNAVAILABLE and the reason in err (forming, failed). */
 pshard_comm_t *shard_op_comm(pshard_shard_server_t *s, pshard_status_t *rc, char *err,
@@ -123,6 +126,15 @@ typedef struct {
 } shard_define_arg_t;
 pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, shard_op_t *op,
                                  char *err, size_t errlen);
+
+/* HSDP (shard_define.c): connects m's communicators over world rank wrank's replica (its
+ * shard ranks, m->shard_comm) and shard index (one rank per replica, m->replicate_comm) of a
+ * reps x shards mesh, named for definition attempt (which every rank numbers alike) and, after
+ * the serial-th aborted step (> 0), for it too; replaces (destroys) the ones m had. Blocks until
+ * the peers connect (every rank calls it alike); op_mu held. */
+pshard_status_t shard_mesh_connect(pshard_shard_server_t *s, shard_model_t *m, int wrank, int reps,
+                                   int shards, uint64_t attempt, uint32_t serial,
+                                   uint64_t generation, char *err, size_t errlen);
 
 /* The region operations (shard_region.c), for a trainer on another host. */
 

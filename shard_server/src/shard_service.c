@@ -132,7 +132,15 @@ static pshard_status_t attach_run(pshard_shard_server_t *s, pshard_comm_t *comm,
     PS_CHECK(remote ? shard_alloc_private(req->shm_bytes, &m, err, errlen)
                     : shard_map_shm(req->shm_name, req->shm_bytes, &m, err, errlen));
     shard_pin_region(s, &m);
-    shard_pgs_clear(s); /* the previous trainer's */
+    /* The previous trainer's groups; a lost trainer's keyed ones stay for its replacement to
+     * make again under the ids the other members use. */
+    pthread_mutex_lock(&s->mu);
+    bool replacing = s->replace_deadline_ns != 0;
+    pthread_mutex_unlock(&s->mu);
+    if (replacing)
+        shard_pgs_hand_over(s);
+    else
+        shard_pgs_clear(s);
     shard_unmap(&s->scratch);
     shard_unmap(&s->model_shm);
     shard_unmap(&s->pending_model);

@@ -13,7 +13,8 @@ WHERE: "forward" (before the step's forward), "update" (after the optimizer upda
 before the step's commit: nobody counts the step and everyone rolls it back), "commit" (after
 the commit: everybody counts it), "backup" (after the values were copied aside, before the
 update).
-argv: OUT FAIL_STEP SKIP [OPTIM [WHERE]]"""
+MESH: "" (FSDP over the world) or "RxS" (HSDP: R replicas of S shard ranks).
+argv: OUT FAIL_STEP SKIP [OPTIM [WHERE [MESH]]]"""
 import json
 import os
 import sys
@@ -28,16 +29,22 @@ torch.set_num_threads(1)
 out, fail_step = sys.argv[1], int(sys.argv[2])
 skip = {int(s) for s in sys.argv[3].split(",") if s}
 optim = sys.argv[4] if len(sys.argv) > 4 else "server"
-where = sys.argv[5] if len(sys.argv) > 5 else "forward"
+where = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] else "forward"
+mesh_arg = sys.argv[6] if len(sys.argv) > 6 else ""
 STEPS = 12
 attempt = os.environ.get("PSHARD_RESTART_COUNT", "0")
 pshard.init_process_group()
 rank = torch.distributed.get_rank()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-pt.fully_shard(model[0])
-pt.fully_shard(model[2])
-pt.fully_shard(model)
+mesh = None
+if mesh_arg:
+    from torch.distributed.device_mesh import init_device_mesh
+    r, s = (int(v) for v in mesh_arg.split("x"))
+    mesh = init_device_mesh("cpu", (r, s), mesh_dim_names=("replicate", "shard"))
+pt.fully_shard(model[0], mesh=mesh)
+pt.fully_shard(model[2], mesh=mesh)
+pt.fully_shard(model, mesh=mesh)
 sched = None
 if optim == "server":
     opt = pt.optim.AdamW(model.parameters(), lr=1e-2)
@@ -97,10 +104,20 @@ while step < STEPS:
         nxt = pt.resync(model)
         aborted.extend(range(step, nxt))
         step = nxt
+mesh_sums = {}
+if mesh is not None:
+    # The DeviceMesh's own process groups still work after the abort: the survivors' are rebuilt
+    # on their first use, the replacement's were made again by its init_device_mesh.
+    for dim in ("replicate", "shard"):
+        g = mesh.get_group(dim)
+        t = torch.tensor([float(rank + 1)])
+        torch.distributed.all_reduce(t, group=g)
+        mesh_sums[dim] = [t.item(), float(sum(r + 1 for r in
+                                              torch.distributed.get_process_group_ranks(g)))]
 sd = pt.get_model_state_dict(model, options=pt.StateDictOptions(full_state_dict=True))
 if rank == 0:
     torch.save({k: v.clone() for k, v in sd.items()}, os.path.join(out, "weights.pt"))
 with open(os.path.join(out, f"rank-{rank}-{attempt}.json"), "w") as f:
     json.dump({"aborted": aborted, "started_at": started_at, "steps": pt.get_step(model),
-               "lr": [g["lr"] for g in opt.param_groups]}, f)
+               "lr": [g["lr"] for g in opt.param_groups], "mesh_sums": mesh_sums}, f)
 pshard.destroy_process_group()

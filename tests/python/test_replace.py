@@ -83,3 +83,35 @@ def test_trainer_side_optimizer_not_kept(tmp_path):
     assert p.returncode != 0, p.stdout[-4000:]
     assert "cannot keep its torch.optim optimizer's state" in p.stdout, p.stdout[-4000:]
     assert "not replaceable: its own optimizer" in p.stdout, p.stdout[-4000:]
+
+
+@pytest.mark.parametrize("optim", ["server", "torch"])
+def test_hsdp_trainer_replaced(tmp_path, optim):
+    """HSDP 2 x 2: the replica and shard rings are rebuilt with the world's after the abort,
+    and the lost trainer of rank 1 is replaced as with FSDP; bit for bit as a run without the
+    aborted step. The DeviceMesh's process groups (torch.distributed groups over pshard) work
+    on every rank afterwards: the survivors' rebuilt, the replacement's made again."""
+    worker = os.path.join(HERE, "replace_worker.py")
+    run = tmp_path / "replace"
+    run.mkdir()
+    p = pshardrun(4, worker, [str(run), "4", "", optim, "", "2x2"],
+                  extra=["--max-restarts", "1", "--lease-ms", "2000"])
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert "replacing it (restart 1 of 1)" in p.stdout, p.stdout[-4000:]
+    first = [json.loads((run / f"rank-{r}-0.json").read_text()) for r in (0, 2, 3)]
+    repl = json.loads((run / "rank-1-1.json").read_text())
+    assert all(f["aborted"] == [4] for f in first), first
+    assert repl["started_at"] == 5 and repl["aborted"] == [], repl
+    # Every rank's all_reduce over each of the mesh's groups summed its members' values
+    for f in first + [repl]:
+        assert set(f["mesh_sums"]) == {"replicate", "shard"}, f
+        assert all(got == want for got, want in f["mesh_sums"].values()), f
+
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    p = pshardrun(4, worker, [str(ref), "-1", "4", optim, "", "2x2"])
+    assert p.returncode == 0, p.stdout[-4000:]
+    a, b = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
