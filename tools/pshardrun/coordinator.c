@@ -97,8 +97,12 @@ void run_start_coordinator(run_t *run, const char *bin)
 {
     run_child_t *c = run->coord;
     ps_snprintf(c->port_file, sizeof(c->port_file), "%s/coordinator.port", run->tmpdir);
-    char world[24], lease[24], heartbeat[24];
-    ps_snprintf(world, sizeof(world), "%lld", (long long)run->opts->nproc * run->nnodes);
+    char world[48], lease[24], heartbeat[24], last_call[24];
+    long long n = (long long)run->opts->nproc;
+    if (run->nnodes_min < run->nnodes)
+        ps_snprintf(world, sizeof(world), "%lld:%lld", n * run->nnodes_min, n * run->nnodes);
+    else
+        ps_snprintf(world, sizeof(world), "%lld", n * run->nnodes);
     char *argv[20];
     int a = 0;
     argv[a++] = (char *)bin;
@@ -106,8 +110,15 @@ void run_start_coordinator(run_t *run, const char *bin)
     argv[a++] = run->endpoint ? run->coord_addr : "127.0.0.1:0";
     argv[a++] = "--port-file";
     argv[a++] = c->port_file;
-    argv[a++] = "--world-size";
+    /* An elastic job forms with MIN to MAX nodes' servers, torchrun's rendezvous in
+     * pshard-coordinator's terms. */
+    argv[a++] = run->nnodes_min < run->nnodes ? "--nnodes" : "--world-size";
     argv[a++] = world;
+    if (run->last_call_ms > 0) {
+        ps_snprintf(last_call, sizeof(last_call), "%lld", (long long)run->last_call_ms);
+        argv[a++] = "--last-call-ms";
+        argv[a++] = last_call;
+    }
     argv[a++] = "--log";
     argv[a++] = run->opts->log;
     if (run->opts->lease_ms > 0) {
@@ -146,7 +157,7 @@ void run_start_coordinator(run_t *run, const char *bin)
                         strchr(run->master_addr, ':') ? "[" : "", run->master_addr,
                         strchr(run->master_addr, ':') ? "]" : "", c->port);
         }
-        fprintf(stderr, RUN_PROG ": coordinator for %d nodes on %s\n", run->nnodes,
+        fprintf(stderr, RUN_PROG ": coordinator for %s nodes on %s\n", run->opts->nnodes,
                 run->coord_addr);
         return;
     }
@@ -206,11 +217,12 @@ static ps_rpc_channel_t *run_coord_channel(run_t *run)
 
 /* Multi-node, other than node 0: waits for node 0's MASTER_ADDR:PORT of this attempt in the
  * coordinator's store (in short waits, so that signals and dying children are seen), up to
- * the larger of --start-timeout-ms and torch's store timeout. Returns 0, or -1 after saying
- * why. */
+ * --rdzv-conf join_timeout, or else the larger of --start-timeout-ms and torch's store timeout.
+ * Returns 0, or -1 after saying why. */
 static int run_await_torch_master(run_t *run, ps_rpc_channel_t *ch, const char *key)
 {
-    int64_t wait_ms = run->opts->start_timeout_ms > RUN_TORCH_MASTER_WAIT_MS
+    int64_t wait_ms = run->join_timeout_ms > 0 ? run->join_timeout_ms
+                      : run->opts->start_timeout_ms > RUN_TORCH_MASTER_WAIT_MS
                           ? run->opts->start_timeout_ms
                           : RUN_TORCH_MASTER_WAIT_MS;
     int64_t deadline = ps_now_ns() + wait_ms * 1000000;
@@ -262,10 +274,10 @@ static int run_await_torch_master(run_t *run, ps_rpc_channel_t *ch, const char *
 
 /* Chooses what trainers get as MASTER_ADDR and MASTER_PORT for this attempt: a port where rank
  * 0's torch can host its TCPStore (env://), as torchrun does, never the gRPC coordinator. One
- * node: a free port on 127.0.0.1. Several: node 0 picks a free port and publishes its address
- * as the other nodes reach it (the rendezvous endpoint's host, or the address it reaches the
- * coordinator from) in the coordinator's store, where the other nodes wait for it. On failure
- * stops the run (STOP_STARTUP) after saying why. */
+ * node: a free port on 127.0.0.1. Several: node 0 (the node of rank 0) picks a free port and
+ * publishes its address as the other nodes reach it (the rendezvous endpoint's host, or the address
+ * it reaches the coordinator from) in the coordinator's store, where the other nodes wait for it.
+ * On failure stops the run (STOP_STARTUP) after saying why. */
 void run_choose_torch_master(run_t *run)
 {
     if (run->nnodes <= 1) {
@@ -279,7 +291,7 @@ void run_choose_torch_master(run_t *run)
     ps_snprintf(key, sizeof(key), RUN_TORCH_MASTER_KEY "%lld", (long long)run->attempt);
     ps_rpc_channel_t *ch = run_coord_channel(run);
     int rc = ch ? 0 : -1;
-    if (rc == 0 && run->node_rank == 0) {
+    if (rc == 0 && run->rank_base == 0) {
         if (run->endpoint)
             rc = ps_strlcpy(run->torch_addr, run->master_addr, sizeof(run->torch_addr));
         else
@@ -314,4 +326,98 @@ void run_choose_torch_master(run_t *run)
     else
         PS_INFO(PS_SUB_MAIN, "torch's MASTER_ADDR:MASTER_PORT for attempt %lld: %s:%d",
                 (long long)run->attempt, run->torch_addr, run->torch_port);
+}
+
+/* The job's Status once it has formed: each local server's rank by its name. Returns 1 when
+ * every rank is known (run->rank_base and run->world set), 0 while the job forms, -1 after
+ * saying why it never will for this node. */
+static int run_ranks_from_status(run_t *run, const Pshard__StatusResponse *st)
+{
+    int n = (int)run->opts->nproc;
+    if (st->formed_generation == 0 || st->world_size <= 0)
+        return 0;
+    int base = -1;
+    for (int r = 0; r < n; r++) {
+        int rank = -1;
+        for (size_t i = 0; i < st->n_members; i++) {
+            const Pshard__Member *m = st->members[i];
+            if (m->role == PSHARD__ROLE__SHARD_SERVER && m->name &&
+                strcmp(m->name, run->servers[r].name) == 0)
+                rank = m->rank;
+        }
+        if (rank < 0) {
+            fprintf(stderr,
+                    RUN_PROG ": the job formed with %d shard servers without this node's "
+                             "server %s: a node that comes after an elastic --nnodes %s job "
+                             "started does not join it\n",
+                    st->world_size, run->servers[r].name, run->opts->nnodes);
+            return -1;
+        }
+        if (r == 0)
+            base = rank;
+        if (rank != base + r || base % n != 0) {
+            fprintf(stderr,
+                    RUN_PROG ": this node's shard servers got ranks out of order (server %s "
+                             "has rank %d, the first %d): is another node using node rank %d?\n",
+                    run->servers[r].name, rank, base, run->node_rank);
+            return -1;
+        }
+    }
+    run->rank_base = base;
+    run->world = st->world_size;
+    return 1;
+}
+
+void run_learn_ranks(run_t *run)
+{
+    int n = (int)run->opts->nproc;
+    if (run->nnodes_min == run->nnodes) {
+        run->rank_base = run->node_rank * n;
+        run->world = n * run->nnodes;
+        return;
+    }
+    ps_rpc_channel_t *ch = run_coord_channel(run);
+    if (!ch) {
+        run_set_stop(run, STOP_STARTUP, 1);
+        return;
+    }
+    int64_t wait_ms = run->join_timeout_ms > 0 ? run->join_timeout_ms
+                      : run->opts->start_timeout_ms > RUN_TORCH_MASTER_WAIT_MS
+                          ? run->opts->start_timeout_ms
+                          : RUN_TORCH_MASTER_WAIT_MS;
+    int64_t deadline = ps_now_ns() + wait_ms * 1000000;
+    char err[PSHARD_ERRLEN] = "not asked yet";
+    int got = 0;
+    while (got == 0 && run->stop == STOP_NONE) {
+        Pshard__StatusRequest req = PSHARD__STATUS_REQUEST__INIT;
+        Pshard__StatusResponse *st = NULL;
+        pshard_status_t rc = ps_coord_rpc_status(ch, &req, &st, 5000, err, sizeof(err));
+        if (rc == PSHARD_OK) {
+            got = run_ranks_from_status(run, st);
+            if (got == 0)
+                ps_snprintf(err, sizeof(err), "%s",
+                            st->awaiting && *st->awaiting ? st->awaiting
+                                                          : "the job has not formed");
+            protobuf_c_message_free_unpacked(&st->base, NULL);
+        }
+        if (got == 0 && ps_now_ns() >= deadline) {
+            fprintf(stderr,
+                    RUN_PROG ": the job did not form with --nnodes %s within %lld ms (%s)\n",
+                    run->opts->nnodes, (long long)wait_ms, err);
+            got = -1;
+        }
+        if (got == 0)
+            run_pump(run, ps_now_ns() + 100 * 1000000LL);
+    }
+    ps_rpc_channel_destroy(ch);
+    if (got != 1) {
+        run_set_stop(run, STOP_STARTUP, 1);
+        return;
+    }
+    for (int r = 0; r < n; r++) {
+        run_child_relabel(&run->servers[r], run->rank_base + r);
+        run_child_relabel(&run->trainers[r], run->rank_base + r);
+    }
+    fprintf(stderr, RUN_PROG ": node %d joined the job as ranks %d..%d of %d\n", run->node_rank,
+            run->rank_base, run->rank_base + n - 1, run->world);
 }

@@ -69,13 +69,14 @@ void run_start_servers(run_t *run, const char *bin)
     for (int r = 0; r < (int)run->opts->nproc && run->stop == STOP_NONE; r++) {
         run_child_t *c = &run->servers[r];
         ps_snprintf(c->port_file, sizeof(c->port_file), "%s/server-%d.port", run->tmpdir, r);
-        char name[64], device[24], every[24], keep[24], replace_ms[24];
+        char *name = c->name, device[24], every[24], keep[24], replace_ms[24];
         /* The coordinator ranks servers by name (natural order): across nodes the names sort
-         * by node rank, then local rank, so server K * NPROC + r is this node's r-th. */
+         * by node rank, then local rank, so server K * NPROC + r is this node's r-th (of the
+         * nodes that joined, with an elastic --nnodes). */
         if (run->nnodes > 1)
-            ps_snprintf(name, sizeof(name), "pshardrun-node%d-%d", run->node_rank, r);
+            ps_snprintf(c->name, sizeof(c->name), "pshardrun-node%d-%d", run->node_rank, r);
         else
-            ps_snprintf(name, sizeof(name), "pshardrun-%d-%d", (int)getpid(), r);
+            ps_snprintf(c->name, sizeof(c->name), "pshardrun-%d-%d", (int)getpid(), r);
         ps_snprintf(device, sizeof(device), "%d", r);
         ps_snprintf(every, sizeof(every), "%lld", (long long)run->opts->checkpoint_every);
         ps_snprintf(keep, sizeof(keep), "%lld", (long long)run->opts->checkpoint_keep);
@@ -151,12 +152,13 @@ void run_start_trainer(run_t *run, int r, char *const argv[], int64_t restarts)
         mport[16], server[64], attempt[24], max_restarts[24];
     ps_snprintf(attempt, sizeof(attempt), "%lld", (long long)restarts);
     ps_snprintf(max_restarts, sizeof(max_restarts), "%lld", (long long)run->opts->max_restarts);
-    ps_snprintf(rank, sizeof(rank), "%d", run->node_rank * n + r);
+    ps_snprintf(rank, sizeof(rank), "%d", run->rank_base + r);
     ps_snprintf(local_rank, sizeof(local_rank), "%d", r);
-    ps_snprintf(world, sizeof(world), "%d", n * run->nnodes);
+    ps_snprintf(world, sizeof(world), "%d", run->world);
     ps_snprintf(local_world, sizeof(local_world), "%d", n);
-    ps_snprintf(group_rank, sizeof(group_rank), "%d", run->node_rank);
-    ps_snprintf(group_world, sizeof(group_world), "%d", run->nnodes);
+    /* Nodes in the order of their ranks among those that joined (torchrun's group rank). */
+    ps_snprintf(group_rank, sizeof(group_rank), "%d", run->rank_base / n);
+    ps_snprintf(group_world, sizeof(group_world), "%d", run->world / n);
     ps_snprintf(mport, sizeof(mport), "%d", run->torch_port);
     ps_snprintf(server, sizeof(server), "127.0.0.1:%d", run->servers[r].port);
     const run_env_t env[] = {
@@ -166,6 +168,7 @@ void run_start_trainer(run_t *run, int r, char *const argv[], int64_t restarts)
         {"LOCAL_WORLD_SIZE", local_world},
         {"GROUP_RANK", group_rank},
         {"GROUP_WORLD_SIZE", group_world},
+        {"ROLE_NAME", run->opts->role},
         {"ROLE_RANK", rank},
         {"ROLE_WORLD_SIZE", world},
         {"MASTER_ADDR", run->torch_addr},
@@ -181,7 +184,11 @@ void run_start_trainer(run_t *run, int r, char *const argv[], int64_t restarts)
         {"PSHARD_TOKEN_FILE", run->opts->token_file}, /* last: dropped when NULL */
     };
     size_t nenv = PS_ARRAY_LEN(env) - (run->opts->token_file ? 0 : 1);
-    if (run_spawn(run, &run->trainers[r], argv[0], argv, env, nenv) != 0)
+    run_child_t *c = &run->trainers[r];
+    if (strcmp(run->opts->role, "default") != 0)
+        ps_snprintf(c->prefix, sizeof(c->prefix), "[%s %d] ", run->opts->role, c->rank);
+    if (run_open_trainer_logs(run, c, r, restarts) != 0 ||
+        run_spawn(run, c, argv[0], argv, env, nenv) != 0)
         run_set_stop(run, STOP_STARTUP, 1);
 }
 

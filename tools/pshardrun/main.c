@@ -1,7 +1,9 @@
 /* pshardrun: the torchrun of pshard. It starts a coordinator (unless one is named), N shard
  * servers and N trainers on this host, forwards every child's output line by line with a
- * "[role rank]" prefix, forwards SIGINT/SIGTERM/SIGHUP, and stops everything it started when
- * the trainers are done or the first of them fails. When a process fails, exactly one line on
+ * "[role rank]" prefix, forwards the signals of --signals-to-handle, and stops everything it
+ * started when the trainers are done or the first of them fails. It takes torchrun's flags and
+ * spellings (options.c), runs a bare training script with Python as torchrun does, and joins
+ * nodes with --nnodes N or MIN:MAX. When a process fails, exactly one line on
  * stderr names the first to fail: "pshardrun: first failure: trainer 2 (pid 1234) exited with
  * status 1" (or "shard server 1 ... killed by signal 9", "coordinator ...").
  *
@@ -31,7 +33,6 @@ int main(int argc, char **argv)
     run_opts_t o;
     memset(&o, 0, sizeof(o));
     ps_config_result_t res;
-    char err[PSHARD_ERRLEN] = "";
     char *coord_bin = NULL, *server_bin = NULL;
     run_t run;
     memset(&run, 0, sizeof(run));
@@ -39,49 +40,14 @@ int main(int argc, char **argv)
     run.opts = &o;
     int exit_code = 0;
 
-    if (ps_config_parse(run_options, run_noptions, argc, argv, &o, &res, err, sizeof(err)) !=
-        PSHARD_OK) {
-        fprintf(stderr, RUN_PROG ": %s (see --help)\n", err);
-        exit_code = 2;
+    int cmd = argc;
+    bool dashdash = false;
+    exit_code = run_parse_args(argc, argv, &o, &res, &cmd, &dashdash);
+    if (exit_code >= 0)
         goto out;
-    }
-    if (res.help) {
-        ps_config_usage(
-            stdout, RUN_PROG, "[OPTIONS] -- CMD [ARGS...]",
-            "Starts a coordinator (unless --coordinator names one), NPROC shard "
-            "servers and NPROC trainers running CMD with RANK, LOCAL_RANK, "
-            "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, PSHARD_COORDINATOR and "
-            "PSHARD_SERVER set, and stops them all when the trainers finish or one "
-            "fails. MASTER_ADDR:MASTER_PORT is where rank 0's torch hosts its "
-            "TCPStore for init_process_group's env:// (a free port picked for each "
-            "attempt; with --nnodes > 1 node 0 picks it and the other nodes learn it "
-            "through the coordinator's store), while PSHARD_COORDINATOR is pshard's "
-            "gRPC coordinator. With --max-restarts, a failed trainer is replaced alone "
-            "while the coordinator and the servers run, and any other failure restarts "
-            "them all. Exits 0 when every rank's last trainer exited 0, with the failing "
-            "trainer's status when no restart is left, 128+N after signal N, 1 when a "
-            "server or the coordinator fails, 2 on usage errors.",
-            run_options, run_noptions);
-        goto out;
-    }
-    if (res.version) {
-        printf(RUN_PROG " %s\n", PSHARD_VERSION_STRING);
-        goto out;
-    }
-    int cmd = res.first_positional;
-    if (cmd >= argc || cmd < 2 || strcmp(argv[cmd - 1], "--") != 0) {
-        if (cmd < argc)
-            fprintf(stderr,
-                    RUN_PROG ": unexpected argument '%s'; the trainer command goes after '--' "
-                             "(see --help)\n",
-                    argv[cmd]);
-        else
-            fprintf(stderr, RUN_PROG ": no trainer command; usage: " RUN_PROG
-                                     " [OPTIONS] -- CMD [ARGS...] (see --help)\n");
-        exit_code = 2;
-        goto out;
-    }
     exit_code = run_check_opts(&run, &o);
+    if (exit_code == 0)
+        exit_code = run_build_command(&run, argc, argv, cmd, dashdash);
     if (exit_code != 0)
         goto out;
     ps_config_log(run_options, run_noptions, &o, &res);
@@ -94,7 +60,7 @@ int main(int argc, char **argv)
         goto out;
     }
     /* A coordinator of its own unless one is named, or another node starts it. */
-    bool own_coord = !o.coordinator && (!o.rdzv_endpoint || o.node_rank == 0);
+    bool own_coord = !o.coordinator && (!o.rdzv_endpoint || run.host);
     if (own_coord) {
         coord_bin =
             run_find_binary(o.coordinator_bin, "coordinator-bin", "coordinator", RUN_COORD_BIN);
@@ -143,6 +109,10 @@ int main(int argc, char **argv)
         goto out;
     }
 
+    if (run_make_log_dir(&run) != 0) {
+        exit_code = 1;
+        goto out;
+    }
     run.resume = o.resume;
     for (;;) {
         if (run.coord)
@@ -150,11 +120,13 @@ int main(int argc, char **argv)
         if (run.stop == STOP_NONE)
             run_start_servers(&run, server_bin);
         if (run.stop == STOP_NONE)
+            run_learn_ranks(&run);
+        if (run.stop == STOP_NONE)
             run_choose_torch_master(&run);
         if (run.stop == STOP_NONE)
-            run_start_trainers(&run, &argv[cmd]);
+            run_start_trainers(&run, run.cmd);
         while (run.stop == STOP_NONE) {
-            run_replace_trainers(&run, &argv[cmd]);
+            run_replace_trainers(&run, run.cmd);
             if (run.stop != STOP_NONE)
                 break;
             /* Done when each rank's latest trainer exited 0 (a failed one is being replaced
@@ -207,6 +179,7 @@ out:
     if (run.sigfd >= 0)
         close(run.sigfd);
     run_remove_tmpdir(run.tmpdir);
+    free(run.cmd);
     free(run.children);
     free(run.pfds);
     free(run.pfd_child);

@@ -1,10 +1,17 @@
 /* pshardrun's output prefixer: every line a child writes on its stdout or stderr is forwarded
  * to pshardrun's own, whole, in one write, with the child's "[role rank] " in front, and a line
- * longer than RUN_MAX_LINE in pieces of that size. */
+ * longer than RUN_MAX_LINE in pieces of that size. A trainer's stream may instead (torchrun's
+ * --redirects) or also (--tee) go to a log file, as written, and may be kept off the console
+ * (--local-ranks-filter). */
 #include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include "pshard/util.h"
 
 #include "run.h"
 
@@ -24,15 +31,19 @@ static void run_write_all(int fd, const char *buf, size_t len)
     }
 }
 
-/* Forwards one line (without its newline) with the child's prefix, in one write. */
-static void run_emit_line(const run_child_t *c, int out_fd, const char *line, size_t len)
+/* Forwards one line (without its newline): to the console with the child's prefix, and to the
+ * stream's log file without it, each in one write. */
+static void run_emit_line(const run_child_t *c, const run_stream_t *s, const char *line, size_t len)
 {
     static char out[sizeof(((run_child_t *)0)->prefix) + RUN_MAX_LINE + 1];
     size_t plen = strlen(c->prefix);
     memcpy(out, c->prefix, plen);
     memcpy(out + plen, line, len);
     out[plen + len] = '\n';
-    run_write_all(out_fd, out, plen + len + 1);
+    if (s->console)
+        run_write_all(s->out_fd, out, plen + len + 1);
+    if (s->file_fd >= 0)
+        run_write_all(s->file_fd, out + plen, len + 1);
 }
 
 /* Forwards every complete line in the stream's buffer; with flush, also what is left (a
@@ -42,12 +53,12 @@ static void run_stream_emit(const run_child_t *c, run_stream_t *s, bool flush)
     size_t start = 0;
     for (size_t i = 0; i < s->len; i++) {
         if (s->buf[i] == '\n') {
-            run_emit_line(c, s->out_fd, s->buf + start, i - start);
+            run_emit_line(c, s, s->buf + start, i - start);
             start = i + 1;
         }
     }
     if (s->len - start == RUN_MAX_LINE || (flush && s->len > start)) {
-        run_emit_line(c, s->out_fd, s->buf + start, s->len - start);
+        run_emit_line(c, s, s->buf + start, s->len - start);
         start = s->len;
     }
     memmove(s->buf, s->buf + start, s->len - start);
@@ -56,11 +67,14 @@ static void run_stream_emit(const run_child_t *c, run_stream_t *s, bool flush)
 
 void run_stream_close(const run_child_t *c, run_stream_t *s)
 {
-    if (s->fd < 0)
-        return;
-    run_stream_emit(c, s, true);
-    close(s->fd);
-    s->fd = -1;
+    if (s->fd >= 0) {
+        run_stream_emit(c, s, true);
+        close(s->fd);
+        s->fd = -1;
+    }
+    if (s->file_fd >= 0)
+        close(s->file_fd);
+    s->file_fd = -1;
 }
 
 /* Reads what the pipe has now (a bounded amount, so one chatty child cannot starve the
@@ -104,4 +118,105 @@ void run_child_read_now(run_child_t *c)
         if (c->streams[k].fd >= 0)
             run_stream_read(c, &c->streams[k]);
     }
+}
+
+/* mkdir -p of path (its parents too), mode 0755; an existing directory is fine. Returns 0 or
+ * -1 with errno set. */
+static int run_mkdirs(const char *path)
+{
+    char buf[PATH_MAX];
+    if (ps_strlcpy(buf, path, sizeof(buf)) != 0) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+            return -1;
+        *p = '/';
+    }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return -1;
+    struct stat st;
+    if (stat(buf, &st) != 0)
+        return -1;
+    if (!S_ISDIR(st.st_mode)) {
+        errno = ENOTDIR;
+        return -1;
+    }
+    return 0;
+}
+
+int run_make_log_dir(run_t *run)
+{
+    const run_opts_t *o = run->opts;
+    bool files = false;
+    for (int r = 0; r < (int)o->nproc; r++)
+        files = files || run->redirects[r] || run->tee[r];
+    if (!files && !o->log_dir)
+        return 0;
+    char base[PATH_MAX];
+    if (o->log_dir) {
+        if (run_mkdirs(o->log_dir) != 0) {
+            fprintf(stderr, RUN_PROG ": --log-dir %s: %s\n", o->log_dir, strerror(errno));
+            return 1;
+        }
+        ps_strlcpy(base, o->log_dir, sizeof(base));
+    } else {
+        /* As torchrun without --log-dir: a new directory of its own under TMPDIR. */
+        const char *tmp = getenv("TMPDIR");
+        if (ps_snprintf(base, sizeof(base), "%s/pshardrun_logs_XXXXXX",
+                        tmp && *tmp ? tmp : "/tmp") != 0 ||
+            !mkdtemp(base)) {
+            fprintf(stderr, RUN_PROG ": cannot create a log directory under %s: %s\n",
+                    tmp && *tmp ? tmp : "/tmp", strerror(errno));
+            return 1;
+        }
+    }
+    if (ps_snprintf(run->log_run_dir, sizeof(run->log_run_dir), "%s/%s_XXXXXX", base,
+                    run->job[0] ? run->job : "none") != 0 ||
+        !mkdtemp(run->log_run_dir)) {
+        fprintf(stderr, RUN_PROG ": cannot create a log directory under %s: %s\n", base,
+                strerror(errno));
+        run->log_run_dir[0] = '\0';
+        return 1;
+    }
+    fprintf(stderr, RUN_PROG ": trainers' log files in %s\n", run->log_run_dir);
+    return 0;
+}
+
+int run_open_trainer_logs(const run_t *run, run_child_t *c, int local_rank, int64_t restarts)
+{
+    static const char *const names[2] = {"stdout.log", "stderr.log"};
+    bool any = false;
+    for (int k = 0; k < 2; k++) {
+        unsigned char bit = k == 0 ? RUN_STD_OUT : RUN_STD_ERR;
+        bool redirected = (run->redirects[local_rank] & bit) != 0;
+        c->streams[k].console = !redirected && !run->hidden[local_rank];
+        any = any || redirected || (run->tee[local_rank] & bit);
+    }
+    if (!any || !run->log_run_dir[0])
+        return 0;
+    char dir[PATH_MAX], path[PATH_MAX + 16];
+    if (ps_snprintf(dir, sizeof(dir), "%s/attempt_%lld/%d", run->log_run_dir, (long long)restarts,
+                    local_rank) != 0 ||
+        run_mkdirs(dir) != 0) {
+        fprintf(stderr, RUN_PROG ": cannot create %s: %s\n", dir, strerror(errno));
+        return -1;
+    }
+    for (int k = 0; k < 2; k++) {
+        unsigned char bit = k == 0 ? RUN_STD_OUT : RUN_STD_ERR;
+        if (!((run->redirects[local_rank] | run->tee[local_rank]) & bit))
+            continue;
+        ps_snprintf(path, sizeof(path), "%s/%s", dir, names[k]);
+        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+        if (fd < 0) {
+            fprintf(stderr, RUN_PROG ": cannot open %s: %s\n", path, strerror(errno));
+            return -1;
+        }
+        c->streams[k].file_fd = fd;
+    }
+    return 0;
 }

@@ -26,6 +26,18 @@ void run_child_init(run_child_t *c, run_role_t role, int rank)
 {
     memset(c, 0, sizeof(*c));
     c->role = role;
+    run_child_relabel(c, rank);
+    for (int k = 0; k < 2; k++) {
+        c->streams[k].fd = -1;
+        c->streams[k].out_fd = k + 1;
+        c->streams[k].console = true;
+        c->streams[k].file_fd = -1;
+    }
+}
+
+void run_child_relabel(run_child_t *c, int rank)
+{
+    run_role_t role = c->role;
     c->rank = rank;
     if (role == ROLE_COORDINATOR) {
         ps_snprintf(c->label, sizeof(c->label), "%s", role_names[role]);
@@ -35,10 +47,6 @@ void run_child_init(run_child_t *c, run_role_t role, int rank)
         ps_snprintf(c->label, sizeof(c->label), "%s %d", role_names[role], rank);
         ps_snprintf(c->who, sizeof(c->who), "%s %d", role_long_names[role], rank);
         ps_snprintf(c->prefix, sizeof(c->prefix), "[%s %d] ", role_names[role], rank);
-    }
-    for (int k = 0; k < 2; k++) {
-        c->streams[k].fd = -1;
-        c->streams[k].out_fd = k + 1;
     }
 }
 
@@ -74,6 +82,12 @@ const char *run_signame(int sig, char *buf, size_t len)
         return "SIGTERM";
     case SIGHUP:
         return "SIGHUP";
+    case SIGQUIT:
+        return "SIGQUIT";
+    case SIGUSR1:
+        return "SIGUSR1";
+    case SIGUSR2:
+        return "SIGUSR2";
     case SIGKILL:
         return "SIGKILL";
     default:
@@ -204,8 +218,9 @@ void run_pump(run_t *run, int64_t deadline_ns)
     int64_t wait_ms = (deadline_ns - ps_now_ns()) / 1000000;
     if (wait_ms < 0)
         wait_ms = 0;
-    if (wait_ms > 1000)
-        wait_ms = 1000; /* reaping does not depend on SIGCHLD alone */
+    /* Reaping does not depend on SIGCHLD alone: at least every --monitor-interval. */
+    if (wait_ms > run->monitor_ms)
+        wait_ms = run->monitor_ms;
     int rc = poll(run->pfds, n, (int)wait_ms);
     if (rc > 0) {
         if (run->pfds[0].revents) {
@@ -452,11 +467,7 @@ void run_drain(run_t *run)
  * subreaper of its descendants. Returns 0 or -1 after printing why. */
 int run_setup_signals(run_t *run)
 {
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGHUP);
+    sigset_t set = run->handled; /* --signals-to-handle */
     sigaddset(&set, SIGCHLD);
     if (sigprocmask(SIG_BLOCK, &set, &run->orig_mask) != 0)
         return -1;
