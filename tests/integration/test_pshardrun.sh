@@ -270,8 +270,10 @@ expect_rc 2 --server-bin "$work/no-such-server" -- true
 expect_rc 2 --nproc 2
 grep -q "no trainer command" "$work/usage.err" || fail "(5) missing command not explained"
 expect_rc 2 --nproc 2 --
-expect_rc 2 --nproc 2 true
-grep -q "after '--'" "$work/usage.err" || fail "(5) command without -- not explained"
+# A bare command is torchrun's training script, run with Python (test_pshardrun_flags.sh):
+# one that no Python can run is refused before anything starts.
+PYTHON_EXEC="$work/no-such-python" expect_rc 2 --nproc 2 train.py
+grep -q "PYTHON_EXEC" "$work/usage.err" || fail "(5) a missing Python is not named"
 # Multi-node flags (test_multinode.sh runs two nodes): what cannot work is refused up front.
 expect_rc 2 --nnodes 2 -- true
 grep -q -- "--rdzv-endpoint" "$work/usage.err" || fail "(5) --nnodes without an endpoint"
