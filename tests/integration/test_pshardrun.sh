@@ -285,7 +285,7 @@ expect_rc 2 --nnodes 2 --rdzv-endpoint 127.0.0.1:1 --coordinator 127.0.0.1:2 -- 
 expect_rc 2 --nproc 2 --nproc-per-node 3 -- true
 expect_rc 2 --nnodes 2 --coordinator 127.0.0.1:1 -- true
 grep -q -- "--rdzv-id" "$work/usage.err" || fail "(5) --nnodes with --coordinator and no job id"
-expect_rc 2 --nnodes 2 --rdzv-endpoint 127.0.0.1:1 --max-restarts 1 -- true
+expect_rc 2 --nnodes 2 --rdzv-endpoint 127.0.0.1:1 --max-restarts 1 --replace-timeout-ms 0 -- true
 PSHARD_NPROC=zero expect_rc 2 -- true
 grep -q "PSHARD_NPROC" "$work/usage.err" || fail "(5) bad PSHARD_NPROC not named"
 expect_rc 0 --help

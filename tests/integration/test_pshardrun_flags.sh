@@ -119,7 +119,7 @@ want_rc 2 --standalone --nnodes 2 -- true
 echo "PASS (2) --rdzv-endpoint/-id/-backend/-conf and --standalone, both spellings"
 
 # ---- (3) --nnodes: N, MIN:MAX on one host (elastic: the job forms with the nodes that came),
-# and --node-rank.
+# --node-rank, and --max-restarts across nodes (a failed trainer replaced alone).
 want_rc 0 "${svc[@]}" --nnodes 1:1 --node_rank 0 --no-python "$work/dump.sh"
 want_rc 0 "${svc[@]}" --nnodes=1 --node-rank=0 --no-python "$work/dump.sh"
 want_rc 0 "${svc[@]}" --nnodes 1:2 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:0 \
@@ -140,9 +140,15 @@ for _ in $(seq 1 300); do
     sleep 0.1
 done
 [ -n "$endpoint" ] || { cp "$work/node0.err" "$work/last.err"; fail "(3) node 0 printed no endpoint"; }
+# Node 1's trainer fails once and is replaced alone (--max-restarts across nodes).
+printf '#!/bin/sh\nif [ ! -e "%s/flaky1.once" ]; then : >"%s/flaky1.once"; exit 5; fi\nexec "%s/dump.sh"\n' \
+    "$work" "$work" "$work" >"$work/flaky1.sh"
+chmod +x "$work/flaky1.sh"
 want_rc 0 "${svc[@]}" --nnodes 1:2 --nproc-per-node 1 --node-rank 1 --rdzv-endpoint "$endpoint" \
-    --rdzv-id elastic --local-addr 127.0.0.1 --no-python "$work/dump.sh"
-has_out "rank=1 local=0 world=2 lworld=1 group=1/2" || fail "(3) node 1 is not rank 1 of 2"
+    --rdzv-id elastic --local-addr 127.0.0.1 --max-restarts 1 --no-python "$work/flaky1.sh"
+has_out "rank=1 local=0 world=2 lworld=1 group=1/2 .* restarts=1 " ||
+    fail "(3) node 1 is not rank 1 of 2, or its trainer was not replaced"
+has_err "trainer 1 exited with status 5; replacing it" || fail "(3) no replacement on node 1"
 node0_rc=0
 wait "$bg_pid" || node0_rc=$?
 bg_pid=""
@@ -151,7 +157,9 @@ grep -q "rank=0 local=0 world=2 lworld=1 group=0/2" "$work/node0.out" ||
     fail "(3) node 0 is not rank 0 of 2"
 want_rc 2 --nnodes 2:1 --rdzv-endpoint 127.0.0.1:0 -- true
 has_err "MIN:MAX" || fail "(3) --nnodes 2:1 not refused"
-echo "PASS (3) --nnodes N and MIN:MAX (one node, and two joining), --node-rank"
+want_rc 2 --nnodes 2 --rdzv-endpoint 127.0.0.1:1 --max-restarts 1 --replace-timeout-ms 0 -- true
+has_err "not coordinated across nodes" || fail "(3) a full restart across nodes not refused"
+echo "PASS (3) --nnodes N and MIN:MAX (one node, and two joining), --node-rank, a replacement"
 
 # ---- (4) --max-restarts, --monitor-interval.
 cat >"$work/flaky.sh" <<EOF

@@ -160,6 +160,13 @@ int main(int argc, char **argv)
         bool failed = run.stop == STOP_TRAINER_FAILED || run.stop == STOP_SERVICE_DIED;
         if (!failed || run.attempt >= o.max_restarts)
             break;
+        if (run.nnodes > 1) {
+            /* The other nodes' servers would have to restart from the same checkpoint too. */
+            fprintf(stderr, RUN_PROG ": not restarting: across nodes only a failed trainer is "
+                                     "replaced; a full restart is not coordinated across nodes "
+                                     "yet\n");
+            break;
+        }
         run_restart(&run);
     }
     exit_code = run.exit_code;

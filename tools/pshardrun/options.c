@@ -70,8 +70,9 @@ const ps_option_t run_options[] = {
         "restarts allowed in all: a trainer that fails while the coordinator and every shard "
         "server run is replaced alone (see --replace-timeout-ms); any other failure stops "
         "everything and starts it again, resuming from the newest checkpoint under "
-        "--checkpoint-dir (or --resume) when there is one; trainers see the restarts so far in "
-        "PSHARD_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT",
+        "--checkpoint-dir (or --resume) when there is one (on one node only: across nodes such "
+        "a failure ends the job); trainers see the restarts so far in PSHARD_RESTART_COUNT "
+        "and TORCHELASTIC_RESTART_COUNT",
         max_restarts, 0, 1000000),
     OPT("monitor-interval", "PSHARD_MONITOR_INTERVAL,PET_MONITOR_INTERVAL", PS_OPT_STRING, "0.1",
         "seconds between two looks at the processes (exits are also seen at once, by SIGCHLD)",
@@ -988,9 +989,10 @@ int run_check_opts(run_t *run, run_opts_t *o)
         return run_usage_error("--nnodes %s (elastic) needs --rdzv-endpoint: the coordinator "
                                "pshardrun starts there waits for MIN to MAX nodes",
                                o->nnodes);
-    if (run->nnodes > 1 && o->max_restarts > 0)
-        return run_usage_error("--max-restarts with --nnodes %s is not supported yet (a restart "
-                               "is not coordinated across nodes)",
+    if (run->nnodes > 1 && o->max_restarts > 0 && o->replace_timeout_ms == 0)
+        return run_usage_error("--max-restarts with --nnodes %s replaces failed trainers alone, "
+                               "which --replace-timeout-ms 0 turns off: a full restart is not "
+                               "coordinated across nodes yet",
                                o->nnodes);
     if (run->nnodes > 1 && o->coordinator && !o->rdzv_id)
         /* Each node would make up a job id of its own, and the nodes would never meet. */
