@@ -185,8 +185,15 @@ void run_start_trainer(run_t *run, int r, char *const argv[], int64_t restarts)
     };
     size_t nenv = PS_ARRAY_LEN(env) - (run->opts->token_file ? 0 : 1);
     run_child_t *c = &run->trainers[r];
-    if (strcmp(run->opts->role, "default") != 0)
+    if (run->opts->log_line_prefix_template && *run->opts->log_line_prefix_template) {
+        /* Checked to fit at the widest ranks (run_check_opts). */
+        char host[256] = "", bad[64];
+        gethostname(host, sizeof(host) - 1);
+        run_format_prefix(run->opts->log_line_prefix_template, run->opts->role, host, r, c->rank,
+                          c->prefix, sizeof(c->prefix), bad, sizeof(bad));
+    } else if (strcmp(run->opts->role, "default") != 0) {
         ps_snprintf(c->prefix, sizeof(c->prefix), "[%s %d] ", run->opts->role, c->rank);
+    }
     if (run_open_trainer_logs(run, c, r, restarts) != 0 ||
         run_spawn(run, c, argv[0], argv, env, nenv) != 0)
         run_set_stop(run, STOP_STARTUP, 1);

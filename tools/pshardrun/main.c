@@ -45,7 +45,7 @@ int main(int argc, char **argv)
     exit_code = run_parse_args(argc, argv, &o, &res, &cmd, &dashdash);
     if (exit_code >= 0)
         goto out;
-    exit_code = run_check_opts(&run, &o);
+    exit_code = run_check_opts(&run, &o, &res);
     if (exit_code == 0)
         exit_code = run_build_command(&run, argc, argv, cmd, dashdash);
     if (exit_code != 0)

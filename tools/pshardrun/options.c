@@ -112,6 +112,20 @@ const ps_option_t run_options[] = {
         "comma-separated local ranks whose trainers' output is shown on the console (log files "
         "keep everything); shard servers and the coordinator are always shown",
         local_ranks_filter, 0, 0),
+    OPT("log-line-prefix-template",
+        "PSHARD_LOG_LINE_PREFIX_TEMPLATE,PET_LOG_LINE_PREFIX_TEMPLATE,"
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+        PS_OPT_STRING, NULL,
+        "the prefix of each trainer output line on the console, instead of '[trainer RANK] ': "
+        "${role_name}, ${local_rank}, ${rank} and ${hostname} are replaced, $$ is a '$' (e.g. "
+        "'${hostname}:${rank}: ')",
+        log_line_prefix_template, 0, 0),
+    OPT("duplicate-stdout-filters", "PET_DUPLICATE_STDOUT_FILTERS", PS_OPT_STRING, NULL,
+        "refused: pshardrun does not copy matching lines to another file (use --tee with "
+        "--log-dir and grep the files)",
+        duplicate_stdout_filters, 0, 0),
+    OPT("duplicate-stderr-filters", "PET_DUPLICATE_STDERR_FILTERS", PS_OPT_STRING, NULL,
+        "refused: as --duplicate-stdout-filters", duplicate_stderr_filters, 0, 0),
     /* torchrun: backwards compatible with torch.distributed.launch, and the rest */
     OPT("node-rank", "PSHARD_NODE_RANK,PET_NODE_RANK", PS_OPT_INT, "0",
         "this node's rank, 0..MAX-1: its servers and trainers come after those of lower node "
@@ -138,6 +152,18 @@ const ps_option_t run_options[] = {
         "signals that stop the run, forwarded to the trainers: of SIGTERM, SIGINT, SIGHUP, "
         "SIGQUIT, SIGUSR1, SIGUSR2",
         signals_to_handle, 0, 0),
+    OPT("shutdown-timeout",
+        "PSHARD_SHUTDOWN_TIMEOUT,PET_SHUTDOWN_TIMEOUT,TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+        PS_OPT_STRING, NULL,
+        "seconds to wait after SIGTERM before SIGKILL when stopping processes: --stop-grace-ms "
+        "in seconds (default: --stop-grace-ms's)",
+        shutdown_timeout, 0, 0),
+    OPT("virtual-local-rank", "PET_VIRTUAL_LOCAL_RANK", PS_OPT_BOOL, "false",
+        "refused: pshardrun does not narrow CUDA_VISIBLE_DEVICES to one GPU per trainer (pick "
+        "the device with torch.cuda.set_device(LOCAL_RANK))",
+        virtual_local_rank, 0, 0),
+    OPT("print-completion", NULL, PS_OPT_STRING, NULL,
+        "refused: pshardrun prints no shell completion script", print_completion, 0, 0),
     /* pshard: services */
     OPT("coordinator", "PSHARD_COORDINATOR", PS_OPT_STRING, NULL,
         "use this coordinator HOST:PORT instead of starting one on 127.0.0.1", coordinator, 0, 0),
@@ -226,6 +252,9 @@ static const char *const run_torch_flags[] = {
     "redirects",
     "tee",
     "local-ranks-filter",
+    "log-line-prefix-template",
+    "duplicate-stdout-filters",
+    "duplicate-stderr-filters",
     "node-rank",
     "master-addr",
     "master-port",
@@ -233,6 +262,9 @@ static const char *const run_torch_flags[] = {
     "logs-specs",
     "numa-binding",
     "signals-to-handle",
+    "shutdown-timeout",
+    "virtual-local-rank",
+    "print-completion",
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -766,16 +798,16 @@ static int run_parse_filter(const char *text, int nproc, bool *hidden)
     }
 }
 
-/* Seconds as a decimal ("0.1", "30") into milliseconds, rounded up, within (0, max_s]. Returns
- * 0, or -1 when it is not such a number. */
-static int run_parse_seconds(const char *text, double max_s, int64_t *ms)
+/* Seconds as a decimal ("0.1", "30") into milliseconds, rounded up, within (0, max_s] ([0, max_s]
+ * with zero_ok). Returns 0, or -1 when it is not such a number. */
+static int run_parse_seconds(const char *text, double max_s, bool zero_ok, int64_t *ms)
 {
     char *end = NULL;
     errno = 0;
     double s = strtod(text, &end);
     /* NaN fails both comparisons; infinities fail one. */
-    if (errno != 0 || end == text || *end != '\0' || !(s > 0 && s <= max_s) ||
-        isspace((unsigned char)text[0]))
+    if (errno != 0 || end == text || *end != '\0' ||
+        !((s > 0 || (zero_ok && s == 0)) && s <= max_s) || isspace((unsigned char)text[0]))
         return -1;
     *ms = (int64_t)(s * 1000.0);
     if ((double)*ms < s * 1000.0)
@@ -802,7 +834,7 @@ static int run_parse_rdzv_conf(run_t *run, const char *text, int *is_host)
         const char *key = item, *value = eq + 1;
         int64_t ms = 0;
         if (strcmp(key, "join_timeout") == 0 || strcmp(key, "last_call_timeout") == 0) {
-            if (run_parse_seconds(value, 86400, &ms) != 0)
+            if (run_parse_seconds(value, 86400, false, &ms) != 0)
                 return run_usage_error("--rdzv-conf %s=%s is not a number of seconds (up to a "
                                        "day)",
                                        key, value);
@@ -888,6 +920,23 @@ static int run_check_torch_only(const run_opts_t *o)
         return run_usage_error("--numa-binding '%s': pshardrun does not bind trainers to NUMA "
                                "nodes; run the trainer under numactl instead",
                                o->numa_binding);
+    /* torchrun's empty filter list duplicates nothing, so an empty one is taken. */
+    bool dup_out = o->duplicate_stdout_filters && *o->duplicate_stdout_filters;
+    bool dup_err = o->duplicate_stderr_filters && *o->duplicate_stderr_filters;
+    if (dup_out || dup_err)
+        return run_usage_error("--duplicate-%s-filters: pshardrun does not copy matching lines "
+                               "to another file; give --tee 3 --log-dir DIR and grep the files "
+                               "(LOG_DIR/RUNID_XXXXXX/attempt_K/LOCAL_RANK/stdout.log, "
+                               "stderr.log)",
+                               dup_out ? "stdout" : "stderr");
+    if (o->virtual_local_rank)
+        return run_usage_error("--virtual-local-rank: pshardrun leaves CUDA_VISIBLE_DEVICES and "
+                               "LOCAL_RANK as they are; leave it out and pick the trainer's GPU "
+                               "with torch.cuda.set_device(LOCAL_RANK)");
+    if (o->print_completion)
+        return run_usage_error("--print-completion %s: pshardrun prints no shell completion "
+                               "script; --help lists its flags",
+                               o->print_completion);
     if (strcmp(o->event_log_handler, "null") != 0)
         return run_usage_error("--event-log-handler '%s': pshardrun has no torchelastic event "
                                "handlers; only 'null' is taken",
@@ -911,7 +960,54 @@ static int run_check_torch_only(const run_opts_t *o)
     return 0;
 }
 
-int run_check_opts(run_t *run, run_opts_t *o)
+/* The index of flag in run_options; the flag is one of the table's. */
+static size_t run_option_index(const char *flag)
+{
+    size_t i = 0;
+    while (i < run_noptions && strcmp(run_options[i].flag, flag) != 0)
+        i++;
+    return i;
+}
+
+/* --shutdown-timeout, torchrun's name for --stop-grace-ms in seconds, into o->stop_grace_ms;
+ * both given (and differing) is an error. Returns 0 or 2 after saying why. */
+static int run_resolve_shutdown_timeout(run_opts_t *o, const ps_config_result_t *res)
+{
+    if (!o->shutdown_timeout)
+        return 0;
+    int64_t ms = 0;
+    if (run_parse_seconds(o->shutdown_timeout, 3600, true, &ms) != 0)
+        return run_usage_error("--shutdown-timeout '%s' is not a number of seconds from 0 to "
+                               "3600 (e.g. 30)",
+                               o->shutdown_timeout);
+    if (res->source[run_option_index("stop-grace-ms")] != PS_SRC_DEFAULT && o->stop_grace_ms != ms)
+        return run_usage_error("--shutdown-timeout %s and --stop-grace-ms %lld differ: give one",
+                               o->shutdown_timeout, (long long)o->stop_grace_ms);
+    o->stop_grace_ms = ms;
+    return 0;
+}
+
+/* --log-line-prefix-template: its names known, and its longest expansion (the widest ranks)
+ * within a prefix. Returns 0 or 2 after saying why. */
+static int run_check_prefix_template(const run_opts_t *o)
+{
+    if (!o->log_line_prefix_template || !*o->log_line_prefix_template)
+        return 0; /* torchrun's default, "": the usual prefix */
+    char host[256] = "", out[RUN_MAX_PREFIX], bad[64] = "";
+    gethostname(host, sizeof(host) - 1);
+    int r = run_format_prefix(o->log_line_prefix_template, o->role, host, INT_MAX, INT_MAX, out,
+                              sizeof(out), bad, sizeof(bad));
+    if (r == -2)
+        return run_usage_error("--log-line-prefix-template '%s': '%s' is not one of ${role_name}, "
+                               "${local_rank}, ${rank}, ${hostname} (a '$' is '$$')",
+                               o->log_line_prefix_template, bad);
+    if (r != 0)
+        return run_usage_error("--log-line-prefix-template '%s' may expand to more than %d bytes",
+                               o->log_line_prefix_template, RUN_MAX_PREFIX - 1);
+    return 0;
+}
+
+int run_check_opts(run_t *run, run_opts_t *o, const ps_config_result_t *res)
 {
     ps_log_level_t level;
     if (!ps_log_parse_level(o->log, &level))
@@ -924,9 +1020,11 @@ int run_check_opts(run_t *run, run_opts_t *o)
     if (o->token_file && access(o->token_file, R_OK) != 0)
         return run_usage_error("--token-file %s: %s", o->token_file, strerror(errno));
     if (run_check_torch_only(o) != 0 || run_resolve_nproc(o) != 0 ||
-        run_parse_nnodes(run, o->nnodes) != 0 || run_parse_signals(run, o->signals_to_handle) != 0)
+        run_parse_nnodes(run, o->nnodes) != 0 ||
+        run_parse_signals(run, o->signals_to_handle) != 0 ||
+        run_resolve_shutdown_timeout(o, res) != 0 || run_check_prefix_template(o) != 0)
         return 2;
-    if (run_parse_seconds(o->monitor_interval, 3600, &run->monitor_ms) != 0)
+    if (run_parse_seconds(o->monitor_interval, 3600, false, &run->monitor_ms) != 0)
         return run_usage_error("--monitor-interval '%s' is not a number of seconds from 0 to "
                                "3600 (e.g. 0.1)",
                                o->monitor_interval);

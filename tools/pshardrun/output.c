@@ -31,6 +31,73 @@ static void run_write_all(int fd, const char *buf, size_t len)
     }
 }
 
+/* Appends text[0..n) to out at *at; false when it does not fit with a NUL after it. */
+static bool run_prefix_put(char *out, size_t len, size_t *at, const char *text, size_t n)
+{
+    if (*at + n >= len)
+        return false;
+    memcpy(out + *at, text, n);
+    *at += n;
+    out[*at] = '\0';
+    return true;
+}
+
+int run_format_prefix(const char *tmpl, const char *role, const char *host, long long local_rank,
+                      long long rank, char *out, size_t len, char *bad, size_t badlen)
+{
+    size_t at = 0;
+    if (len == 0)
+        return -1;
+    out[0] = '\0';
+    for (const char *p = tmpl; *p;) {
+        if (*p != '$') {
+            size_t n = strcspn(p, "$");
+            if (!run_prefix_put(out, len, &at, p, n))
+                return -1;
+            p += n;
+            continue;
+        }
+        if (p[1] == '$') {
+            if (!run_prefix_put(out, len, &at, "$", 1))
+                return -1;
+            p += 2;
+            continue;
+        }
+        /* $NAME or ${NAME}, as Python's string.Template spells them. */
+        bool braced = p[1] == '{';
+        const char *name = p + (braced ? 2 : 1);
+        size_t n = 0;
+        while (name[n] == '_' || (name[n] >= 'a' && name[n] <= 'z') ||
+               (name[n] >= 'A' && name[n] <= 'Z') || (n > 0 && name[n] >= '0' && name[n] <= '9'))
+            n++;
+        size_t whole = (size_t)(name - p) + n + (braced ? 1 : 0);
+        if (n == 0 || (braced && name[n] != '}')) {
+            ps_snprintf(bad, badlen, "%.*s", (int)(braced ? strcspn(p, "}") + 1 : 1), p);
+            return -2;
+        }
+        char num[24];
+        const char *value = NULL;
+        if (n == 9 && strncmp(name, "role_name", n) == 0) {
+            value = role;
+        } else if (n == 8 && strncmp(name, "hostname", n) == 0) {
+            value = host;
+        } else if (n == 10 && strncmp(name, "local_rank", n) == 0) {
+            ps_snprintf(num, sizeof(num), "%lld", local_rank);
+            value = num;
+        } else if (n == 4 && strncmp(name, "rank", n) == 0) {
+            ps_snprintf(num, sizeof(num), "%lld", rank);
+            value = num;
+        } else {
+            ps_snprintf(bad, badlen, "%.*s", (int)whole, p);
+            return -2;
+        }
+        if (!run_prefix_put(out, len, &at, value, strlen(value)))
+            return -1;
+        p += whole;
+    }
+    return 0;
+}
+
 /* Forwards one line (without its newline): to the console with the child's prefix, and to the
  * stream's log file without it, each in one write. */
 static void run_emit_line(const run_child_t *c, const run_stream_t *s, const char *line, size_t len)

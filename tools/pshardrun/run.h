@@ -26,6 +26,9 @@
 /* Longest line forwarded as one piece; a longer run of bytes without a newline is forwarded
  * in pieces of this size so one chatty child cannot make pshardrun grow without bound. */
 #define RUN_MAX_LINE 65536
+/* Longest prefix in front of a forwarded line, its NUL included (--log-line-prefix-template's
+ * expansion must fit). */
+#define RUN_MAX_PREFIX 256
 /* How often port files are looked for while waiting for servers to come up. */
 #define RUN_PORT_POLL_MS 20
 /* After SIGKILL, how long to wait for the kernel to let us reap before giving up. */
@@ -68,6 +71,9 @@ typedef struct {
     char *redirects;
     char *tee;
     char *local_ranks_filter;
+    char *log_line_prefix_template; /* the trainers' console prefix, torchrun's macros */
+    char *duplicate_stdout_filters; /* refused */
+    char *duplicate_stderr_filters; /* refused */
     /* torchrun's backwards-compatible and other flags */
     int64_t node_rank;
     char *master_addr;
@@ -76,6 +82,9 @@ typedef struct {
     char *logs_specs;
     char *numa_binding;
     char *signals_to_handle;
+    char *shutdown_timeout;  /* seconds, a decimal: --stop-grace-ms in torchrun's words */
+    bool virtual_local_rank; /* refused */
+    char *print_completion;  /* refused */
     /* pshard's own */
     char *coordinator;
     char *backend;
@@ -114,17 +123,18 @@ typedef struct {
 
 typedef struct {
     run_role_t role;
-    int rank;                 /* -1 for the coordinator */
-    char label[32];           /* "trainer 3", "coordinator": used in messages */
-    char who[40];             /* "trainer 3", "shard server 3": the first-failure line */
-    char prefix[48];          /* "[trainer 3] ", "[ROLE 3] ": in front of each forwarded line */
-    char port_file[PATH_MAX]; /* servers and coordinator: where the bound port appears */
-    char name[64];            /* servers: the name they register with (it orders their ranks) */
-    int port;                 /* from the port file once read; 0 before */
-    pid_t pid;                /* 0 until started; also the id of its process group */
-    bool reaped;              /* waitpid returned its status */
-    int wait_status;          /* valid when reaped */
-    bool signalled;           /* pshardrun asked it to stop, so its exit is expected */
+    int rank;                    /* -1 for the coordinator */
+    char label[32];              /* "trainer 3", "coordinator": used in messages */
+    char who[40];                /* "trainer 3", "shard server 3": the first-failure line */
+    char prefix[RUN_MAX_PREFIX]; /* "[trainer 3] ", "[ROLE 3] ", --log-line-prefix-template's
+                                  * expansion: in front of each forwarded line */
+    char port_file[PATH_MAX];    /* servers and coordinator: where the bound port appears */
+    char name[64];               /* servers: the name they register with (it orders their ranks) */
+    int port;                    /* from the port file once read; 0 before */
+    pid_t pid;                   /* 0 until started; also the id of its process group */
+    bool reaped;                 /* waitpid returned its status */
+    int wait_status;             /* valid when reaped */
+    bool signalled;              /* pshardrun asked it to stop, so its exit is expected */
     bool unjudged;            /* a trainer that failed: replace it or stop? (run_judge_trainers) */
     bool replace;             /* a trainer that failed, to be replaced (run_replace_trainers) */
     int64_t replace_restarts; /* with replace: what its replacement gets as the restart count */
@@ -204,8 +214,9 @@ void run_usage(FILE *out);
  * after saying why (no command, no Python). */
 int run_build_command(run_t *run, int argc, char **argv, int first, bool dashdash);
 /* Checks option values the config table cannot and fills what the run derives from them (its
- * nodes, job id, coordinator address). Returns 0, or 2 after printing why. */
-int run_check_opts(run_t *run, run_opts_t *o);
+ * nodes, job id, coordinator address); res says which options were given. Returns 0, or 2 after
+ * printing why. */
+int run_check_opts(run_t *run, run_opts_t *o, const ps_config_result_t *res);
 
 /* ---- output.c ---- */
 /* Reads what the pipe has now (a bounded amount, so one chatty child cannot starve the others)
@@ -214,6 +225,12 @@ void run_stream_read(const run_child_t *c, run_stream_t *s);
 /* Forwards what is left in the stream (a partial line too) and closes it; a closed stream is
  * left alone. The buffer stays (the caller frees it). */
 void run_stream_close(const run_child_t *c, run_stream_t *s);
+/* Expands torchrun's --log-line-prefix-template (string.Template's $NAME, ${NAME} and $$ with
+ * the names role_name, local_rank, rank and hostname) into out[0..len). Returns 0, -1 when the
+ * expansion does not fit, or -2 for an unknown name or a lone '$' (then the offending text,
+ * cut to fit, is in bad[0..badlen)). */
+int run_format_prefix(const char *tmpl, const char *role, const char *host, long long local_rank,
+                      long long rank, char *out, size_t len, char *bad, size_t badlen);
 /* Forwards what the child's pipes hold now: a failed child's last words (often the reason)
  * come before the line about it. */
 void run_child_read_now(run_child_t *c);
