@@ -8,19 +8,26 @@
 # too), --local-ranks-filter, --role, the torch.distributed.launch flags, PET_* variables, the
 # flags pshardrun refuses with a reason, an unknown flag naming the nearest known one, and the
 # grouped --help.
+# With a Python that has torch (the optional 4th argument), every flag of that torchrun's own
+# parser must be known to pshardrun, listed by its --help, and either exercised here or refused
+# with a reason: none is left silently ignored.
 # Usage: test_pshardrun_flags.sh PATH/TO/pshardrun PATH/TO/pshard-coordinator PATH/TO/pshard-server
+#        [PATH/TO/python-with-torch]
 # shellcheck disable=SC2016
 set -euo pipefail
 
 run="$1"
 coord_bin="$2"
 server_bin="$3"
+torch_python="${4:-}"
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/test_pshardrun_flags.XXXXXX")
 export TMPDIR="$work/tmp"
 mkdir -p "$TMPDIR"
 unset PSHARD_COORDINATOR PSHARD_NPROC PSHARD_LOG PSHARD_TOKEN_FILE MASTER_ADDR MASTER_PORT \
-    RANK WORLD_SIZE LOCAL_RANK PYTHON_EXEC CUDA_VISIBLE_DEVICES || true
+    RANK WORLD_SIZE LOCAL_RANK PYTHON_EXEC CUDA_VISIBLE_DEVICES TORCH_ELASTIC_SHUTDOWN_TIMEOUT \
+    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE || true
 for v in $(env | sed -n 's/^\(PET_[A-Z_]*\)=.*/\1/p'); do unset "$v"; done
 
 bg_pid=""
@@ -248,7 +255,20 @@ want_rc 2 --nproc-per-node 2 --redirects 4 -- true
 want_rc 2 --nproc-per-node 2 --tee 2:1 -- true
 has_err "local rank 2 is not below" || fail "(6) --tee past the local ranks"
 want_rc 2 --nproc-per-node 2 --local-ranks-filter 0,x -- true
-echo "PASS (6) --log-dir, -r/--redirects, -t/--tee (maps too), --local-ranks-filter"
+want_rc 0 "${svc[@]}" --nproc-per-node 2 \
+    --log-line-prefix-template '${role_name}${local_rank}@$rank $$ ' --no-python "$work/dump.sh"
+has_out '^default1@1 \$ ENV rank=1 ' && has_err '^default0@0 \$ STDERR rank=0' ||
+    fail "(6) --log-line-prefix-template is not the trainers' prefix"
+TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='<${rank}> ' want_rc 0 "${svc[@]}" --no-python "$work/dump.sh"
+has_out '^<0> ENV rank=0 ' || fail "(6) TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE not taken"
+want_rc 0 "${svc[@]}" --log_line_prefix_template= --no-python "$work/dump.sh"
+has_out '^\[trainer 0\] ENV' || fail "(6) an empty template is not the usual prefix"
+want_rc 2 --log-line-prefix-template '${node}' -- true
+has_err 'node\}. is not one of' || fail "(6) an unknown template name not refused clearly"
+# 30 ${rank}: short with rank 0, too long with the widest ranks.
+want_rc 2 --log-line-prefix-template "$(printf '${rank}%.0s' $(seq 1 30))" -- true
+has_err "more than 255 bytes" || fail "(6) a template too long not refused"
+echo "PASS (6) --log-dir, -r/--redirects, -t/--tee (maps too), --local-ranks-filter, prefix template"
 
 # ---- (7) --role; torch.distributed.launch's --master-addr/--master-port, --local-addr; the
 # rest of torchrun's table.
@@ -284,7 +304,34 @@ wait "$bg_pid" || sig_rc=$?
 bg_pid=""
 [ "$sig_rc" -eq $((128 + 10)) ] || fail "(7) SIGUSR1 with --signals-to-handle gave $sig_rc"
 grep -q "got SIGUSR1" "$work/sig.err" || fail "(7) SIGUSR1 not named"
-echo "PASS (7) --role, --master-addr/--master-port, --local-addr, --start-method, the refused rest"
+# --shutdown-timeout: a trainer that ignores SIGTERM is killed that long after it.
+# Rank 1 ignores SIGTERM (inherited by sleep); rank 0 fails once rank 1 says so (within 10 s).
+cat >"$work/stubborn.sh" <<EOF
+#!/bin/sh
+if [ "\$LOCAL_RANK" = 1 ]; then trap "" TERM; : >"$work/stubborn.up"; exec sleep 50; fi
+for _ in \$(seq 1 200); do [ -e "$work/stubborn.up" ] && exit 3; sleep 0.05; done
+exit 4
+EOF
+chmod +x "$work/stubborn.sh"
+want_rc 3 "${svc[@]}" --nproc-per-node 2 --shutdown_timeout 1 --no-python "$work/stubborn.sh"
+has_err "trainer 1 \(pid [0-9]+\) still running 1000 ms after SIGTERM; sending SIGKILL" ||
+    fail "(7) --shutdown-timeout 1 is not the grace before SIGKILL"
+for bad in -1 abc 1e9; do
+    want_rc 2 --shutdown-timeout "$bad" -- true
+done
+want_rc 2 --shutdown-timeout 2 --stop-grace-ms 100 -- true
+has_err "differ: give one" || fail "(7) --shutdown-timeout against --stop-grace-ms"
+want_rc 2 --duplicate-stdout-filters apple,orange -- true
+has_err "grep the files" || fail "(7) --duplicate-stdout-filters not refused with what to do"
+want_rc 2 --duplicate_stderr_filters apple -- true
+has_err "duplicate-stderr-filters" || fail "(7) --duplicate-stderr-filters not refused"
+want_rc 0 "${svc[@]}" --duplicate-stdout-filters '' --no-python "$work/dump.sh"
+want_rc 2 --virtual-local-rank -- true
+has_err "torch.cuda.set_device" || fail "(7) --virtual-local-rank not refused with what to do"
+PET_VIRTUAL_LOCAL_RANK=1 want_rc 2 -- true
+want_rc 2 --print-completion bash -- true
+has_err "no shell completion" || fail "(7) --print-completion not refused clearly"
+echo "PASS (7) --role, --master-addr/--master-port, --local-addr, --start-method, --shutdown-timeout, the refused rest"
 
 # ---- (8) an unknown flag names the nearest known one; --help is grouped as torchrun's.
 want_rc 2 --nproc_per_nod 2 -- true
@@ -308,11 +355,67 @@ done
 for flag in nnodes nproc-per-node rdzv-backend rdzv-endpoint rdzv-id rdzv-conf standalone \
     max-restarts monitor-interval start-method event-log-handler role module no-python \
     run-path log-dir redirects tee local-ranks-filter node-rank master-addr master-port \
-    local-addr logs-specs numa-binding signals-to-handle; do
+    local-addr logs-specs numa-binding signals-to-handle log-line-prefix-template \
+    duplicate-stdout-filters duplicate-stderr-filters shutdown-timeout virtual-local-rank \
+    print-completion; do
     has_out "^  (-[a-z], )?--$flag\b" || fail "(8) --help does not list --$flag"
     case "$flag" in *-*) has_out "--$flag, --${flag//-/_}\b" || fail "(8) --help lacks --${flag//-/_}" ;; esac
 done
 echo "PASS (8) unknown flags name the nearest one; --help has torchrun's groups and spellings"
+
+# ---- (9) torchrun's own parser: each of its flags, in each spelling, is known to pshardrun
+# (no "unknown flag") and in its --help; one it takes is exercised in this script, one it
+# refuses is refused with a reason naming the flag.
+if [ -n "$torch_python" ] && [ -x "$torch_python" ] &&
+    "$torch_python" -c 'import torch.distributed.run' 2>/dev/null; then
+    "$torch_python" - >"$work/torch_flags" <<'EOF'
+import torch
+from torch.distributed.run import get_args_parser
+print("version", torch.__version__)
+for a in get_args_parser()._actions:
+    if a.option_strings and "--help" not in a.option_strings:
+        value = "-" if a.nargs == 0 else (list(a.choices)[0] if a.choices else "1")
+        print(value, " ".join(a.option_strings))
+EOF
+    want_rc 0 --help
+    cp "$work/last.out" "$work/help.out"
+    torch_version=$(sed -n 's/^version //p' "$work/torch_flags")
+    taken=0 refused=0
+    while read -r value spellings; do
+        [ "$value" != version ] || continue
+        for flag in $spellings; do
+            args=("$flag")
+            [ "$value" = - ] || args+=("$value")
+            want_rc 0 "${args[@]}" --help
+            grep -qE -- "(^|[ ,])$flag( |,|$)" "$work/help.out" ||
+                fail "(9) torchrun $torch_version's $flag is not in pshardrun --help"
+        done
+        main=${spellings%% *}
+        [ "${#main}" -gt 2 ] || main=$(awk '{print $2}' <<<"$spellings") # -m: --module
+        name=${main#--}
+        # The flag's --help entry: from its line to the next flag's.
+        entry=$(awk -v f="--$name" '
+            /^  -/ { on = 0; for (i = 1; i <= NF; i++) { w = $i; sub(/,$/, "", w); if (w == f) on = 1 } }
+            on' "$work/help.out")
+        [ -n "$entry" ] || fail "(9) no --help entry for $main"
+        if grep -q "refused:" <<<"$entry"; then
+            args=("$main")
+            [ "$value" = - ] || args+=("$value")
+            want_rc 2 "${args[@]}" -- true
+            ! has_err "unknown flag" && has_err "$name" ||
+                fail "(9) torchrun's $main is not refused with a reason naming it"
+            refused=$((refused + 1))
+        else
+            # Taken: exercised by this script (sections 1-8), not only listed.
+            grep -qE -- "(^|[ \"])(${spellings// /|})([ =\"]|$)" <(grep -v '^ *#' "$self") ||
+                fail "(9) torchrun's $main is taken but this test never runs it"
+            taken=$((taken + 1))
+        fi
+    done <"$work/torch_flags"
+    echo "PASS (9) torchrun $torch_version's flags: $taken taken and exercised, $refused refused with a reason"
+else
+    echo "SKIP (9) no Python with torch given: pshardrun not compared with torchrun's own parser"
+fi
 
 [ -z "$(find "$TMPDIR" -maxdepth 1 -name 'pshardrun-*')" ] || fail "runs left files in TMPDIR"
 echo "PASS test_pshardrun_flags"
