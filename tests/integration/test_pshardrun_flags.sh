@@ -87,13 +87,13 @@ CUDA_VISIBLE_DEVICES=0,1,2 want_rc 0 "${svc[@]}" --nproc-per-node gpu --no-pytho
 [ "$(count_out 'world=3 lworld=3')" -eq 3 ] || fail "(1) gpu with 3 visible devices is not 3"
 CUDA_VISIBLE_DEVICES=1 want_rc 0 "${svc[@]}" --nproc-per-node auto --no-python "$work/dump.sh"
 [ "$(count_out 'world=1 lworld=1')" -eq 1 ] || fail "(1) auto with 1 visible GPU is not 1"
-CUDA_VISIBLE_DEVICES= want_rc 2 "${svc[@]}" --nproc-per-node gpu --no-python "$work/dump.sh"
+CUDA_VISIBLE_DEVICES='' want_rc 2 "${svc[@]}" --nproc-per-node gpu --no-python "$work/dump.sh"
 has_err "no GPU" || fail "(1) gpu without GPUs is not explained"
 cpus=$(getconf _NPROCESSORS_ONLN)
 if [ "$cpus" -le 8 ]; then
     want_rc 0 "${svc[@]}" --nproc-per-node cpu --no-python "$work/dump.sh"
     [ "$(count_out "world=$cpus lworld=$cpus")" -eq "$cpus" ] || fail "(1) cpu is not $cpus"
-    CUDA_VISIBLE_DEVICES= want_rc 0 "${svc[@]}" --nproc_per_node=auto --no-python "$work/dump.sh"
+    CUDA_VISIBLE_DEVICES='' want_rc 0 "${svc[@]}" --nproc_per_node=auto --no-python "$work/dump.sh"
     [ "$(count_out "world=$cpus")" -eq "$cpus" ] || fail "(1) auto without GPUs is not $cpus CPUs"
 fi
 want_rc 2 --nproc-per-node xpu -- true
