@@ -283,6 +283,10 @@ if [ "$port" != 0 ]; then
 fi
 want_rc 0 "${svc[@]}" --start-method fork --start_method=forkserver --event_log_handler null \
     --signals_to_handle SIGTERM,SIGINT --no-python "$work/dump.sh"
+want_rc 2 --rdzv-endpoint 127.0.0.1:1 --master-port 29501 -- true
+has_err "give one of them" || fail "(7) --master-port beside --rdzv-endpoint not refused"
+want_rc 2 --local-addr 'fe80::1 x' -- true
+has_err "not a host name or address" || fail "(7) a bad --local-addr not refused"
 want_rc 2 --start-method thread -- true
 want_rc 2 --event-log-handler console -- true
 want_rc 2 --logs_specs custom -- true

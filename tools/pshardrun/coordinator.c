@@ -363,6 +363,15 @@ static int run_ranks_from_status(run_t *run, const Pshard__StatusResponse *st)
             return -1;
         }
     }
+    /* The coordinator's answer is checked, not trusted: every trainer's RANK must be below
+     * WORLD_SIZE, and GROUP_WORLD_SIZE is whole nodes. */
+    if (base + n > st->world_size || st->world_size % n != 0) {
+        fprintf(stderr,
+                RUN_PROG ": the job formed with %d shard servers, which is not whole nodes of %d "
+                         "holding ranks %d..%d: does every node give the same --nproc-per-node?\n",
+                st->world_size, n, base, base + n - 1);
+        return -1;
+    }
     run->rank_base = base;
     run->world = st->world_size;
     return 1;

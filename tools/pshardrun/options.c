@@ -270,6 +270,8 @@ static const char *const run_torch_flags[] = {
 /* ---------------------------------------------------------------------------------------- */
 /* Parsing                                                                                  */
 
+static void run_usage(FILE *out);
+
 /* The option of run_options named name[0..len) (dashes, not underscores), or NULL. */
 static const ps_option_t *run_option_find(const char *name, size_t len)
 {
@@ -559,7 +561,8 @@ static void run_usage_option(FILE *out, const ps_option_t *opt)
     run_usage_wrapped(out, more, 8);
 }
 
-void run_usage(FILE *out)
+/* Prints pshardrun's usage on out, grouped as torchrun's is. */
+static void run_usage(FILE *out)
 {
     fprintf(out, "usage: " RUN_PROG " [-h] [OPTIONS] training_script [training_script_args ...]\n"
                  "       " RUN_PROG " [OPTIONS] -- CMD [ARGS ...]\n\n");
@@ -1063,7 +1066,12 @@ int run_check_opts(run_t *run, run_opts_t *o, const ps_config_result_t *res)
         o->rdzv_endpoint = o->rdzv_id = o->master_addr = NULL;
         o->master_port = 0;
     }
-    if (!o->rdzv_endpoint && (o->master_addr || o->master_port > 0) && !o->coordinator) {
+    if ((o->master_addr || o->master_port > 0) && (o->rdzv_endpoint || o->coordinator))
+        /* torchrun ignores them beside another rendezvous; pshardrun says so instead. */
+        return run_usage_error("--master-addr/--master-port name the endpoint, as --%s does: "
+                               "give one of them",
+                               o->rdzv_endpoint ? "rdzv-endpoint" : "coordinator");
+    if (o->master_addr || o->master_port > 0) {
         /* torch.distributed.launch's way to name the endpoint. */
         const char *host = o->master_addr ? o->master_addr : "127.0.0.1";
         int port = o->master_port > 0 ? (int)o->master_port : 29500;
@@ -1106,8 +1114,11 @@ int run_check_opts(run_t *run, run_opts_t *o, const ps_config_result_t *res)
     if (is_host >= 0 && !o->rdzv_endpoint)
         return run_usage_error("--rdzv-conf is_host needs --rdzv-endpoint");
     if (o->local_addr) {
-        if (!run_is_name(o->local_addr, sizeof(run->data_host) - 1) &&
-            !(strchr(o->local_addr, ':') && strlen(o->local_addr) < sizeof(run->data_host)))
+        /* A host name or IPv4 address, or an IPv6 one (hex digits, ':', '.', a %zone). */
+        size_t len = strlen(o->local_addr);
+        bool v6 = strchr(o->local_addr, ':') && len < sizeof(run->data_host) &&
+                  strspn(o->local_addr, "0123456789abcdefABCDEF:.%") == len;
+        if (!run_is_name(o->local_addr, sizeof(run->data_host) - 1) && !v6)
             return run_usage_error("--local-addr '%s' is not a host name or address",
                                    o->local_addr);
         ps_strlcpy(run->data_host, o->local_addr, sizeof(run->data_host));

@@ -207,8 +207,6 @@ extern const size_t run_noptions;
  * with the nearest known one) or value. */
 int run_parse_args(int argc, char **argv, run_opts_t *o, ps_config_result_t *res, int *cmd,
                    bool *dashdash);
-/* Prints pshardrun's usage on out, grouped as torchrun's is. */
-void run_usage(FILE *out);
 /* Builds run->cmd from argv[first..argc): as it is after "--" or with --no-python, else
  * behind "the current Python" (see run_usage) with -u, and -m for a module. Returns 0, or 2
  * after saying why (no command, no Python). */
