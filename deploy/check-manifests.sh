@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Checks pshard's Kubernetes manifests offline (no cluster needed): renders both overlays with
-# 'kubectl kustomize', validates every object against the Kubernetes API schemas in strict
-# mode (unknown fields fail) with the pinned kubernetes-validate, then runs our own checks
+# Checks pshard's Kubernetes manifests offline (no cluster needed): renders the overlays (cpu
+# and gpu: an Indexed Job; jobset: a JobSet) with 'kubectl kustomize', validates every built-in
+# object against the Kubernetes API schemas in strict mode (unknown fields fail) with the
+# pinned kubernetes-validate (custom resources, which have no schema here, and the Jobs inside
+# a JobSet are checked by check_manifests.py's custom-resources check), then runs our own checks
 # (tests/deploy/check_manifests.py) and their self-test, which breaks the manifests once per
 # check to prove each check can fail. Also renders the README's "overlay of your own" example
 # to make sure replacing the token and the image works.
@@ -27,8 +29,9 @@ while [[ $# -gt 0 ]]; do
 done
 
 # Kubernetes versions the schemas are checked against: the oldest these manifests support
-# (1.28: the apps.kubernetes.io/pod-index label) and a recent one.
-read -r -a k8s_versions <<<"${PSHARD_K8S_VERSIONS:-1.28.0 1.34.0}"
+# (1.29: native sidecars on by default) and a recent one.
+read -r -a k8s_versions <<<"${PSHARD_K8S_VERSIONS:-1.29.0 1.34.0}"
+overlays=(cpu gpu jobset)
 # kubernetes-validate and everything it pulls in, pinned; bump together.
 packages=(
     "kubernetes-validate==1.37.0"
@@ -105,11 +108,20 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/pshard-manifests.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
 status=0
-for overlay in cpu gpu; do
+for overlay in "${overlays[@]}"; do
     echo "=== overlay $overlay"
     kubectl kustomize "$root/deploy/k8s/overlays/$overlay" >"$work/$overlay.yaml"
+    # The built-in objects alone (an API group of Kubernetes' own, or the core group).
+    "$venv/bin/python" - "$work/$overlay.yaml" "$work/$overlay-builtin.yaml" <<'EOF'
+import sys, yaml
+builtin = ("apps", "batch", "policy", "networking.k8s.io", "rbac.authorization.k8s.io")
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+keep = [d for d in docs if "/" not in d["apiVersion"] or d["apiVersion"].split("/")[0] in builtin]
+yaml.safe_dump_all(keep, open(sys.argv[2], "w"))
+print(f"     {len(keep)} built-in objects, {len(docs) - len(keep)} custom resources")
+EOF
     for v in "${k8s_versions[@]}"; do
-        if "$venv/bin/kubernetes-validate" --strict --quiet -k "$v" "$work/$overlay.yaml"; then
+        if "$venv/bin/kubernetes-validate" --strict --quiet -k "$v" "$work/$overlay-builtin.yaml"; then
             echo "ok   schemas of Kubernetes $v (strict)"
         else
             echo "FAIL schemas of Kubernetes $v (strict)"
@@ -124,7 +136,8 @@ done
 echo "=== self-test: every check catches its breakage"
 "$venv/bin/python" "$root/tests/deploy/check_manifests.py" --self-test \
     --coordinator-bin "$coordinator_bin" --server-bin "$server_bin" \
-    "$work/cpu.yaml" "$work/gpu.yaml" >"$work/self-test.log" || { cat "$work/self-test.log"
+    "$work/cpu.yaml" "$work/gpu.yaml" "$work/jobset.yaml" >"$work/self-test.log" ||
+    { cat "$work/self-test.log"
                                                                  status=1; }
 echo "ok   breakages caught: $(grep -c '^ok' "$work/self-test.log" || true)"
 
@@ -142,6 +155,9 @@ images:
 - name: pshard
   newName: registry.example.com/pshard
   newTag: 0.1.0
+- name: pshard-trainer
+  newName: registry.example.com/pshard-trainer
+  newTag: 0.1.0
 secretGenerator:
 - name: pshard-secrets
   namespace: pshard
@@ -155,12 +171,12 @@ import base64, sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 secret = next(d for d in docs if d["kind"] == "Secret")
 token = base64.b64decode(secret["data"]["token"]).decode()
-images = {c["image"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
-          for c in d["spec"]["template"]["spec"]["containers"]}
-refs = {v["secret"]["secretName"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
-        for v in d["spec"]["template"]["spec"]["volumes"] if "secret" in v}
-ok = (token == "not-the-placeholder\n" and images == {"registry.example.com/pshard:0.1.0"}
-      and refs == {secret["metadata"]["name"]})
+pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "Job")]
+images = {c["image"] for p in pods for c in p.get("initContainers", []) + p["containers"]}
+refs = {v["secret"]["secretName"] for p in pods for v in p["volumes"] if "secret" in v}
+ok = (token == "not-the-placeholder\n" and refs == {secret["metadata"]["name"]}
+      and images == {"registry.example.com/pshard:0.1.0",
+                     "registry.example.com/pshard-trainer:0.1.0"})
 print(("ok  " if ok else "FAIL") + f" token replaced, images {sorted(images)}, secret {refs}")
 sys.exit(0 if ok else 1)
 EOF

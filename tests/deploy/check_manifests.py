@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Checks of our own on pshard's rendered Kubernetes manifests, for what the API schemas
 cannot see: that selectors select, that probes point at the port the binary really listens
-on, that every referenced ConfigMap and Secret exists, the security settings, and the
-settings the rendezvous, the shared-memory data path and the NetworkPolicy depend on.
+on, that every referenced ConfigMap and Secret exists, the security settings, the settings
+the rendezvous, the shared-memory data path and the NetworkPolicy depend on, the recommended
+labels, and, for custom resources without a schema here (JobSet, PodMonitor), the fields we use
+(the Job inside a JobSet is checked against the Kubernetes schema as a Job).
 
 The binaries' own option tables (their --help) decide what a flag or environment variable
 means and what the defaults are, so a renamed option or a changed default fails here.
 
-  check_manifests.py --overlay cpu|gpu --coordinator-bin BIN --server-bin BIN RENDERED.yaml
-  check_manifests.py --self-test --coordinator-bin BIN --server-bin BIN CPU.yaml GPU.yaml
+  check_manifests.py --overlay cpu|gpu|jobset --coordinator-bin BIN --server-bin BIN RENDERED.yaml
+  check_manifests.py --self-test --coordinator-bin BIN --server-bin BIN CPU.yaml GPU.yaml JOBSET.yaml
 
 --self-test breaks the rendered manifests in one way per check and makes sure that check (and
 only a check, never a crash) reports it: every check must be able to fail.
@@ -20,14 +22,22 @@ import re
 import subprocess
 import sys
 
+import kubernetes_validate
 import yaml
 
 COORDINATOR = "pshard-coordinator"
 SERVER = "pshard-server"
 # Health service that says "the cluster has formed", per binary (readiness).
 READY_SERVICE = {COORDINATOR: "pshard.Cluster", SERVER: "pshard.ShardServer"}
-WORKLOADS = ("Deployment", "StatefulSet")
-POD_INDEX_LABEL = "metadata.labels['apps.kubernetes.io/pod-index']"
+WORKLOADS = ("Deployment", "StatefulSet", "Job", "JobSet")
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+JOB_UID = "metadata.labels['batch.kubernetes.io/controller-uid']"
+OVERLAYS = ("cpu", "gpu", "jobset")
+RECOMMENDED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance",
+                      "app.kubernetes.io/version", "app.kubernetes.io/component",
+                      "app.kubernetes.io/part-of")
+# Kubernetes versions the Job inside a JobSet is validated against (check-manifests.sh's).
+K8S_VERSIONS = ("1.29.0", "1.34.0")
 
 
 class Binary:
@@ -63,10 +73,32 @@ class Binary:
 
 
 def pod_specs(docs):
-    """(workload, pod template) for every Deployment and StatefulSet."""
+    """(workload, pod template) for every Deployment, StatefulSet and Job, and for every
+    replicated Job of a JobSet."""
     for d in docs:
-        if d.get("kind") in WORKLOADS:
+        if d.get("kind") == "JobSet":
+            for rj in (d.get("spec") or {}).get("replicatedJobs") or []:
+                yield d, rj["template"]["spec"]["template"]
+        elif d.get("kind") in WORKLOADS:
             yield d, d["spec"]["template"]
+
+
+def job_specs(docs):
+    """(workload, Job spec) for every Job and every replicated Job of a JobSet."""
+    for d in docs:
+        if d.get("kind") == "Job":
+            yield d, d["spec"]
+        elif d.get("kind") == "JobSet":
+            for rj in (d.get("spec") or {}).get("replicatedJobs") or []:
+                yield d, rj["template"]["spec"]
+
+
+def containers(pod):
+    """The containers that run for the pod's life: native sidecars (init containers with
+    restartPolicy Always) and the main containers."""
+    spec = pod["spec"]
+    return [c for c in spec.get("initContainers") or [] if c.get("restartPolicy") == "Always"] \
+        + (spec.get("containers") or [])
 
 
 def name_of(d):
@@ -156,7 +188,7 @@ def split_port(addr):
 def container_ports(pod):
     """containerPort numbers by name and the set of numbers, over all containers."""
     by_name, numbers = {}, set()
-    for c in pod["spec"].get("containers") or []:
+    for c in containers(pod):
         for p in c.get("ports") or []:
             numbers.add(p["containerPort"])
             if p.get("name"):
@@ -194,8 +226,11 @@ def check_selectors(docs, ctx):
     errors = []
     templates = []
     for d, pod in pod_specs(docs):
-        sel = match_labels(d["spec"].get("selector"), name_of(d), errors)
         labels = pod.get("metadata", {}).get("labels") or {}
+        if d["kind"] in ("Job", "JobSet"):   # the Job controller makes their selectors
+            templates.append((d, pod, labels))
+            continue
+        sel = match_labels(d["spec"].get("selector"), name_of(d), errors)
         if not labels_match(sel, labels):
             errors.append(f"{name_of(d)}: selector {sel} does not match template labels {labels}")
         templates.append((d, pod, labels))
@@ -255,7 +290,7 @@ def check_probes(docs, ctx):
     errors = []
     for d, pod in pod_specs(docs):
         _, numbers = container_ports(pod)
-        for c in pod["spec"].get("containers") or []:
+        for c in containers(pod):
             which = binary_of(c)
             if not which:
                 continue
@@ -299,7 +334,7 @@ def check_addresses(docs, ctx):
     errors = []
     coord_port = None
     for d, pod in pod_specs(docs):
-        for c in pod["spec"].get("containers") or []:
+        for c in containers(pod):
             if binary_of(c) == COORDINATOR:
                 env = container_env(docs, d, c)
                 coord_port = split_port(
@@ -307,7 +342,7 @@ def check_addresses(docs, ctx):
     for d, pod in pod_specs(docs):
         ns = d["metadata"].get("namespace")
         server_port = None
-        for c in pod["spec"].get("containers") or []:
+        for c in containers(pod):
             if binary_of(c) == SERVER:
                 env = container_env(docs, d, c)
                 server_port = split_port(effective(ctx["bins"][SERVER], "--listen", c, env))[1]
@@ -329,7 +364,7 @@ def check_addresses(docs, ctx):
                     if tp != coord_port:
                         errors.append(f"{name_of(svc)} port {port} leads to {tp}, but the "
                                       f"coordinator listens on {coord_port}")
-        for c in pod["spec"].get("containers") or []:
+        for c in containers(pod):
             if binary_of(c):
                 continue
             env = container_env(docs, d, c)
@@ -393,7 +428,7 @@ def check_references(docs, ctx):
                     keys = [i["key"] for i in sec.get("items") or []]
                     need(where, "Secret", sec.get("secretName", sec.get("name")), ns, keys)
         # The token file every pshard container is pointed at must be in a mounted Secret.
-        for c in spec.get("containers") or []:
+        for c in containers(pod):
             env = container_env(docs, d, c)
             tf = env.get("PSHARD_TOKEN_FILE")
             if not tf:
@@ -495,12 +530,12 @@ def check_shm(docs, ctx):
     errors = []
     found = False
     for d, pod in pod_specs(docs):
-        containers = pod["spec"].get("containers") or []
-        servers = [c for c in containers if binary_of(c) == SERVER]
+        ctrs = containers(pod)
+        servers = [c for c in ctrs if binary_of(c) == SERVER]
         if not servers:
             continue
         found = True
-        trainers = [c for c in containers
+        trainers = [c for c in ctrs
                     if not binary_of(c) and "PSHARD_SERVER" in container_env(docs, d, c)]
         if not trainers:
             errors.append(f"{name_of(d)}: no trainer container (one with PSHARD_SERVER) in the "
@@ -528,14 +563,16 @@ def check_shm(docs, ctx):
 
 
 def check_rendezvous(docs, ctx):
-    """What forming the cluster depends on: one coordinator, never two at once; the shard
-    servers start together (readiness needs all of them) under stable names, and the
-    Services route before readiness; the coordinator's world size and the trainers'
-    WORLD_SIZE equal the StatefulSet's replicas; each trainer's RANK is its pod's ordinal."""
+    """What forming the cluster depends on: one coordinator, never two at once, whose Services
+    route before readiness; the shard servers run as Indexed Jobs whose every rank runs at once
+    (completions = parallelism = the coordinator's world size = the trainers' WORLD_SIZE),
+    each server beside its trainer as a native sidecar, named after the completion index (ranks
+    follow names) under the Job's own job id, as its trainer's RANK and PSHARD_JOB are; a
+    trainer restarted in its pod (OnFailure) finds its rank kept (--trainer-replace-ms)."""
     errors = []
     world = None
     for d, pod in pod_specs(docs):
-        for c in pod["spec"].get("containers") or []:
+        for c in containers(pod):
             if binary_of(c) == COORDINATOR:
                 if d["kind"] != "Deployment" or d["spec"].get("replicas") != 1:
                     errors.append(f"{name_of(d)}: the coordinator must be one Deployment replica")
@@ -552,35 +589,187 @@ def check_rendezvous(docs, ctx):
         if d.get("kind") == "Service" and d["spec"].get("publishNotReadyAddresses") is not True:
             errors.append(f"{name_of(d)}: publishNotReadyAddresses is not true (pods are ready "
                           f"only after the cluster formed through this Service)")
-    sts = [(d, pod) for d, pod in pod_specs(docs)
-           if any(binary_of(c) == SERVER for c in pod["spec"].get("containers") or [])]
-    for d, pod in sts:
-        if d["kind"] != "StatefulSet":
-            errors.append(f"{name_of(d)}: shard servers need a StatefulSet (stable names)")
-            continue
-        replicas = d["spec"].get("replicas", 1)
-        if d["spec"].get("podManagementPolicy") != "Parallel":
-            errors.append(f"{name_of(d)}: podManagementPolicy is not Parallel (OrderedReady "
-                          f"waits for pod 0 to be ready, which needs every pod)")
-        if str(world) != str(replicas):
-            errors.append(f"{name_of(d)}: {replicas} replicas but the coordinator forms with "
-                          f"world size {world}")
+    jobs = [(d, js) for d, js in job_specs(docs)
+            if any(binary_of(c) == SERVER for c in containers(js["template"]))]
+    for d, pod in pod_specs(docs):
+        if any(binary_of(c) == SERVER for c in containers(pod)) and d["kind"] not in (
+                "Job", "JobSet"):
+            errors.append(f"{name_of(d)}: shard servers run in the trainers' Job pods, not in a "
+                          f"{d['kind']}")
+    for d, js in jobs:
+        pod = js["template"]
+        if js.get("completionMode") != "Indexed":
+            errors.append(f"{name_of(d)}: completionMode is not Indexed (RANK is the index)")
+        for field in ("completions", "parallelism"):
+            if str(js.get(field)) != str(world):
+                errors.append(f"{name_of(d)}: {field} {js.get(field)} but the coordinator forms "
+                              f"with world size {world}")
         for c in pod["spec"].get("containers") or []:
-            env = container_env(docs, d, c)
             if binary_of(c) == SERVER:
-                name = effective(ctx["bins"][SERVER], "--name", c, env)
-                if name not in (None, "<fieldRef:metadata.name>"):
-                    errors.append(f"{name_of(d)}: the shard server's --name is {name!r}, not the "
-                                  f"pod name (ranks follow names)")
+                errors.append(f"{name_of(d)} container {c['name']}: the shard server is a main "
+                              f"container: the Job would never complete (make it a sidecar)")
+        ids = {}
+        for c in containers(pod):
+            env = container_env(docs, d, c)
+            where = f"{name_of(d)} container {c['name']}"
+            if binary_of(c) == SERVER:
+                name = effective(ctx["bins"][SERVER], "--name", c, env) or ""
+                if not name.endswith(f"<fieldRef:{COMPLETION_INDEX}>"):
+                    errors.append(f"{where}: the shard server's --name is {name!r}, not named "
+                                  f"after the completion index (ranks follow names)")
+                ids["server"] = effective(ctx["bins"][SERVER], "--job", c, env)
+                replace = effective(ctx["bins"][SERVER], "--trainer-replace-ms", c, env)
+                if pod["spec"].get("restartPolicy") == "OnFailure" and str(replace) == "0":
+                    errors.append(f"{where}: trainers restart in the pod (OnFailure) but "
+                                  f"--trainer-replace-ms is 0, so a restart ends the job")
             elif "PSHARD_SERVER" in env:
-                if env.get("WORLD_SIZE") != str(replicas):
-                    errors.append(f"{name_of(d)} container {c['name']}: WORLD_SIZE="
-                                  f"{env.get('WORLD_SIZE')} but {replicas} replicas")
-                if env.get("RANK") != f"<fieldRef:{POD_INDEX_LABEL}>":
-                    errors.append(f"{name_of(d)} container {c['name']}: RANK is not the "
-                                  f"pod-index label")
-    if not sts:
-        errors.append("no StatefulSet runs pshard-server")
+                if env.get("WORLD_SIZE") != str(world):
+                    errors.append(f"{where}: WORLD_SIZE={env.get('WORLD_SIZE')} but the "
+                                  f"coordinator forms with {world}")
+                if env.get("RANK") != f"<fieldRef:{COMPLETION_INDEX}>":
+                    errors.append(f"{where}: RANK is not the completion index")
+                if "PSHARD_COORDINATOR" not in env:
+                    errors.append(f"{where}: no PSHARD_COORDINATOR (torch's store)")
+                ids["trainer"] = env.get("PSHARD_JOB")
+        if ids.get("server") != f"<fieldRef:{JOB_UID}>" or ids.get("trainer") != ids["server"]:
+            errors.append(f"{name_of(d)}: the job id is {ids.get('server')!r} (server) and "
+                          f"{ids.get('trainer')!r} (trainer), not both the Job's uid")
+    if not jobs:
+        errors.append("no Job runs pshard-server")
+    return errors
+
+
+def check_labels(docs, ctx):
+    """The recommended labels (name, instance, version, component, part-of) on every object and
+    every pod template, name and part-of 'pshard', one version throughout."""
+    errors = []
+    versions = set()
+
+    def need(where, labels):
+        labels = labels or {}
+        for k in RECOMMENDED_LABELS:
+            if not labels.get(k):
+                errors.append(f"{where}: no label {k}")
+        for k in ("app.kubernetes.io/name", "app.kubernetes.io/part-of"):
+            if labels.get(k) not in (None, "pshard"):
+                errors.append(f"{where}: {k} is {labels[k]!r}, not 'pshard'")
+        if labels.get("app.kubernetes.io/version"):
+            versions.add(labels["app.kubernetes.io/version"])
+
+    for d in docs:
+        need(name_of(d), d.get("metadata", {}).get("labels"))
+        if d.get("kind") == "JobSet":
+            for rj in d["spec"].get("replicatedJobs") or []:
+                need(f"{name_of(d)} replicatedJob {rj.get('name')}",
+                     (rj["template"].get("metadata") or {}).get("labels"))
+    for d, pod in pod_specs(docs):
+        need(f"{name_of(d)} pod template", (pod.get("metadata") or {}).get("labels"))
+    if len(versions) > 1:
+        errors.append(f"more than one app.kubernetes.io/version: {sorted(versions)}")
+    return errors
+
+
+# The fields of the custom resources we use, from their API references (JobSet v1alpha2's
+# jobset_types.go, Prometheus Operator's PodMonitor v1): field -> None (a value) or the nested
+# table. Only what these manifests may set; anything else fails, as strict schemas would.
+JOBSET_SPEC = {
+    "replicatedJobs": {"name": None, "replicas": None, "template": None, "groupName": None,
+                       "dependsOn": None},
+    "network": {"enableDNSHostnames": None, "subdomain": None,
+                "publishNotReadyAddresses": None},
+    "successPolicy": {"operator": None, "targetReplicatedJobs": None},
+    "failurePolicy": {"maxRestarts": None, "restartStrategy": None, "rules": None},
+    "startupPolicy": {"startupPolicyOrder": None},
+    "suspend": None, "coordinator": None, "managedBy": None, "ttlSecondsAfterFinished": None,
+    "volumeClaimPolicies": None,
+}
+PODMONITOR_SPEC = {
+    "selector": {"matchLabels": None, "matchExpressions": None},
+    "namespaceSelector": {"any": None, "matchNames": None},
+    "podMetricsEndpoints": {"port": None, "portNumber": None, "targetPort": None, "path": None,
+                            "scheme": None, "interval": None, "scrapeTimeout": None,
+                            "honorLabels": None, "relabelings": None,
+                            "metricRelabelings": None, "params": None},
+    "jobLabel": None, "podTargetLabels": None, "sampleLimit": None, "attachMetadata": None,
+}
+BUILTIN_GROUPS = {"apps", "batch", "policy", "networking.k8s.io", "rbac.authorization.k8s.io",
+                  "autoscaling", "scheduling.k8s.io", "storage.k8s.io"}
+CRDS = {("jobset.x-k8s.io/v1alpha2", "JobSet"): JOBSET_SPEC,
+        ("monitoring.coreos.com/v1", "PodMonitor"): PODMONITOR_SPEC}
+
+
+def unknown_fields(value, table, where, errors):
+    if table is None:
+        return
+    for item in value if isinstance(value, list) else [value]:
+        if not isinstance(item, dict):
+            errors.append(f"{where}: {item!r} is not an object")
+            continue
+        for k, v in item.items():
+            if k not in table:
+                errors.append(f"{where}: unknown field {k!r}")
+            else:
+                unknown_fields(v, table[k], f"{where}.{k}", errors)
+
+
+def check_custom_resources(docs, ctx):
+    """Custom resources: only the API versions and fields their references define; a JobSet's
+    Jobs are valid batch/v1 Jobs (strict schema), each replicated Job has a name and replicas,
+    its success policy is All; a PodMonitor selects pshard pods whose containers have the
+    named metrics port, and its path is where the binaries serve metrics."""
+    errors = []
+    for d in docs:
+        api, kind = d.get("apiVersion", ""), d.get("kind")
+        if "/" not in api or api.split("/")[0] in BUILTIN_GROUPS:
+            continue
+        table = CRDS.get((api, kind))
+        if table is None:
+            errors.append(f"{name_of(d)}: {api} {kind} is none of the custom resources "
+                          f"checked here ({sorted(CRDS)})")
+            continue
+        unknown_fields(d.get("spec") or {}, table, f"{name_of(d)} spec", errors)
+        if kind == "JobSet":
+            rjs = d["spec"].get("replicatedJobs") or []
+            if not rjs:
+                errors.append(f"{name_of(d)}: no replicatedJobs")
+            if (d["spec"].get("successPolicy") or {}).get("operator") not in (None, "All"):
+                errors.append(f"{name_of(d)}: successPolicy is not All (every trainer must "
+                              f"finish)")
+            for rj in rjs:
+                if not rj.get("name") or not isinstance(rj.get("replicas", 1), int):
+                    errors.append(f"{name_of(d)}: a replicatedJob without name or replicas")
+                job = {"apiVersion": "batch/v1", "kind": "Job",
+                       "metadata": dict(rj["template"].get("metadata") or {},
+                                        name=f"{d['metadata']['name']}-{rj.get('name')}"),
+                       "spec": rj["template"].get("spec")}
+                for v in ctx.get("k8s_versions", K8S_VERSIONS):
+                    try:
+                        kubernetes_validate.validate(job, v, strict=True)
+                    except Exception as e:  # ValidationError, or a malformed object
+                        msg = str(e).splitlines()[0]
+                        errors.append(f"{name_of(d)} replicatedJob {rj.get('name')}: not a "
+                                      f"valid batch/v1 Job for Kubernetes {v}: {msg}")
+        if kind == "PodMonitor":
+            sel = (d["spec"].get("selector") or {}).get("matchLabels") or {}
+            eps = d["spec"].get("podMetricsEndpoints") or []
+            pods = [pod for w, pod in pod_specs(docs)
+                    if w["metadata"].get("namespace") == d["metadata"].get("namespace")
+                    and labels_match(sel, (pod.get("metadata") or {}).get("labels"))]
+            if not pods:
+                errors.append(f"{name_of(d)}: selector {sel} selects no pod template")
+            if not eps:
+                errors.append(f"{name_of(d)}: no podMetricsEndpoints")
+            for ep in eps:
+                if ep.get("path", "/metrics") != "/metrics":
+                    errors.append(f"{name_of(d)}: path {ep.get('path')!r}; pshard serves "
+                                  f"/metrics")
+                for pod in pods:
+                    ports = {p.get("name") for c in containers(pod)
+                             for p in c.get("ports") or []}
+                    if ep.get("port") not in ports:
+                        errors.append(f"{name_of(d)}: port {ep.get('port')!r} is not a named "
+                                      f"container port of every pod it selects")
+                        break
     return errors
 
 
@@ -589,7 +778,7 @@ def check_data_host(docs, ctx):
     from other pods, 0.0.0.0 cannot be dialled)."""
     errors = []
     for d, pod in pod_specs(docs):
-        for c in pod["spec"].get("containers") or []:
+        for c in containers(pod):
             if binary_of(c) != SERVER:
                 continue
             env = container_env(docs, d, c)
@@ -624,7 +813,7 @@ def check_network_policy(docs, ctx):
             errors.append(f"{name_of(d)}: no NetworkPolicy restricts its ingress")
             continue
         _, own_ports = container_ports(pod)
-        is_server = any(binary_of(c) == SERVER for c in pod["spec"]["containers"])
+        is_server = any(binary_of(c) == SERVER for c in containers(pod))
         data = port_range(pod) if is_server else None
         if is_server and not data:
             errors.append(f"{name_of(d)}: net.ipv4.ip_local_port_range is not pinned, so no "
@@ -644,7 +833,7 @@ def check_network_policy(docs, ctx):
                     sel = (peer["podSelector"] or {}).get("matchLabels") or {}
                     if sel.get("app.kubernetes.io/name") != "pshard":
                         errors.append(f"{name_of(p)}: a peer that is not a pshard pod: {sel}")
-                    if sel.get("app.kubernetes.io/component") != "shard-server":
+                    if sel.get("app.kubernetes.io/component") != "trainer":
                         peer_is_server = False
                 if not rule.get("ports"):
                     errors.append(f"{name_of(p)}: a rule allows every port")
@@ -676,7 +865,7 @@ def check_overlay(docs, ctx):
     errors = []
     overlay = ctx["overlay"]
     for d, pod in pod_specs(docs):
-        for c in pod["spec"].get("containers") or []:
+        for c in containers(pod):
             which = binary_of(c)
             res = c.get("resources") or {}
             gpus = (res.get("limits") or {}).get("nvidia.com/gpu")
@@ -718,6 +907,8 @@ CHECKS = [
     ("rendezvous", check_rendezvous),
     ("data-host", check_data_host),
     ("network-policy", check_network_policy),
+    ("labels", check_labels),
+    ("custom-resources", check_custom_resources),
     ("overlay", check_overlay),
 ]
 
@@ -750,8 +941,23 @@ def obj(docs, kind, name_prefix):
 
 
 def ctr(docs, kind, name, container):
+    """A container (main or native sidecar) of the first pod template of kind/name*."""
     d = obj(docs, kind, name)
-    return next(c for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == container)
+    pod = next(p for w, p in pod_specs([d]))
+    return next(c for c in containers(pod) if c["name"] == container)
+
+
+def trainer_pod(docs):
+    """The trainers' pod template (the Job's, or the JobSet's Job's)."""
+    return next(p for w, p in pod_specs(docs) if w["kind"] in ("Job", "JobSet"))
+
+
+def trainer_job(docs):
+    return next(js for w, js in job_specs(docs))
+
+
+def tctr(docs, container):
+    return next(c for c in containers(trainer_pod(docs)) if c["name"] == container)
 
 
 def env_set(c, name, value):
@@ -759,109 +965,159 @@ def env_set(c, name, value):
         {"name": name, "value": value}]
 
 
-def drop_run_as_non_root(workload):
-    spec = workload["spec"]["template"]["spec"]
+def drop_run_as_non_root(pod):
+    spec = pod["spec"]
     spec["securityContext"].pop("runAsNonRoot", None)
-    for c in spec["containers"]:
+    for c in (spec.get("initContainers") or []) + spec["containers"]:
         (c.get("securityContext") or {}).pop("runAsNonRoot", None)
+
+
+def sidecar_to_main(docs):
+    spec = trainer_pod(docs)["spec"]
+    server = next(c for c in spec["initContainers"] if c["name"] == "shard-server")
+    spec["initContainers"].remove(server)
+    server.pop("restartPolicy")
+    spec["containers"].append(server)
 
 
 def mutations(overlay):
     """(check expected to fail, what is broken, function that breaks a copy of the docs)."""
-    sts = ("StatefulSet", "pshard-server")
     dep = ("Deployment", "pshard-coordinator")
+    crd = "JobSet" if overlay == "jobset" else "Job"
     m = [
-        ("selectors", "StatefulSet template label differs from its selector",
-         lambda D: obj(D, *sts)["spec"]["template"]["metadata"]["labels"].update(
-             {"app.kubernetes.io/component": "shard"})),
+        ("selectors", "coordinator template label differs from its selector",
+         lambda D: obj(D, *dep)["spec"]["template"]["metadata"]["labels"].update(
+             {"app.kubernetes.io/component": "coord"})),
         ("selectors", "coordinator Service selects nothing",
          lambda D: obj(D, "Service", "pshard-coordinator")["spec"]["selector"].update(
              {"app.kubernetes.io/component": "coord"})),
         ("selectors", "Service targetPort names no container port",
-         lambda D: obj(D, "Service", "pshard-server")["spec"]["ports"][0].update(
+         lambda D: obj(D, "Service", "pshard-coordinator")["spec"]["ports"][0].update(
              {"targetPort": "grcp"})),
         ("selectors", "PodDisruptionBudget selects nothing",
-         lambda D: obj(D, "PodDisruptionBudget", "pshard-server")["spec"]["selector"][
+         lambda D: obj(D, "PodDisruptionBudget", "pshard-trainer")["spec"]["selector"][
              "matchLabels"].update({"app.kubernetes.io/name": "pshard-x"})),
-        ("selectors", "StatefulSet serviceName is not a Service",
-         lambda D: obj(D, *sts)["spec"].update({"serviceName": "pshard-servers"})),
         ("probes", "coordinator readiness probe on another port",
          lambda D: ctr(D, *dep, "coordinator")["readinessProbe"]["grpc"].update({"port": 29501})),
         ("probes", "readiness on a health service the binary does not serve",
          lambda D: ctr(D, *dep, "coordinator")["readinessProbe"]["grpc"].update(
              {"service": "pshard.Formed"})),
         ("probes", "liveness gated on the cluster",
-         lambda D: ctr(D, *sts, "shard-server")["livenessProbe"]["grpc"].update(
+         lambda D: tctr(D, "shard-server")["livenessProbe"]["grpc"].update(
              {"service": "pshard.ShardServer"})),
         ("probes", "shard server left on its default listen address (127.0.0.1:0)",
-         lambda D: ctr(D, *sts, "shard-server").update(
-             {"env": [e for e in ctr(D, *sts, "shard-server")["env"]
+         lambda D: tctr(D, "shard-server").update(
+             {"env": [e for e in tctr(D, "shard-server")["env"]
                       if e["name"] != "PSHARD_SERVER_LISTEN"]})),
         ("probes", "coordinator listens on another port than its probes",
          lambda D: env_set(ctr(D, *dep, "coordinator"), "PSHARD_LISTEN", "0.0.0.0:29501")),
         ("addresses", "trainer dials a shard server on another port",
-         lambda D: env_set(ctr(D, *sts, "trainer"), "PSHARD_SERVER", "127.0.0.1:29601")),
+         lambda D: env_set(tctr(D, "trainer"), "PSHARD_SERVER", "127.0.0.1:29601")),
         ("addresses", "PSHARD_COORDINATOR names no Service",
          lambda D: obj(D, "ConfigMap", "pshard-config")["data"].update(
              {"PSHARD_COORDINATOR": "coordinator:29500"})),
         ("references", "Secret volume names a Secret that does not exist",
-         lambda D: next(v for v in obj(D, *sts)["spec"]["template"]["spec"]["volumes"]
+         lambda D: next(v for v in trainer_pod(D)["spec"]["volumes"]
                         if "secret" in v)["secret"].update({"secretName": "pshard-secret"})),
         ("references", "envFrom names a ConfigMap that does not exist",
-         lambda D: ctr(D, *dep, "coordinator")["envFrom"][0]["configMapRef"].update(
+         lambda D: tctr(D, "shard-server")["envFrom"][0]["configMapRef"].update(
              {"name": "pshard-conf"})),
         ("references", "token file outside every mounted Secret",
-         lambda D: env_set(ctr(D, *sts, "trainer"), "PSHARD_TOKEN_FILE", "/etc/pshard/token")),
+         lambda D: env_set(tctr(D, "trainer"), "PSHARD_TOKEN_FILE", "/etc/pshard/token")),
         ("security", "writable root filesystem",
-         lambda D: ctr(D, *sts, "trainer")["securityContext"].update(
+         lambda D: tctr(D, "trainer")["securityContext"].update(
              {"readOnlyRootFilesystem": False})),
-        ("security", "capabilities not dropped",
-         lambda D: ctr(D, *dep, "coordinator")["securityContext"].pop("capabilities")),
-        ("security", "runAsNonRoot removed", lambda D: drop_run_as_non_root(obj(D, *sts))),
+        ("security", "sidecar's capabilities not dropped",
+         lambda D: tctr(D, "shard-server")["securityContext"].pop("capabilities")),
+        ("security", "runAsNonRoot removed", lambda D: drop_run_as_non_root(trainer_pod(D))),
         ("security", "command replaces tini",
          lambda D: ctr(D, *dep, "coordinator").update({"command": ["pshard-coordinator"]})),
+        ("security", "trainers outside the restricted namespace",
+         lambda D: obj(D, crd, "pshard-train")["metadata"].pop("namespace")),
         ("resources", "no memory limit",
-         lambda D: ctr(D, *sts, "trainer")["resources"]["limits"].pop("memory")),
+         lambda D: tctr(D, "trainer")["resources"]["limits"].pop("memory")),
         ("resources", "request above limit",
          lambda D: ctr(D, *dep, "coordinator")["resources"]["requests"].update({"cpu": "2"})),
         ("shm", "trainer without /dev/shm",
-         lambda D: ctr(D, *sts, "trainer").update(
-             {"volumeMounts": [m for m in ctr(D, *sts, "trainer")["volumeMounts"]
+         lambda D: tctr(D, "trainer").update(
+             {"volumeMounts": [m for m in tctr(D, "trainer")["volumeMounts"]
                                if m["mountPath"] != "/dev/shm"]})),
         ("shm", "/dev/shm on disk, not memory",
-         lambda D: next(v for v in obj(D, *sts)["spec"]["template"]["spec"]["volumes"]
+         lambda D: next(v for v in trainer_pod(D)["spec"]["volumes"]
                         if v["name"] == "dshm")["emptyDir"].pop("medium")),
-        ("rendezvous", "replicas differ from the world size",
-         lambda D: obj(D, *sts)["spec"].update({"replicas": 3})),
-        ("rendezvous", "OrderedReady pod management",
-         lambda D: obj(D, *sts)["spec"].pop("podManagementPolicy")),
+        ("rendezvous", "parallelism differs from the world size",
+         lambda D: trainer_job(D).update({"parallelism": 3})),
+        ("rendezvous", "not an Indexed Job",
+         lambda D: trainer_job(D).pop("completionMode")),
+        ("rendezvous", "shard server as a main container (the Job never completes)",
+         sidecar_to_main),
         ("rendezvous", "coordinator Service routes only to ready pods",
          lambda D: obj(D, "Service", "pshard-coordinator")["spec"].update(
              {"publishNotReadyAddresses": False})),
         ("rendezvous", "two coordinators",
          lambda D: obj(D, *dep)["spec"].update({"replicas": 2})),
         ("rendezvous", "trainer RANK fixed",
-         lambda D: env_set(ctr(D, *sts, "trainer"), "RANK", "0")),
+         lambda D: env_set(tctr(D, "trainer"), "RANK", "0")),
+        ("rendezvous", "server named after the pod, not the index",
+         lambda D: env_set(tctr(D, "shard-server"), "PSHARD_NAME", "trainer")),
+        ("rendezvous", "trainer and server in different coordinator jobs",
+         lambda D: env_set(tctr(D, "trainer"), "PSHARD_JOB", "train")),
+        ("rendezvous", "trainer restarts in the pod but the server drops its rank",
+         lambda D: env_set(tctr(D, "shard-server"), "PSHARD_TRAINER_REPLACE_MS", "0")),
         ("data-host", "collectives on 0.0.0.0",
-         lambda D: env_set(ctr(D, *sts, "shard-server"), "PSHARD_DATA_HOST", "0.0.0.0")),
+         lambda D: env_set(tctr(D, "shard-server"), "PSHARD_DATA_HOST", "0.0.0.0")),
         ("network-policy", "data range differs from the pinned sysctl",
-         lambda D: obj(D, "NetworkPolicy", "pshard-server")["spec"]["ingress"][1]["ports"][
+         lambda D: obj(D, "NetworkPolicy", "pshard-trainer")["spec"]["ingress"][1]["ports"][
              0].update({"endPort": 40000})),
         ("network-policy", "an extra port (22) opened",
          lambda D: obj(D, "NetworkPolicy", "pshard-coordinator")["spec"]["ingress"][0][
              "ports"].append({"protocol": "TCP", "port": 22})),
         ("network-policy", "shard server gRPC port not open",
-         lambda D: obj(D, "NetworkPolicy", "pshard-server")["spec"]["ingress"].pop(0)),
+         lambda D: obj(D, "NetworkPolicy", "pshard-trainer")["spec"]["ingress"].pop(0)),
         ("network-policy", "open to any source",
          lambda D: obj(D, "NetworkPolicy", "pshard-coordinator")["spec"]["ingress"][0].pop(
              "from")),
         ("network-policy", "sysctl not pinned",
-         lambda D: obj(D, *sts)["spec"]["template"]["spec"]["securityContext"].pop("sysctls")),
+         lambda D: trainer_pod(D)["spec"]["securityContext"].pop("sysctls")),
+        ("labels", "no version label on the trainers' pods",
+         lambda D: trainer_pod(D)["metadata"]["labels"].pop("app.kubernetes.io/version")),
+        ("labels", "no instance label on a Secret",
+         lambda D: obj(D, "Secret", "pshard-secrets")["metadata"]["labels"].pop(
+             "app.kubernetes.io/instance")),
+        ("labels", "two versions",
+         lambda D: obj(D, *dep)["metadata"]["labels"].update(
+             {"app.kubernetes.io/version": "0.2.0"})),
+        ("custom-resources", "PodMonitor scrapes a port no pod names",
+         lambda D: obj(D, "PodMonitor", "pshard")["spec"]["podMetricsEndpoints"][0].update(
+             {"port": "http-metrics"})),
+        ("custom-resources", "PodMonitor field misspelt",
+         lambda D: obj(D, "PodMonitor", "pshard")["spec"].update(
+             {"podMetricEndpoints": []})),
+        ("custom-resources", "PodMonitor selects nothing",
+         lambda D: obj(D, "PodMonitor", "pshard")["spec"]["selector"]["matchLabels"].update(
+             {"app.kubernetes.io/name": "pshard-x"})),
     ]
+    if overlay == "jobset":
+        m += [
+            ("custom-resources", "JobSet field misspelt",
+             lambda D: obj(D, "JobSet", "pshard-train")["spec"]["failurePolicy"].update(
+                 {"maxRestart": 2})),
+            ("custom-resources", "JobSet's Job not a valid Job (completionMode typo)",
+             lambda D: trainer_job(D).update({"completionmode": "Indexed"})),
+            ("custom-resources", "JobSet of another API version",
+             lambda D: obj(D, "JobSet", "pshard-train").update(
+                 {"apiVersion": "jobset.x-k8s.io/v1alpha1"})),
+            ("custom-resources", "JobSet succeeds when any Job does",
+             lambda D: obj(D, "JobSet", "pshard-train")["spec"]["successPolicy"].update(
+                 {"operator": "Any"})),
+            ("references", "JobSet names the ConfigMap without its generated suffix",
+             lambda D: tctr(D, "trainer")["envFrom"][0]["configMapRef"].update(
+                 {"name": "pshard-config"})),
+        ]
     if overlay == "gpu":
         m += [
             ("overlay", "gpu overlay without nvidia.com/gpu",
-             lambda D: ctr(D, *sts, "shard-server")["resources"]["limits"].pop("nvidia.com/gpu")),
+             lambda D: tctr(D, "shard-server")["resources"]["limits"].pop("nvidia.com/gpu")),
             ("overlay", "gpu overlay on the tcp backend",
              lambda D: obj(D, "ConfigMap", "pshard-config")["data"].update(
                  {"PSHARD_BACKEND": "tcp"})),
@@ -872,7 +1128,7 @@ def mutations(overlay):
     else:
         m += [
             ("overlay", "cpu overlay asks for a GPU",
-             lambda D: ctr(D, *sts, "shard-server")["resources"].setdefault("limits", {}).update(
+             lambda D: tctr(D, "shard-server")["resources"].setdefault("limits", {}).update(
                  {"nvidia.com/gpu": 1})),
         ]
     return m
@@ -880,7 +1136,7 @@ def mutations(overlay):
 
 def self_test(files, ctx):
     failures = 0
-    for path, overlay in zip(files, ("cpu", "gpu")):
+    for path, overlay in zip(files, OVERLAYS):
         docs = load(path)
         ctx = dict(ctx, overlay=overlay)
         base = run_checks(docs, ctx, quiet=True)
@@ -915,7 +1171,7 @@ def load(path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--overlay", choices=("cpu", "gpu"))
+    ap.add_argument("--overlay", choices=OVERLAYS)
     ap.add_argument("--coordinator-bin", required=True)
     ap.add_argument("--server-bin", required=True)
     ap.add_argument("--self-test", action="store_true")
@@ -923,8 +1179,8 @@ def main():
     a = ap.parse_args()
     ctx = {"bins": {COORDINATOR: Binary(a.coordinator_bin), SERVER: Binary(a.server_bin)}}
     if a.self_test:
-        if len(a.files) != 2:
-            ap.error("--self-test takes the rendered cpu and gpu overlays")
+        if len(a.files) != len(OVERLAYS):
+            ap.error(f"--self-test takes the rendered overlays {', '.join(OVERLAYS)}")
         return self_test(a.files, ctx)
     if not a.overlay or len(a.files) != 1:
         ap.error("give --overlay and one rendered file")
