@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Container smoke test with podman, no registry needed: builds a Debian 12 base image with
-# debootstrap (once; cached as an image), builds pshard's image from deploy/Containerfile on
-# it, runs a coordinator and two shard servers (and a trainer beside each, sharing the
-# server's network and IPC namespaces as in the Kubernetes pod) on a user-defined network with
+# debootstrap (once; cached as an image), builds pshard's server image from deploy/Containerfile
+# and the trainer image from deploy/Containerfile.trainer on it (PyPI's torch, through a pip
+# cache kept on this machine), runs a coordinator and two shard servers (and a trainer beside
+# each, sharing the server's network and IPC namespaces as in the Kubernetes pod: first the C
+# example from the server image, then, as a second job on the same coordinator with two more
+# servers, the PyTorch example from the trainer image) on a user-defined network with
 # the Kubernetes manifests' hardening (read-only root, no capabilities, non-root), checks
 # health from outside through published ports, stops everything with SIGTERM and checks that
 # each server exited 0 within the grace period. Removes the containers and the network it
@@ -14,9 +17,11 @@
 #                    run inside the coordinator's container
 # Environment: PSHARD_DEBIAN_MIRROR (default: the bookworm mirror apt uses here),
 #   PSHARD_SMOKE_STATE (default /var/tmp/pshard-podman: containers.conf and the build log),
-#   PSHARD_REFRESH_BASE=1 rebuilds the Debian base image.
+#   PSHARD_REFRESH_BASE=1 rebuilds the Debian base image, PSHARD_SMOKE_TORCH=0 leaves out the
+#   trainer image and the PyTorch run.
 # Needs root and: apt-get install podman buildah runc uidmap debootstrap
-# Exit status: 0 passed, 1 failed, 77 skipped (not root, or podman/debootstrap missing).
+# Exit status: 0 passed, 1 failed, 77 skipped (not root, podman/debootstrap missing, or PyPI not
+#   reachable for the trainer image).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -57,6 +62,24 @@ flock 8
 
 base_image=localhost/pshard-debian:bookworm-minbase
 image=localhost/pshard:smoke
+trainer_image=localhost/pshard-trainer:smoke
+with_torch=${PSHARD_SMOKE_TORCH:-1}
+# pip's cache for the trainer image's build (torch and the CUDA libraries it links: about 2.5 GB
+# to fetch once).
+pip_cache="$state/pip-cache"
+mkdir -p "$pip_cache"
+if [[ "$with_torch" == 1 ]] && ! python3 - <<'EOF'
+import os, sys, urllib.request
+url = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple/").rstrip("/") + "/torch/"
+try:
+    urllib.request.urlopen(url, timeout=20)
+except Exception as e:
+    print(f"podman-smoke: {url}: {e}", file=sys.stderr)
+    sys.exit(1)
+EOF
+then
+    skip "PyPI is not reachable for the trainer image (PSHARD_SMOKE_TORCH=0 runs the rest)"
+fi
 run_id="pshard-smoke-$$"
 grace=30   # seconds, as terminationGracePeriodSeconds in the manifests
 t0=$SECONDS
@@ -156,6 +179,28 @@ for b in pshard-coordinator pshard-server pshardctl pshardrun pshard-mlp; do
     in_image "$b" --version >/dev/null || fail "$b --version failed in the image"
 done
 phase "image: user 10001, tini entrypoint, no build tools, all five binaries run"
+
+if [[ "$with_torch" == 1 ]]; then
+    phase "building $trainer_image from deploy/Containerfile.trainer"
+    if ! podman build --network host -f "$root/deploy/Containerfile.trainer" \
+            -v "$pip_cache:/var/cache/pip" \
+            --build-arg BUILD_BASE="$base_image" --build-arg RUNTIME_BASE="$base_image" \
+            -t "$trainer_image" "$root" >"$state/build-trainer.log" 2>&1; then
+        tail -40 "$state/build-trainer.log"
+        fail "trainer image build failed (log: $state/build-trainer.log)"
+    fi
+    podman image prune -f --filter until=24h >/dev/null || true
+    size=$(podman image inspect -f '{{.Size}}' "$trainer_image" |
+        awk '{printf "%.0f MB", $1 / 1e6}')
+    user=$(podman image inspect -f '{{.Config.User}}' "$trainer_image")
+    [[ "$user" == 10001:10001 ]] || fail "trainer image user is '$user', not 10001:10001"
+    [[ $(podman run --rm --network none "$trainer_image" id -u) == 10001 ]] ||
+        fail "the trainer image does not run as uid 10001"
+    podman run --rm --network none "$trainer_image" python -c \
+        'import torch, transformers, pshard.torch; assert not torch.cuda.is_available()' ||
+        fail "the trainer image cannot import torch, transformers and pshard.torch"
+    phase "trainer image built ($size): user 10001, imports torch, transformers, pshard.torch"
+fi
 
 # --- a small cluster ------------------------------------------------------------------------
 work=$(mktemp -d "${TMPDIR:-/tmp}/pshard-smoke.XXXXXX")
@@ -262,6 +307,40 @@ done
 phase "trainers trained through shared memory: $(podman logs "$run_id-trainer-0" 2>&1 |
     grep '^step' | tail -n1)"
 
+# The PyTorch example from the trainer image, as a second job on the same coordinator (its own
+# members and ranks: the servers above keep theirs), against two more servers from the server
+# image, each trainer beside its server as in the Kubernetes pod.
+if [[ "$with_torch" == 1 ]]; then
+    job=torch-smoke
+    for r in 0 1; do
+        ip=$net.3$r
+        start "$run_id-tserver-$r" --network "$network" --ip "$ip" --shm-size 256m \
+            --ipc shareable -e PSHARD_NAME="trainer-$r" -e PSHARD_JOB=$job "${harden[@]}" \
+            "$image" pshard-server --coordinator "$coord_ip:29500" --listen 0.0.0.0:29600 \
+            --advertise "$ip:29600" --data-host "$ip"
+    done
+    t1=$SECONDS
+    for r in 0 1; do
+        start "$run_id-torch-$r" --network "container:$run_id-tserver-$r" \
+            --ipc "container:$run_id-tserver-$r" "${harden[@]}" -e RANK=$r -e WORLD_SIZE=2 \
+            -e LOCAL_RANK=0 -e PSHARD_SERVER=127.0.0.1:29600 -e PSHARD_JOB=$job \
+            -e PSHARD_COORDINATOR="$coord_ip:29500" -e OMP_NUM_THREADS=1 \
+            "$trainer_image" python /opt/pshard/examples/torch/train_lm.py --steps 6 \
+            --layers 1 --d-model 64 --heads 2 --seq 32 --batch 2 --text-bytes 65536 \
+            --warmup 2 --print-every 3
+    done
+    for r in 0 1; do
+        rc=$(timeout 300 podman wait "$run_id-torch-$r") || rc=timeout
+        [[ "$rc" == 0 ]] || { podman logs "$run_id-torch-$r" 2>&1 | tail -30
+                              podman logs "$run_id-tserver-$r" 2>&1 | tail -10
+                              fail "PyTorch trainer $r exited with $rc"; }
+    done
+    last=$(podman logs "$run_id-torch-0" 2>&1 | grep '^step' | tail -n1 || true)
+    [[ "$last" == "step 6 "* ]] || { podman logs "$run_id-torch-0" 2>&1 | tail -30
+                                     fail "the PyTorch example did not reach step 6"; }
+    phase "PyTorch example trained from the trainer image in $((SECONDS - t1)) s: $last"
+fi
+
 # --- stop with SIGTERM --------------------------------------------------------------------
 stop_check() {   # NAME: podman stop sends SIGTERM, SIGKILL only after the grace period
     local t1=$SECONDS code
@@ -271,6 +350,9 @@ stop_check() {   # NAME: podman stop sends SIGTERM, SIGKILL only after the grace
     phase "$1 stopped by SIGTERM: exit 0 after $((SECONDS - t1)) s (grace $grace s)"
 }
 for r in 0 1; do stop_check "$run_id-server-$r"; done
+if [[ "$with_torch" == 1 ]]; then
+    for r in 0 1; do stop_check "$run_id-tserver-$r"; done
+fi
 stop_check "$run_id-coordinator"
 # And the server itself as PID 1, without tini in front.
 start "$run_id-pid1" --network none --entrypoint pshard-coordinator "${harden[@]}" "$image" \
