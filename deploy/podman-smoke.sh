@@ -68,6 +68,12 @@ with_torch=${PSHARD_SMOKE_TORCH:-1}
 # to fetch once).
 pip_cache="$state/pip-cache"
 mkdir -p "$pip_cache"
+# The CA bundle pip uses here (PIP_CERT, e.g. for a proxy in front of PyPI), for the build's pip.
+pip_ca=()
+pip_cert=${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || true)}
+if [[ -n "$pip_cert" && -s "$pip_cert" ]]; then
+    pip_ca=(-v "$pip_cert:/run/pip-ca.crt:ro")
+fi
 if [[ "$with_torch" == 1 ]] && ! python3 - <<'EOF'
 import os, sys, urllib.request
 url = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple/").rstrip("/") + "/torch/"
@@ -183,7 +189,7 @@ phase "image: user 10001, tini entrypoint, no build tools, all five binaries run
 if [[ "$with_torch" == 1 ]]; then
     phase "building $trainer_image from deploy/Containerfile.trainer"
     if ! podman build --network host -f "$root/deploy/Containerfile.trainer" \
-            -v "$pip_cache:/var/cache/pip" \
+            -v "$pip_cache:/var/cache/pip" "${pip_ca[@]}" \
             --build-arg BUILD_BASE="$base_image" --build-arg RUNTIME_BASE="$base_image" \
             -t "$trainer_image" "$root" >"$state/build-trainer.log" 2>&1; then
         tail -40 "$state/build-trainer.log"
