@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks of our own on pshard's rendered Kubernetes manifests, for what the API schemas
 cannot see: that selectors select, that probes point at the port the binary really listens
-on, that every referenced ConfigMap and Secret exists, the security settings, the settings
+on, that every referenced ConfigMap and Secret exists, that every PSHARD_* variable set is one
+the program in that container reads, the security settings, the settings
 the rendezvous, the shared-memory data path and the NetworkPolicy depend on, the recommended
 labels, and, for custom resources without a schema here (JobSet, PodMonitor), the fields we use
 (the Job inside a JobSet is checked against the Kubernetes schema as a Job).
@@ -18,6 +19,8 @@ Exit status: 0 all checks pass, 1 a check failed, 2 usage or input errors.
 """
 import argparse
 import copy
+import glob
+import os
 import re
 import subprocess
 import sys
@@ -38,6 +41,7 @@ RECOMMENDED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance",
                       "app.kubernetes.io/part-of")
 # Kubernetes versions the Job inside a JobSet is validated against (check-manifests.sh's).
 K8S_VERSIONS = ("1.29.0", "1.34.0")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Binary:
@@ -444,6 +448,58 @@ def check_references(docs, ctx):
             key = tf[len(mounts[0]["mountPath"].rstrip("/")) + 1:]
             need(f"{name_of(d)} container {c['name']}", "Secret",
                  vol[0]["secret"].get("secretName"), ns, [key])
+    return errors
+
+
+# Where a PSHARD_* variable is read from the environment in pshard's sources, by what reads it:
+# the binaries' option tables cover their flags, these the variables read directly.
+SERVER_SOURCES = ("common", "collectives", "shard_server", "ckpt")
+COORDINATOR_SOURCES = ("common", "coordinator")
+TRAINER_SOURCES = ("common", "client")
+ENV_READ = re.compile(r"""(?:getenv\(|environ(?:\.get\(|\[))\s*["'](PSHARD_[A-Z0-9_]+)["']""")
+
+
+def source_env(dirs):
+    """PSHARD_* names read with getenv() / os.environ in the C and Python sources under dirs
+    (relative to the repository root)."""
+    names = set()
+    for top in dirs:
+        for path in glob.glob(os.path.join(ROOT, top, "**", "*.[ch]"), recursive=True) + \
+                glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True):
+            with open(path, errors="replace") as f:
+                names.update(ENV_READ.findall(f.read()))
+    return names
+
+
+def check_environment(docs, ctx):
+    """Every PSHARD_* variable a manifest sets is one that what runs in the container reads: a
+    pshard binary's option table (or its libraries' sources), the client library for a
+    trainer; every PSHARD_* key of a ConfigMap is read by one of them. A misspelt or removed
+    variable would otherwise be ignored without a word."""
+    errors = []
+    bins = ctx["bins"]
+    read = {COORDINATOR: {n for env, _ in bins[COORDINATOR].options.values() for n in env}
+            | source_env(COORDINATOR_SOURCES),
+            SERVER: {n for env, _ in bins[SERVER].options.values() for n in env}
+            | source_env(SERVER_SOURCES),
+            "trainer": source_env(TRAINER_SOURCES)}
+    anyone = set().union(*read.values())
+    for d, pod in pod_specs(docs):
+        for c in containers(pod):
+            who = binary_of(c) or ("trainer" if any(
+                e["name"] == "PSHARD_SERVER" for e in c.get("env") or []) else "")
+            if not who:
+                continue
+            for e in c.get("env") or []:
+                if e["name"].startswith("PSHARD_") and e["name"] not in read[who]:
+                    errors.append(f"{name_of(d)} container {c['name']}: sets {e['name']}, which "
+                                  f"{who} does not read")
+    for d in docs:
+        if d.get("kind") != "ConfigMap":
+            continue
+        for k in (d.get("data") or {}):
+            if k.startswith("PSHARD_") and k not in anyone:
+                errors.append(f"{name_of(d)}: key {k} is read by no pshard program")
     return errors
 
 
@@ -901,6 +957,7 @@ CHECKS = [
     ("probes", check_probes),
     ("addresses", check_addresses),
     ("references", check_references),
+    ("environment", check_environment),
     ("security", check_security),
     ("resources", check_resources),
     ("shm", check_shm),
@@ -1024,6 +1081,13 @@ def mutations(overlay):
              {"name": "pshard-conf"})),
         ("references", "token file outside every mounted Secret",
          lambda D: env_set(tctr(D, "trainer"), "PSHARD_TOKEN_FILE", "/etc/pshard/token")),
+        ("environment", "shard server's metrics variable misspelt",
+         lambda D: env_set(tctr(D, "shard-server"), "PSHARD_METRIC_LISTEN", "0.0.0.0:9464")),
+        ("environment", "trainer given a variable only the shard server reads",
+         lambda D: env_set(tctr(D, "trainer"), "PSHARD_DATA_HOST", "127.0.0.1")),
+        ("environment", "ConfigMap key no program reads",
+         lambda D: obj(D, "ConfigMap", "pshard-config")["data"].update(
+             {"PSHARD_BAKCEND": "tcp"})),
         ("security", "writable root filesystem",
          lambda D: tctr(D, "trainer")["securityContext"].update(
              {"readOnlyRootFilesystem": False})),
