@@ -30,8 +30,11 @@ import yaml
 
 COORDINATOR = "pshard-coordinator"
 SERVER = "pshard-server"
-# Health service that says "the cluster has formed", per binary (readiness).
-READY_SERVICE = {COORDINATOR: "pshard.Cluster", SERVER: "pshard.ShardServer"}
+# Health service a binary's readiness probe asks for. A shard server: pshard.ShardServer, its
+# rank can serve its trainer. The coordinator: "" (it serves). Its pshard.Cluster follows only
+# the coordinator's default job, and every trainer Job here is a job of its own (PSHARD_JOB),
+# so a coordinator probed on pshard.Cluster would never be ready.
+READY_SERVICE = {COORDINATOR: "", SERVER: "pshard.ShardServer"}
 WORKLOADS = ("Deployment", "StatefulSet", "Job", "JobSet")
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 JOB_UID = "metadata.labels['batch.kubernetes.io/controller-uid']"
@@ -287,8 +290,8 @@ def check_selectors(docs, ctx):
 
 
 def check_probes(docs, ctx):
-    """Each server container has gRPC liveness ("" service) and readiness (the cluster-formed
-    service, which the binary must contain) probes on its container port, and that port is the
+    """Each server container has gRPC liveness ("" service) and readiness (READY_SERVICE, which
+    the binary must contain) probes on its container port, and that port is the
     one the binary listens on after flags, environment and its built-in default; it listens on
     all interfaces so that kubelet reaches it."""
     errors = []
@@ -643,8 +646,8 @@ def check_rendezvous(docs, ctx):
                                   f"fixed --world-size")
     for d in docs:
         if d.get("kind") == "Service" and d["spec"].get("publishNotReadyAddresses") is not True:
-            errors.append(f"{name_of(d)}: publishNotReadyAddresses is not true (pods are ready "
-                          f"only after the cluster formed through this Service)")
+            errors.append(f"{name_of(d)}: publishNotReadyAddresses is not true (members "
+                          f"starting beside a (re)started pod wait for its readiness probe)")
     jobs = [(d, js) for d, js in job_specs(docs)
             if any(binary_of(c) == SERVER for c in containers(js["template"]))]
     for d, pod in pod_specs(docs):
