@@ -281,7 +281,7 @@ for r in 0 1; do
 done
 ctl "$coord_addr" "$coord_ip:29500" --token-file "$ctl_token" --json status \
     >"$work/status.json" || fail "status with the token failed"
-# Ranks follow the member names (what the StatefulSet's stable pod names rely on).
+# Ranks follow the member names (what the trainer Job's trainer-INDEX names rely on).
 python3 - "$work/status.json" <<'EOF' || fail "ranks do not follow the names (status above)"
 import json, sys
 status = json.load(open(sys.argv[1]))
