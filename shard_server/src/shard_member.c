@@ -492,15 +492,22 @@ void *shard_setup_main(void *arg)
  * so every server rebuilds its ring and discards the step's gradients, shard_setup_main), and
  * the replacement may attach until the deadline (replace_check). */
 static void await_replacement(pshard_shard_server_t *s, pshard_comm_t *comm, const char *name,
-                              int64_t lease)
+                              int64_t lease, bool trainer_optimizer)
 {
     char msg[PSHARD_ERRLEN];
     int64_t wait_ms = s->cfg.trainer_replace_ms;
+    /* A trainer's own optimizer (torch.optim) may have committed the step before the loss:
+     * then it counts on every rank (reconcile_step); else it is rolled back everywhere. */
     snprintf(msg, sizeof(msg),
              "rank %d's trainer %s was lost (no heartbeat within its %lld ms lease): the step in "
-             "flight is aborted on every rank and none of it is applied; its replacement may "
-             "attach within %lld ms (pshardrun --max-restarts)",
-             pshard_comm_rank(comm), name, (long long)lease, (long long)wait_ms);
+             "flight is aborted on every rank, %s; its replacement may attach within %lld ms "
+             "(pshardrun --max-restarts)",
+             pshard_comm_rank(comm), name, (long long)lease,
+             trainer_optimizer ? "its gradients discarded and its torch.optim update rolled back "
+                                 "unless the lost trainer had committed it (then it counts on "
+                                 "every rank: pshard.torch.resync returns the step to go on from)"
+                               : "and none of it is applied",
+             (long long)wait_ms);
     pthread_mutex_lock(&s->mu);
     s->replace_deadline_ns = ps_now_ns() + wait_ms * 1000000;
     pthread_cond_broadcast(&s->cv);
@@ -559,6 +566,7 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
          * as without. */
         bool keep =
             s->cfg.trainer_replace_ms > 0 && s->model && !s->model->in_backward && !state_lost;
+        bool trainer_optimizer = s->model && s->model->trainer_optimizer;
         pthread_mutex_unlock(&s->mu);
         /* Our own trainer is known by name: a job too large for one event may have left it
          * out of the member lists (members_omitted). */
@@ -566,7 +574,7 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         bool matters =
             trainer || (who && who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0);
         if (trainer && keep && comm) {
-            await_replacement(s, comm, name, lease);
+            await_replacement(s, comm, name, lease, trainer_optimizer);
         } else if (matters && comm) {
             char msg[PSHARD_ERRLEN];
             if (trainer)

@@ -14,6 +14,7 @@ before the step's commit: nobody counts the step and everyone rolls it back), "c
 the commit: everybody counts it), "backup" (after the values were copied aside, before the
 update).
 MESH: "" (FSDP over the world) or "RxS" (HSDP: R replicas of S shard ranks).
+REPLACE_WORKER_BATCHNORM=1 in the environment puts a BatchNorm1d after the first layer.
 argv: OUT FAIL_STEP SKIP [OPTIM [WHERE [MESH]]]"""
 import json
 import os
@@ -37,6 +38,8 @@ pshard.init_process_group()
 rank = torch.distributed.get_rank()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+if os.environ.get("REPLACE_WORKER_BATCHNORM") == "1":  # running statistics only a trainer has
+    model.insert(1, torch.nn.BatchNorm1d(32))
 mesh = None
 if mesh_arg:
     from torch.distributed.device_mesh import init_device_mesh

@@ -115,3 +115,16 @@ def test_hsdp_trainer_replaced(tmp_path, optim):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_replacement_refuses_lost_running_statistics(tmp_path):
+    """BatchNorm's running statistics lived only in the lost trainer: its replacement says so
+    and the job fails, rather than going on with that rank's statistics back at their start."""
+    worker = os.path.join(HERE, "replace_worker.py")
+    p = pshardrun(3, worker, [str(tmp_path), "3", ""],
+                  extra=["--max-restarts", "1", "--lease-ms", "2000",
+                         "--replace-timeout-ms", "20000"],
+                  env={"REPLACE_WORKER_BATCHNORM": "1"})
+    assert p.returncode != 0, p.stdout[-4000:]
+    assert "replacing it (restart 1 of 1)" in p.stdout, p.stdout[-4000:]
+    assert "running statistics (1: BatchNorm buffers" in p.stdout, p.stdout[-4000:]

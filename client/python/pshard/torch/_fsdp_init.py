@@ -225,6 +225,8 @@ def lazy_init(root_unit):
     # A lost trainer's replacement (steps aborted so far): the servers hold the job's state, and
     # the other ranks are mid-training, running no collective of an initialisation.
     taken_over = client.resume_step > step
+    if taken_over:
+        _refuse_lost_buffers(root)
 
     # Buffers (BatchNorm statistics, ...) start equal everywhere: rank 0's.
     if client.world_size > 1 and not taken_over:
@@ -288,3 +290,20 @@ def _check_uncovered(model, opts):
         warnings.warn(f"no pshard.torch.optim optimizer holds {missing[:3]}"
                       f"{' ...' if len(missing) > 3 else ''}: the shard servers will not step "
                       "them (a torch.optim optimizer in the trainer may)", stacklevel=4)
+
+
+def _refuse_lost_buffers(root):
+    """A replacement cannot get back buffers that training changed in the lost trainer only
+    (BatchNorm's running statistics: no shard server holds them): refused, rather than going
+    on with this rank's statistics silently back at their initial values."""
+    norm = torch.nn.modules.batchnorm._NormBase
+    lost = [n for n, m in root.named_modules()
+            if isinstance(m, norm) and m.track_running_stats and m.running_mean is not None]
+    if lost:
+        names = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+        raise pshard.FailedPreconditionError(
+            f"this trainer replaces a lost one, but the model's running statistics ({names}: "
+            "BatchNorm buffers that training updates in the trainer) were only in the lost "
+            "trainer and cannot be recovered; restart the whole job from a checkpoint instead "
+            "(pshardrun --replace-timeout-ms 0), or use a normalization without running "
+            "statistics (LayerNorm, GroupNorm, or track_running_stats=False)")
