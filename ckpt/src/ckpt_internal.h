@@ -83,8 +83,9 @@ typedef enum {
 
 typedef struct {
     const char *key;
-    ckpt_json_kind_t kind;
+    ckpt_json_kind_t kind; /* | CKPT_JSON_OPTIONAL: the key may be absent */
 } ckpt_json_field_t;
+#define CKPT_JSON_OPTIONAL 0x100
 
 /* After json_unpack_ex(..., JSON_STRICT, ...) refused obj (at JSON path where, "" for the
  * root): says why, as the first of: not an object, an unknown key, a missing key, a value of

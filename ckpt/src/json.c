@@ -91,15 +91,16 @@ pshard_status_t ckpt_json_explain(const json_t *obj, const char *where,
                            "%s%sunknown key \"%.64s\" (not in version 1)", where, sep, key);
     }
     for (size_t i = 0; i < nfields; i++)
-        if (!json_object_get(obj, fields[i].key))
+        if (!(fields[i].kind & CKPT_JSON_OPTIONAL) && !json_object_get(obj, fields[i].key))
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s%smissing key \"%s\"",
                            where, sep, fields[i].key);
     for (size_t i = 0; i < nfields; i++) {
         const json_t *v = json_object_get(obj, fields[i].key);
-        if (!has_type(v, fields[i].kind))
+        ckpt_json_kind_t kind = (ckpt_json_kind_t)(fields[i].kind & ~CKPT_JSON_OPTIONAL);
+        if (v && !has_type(v, kind))
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                            "%s%s%s: expected %s, found %s", where, *where ? "." : "", fields[i].key,
-                           kind_names[fields[i].kind], ckpt_json_type_name(v));
+                           kind_names[kind], ckpt_json_type_name(v));
     }
     return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "%s: malformed",
                    *where ? where : "manifest");

@@ -411,15 +411,21 @@ static json_t *manifest_json(const ps_ckpt_manifest_t *m, const size_t *order)
         return NULL;
     }
     const ps_ckpt_optim_t *o = &m->optim;
-    return json_pack("{s:s, s:i, s:I, s:i, s:s,"
-                     " s:{s:s, s:f, s:f, s:f, s:b, s:f, s:f, s:f, s:f, s:f},"
-                     " s:o, s:o, s:o}",
-                     "format", "pshard-checkpoint", "version", 1, "step", (json_int_t)m->step,
-                     "world_size", m->world_size, "layout", layout_name(m->layout), "optimizer",
-                     "kind", o->kind, "lr", o->lr, "momentum", o->momentum, "dampening",
-                     o->dampening, "nesterov", (int)o->nesterov, "weight_decay", o->weight_decay,
-                     "beta1", o->beta1, "beta2", o->beta2, "eps", o->eps, "max_grad_norm",
-                     o->max_grad_norm, "sections", sections, "params", params, "files", files);
+    json_t *root = json_pack(
+        "{s:s, s:i, s:I, s:i, s:s,"
+        " s:{s:s, s:f, s:f, s:f, s:b, s:f, s:f, s:f, s:f, s:f},"
+        " s:o, s:o, s:o}",
+        "format", "pshard-checkpoint", "version", 1, "step", (json_int_t)m->step, "world_size",
+        m->world_size, "layout", layout_name(m->layout), "optimizer", "kind", o->kind, "lr", o->lr,
+        "momentum", o->momentum, "dampening", o->dampening, "nesterov", (int)o->nesterov,
+        "weight_decay", o->weight_decay, "beta1", o->beta1, "beta2", o->beta2, "eps", o->eps,
+        "max_grad_norm", o->max_grad_norm, "sections", sections, "params", params, "files", files);
+    if (root && m->aborted_steps > 0 &&
+        json_object_set_new(root, "aborted_steps", json_integer(m->aborted_steps)) != 0) {
+        json_decref(root);
+        return NULL;
+    }
+    return root;
 }
 
 pshard_status_t ps_ckpt_manifest_write(const char *step_dir, const ps_ckpt_manifest_t *m, char *err,
@@ -507,9 +513,11 @@ static pshard_status_t want_array(const json_t *v, const char *path, char *err, 
 }
 
 static const ckpt_json_field_t root_fields[] = {
-    {"format", CKPT_JSON_STRING},      {"version", CKPT_JSON_INTEGER}, {"step", CKPT_JSON_INTEGER},
-    {"world_size", CKPT_JSON_INTEGER}, {"layout", CKPT_JSON_STRING},   {"optimizer", CKPT_JSON_ANY},
-    {"sections", CKPT_JSON_ANY},       {"params", CKPT_JSON_ANY},      {"files", CKPT_JSON_ANY}};
+    {"format", CKPT_JSON_STRING}, {"version", CKPT_JSON_INTEGER},
+    {"step", CKPT_JSON_INTEGER},  {"world_size", CKPT_JSON_INTEGER},
+    {"layout", CKPT_JSON_STRING}, {"optimizer", CKPT_JSON_ANY},
+    {"sections", CKPT_JSON_ANY},  {"params", CKPT_JSON_ANY},
+    {"files", CKPT_JSON_ANY},     {"aborted_steps", CKPT_JSON_INTEGER | CKPT_JSON_OPTIONAL}};
 static const ckpt_json_field_t optim_fields[] = {
     {"kind", CKPT_JSON_STRING},      {"lr", CKPT_JSON_NUMBER},
     {"momentum", CKPT_JSON_NUMBER},  {"dampening", CKPT_JSON_NUMBER},
@@ -517,7 +525,9 @@ static const ckpt_json_field_t optim_fields[] = {
     {"beta1", CKPT_JSON_NUMBER},     {"beta2", CKPT_JSON_NUMBER},
     {"eps", CKPT_JSON_NUMBER},       {"max_grad_norm", CKPT_JSON_NUMBER}};
 static const ckpt_json_field_t param_fields[] = {
-    {"name", CKPT_JSON_STRING}, {"shape", CKPT_JSON_ARRAY}, {"skipped_steps", CKPT_JSON_INTEGER}};
+    {"name", CKPT_JSON_STRING},
+    {"shape", CKPT_JSON_ARRAY},
+    {"skipped_steps", CKPT_JSON_INTEGER | CKPT_JSON_OPTIONAL}};
 static const ckpt_json_field_t file_fields[] = {
     {"rank", CKPT_JSON_INTEGER},   {"path", CKPT_JSON_STRING},         {"bytes", CKPT_JSON_INTEGER},
     {"crc32c", CKPT_JSON_INTEGER}, {"shard_numel", CKPT_JSON_INTEGER}, {"pieces", CKPT_JSON_ARRAY}};
@@ -689,16 +699,18 @@ static pshard_status_t manifest_from_json(const json_t *root, ps_ckpt_manifest_t
                    "version %" PRId64 " is not supported (this build reads version 1)",
                    (int64_t)json_integer_value(version));
     const char *layout, *format_s;
-    json_int_t vers, step, world;
+    json_int_t vers, step, world, aborted = 0;
     json_t *optim, *secs, *params, *files;
     json_error_t je;
     if (json_unpack_ex((json_t *)root, &je, JSON_STRICT,
-                       "{s:s, s:I, s:I, s:I, s:s, s:o, s:o, s:o, s:o}", "format", &format_s,
+                       "{s:s, s:I, s:I, s:I, s:s, s:o, s:o, s:o, s:o, s?I}", "format", &format_s,
                        "version", &vers, "step", &step, "world_size", &world, "layout", &layout,
-                       "optimizer", &optim, "sections", &secs, "params", &params, "files",
-                       &files) != 0)
+                       "optimizer", &optim, "sections", &secs, "params", &params, "files", &files,
+                       "aborted_steps", &aborted) != 0)
         return ckpt_json_explain(root, "", root_fields, PS_ARRAY_LEN(root_fields), err, errlen);
     PS_CHECK(in_range(step, "step", 0, INT64_MAX, err, errlen));
+    PS_CHECK(in_range(aborted, "aborted_steps", 0, INT64_MAX - step, err, errlen));
+    m->aborted_steps = aborted;
     PS_CHECK(in_range(world, "world_size", 1, CKPT_MAX_WORLD, err, errlen));
     m->step = step;
     m->world_size = (int)world;

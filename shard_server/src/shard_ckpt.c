@@ -172,6 +172,7 @@ static pshard_status_t build_manifest(const shard_model_t *m, int world, const i
 {
     memset(man, 0, sizeof(*man));
     man->step = m->step;
+    man->aborted_steps = m->aborted_steps;
     man->world_size = world;
     man->layout = ps_layout_kind(m->layout);
     ps_strlcpy(man->optim.kind, optim_kind_name(m->optim.kind), sizeof(man->optim.kind));
@@ -541,7 +542,7 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
             if (all[(size_t)r * 2] == 0)
                 failed = r;
     }
-    int64_t saved_step = man ? man->step : 0;
+    int64_t saved_step = man ? man->step : 0, saved_aborted = man ? man->aborted_steps : 0;
     /* Each parameter's own count (torch.optim's per-parameter step), set with the step's. */
     size_t nskipped = man ? man->nparams : 0;
     int64_t *skipped = man ? calloc(nskipped ? nskipped : 1, sizeof(int64_t)) : NULL;
@@ -574,6 +575,7 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
     }
     pthread_mutex_lock(&s->mu);
     shard_model_set_step(m, saved_step);
+    m->aborted_steps = saved_aborted; /* the data position goes on after them too */
     for (size_t p = 0; skipped && p < m->nparams && p < nskipped; p++)
         m->psteps[p] = saved_step - skipped[p];
     pthread_mutex_unlock(&s->mu);
@@ -583,8 +585,9 @@ pshard_status_t shard_ckpt_load(pshard_shard_server_t *s, pshard_comm_t *comm, s
         ps_strlcpy(abs, step_dir, sizeof(abs));
     ps_strlcpy(dir, abs, dirlen);
     *restored = true;
-    PS_INFO(PS_SUB_SHARD, "resumed step %" PRId64 " from %s (%.1f ms)", saved_step, abs,
-            (double)(ps_now_ns() - t0) / 1e6);
+    PS_INFO(PS_SUB_SHARD, "resumed step %" PRId64 " from %s (%.1f ms)%s", saved_step, abs,
+            (double)(ps_now_ns() - t0) / 1e6,
+            saved_aborted > 0 ? "; its aborted steps count in the data position" : "");
     return PSHARD_OK;
 }
 

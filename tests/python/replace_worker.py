@@ -14,7 +14,8 @@ before the step's commit: nobody counts the step and everyone rolls it back), "c
 the commit: everybody counts it), "backup" (after the values were copied aside, before the
 update).
 MESH: "" (FSDP over the world) or "RxS" (HSDP: R replicas of S shard ranks).
-REPLACE_WORKER_BATCHNORM=1 in the environment puts a BatchNorm1d after the first layer.
+REPLACE_WORKER_BATCHNORM=1 in the environment puts a BatchNorm1d after the first layer;
+REPLACE_WORKER_SAVE=1 saves a checkpoint (pshardrun --checkpoint-dir) after the last step.
 argv: OUT FAIL_STEP SKIP [OPTIM [WHERE [MESH]]]"""
 import json
 import os
@@ -117,6 +118,8 @@ if mesh is not None:
         torch.distributed.all_reduce(t, group=g)
         mesh_sums[dim] = [t.item(), float(sum(r + 1 for r in
                                               torch.distributed.get_process_group_ranks(g)))]
+if os.environ.get("REPLACE_WORKER_SAVE") == "1":  # a checkpoint after the last step
+    pt.save_checkpoint(model)
 sd = pt.get_model_state_dict(model, options=pt.StateDictOptions(full_state_dict=True))
 if rank == 0:
     torch.save({k: v.clone() for k, v in sd.items()}, os.path.join(out, "weights.pt"))

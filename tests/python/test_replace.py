@@ -128,3 +128,28 @@ def test_replacement_refuses_lost_running_statistics(tmp_path):
     assert p.returncode != 0, p.stdout[-4000:]
     assert "replacing it (restart 1 of 1)" in p.stdout, p.stdout[-4000:]
     assert "running statistics (1: BatchNorm buffers" in p.stdout, p.stdout[-4000:]
+
+
+def test_checkpoint_keeps_the_aborted_steps(tmp_path):
+    """A checkpoint saved after a replacement counts the aborted step in the data position: a
+    job resumed from it starts its data where the first left off (resume_step = steps applied +
+    steps aborted), not one step early."""
+    worker = os.path.join(HERE, "replace_worker.py")
+    ck, first, second = tmp_path / "ck", tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    p = pshardrun(3, worker, [str(first), "4", ""],
+                  extra=["--max-restarts", "1", "--lease-ms", "2000", "--checkpoint-dir", str(ck)],
+                  env={"REPLACE_WORKER_SAVE": "1"})
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert "replacing it (restart 1 of 1)" in p.stdout, p.stdout[-4000:]
+    done = json.loads((first / "rank-0-0.json").read_text())
+    assert done["aborted"] == [4] and done["steps"] == 11, done
+    manifest = json.loads(next(ck.glob("step-*/manifest.json")).read_text())
+    assert manifest["step"] == 11 and manifest["aborted_steps"] == 1, manifest
+
+    p = pshardrun(3, worker, [str(second), "-1", ""], extra=["--resume", str(ck)])
+    assert p.returncode == 0, p.stdout[-4000:]
+    for r in range(3):
+        again = json.loads((second / f"rank-{r}-0.json").read_text())
+        assert again["started_at"] == 12 and again["steps"] == 11, again

@@ -94,6 +94,10 @@ typedef struct {
 
 typedef struct {
     int64_t step;
+    /* Steps aborted before this one (a trainer lost and replaced, pshard-server
+     * --trainer-replace-ms): the data position the job resumes at is step + aborted_steps.
+     * "aborted_steps" in the JSON, written only when not 0. */
+    int64_t aborted_steps;
     int world_size;
     pshard_layout_t layout;
     ps_ckpt_optim_t optim;

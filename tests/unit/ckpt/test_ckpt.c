@@ -332,6 +332,7 @@ static void test_manifest_roundtrip(void)
     CU_ASSERT_EQUAL_FATAL(mkdir(dir, 0755), 0);
     ps_ckpt_manifest_t m = {0};
     m.step = 40;
+    m.aborted_steps = 3;
     m.world_size = 2;
     m.layout = PSHARD_LAYOUT_FSDP1;
     snprintf(m.optim.kind, sizeof(m.optim.kind), "adamw");
@@ -383,6 +384,7 @@ static void test_manifest_roundtrip(void)
         fprintf(stderr, "read: %s\n", err);
     CU_ASSERT_EQUAL_FATAL(rc, PSHARD_OK);
     CU_ASSERT_EQUAL(r->step, 40);
+    CU_ASSERT_EQUAL(r->aborted_steps, 3);
     CU_ASSERT_EQUAL(r->world_size, 2);
     CU_ASSERT_EQUAL(r->layout, PSHARD_LAYOUT_FSDP1);
     /* The index by parameter lists exactly each parameter's pieces, in file order. */
@@ -499,6 +501,11 @@ static const bad_manifest_t bad_manifests[] = {
     {"\"step\": 40", "\"step\": \"40\"", "step: expected an integer, found a string"},
     {"\"step\": 40", "\"step\": 40.5", "step: expected an integer, found a real number"},
     {"\"step\": 40", "\"step\": -1", "step: -1 is out of range"},
+    {"\"step\": 40", "\"step\": 40, \"aborted_steps\": -2", "aborted_steps: -2 is out of range"},
+    {"\"step\": 40", "\"step\": 40, \"aborted_steps\": 9223372036854775800",
+     "aborted_steps: 9223372036854775800 is out of range"},
+    {"\"step\": 40", "\"step\": 40, \"aborted_steps\": \"3\"",
+     "aborted_steps: expected an integer, found a string"},
     {"\"world_size\": 2", "\"world_size\": 0", "world_size: 0 is out of range"},
     {"\"layout\": \"fsdp2\"", "\"layout\": \"ddp\"", "layout: \"ddp\" is not fsdp2 or fsdp1"},
     {"\"kind\": \"sgd\"", "\"kind\": \"lion\"", "optimizer.kind: \"lion\""},
