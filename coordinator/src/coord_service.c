@@ -219,7 +219,18 @@ static void handle_leave(ps_rpc_call_t *call, const ProtobufCMessage *request, v
     uint64_t gen = 0;
     pthread_mutex_lock(&c->mu);
     coord_job_t *j = coord_job_of_call_locked(c, call, false, &rc, err, sizeof(err));
-    if (j) {
+    bool lost = req->lost && req->lost[0];
+    if (j && lost && !(req->name && req->name[0])) {
+        rc = ps_errf(err, sizeof(err), PSHARD_ERR_INVALID_ARGUMENT,
+                     "lost names the member by name: set name");
+    } else if (j && lost) {
+        rc =
+            coord_state_declare_lost(j->state, req->name, req->lost, ps_now_ns(), err, sizeof(err));
+        if (rc == PSHARD_OK)
+            PS_WARN(PS_SUB_COORD, "member %s declared lost: %s", req->name, req->lost);
+        gen = coord_state_generation(j->state);
+        coord_flush_events_locked(j);
+    } else if (j) {
         rc = coord_state_leave(j->state, req->member_id, req->lease_key, ps_now_ns(), err,
                                sizeof(err));
         gen = coord_state_generation(j->state);

@@ -719,6 +719,37 @@ pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id, cons
     return PSHARD_OK;
 }
 
+pshard_status_t coord_state_declare_lost(coord_state_t *st, const char *name, const char *why,
+                                         int64_t now_ns, char *err, size_t errlen)
+{
+    size_t wl = strlen(why);
+    if (wl == 0 || wl > 200)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "lost: %zu bytes; say why in 1 to 200 bytes", wl);
+    for (size_t k = 0; k < wl; k++)
+        if ((unsigned char)why[k] < 0x20 || (unsigned char)why[k] == 0x7f)
+            return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                           "lost: byte %zu is a control character", k);
+    for (size_t i = 0; i < st->nmembers; i++) {
+        if (strcmp(st->members[i].name, name) != 0)
+            continue;
+        if (st->members[i].role != COORD_ROLE_TRAINER)
+            continue;
+        char reason[224];
+        snprintf(reason, sizeof(reason), "lost (%s)", why);
+        drop_member(st, i, reason, now_ns);
+        return PSHARD_OK;
+    }
+    for (size_t i = 0; i < st->nmembers; i++)
+        if (strcmp(st->members[i].name, name) == 0)
+            return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                           "member \"%.64s\" is not a trainer: only a trainer can be declared "
+                           "lost (a shard server's loss is its lease's to tell)",
+                           name);
+    return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND,
+                   "no member named \"%.64s\" (it left, was evicted, or never registered)", name);
+}
+
 /* One member due for eviction: what the sort needs, and its id to find it again afterwards. */
 typedef struct {
     int64_t deadline_ns;

@@ -191,6 +191,12 @@ const coord_member_t *coord_state_members(const coord_state_t *st, size_t *n);
 pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id, const char *lease_key,
                                   int64_t now_ns, char *err, size_t errlen);
 
+/* Removes the trainer member named name, declared lost by its launcher (why: printable, at most
+ * 200 bytes); bumps the generation with the reason "member NAME lost (WHY)". Errors:
+ * NOT_FOUND (no such member), FAILED_PRECONDITION (not a trainer), INVALID_ARGUMENT (why). */
+pshard_status_t coord_state_declare_lost(coord_state_t *st, const char *name, const char *why,
+                                         int64_t now_ns, char *err, size_t errlen);
+
 /* Advances time: evicts members whose lease lapsed (one bump per eviction, reason names the
  * member), forms the cluster when the last call expires. Returns how many changes happened. */
 int coord_state_tick(coord_state_t *st, int64_t now_ns);

@@ -492,17 +492,16 @@ void *shard_setup_main(void *arg)
  * so every server rebuilds its ring and discards the step's gradients, shard_setup_main), and
  * the replacement may attach until the deadline (replace_check). */
 static void await_replacement(pshard_shard_server_t *s, pshard_comm_t *comm, const char *name,
-                              int64_t lease, bool trainer_optimizer)
+                              const char *cause, bool trainer_optimizer)
 {
     char msg[PSHARD_ERRLEN];
     int64_t wait_ms = s->cfg.trainer_replace_ms;
     /* A trainer's own optimizer (torch.optim) may have committed the step before the loss:
      * then it counts on every rank (reconcile_step); else it is rolled back everywhere. */
     snprintf(msg, sizeof(msg),
-             "rank %d's trainer %s was lost (no heartbeat within its %lld ms lease): the step in "
-             "flight is aborted on every rank, %s; its replacement may attach within %lld ms "
-             "(pshardrun --max-restarts)",
-             pshard_comm_rank(comm), name, (long long)lease,
+             "rank %d's trainer %s was lost (%s): the step in flight is aborted on every rank, "
+             "%s; its replacement may attach within %lld ms (pshardrun --max-restarts)",
+             pshard_comm_rank(comm), name, cause,
              trainer_optimizer ? "its gradients discarded and its torch.optim update rolled back "
                                  "unless the lost trainer had committed it (then it counts on "
                                  "every rank: pshard.torch.resync returns the step to go on from)"
@@ -529,17 +528,32 @@ typedef struct {
  * to this server, fails this rank's collectives with PEER_LOST naming it; the other ranks
  * learn of a trainer's loss through the ring (the abort travels with its reason). Any other
  * trainer member (a monitoring tool, `pshardctl register`, another job's) is not this job's
- * business. The coordinator words evictions as "member NAME lease expired" (coord_state.c). */
+ * business. The coordinator words evictions as "member NAME lease expired", and a trainer its
+ * launcher declared lost as "member NAME lost (WHY)" (coord_state.c). */
 static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEvent *ev,
                              known_member_t **known, size_t *nknown)
 {
     const char *suffix = " lease expired";
     const char *reason = ev->reason ? ev->reason : "";
     size_t rl = strlen(reason), sl = strlen(suffix);
-    if (strncmp(reason, "member ", 7) == 0 && rl > 7 + sl &&
-        strcmp(reason + rl - sl, suffix) == 0) {
+    /* "member NAME lease expired", or "member NAME lost (WHY)": a launcher (pshardrun) saw the
+     * trainer's process end and said so at once (LeaveRequest.lost). */
+    bool member = rl > 7 && memcmp(reason, "member ", 7) == 0;
+    const char *lost = member ? strstr(reason + 7, " lost (") : NULL;
+    size_t name_end = 0;
+    char cause[256] = "";
+    if (member && rl > 7 + sl && strcmp(reason + rl - sl, suffix) == 0)
+        name_end = rl - sl;
+    else if (lost && lost > reason + 7 && reason[rl - 1] == ')') {
+        name_end = (size_t)(lost - reason);
+        const char *w = lost + 7;
+        size_t wl = (size_t)(reason + rl - 1 - w);
+        snprintf(cause, sizeof(cause), "%.*s",
+                 (int)(wl < sizeof(cause) - 1 ? wl : sizeof(cause) - 1), w);
+    }
+    if (name_end > 7) {
         char name[128];
-        size_t nl = rl - 7 - sl < sizeof(name) - 1 ? rl - 7 - sl : sizeof(name) - 1;
+        size_t nl = name_end - 7 < sizeof(name) - 1 ? name_end - 7 : sizeof(name) - 1;
         memcpy(name, reason + 7, nl);
         name[nl] = '\0';
         const known_member_t *who = NULL;
@@ -568,20 +582,23 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
             s->cfg.trainer_replace_ms > 0 && s->model && !s->model->in_backward && !state_lost;
         bool trainer_optimizer = s->model && s->model->trainer_optimizer;
         pthread_mutex_unlock(&s->mu);
+        if (!cause[0])
+            snprintf(cause, sizeof(cause), "no heartbeat within its %lld ms lease",
+                     (long long)lease);
         /* Our own trainer is known by name: a job too large for one event may have left it
          * out of the member lists (members_omitted). */
         bool trainer = ours && (!who || who->role == PSHARD__ROLE__TRAINER);
         bool matters =
             trainer || (who && who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0);
         if (trainer && keep && comm) {
-            await_replacement(s, comm, name, lease, trainer_optimizer);
+            await_replacement(s, comm, name, cause, trainer_optimizer);
         } else if (matters && comm) {
             char msg[PSHARD_ERRLEN];
             if (trainer)
                 snprintf(msg, sizeof(msg),
-                         "trainer %s was evicted: no heartbeat within its %lld ms lease (it "
-                         "died, hangs or is cut off); rank %d stops its collectives%s",
-                         name, (long long)lease, pshard_comm_rank(comm), why_not);
+                         "trainer %s was evicted: %s (it died, hangs or is cut off); rank %d "
+                         "stops its collectives%s",
+                         name, cause, pshard_comm_rank(comm), why_not);
             else
                 snprintf(msg, sizeof(msg),
                          "rank %d (shard server %s) was evicted: no heartbeat within its %lld "

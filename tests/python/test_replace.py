@@ -19,6 +19,9 @@ def test_lost_trainer_replaced(tmp_path):
                   extra=["--max-restarts", "1", "--lease-ms", "2000"])
     assert p.returncode == 0, p.stdout[-4000:]
     assert "replacing it (restart 1 of 1)" in p.stdout, p.stdout[-4000:]
+    # pshardrun told the coordinator at once; nobody waited for the lost trainer's lease
+    assert "was lost (pshardrun saw its process end: exited with status 3)" in p.stdout, \
+        p.stdout[-4000:]
     first = [json.loads((run / f"rank-{r}-0.json").read_text()) for r in (0, 2)]
     repl = json.loads((run / "rank-1-1.json").read_text())
     assert all(f["aborted"] == [4] for f in first), first

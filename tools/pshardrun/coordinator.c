@@ -430,3 +430,23 @@ void run_learn_ranks(run_t *run)
     fprintf(stderr, RUN_PROG ": node %d joined the job as ranks %d..%d of %d\n", run->node_rank,
             run->rank_base, run->rank_base + n - 1, run->world);
 }
+
+void run_declare_trainer_lost(run_t *run, int global_rank, const char *why)
+{
+    if (!run->coord_addr[0])
+        return;
+    ps_rpc_channel_t *ch = run_coord_channel(run);
+    if (!ch)
+        return;
+    char name[32], err[PSHARD_ERRLEN] = "";
+    ps_snprintf(name, sizeof(name), "trainer-%d", global_rank);
+    Pshard__LeaveRequest req = PSHARD__LEAVE_REQUEST__INIT;
+    req.name = name;
+    req.lost = (char *)why;
+    pshard_status_t rc = ps_coord_rpc_leave(ch, &req, NULL, 2000, err, sizeof(err));
+    /* NOT_FOUND: its lease lapsed already, or it never registered; nothing to hurry. */
+    if (rc != PSHARD_OK && rc != PSHARD_ERR_NOT_FOUND)
+        fprintf(stderr, RUN_PROG ": could not tell the coordinator that %s is lost: %s\n", name,
+                err);
+    ps_rpc_channel_destroy(ch);
+}

@@ -50,6 +50,10 @@ void run_judge_trainers(run_t *run)
                     RUN_PROG ": %s %s; replacing it (restart %lld of %lld); the other ranks "
                              "and the shard servers keep running\n",
                     c->label, failure, (long long)run->attempt, (long long)run->opts->max_restarts);
+            /* Its server aborts the step and awaits the replacement now, not after the lease. */
+            char why[160];
+            ps_snprintf(why, sizeof(why), "pshardrun saw its process end: %s", failure);
+            run_declare_trainer_lost(run, run->rank_base + r, why);
             continue;
         }
         int status = c->wait_status;

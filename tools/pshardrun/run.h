@@ -263,6 +263,10 @@ int run_setup_signals(run_t *run);
 void run_remove_tmpdir(const char *tmpdir);
 
 /* ---- coordinator.c ---- */
+/* Tells the coordinator that the trainer of rank global_rank is lost (its process ended:
+ * why), so its server aborts the step and awaits the replacement now instead of after the
+ * trainer's lease; best effort (the lease still catches it), says why when it fails. */
+void run_declare_trainer_lost(run_t *run, int global_rank, const char *why);
 int run_parse_coordinator(run_t *run, const char *addr, bool allow_port_zero);
 int run_local_address(run_t *run);
 void run_start_coordinator(run_t *run, const char *bin);

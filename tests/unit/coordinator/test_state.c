@@ -477,6 +477,47 @@ static void test_evicted_rank_returns_and_reforms(void)
     coord_state_destroy(st);
 }
 
+/* A launcher declares a trainer it reaped lost, by name: gone at once with the reason the
+ * shard servers read; a shard server, an unknown name or a bad reason are refused. */
+static void test_declare_trainer_lost(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    coord_member_view_t t = reg(st, TRN, "trainer-1", MS(10));
+    uint64_t gen = coord_state_generation(st);
+    char err[256] = "";
+    CU_ASSERT_EQUAL(
+        coord_state_declare_lost(st, "trainer-1", "exited with status 3", MS(20), err, sizeof(err)),
+        PSHARD_OK);
+    CU_ASSERT_TRUE(last_reason_is("member trainer-1 lost (exited with status 3)"));
+    CU_ASSERT_EQUAL(coord_state_generation(st), gen + 1);
+    /* Its lease is gone: the dead trainer's key no longer heartbeats. */
+    coord_member_view_t again;
+    CU_ASSERT_EQUAL(
+        coord_state_heartbeat(st, t.member_id, t.lease_key, MS(30), &again, err, sizeof(err)),
+        PSHARD_ERR_NOT_FOUND);
+    err[0] = '\0'; /* ps_errf keeps the first error */
+    CU_ASSERT_EQUAL(coord_state_declare_lost(st, "trainer-1", "again", MS(40), err, sizeof(err)),
+                    PSHARD_ERR_NOT_FOUND);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "no member named \"trainer-1\""));
+    err[0] = '\0';
+    CU_ASSERT_EQUAL(coord_state_declare_lost(st, "s2", "killed", MS(40), err, sizeof(err)),
+                    PSHARD_ERR_FAILED_PRECONDITION);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "not a trainer"));
+    reg(st, TRN, "trainer-2", MS(50));
+    CU_ASSERT_EQUAL(coord_state_declare_lost(st, "trainer-2", "a\nb", MS(60), err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    char longer[256];
+    memset(longer, 'x', 201);
+    longer[201] = '\0';
+    CU_ASSERT_EQUAL(coord_state_declare_lost(st, "trainer-2", longer, MS(60), err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_EQUAL(coord_state_declare_lost(st, "trainer-2", "", MS(60), err, sizeof(err)),
+                    PSHARD_ERR_INVALID_ARGUMENT);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED); /* servers untouched */
+    coord_state_destroy(st);
+}
+
 static void test_degraded_new_name_takes_lowest_vacant(void)
 {
     coord_member_view_t v[3];
@@ -1221,6 +1262,7 @@ int main(void)
         {"snapshot content and order", test_snapshot_content},
         {"role and state names", test_names},
         {"id index with many members", test_many_members_index},
+        {"a launcher declares a trainer lost", test_declare_trainer_lost},
         {"join: add and update entries", test_join_add_update},
         {"join: all joined clears, records the last joiner", test_join_all_joined},
         {"join: table reset when the cluster re-forms", test_join_cleared_on_reform},
