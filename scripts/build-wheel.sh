@@ -71,13 +71,18 @@ wheel=$(ls "$raw"/pshard-*.whl)
 
 # auditwheel picks the oldest manylinux tag the wheel's symbols allow (--plat auto).
 "$venv/bin/auditwheel" show "$wheel" >&2
-rm -f "$out"/pshard-*.whl
-if ! PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" repair --wheel-dir "$out" "$wheel" \
-        >>"$log" 2>&1; then
+# Repaired beside the raw wheel first: OUTDIR may hold other wheels (a GPU build's), and only
+# the one of the same name is replaced.
+rm -rf "$work/repaired"
+if ! PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" repair --wheel-dir "$work/repaired" \
+        "$wheel" >>"$log" 2>&1; then
     tail -20 "$log" >&2
     echo "build-wheel: auditwheel repair failed (whole log: $log)" >&2
     exit 1
 fi
-repaired=$(ls "$out"/pshard-*.whl)
+name=$(basename "$(ls "$work"/repaired/pshard-*.whl)")
+repaired="$out/$name"
+cp "$work/repaired/$name" "$repaired.tmp"
+mv "$repaired.tmp" "$repaired"
 echo "build-wheel: $(du -h "$repaired" | cut -f1) $repaired" >&2
 echo "$repaired"
