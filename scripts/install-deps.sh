@@ -3,12 +3,18 @@
 # Safe to re-run; waits for the dpkg lock instead of failing when another apt is running.
 set -euo pipefail
 
+# The one list of what the source build needs (the README's Install section names the same;
+# CMake names the package of whichever is missing). Building: compiler, CMake, pkg-config,
+# gRPC core, protoc and protoc-c, protobuf-c, OpenSSL, jansson, libevent, python3-dev. Tests
+# only: CUnit and the rest below. Building the wheel (scripts/build-wheel.sh) needs the build
+# packages; installing the wheel it makes needs none of them.
 packages=(
   build-essential cmake pkg-config git ca-certificates
   binutils  # nm, for scripts/file-cycles.py (CTest file_cycles)
   libgrpc-dev protobuf-c-compiler libprotobuf-c-dev protobuf-compiler libprotobuf-dev
   libevent-dev libcunit1-dev libssl-dev openssl libopenblas-dev libjansson-dev
-  python3 python3-venv python3-dev  # python3-dev: the pshard extension module
+  python3 python3-venv python3-dev  # python3-dev: the pshard extension module; python3-venv:
+                                    # the venvs of build-wheel.sh and CTest packaging_wheel
   iproute2  # ip netns, for the network-cut test
   clang-format  # the format check (CTest format): the tree stays as .clang-format says
 )
