@@ -803,6 +803,12 @@ void pshard_coll_record_format(const pshard_comm_t *comm, const pshard_coll_reco
 
 #ifndef PSHARD_HAVE_NCCL
 /* Without CUDA the helpers of collectives.h only explain why they cannot help. */
+pshard_status_t pshard_nccl_load(char *err, size_t errlen)
+{
+    return ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
+                   "backend nccl: this pshard was built without CUDA/NCCL");
+}
+
 pshard_status_t pshard_cuda_check_device(int device, char *err, size_t errlen)
 {
     return ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,

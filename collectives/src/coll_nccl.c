@@ -22,6 +22,11 @@
  * largest operation and are reused. Only then does the request complete, so the caller's
  * buffers are never touched afterwards, and a failed operation copies nothing back.
  *
+ * Loading: NCCL and the CUDA runtime are not linked in; connect and the CUDA helpers load them
+ * with dlopen on first use (coll_cuda_api.h), so a missing library fails that call with a
+ * message naming the library and its package, and never stops a program that does not use
+ * them from starting.
+ *
  * Test hook: PSHARD_NCCL_FORCE_GROUPED=1 (read at connect) makes all-gather and reduce-scatter
  * use their grouped per-rank form even when counts are equal, so a one-GPU test covers it. */
 #include <inttypes.h>
@@ -30,9 +35,7 @@
 #include <string.h>
 #include <time.h>
 
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-
+#include "coll_cuda_api.h"
 #include "coll_internal.h"
 #include "pshard/log.h"
 #include "pshard/util.h"
@@ -55,32 +58,26 @@ _Static_assert(NCCL_UNIQUE_ID_BYTES % 8 == 0, "the unique id travels as int64 wo
 /* Formats a CUDA error ("what: message (cudaErrorName)") into err; returns PSHARD_ERR_CUDA. */
 static pshard_status_t cuda_errf(char *err, size_t errlen, cudaError_t rc, const char *what)
 {
-    return ps_errf(err, errlen, PSHARD_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorString(rc),
-                   cudaGetErrorName(rc));
+    return ps_errf(err, errlen, PSHARD_ERR_CUDA, "%s: %s (%s)", what,
+                   coll_cu.cudaGetErrorString(rc), coll_cu.cudaGetErrorName(rc));
 }
 
 /* Formats an NCCL error with NCCL's last error text into err; returns PSHARD_ERR_NCCL. */
 static pshard_status_t nccl_errf(char *err, size_t errlen, ncclResult_t rc, const char *what)
 {
-    const char *last = ncclGetLastError(NULL);
+    const char *last = coll_cu.ncclGetLastError(NULL);
     bool have_last = last && last[0];
     return ps_errf(err, errlen, PSHARD_ERR_NCCL, "%s: %s%s%s (NCCL_DEBUG=WARN tells more)", what,
-                   ncclGetErrorString(rc), have_last ? ": " : "", have_last ? last : "");
+                   coll_cu.ncclGetErrorString(rc), have_last ? ": " : "", have_last ? last : "");
 }
 
-/* Return upward with a pshard status and a message in err on anything but success. */
-#define CUDA_CHECK(call, err, errlen)                                                              \
+/* Calls NCCL's fn (through the loaded table) with args, returning upward with a pshard status
+ * and a message naming fn in err on anything but success. */
+#define NCCL_CHECK(fn, args, err, errlen)                                                          \
     do {                                                                                           \
-        cudaError_t cuda_check_rc_ = (call);                                                       \
-        if (cuda_check_rc_ != cudaSuccess)                                                         \
-            return cuda_errf((err), (errlen), cuda_check_rc_, #call);                              \
-    } while (0)
-
-#define NCCL_CHECK(call, err, errlen)                                                              \
-    do {                                                                                           \
-        ncclResult_t nccl_check_rc_ = (call);                                                      \
+        ncclResult_t nccl_check_rc_ = coll_cu.fn args;                                             \
         if (nccl_check_rc_ != ncclSuccess)                                                         \
-            return nccl_errf((err), (errlen), nccl_check_rc_, #call);                              \
+            return nccl_errf((err), (errlen), nccl_check_rc_, #fn);                                \
     } while (0)
 
 /* ---------------------------------------------------------------------------------------- */
@@ -162,14 +159,15 @@ static void abort_nccl(nccl_engine_t *e)
 {
     if (!e->nccl)
         return;
-    ncclResult_t rc = ncclCommAbort(e->nccl);
+    ncclResult_t rc = coll_cu.ncclCommAbort(e->nccl);
     e->nccl = NULL;
     if (rc != ncclSuccess)
-        PS_WARN(PS_SUB_COLL, "ncclCommAbort on rank %d: %s", e->comm->rank, ncclGetErrorString(rc));
+        PS_WARN(PS_SUB_COLL, "ncclCommAbort on rank %d: %s", e->comm->rank,
+                coll_cu.ncclGetErrorString(rc));
     if (!e->stream_created)
         return;
     int64_t until = ps_now_ns() + (int64_t)ABORT_DRAIN_MS * 1000000;
-    while (cudaStreamQuery(e->stream) == cudaErrorNotReady) {
+    while (coll_cu.cudaStreamQuery(e->stream) == cudaErrorNotReady) {
         if (ps_now_ns() >= until) {
             PS_WARN(PS_SUB_COLL,
                     "rank %d: the NCCL stream is still busy %d ms after ncclCommAbort; buffers "
@@ -257,7 +255,7 @@ static pshard_status_t wait_nccl(nccl_engine_t *e, pshard_coll_req_t *req, bool 
     int64_t pause = POLL_MIN_NS;
     for (;;) {
         ncclResult_t state = ncclSuccess;
-        ncclResult_t rc = ncclCommGetAsyncError(e->nccl, &state);
+        ncclResult_t rc = coll_cu.ncclCommGetAsyncError(e->nccl, &state);
         if (rc != ncclSuccess) {
             snprintf(what, sizeof(what), "%s: ncclCommGetAsyncError", name);
             return nccl_errf(msg, len, rc, what);
@@ -269,7 +267,7 @@ static pshard_status_t wait_nccl(nccl_engine_t *e, pshard_coll_req_t *req, bool 
         if (state == ncclSuccess) {
             if (!stream)
                 return PSHARD_OK;
-            cudaError_t q = cudaStreamQuery(e->stream);
+            cudaError_t q = coll_cu.cudaStreamQuery(e->stream);
             if (q == cudaSuccess)
                 return PSHARD_OK;
             if (q != cudaErrorNotReady) {
@@ -321,7 +319,7 @@ static ncclResult_t issue_one(nccl_engine_t *e, const coll_op_t *op, bool groupe
     case PSHARD_COLL_ALL_GATHER: {
         if (!grouped) {
             *what = "ncclAllGather";
-            return ncclAllGather(send, recv, op->counts[0], dt, e->nccl, e->stream);
+            return coll_cu.ncclAllGather(send, recv, op->counts[0], dt, e->nccl, e->stream);
         }
         /* v-form: rank i broadcasts its block into place; a non-root passes the block as both
          * buffers, as ncclBcast does. */
@@ -329,33 +327,35 @@ static ncclResult_t issue_one(nccl_engine_t *e, const coll_op_t *op, bool groupe
             return ncclSuccess;
         *what = "ncclBroadcast (all_gather block)";
         char *block = recv + op->displs[i] * es;
-        return ncclBroadcast(i == me ? (const void *)send : block, block, op->counts[i], dt, i,
-                             e->nccl, e->stream);
+        return coll_cu.ncclBroadcast(i == me ? (const void *)send : block, block, op->counts[i], dt,
+                                     i, e->nccl, e->stream);
     }
     case PSHARD_COLL_REDUCE_SCATTER: {
         ncclRedOp_t red = nccl_redop(a->reduce);
         if (!grouped) {
             *what = "ncclReduceScatter";
-            return ncclReduceScatter(send, recv, op->counts[0], dt, red, e->nccl, e->stream);
+            return coll_cu.ncclReduceScatter(send, recv, op->counts[0], dt, red, e->nccl,
+                                             e->stream);
         }
         /* v-form: chunk i is reduced to its owner i; recvbuff is used on the root only. */
         if (op->counts[i] == 0)
             return ncclSuccess;
         *what = "ncclReduce (reduce_scatter chunk)";
-        return ncclReduce(send + op->displs[i] * es, recv, op->counts[i], dt, red, i, e->nccl,
-                          e->stream);
+        return coll_cu.ncclReduce(send + op->displs[i] * es, recv, op->counts[i], dt, red, i,
+                                  e->nccl, e->stream);
     }
     case PSHARD_COLL_ALL_REDUCE:
         *what = "ncclAllReduce";
-        return ncclAllReduce(send, recv, op->displs[n], dt, nccl_redop(a->reduce), e->nccl,
-                             e->stream);
+        return coll_cu.ncclAllReduce(send, recv, op->displs[n], dt, nccl_redop(a->reduce), e->nccl,
+                                     e->stream);
     case PSHARD_COLL_BROADCAST:
         *what = "ncclBroadcast";
-        return ncclBroadcast(me == a->root ? (const void *)send : recv, recv, op->displs[n], dt,
-                             a->root, e->nccl, e->stream);
+        return coll_cu.ncclBroadcast(me == a->root ? (const void *)send : recv, recv, op->displs[n],
+                                     dt, a->root, e->nccl, e->stream);
     case PSHARD_COLL_BARRIER:
         *what = "ncclAllReduce (barrier)";
-        return ncclAllReduce(e->scratch, e->scratch, 1, ncclInt32, ncclSum, e->nccl, e->stream);
+        return coll_cu.ncclAllReduce(e->scratch, e->scratch, 1, ncclInt32, ncclSum, e->nccl,
+                                     e->stream);
     case PSHARD_COLL_REDUCE: /* refused before (coll_comm.c): not on nccl yet */
     case PSHARD_COLL_GATHER:
     case PSHARD_COLL_SCATTER:
@@ -383,7 +383,7 @@ static pshard_status_t launch(nccl_engine_t *e, pshard_coll_req_t *req, const ch
     char what_buf[384];
     for (int first = 0; first < ncalls; first += GROUP_MAX_OPS) {
         int last = ncalls - first > GROUP_MAX_OPS ? first + GROUP_MAX_OPS : ncalls;
-        NCCL_CHECK(ncclGroupStart(), msg, len);
+        NCCL_CHECK(ncclGroupStart, (), msg, len);
         ncclResult_t rc = ncclSuccess;
         const char *what = "ncclGroupStart";
         /* A call of a non-blocking communicator may report its state, ncclInProgress, which
@@ -391,7 +391,7 @@ static pshard_status_t launch(nccl_engine_t *e, pshard_coll_req_t *req, const ch
         for (int i = first; i < last && (rc == ncclSuccess || rc == ncclInProgress); i++)
             rc = issue_one(e, op, grouped, i, &what);
         /* The group is always closed, even after an error inside it. */
-        ncclResult_t end = ncclGroupEnd();
+        ncclResult_t end = coll_cu.ncclGroupEnd();
         if (rc != ncclSuccess && rc != ncclInProgress) {
             snprintf(what_buf, sizeof(what_buf), "%s: %s", name, what);
             return nccl_errf(msg, len, rc, what_buf);
@@ -438,10 +438,10 @@ static pshard_status_t ensure_device(void **buf, size_t *cap, size_t bytes, cons
 {
     if (*cap >= bytes)
         return PSHARD_OK;
-    cudaFree(*buf);
+    coll_cu.cudaFree(*buf);
     *buf = NULL;
     *cap = 0;
-    cudaError_t ce = cudaMalloc(buf, bytes);
+    cudaError_t ce = coll_cu.cudaMalloc(buf, bytes);
     if (ce != cudaSuccess) {
         *buf = NULL;
         char w[128];
@@ -502,8 +502,8 @@ static pshard_status_t stage_in(nccl_engine_t *e, coll_op_t *op, size_t send_byt
     PS_CHECK(
         ensure_device(&e->d_recv, &e->d_recv_cap, recv_bytes ? recv_bytes : 1, "output", msg, len));
     if (send_bytes > 0) {
-        cudaError_t ce = cudaMemcpyAsync(e->d_send, op->args.send, send_bytes,
-                                         cudaMemcpyHostToDevice, e->stream);
+        cudaError_t ce = coll_cu.cudaMemcpyAsync(e->d_send, op->args.send, send_bytes,
+                                                 cudaMemcpyHostToDevice, e->stream);
         if (ce != cudaSuccess)
             return cuda_errf(msg, len, ce, "nccl: copying the host input to the device");
     }
@@ -521,7 +521,7 @@ static pshard_status_t stage_out(nccl_engine_t *e, pshard_coll_req_t *req, void 
     if (recv_bytes == 0)
         return PSHARD_OK;
     cudaError_t ce =
-        cudaMemcpyAsync(recv, e->d_recv, recv_bytes, cudaMemcpyDeviceToHost, e->stream);
+        coll_cu.cudaMemcpyAsync(recv, e->d_recv, recv_bytes, cudaMemcpyDeviceToHost, e->stream);
     if (ce != cudaSuccess)
         return cuda_errf(msg, len, ce, "nccl: copying the output back to host memory");
     return wait_nccl(e, req, true, name, msg, len);
@@ -602,36 +602,36 @@ static void fail_queued(nccl_engine_t *e)
 static void release_device(nccl_engine_t *e)
 {
     if (e->nccl) {
-        ncclResult_t rc = ncclCommFinalize(e->nccl);
+        ncclResult_t rc = coll_cu.ncclCommFinalize(e->nccl);
         ncclResult_t state = rc;
         int64_t until = ps_now_ns() + (int64_t)FINALIZE_MAX_MS * 1000000;
         while (state == ncclInProgress && ps_now_ns() < until) {
             pause_ns(INIT_POLL_NS);
-            if (ncclCommGetAsyncError(e->nccl, &state) != ncclSuccess)
+            if (coll_cu.ncclCommGetAsyncError(e->nccl, &state) != ncclSuccess)
                 break;
         }
         if (state == ncclSuccess) {
-            rc = ncclCommDestroy(e->nccl);
+            rc = coll_cu.ncclCommDestroy(e->nccl);
             e->nccl = NULL;
             if (rc != ncclSuccess)
                 PS_WARN(PS_SUB_COLL, "ncclCommDestroy on rank %d: %s", e->comm->rank,
-                        ncclGetErrorString(rc));
+                        coll_cu.ncclGetErrorString(rc));
         } else {
             PS_WARN(PS_SUB_COLL, "rank %d: ncclCommFinalize did not finish (%s); aborting",
-                    e->comm->rank, ncclGetErrorString(state));
+                    e->comm->rank, coll_cu.ncclGetErrorString(state));
             abort_nccl(e);
         }
     }
     if (e->scratch) {
-        cudaFree(e->scratch);
+        coll_cu.cudaFree(e->scratch);
         e->scratch = NULL;
     }
-    cudaFree(e->d_send);
-    cudaFree(e->d_recv);
+    coll_cu.cudaFree(e->d_send);
+    coll_cu.cudaFree(e->d_recv);
     e->d_send = e->d_recv = NULL;
     e->d_send_cap = e->d_recv_cap = 0;
     if (e->stream_created) {
-        cudaStreamDestroy(e->stream);
+        coll_cu.cudaStreamDestroy(e->stream);
         e->stream_created = false;
     }
 }
@@ -640,7 +640,7 @@ static void *engine_main(void *arg)
 {
     nccl_engine_t *e = arg;
     /* The current device is per thread. */
-    cudaError_t ce = cudaSetDevice(e->device);
+    cudaError_t ce = coll_cu.cudaSetDevice(e->device);
     if (ce != cudaSuccess) {
         char msg[PSHARD_ERRLEN] = "";
         char what[64];
@@ -716,7 +716,7 @@ static pshard_status_t share_unique_id(nccl_engine_t *e, ncclUniqueId *id, char 
     } u;
     memset(&u, 0, sizeof(u));
     if (e->comm->rank == 0)
-        NCCL_CHECK(ncclGetUniqueId(&u.id), err, errlen);
+        NCCL_CHECK(ncclGetUniqueId, (&u.id), err, errlen);
     pshard_coll_args_t a = {
         .op = PSHARD_COLL_BROADCAST,
         .dtype = PSHARD_INT64,
@@ -747,7 +747,7 @@ static pshard_status_t init_nccl(nccl_engine_t *e, ncclUniqueId id, char *err, s
              e->device);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    ncclResult_t rc = ncclCommInitRankConfig(&e->nccl, n, id, rank, &config);
+    ncclResult_t rc = coll_cu.ncclCommInitRankConfig(&e->nccl, n, id, rank, &config);
     if (rc != ncclSuccess && rc != ncclInProgress) {
         pshard_status_t st = nccl_errf(err, errlen, rc, what);
         abort_nccl(e);
@@ -756,7 +756,7 @@ static pshard_status_t init_nccl(nccl_engine_t *e, ncclUniqueId id, char *err, s
     int64_t deadline = ps_now_ns() + e->connect_timeout_ms * 1000000;
     for (;;) {
         ncclResult_t state = ncclInProgress;
-        rc = ncclCommGetAsyncError(e->nccl, &state);
+        rc = coll_cu.ncclCommGetAsyncError(e->nccl, &state);
         if (rc != ncclSuccess)
             state = rc;
         if (state == ncclSuccess)
@@ -786,6 +786,8 @@ static void nccl_destroy(pshard_comm_t *comm);
 static pshard_status_t nccl_connect(pshard_comm_t *comm, const pshard_comm_config_t *cfg, char *err,
                                     size_t errlen)
 {
+    /* NCCL and the CUDA runtime are loaded here, on first use, not when the program starts. */
+    PS_CHECK(coll_nccl_load(err, errlen));
     nccl_engine_t *e = calloc(1, sizeof(*e));
     if (!e)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
@@ -812,25 +814,25 @@ static pshard_status_t nccl_connect(pshard_comm_t *comm, const pshard_comm_confi
         rc = ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "connect_timeout_ms is negative");
         goto fail;
     }
-    ce = cudaSetDevice(cfg->device);
+    ce = coll_cu.cudaSetDevice(cfg->device);
     if (ce != cudaSuccess) {
         snprintf(what, sizeof(what), "nccl: cudaSetDevice(%d)", cfg->device);
         rc = cuda_errf(err, errlen, ce, what);
         goto fail;
     }
-    ce = cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking);
+    ce = coll_cu.cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking);
     if (ce != cudaSuccess) {
         rc = cuda_errf(err, errlen, ce, "nccl: cudaStreamCreateWithFlags");
         goto fail;
     }
     e->stream_created = true;
-    ce = cudaMalloc((void **)&e->scratch, sizeof(int32_t));
+    ce = coll_cu.cudaMalloc((void **)&e->scratch, sizeof(int32_t));
     if (ce != cudaSuccess) {
         rc = cuda_errf(err, errlen, ce, "nccl: cudaMalloc (barrier scratch)");
         goto fail;
     }
     /* Ordered before every later NCCL call on the same stream; nothing to wait for here. */
-    ce = cudaMemsetAsync(e->scratch, 0, sizeof(int32_t), e->stream);
+    ce = coll_cu.cudaMemsetAsync(e->scratch, 0, sizeof(int32_t), e->stream);
     if (ce != cudaSuccess) {
         rc = cuda_errf(err, errlen, ce, "nccl: cudaMemsetAsync (barrier scratch)");
         goto fail;
@@ -917,10 +919,16 @@ static void nccl_destroy(pshard_comm_t *comm)
 /* ---------------------------------------------------------------------------------------- */
 /* CUDA helpers of collectives.h                                                             */
 
+pshard_status_t pshard_nccl_load(char *err, size_t errlen)
+{
+    return coll_nccl_load(err, errlen);
+}
+
 pshard_status_t pshard_cuda_check_device(int device, char *err, size_t errlen)
 {
+    PS_CHECK(coll_cudart_load(err, errlen));
     int n = 0;
-    cudaError_t ce = cudaGetDeviceCount(&n);
+    cudaError_t ce = coll_cu.cudaGetDeviceCount(&n);
     if (ce != cudaSuccess)
         return cuda_errf(err, errlen, ce, "no usable CUDA device: cudaGetDeviceCount");
     if (device < 0 || device >= n)
@@ -934,13 +942,14 @@ pshard_status_t pshard_host_pin(int device, void *p, size_t bytes, char *err, si
 {
     if (!p || bytes == 0)
         return PSHARD_OK;
-    cudaError_t ce = cudaSetDevice(device);
+    PS_CHECK(coll_cudart_load(err, errlen));
+    cudaError_t ce = coll_cu.cudaSetDevice(device);
     if (ce != cudaSuccess) {
         char what[64];
         snprintf(what, sizeof(what), "cudaSetDevice(%d)", device);
         return cuda_errf(err, errlen, ce, what);
     }
-    ce = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+    ce = coll_cu.cudaHostRegister(p, bytes, cudaHostRegisterPortable);
     if (ce != cudaSuccess) {
         char what[96];
         snprintf(what, sizeof(what), "cudaHostRegister(%zu bytes)", bytes);
@@ -951,8 +960,11 @@ pshard_status_t pshard_host_pin(int device, void *p, size_t bytes, char *err, si
 
 void pshard_host_unpin(int device, void *p)
 {
-    if (p && cudaSetDevice(device) == cudaSuccess)
-        cudaHostUnregister(p);
+    char err[PSHARD_ERRLEN];
+    /* Loaded already when p was pinned; the check keeps a stray call from a NULL pointer. */
+    if (p && coll_cudart_load(err, sizeof(err)) == PSHARD_OK &&
+        coll_cu.cudaSetDevice(device) == cudaSuccess)
+        coll_cu.cudaHostUnregister(p);
 }
 
 const coll_backend_t coll_nccl_backend = {

@@ -1,11 +1,14 @@
 // The CUDA kernels and device memory of GPU-resident shards (shard_dev_cuda() of
-// shard_cuda.h). Each kernel is a grid-stride loop over the elements calling the
-// per-element code of shard_elem.h, which the host emulation runs too and which uses the
-// CPU optimizer's and conversions' own element functions; compiled with -fmad=false so that
-// fp32 results match the CPU's bit for bit.
+// shard_cuda.h), built as the module libpshard_cuda_kernels.so with the CUDA runtime linked in
+// statically, which the shard server opens only when shards live on a GPU (shard_cuda_load.c);
+// its one exported symbol is pshard_cuda_kernels. Each kernel is a grid-stride loop over the
+// elements calling the per-element code of shard_elem.h, which the host emulation runs too and
+// which uses the CPU optimizer's and conversions' own element functions; compiled with -fmad=false
+// so that fp32 results match the CPU's bit for bit.
 #include "shard_cuda.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include <cuda_runtime.h>
 
@@ -271,7 +274,10 @@ static const shard_dev_ops_t cuda_ops = {
     dev_convert, dev_accumulate, dev_sum_squares, dev_scale, dev_optim_step, dev_max_abs,
 };
 
-extern "C" const shard_dev_ops_t *shard_dev_cuda(void)
+// The module's entry: the table, or NULL when the loader is of another pshard version (the
+// table's layout is that of the shard_cuda.h it was built with).
+extern "C" __attribute__((visibility("default"))) const shard_dev_ops_t *
+pshard_cuda_kernels(const char *version)
 {
-    return &cuda_ops;
+    return strcmp(version, PSHARD_VERSION_STRING) == 0 ? &cuda_ops : NULL;
 }

@@ -1,10 +1,11 @@
 /* GPU-resident shard state (pshard-server --backend nccl --offload none): the operations the
  * shard server runs on its slices in device memory (conversions to the gather dtype, gradient
  * accumulation, squared norms, clipping, the optimizers), as a table with two implementations:
- *  - shard_dev_cuda(): CUDA kernels (shard_cuda.cu, built when nvcc is found; NULL otherwise).
- *    Each call makes `device` current for the calling thread, runs on one stream of this
- *    process and returns once the work is complete on the device (the nccl backend wants
- *    complete inputs). Errors: PSHARD_ERR_CUDA with what failed in err.
+ *  - shard_dev_cuda(): CUDA kernels (shard_cuda.cu, built when nvcc is found, as the module
+ *    libpshard_cuda_kernels.so that is opened on first use; NULL otherwise). Each call makes
+ *    `device` current for the calling thread, runs on one stream of this process and returns
+ *    once the work is complete on the device (the nccl backend wants complete inputs).
+ *    Errors: PSHARD_ERR_CUDA with what failed in err.
  *  - shard_dev_emulated: the same operations on host memory standing in for the device
  *    (shard_cuda_emu.c), so the CPU-only test suite runs the shard server's GPU-resident code
  *    paths (PSHARD_TEST_EMULATE_DEVICE=1 with --backend tcp --offload none).
@@ -61,8 +62,11 @@ typedef struct shard_dev_ops {
                                size_t errlen);
 } shard_dev_ops_t;
 
-/* The CUDA kernels, or NULL when pshard was built without nvcc. */
-const shard_dev_ops_t *shard_dev_cuda(void);
+/* The CUDA kernels: on the first call, opens libpshard_cuda_kernels.so ($PSHARD_CUDA_KERNELS
+ * when set; else beside the executable, then in ../lib from it) and keeps it loaded. NULL with
+ * the reason in err when pshard was built without nvcc or the module cannot be loaded; later
+ * calls return the first call's outcome. Thread-safe. */
+const shard_dev_ops_t *shard_dev_cuda(char *err, size_t errlen);
 
 extern const shard_dev_ops_t shard_dev_emulated;
 

@@ -99,13 +99,23 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     shard_shm_sweep();
     bool emulate = getenv("PSHARD_TEST_EMULATE_DEVICE") &&
                    strcmp(getenv("PSHARD_TEST_EMULATE_DEVICE"), "1") == 0;
-    if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0 && !shard_dev_cuda()) {
-        ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
-                "--backend nccl with --offload none keeps shards and optimizer state in GPU "
-                "memory, but this pshard-server was built without nvcc (no CUDA kernels); run "
-                "--backend nccl --offload cpu (slices and optimizer state in pinned host "
-                "memory, collectives on the GPU through NCCL, like FSDP's CPUOffload)");
+    /* NCCL and the CUDA runtime are loaded now (dlopen), not linked, so a missing one is
+     * named here with its package rather than by the dynamic linker at every start. */
+    if (strcmp(backend, "nccl") == 0 && pshard_nccl_load(err, errlen) != PSHARD_OK)
         return NULL;
+    const shard_dev_ops_t *cuda_ops = NULL;
+    if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0) {
+        char why[PSHARD_ERRLEN] = "";
+        cuda_ops = shard_dev_cuda(why, sizeof(why));
+        if (!cuda_ops) {
+            ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
+                    "--backend nccl with --offload none keeps shards and optimizer state in GPU "
+                    "memory, which needs the CUDA kernels, but %s; or run --backend nccl "
+                    "--offload cpu (slices and optimizer state in pinned host memory, "
+                    "collectives on the GPU through NCCL, like FSDP's CPUOffload)",
+                    why);
+            return NULL;
+        }
     }
     if (strcmp(backend, "nccl") == 0 &&
         pshard_cuda_check_device(cfg->device, err, errlen) != PSHARD_OK) {
@@ -129,9 +139,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     /* Shards in GPU memory: nccl without --offload cpu; the tests' host emulation of it: tcp
      * without --offload cpu and PSHARD_TEST_EMULATE_DEVICE=1 (see shard_cuda.h). */
     if (strcmp(offload, "cpu") != 0)
-        s->dev = strcmp(backend, "nccl") == 0 ? shard_dev_cuda()
-                 : emulate                    ? &shard_dev_emulated
-                                              : NULL;
+        s->dev = strcmp(backend, "nccl") == 0 ? cuda_ops : emulate ? &shard_dev_emulated : NULL;
     if (s->dev && s->dev->host_memory)
         PS_WARN(PS_SUB_SHARD, "PSHARD_TEST_EMULATE_DEVICE=1: shards in host memory standing in "
                               "for GPU memory (a test mode)");

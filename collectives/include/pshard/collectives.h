@@ -279,6 +279,12 @@ const char *pshard_coll_op_name(pshard_coll_op_t op);
 
 /* CUDA helpers for owners of host buffers used with the nccl backend (host_buffers). All
  * return PSHARD_ERR_UNIMPLEMENTED with a message when pshard was built without CUDA/NCCL.
+ * pshard_nccl_load: loads NCCL and the CUDA runtime, which pshard opens at run time (dlopen)
+ * on first use rather than linking them, so that a program checks for them at start; the nccl
+ * backend's connect does the same. Errors: PSHARD_ERR_CUDA or PSHARD_ERR_NCCL with a message
+ * naming the missing library (libcudart.so.<major>, libnccl.so.<major>) and the package that
+ * provides it; $PSHARD_CUDART_LIBRARY / $PSHARD_NCCL_LIBRARY, when set, name the only file
+ * tried (tests use them to stand for a machine without the library).
  * pshard_cuda_check_device: PSHARD_OK when device is a usable CUDA device ordinal, else
  * PSHARD_ERR_CUDA naming what is missing (no driver, no device, ordinal out of range), so a
  * program can refuse at start instead of failing later.
@@ -286,6 +292,7 @@ const char *pshard_coll_op_name(pshard_coll_op_t op);
  * that copies to and from the device run by DMA; pshard_host_unpin undoes it (before the
  * memory is unmapped or freed). Both make `device` the calling thread's current device, so
  * that no context is created on another GPU. Thread-safe. */
+pshard_status_t pshard_nccl_load(char *err, size_t errlen);
 pshard_status_t pshard_cuda_check_device(int device, char *err, size_t errlen);
 pshard_status_t pshard_host_pin(int device, void *p, size_t bytes, char *err, size_t errlen);
 void pshard_host_unpin(int device, void *p);

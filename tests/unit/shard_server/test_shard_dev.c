@@ -254,11 +254,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: %s emulated|cuda\n", argv[0]);
         return 2;
     }
-    D = cuda ? shard_dev_cuda() : &shard_dev_emulated;
-    char err[256] = "";
+    char err[PSHARD_ERRLEN] = "";
+    D = cuda ? shard_dev_cuda(err, sizeof(err)) : &shard_dev_emulated;
     if (cuda && (!D || pshard_cuda_check_device(0, err, sizeof(err)) != PSHARD_OK)) {
-        printf("no CUDA device or no kernels: skipping the shard kernels test (%s)\n",
-               D ? err : "built without nvcc");
+        printf("no CUDA device or no kernels: skipping the shard kernels test (%s)\n", err);
         return 77;
     }
     static const ps_test_case_t cases[] = {
