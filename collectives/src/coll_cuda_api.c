@@ -59,7 +59,7 @@ static void *open_lib(const char *env_var, const char *soname, const char *dir, 
         }
         const char *why = dlerror();
         size_t used = strlen(tried);
-        snprintf(tried + used, len - used, "%s%s", used ? "; " : "", why ? why : names[i]);
+        ps_snprintf(tried + used, len - used, "%s%s", used ? "; " : "", why ? why : names[i]);
     }
     return NULL;
 }

@@ -55,7 +55,7 @@ static void *open_module(char *tried, size_t len)
         }
         const char *why = dlerror();
         size_t used = strlen(tried);
-        snprintf(tried + used, len - used, "%s%s", used ? "; " : "", why ? why : paths[i]);
+        ps_snprintf(tried + used, len - used, "%s%s", used ? "; " : "", why ? why : paths[i]);
     }
     if (n == 0)
         snprintf(tried, len, "cannot read /proc/self/exe to find the executable's directory");
