@@ -62,7 +62,7 @@ echo "build-wheel: building (log: $log)" >&2
 if ! PATH="$venv/bin:$PATH" "$venv/bin/python" -m build --wheel --no-isolation \
         --outdir "$raw" "$root/client/python" \
         -C build-dir="$work/cmake" \
-        -C cmake.define.PSHARD_WITH_CUDA=OFF >"$log" 2>&1; then
+        -C cmake.define.PSHARD_WITH_CUDA=OFF -C cmake.define.PSHARD_WERROR=ON >"$log" 2>&1; then
     tail -40 "$log" >&2
     echo "build-wheel: the wheel build failed (whole log: $log)" >&2
     exit 1

@@ -16,7 +16,8 @@ exec 9>"${venv_dir}.lock"
 flock 9
 log="${venv_dir}.pshard.log"
 if ! "$venv_dir/bin/python" -m pip install --disable-pip-version-check --no-input -q \
-        --no-build-isolation "$root/client/python" >"$log" 2>&1; then
+        --no-build-isolation --config-settings=cmake.define.PSHARD_WERROR=ON \
+        "$root/client/python" >"$log" 2>&1; then
     tail -40 "$log" >&2
     echo "pshard-venv: pip install ./client/python failed (whole log: $log)" >&2
     exit 1
