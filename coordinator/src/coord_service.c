@@ -219,10 +219,11 @@ static void handle_leave(ps_rpc_call_t *call, const ProtobufCMessage *request, v
     uint64_t gen = 0;
     pthread_mutex_lock(&c->mu);
     coord_job_t *j = coord_job_of_call_locked(c, call, false, &rc, err, sizeof(err));
-    bool lost = req->lost && req->lost[0];
-    if (j && lost && !(req->name && req->name[0])) {
+    bool lost = req->lost && req->lost[0], named = req->name && req->name[0];
+    if (j && lost != named) {
         rc = ps_errf(err, sizeof(err), PSHARD_ERR_INVALID_ARGUMENT,
-                     "lost names the member by name: set name");
+                     "name and lost go together (a launcher declaring a trainer lost); a member "
+                     "leaving by itself sets member_id and lease_key");
     } else if (j && lost) {
         rc =
             coord_state_declare_lost(j->state, req->name, req->lost, ps_now_ns(), err, sizeof(err));
@@ -236,7 +237,9 @@ static void handle_leave(ps_rpc_call_t *call, const ProtobufCMessage *request, v
         gen = coord_state_generation(j->state);
         coord_flush_events_locked(j);
     } else if (rc == PSHARD_ERR_NOT_FOUND) {
-        rc = coord_unknown_member(req->member_id, err, sizeof(err));
+        rc = lost ? ps_errf(err, sizeof(err), PSHARD_ERR_NOT_FOUND,
+                            "no member named \"%.64s\" (its job has no members)", req->name)
+                  : coord_unknown_member(req->member_id, err, sizeof(err));
     }
     pthread_mutex_unlock(&c->mu);
     if (rc != PSHARD_OK) {

@@ -400,6 +400,33 @@ class CoordinatorMethodsTest(CoordinatorTest):
         self.assertEqual(trainer.rank, -1)
         self.assertEqual(trainer.world_size, 1)
 
+    def test_leave_declares_a_trainer_lost(self):
+        """Leave {name, lost}: a launcher declares a trainer it reaped lost at once; a shard
+        server, an unknown name, half a request or a bad reason are refused, and the
+        coordinator keeps serving."""
+        c = self.start_coordinator("--world-size", "1", "--lease-ms", "60000")
+        shard = c.register("shard-only")
+        trainer = c.register("trainer-0", role="TRAINER")
+        gen = c.call("Leave", name="trainer-0", lost="its process exited with status 3").generation
+        self.assertGreater(gen, trainer.generation)
+        # Its lease is gone: the dead trainer's key no longer renews it
+        self.assertRpcError(grpc.StatusCode.NOT_FOUND, c.call, "Heartbeat",
+                            member_id=trainer.member_id, lease_key=trainer.lease_key)
+        self.assertRpcError(grpc.StatusCode.NOT_FOUND, c.call, "Leave", name="trainer-0",
+                            lost="again", contains='no member named "trainer-0"')
+        self.assertRpcError(grpc.StatusCode.FAILED_PRECONDITION, c.call, "Leave",
+                            name="shard-only", lost="killed", contains="not a trainer")
+        self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT, c.call, "Leave", name="trainer-0",
+                            contains="name and lost go together")
+        c.register("trainer-1", role="TRAINER")
+        self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT, c.call, "Leave", name="trainer-1",
+                            lost="a\nb", contains="control character")
+        self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT, c.call, "Leave", name="trainer-1",
+                            lost="x" * 201, contains="1 to 200 bytes")
+        self.assertEqual(c.state_name(c.call("Heartbeat", member_id=shard.member_id,
+                                             lease_key=shard.lease_key).state), "FORMED")
+        self.assertAlive(c)
+
     def test_store_set_get_round_trip(self):
         c = self.start_coordinator()
         value = bytes(range(256)) * 4
