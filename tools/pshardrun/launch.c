@@ -63,82 +63,92 @@ char *run_find_binary(const char *flag_value, const char *flag, const char *subd
     return NULL;
 }
 
+/* Starts the shard server of local rank r with its flags; does not wait for its port. Its port
+ * file is new to each restart, so a healed rank's server (run_judge_servers) is never taken
+ * for up by the port file its lost predecessor wrote; its name is the same at every start,
+ * which is how the coordinator gives a healed server its rank back. Stops the run
+ * (STOP_STARTUP) when it cannot be started. */
+void run_start_server(run_t *run, int r, const char *bin)
+{
+    run_child_t *c = &run->servers[r];
+    ps_snprintf(c->port_file, sizeof(c->port_file), "%s/server-%d.%lld.port", run->tmpdir, r,
+                (long long)run->attempt);
+    char *name = c->name, device[24], every[24], keep[24], replace_ms[24];
+    /* The coordinator ranks servers by name (natural order): across nodes the names sort
+     * by node rank, then local rank, so server K * NPROC + r is this node's r-th (of the
+     * nodes that joined, with an elastic --nnodes). */
+    if (run->nnodes > 1)
+        ps_snprintf(c->name, sizeof(c->name), "pshardrun-node%d-%d", run->node_rank, r);
+    else
+        ps_snprintf(c->name, sizeof(c->name), "pshardrun-%d-%d", (int)getpid(), r);
+    ps_snprintf(device, sizeof(device), "%d", r);
+    ps_snprintf(every, sizeof(every), "%lld", (long long)run->opts->checkpoint_every);
+    ps_snprintf(keep, sizeof(keep), "%lld", (long long)run->opts->checkpoint_keep);
+    char *argv[40];
+    int a = 0;
+    argv[a++] = (char *)bin;
+    argv[a++] = "--coordinator";
+    argv[a++] = run->coord_addr;
+    argv[a++] = "--listen";
+    argv[a++] = "127.0.0.1:0";
+    argv[a++] = "--port-file";
+    argv[a++] = c->port_file;
+    argv[a++] = "--name";
+    argv[a++] = name;
+    if (run->job[0]) {
+        argv[a++] = "--job";
+        argv[a++] = run->job;
+    }
+    if (run->data_host[0]) {
+        argv[a++] = "--data-host";
+        argv[a++] = run->data_host;
+    }
+    argv[a++] = "--backend";
+    argv[a++] = run->opts->backend;
+    argv[a++] = "--offload";
+    argv[a++] = run->opts->offload;
+    argv[a++] = "--log";
+    argv[a++] = run->opts->log;
+    if (strcmp(run->opts->backend, "nccl") == 0) {
+        argv[a++] = "--device"; /* one GPU per server, like LOCAL_RANK for trainers */
+        argv[a++] = device;
+    }
+    if (run->opts->token_file) {
+        argv[a++] = "--token-file";
+        argv[a++] = run->opts->token_file;
+    }
+    if (run->opts->checkpoint_dir) {
+        argv[a++] = "--checkpoint-dir";
+        argv[a++] = run->opts->checkpoint_dir;
+    }
+    if (run->resume) {
+        argv[a++] = "--resume";
+        argv[a++] = (char *)run->resume;
+        if (run->opts->resume_allow_fresh)
+            argv[a++] = "--resume-allow-fresh";
+    }
+    argv[a++] = "--checkpoint-every";
+    argv[a++] = every;
+    argv[a++] = "--checkpoint-keep";
+    argv[a++] = keep;
+    if (run->opts->max_restarts > 0 && run->opts->replace_timeout_ms > 0) {
+        /* Only where a trainer may be replaced: a lost trainer's state is kept for its
+         * replacement instead of being given up. */
+        ps_snprintf(replace_ms, sizeof(replace_ms), "%lld",
+                    (long long)run->opts->replace_timeout_ms);
+        argv[a++] = "--trainer-replace-ms";
+        argv[a++] = replace_ms;
+    }
+    argv[a] = NULL;
+    if (run_spawn(run, c, bin, argv, NULL, 0) != 0)
+        run_set_stop(run, STOP_STARTUP, 1);
+}
+
 /* Starts every shard server and waits for all their ports. */
 void run_start_servers(run_t *run, const char *bin)
 {
-    for (int r = 0; r < (int)run->opts->nproc && run->stop == STOP_NONE; r++) {
-        run_child_t *c = &run->servers[r];
-        ps_snprintf(c->port_file, sizeof(c->port_file), "%s/server-%d.port", run->tmpdir, r);
-        char *name = c->name, device[24], every[24], keep[24], replace_ms[24];
-        /* The coordinator ranks servers by name (natural order): across nodes the names sort
-         * by node rank, then local rank, so server K * NPROC + r is this node's r-th (of the
-         * nodes that joined, with an elastic --nnodes). */
-        if (run->nnodes > 1)
-            ps_snprintf(c->name, sizeof(c->name), "pshardrun-node%d-%d", run->node_rank, r);
-        else
-            ps_snprintf(c->name, sizeof(c->name), "pshardrun-%d-%d", (int)getpid(), r);
-        ps_snprintf(device, sizeof(device), "%d", r);
-        ps_snprintf(every, sizeof(every), "%lld", (long long)run->opts->checkpoint_every);
-        ps_snprintf(keep, sizeof(keep), "%lld", (long long)run->opts->checkpoint_keep);
-        char *argv[40];
-        int a = 0;
-        argv[a++] = (char *)bin;
-        argv[a++] = "--coordinator";
-        argv[a++] = run->coord_addr;
-        argv[a++] = "--listen";
-        argv[a++] = "127.0.0.1:0";
-        argv[a++] = "--port-file";
-        argv[a++] = c->port_file;
-        argv[a++] = "--name";
-        argv[a++] = name;
-        if (run->job[0]) {
-            argv[a++] = "--job";
-            argv[a++] = run->job;
-        }
-        if (run->data_host[0]) {
-            argv[a++] = "--data-host";
-            argv[a++] = run->data_host;
-        }
-        argv[a++] = "--backend";
-        argv[a++] = run->opts->backend;
-        argv[a++] = "--offload";
-        argv[a++] = run->opts->offload;
-        argv[a++] = "--log";
-        argv[a++] = run->opts->log;
-        if (strcmp(run->opts->backend, "nccl") == 0) {
-            argv[a++] = "--device"; /* one GPU per server, like LOCAL_RANK for trainers */
-            argv[a++] = device;
-        }
-        if (run->opts->token_file) {
-            argv[a++] = "--token-file";
-            argv[a++] = run->opts->token_file;
-        }
-        if (run->opts->checkpoint_dir) {
-            argv[a++] = "--checkpoint-dir";
-            argv[a++] = run->opts->checkpoint_dir;
-        }
-        if (run->resume) {
-            argv[a++] = "--resume";
-            argv[a++] = (char *)run->resume;
-            if (run->opts->resume_allow_fresh)
-                argv[a++] = "--resume-allow-fresh";
-        }
-        argv[a++] = "--checkpoint-every";
-        argv[a++] = every;
-        argv[a++] = "--checkpoint-keep";
-        argv[a++] = keep;
-        if (run->opts->max_restarts > 0 && run->opts->replace_timeout_ms > 0) {
-            /* Only where a trainer may be replaced: a lost trainer's state is kept for its
-             * replacement instead of being given up. */
-            ps_snprintf(replace_ms, sizeof(replace_ms), "%lld",
-                        (long long)run->opts->replace_timeout_ms);
-            argv[a++] = "--trainer-replace-ms";
-            argv[a++] = replace_ms;
-        }
-        argv[a] = NULL;
-        if (run_spawn(run, c, bin, argv, NULL, 0) != 0)
-            run_set_stop(run, STOP_STARTUP, 1);
-    }
+    for (int r = 0; r < (int)run->opts->nproc && run->stop == STOP_NONE; r++)
+        run_start_server(run, r, bin);
     if (run->stop == STOP_NONE)
         run_wait_ports(run, run->servers, (size_t)run->opts->nproc);
 }

@@ -280,6 +280,7 @@ void run_learn_ranks(run_t *run);
 /* ---- launch.c ---- */
 char *run_find_binary(const char *flag_value, const char *flag, const char *subdir,
                       const char *name);
+void run_start_server(run_t *run, int r, const char *bin);
 void run_start_servers(run_t *run, const char *bin);
 void run_start_trainer(run_t *run, int r, char *const argv[], int64_t restarts);
 void run_start_trainers(run_t *run, char *const argv[]);
