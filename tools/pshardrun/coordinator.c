@@ -431,17 +431,16 @@ void run_learn_ranks(run_t *run)
             run->rank_base, run->rank_base + n - 1, run->world);
 }
 
-void run_declare_trainer_lost(run_t *run, int global_rank, const char *why)
+void run_declare_lost(run_t *run, const char *name, const char *why)
 {
     if (!run->coord_addr[0])
         return;
     ps_rpc_channel_t *ch = run_coord_channel(run);
     if (!ch)
         return;
-    char name[32], err[PSHARD_ERRLEN] = "";
-    ps_snprintf(name, sizeof(name), "trainer-%d", global_rank);
+    char err[PSHARD_ERRLEN] = "";
     Pshard__LeaveRequest req = PSHARD__LEAVE_REQUEST__INIT;
-    req.name = name;
+    req.name = (char *)name;
     req.lost = (char *)why;
     pshard_status_t rc = ps_coord_rpc_leave(ch, &req, NULL, 2000, err, sizeof(err));
     /* NOT_FOUND: its lease lapsed already, or it never registered; nothing to hurry. */
@@ -449,4 +448,23 @@ void run_declare_trainer_lost(run_t *run, int global_rank, const char *why)
         fprintf(stderr, RUN_PROG ": could not tell the coordinator that %s is lost: %s\n", name,
                 err);
     ps_rpc_channel_destroy(ch);
+}
+
+int run_store_get(run_t *run, const char *key, char **value)
+{
+    *value = NULL;
+    ps_rpc_channel_t *ch = run_coord_channel(run);
+    if (!ch)
+        return -1;
+    char err[PSHARD_ERRLEN] = "";
+    size_t len = 0;
+    pshard_status_t rc = ps_coord_store_fetch(ch, key, value, &len, 2000, err, sizeof(err));
+    ps_rpc_channel_destroy(ch);
+    if (rc == PSHARD_OK)
+        return 1;
+    if (rc == PSHARD_ERR_NOT_FOUND)
+        return 0;
+    fprintf(stderr, RUN_PROG ": cannot read store key %s on coordinator %s: %s\n", key,
+            run->coord_addr, err);
+    return -1;
 }

@@ -51,9 +51,10 @@ void run_judge_trainers(run_t *run)
                              "and the shard servers keep running\n",
                     c->label, failure, (long long)run->attempt, (long long)run->opts->max_restarts);
             /* Its server aborts the step and awaits the replacement now, not after the lease. */
-            char why[160];
+            char why[160], name[32];
             ps_snprintf(why, sizeof(why), "pshardrun saw its process end: %s", failure);
-            run_declare_trainer_lost(run, run->rank_base + r, why);
+            ps_snprintf(name, sizeof(name), "trainer-%d", run->rank_base + r);
+            run_declare_lost(run, name, why);
             continue;
         }
         int status = c->wait_status;

@@ -263,10 +263,15 @@ int run_setup_signals(run_t *run);
 void run_remove_tmpdir(const char *tmpdir);
 
 /* ---- coordinator.c ---- */
-/* Tells the coordinator that the trainer of rank global_rank is lost (its process ended:
- * why), so its server aborts the step and awaits the replacement now instead of after the
- * trainer's lease; best effort (the lease still catches it), says why when it fails. */
-void run_declare_trainer_lost(run_t *run, int global_rank, const char *why);
+/* Tells the coordinator that the member called name ("trainer-R" for the trainer of global
+ * rank R, a shard server's run_child_t name) is lost (its process ended: why), so that its
+ * rank is vacant now instead of after its lease: a lost trainer's server aborts the step and
+ * awaits the replacement, a lost server's rank waits for the new server of the same name.
+ * Best effort (the lease still catches it); says why when it fails. */
+void run_declare_lost(run_t *run, const char *name, const char *why);
+/* Reads store key of the job's coordinator: 1 with *value its bytes, NUL-terminated (free()),
+ * 0 when the key is not there, -1 after saying why it could not be read (*value NULL). */
+int run_store_get(run_t *run, const char *key, char **value);
 int run_parse_coordinator(run_t *run, const char *addr, bool allow_port_zero);
 int run_local_address(run_t *run);
 void run_start_coordinator(run_t *run, const char *bin);
