@@ -10,7 +10,10 @@
  * With --max-restarts, a trainer that fails while the coordinator and every shard server still
  * run is replaced alone (the servers hold the state, so nobody else restarts), and its line
  * says so instead: "pshardrun: trainer 2 exited with status 1; replacing it (restart 1 of 3);
- * ...". Any other failure stops everything and starts it again from the newest checkpoint.
+ * ...". A shard server that is lost while the same holds is replaced alone with its trainer when
+ * the model's servers say they can heal (a replica gives the new server its state): "pshardrun:
+ * shard server of rank 1 killed by signal 9; replacing it and its trainer (restart 1 of 3): ...".
+ * Any other failure stops everything and starts it again from the newest checkpoint.
  *
  * Exit status: 0 when every rank's last trainer exited 0; the failing trainer's exit status (or
  * 128+N when it was killed by signal N); 128+N when pshardrun itself got signal N; 1 when a
@@ -59,6 +62,7 @@ int main(int argc, char **argv)
         exit_code = o.server_bin ? 2 : 1;
         goto out;
     }
+    run.server_bin = server_bin;
     /* A coordinator of its own unless one is named, or another node starts it. */
     bool own_coord = !o.coordinator && (!o.rdzv_endpoint || run.host);
     if (own_coord) {
@@ -125,6 +129,7 @@ int main(int argc, char **argv)
             run_choose_torch_master(&run);
         if (run.stop == STOP_NONE)
             run_start_trainers(&run, run.cmd);
+        run.supervising = true;
         while (run.stop == STOP_NONE) {
             run_replace_trainers(&run, run.cmd);
             if (run.stop != STOP_NONE)
@@ -142,8 +147,10 @@ int main(int argc, char **argv)
                 break;
             }
             run_pump(&run, ps_now_ns() + 1000 * 1000000LL);
+            run_judge_servers(&run);
             run_judge_trainers(&run);
         }
+        run.supervising = false;
 
         /* Stop in dependency order: trainers first (with the signal pshardrun got, if any),
          * then the servers (which leave the cluster), then the coordinator. */

@@ -129,8 +129,10 @@ void run_set_stop(run_t *run, run_stop_t why, int exit_code)
 }
 
 /* Takes note of one reaped child: a service that died on its own is the first failure unless
- * something else already is; a failed trainer is judged once every child that ended by now is
- * reaped (run_judge_trainers), so that a server lost at the same time is seen first. */
+ * something else already is, or, for a shard server that might be healed (run_may_heal), is
+ * judged once every child that ended by now is reaped (run_judge_servers); a failed trainer
+ * likewise (run_judge_trainers), so that a server lost at the same time is seen first. A
+ * trainer pshardrun stopped while the run goes on (its server is being healed) did not fail. */
 static void run_on_exit(run_t *run, run_child_t *c, int status)
 {
     c->reaped = true;
@@ -141,10 +143,14 @@ static void run_on_exit(run_t *run, run_child_t *c, int status)
     if (run->stop != STOP_NONE)
         return;
     if (c->role == ROLE_TRAINER) {
-        c->unjudged = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        c->unjudged = !c->signalled && !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
         return;
     }
     if (!c->signalled) {
+        if (c->role == ROLE_SERVER && run_may_heal(run, c)) {
+            c->unjudged = true;
+            return;
+        }
         run_child_read_now(c);
         char failure[96];
         run_describe_status(status, false, failure, sizeof(failure));

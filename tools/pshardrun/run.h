@@ -135,10 +135,12 @@ typedef struct {
     bool reaped;                 /* waitpid returned its status */
     int wait_status;             /* valid when reaped */
     bool signalled;              /* pshardrun asked it to stop, so its exit is expected */
-    bool unjudged;            /* a trainer that failed: replace it or stop? (run_judge_trainers) */
-    bool replace;             /* a trainer that failed, to be replaced (run_replace_trainers) */
-    int64_t replace_restarts; /* with replace: what its replacement gets as the restart count */
-    run_stream_t streams[2];  /* stdout, stderr */
+    bool unjudged;               /* a trainer that failed: replace it or stop? (run_judge_trainers);
+                                  * a server that ended on its own: heal it or stop?
+                                  * (run_judge_servers) */
+    bool replace;                /* a trainer that failed, to be replaced (run_replace_trainers) */
+    int64_t replace_restarts;    /* with replace: what its replacement gets as the restart count */
+    run_stream_t streams[2];     /* stdout, stderr */
 } run_child_t;
 
 typedef enum {
@@ -169,11 +171,14 @@ typedef struct {
     int exit_code;   /* decided together with stop */
     bool force_kill; /* a second signal arrived: SIGKILL without grace */
     char tmpdir[PATH_MAX];
-    int64_t attempt;       /* restarts so far: replacements and full restarts together */
-    const char *resume;    /* what the servers get as --resume in this attempt, or NULL */
-    char coord_addr[300];  /* HOST:PORT trainers and servers use */
-    char job[72];          /* the job id servers get (--job), or "" for the default job */
-    char master_addr[256]; /* the coordinator's host and port, as given or bound */
+    int64_t attempt;        /* restarts so far: replacements, heals and full restarts together */
+    bool supervising;       /* the attempt's trainers run and its loop judges the children that
+                             * end (so a lost server may wait for run_judge_servers) */
+    const char *server_bin; /* pshard-server's path, for heals (main owns it) */
+    const char *resume;     /* what the servers get as --resume in this attempt, or NULL */
+    char coord_addr[300];   /* HOST:PORT trainers and servers use */
+    char job[72];           /* the job id servers get (--job), or "" for the default job */
+    char master_addr[256];  /* the coordinator's host and port, as given or bound */
     int master_port;
     char torch_addr[256];    /* what trainers get as MASTER_ADDR / MASTER_PORT: where rank 0's */
     int torch_port;          /* torch TCPStore listens (env://), picked for each attempt */
@@ -291,6 +296,11 @@ void run_start_trainer(run_t *run, int r, char *const argv[], int64_t restarts);
 void run_start_trainers(run_t *run, char *const argv[]);
 
 /* ---- restart.c ---- */
+/* The store key through which a model's shard servers say that a lost one can be healed from a
+ * replica (HSDP); pshardrun only reads it. */
+#define RUN_HEAL_CAPABLE_KEY "pshard/heal/capable"
+bool run_may_heal(const run_t *run, const run_child_t *server);
+void run_judge_servers(run_t *run);
 void run_judge_trainers(run_t *run);
 void run_replace_trainers(run_t *run, char *const argv[]);
 void run_restart(run_t *run);
