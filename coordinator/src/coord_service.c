@@ -37,6 +37,7 @@ static void view_to_pb(const coord_member_view_t *v, Pshard__MemberView *out)
     out->lease_ms = v->lease_ms;
     out->heartbeat_ms = v->heartbeat_ms;
     out->formed_generation = v->formed_generation;
+    out->replaces_lost = v->replaces_lost;
 }
 
 /* ---------------------------------------------------------------------------------------- */

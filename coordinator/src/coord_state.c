@@ -466,6 +466,7 @@ static void fill_view(const coord_state_t *st, const coord_member_t *m, coord_me
     out->world_size = st->world_size;
     out->state = st->state;
     out->formed_generation = st->formed_generation;
+    out->replaces_lost = m->replaces_lost;
     out->lease_ms = st->cfg.lease_ms;
     out->heartbeat_ms = st->cfg.heartbeat_ms;
 }
@@ -659,6 +660,7 @@ pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const
             filled_vacancy = true;
         }
     }
+    m.replaces_lost = filled_vacancy;
     m.registered_generation = st->generation + 1;
     st->members[st->nmembers] = m;
     st->id_index[index_probe(st, m.member_id)] = (uint32_t)(st->nmembers + 1);
@@ -730,22 +732,19 @@ pshard_status_t coord_state_declare_lost(coord_state_t *st, const char *name, co
         if ((unsigned char)why[k] < 0x20 || (unsigned char)why[k] == 0x7f)
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                            "lost: byte %zu is a control character", k);
-    for (size_t i = 0; i < st->nmembers; i++) {
-        if (strcmp(st->members[i].name, name) != 0)
-            continue;
-        if (st->members[i].role != COORD_ROLE_TRAINER)
-            continue;
-        char reason[224];
-        snprintf(reason, sizeof(reason), "lost (%s)", why);
-        drop_member(st, i, reason, now_ns);
-        return PSHARD_OK;
+    /* A name may be a trainer's and a shard server's both: the trainer is meant first (the
+     * launcher declares the one it reaped; pshardrun names them apart). */
+    for (int pass = 0; pass < 2; pass++) {
+        for (size_t i = 0; i < st->nmembers; i++) {
+            coord_role_t want = pass == 0 ? COORD_ROLE_TRAINER : COORD_ROLE_SHARD_SERVER;
+            if (strcmp(st->members[i].name, name) != 0 || st->members[i].role != want)
+                continue;
+            char reason[224];
+            snprintf(reason, sizeof(reason), "lost (%s)", why);
+            drop_member(st, i, reason, now_ns);
+            return PSHARD_OK;
+        }
     }
-    for (size_t i = 0; i < st->nmembers; i++)
-        if (strcmp(st->members[i].name, name) == 0)
-            return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
-                           "member \"%.64s\" is not a trainer: only a trainer can be declared "
-                           "lost (a shard server's loss is its lease's to tell)",
-                           name);
     return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND,
                    "no member named \"%.64s\" (it left, was evicted, or never registered)", name);
 }

@@ -60,6 +60,9 @@ typedef struct {
     int64_t last_heartbeat_ns; /* last register or heartbeat */
     int64_t lease_deadline_ns; /* evicted when now_ns passes this */
     uint64_t registered_generation;
+    /* A shard server that took the rank of a lost one in a cluster that had formed: the state
+     * of that rank is not on it (an HSDP replica may heal it, shard_heal.c). */
+    bool replaces_lost;
     bool not_serving;                             /* a shard server's last heartbeat said so */
     char not_serving_reason[COORD_FIELD_MAX + 1]; /* its reason, printable ASCII */
     coord_steps_t steps;                          /* a shard server's, from its heartbeats */
@@ -77,6 +80,7 @@ typedef struct {
     int64_t heartbeat_ms;
     uint64_t formed_generation; /* generation at which the current ranks were (re)formed: the
                                    ranks' collectives are scoped by it; 0 before forming */
+    bool replaces_lost;         /* coord_member_t's */
 } coord_member_view_t;
 
 /* Join (uneven inputs): what a shard server reports about its trainer. */
@@ -191,9 +195,10 @@ const coord_member_t *coord_state_members(const coord_state_t *st, size_t *n);
 pshard_status_t coord_state_leave(coord_state_t *st, const char *member_id, const char *lease_key,
                                   int64_t now_ns, char *err, size_t errlen);
 
-/* Removes the trainer member named name, declared lost by its launcher (why: printable, at most
- * 200 bytes); bumps the generation with the reason "member NAME lost (WHY)". Errors:
- * NOT_FOUND (no such member), FAILED_PRECONDITION (not a trainer), INVALID_ARGUMENT (why). */
+/* Removes the member named name (a trainer, or a shard server), declared lost by its launcher
+ * (why: printable, at most 200 bytes); bumps the generation with the reason "member NAME lost
+ * (WHY)"; a ranked shard server's rank becomes vacant (DEGRADED) at once instead of after its
+ * lease. Errors: NOT_FOUND (no such member), INVALID_ARGUMENT (why). */
 pshard_status_t coord_state_declare_lost(coord_state_t *st, const char *name, const char *why,
                                          int64_t now_ns, char *err, size_t errlen);
 

@@ -401,8 +401,9 @@ class CoordinatorMethodsTest(CoordinatorTest):
         self.assertEqual(trainer.world_size, 1)
 
     def test_leave_declares_a_trainer_lost(self):
-        """Leave {name, lost}: a launcher declares a trainer it reaped lost at once; a shard
-        server, an unknown name, half a request or a bad reason are refused, and the
+        """Leave {name, lost}: a launcher declares a trainer it reaped lost at once, and a shard
+        server too (its rank is vacant at once; the server that takes it again learns the rank's
+        state was lost); an unknown name, half a request or a bad reason are refused, and the
         coordinator keeps serving."""
         c = self.start_coordinator("--world-size", "1", "--lease-ms", "60000")
         shard = c.register("shard-only")
@@ -414,8 +415,6 @@ class CoordinatorMethodsTest(CoordinatorTest):
                             member_id=trainer.member_id, lease_key=trainer.lease_key)
         self.assertRpcError(grpc.StatusCode.NOT_FOUND, c.call, "Leave", name="trainer-0",
                             lost="again", contains='no member named "trainer-0"')
-        self.assertRpcError(grpc.StatusCode.FAILED_PRECONDITION, c.call, "Leave",
-                            name="shard-only", lost="killed", contains="not a trainer")
         self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT, c.call, "Leave", name="trainer-0",
                             contains="name and lost go together")
         c.register("trainer-1", role="TRAINER")
@@ -425,6 +424,13 @@ class CoordinatorMethodsTest(CoordinatorTest):
                             lost="x" * 201, contains="1 to 200 bytes")
         self.assertEqual(c.state_name(c.call("Heartbeat", member_id=shard.member_id,
                                              lease_key=shard.lease_key).state), "FORMED")
+        self.assertFalse(shard.replaces_lost)
+        c.call("Leave", name="shard-only", lost="killed by signal 9")
+        self.assertRpcError(grpc.StatusCode.NOT_FOUND, c.call, "Heartbeat",
+                            member_id=shard.member_id, lease_key=shard.lease_key)
+        again = c.register("shard-only")
+        self.assertEqual((again.rank, c.state_name(again.state)), (0, "FORMED"))
+        self.assertTrue(again.replaces_lost)
         self.assertAlive(c)
 
     def test_store_set_get_round_trip(self):

@@ -500,10 +500,6 @@ static void test_declare_trainer_lost(void)
     CU_ASSERT_EQUAL(coord_state_declare_lost(st, "trainer-1", "again", MS(40), err, sizeof(err)),
                     PSHARD_ERR_NOT_FOUND);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "no member named \"trainer-1\""));
-    err[0] = '\0';
-    CU_ASSERT_EQUAL(coord_state_declare_lost(st, "s2", "killed", MS(40), err, sizeof(err)),
-                    PSHARD_ERR_FAILED_PRECONDITION);
-    CU_ASSERT_PTR_NOT_NULL(strstr(err, "not a trainer"));
     reg(st, TRN, "trainer-2", MS(50));
     CU_ASSERT_EQUAL(coord_state_declare_lost(st, "trainer-2", "a\nb", MS(60), err, sizeof(err)),
                     PSHARD_ERR_INVALID_ARGUMENT);
@@ -515,6 +511,27 @@ static void test_declare_trainer_lost(void)
     CU_ASSERT_EQUAL(coord_state_declare_lost(st, "trainer-2", "", MS(60), err, sizeof(err)),
                     PSHARD_ERR_INVALID_ARGUMENT);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED); /* servers untouched */
+    coord_state_destroy(st);
+}
+
+/* A launcher declares a shard server it reaped lost: its rank is vacant at once (DEGRADED), and
+ * the server that takes the rank again learns that the rank's state was lost with it, unlike
+ * the servers that formed the cluster. */
+static void test_declare_server_lost(void)
+{
+    coord_member_view_t v[3];
+    coord_state_t *st = formed_three(v);
+    CU_ASSERT_FALSE(v[0].replaces_lost);
+    char err[256] = "";
+    int rank = v[1].rank;
+    CU_ASSERT_EQUAL(
+        coord_state_declare_lost(st, "s2", "killed by signal 9", MS(20), err, sizeof(err)),
+        PSHARD_OK);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_DEGRADED);
+    coord_member_view_t back = reg(st, SRV, "s2", MS(30));
+    CU_ASSERT_EQUAL(back.rank, rank);
+    CU_ASSERT_TRUE(back.replaces_lost);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
     coord_state_destroy(st);
 }
 
@@ -1263,6 +1280,7 @@ int main(void)
         {"role and state names", test_names},
         {"id index with many members", test_many_members_index},
         {"a launcher declares a trainer lost", test_declare_trainer_lost},
+        {"a launcher declares a shard server lost", test_declare_server_lost},
         {"join: add and update entries", test_join_add_update},
         {"join: all joined clears, records the last joiner", test_join_all_joined},
         {"join: table reset when the cluster re-forms", test_join_cleared_on_reform},
