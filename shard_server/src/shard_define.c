@@ -15,6 +15,7 @@
 #include "pshard/util.h"
 
 #include "shard_cuda.h"
+#include "shard_heal.h"
 #include "shard_internal.h"
 #include "shard_ops.h"
 
@@ -265,6 +266,20 @@ pshard_status_t shard_mesh_connect(pshard_shard_server_t *s, shard_model_t *m, i
     return PSHARD_OK;
 }
 
+/* A model that a replica can heal says so in the store, where pshardrun reads it before it
+ * replaces a lost shard server alone instead of restarting the job. */
+static void heal_capable(pshard_shard_server_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    bool can = shard_heal_possible(s, NULL, 0);
+    pthread_mutex_unlock(&s->mu);
+    char err[PSHARD_ERRLEN] = "";
+    if (can && s->coord &&
+        ps_coord_store_put(s->coord, "pshard/heal/capable", "1", 1, 5000, err, sizeof(err)) !=
+            PSHARD_OK)
+        PS_WARN(PS_SUB_SHARD, "could not say in the store that this model can heal: %s", err);
+}
+
 /* The replacement of a lost trainer defined candidate: when it is the model this server kept
  * (the same definition, so the same fingerprint), the new trainer takes it over as it is,
  * with its region in place of the lost trainer's, and no other rank takes part; another model
@@ -421,6 +436,14 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
         rc = take_over(s, m, &region, err, errlen);
         goto out;
     }
+    if (s->heal) {
+        /* This server replaces a lost one: the shard comes from its replica, not from initial
+         * values or a checkpoint, and the other ranks, training on, define nothing. */
+        rc = shard_heal_adopt(s, m, reps, shards, err, errlen);
+        if (rc != PSHARD_OK)
+            goto out;
+        goto adopt;
+    }
     rc = check_definitions(s, m, mesh_line, wrank, world, err, errlen);
     if (rc == PSHARD_OK && reps > 1)
         rc = shard_mesh_connect(s, m, wrank, reps, shards, s->define_attempts, 0,
@@ -444,6 +467,7 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
         if (rc != PSHARD_OK)
             goto out;
     }
+adopt:
     shard_unmap(&s->model_shm);
     s->model_shm = region;
     memset(&region, 0, sizeof(region));
@@ -453,6 +477,7 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
     s->model = m;
     pthread_mutex_unlock(&s->mu);
     shard_model_free(old);
+    heal_capable(s);
     PS_INFO(PS_SUB_SHARD, "model defined: %zu parameters, %zu elements on this rank (%s, %s)", n,
             m->shard_numel, layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1", mesh_line);
     m = NULL;

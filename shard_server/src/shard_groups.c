@@ -88,6 +88,49 @@ void shard_pgs_hand_over(pshard_shard_server_t *s)
     pthread_mutex_unlock(&s->mu);
 }
 
+pshard_status_t shard_pg_adopt_orphan(pshard_shard_server_t *s, uint32_t id, const char *key,
+                                      const int *ranks, int size, uint32_t serial,
+                                      int64_t timeout_ms, char *err, size_t errlen)
+{
+    int grank = -1;
+    for (int k = 0; k < size; k++)
+        if (ranks[k] == s->rank)
+            grank = k;
+    if (grank < 0 || strlen(key) > GROUP_KEY_MAX)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "group %" PRIu32 " does not hold rank %d, or its key is too long", id,
+                       s->rank);
+    for (size_t i = 0; i < s->npgs; i++)
+        if (s->pgs[i]->id == id || (s->pgs[i]->key && strcmp(s->pgs[i]->key, key) == 0))
+            return PSHARD_OK; /* another survivor listed it too */
+    if (s->npgs + 1 > GROUPS_PER_SESSION)
+        return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED, "too many process groups");
+    shard_pg_t *g = calloc(1, sizeof(*g));
+    if (!g || !(g->ranks = malloc((size_t)size * sizeof(int))) || !(g->key = strdup(key))) {
+        group_free(g);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    g->id = id;
+    g->size = size;
+    g->grank = grank;
+    g->timeout_ms = timeout_ms;
+    g->serial = serial;
+    g->orphan = true;
+    memcpy(g->ranks, ranks, (size_t)size * sizeof(int));
+    pthread_mutex_lock(&s->mu);
+    shard_pg_t **grown = realloc(s->pgs, (s->npgs + 1) * sizeof(*grown));
+    if (grown) {
+        s->pgs = grown;
+        s->pgs[s->npgs++] = g;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!grown) {
+        group_free(g);
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    }
+    return PSHARD_OK;
+}
+
 /* Rebuilds the communicator of g, suspended by an aborted step, under its name and serial:
  * blocks until every member's server has done the same (the members' trainers use the group
  * again, a replaced one after making it again). */

@@ -76,6 +76,8 @@ struct pshard_shard_server {
     int64_t last_contact_ns; /* last successful heartbeat (mu) */
     atomic_bool stop;
     volatile int stop_flag; /* mirrors stop for the communicator's set-up (pshard_comm_config) */
+    /* The world ring's set-up gives up when set: stop, or a lost peer to heal (mu). */
+    volatile int ring_cancel;
 
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -108,6 +110,18 @@ struct pshard_shard_server {
     int64_t replace_deadline_ns;
     uint32_t ring_serial, comm_serial, session_aborts;
     char abort_msg[PSHARD_ERRLEN];
+    /* Healing a lost peer from an HSDP replica (shard_heal.h), under mu. heal_rank: the lost
+     * rank awaited (-1: none) since heal_started_ns, until heal_deadline_ns, lost with the ring
+     * of generation heal_from_gen, for heal_cause. replaces_lost: this server took a lost
+     * one's rank (MemberView.replaces_lost). heals: heals this server took part in. */
+    int heal_rank;
+    uint64_t heal_from_gen;
+    int64_t heal_started_ns, heal_deadline_ns;
+    char heal_cause[256];
+    bool replaces_lost;
+    uint64_t heals;
+    /* The newcomer's state from its replica until its trainer defines the model (op_mu). */
+    struct shard_heal_state *heal;
 
     /* Trainer state, guarded by op_mu (one operation at a time). */
     pthread_mutex_t op_mu;
@@ -312,6 +326,13 @@ void shard_pgs_clear(pshard_shard_server_t *s);
  * NewGroups with the same key and ranks) and destroys the others. */
 void shard_pgs_suspend(pshard_shard_server_t *s, uint32_t serial);
 void shard_pgs_hand_over(pshard_shard_server_t *s);
+/* A lost server's replacement (shard_heal.c, op_mu held): keeps the keyed group id (key, world
+ * ranks, strictly increasing, holding this rank) that its predecessor was in as an orphan that
+ * its trainer claims by making the group again, rebuilt under serial on first use. A group of
+ * that id or key already kept is left as it is. */
+pshard_status_t shard_pg_adopt_orphan(pshard_shard_server_t *s, uint32_t id, const char *key,
+                                      const int *ranks, int size, uint32_t serial,
+                                      int64_t timeout_ms, char *err, size_t errlen);
 void shard_pgs_abort(pshard_shard_server_t *s, int lost, pshard_status_t status, const char *msg);
 /* One line on a group this rank is in, for Status: "group ID (ranks 0, 2): rank 1 of 2 over
  * shm; " and its newest flight record. */

@@ -12,6 +12,7 @@
 #include "pshard/coordinator.pb-c.h"
 #include "pshard/log.h"
 #include "pshard/util.h"
+#include "shard_heal.h"
 #include "shard_internal.h"
 #include "shard_ops.h"
 #include "shard_trace.h"
@@ -125,6 +126,8 @@ static int64_t lease_event(void *ctx, const ps_coord_lease_event_t *ev)
             ps_strlcpy(s->member_id, ev->member_id, sizeof(s->member_id));
             ps_strlcpy(s->lease_key, ev->lease_key, sizeof(s->lease_key));
             s->heartbeat_ms = every = v->heartbeat_ms > 0 ? v->heartbeat_ms : 1000;
+            if (v->replaces_lost && !s->model)
+                s->replaces_lost = true;
             pthread_mutex_unlock(&s->mu);
             PS_INFO(PS_SUB_SHARD, "registered with %s as %s", s->cfg.coordinator, v->member_id);
         }
@@ -301,50 +304,57 @@ static void discard_step(pshard_shard_server_t *s)
  * inside the Step, so there such a split cannot be mended: the job ends, saying so. Bounded:
  * a rank that never comes fails it after timeout_ms. */
 static pshard_status_t reconcile_step(pshard_shard_server_t *s, pshard_comm_t *comm,
-                                      uint32_t serial, int64_t timeout_ms, char *err, size_t errlen)
+                                      uint32_t serial, int64_t timeout_ms, int64_t *flags,
+                                      char *err, size_t errlen)
 {
     int world = pshard_comm_world_size(comm);
-    int64_t *all = calloc((size_t)world, sizeof(*all));
+    /* Two words a rank: its step count and its SHARD_HEAL_* flags. */
+    int64_t *all = calloc((size_t)world * 2, sizeof(*all));
     if (!all)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
     pthread_mutex_lock(&s->op_mu);
     shard_model_t *m = s->model;
-    int64_t mine = m ? m->step : -1;
+    int64_t mine[2] = {m ? m->step : -1,
+                       (m ? SHARD_HEAL_HAS_MODEL : 0) | (!m && s->heal ? SHARD_HEAL_HEALING : 0)};
     pshard_comm_set_timeout(comm, timeout_ms);
     pshard_coll_args_t a = {.op = PSHARD_COLL_ALL_GATHER,
                             .dtype = PSHARD_INT64,
-                            .send = &mine,
+                            .send = mine,
                             .recv = all,
-                            .count = 1,
+                            .count = 2,
                             .tag = ((uint64_t)serial << 32) | TAG_RECONCILE,
                             .label = "step count after an abort"};
     pshard_status_t rc = pshard_coll_run(comm, &a, err, errlen);
     shard_apply_session_timeout(s, comm);
-    /* Every rank judges the same counts, so all go on or all fail alike. */
-    int top = 0, low = 0;
-    for (int r = 1; r < world && rc == PSHARD_OK; r++) {
-        if (all[r] > all[top])
+    /* Every rank judges the same counts, so all go on or all fail alike. A rank that heals
+     * (a replacement server awaiting its state) has none yet: it takes its replica's. */
+    int top = -1, low = -1;
+    for (int r = 0; r < world && rc == PSHARD_OK; r++) {
+        flags[r] = all[2 * r + 1];
+        if (!(flags[r] & SHARD_HEAL_HAS_MODEL))
+            continue;
+        if (top < 0 || all[2 * r] > all[2 * top])
             top = r;
-        if (all[r] < all[low])
+        if (low < 0 || all[2 * r] < all[2 * low])
             low = r;
     }
-    if (rc == PSHARD_OK && m && all[top] != all[low]) {
+    if (rc == PSHARD_OK && m && top >= 0 && all[2 * top] != all[2 * low]) {
         if (m->trainer_optimizer) {
-            if (mine < all[top])
+            if (mine[0] < all[2 * top])
                 PS_WARN(PS_SUB_SHARD,
                         "step %" PRId64 " was committed on rank %d before the abort cut it "
                         "short here: it counts on this rank too (the trainer had applied it)",
-                        all[top], top);
+                        all[2 * top], top);
             pthread_mutex_lock(&s->mu);
-            m->step = all[top];
+            m->step = all[2 * top];
             pthread_mutex_unlock(&s->mu);
         } else {
             rc = ps_errf(err, errlen, PSHARD_ERR_INTERNAL,
                          "rank %d applied step %" PRId64 " of the shard servers' optimizer and "
-                         "rank %d did not (the abort for a lost trainer cut the step short "
-                         "between them): the ranks' shards no longer belong to one model; "
+                         "rank %d did not (the abort for a lost trainer or server cut the step "
+                         "short between them): the ranks' shards no longer belong to one model; "
                          "restart the job from its last checkpoint",
-                         top, all[top], low);
+                         top, all[2 * top], low);
         }
     }
     pthread_mutex_unlock(&s->op_mu);
@@ -352,11 +362,34 @@ static pshard_status_t reconcile_step(pshard_shard_server_t *s, pshard_comm_t *c
     return rc;
 }
 
+/* A lost server's replacement has its shard: the awaited rank is served again (the setup thread,
+ * once the transfer succeeded on this rank). */
+static void heal_done(pshard_shard_server_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    int rank = s->heal_rank;
+    double took = (double)(ps_now_ns() - s->heal_started_ns) / 1e9;
+    char cause[sizeof(s->heal_cause)];
+    memcpy(cause, s->heal_cause, sizeof(cause));
+    s->heal_rank = -1;
+    if (rank >= 0)
+        s->heals++;
+    pthread_mutex_unlock(&s->mu);
+    if (rank >= 0)
+        PS_WARN(PS_SUB_SHARD,
+                "rank %d's lost shard server (%s) is healed: its replacement holds a replica's "
+                "shard state %.3f s after the loss; training goes on at the next step",
+                rank, cause, took);
+}
+
 void *shard_setup_main(void *arg)
 {
     pshard_shard_server_t *s = arg;
     int64_t give_up =
         s->cfg.form_timeout_ms > 0 ? ps_now_ns() + s->cfg.form_timeout_ms * 1000000 : INT64_MAX;
+    /* After a step abort, until the new ring is up and the ranks agreed on the step count
+     * (kept across a ring set-up that failed and is retried). */
+    bool rebuild_pending = false;
     while (!atomic_load(&s->stop)) {
         pthread_mutex_lock(&s->mu);
         while (!atomic_load(&s->stop) && (!s->formed || (s->comm && !comm_stale(s)))) {
@@ -401,6 +434,45 @@ void *shard_setup_main(void *arg)
             shard_ops_retire_ring(s, old, serial);
             discard_step(s);
             old = NULL;
+            rebuild_pending = true;
+        }
+        if (rebuild_pending) {
+            /* A lost server (the watch thread may learn of it only now, while a peer's abort
+             * reached this rank first: it then cancels the ring's set-up below): its
+             * replacement's ring is the re-formed cluster's. */
+            pthread_mutex_lock(&s->mu);
+            s->ring_cancel = s->stop_flag;
+            pthread_mutex_unlock(&s->mu);
+            pshard_status_t hrc = shard_heal_wait_formed(s, &rank, &world, &gen, why, sizeof(why));
+            if (hrc != PSHARD_OK) {
+                shard_set_fatal(s, hrc, why);
+                break;
+            }
+            pthread_mutex_lock(&s->mu);
+            bool healing = s->heal_rank >= 0;
+            pthread_mutex_unlock(&s->mu);
+            if (healing)
+                shard_heal_publish(s, gen, serial);
+        }
+        /* A server that took a lost one's rank: its first ring is the survivors' rebuilt one,
+         * under their serial, and its state comes from a replica. */
+        bool joining = false;
+        if (!old && !rebuild_pending && s->comm_generation == 0) {
+            pthread_mutex_lock(&s->mu);
+            joining = s->replaces_lost;
+            pthread_mutex_unlock(&s->mu);
+        }
+        if (joining) {
+            uint32_t theirs = 0;
+            pshard_status_t hrc = shard_heal_join(s, gen, &theirs, why, sizeof(why));
+            if (hrc != PSHARD_OK) {
+                shard_set_fatal(s, hrc, why);
+                break;
+            }
+            pthread_mutex_lock(&s->mu);
+            s->ring_serial = serial = theirs;
+            s->session_aborts = theirs; /* its trainer begins after them */
+            pthread_mutex_unlock(&s->mu);
         }
         if (old) {
             /* The cluster re-formed: the old ring is not the new one. */
@@ -425,6 +497,7 @@ void *shard_setup_main(void *arg)
         if (serial > 0) /* a fresh name: no store key or handshake of the failed ring matches */
             snprintf(ring, sizeof(ring), "shard~%u", serial);
         shard_comm_config(s, &cc, ring, rank, world, gen);
+        cc.cancel = &s->ring_cancel;
         int64_t own = atomic_load(&s->session_timeout_ms); /* the attached trainer's */
         if (own > 0)
             cc.timeout_ms = own;
@@ -448,12 +521,17 @@ void *shard_setup_main(void *arg)
             sleep_ms(500);
             continue;
         }
-        if (step_abort) {
+        if (rebuild_pending || joining) {
             pthread_mutex_lock(&s->mu);
             int64_t lease = s->lease_ms;
             pthread_mutex_unlock(&s->mu);
             int64_t bound = 4 * lease > 10000 ? 4 * lease : 10000;
-            rc = reconcile_step(s, comm, serial, bound, err, sizeof(err));
+            int64_t *flags = calloc((size_t)world, sizeof(*flags));
+            rc = flags ? reconcile_step(s, comm, serial, bound, flags, err, sizeof(err))
+                       : ps_errf(err, sizeof(err), PSHARD_ERR_NO_MEMORY, "out of memory");
+            bool heal = false;
+            for (int r = 0; rc == PSHARD_OK && r < world; r++)
+                heal |= (flags[r] & SHARD_HEAL_HEALING) != 0;
             if (rc == PSHARD_OK) {
                 /* An HSDP model's replica and shard rings failed with the world's: new ones,
                  * under new names, as the world's. */
@@ -462,18 +540,23 @@ void *shard_setup_main(void *arg)
                 if (m && m->replicas > 1)
                     rc = shard_mesh_connect(s, m, rank, m->replicas, m->world, m->mesh_attempt,
                                             serial, gen, err, sizeof(err));
+                /* Then a lost server's replacement gets its shard from a replica. */
+                if (rc == PSHARD_OK && heal)
+                    rc = shard_heal_transfer(s, comm, flags, serial, gen, err, sizeof(err));
                 pthread_mutex_unlock(&s->op_mu);
             }
+            free(flags);
+            if (rc == PSHARD_OK && heal)
+                heal_done(s);
             if (rc != PSHARD_OK) {
                 char msg[PSHARD_ERRLEN];
                 ps_snprintf(msg, sizeof(msg),
-                            "after the aborted step, the ranks could not agree on the step count: "
-                            "%s",
-                            err);
+                            "after the aborted step, the ranks could not go on together: %s", err);
                 pshard_comm_destroy(comm);
                 shard_set_fatal(s, rc, msg);
                 break;
             }
+            rebuild_pending = false;
         }
         pthread_mutex_lock(&s->mu);
         s->comm = comm;
@@ -581,6 +664,8 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         bool keep =
             s->cfg.trainer_replace_ms > 0 && s->model && !s->model->in_backward && !state_lost;
         bool trainer_optimizer = s->model && s->model->trainer_optimizer;
+        char no_heal[200] = "";
+        bool heal = shard_heal_possible(s, no_heal, sizeof(no_heal));
         pthread_mutex_unlock(&s->mu);
         if (!cause[0])
             snprintf(cause, sizeof(cause), "no heartbeat within its %lld ms lease",
@@ -592,6 +677,10 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
             trainer || (who && who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0);
         if (trainer && keep && comm) {
             await_replacement(s, comm, name, cause, trainer_optimizer);
+        } else if (!trainer && matters && heal) {
+            /* Also without a ring: a peer's abort may have reached this rank first, and the
+             * ring it is building now counts on the lost rank (shard_heal_await cancels it). */
+            shard_heal_await(s, comm, who->rank, name, cause);
         } else if (matters && comm) {
             char msg[PSHARD_ERRLEN];
             if (trainer)
@@ -600,10 +689,11 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
                          "stops its collectives%s",
                          name, cause, pshard_comm_rank(comm), why_not);
             else
-                snprintf(msg, sizeof(msg),
-                         "rank %d (shard server %s) was evicted: no heartbeat within its %lld "
-                         "ms lease (it died, hangs or is cut off)",
-                         who->rank, name, (long long)lease);
+                snprintf(
+                    msg, sizeof(msg),
+                    "rank %d (shard server %s) was lost: %s (it died, hangs or is cut off)%s%s",
+                    who->rank, name, cause, s->cfg.trainer_replace_ms > 0 ? "; not healed: " : "",
+                    s->cfg.trainer_replace_ms > 0 ? no_heal : "");
             if (pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
                 PS_ERROR(PS_SUB_SHARD, "%s", msg);
                 pshard_comm_abort_status(comm, PSHARD_ERR_PEER_LOST, msg);

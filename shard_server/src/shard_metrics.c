@@ -184,6 +184,8 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     int64_t aborted = m ? m->aborted_steps : 0;
     uint32_t step_aborts = s->ring_serial;
     bool awaiting = s->replace_deadline_ns != 0;
+    uint64_t heals = s->heals;
+    bool heal_awaited = s->heal_rank >= 0;
     size_t nparams = m ? m->nparams : 0;
     uint64_t shard_elements = m ? m->shard_numel : 0;
     uint64_t state_bytes = m ? shard_model_state_bytes(m) : 0;
@@ -229,6 +231,13 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     ps_metrics_sample_u64(w, NULL, step_aborts);
     gauge(w, "pshard_shard_awaiting_trainer",
           "1 while this rank's trainer was lost and its replacement is awaited.", awaiting ? 1 : 0);
+    ps_metrics_family(w, "pshard_shard_heals_total", PS_METRIC_COUNTER,
+                      "Heals of a lost shard server from an HSDP replica that this server took "
+                      "part in (as the replacement, the source or a survivor).");
+    ps_metrics_sample_u64(w, NULL, heals);
+    gauge(w, "pshard_shard_awaiting_heal",
+          "1 while a lost shard server's rank is awaited to heal from a replica.",
+          heal_awaited ? 1 : 0);
     gauge(w, "pshard_shard_params", "Parameters of the defined model (0: none defined).",
           (double)nparams);
     gauge(w, "pshard_shard_elements", "Elements of the parameters this rank owns.",

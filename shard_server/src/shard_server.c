@@ -16,6 +16,7 @@
 #include "pshard/util.h"
 
 #include "shard_cuda.h"
+#include "shard_heal.h"
 #include "shard_internal.h"
 #include "shard_shm.h"
 
@@ -156,6 +157,7 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     if (s->cfg.checkpoint_keep <= 0)
         s->cfg.checkpoint_keep = 3;
     s->rank = -1;
+    s->heal_rank = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->op_mu, NULL);
@@ -236,6 +238,7 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
         return;
     atomic_store(&s->stop, true);
     s->stop_flag = 1;
+    s->ring_cancel = 1;
     pthread_mutex_lock(&s->mu);
     pthread_cond_broadcast(&s->cv);
     pshard_comm_t *comm = s->comm;
@@ -263,6 +266,7 @@ void pshard_shard_server_stop(pshard_shard_server_t *s)
     shard_unmap(&s->model_shm);
     shard_unmap(&s->pending_model);
     shard_model_free(s->model);
+    shard_heal_state_free(s->heal);
     shard_pgs_clear(s);
     shard_pairs_clear(s);
     shard_bufs_free(&s->bufs);

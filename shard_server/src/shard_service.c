@@ -21,6 +21,7 @@
 #include "pshard/util.h"
 
 #include "shard_cuda.h"
+#include "shard_heal.h"
 #include "shard_internal.h"
 #include "shard_ops.h"
 #include "shard_trace.h"
@@ -133,9 +134,10 @@ static pshard_status_t attach_run(pshard_shard_server_t *s, pshard_comm_t *comm,
                     : shard_map_shm(req->shm_name, req->shm_bytes, &m, err, errlen));
     shard_pin_region(s, &m);
     /* The previous trainer's groups; a lost trainer's keyed ones stay for its replacement to
-     * make again under the ids the other members use. */
+     * make again under the ids the other members use, as do those of a lost server, which a
+     * healed one keeps for its new trainer (shard_heal.c). */
     pthread_mutex_lock(&s->mu);
-    bool replacing = s->replace_deadline_ns != 0;
+    bool replacing = s->replace_deadline_ns != 0 || s->heal;
     pthread_mutex_unlock(&s->mu);
     if (replacing)
         shard_pgs_hand_over(s);

@@ -9,7 +9,9 @@ OPTIM: "server" (pshard.torch.optim.AdamW, on the shard servers), "torch" (torch
 in the trainer, two parameter groups and a LambdaLR schedule, its state kept for a replacement
 by pshard.torch; the replacement advances its schedule to get_step) or "torch-extra" (an AdamW
 that also steps a parameter outside the model, whose state therefore cannot be kept).
-WHERE: "forward" (before the step's forward), "update" (after the optimizer updated the values,
+WHERE: "forward" (before the step's forward), "server" (rank 1 kills its own shard server
+before the step's forward, and waits for pshardrun to stop it: HSDP heals the server from a
+replica), "update" (after the optimizer updated the values,
 before the step's commit: nobody counts the step and everyone rolls it back), "commit" (after
 the commit: everybody counts it), "backup" (after the values were copied aside, before the
 update).
@@ -72,7 +74,32 @@ def lost():
     os._exit(3)
 
 
-if lose and where != "forward":
+def kill_own_server():
+    """SIGKILL to this rank's shard server (pshardrun's child, like this trainer, started with
+    --port-file .../server-LOCAL_RANK.ATTEMPT.port), then wait for pshardrun to stop this
+    trainer."""
+    import re
+    import signal
+    tail = re.compile(rf"/server-{os.environ['LOCAL_RANK']}\.[0-9]+\.port$")
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if ppid == os.getppid() and any(tail.search(a.decode(errors="replace"))
+                                        for a in args):
+            os.kill(int(pid), signal.SIGKILL)
+            sys.stdout.flush()
+            signal.pause()
+    raise SystemExit(f"no shard server of this rank found ({tail})")
+
+
+if lose and where not in ("forward", "server"):
     # The points inside opt.step(): the optimizer's own post-hook runs before pshard.torch's
     # global one (the commit); the kept state's methods run at the others.
     if where == "update":
@@ -94,6 +121,8 @@ while step < STEPS:
         continue
     if lose and where == "forward" and step == fail_step:
         lost()
+    if lose and where == "server" and step == fail_step:
+        kill_own_server()
     g = torch.Generator().manual_seed(1000 * step + rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
     try:

@@ -120,6 +120,40 @@ def test_hsdp_trainer_replaced(tmp_path, optim):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_hsdp_server_healed(tmp_path):
+    """HSDP 2 x 2 with the shard servers' AdamW: rank 1's shard server is killed (SIGKILL)
+    before step 4. pshardrun declares it lost and starts a new server and trainer for rank 1;
+    the survivors abort the step, the new server takes rank 1 again and receives its shard and
+    optimizer state from rank 3 (the other replica of shard index 1), and the job goes on
+    without a checkpoint: the final weights equal, bit for bit, a run without step 4. The
+    mesh's process groups work on every rank afterwards."""
+    worker = os.path.join(HERE, "replace_worker.py")
+    run = tmp_path / "heal"
+    run.mkdir()
+    p = pshardrun(4, worker, [str(run), "4", "", "server", "server", "2x2"],
+                  extra=["--max-restarts", "1", "--lease-ms", "2000"])
+    assert p.returncode == 0, p.stdout[-6000:]
+    assert "replacing it and its trainer (restart 1 of 1)" in p.stdout, p.stdout[-6000:]
+    assert "rank 1 healed from rank 3" in p.stdout, p.stdout[-6000:]
+    assert "lost shard server (pshardrun saw its process end" in p.stdout, p.stdout[-6000:]
+    first = [json.loads((run / f"rank-{r}-0.json").read_text()) for r in (0, 2, 3)]
+    repl = json.loads((run / "rank-1-1.json").read_text())
+    assert all(f["aborted"] == [4] for f in first), first
+    assert repl["started_at"] == 5 and repl["aborted"] == [], repl
+    for f in first + [repl]:
+        assert set(f["mesh_sums"]) == {"replicate", "shard"}, f
+        assert all(got == want for got, want in f["mesh_sums"].values()), f
+
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    p = pshardrun(4, worker, [str(ref), "-1", "4", "server", "", "2x2"])
+    assert p.returncode == 0, p.stdout[-4000:]
+    a, b = torch.load(run / "weights.pt"), torch.load(ref / "weights.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_replacement_refuses_lost_running_statistics(tmp_path):
     """BatchNorm's running statistics lived only in the lost trainer: its replacement says so
     and the job fails, rather than going on with that rank's statistics back at their start."""
