@@ -266,20 +266,6 @@ pshard_status_t shard_mesh_connect(pshard_shard_server_t *s, shard_model_t *m, i
     return PSHARD_OK;
 }
 
-/* A model that a replica can heal says so in the store, where pshardrun reads it before it
- * replaces a lost shard server alone instead of restarting the job. */
-static void heal_capable(pshard_shard_server_t *s)
-{
-    pthread_mutex_lock(&s->mu);
-    bool can = shard_heal_possible(s, NULL, 0);
-    pthread_mutex_unlock(&s->mu);
-    char err[PSHARD_ERRLEN] = "";
-    if (can && s->coord &&
-        ps_coord_store_put(s->coord, "pshard/heal/capable", "1", 1, 5000, err, sizeof(err)) !=
-            PSHARD_OK)
-        PS_WARN(PS_SUB_SHARD, "could not say in the store that this model can heal: %s", err);
-}
-
 /* The replacement of a lost trainer defined candidate: when it is the model this server kept
  * (the same definition, so the same fingerprint), the new trainer takes it over as it is,
  * with its region in place of the lost trainer's, and no other rank takes part; another model
@@ -477,7 +463,7 @@ adopt:
     s->model = m;
     pthread_mutex_unlock(&s->mu);
     shard_model_free(old);
-    heal_capable(s);
+    shard_heal_capable(s);
     PS_INFO(PS_SUB_SHARD, "model defined: %zu parameters, %zu elements on this rank (%s, %s)", n,
             m->shard_numel, layout == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1", mesh_line);
     m = NULL;

@@ -11,6 +11,7 @@
 #include "pshard/util.h"
 
 #include "shard_cuda.h"
+#include "shard_heal.h"
 #include "shard_internal.h"
 
 /* The flight recorder's label of an operation in the step being computed: "step 12, fc3.weight"
@@ -368,8 +369,11 @@ pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, sh
          * count, which checkpoints and a resume go by. */
         pthread_mutex_lock(&s->mu);
         shard_model_set_step(m, m->step + 1); /* (its parameters' counts are its own) */
+        bool first = !m->trainer_optimizer;
         m->trainer_optimizer = true;
         pthread_mutex_unlock(&s->mu);
+        if (first) /* its state is the trainers': a lost server can no longer heal */
+            shard_heal_capable(s);
         *norm_out = 0.0;
         return shard_ckpt_after_step(s, comm, m, ckpt_request, err, errlen);
     }

@@ -40,6 +40,24 @@ bool shard_heal_possible(const pshard_shard_server_t *s, char *why, size_t len)
     return no == NULL;
 }
 
+#define HEAL_CAPABLE_KEY "pshard/heal/capable"
+
+void shard_heal_capable(pshard_shard_server_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    bool can = shard_heal_possible(s, NULL, 0);
+    pthread_mutex_unlock(&s->mu);
+    if (!s->coord)
+        return;
+    char err[PSHARD_ERRLEN] = "";
+    pshard_status_t rc =
+        can ? ps_coord_store_put(s->coord, HEAL_CAPABLE_KEY, "1", 1, 5000, err, sizeof(err))
+            : ps_coord_store_remove(s->coord, HEAL_CAPABLE_KEY, 5000, err, sizeof(err));
+    if (rc != PSHARD_OK)
+        PS_WARN(PS_SUB_SHARD, "could not %s %s in the store: %s", can ? "set" : "delete",
+                HEAL_CAPABLE_KEY, err);
+}
+
 void shard_heal_await(pshard_shard_server_t *s, pshard_comm_t *comm, int rank, const char *name,
                       const char *cause)
 {

@@ -51,6 +51,12 @@ typedef struct shard_heal_state {
  * missing. */
 bool shard_heal_possible(const struct pshard_shard_server *s, char *why, size_t len);
 
+/* Says in the coordinator's store whether this server's model can heal (shard_heal_possible),
+ * where pshardrun looks before it replaces a lost shard server alone instead of restarting the
+ * job: sets pshard/heal/capable at a definition that can, deletes it once it cannot (the first
+ * step of a trainer's own optimizer). Best effort: a failure is logged. No lock held. */
+void shard_heal_capable(struct pshard_shard_server *s);
+
 /* The watch thread, for a lost ranked peer that can be healed: the step in flight aborts on
  * every rank (STEP_ABORTED on the world ring and every group), and the rank is awaited until
  * the --trainer-replace-ms deadline. A second loss while one is awaited ends the job. */

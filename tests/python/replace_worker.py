@@ -17,6 +17,7 @@ the commit: everybody counts it), "backup" (after the values were copied aside, 
 update).
 MESH: "" (FSDP over the world) or "RxS" (HSDP: R replicas of S shard ranks).
 REPLACE_WORKER_BATCHNORM=1 in the environment puts a BatchNorm1d after the first layer;
+REPLACE_WORKER_OTHER_MODEL=1 makes a replacement (a later attempt) define a wider model;
 REPLACE_WORKER_SAVE=1 saves a checkpoint (pshardrun --checkpoint-dir) after the last step.
 argv: OUT FAIL_STEP SKIP [OPTIM [WHERE [MESH]]]"""
 import json
@@ -40,7 +41,9 @@ attempt = os.environ.get("PSHARD_RESTART_COUNT", "0")
 pshard.init_process_group()
 rank = torch.distributed.get_rank()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+width = 33 if os.environ.get("REPLACE_WORKER_OTHER_MODEL") == "1" and attempt != "0" else 32
+model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(),
+                            torch.nn.Linear(width, 4))
 if os.environ.get("REPLACE_WORKER_BATCHNORM") == "1":  # running statistics only a trainer has
     model.insert(1, torch.nn.BatchNorm1d(32))
 mesh = None

@@ -154,6 +154,35 @@ def test_hsdp_server_healed(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_heal_refuses_another_model(tmp_path):
+    """The replacement of a lost server's trainer defines another model than the replicas
+    hold: its DefineModel is refused naming both fingerprints, and the job ends."""
+    worker = os.path.join(HERE, "replace_worker.py")
+    p = pshardrun(4, worker, [str(tmp_path), "4", "", "server", "server", "2x2"],
+                  extra=["--max-restarts", "1", "--lease-ms", "2000"],
+                  env={"REPLACE_WORKER_OTHER_MODEL": "1"})
+    assert p.returncode != 0, p.stdout[-6000:]
+    assert "replacing it and its trainer (restart 1 of 1)" in p.stdout, p.stdout[-6000:]
+    assert "rank 1's replacement trainer defines another model" in p.stdout, p.stdout[-6000:]
+    assert "than its replicas hold" in p.stdout, p.stdout[-6000:]
+
+
+@pytest.mark.parametrize("mesh,optim", [("", "server"), ("2x2", "torch")])
+def test_server_loss_without_heal_restarts(tmp_path, mesh, optim):
+    """Where no replica can heal a lost server (FSDP without replicas, or a torch.optim
+    optimizer in the trainers, whose servers took back pshard/heal/capable at its first step),
+    pshardrun --max-restarts names the lost server and restarts everything as before (here
+    from step 0: no checkpoint), which then trains to the end."""
+    worker = os.path.join(HERE, "replace_worker.py")
+    n = 4 if mesh else 3
+    p = pshardrun(n, worker, [str(tmp_path), "4", "", optim, "server", mesh],
+                  extra=["--max-restarts", "1", "--lease-ms", "2000"])
+    assert p.returncode == 0, p.stdout[-6000:]
+    assert "replacing it and its trainer" not in p.stdout, p.stdout[-6000:]
+    assert "first failure: shard server 1 (pid" in p.stdout, p.stdout[-6000:]
+    assert "restart 1 of 1: starting" in p.stdout, p.stdout[-6000:]
+
+
 def test_replacement_refuses_lost_running_statistics(tmp_path):
     """BatchNorm's running statistics lived only in the lost trainer: its replacement says so
     and the job fails, rather than going on with that rank's statistics back at their start."""

@@ -516,7 +516,7 @@ static void test_declare_trainer_lost(void)
 
 /* A launcher declares a shard server it reaped lost: its rank is vacant at once (DEGRADED), and
  * the server that takes the rank again learns that the rank's state was lost with it, unlike
- * the servers that formed the cluster. */
+ * the servers that formed the cluster; a second replacement is refused. */
 static void test_declare_server_lost(void)
 {
     coord_member_view_t v[3];
@@ -532,6 +532,12 @@ static void test_declare_server_lost(void)
     CU_ASSERT_EQUAL(back.rank, rank);
     CU_ASSERT_TRUE(back.replaces_lost);
     CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
+    /* A second replacement for the rank is refused while the first holds its lease. */
+    coord_member_view_t second;
+    CU_ASSERT_EQUAL(coord_state_register(st, SRV, "s2", "10.0.0.2:7000", "node-b", "cpu", NULL,
+                                         MS(40), &second, err, sizeof(err)),
+                    PSHARD_ERR_ALREADY_EXISTS);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err, "held by a live member"));
     coord_state_destroy(st);
 }
 
