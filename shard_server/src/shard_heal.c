@@ -71,6 +71,10 @@ void shard_heal_await(pshard_shard_server_t *s, pshard_comm_t *comm, int rank, c
         s->heal_started_ns = ps_now_ns();
         s->heal_deadline_ns = s->heal_started_ns + wait_ms * 1000000;
         ps_strlcpy(s->heal_cause, cause, sizeof(s->heal_cause));
+        ps_snprintf(s->heal_note, sizeof(s->heal_note),
+                    "awaiting a replacement for rank %d (lost: %s) to heal from a replica, for "
+                    "up to %lld ms",
+                    rank, cause, (long long)wait_ms);
     }
     s->ring_cancel = 1; /* a ring set-up that counts on the lost rank gives up */
     pthread_cond_broadcast(&s->cv);
@@ -560,8 +564,12 @@ pshard_status_t shard_heal_adopt(pshard_shard_server_t *s, shard_model_t *m, int
     pthread_mutex_lock(&s->mu);
     int64_t lost_ns = s->heal_started_ns;
     s->heals++;
-    pthread_mutex_unlock(&s->mu);
     double took = (double)(ps_now_ns() - (lost_ns ? lost_ns : h->started_ns)) / 1e9;
+    ps_snprintf(s->heal_note, sizeof(s->heal_note),
+                "rank %d healed from rank %d at step %" PRId64 ", %.3f s after this server took "
+                "the lost one's rank",
+                s->rank, h->source, h->step, took);
+    pthread_mutex_unlock(&s->mu);
     PS_WARN(PS_SUB_SHARD,
             "rank %d healed from rank %d (a replica of its shard): %zu elements and the "
             "optimizer state at step %" PRId64 " (%" PRId64 " aborted), %.3f s after this "

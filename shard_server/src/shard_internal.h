@@ -120,6 +120,7 @@ struct pshard_shard_server {
     char heal_cause[256];
     bool replaces_lost;
     uint64_t heals;
+    char heal_note[320]; /* Status's heal line: the newest heal, or the one awaited */
     /* The newcomer's state from its replica until its trainer defines the model (op_mu). */
     struct shard_heal_state *heal;
 

@@ -372,8 +372,12 @@ static void heal_done(pshard_shard_server_t *s)
     char cause[sizeof(s->heal_cause)];
     memcpy(cause, s->heal_cause, sizeof(cause));
     s->heal_rank = -1;
-    if (rank >= 0)
+    if (rank >= 0) {
         s->heals++;
+        ps_snprintf(s->heal_note, sizeof(s->heal_note),
+                    "rank %d healed from a replica %.3f s after it was lost (%s)", rank, took,
+                    cause);
+    }
     pthread_mutex_unlock(&s->mu);
     if (rank >= 0)
         PS_WARN(PS_SUB_SHARD,

@@ -912,6 +912,7 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.shadowed_ops = s->shadowed_ops;
     out.ops_ahead = s->ops_ahead;
     out.ops_diverted = s->ops_diverted;
+    out.heal = s->heal_note;
     out.transport = comm ? (char *)pshard_comm_transport(comm) : "";
     if (comm)
         shard_flight_read(comm, fl);

@@ -18,7 +18,8 @@ update).
 MESH: "" (FSDP over the world) or "RxS" (HSDP: R replicas of S shard ranks).
 REPLACE_WORKER_BATCHNORM=1 in the environment puts a BatchNorm1d after the first layer;
 REPLACE_WORKER_OTHER_MODEL=1 makes a replacement (a later attempt) define a wider model;
-REPLACE_WORKER_SAVE=1 saves a checkpoint (pshardrun --checkpoint-dir) after the last step.
+REPLACE_WORKER_STATUS=PSHARDCTL has rank 0 write `pshardctl --json status` at the end to
+OUT/status.json; REPLACE_WORKER_SAVE=1 saves a checkpoint (pshardrun --checkpoint-dir) after the last step.
 argv: OUT FAIL_STEP SKIP [OPTIM [WHERE [MESH]]]"""
 import json
 import os
@@ -150,6 +151,11 @@ if mesh is not None:
         torch.distributed.all_reduce(t, group=g)
         mesh_sums[dim] = [t.item(), float(sum(r + 1 for r in
                                               torch.distributed.get_process_group_ranks(g)))]
+if rank == 0 and os.environ.get("REPLACE_WORKER_STATUS"):  # what pshardctl says of the servers
+    import subprocess
+    with open(os.path.join(out, "status.json"), "w") as f:
+        subprocess.run([os.environ["REPLACE_WORKER_STATUS"], "--json", "status"], stdout=f,
+                       check=True)
 if os.environ.get("REPLACE_WORKER_SAVE") == "1":  # a checkpoint after the last step
     pt.save_checkpoint(model)
 sd = pt.get_model_state_dict(model, options=pt.StateDictOptions(full_state_dict=True))

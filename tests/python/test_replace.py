@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import HERE, pshardrun
+from conftest import HERE, program, pshardrun
 
 
 def test_lost_trainer_replaced(tmp_path):
@@ -131,10 +131,18 @@ def test_hsdp_server_healed(tmp_path):
     run = tmp_path / "heal"
     run.mkdir()
     p = pshardrun(4, worker, [str(run), "4", "", "server", "server", "2x2"],
-                  extra=["--max-restarts", "1", "--lease-ms", "2000"])
+                  extra=["--max-restarts", "1", "--lease-ms", "2000"],
+                  env={"REPLACE_WORKER_STATUS": program("pshardctl")})
     assert p.returncode == 0, p.stdout[-6000:]
     assert "replacing it and its trainer (restart 1 of 1)" in p.stdout, p.stdout[-6000:]
     assert "rank 1 healed from rank 3" in p.stdout, p.stdout[-6000:]
+    # pshardctl status shows the heal on the new server and on the survivors
+    status = json.loads((run / "status.json").read_text())
+    heal = {s["rank"]: s["heal"] for s in status["servers"]}
+    assert heal[1].startswith("rank 1 healed from rank 3 at step 4"), heal
+    assert all(heal[r].startswith("rank 1 healed from a replica") and
+               "pshardrun saw its process end: killed by signal 9" in heal[r]
+               for r in (0, 2, 3)), heal
     assert "lost shard server (pshardrun saw its process end" in p.stdout, p.stdout[-6000:]
     first = [json.loads((run / f"rank-{r}-0.json").read_text()) for r in (0, 2, 3)]
     repl = json.loads((run / "rank-1-1.json").read_text())

@@ -138,6 +138,8 @@ static void print_servers_table(FILE *out, const ctl_server_probe_t *probes, siz
         if (r->rank != p->member->rank)
             fprintf(out, " (the server says it is rank %d)", r->rank);
         fputc('\n', out);
+        if (*r->heal)
+            fprintf(out, "    heal: %s\n", r->heal);
         /* Stuck lines first, then the most recent others, oldest of those first. */
         size_t shown = 0;
         for (size_t k = 0; k < r->n_flight_records && shown < FLIGHT_LINES_SHOWN; k++) {
@@ -202,11 +204,11 @@ static json_t *json_servers(const ctl_server_probe_t *probes, size_t n)
                 if (!append(groups, ctl_jstr(r->groups[k])))
                     break;
             json_t *more = json_pack(
-                "{s:i,s:i,s:I,s:b,s:I,s:o,s:o,s:o,s:o,s:o,s:o}", "server_rank", r->rank,
+                "{s:i,s:i,s:I,s:b,s:I,s:o,s:o,s:o,s:o,s:o,s:o,s:o}", "server_rank", r->rank,
                 "world_size", r->world_size, "step", (json_int_t)r->step, "attached", r->attached,
                 "generation", (json_int_t)r->generation, "backend", ctl_jstr(r->backend),
                 "placement", ctl_jstr(r->placement), "transport", ctl_jstr(r->transport), "stuck",
-                stuck, "flight_records", records, "groups", groups);
+                stuck, "flight_records", records, "groups", groups, "heal", ctl_jstr(r->heal));
             if (!more || json_object_update(o, more) != 0)
                 json_decref(o), o = NULL;
             json_decref(more);
