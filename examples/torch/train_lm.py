@@ -12,20 +12,35 @@ Each rank trains on its own part of the text. The port from torch FSDP2 is the i
                        ``pshardrun --resume D`` continues from the newest one, on any world size
   --optimizer torch    torch.optim.AdamW in the trainer instead of pshard.torch.optim.AdamW on
                        the shard servers (a replacement of a lost trainer gets its state back)
-  --fail-at-step N --fail-rank R
-                       trainer R exits before step N on its first attempt (a lost trainer, for
-                       pshardrun --max-restarts and tests/bench/run-failure-bench.sh)
+  --mesh RxS           HSDP: R replicas of S shard ranks (R * S = the world size) instead of
+                       sharding over every rank; a lost shard server then heals from a replica
+  --fail-at-step N --fail-rank R [--fail-kind trainer|server]
+                       on its first attempt, trainer R exits before step N (trainer, the
+                       default), or kills its own shard server there and waits to be stopped
+                       (server; healed under --mesh and the servers' optimizer): a failure for
+                       pshardrun --max-restarts and tests/bench/run-failure-bench.sh
 Prints ``step N loss X tokens/s Y`` lines.
 """
 import argparse
 import glob
 import math
 import os
+import re
+import signal
 import sys
 import time
 import warnings
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+
+def parse_mesh(text):
+    """--mesh RxS as (R, S)."""
+    m = re.fullmatch(r"([0-9]+)x([0-9]+)", text)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give replicas x shard ranks, e.g. 2x2")
+    return int(m[1]), int(m[2])
 
 
 def parse_args(argv=None):
@@ -50,13 +65,52 @@ def parse_args(argv=None):
     p.add_argument("--text-bytes", type=int, default=4 << 20,
                    help="how much of the standard library's sources to read")
     p.add_argument("--optimizer", choices=["server", "torch"], default="server")
+    p.add_argument("--mesh", type=parse_mesh, default=None,
+                   help="RxS: HSDP, R replicas of S shard ranks (default: FSDP over every rank)")
     p.add_argument("--fail-at-step", type=int, default=0)
     p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--fail-kind", choices=["trainer", "server"], default="trainer",
+                   help="what --fail-at-step loses: this trainer or its shard server")
     args = p.parse_args(argv)
     if args.uneven and args.optimizer == "torch":
         p.error("--uneven needs --optimizer server: a rank that joined steps its shard on the "
                 "shard servers, where a trainer's torch.optim cannot reach it")
     return args
+
+
+def build_mesh(args, world):
+    """None (fully_shard's default: FSDP over every rank) or --mesh's 2-D DeviceMesh for HSDP:
+    each parameter sharded over the S ranks of a replica and replicated across the R replicas.
+    SystemExit when R * S is not the world size."""
+    if args.mesh is None:
+        return None
+    r, s = args.mesh
+    if r * s != world:
+        raise SystemExit(f"--mesh {r}x{s} holds {r * s} ranks, but the job has {world}: "
+                         "R * S must be the world size")
+    return init_device_mesh("cpu", (r, s), mesh_dim_names=("replicate", "shard"))
+
+
+def kill_own_shard_server():
+    """Loses this rank's shard server, as a crash would: SIGKILL to the process that pshardrun
+    (our parent) started for it, the one whose --port-file is .../server-LOCAL_RANK.ATTEMPT.port.
+    Then waits for pshardrun to stop this trainer, which it does when it replaces the server.
+    SystemExit when no such server is found (another launcher)."""
+    port_file = re.compile(rf"/server-{os.environ['LOCAL_RANK']}\.[0-9]+\.port$")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace").split("\0")
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:  # (gone meanwhile)
+            continue
+        if ppid == os.getppid() and any(port_file.search(a) for a in cmdline):
+            os.kill(int(pid), signal.SIGKILL)
+            while True:
+                signal.pause()
+    raise SystemExit("--fail-kind server: no shard server of this rank found among "
+                     "pshardrun's children")
 
 
 def build_model(args):
@@ -118,13 +172,15 @@ def main(argv=None):
 
     pshard.init_process_group()
     rank, world = pshard.get_rank(), pshard.get_world_size()
+    mesh = build_mesh(args, world)
     text = load_text(args.text_bytes)
     model = build_model(args)
     mp = pt.MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if args.param_dtype == "bf16" else None)
     for block in model.transformer.h:
-        pt.fully_shard(block, mp_policy=mp, reshard_after_forward=bool(args.reshard_after_forward))
-    pt.fully_shard(model, mp_policy=mp)
+        pt.fully_shard(block, mesh=mesh, mp_policy=mp,
+                       reshard_after_forward=bool(args.reshard_after_forward))
+    pt.fully_shard(model, mesh=mesh, mp_policy=mp)
     adamw = torch.optim.AdamW if args.optimizer == "torch" else pt.optim.AdamW
     opt = adamw(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
@@ -150,6 +206,10 @@ def main(argv=None):
         first_attempt = os.environ.get("PSHARD_RESTART_COUNT", "0") == "0"
         while step < steps:
             if first_attempt and rank == args.fail_rank and step + 1 == args.fail_at_step:
+                if args.fail_kind == "server":
+                    print(f"rank {rank} killing its shard server before step {step + 1} "
+                          "(--fail-at-step --fail-kind server)", flush=True)
+                    kill_own_shard_server()  # (does not return)
                 print(f"rank {rank} exiting before step {step + 1} (--fail-at-step)",
                       flush=True)
                 os._exit(3)
@@ -168,9 +228,10 @@ def main(argv=None):
                     if rank == 0:
                         print(f"checkpoint {path}", flush=True)
             except pshard.StepAbortedError as e:
-                # A trainer of the job was lost and is being replaced: this step counts on
-                # every rank or on none (resync restores what it changed here then); go on
-                # where the shard servers say, as its replacement will.
+                # A trainer or (under --mesh) a shard server of the job was lost and is being
+                # replaced: this step counts on every rank or on none (resync restores what it
+                # changed here then); go on where the shard servers say, as its replacement
+                # will.
                 opt.zero_grad()
                 nxt = pt.resync(model)
                 if rank == 0:
