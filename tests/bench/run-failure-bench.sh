@@ -29,26 +29,32 @@ for fault in trainer-kill server-stop server-kill; do
                  fault, n, p50, p90, v[n] }'
 done
 
-# Recovery: from a trainer's death to the job training again (rank 0 finishing step 14), over
-# RECOVERY_TRIALS (5) runs of a 3-rank pshardrun job (--lease-ms LEASE_MS, 2000; trainer 1
-# exits before step 13, --fail-at-step), side by side, for each job of RECOVERY_JOBS:
-#   mlp      pshard-mlp, 4 layers of 1024
-#   lm       examples/torch/train_lm.py (GPT-2 2x128, pshard.torch.optim.AdamW on the servers;
-#            needs VENV, default <build>/torch-venv from scripts/pshard-venv.sh)
+# Recovery: from a fault to the job training again (rank 0 finishing step 14), over
+# RECOVERY_TRIALS (5) runs of a pshardrun job (--lease-ms LEASE_MS, 2000; before step 13,
+# --fail-at-step, trainer 1 exits or, in lm_hsdp, kills its shard server), side by side, for
+# each job of RECOVERY_JOBS:
+#   mlp      pshard-mlp, 4 layers of 1024, 3 ranks
+#   lm       examples/torch/train_lm.py (GPT-2 2x128, pshard.torch.optim.AdamW on the servers),
+#            3 ranks; needs VENV, default <build>/torch-venv from scripts/pshard-venv.sh
 #   lm_topt  the same with torch.optim.AdamW in the trainer, whose state pshard.torch keeps
 #            (replace mode only: a full restart cannot bring a trainer's optimizer state back)
+#   lm_hsdp  the lm job on 4 ranks as HSDP (--mesh 2x2: 2 replicas of 2 shard ranks); the fault
+#            is shard server 1's death (SIGKILL, --fail-kind server), not its trainer's
 # and each mode:
 #   replace: --max-restarts 1 (trainer 1 alone is replaced; the others skip the aborted step)
+#   heal:    (lm_hsdp's replace) --max-restarts 1 (server 1 and its trainer are replaced, the
+#            new server gets its state from its replica, server 3; the others skip the aborted
+#            step)
 #   restart: --max-restarts 1 --replace-timeout-ms 0 (every process restarts, resuming from
 #            the step-10 checkpoint: today's torchrun way)
-# Prints p50 / max per job and mode and the ratio of the medians.
+# Prints p50 / max per job and mode and the ratio of the medians (replace or heal / restart).
 RECOVERY_TRIALS="${RECOVERY_TRIALS:-5}"
-RECOVERY_JOBS="${RECOVERY_JOBS:-mlp lm lm_topt}"
+RECOVERY_JOBS="${RECOVERY_JOBS:-mlp lm lm_topt lm_hsdp}"
 LEASE_MS="${LEASE_MS:-2000}"
 VENV="${VENV:-$BUILD/torch-venv}"
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
-# recovery_ms JOB MODE: one run; prints the milliseconds from trainer 1's exit to rank 0's
-# next step.
+# recovery_ms JOB MODE: one run; prints the milliseconds from rank 1's fault (its trainer's
+# exit, or for lm_hsdp its shard server's kill) to rank 0's next step.
 recovery_ms() {
   local extra=() ck run
   ck=$(mktemp -d)
@@ -61,12 +67,18 @@ recovery_ms() {
          "$VENV/bin/python" "$ROOT/examples/torch/train_lm.py" --steps 20 --print-every 1
          --fail-at-step 13 --fail-rank 1 --layers 2 --d-model 128 --heads 2)
     [ "$1" = lm_topt ] && run+=(--optimizer torch) ;;
+  lm_hsdp)
+    run=("$VENV/bin/pshardrun" --nproc 4 --lease-ms "$LEASE_MS" --max-restarts 1 "${extra[@]}" --
+         "$VENV/bin/python" "$ROOT/examples/torch/train_lm.py" --steps 20 --print-every 1
+         --fail-at-step 13 --fail-rank 1 --layers 2 --d-model 128 --heads 2
+         --mesh 2x2 --fail-kind server) ;;
   esac
   # The trainers flush each step line: they reach pshardrun (and the clock below) as printed.
   OMP_NUM_THREADS=1 "${run[@]}" 2>&1 | while IFS= read -r line; do echo "$(now_ms) $line"; done > "$ck/log"
-  # Training again: rank 0 finishes a step past the one trainer 1 died before (13), the same
-  # progress either way (the restart redoes steps 11-13 from the step-10 checkpoint).
-  awk '/exiting before step/ && !t { t = $1 }
+  # Training again: rank 0 finishes a step past the one rank 1 failed before (13), the same
+  # progress either way (the restart redoes steps 11-13 from the step-10 checkpoint). The
+  # clock starts at the fault's line, which the trainer prints just before it.
+  awk '/(exiting|killing its shard server) before step/ && !t { t = $1 }
        t && /\[trainer 0\] step [0-9]+ loss/ && $5 + 0 > 13 { print $1 - t; exit }' "$ck/log"
   rm -rf "$ck"
 }
@@ -75,7 +87,8 @@ declare -A rec
 for job in $RECOVERY_JOBS; do
   modes="replace restart"
   [ "$job" = lm_topt ] && modes=replace
-  case "$job" in lm | lm_topt) [ -x "$VENV/bin/python" ] ||
+  [ "$job" = lm_hsdp ] && modes="heal restart"
+  case "$job" in lm | lm_topt | lm_hsdp) [ -x "$VENV/bin/python" ] ||
     { echo "recovery $job: no $VENV (scripts/pshard-venv.sh makes it); skipped" >&2; continue; } ;; esac
   for mode in $modes; do rec[$job.$mode]=""; done
   for ((t = 0; t < RECOVERY_TRIALS; t++)); do
@@ -91,6 +104,7 @@ for job in $RECOVERY_JOBS; do
                                   what, n, v[int((n + 1) / 2)], v[n] }'
   done
   [ "$job" = lm_topt ] && continue
-  awk -v a="$(med "${rec[$job.replace]}")" -v b="$(med "${rec[$job.restart]}")" -v l="$LEASE_MS" -v j="$job" \
-    'BEGIN { printf "recovery %s: replace / restart %.2f (medians %d / %d ms; lease %d ms)\n", j, a / b, a, b, l }'
+  first=${modes%% *} # replace, or heal
+  awk -v a="$(med "${rec[$job.$first]}")" -v b="$(med "${rec[$job.restart]}")" -v l="$LEASE_MS" -v j="$job" -v m="$first" \
+    'BEGIN { printf "recovery %s: %s / restart %.2f (medians %d / %d ms; lease %d ms)\n", j, m, a / b, a, b, l }'
 done
