@@ -24,6 +24,9 @@
 typedef struct {
     char name[COORD_NAME_MAX + 1];
     bool held; /* a live shard server has this rank */
+    /* The generation at which its holder took it: one that held it through the cluster's last
+     * degradation (held_since <= degraded_at) kept its state, a later one has none. */
+    uint64_t held_since;
 } rank_slot_t;
 
 struct coord_state {
@@ -47,6 +50,7 @@ struct coord_state {
     uint64_t formed_generation; /* generation of the last (re)forming; 0 before */
     rank_slot_t *slots;         /* world_size entries once formed */
     int held_slots;             /* slots with held == true */
+    uint64_t degraded_at;       /* the generation of the last FORMED -> DEGRADED */
 
     /* Join table: world_size entries once formed, indexed by rank; rank -1 marks a rank that
      * has not joined. Reset (with last_joiner) whenever the cluster (re)forms. */
@@ -365,6 +369,7 @@ static pshard_status_t form_cluster(coord_state_t *st)
             order[r]->rank = r;
             ps_strlcpy(slots[r].name, order[r]->name, sizeof(slots[r].name));
             slots[r].held = true;
+            slots[r].held_since = st->generation;
         } else {
             order[r]->rank = -1;
         }
@@ -421,6 +426,7 @@ static int vacate_rank(coord_state_t *st, int rank, const char *name)
     st->held_slots--;
     if (st->state == COORD_CLUSTER_FORMED) {
         st->state = COORD_CLUSTER_DEGRADED;
+        st->degraded_at = st->generation;
         bumpf(st, "cluster degraded: rank %d (was %s) is vacant", rank, name);
         return 1;
     }
@@ -656,11 +662,16 @@ pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const
             m.rank = r;
             ps_strlcpy(st->slots[r].name, name, sizeof(st->slots[r].name));
             st->slots[r].held = true;
+            st->slots[r].held_since = st->generation + 1;
             st->held_slots++;
             filled_vacancy = true;
         }
     }
-    m.replaces_lost = filled_vacancy;
+    /* Its state is lost with its predecessor, and some rank kept its own through the loss (so
+     * a replica may heal it): not when every server is new, as after a full restart. */
+    for (int r = 0; filled_vacancy && r < st->world_size && !m.replaces_lost; r++)
+        m.replaces_lost =
+            r != m.rank && st->slots[r].held && st->slots[r].held_since <= st->degraded_at;
     m.registered_generation = st->generation + 1;
     st->members[st->nmembers] = m;
     st->id_index[index_probe(st, m.member_id)] = (uint32_t)(st->nmembers + 1);

@@ -60,8 +60,10 @@ typedef struct {
     int64_t last_heartbeat_ns; /* last register or heartbeat */
     int64_t lease_deadline_ns; /* evicted when now_ns passes this */
     uint64_t registered_generation;
-    /* A shard server that took the rank of a lost one in a cluster that had formed: the state
-     * of that rank is not on it (an HSDP replica may heal it, shard_heal.c). */
+    /* A shard server that took the rank of a lost one in a cluster that had formed, while
+     * another rank kept its server through the loss: the state of that rank is not on it,
+     * and an HSDP replica may heal it (shard_heal.c). False when every server is new (a full
+     * restart on a coordinator that outlived the job's processes). */
     bool replaces_lost;
     bool not_serving;                             /* a shard server's last heartbeat said so */
     char not_serving_reason[COORD_FIELD_MAX + 1]; /* its reason, printable ASCII */

@@ -115,9 +115,7 @@ static pshard_status_t broadcast_words(pshard_comm_t *comm, int64_t *words, size
     return pshard_coll_run(comm, &a, err, errlen);
 }
 
-/* Fault injection for the crash-safety tests: PSHARD_FAULT_INJECT=NAME:STEP kills this process
- * (SIGKILL, no clean-up, as a crash would) when it reaches point NAME while saving STEP. */
-static void fault_point(const char *name, int64_t step)
+void shard_fault_point(const char *name, int64_t step)
 {
     const char *f = getenv("PSHARD_FAULT_INJECT");
     size_t n = strlen(name);
@@ -301,7 +299,7 @@ static pshard_status_t save_on(pshard_shard_server_t *s, pshard_comm_t *comm, sh
         ps_ckpt_manifest_t man;
         pshard_status_t mr = build_manifest(m, world, all, 3, &man, commit_err, sizeof(commit_err));
         if (mr == PSHARD_OK)
-            fault_point("ckpt-before-manifest", m->step);
+            shard_fault_point("ckpt-before-manifest", m->step);
         if (mr == PSHARD_OK)
             mr = ps_ckpt_manifest_write(step_dir, &man, commit_err, sizeof(commit_err));
         manifest_release(&man);

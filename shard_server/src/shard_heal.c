@@ -376,6 +376,8 @@ static pshard_status_t transfer(pshard_comm_t *rep, int root, bool source,
         hdr[H_NSTATE] = mine->nstate;
     }
     PS_CHECK(bcast(rep, root, PSHARD_INT64, hdr, H_WORDS, serial, 0, "heal header", err, errlen));
+    if (source)
+        shard_fault_point("heal-send", mine->step);
     if (hdr[H_NUMEL] < 0 || hdr[H_NPARAMS] < 1 || hdr[H_NPARAMS] > SHARD_MAX_PARAMS ||
         hdr[H_NGROUPS] < 1 || hdr[H_NGROUPS] > SHARD_MAX_GROUPS || hdr[H_NSTATE] < 0 ||
         hdr[H_NSTATE] > 2 || (uint64_t)hdr[H_NUMEL] > ((uint64_t)1 << 40))

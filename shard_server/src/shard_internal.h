@@ -355,6 +355,12 @@ shard_pg_t *shard_pg_find(pshard_shard_server_t *s, uint32_t id, pshard_status_t
 /* Records the first fatal background error, wakes waiters and logs it. Thread-safe. */
 void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *msg);
 
+/* Fault injection for the crash-safety tests: PSHARD_FAULT_INJECT=NAME:STEP kills this process
+ * (SIGKILL, no clean-up, as a crash would) when it reaches point NAME at STEP (a checkpoint's
+ * "ckpt-..." points while saving STEP, "heal-send" while a heal source sends its state at
+ * STEP). */
+void shard_fault_point(const char *name, int64_t step);
+
 /* Starts the server's lease with the coordinator (s->lease): its thread registers (again
  * under the same name when evicted, which gives the old rank back) and heartbeats, adopting
  * the coordinator's view of the cluster. Stopped, with a Leave, by ps_coord_lease_stop. */

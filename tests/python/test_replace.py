@@ -175,6 +175,20 @@ def test_heal_refuses_another_model(tmp_path):
     assert "than its replicas hold" in p.stdout, p.stdout[-6000:]
 
 
+def test_heal_source_lost_mid_copy(tmp_path):
+    """The heal's source (rank 3) dies after it sent the header of its state
+    (PSHARD_FAULT_INJECT=heal-send:4): the heal fails on the new server, naming the source and
+    itself, and the job ends (its one restart was the heal)."""
+    worker = os.path.join(HERE, "replace_worker.py")
+    p = pshardrun(4, worker, [str(tmp_path), "4", "", "server", "server", "2x2"],
+                  extra=["--max-restarts", "1", "--lease-ms", "2000"],
+                  env={"PSHARD_FAULT_INJECT": "heal-send:4"})
+    assert p.returncode != 0, p.stdout[-6000:]
+    assert "replacing it and its trainer (restart 1 of 1)" in p.stdout, p.stdout[-6000:]
+    assert "killing this process at heal-send of step 4" in p.stdout, p.stdout[-6000:]
+    assert "healing shard index 1 from rank 3 failed on rank 1" in p.stdout, p.stdout[-6000:]
+
+
 @pytest.mark.parametrize("mesh,optim", [("", "server"), ("2x2", "torch")])
 def test_server_loss_without_heal_restarts(tmp_path, mesh, optim):
     """Where no replica can heal a lost server (FSDP without replicas, or a torch.optim

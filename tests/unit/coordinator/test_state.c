@@ -516,7 +516,8 @@ static void test_declare_trainer_lost(void)
 
 /* A launcher declares a shard server it reaped lost: its rank is vacant at once (DEGRADED), and
  * the server that takes the rank again learns that the rank's state was lost with it, unlike
- * the servers that formed the cluster; a second replacement is refused. */
+ * the servers that formed the cluster; a second replacement is refused. After every server
+ * was lost, the new ones are not told they replace anyone. */
 static void test_declare_server_lost(void)
 {
     coord_member_view_t v[3];
@@ -538,6 +539,18 @@ static void test_declare_server_lost(void)
                                          MS(40), &second, err, sizeof(err)),
                     PSHARD_ERR_ALREADY_EXISTS);
     CU_ASSERT_PTR_NOT_NULL(strstr(err, "held by a live member"));
+    coord_state_destroy(st);
+
+    /* Every server lost and new ones registering (a full restart on a coordinator that
+     * outlived the job): none of them can heal from anyone, so none is told it replaces. */
+    st = formed_three(v);
+    const char *names[3] = {"s1", "s2", "s10"};
+    for (int i = 0; i < 3; i++)
+        CU_ASSERT_EQUAL(coord_state_declare_lost(st, names[i], "stopped", MS(20), err, sizeof(err)),
+                        PSHARD_OK);
+    for (int i = 0; i < 3; i++)
+        CU_ASSERT_FALSE(reg(st, SRV, names[i], MS(30 + i)).replaces_lost);
+    CU_ASSERT_EQUAL(coord_state_cluster_state(st), COORD_CLUSTER_FORMED);
     coord_state_destroy(st);
 }
 
