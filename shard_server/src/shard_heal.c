@@ -3,7 +3,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "pshard/coord_client.h"
 #include "pshard/log.h"
@@ -58,8 +57,33 @@ void shard_heal_capable(pshard_shard_server_t *s)
                 HEAL_CAPABLE_KEY, err);
 }
 
-void shard_heal_await(pshard_shard_server_t *s, pshard_comm_t *comm, int rank, const char *name,
-                      const char *cause)
+bool shard_ring_step_aborted(const pshard_shard_server_t *s, pshard_comm_t *ring)
+{
+    pshard_status_t e = pshard_comm_error(ring, NULL, 0);
+    return e == PSHARD_ERR_STEP_ABORTED ||
+           (e == PSHARD_ERR_PEER_LOST && shard_heal_possible(s, NULL, 0));
+}
+
+void shard_heal_peer_lost(pshard_shard_server_t *s, pshard_status_t *rc, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&s->mu);
+    bool heal = shard_heal_possible(s, NULL, 0);
+    pthread_mutex_unlock(&s->mu);
+    if (!heal)
+        return;
+    char msg[PSHARD_ERRLEN];
+    ps_snprintf(msg, sizeof(msg),
+                "the step in flight is aborted on every rank and none of it is applied: %s; a "
+                "replacement server may heal the lost rank from a replica",
+                err);
+    PS_WARN(PS_SUB_SHARD, "%s", msg);
+    shard_abort_ring(s, PSHARD_ERR_STEP_ABORTED, msg);
+    shard_pgs_abort(s, -1, PSHARD_ERR_STEP_ABORTED, msg);
+    err[0] = '\0';
+    *rc = ps_errf(err, errlen, PSHARD_ERR_STEP_ABORTED, "%s", msg);
+}
+
+void shard_heal_await(pshard_shard_server_t *s, int rank, const char *name, const char *cause)
 {
     char msg[PSHARD_ERRLEN];
     pthread_mutex_lock(&s->mu);
@@ -96,8 +120,7 @@ void shard_heal_await(pshard_shard_server_t *s, pshard_comm_t *comm, int rank, c
                  rank, name, cause, rank, (long long)wait_ms);
         PS_WARN(PS_SUB_SHARD, "%s", msg);
     }
-    if (comm && pshard_comm_error(comm, NULL, 0) == PSHARD_OK)
-        pshard_comm_abort_status(comm, st, msg);
+    shard_abort_ring(s, st, msg);
     shard_pgs_abort(s, -1, st, msg);
 }
 
@@ -112,14 +135,7 @@ pshard_status_t shard_heal_wait_formed(pshard_shard_server_t *s, int *rank, int 
     while (!atomic_load(&s->stop) &&
            !(s->formed && s->formed_generation > s->heal_from_gen && s->rank >= 0) &&
            ps_now_ns() < s->heal_deadline_ns) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
-        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+        shard_cv_wait(s, 100);
     }
     pshard_status_t rc = PSHARD_OK;
     if (atomic_load(&s->stop))

@@ -57,11 +57,22 @@ bool shard_heal_possible(const struct pshard_shard_server *s, char *why, size_t 
  * step of a trainer's own optimizer). Best effort: a failure is logged. No lock held. */
 void shard_heal_capable(struct pshard_shard_server *s);
 
+/* With mu held: whether ring failed as for an aborted step: STEP_ABORTED, or a lost peer
+ * (PEER_LOST, the ring's own finding) where a lost server can heal, which the coordinator's
+ * word (the watch thread) may not have reached yet. */
+bool shard_ring_step_aborted(const struct pshard_shard_server *s, struct pshard_comm *ring);
+
+/* A trainer operation failed with PEER_LOST (op_mu held): where a lost server can heal, the
+ * ring's finding came before the coordinator's, and the step aborts as for a heal (the world
+ * ring and the groups fail with STEP_ABORTED, so every rank rebuilds and the trainer resyncs);
+ * *rc and err say so. Else nothing changes. */
+void shard_heal_peer_lost(struct pshard_shard_server *s, pshard_status_t *rc, char *err,
+                          size_t errlen);
+
 /* The watch thread, for a lost ranked peer that can be healed: the step in flight aborts on
  * every rank (STEP_ABORTED on the world ring and every group), and the rank is awaited until
  * the --trainer-replace-ms deadline. A second loss while one is awaited ends the job. */
-void shard_heal_await(struct pshard_shard_server *s, struct pshard_comm *comm, int rank,
-                      const char *name, const char *cause);
+void shard_heal_await(struct pshard_shard_server *s, int rank, const char *name, const char *cause);
 
 /* The setup thread, after a step abort: when a lost peer is awaited, waits (without locks)
  * until the cluster formed again with its rank held, and returns the new ring's rank, world

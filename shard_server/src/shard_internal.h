@@ -355,6 +355,15 @@ shard_pg_t *shard_pg_find(pshard_shard_server_t *s, uint32_t id, pshard_status_t
 /* Records the first fatal background error, wakes waiters and logs it. Thread-safe. */
 void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *msg);
 
+/* Fails the world ring's collectives with st and msg, if it is there and has not failed yet
+ * (true then); under mu, since the setup thread retires a ring only after taking it from
+ * s->comm under mu. Any thread but the setup thread. */
+bool shard_abort_ring(pshard_shard_server_t *s, pshard_status_t st, const char *msg);
+
+/* With mu held: waits on cv at most ms milliseconds (the waiters re-check their condition,
+ * the deadline and stop after each wake). */
+void shard_cv_wait(pshard_shard_server_t *s, int64_t ms);
+
 /* Fault injection for the crash-safety tests: PSHARD_FAULT_INJECT=NAME:STEP kills this process
  * (SIGKILL, no clean-up, as a crash would) when it reaches point NAME at STEP (a checkpoint's
  * "ckpt-..." points while saving STEP, "heal-send" while a heal source sends its state at

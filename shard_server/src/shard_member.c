@@ -23,6 +23,29 @@ static void sleep_ms(int64_t ms)
     nanosleep(&ts, NULL);
 }
 
+void shard_cv_wait(pshard_shard_server_t *s, int64_t ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (ms % 1000) * 1000000;
+    if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
+    }
+    pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+}
+
+bool shard_abort_ring(pshard_shard_server_t *s, pshard_status_t st, const char *msg)
+{
+    pthread_mutex_lock(&s->mu);
+    bool live = s->comm && pshard_comm_error(s->comm, NULL, 0) == PSHARD_OK;
+    if (live)
+        pshard_comm_abort_status(s->comm, st, msg);
+    pthread_mutex_unlock(&s->mu);
+    return live;
+}
+
 void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *msg)
 {
     pthread_mutex_lock(&s->mu);
@@ -42,24 +65,26 @@ void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *m
  * keep completing, so nothing stalls and nothing is aborted. */
 static void lost_contact_check(pshard_shard_server_t *s)
 {
+    /* All of it under mu: the setup thread retires a ring only after taking it from s->comm
+     * under mu, so the ring read here stays alive. */
     pthread_mutex_lock(&s->mu);
     pshard_comm_t *comm = s->comm;
     int64_t since = s->last_contact_ns, lease = s->lease_ms;
-    pthread_mutex_unlock(&s->mu);
     int64_t now = ps_now_ns();
-    if (!comm || since == 0 || lease <= 0 || now - since < lease * 1000000 ||
-        pshard_comm_error(comm, NULL, 0) != PSHARD_OK)
-        return;
-    /* Records come oldest first; the newest is the one that may be stuck. */
     pshard_coll_record_t recs[64];
-    size_t n = pshard_comm_flight_records(comm, recs, 64);
-    if (n == 0)
+    size_t n = 0;
+    if (comm && since != 0 && lease > 0 && now - since >= lease * 1000000 &&
+        pshard_comm_error(comm, NULL, 0) == PSHARD_OK)
+        n = pshard_comm_flight_records(comm, recs, 64);
+    /* Records come oldest first; the newest is the one that may be stuck. Half a lease of
+     * stalling is evidence enough: a healthy ring finishes an operation far sooner, and a
+     * merely restarting coordinator does not stall it at all. */
+    if (n == 0 || recs[n - 1].state != PSHARD_COLL_RUNNING ||
+        now - recs[n - 1].start_ns < lease * 500000) {
+        pthread_mutex_unlock(&s->mu);
         return;
+    }
     pshard_coll_record_t rec = recs[n - 1];
-    /* Half a lease of stalling is evidence enough: a healthy ring finishes an operation far
-     * sooner, and a merely restarting coordinator does not stall it at all. */
-    if (rec.state != PSHARD_COLL_RUNNING || now - rec.start_ns < lease * 500000)
-        return;
     char msg[PSHARD_ERRLEN];
     snprintf(msg, sizeof(msg),
              "rank %d lost contact with the coordinator %s for %lld ms (lease %lld ms) while "
@@ -67,8 +92,9 @@ static void lost_contact_check(pshard_shard_server_t *s)
              pshard_comm_rank(comm), s->cfg.coordinator, (long long)((now - since) / 1000000),
              (long long)lease, pshard_coll_op_name(rec.op), (unsigned long long)rec.seq,
              rec.waiting_on);
-    PS_ERROR(PS_SUB_SHARD, "%s", msg);
     pshard_comm_abort_status(comm, PSHARD_ERR_PEER_LOST, msg);
+    pthread_mutex_unlock(&s->mu);
+    PS_ERROR(PS_SUB_SHARD, "%s", msg);
 }
 
 /* `pshardctl checkpoint save` bumps a counter in the coordinator's store; the newest value
@@ -225,8 +251,8 @@ pshard_status_t shard_lease_start(pshard_shard_server_t *s, char *err, size_t er
  * Call with mu held. */
 static bool comm_stale(pshard_shard_server_t *s)
 {
-    /* A step aborted for a lost trainer: the same ranks, on a new ring. */
-    if (pshard_comm_error(s->comm, NULL, 0) == PSHARD_ERR_STEP_ABORTED)
+    /* A step aborted for a lost trainer (or a lost server a replica heals): a new ring. */
+    if (shard_ring_step_aborted(s, s->comm))
         return true;
     if (s->formed_generation == s->comm_generation)
         return false;
@@ -397,14 +423,7 @@ void *shard_setup_main(void *arg)
     while (!atomic_load(&s->stop)) {
         pthread_mutex_lock(&s->mu);
         while (!atomic_load(&s->stop) && (!s->formed || (s->comm && !comm_stale(s)))) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 100 * 1000000;
-            if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000;
-            }
-            pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+            shard_cv_wait(s, 100);
             replace_check(s);
             if (!s->comm && ps_now_ns() > give_up) {
                 pthread_mutex_unlock(&s->mu);
@@ -420,8 +439,9 @@ void *shard_setup_main(void *arg)
         uint64_t gen = s->formed_generation;
         pshard_comm_t *old = s->comm;
         char why[PSHARD_ERRLEN] = "";
-        bool step_abort =
-            old && pshard_comm_error(old, why, sizeof(why)) == PSHARD_ERR_STEP_ABORTED;
+        bool step_abort = old && shard_ring_step_aborted(s, old);
+        if (old)
+            pshard_comm_error(old, why, sizeof(why));
         if (step_abort) {
             s->ring_serial++;
             ps_strlcpy(s->abort_msg, why, sizeof(s->abort_msg));
@@ -578,7 +598,7 @@ void *shard_setup_main(void *arg)
  * step in flight aborts on every rank (the ring and this rank's groups fail with STEP_ABORTED,
  * so every server rebuilds its ring and discards the step's gradients, shard_setup_main), and
  * the replacement may attach until the deadline (replace_check). */
-static void await_replacement(pshard_shard_server_t *s, pshard_comm_t *comm, const char *name,
+static void await_replacement(pshard_shard_server_t *s, int rank, const char *name,
                               const char *cause, bool trainer_optimizer)
 {
     char msg[PSHARD_ERRLEN];
@@ -588,7 +608,7 @@ static void await_replacement(pshard_shard_server_t *s, pshard_comm_t *comm, con
     snprintf(msg, sizeof(msg),
              "rank %d's trainer %s was lost (%s): the step in flight is aborted on every rank, "
              "%s; its replacement may attach within %lld ms (pshardrun --max-restarts)",
-             pshard_comm_rank(comm), name, cause,
+             rank, name, cause,
              trainer_optimizer ? "its gradients discarded and its torch.optim update rolled back "
                                  "unless the lost trainer had committed it (then it counts on "
                                  "every rank: pshard.torch.resync returns the step to go on from)"
@@ -598,10 +618,8 @@ static void await_replacement(pshard_shard_server_t *s, pshard_comm_t *comm, con
     s->replace_deadline_ns = ps_now_ns() + wait_ms * 1000000;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
-    if (pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
+    if (shard_abort_ring(s, PSHARD_ERR_STEP_ABORTED, msg))
         PS_WARN(PS_SUB_SHARD, "%s", msg);
-        pshard_comm_abort_status(comm, PSHARD_ERR_STEP_ABORTED, msg);
-    }
     shard_pgs_abort(s, -1, PSHARD_ERR_STEP_ABORTED, msg);
 }
 
@@ -648,7 +666,9 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
             if (strcmp((*known)[i].name, name) == 0)
                 who = &(*known)[i];
         pthread_mutex_lock(&s->mu);
-        pshard_comm_t *comm = s->comm;
+        /* The ring itself only under mu (shard_abort_ring): the setup thread may retire it. */
+        bool comm = s->comm != NULL;
+        int rank = s->rank;
         int64_t lease = s->lease_ms;
         bool ours = s->session[0] && strcmp(s->trainer_name, name) == 0;
         bool state_lost = s->model && s->model->trainer_optimizer && !s->model->trainer_state_kept;
@@ -680,28 +700,26 @@ static void on_cluster_event(pshard_shard_server_t *s, const Pshard__ClusterEven
         bool matters =
             trainer || (who && who->role == PSHARD__ROLE__SHARD_SERVER && who->rank >= 0);
         if (trainer && keep && comm) {
-            await_replacement(s, comm, name, cause, trainer_optimizer);
+            await_replacement(s, rank, name, cause, trainer_optimizer);
         } else if (!trainer && matters && heal) {
             /* Also without a ring: a peer's abort may have reached this rank first, and the
              * ring it is building now counts on the lost rank (shard_heal_await cancels it). */
-            shard_heal_await(s, comm, who->rank, name, cause);
+            shard_heal_await(s, who->rank, name, cause);
         } else if (matters && comm) {
             char msg[PSHARD_ERRLEN];
             if (trainer)
                 snprintf(msg, sizeof(msg),
                          "trainer %s was evicted: %s (it died, hangs or is cut off); rank %d "
                          "stops its collectives%s",
-                         name, cause, pshard_comm_rank(comm), why_not);
+                         name, cause, rank, why_not);
             else
                 snprintf(
                     msg, sizeof(msg),
                     "rank %d (shard server %s) was lost: %s (it died, hangs or is cut off)%s%s",
                     who->rank, name, cause, s->cfg.trainer_replace_ms > 0 ? "; not healed: " : "",
                     s->cfg.trainer_replace_ms > 0 ? no_heal : "");
-            if (pshard_comm_error(comm, NULL, 0) == PSHARD_OK) {
+            if (shard_abort_ring(s, PSHARD_ERR_PEER_LOST, msg))
                 PS_ERROR(PS_SUB_SHARD, "%s", msg);
-                pshard_comm_abort_status(comm, PSHARD_ERR_PEER_LOST, msg);
-            }
             /* Every group holding the lost rank fails too (this rank's trainer: all of this
              * rank's groups); the others go on, as torch's would. */
             shard_pgs_abort(s, trainer ? -1 : who->rank, PSHARD_ERR_PEER_LOST, msg);

@@ -3,6 +3,7 @@
  * operations — its real slice for gathers, zeros for gradient reductions and collectives, the
  * main hook — until every rank has joined and each Join says who joined last, the post
  * hook). */
+#include "shard_heal.h"
 #include "shard_ops.h"
 
 #include <inttypes.h>
@@ -88,7 +89,7 @@ static bool runs_ahead(pshard_shard_server_t *s, pshard_comm_t *comm, const shar
 static bool ring_rebuilding(pshard_shard_server_t *s)
 {
     if (s->comm)
-        return pshard_comm_error(s->comm, NULL, 0) == PSHARD_ERR_STEP_ABORTED;
+        return shard_ring_step_aborted(s, s->comm);
     return s->ring_serial > s->comm_serial && s->fatal == PSHARD_OK;
 }
 
@@ -101,14 +102,7 @@ static bool wait_ring(pshard_shard_server_t *s, int64_t until, pshard_status_t *
 {
     pthread_mutex_lock(&s->mu);
     while (ring_rebuilding(s) && !atomic_load(&s->stop) && ps_now_ns() < until) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 50 * 1000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
-        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+        shard_cv_wait(s, 50);
     }
     bool ready = !ring_rebuilding(s);
     pthread_mutex_unlock(&s->mu);
@@ -218,6 +212,8 @@ static pshard_status_t op_run(pshard_shard_server_t *s, shard_op_t *op, char *er
         if (rc == PSHARD_OK)
             rc = op->run(s, comm, op, err, errlen);
     }
+    if (rc == PSHARD_ERR_PEER_LOST)
+        shard_heal_peer_lost(s, &rc, err, errlen);
     /* Another process may have shrunk the memory the operation used: then it did not do what
      * it says, whatever it returned. */
     if (rc == PSHARD_OK && !op->no_session)
