@@ -620,6 +620,14 @@ pshard_status_t coord_state_register(coord_state_t *st, coord_role_t role, const
                        lease_key && lease_key[0] ? " (the lease key given is not that member's)"
                                                  : "");
     }
+    if (old >= 0 && role == COORD_ROLE_SHARD_SERVER && st->members[old].rank >= 0 &&
+        !key_matches(lease_key, st->members[old].lease_key)) {
+        /* A ranked server restarted (another incarnation: not its key) after its lease lapsed,
+         * before a tick evicted it: it was lost, and says so as an eviction would, so that the
+         * others learn of it and the new one takes the vacant rank as a replacement. */
+        drop_member(st, (size_t)old, "lease expired", now_ns);
+        old = -1;
+    }
     if (old < 0 && st->nmembers >= COORD_MAX_MEMBERS)
         return ps_errf(err, errlen, PSHARD_ERR_RESOURCE_EXHAUSTED,
                        "the coordinator already has %d members; the limit is %d", (int)st->nmembers,

@@ -751,9 +751,11 @@ static void test_lease_key_is_the_credential(void)
     }
     coord_snapshot_free(snap);
 
-    /* Once the lease has lapsed (even before a tick evicted it), a restart takes it over. */
+    /* Once the lease has lapsed (even before a tick evicted it), a restart takes it over: the
+     * lapsed one is evicted first (the others learn of the loss), and the restart replaces it. */
     coord_member_view_t back = reg(st, SRV, "s2", MS(5001));
     CU_ASSERT_EQUAL(back.rank, 1);
+    CU_ASSERT_TRUE(back.replaces_lost);
     err[0] = '\0';
     CU_ASSERT_EQUAL(
         coord_state_heartbeat(st, v[1].member_id, v[1].lease_key, MS(5002), &out, err, sizeof(err)),
