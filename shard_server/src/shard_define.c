@@ -227,45 +227,6 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
     return rc;
 }
 
-pshard_status_t shard_mesh_connect(pshard_shard_server_t *s, shard_model_t *m, int wrank, int reps,
-                                   int shards, uint64_t attempt, uint32_t serial,
-                                   uint64_t generation, char *err, size_t errlen)
-{
-    int replica = wrank / shards, index = wrank % shards;
-    char name[64], suffix[16] = "", why[PSHARD_ERRLEN] = "";
-    if (serial > 0)
-        snprintf(suffix, sizeof(suffix), "~%u", serial);
-    pshard_comm_t *shard_comm = NULL, *replicate_comm = NULL;
-    pshard_comm_config_t cc;
-    snprintf(name, sizeof(name), "hsdp%" PRIu64 "s%d%s", attempt, replica, suffix);
-    shard_comm_config(s, &cc, name, index, shards, generation);
-    pshard_status_t rc = pshard_comm_create(&cc, &shard_comm, why, sizeof(why));
-    if (rc != PSHARD_OK)
-        return ps_errf(err, errlen, rc, "cannot connect the shard ranks of replica %d: %s", replica,
-                       why);
-    snprintf(name, sizeof(name), "hsdp%" PRIu64 "r%d%s", attempt, index, suffix);
-    shard_comm_config(s, &cc, name, replica, reps, generation);
-    rc = pshard_comm_create(&cc, &replicate_comm, why, sizeof(why));
-    if (rc != PSHARD_OK) {
-        pshard_comm_destroy(shard_comm);
-        return ps_errf(err, errlen, rc, "cannot connect the replicas of shard %d: %s", index, why);
-    }
-    pshard_comm_t *old[2] = {m->shard_comm, m->replicate_comm};
-    pthread_mutex_lock(&s->mu); /* (the watch thread aborts them under mu) */
-    m->shard_comm = shard_comm;
-    m->replicate_comm = replicate_comm;
-    pthread_mutex_unlock(&s->mu);
-    for (int i = 0; i < 2; i++)
-        if (old[i])
-            pshard_comm_destroy(old[i]);
-    m->replicas = reps;
-    m->mesh_attempt = attempt;
-    int64_t own = atomic_load(&s->session_timeout_ms); /* the trainer's init timeout */
-    pshard_comm_set_timeout(m->shard_comm, own);
-    pshard_comm_set_timeout(m->replicate_comm, own);
-    return PSHARD_OK;
-}
-
 /* The replacement of a lost trainer defined candidate: when it is the model this server kept
  * (the same definition, so the same fingerprint), the new trainer takes it over as it is,
  * with its region in place of the lost trainer's, and no other rank takes part; another model

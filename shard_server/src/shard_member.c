@@ -23,41 +23,6 @@ static void sleep_ms(int64_t ms)
     nanosleep(&ts, NULL);
 }
 
-void shard_cv_wait(pshard_shard_server_t *s, int64_t ms)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += ms / 1000;
-    ts.tv_nsec += (ms % 1000) * 1000000;
-    if (ts.tv_nsec >= 1000000000) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000;
-    }
-    pthread_cond_timedwait(&s->cv, &s->mu, &ts);
-}
-
-bool shard_abort_ring(pshard_shard_server_t *s, pshard_status_t st, const char *msg)
-{
-    pthread_mutex_lock(&s->mu);
-    bool live = s->comm && pshard_comm_error(s->comm, NULL, 0) == PSHARD_OK;
-    if (live)
-        pshard_comm_abort_status(s->comm, st, msg);
-    pthread_mutex_unlock(&s->mu);
-    return live;
-}
-
-void shard_set_fatal(pshard_shard_server_t *s, pshard_status_t st, const char *msg)
-{
-    pthread_mutex_lock(&s->mu);
-    if (s->fatal == PSHARD_OK) {
-        s->fatal = st;
-        ps_strlcpy(s->fatal_msg, msg, sizeof(s->fatal_msg));
-    }
-    pthread_cond_broadcast(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-    PS_ERROR(PS_SUB_SHARD, "%s", msg);
-}
-
 /* Cut off from the coordinator for longer than the lease while a collective is stalled (for
  * half a lease or more): this server has been evicted and its peers have stopped waiting for it, so
  * its own collectives stop too and its trainer gets an error instead of waiting for a ring that is

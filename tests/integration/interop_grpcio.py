@@ -405,8 +405,9 @@ class CoordinatorMethodsTest(CoordinatorTest):
         server too (its rank is vacant at once; the server that takes it again learns the rank's
         state was lost); an unknown name, half a request or a bad reason are refused, and the
         coordinator keeps serving."""
-        c = self.start_coordinator("--world-size", "1", "--lease-ms", "60000")
+        c = self.start_coordinator("--world-size", "2", "--lease-ms", "60000")
         shard = c.register("shard-only")
+        c.register("shard-two")  # survives the loss of shard-only below
         trainer = c.register("trainer-0", role="TRAINER")
         gen = c.call("Leave", name="trainer-0", lost="its process exited with status 3").generation
         self.assertGreater(gen, trainer.generation)

@@ -128,6 +128,19 @@ void run_set_stop(run_t *run, run_stop_t why, int exit_code)
     run->exit_code = exit_code;
 }
 
+/* What can be told of a lost shard server's chances of being healed while it is reaped
+ * (run_on_exit calls this, so anything it needs must not wait): the attempt's trainers run,
+ * the server had come up (one lost before its port appeared failed to start), a restart is
+ * left, trainer replacement is on (the other servers keep a lost rank's place only then),
+ * and the coordinator pshardrun started, if any, still runs (it hands the rank back). When
+ * false, the server's end stops the run at once as it always did. */
+bool run_may_heal(const run_t *run, const run_child_t *server)
+{
+    const run_opts_t *o = run->opts;
+    return run->supervising && server->port != 0 && o->replace_timeout_ms > 0 &&
+           run->attempt < o->max_restarts && !(run->coord && run->coord->reaped);
+}
+
 /* Takes note of one reaped child: a service that died on its own is the first failure unless
  * something else already is, or, for a shard server that might be healed (run_may_heal), is
  * judged once every child that ended by now is reaped (run_judge_servers); a failed trainer

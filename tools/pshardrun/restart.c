@@ -44,19 +44,6 @@ static void run_child_renew(run_child_t *c)
     run_child_init(c, c->role, c->rank);
 }
 
-/* What can be told of a lost shard server's chances of being healed while it is reaped
- * (run_on_exit calls this, so anything it needs must not wait): the attempt's trainers run,
- * the server had come up (one lost before its port appeared failed to start), a restart is
- * left, trainer replacement is on (the other servers keep a lost rank's place only then),
- * and the coordinator pshardrun started, if any, still runs (it hands the rank back). When
- * false, the server's end stops the run at once as it always did. */
-bool run_may_heal(const run_t *run, const run_child_t *server)
-{
-    const run_opts_t *o = run->opts;
-    return run->supervising && server->port != 0 && o->replace_timeout_ms > 0 &&
-           run->attempt < o->max_restarts && !(run->coord && run->coord->reaped);
-}
-
 /* True when the lost server of local rank r can be healed: run_may_heal still holds after the
  * round of reaping, no other server is lost too (a replica may be among them), the rank's
  * trainer has not finished (a new one would train again), and the model's servers said they
