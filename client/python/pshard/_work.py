@@ -33,6 +33,7 @@ class Work(_CWork):
         self._error = error
         self._done = False
         self._future = None
+        self._future_set = False  # whose _finish completes the Future (exactly one)
         self._lock = threading.Lock()
 
     def _finish(self):
@@ -55,8 +56,12 @@ class Work(_CWork):
                 self._after = []
                 self._error = err
                 self._done = True
-            fut = self._future
-        if fut is not None and not fut.done():
+            # One caller completes the Future: wait() and the completion thread may both get
+            # here, and a second set_result raises. Outside the lock: its callbacks may wait.
+            fut = self._future if not self._future_set else None
+            if fut is not None:
+                self._future_set = True
+        if fut is not None:
             if self._error is not None:
                 fut.set_exception(self._error)
             else:
