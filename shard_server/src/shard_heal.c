@@ -477,7 +477,12 @@ pshard_status_t shard_heal_transfer(pshard_shard_server_t *s, pshard_comm_t *com
     int me = pshard_comm_rank(comm), world = pshard_comm_world_size(comm);
     shard_heal_state_t *h = s->heal;
     bool healing = h != NULL && h->source < 0;
-    int shards = healing ? h->shards : s->model ? s->model->world : world;
+    if (!healing && (!s->model || !s->model->replicate_comm))
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "a rank awaits its state from a replica, but rank %d holds no HSDP model "
+                       "to heal it from",
+                       me);
+    int shards = healing ? h->shards : s->model->world;
     if (shards < 1 || world % shards != 0)
         return ps_errf(err, errlen, PSHARD_ERR_INTERNAL, "no mesh to heal over");
     int index = me % shards;
@@ -531,7 +536,6 @@ pshard_status_t shard_heal_adopt(pshard_shard_server_t *s, shard_model_t *m, int
                                  char *err, size_t errlen)
 {
     shard_heal_state_t *h = s->heal;
-    s->heal = NULL;
     pshard_status_t rc = PSHARD_OK;
     if (h->source < 0)
         rc = ps_errf(err, errlen, PSHARD_ERR_UNAVAILABLE,
@@ -549,10 +553,8 @@ pshard_status_t shard_heal_adopt(pshard_shard_server_t *s, shard_model_t *m, int
                      "rank %d's shard from rank %d does not fit the model defined here (%zu vs %zu "
                      "elements, %d vs %d state arrays)",
                      s->rank, h->source, h->shard_numel, m->shard_numel, h->nstate, m->nstate);
-    if (rc != PSHARD_OK) {
-        shard_heal_state_free(h);
-        return rc;
-    }
+    if (rc != PSHARD_OK)
+        return rc; /* the state stays for a definition of the right model */
     memcpy(m->master, h->master, h->shard_numel * sizeof(float));
     if (h->nstate > 0)
         memcpy(m->state0, h->state[0], h->shard_numel * sizeof(float));
@@ -562,10 +564,9 @@ pshard_status_t shard_heal_adopt(pshard_shard_server_t *s, shard_model_t *m, int
     memcpy(m->psteps, h->psteps, h->nparams * sizeof(int64_t));
     m->aborted_steps = h->aborted_steps;
     shard_group_t *groups = calloc(h->ngroups, sizeof(*groups));
-    if (!groups) {
-        shard_heal_state_free(h);
+    if (!groups)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
-    }
+    s->heal = NULL; /* adopted from here on */
     shard_groups_decode(h->group_words, h->ngroups, m->optim.kind, groups);
     shard_model_set_groups(m, groups);
     free(groups);

@@ -103,7 +103,8 @@ pshard_status_t shard_heal_transfer(struct pshard_shard_server *s, struct pshard
 
 /* DefineModel on the newcomer (op_mu held), m freshly created for mesh reps x shards: adopts
  * the received state and mesh into m, or FAILED_PRECONDITION when the trainer defined another
- * model than the replicas hold. Frees s->heal either way. */
+ * model than the replicas hold; the received state then stays for a definition of the right
+ * model. s->heal is freed once adopted. */
 pshard_status_t shard_heal_adopt(struct pshard_shard_server *s, shard_model_t *m, int reps,
                                  int shards, char *err, size_t errlen);
 
