@@ -43,6 +43,13 @@ typedef struct {
     void *base;
     size_t bytes;
     size_t master_off, grad_off, state0_off, state1_off, steps_off;
+    /* GPU-resident shards (DefineModelResponse.shard_device_handle): master, grad and the state
+     * are at their offsets in dev_base (dev_bytes, opened from the server's handle; the offsets
+     * are then relative to it), and base holds only the step counts. memory is
+     * PSHARD_MEMORY_HOST when the arrays are in base too. */
+    void *dev_base;
+    size_t dev_bytes;
+    int memory, device;
     ps_layout_t *layout;
     int rank; /* this trainer's rank among the shard ranks (HSDP: within its replica) */
     char reason[PSHARD_ERRLEN];
@@ -52,6 +59,15 @@ typedef struct {
     char state_names[2][64];
     int64_t replace_ms;
 } shard_map_t;
+
+/* A CUDA IPC handle's size (cudaIpcMemHandle_t). */
+#define CLIENT_IPC_HANDLE_BYTES 64
+/* Opens a shard server's cudaIpcMemHandle_t of CUDA device `device` (client_cuda_ipc.c);
+ * FAILED_PRECONDITION naming what is missing when the CUDA runtime cannot be had. Close with
+ * client_cuda_ipc_close. */
+pshard_status_t client_cuda_ipc_open(const void *handle, size_t len, int device, void **out,
+                                     char *err, size_t errlen);
+void client_cuda_ipc_close(void *p);
 
 typedef enum { WORK_GATHER, WORK_REDUCE_SCATTER, WORK_COLLECTIVE } work_kind_t;
 

@@ -63,6 +63,35 @@ static pshard_status_t map_object(const char *name, size_t bytes, void **base, c
     return PSHARD_OK;
 }
 
+/* Opens the server's GPU-resident shard: a CUDA IPC handle, or the emulated device's
+ * shared-memory object (a name like the server's own objects). */
+static pshard_status_t open_device(const Pshard__DefineModelResponse *r, shard_map_t *out,
+                                   char *err, size_t errlen)
+{
+    const void *h = r->shard_device_handle.data;
+    size_t len = r->shard_device_handle.len;
+    if (r->shard_device < 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "CUDA device %d is not one",
+                       (int)r->shard_device);
+    out->dev_bytes = (size_t)r->shard_device_bytes;
+    out->device = r->shard_device;
+    if (strcmp(r->shard_device_kind, "cuda") == 0) {
+        out->memory = PSHARD_MEMORY_CUDA;
+        return client_cuda_ipc_open(h, len, r->shard_device, &out->dev_base, err, errlen);
+    }
+    char name[64];
+    if (len >= sizeof(name))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "an emulated device handle of %zu bytes", len);
+    memcpy(name, h, len);
+    name[len] = '\0';
+    if (!name_ok(name) || strcmp(name, r->shard_shm_name) == 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "the emulated device memory's name is not one of the server's objects");
+    out->memory = PSHARD_MEMORY_EMULATED;
+    return map_object(name, out->dev_bytes, &out->dev_base, err, errlen);
+}
+
 void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
                        const pshard_param_t *params, size_t nparams, const size_t *numel,
                        const pshard_model_config_t *mc, shard_map_t *out)
@@ -107,32 +136,43 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
     out->rank = c->rank % shards;
     size_t elems = ps_layout_shard_numel(out->layout, out->rank);
     size_t span = elems * sizeof(float);
-    bool fits =
-        array_fits(r->shard_master_offset, span, r->shard_shm_bytes) &&
-        (r->shard_grad_offset == 0 || array_fits(r->shard_grad_offset, span, r->shard_shm_bytes)) &&
-        (r->shard_state0_offset == 0 ||
-         array_fits(r->shard_state0_offset, span, r->shard_shm_bytes)) &&
-        (r->shard_state1_offset == 0 ||
-         array_fits(r->shard_state1_offset, span, r->shard_shm_bytes)) &&
-        r->shard_steps_offset != 0 && r->shard_steps_offset % sizeof(int64_t) == 0 &&
-        array_fits(r->shard_steps_offset, nparams * sizeof(int64_t), r->shard_shm_bytes);
+    /* GPU-resident shards: the arrays are in the device allocation, the steps in the object. */
+    const char *kind = r->shard_device_kind ? r->shard_device_kind : "";
+    bool on_dev = r->shard_device_handle.len > 0;
+    uint64_t arrays = on_dev ? r->shard_device_bytes : r->shard_shm_bytes;
+    bool fits = array_fits(r->shard_master_offset, span, arrays) &&
+                (r->shard_grad_offset == 0 || array_fits(r->shard_grad_offset, span, arrays)) &&
+                (r->shard_state0_offset == 0 || array_fits(r->shard_state0_offset, span, arrays)) &&
+                (r->shard_state1_offset == 0 || array_fits(r->shard_state1_offset, span, arrays)) &&
+                (on_dev || r->shard_steps_offset != 0) &&
+                r->shard_steps_offset % sizeof(int64_t) == 0 &&
+                array_fits(r->shard_steps_offset, nparams * sizeof(int64_t), r->shard_shm_bytes) &&
+                (!on_dev || strcmp(kind, "cuda") == 0 || strcmp(kind, "emulated") == 0);
     if (r->shard_elements != elems || !fits || !name_ok(name)) {
         ps_snprintf(out->reason, sizeof(out->reason),
                     "the shard server announced a shard this client cannot place (%llu elements "
-                    "where the layout gives rank %d of %d %zu, object %.64s of %llu bytes); step "
-                    "with the shard servers' optimizer (pshard_step)",
+                    "where the layout gives rank %d of %d %zu, object %.64s of %llu bytes%s%.16s); "
+                    "step with the shard servers' optimizer (pshard_step)",
                     (unsigned long long)r->shard_elements, out->rank, shards, elems, name,
-                    (unsigned long long)r->shard_shm_bytes);
+                    (unsigned long long)r->shard_shm_bytes, on_dev ? ", device memory " : "",
+                    on_dev ? kind : "");
         ps_layout_destroy(out->layout);
         out->layout = NULL;
         return;
     }
     rc = map_object(name, (size_t)r->shard_shm_bytes, &out->base, why, sizeof(why));
+    if (rc == PSHARD_OK && on_dev) {
+        rc = open_device(r, out, why, sizeof(why));
+        if (rc != PSHARD_OK) {
+            munmap(out->base, (size_t)r->shard_shm_bytes);
+            out->base = NULL;
+        }
+    }
     if (rc != PSHARD_OK) {
         ps_snprintf(out->reason, sizeof(out->reason),
-                    "cannot map the shard server's shared memory (%s); step with the shard "
-                    "servers' optimizer (pshard_step)",
-                    why);
+                    "cannot map the shard server's %s (%s); step with the shard servers' "
+                    "optimizer (pshard_step)",
+                    on_dev ? "GPU-resident shard" : "shared memory", why);
         ps_layout_destroy(out->layout);
         out->layout = NULL;
         return;
@@ -182,6 +222,10 @@ void client_shard_close(shard_map_t *s)
 {
     if (s->base)
         munmap(s->base, s->bytes);
+    if (s->memory == PSHARD_MEMORY_CUDA)
+        client_cuda_ipc_close(s->dev_base);
+    else if (s->dev_base)
+        munmap(s->dev_base, s->dev_bytes);
     ps_layout_destroy(s->layout);
     memset(s, 0, sizeof(*s));
 }
@@ -202,12 +246,14 @@ pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i, pshard_shard_vie
         rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "%s", s->reason);
     } else {
         size_t at = ps_layout_shard_offset(s->layout, i, s->rank);
-        uint8_t *base = s->base;
+        uint8_t *base = s->dev_base ? s->dev_base : s->base;
         out->master = (float *)(base + s->master_off) + at;
         out->grad = s->grad_off ? (float *)(base + s->grad_off) + at : NULL;
         out->state0 = s->state0_off ? (float *)(base + s->state0_off) + at : NULL;
         out->state1 = s->state1_off ? (float *)(base + s->state1_off) + at : NULL;
-        out->step = (int64_t *)(void *)(base + s->steps_off) + i;
+        out->step = (int64_t *)(void *)((uint8_t *)s->base + s->steps_off) + i;
+        out->memory = s->memory;
+        out->device = s->dev_base ? s->device : -1;
         out->numel = ps_layout_counts(s->layout, i)[s->rank];
         out->offset = ps_layout_piece_offset(s->layout, i, s->rank);
     }

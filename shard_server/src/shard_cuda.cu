@@ -170,6 +170,33 @@ static void dev_free(int device, void *p)
         cudaFree(p);
 }
 
+// One cudaMalloc of its own (an IPC handle names a whole allocation), zeroed, and its handle.
+static pshard_status_t dev_alloc_shared(int device, size_t bytes, shard_dev_shared_t *out,
+                                        char *err, size_t errlen)
+{
+    memset(out, 0, sizeof(*out));
+    void *p = NULL;
+    PS_CHECK(dev_alloc(device, bytes, &p, err, errlen));
+    cudaIpcMemHandle_t h;
+    cudaError_t rc = cudaIpcGetMemHandle(&h, p);
+    if (rc != cudaSuccess) {
+        cudaFree(p);
+        return cuda_fail(err, errlen, rc, "cudaIpcGetMemHandle for the shard");
+    }
+    static_assert(sizeof(h) <= SHARD_DEV_HANDLE_MAX, "an IPC handle fits");
+    memcpy(out->handle, &h, sizeof(h));
+    out->handle_len = sizeof(h);
+    out->ptr = p;
+    out->bytes = bytes;
+    return PSHARD_OK;
+}
+
+static void dev_free_shared(int device, shard_dev_shared_t *s)
+{
+    dev_free(device, s->ptr);
+    memset(s, 0, sizeof(*s));
+}
+
 static pshard_status_t dev_copy(int device, void *dst, const void *src, size_t bytes, char *err,
                                 size_t errlen)
 {
@@ -272,6 +299,7 @@ static pshard_status_t dev_max_abs(int device, const float *x, size_t n, float *
 static const shard_dev_ops_t cuda_ops = {
     "cuda",      false,          dev_alloc,       dev_free,  dev_copy,       dev_zero,
     dev_convert, dev_accumulate, dev_sum_squares, dev_scale, dev_optim_step, dev_max_abs,
+    dev_alloc_shared, dev_free_shared,
 };
 
 // The module's entry: the table, or NULL when the loader is of another pshard version (the

@@ -20,10 +20,26 @@
 #include "optim_elem.h"
 #include "pshard/dtype.h"
 #include "pshard/status.h"
+#include "shard_shm.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* Device memory that another process on this host may open (the shard a trainer maps as its
+ * DTensor shards): a CUDA IPC handle (cudaIpcGetMemHandle, 64 bytes) of one cudaMalloc
+ * allocation, or for the emulated device the name of the shared-memory object standing in for
+ * it. The trainer opens it with pshard's client (client_device.c), which must close it before
+ * the server frees it (the server frees it when the model is redefined or it shuts down; a
+ * trainer redefines or closes first). */
+#define SHARD_DEV_HANDLE_MAX 64
+typedef struct shard_dev_shared {
+    void *ptr; /* device pointer (emulated: host pointer into shm) */
+    size_t bytes;
+    unsigned char handle[SHARD_DEV_HANDLE_MAX];
+    size_t handle_len;
+    shard_shm_t shm; /* emulated only: the object behind ptr */
+} shard_dev_shared_t;
 
 /* Below, "g(i)" is element i of a reduced gradient r in dt (fp32 or bf16), widened to fp32
  * and, when scaled, multiplied by scale. */
@@ -60,6 +76,11 @@ typedef struct shard_dev_ops {
      * inf-norm of clip_grad_norm. */
     pshard_status_t (*max_abs)(int device, const float *x, size_t n, float *out, char *err,
                                size_t errlen);
+    /* bytes (> 0) of zeroed device memory another process on this host can open through
+     * out->handle; free with free_shared (an empty one is a no-op). On error *out is empty. */
+    pshard_status_t (*alloc_shared)(int device, size_t bytes, shard_dev_shared_t *out, char *err,
+                                    size_t errlen);
+    void (*free_shared)(int device, shard_dev_shared_t *s);
 } shard_dev_ops_t;
 
 /* The CUDA kernels: on the first call, opens libpshard_cuda_kernels.so ($PSHARD_CUDA_KERNELS

@@ -97,6 +97,31 @@ static pshard_status_t emu_max_abs(int device, const float *x, size_t n, float *
     return PSHARD_OK;
 }
 
+/* Shared "device" memory: a shared-memory object (shard_shm.h's, swept when a server dies), its
+ * name the handle the trainer opens, as a CUDA IPC handle stands for a cudaMalloc. */
+static pshard_status_t emu_alloc_shared(int device, size_t bytes, shard_dev_shared_t *out,
+                                        char *err, size_t errlen)
+{
+    memset(out, 0, sizeof(*out));
+    char why[PSHARD_ERRLEN] = "";
+    if (shard_shm_create(bytes, (size_t)-1, &out->shm, why, sizeof(why)) != PSHARD_OK)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
+                       "emulated device %d: cannot allocate %zu shared bytes: %s", device, bytes,
+                       why);
+    out->ptr = out->shm.base;
+    out->bytes = bytes;
+    out->handle_len = strlen(out->shm.name);
+    memcpy(out->handle, out->shm.name, out->handle_len);
+    return PSHARD_OK;
+}
+
+static void emu_free_shared(int device, shard_dev_shared_t *s)
+{
+    (void)device;
+    shard_shm_destroy(&s->shm);
+    memset(s, 0, sizeof(*s));
+}
+
 const shard_dev_ops_t shard_dev_emulated = {
     .name = "emulated",
     .host_memory = true,
@@ -110,4 +135,6 @@ const shard_dev_ops_t shard_dev_emulated = {
     .scale = emu_scale,
     .optim_step = emu_optim_step,
     .max_abs = emu_max_abs,
+    .alloc_shared = emu_alloc_shared,
+    .free_shared = emu_free_shared,
 };

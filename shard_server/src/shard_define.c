@@ -363,10 +363,7 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
     snprintf(mesh_line, sizeof(mesh_line), "mesh %d x %d", reps, shards);
     /* Who could map the shard: not a trainer on another host, not GPU memory. */
     const char *no_share =
-        s->dev ? "the shards are in GPU memory (--backend nccl without --offload cpu), which a "
-                 "trainer cannot map as host memory; step with the shard servers' optimizer "
-                 "(pshard_step), or start the shard servers with --offload cpu"
-        : !req->shm_name || !req->shm_name[0]
+        !req->shm_name || !req->shm_name[0]
             ? "the trainer is on another host (PSHARD_REMOTE=1) and cannot map its shard "
               "server's memory; step with the shard servers' optimizer (pshard_step)"
             : NULL;
@@ -449,6 +446,13 @@ out:
         a->state1_off = mm->shm_state1_off;
         a->steps_off = mm->shm_steps_off;
         ps_strlcpy(a->shared_reason, mm->shared_reason, sizeof(a->shared_reason));
+        if (mm->dev_shared.bytes) {
+            memcpy(a->dev_handle, mm->dev_shared.handle, mm->dev_shared.handle_len);
+            a->dev_handle_len = mm->dev_shared.handle_len;
+            a->dev_kind = mm->dev->name;
+            a->dev_bytes = mm->dev_shared.bytes;
+            a->device = mm->device;
+        }
         for (int i = 0; i < 2; i++)
             ps_strlcpy(a->state_names[i], mm->trainer_state_names[i], sizeof(a->state_names[i]));
         a->trainer_replace_ms = s->cfg.trainer_replace_ms;

@@ -111,20 +111,30 @@ void shard_model_free(shard_model_t *m)
     }
     ps_layout_destroy(m->layout);
     size_t bytes = m->shard_numel * sizeof(float);
+    if (m->shm.base) {
+        /* The trainer's optimizer state, if its trainer made one (else ENOENT). */
+        for (int i = 0; i < 2; i++)
+            if (m->trainer_state_names[i][0] && shm_unlink(m->trainer_state_names[i]) != 0 &&
+                errno != ENOENT)
+                PS_WARN(PS_SUB_SHARD, "cannot remove %s: %s", m->trainer_state_names[i],
+                        strerror(errno));
+    }
     if (m->dev) {
-        void *arrays[5] = {m->master, m->grad, m->state0, m->state1, m->stage};
-        for (int i = 0; i < 5; i++)
-            m->dev->free_mem(m->device, arrays[i]);
-        free(m->psteps);
+        if (m->dev_shared.bytes) {
+            m->dev->free_shared(m->device, &m->dev_shared); /* master, grad and the state */
+            m->dev->free_mem(m->device, m->stage);
+        } else {
+            void *arrays[5] = {m->master, m->grad, m->state0, m->state1, m->stage};
+            for (int i = 0; i < 5; i++)
+                m->dev->free_mem(m->device, arrays[i]);
+        }
+        if (m->shm.base)
+            shard_shm_destroy(&m->shm); /* the step counts */
+        else
+            free(m->psteps);
     } else {
         if (m->shm.base) {
             shard_shm_destroy(&m->shm); /* master, grad and the state */
-            /* The trainer's optimizer state, if its trainer made one (else ENOENT). */
-            for (int i = 0; i < 2; i++)
-                if (m->trainer_state_names[i][0] && shm_unlink(m->trainer_state_names[i]) != 0 &&
-                    errno != ENOENT)
-                    PS_WARN(PS_SUB_SHARD, "cannot remove %s: %s", m->trainer_state_names[i],
-                            strerror(errno));
         } else {
             free_touched(m->master, bytes);
             free_touched(m->grad, bytes);
@@ -189,6 +199,56 @@ static void alloc_shared(shard_model_t *m, size_t bytes, bool in_backward, int n
     }
     m->shm_steps_off = at;
     m->psteps = (int64_t *)(base + at);
+}
+
+/* GPU-resident storage shared with the trainer: master, grad and the state arrays in one
+ * shareable device allocation (each at a 256-byte aligned offset, as cudaMalloc aligns), the
+ * step counts and the names for the trainer's optimizer state in a small host object. false,
+ * with m->shared_reason saying why, when either cannot be made (the caller allocates
+ * privately). */
+static bool alloc_device_shared(shard_model_t *m, size_t bytes, bool in_backward, int nstate)
+{
+    size_t span = (bytes + 255) & ~(size_t)255, total = span * (size_t)(1 + !in_backward + nstate);
+    char why[PSHARD_ERRLEN] = "";
+    if (!m->dev->alloc_shared) {
+        ps_strlcpy(why, "this device cannot share its memory", sizeof(why));
+    } else if (m->dev->alloc_shared(m->device, total, &m->dev_shared, why, sizeof(why)) ==
+               PSHARD_OK) {
+        if (shard_shm_create(touched_len(m->nparams * sizeof(int64_t)), HUGE_FROM, &m->shm, why,
+                             sizeof(why)) == PSHARD_OK) {
+            uint8_t *base = m->dev_shared.ptr;
+            size_t at = span;
+            m->master = (float *)base;
+            m->shm_master_off = 0;
+            if (!in_backward) {
+                m->shm_grad_off = at;
+                m->grad = (float *)(base + at);
+                at += span;
+            }
+            if (nstate >= 1) {
+                m->shm_state0_off = at;
+                m->state0 = (float *)(base + at);
+                at += span;
+            }
+            if (nstate >= 2) {
+                m->shm_state1_off = at;
+                m->state1 = (float *)(base + at);
+            }
+            m->shm_steps_off = 0;
+            m->psteps = m->shm.base;
+            if (ps_shm_name(PS_SHM_SERVER, m->trainer_state_names[0], 64) != 0 ||
+                ps_shm_name(PS_SHM_SERVER, m->trainer_state_names[1], 64) != 0)
+                m->trainer_state_names[0][0] = m->trainer_state_names[1][0] = '\0';
+            return true;
+        }
+        m->dev->free_shared(m->device, &m->dev_shared);
+    }
+    PS_WARN(PS_SUB_SHARD, "the GPU-resident shard stays private to this server: %s", why);
+    ps_snprintf(m->shared_reason, sizeof(m->shared_reason),
+                "the shard server could not share its GPU-resident shard (%s); step with the "
+                "shard servers' optimizer (pshard_step) or start them with --offload cpu",
+                why);
+    return false;
 }
 
 /* GPU-resident storage: the same arrays in zeroed device memory. */
@@ -465,12 +525,16 @@ pshard_status_t shard_model_create(
     if (dev) {
         m->dev = dev;
         m->device = device;
-        ps_strlcpy(m->shared_reason, no_share ? no_share : "the shards are in GPU memory",
-                   sizeof(m->shared_reason));
-        rc = alloc_on_device(m, bytes, in_backward, nstate, err, errlen);
+        if (no_share)
+            ps_strlcpy(m->shared_reason, no_share, sizeof(m->shared_reason));
+        if (!no_share && alloc_device_shared(m, bytes, in_backward, nstate)) {
+            rc = m->dev->alloc(m->device, m->max_piece * 4, &m->stage, err, errlen);
+        } else {
+            rc = alloc_on_device(m, bytes, in_backward, nstate, err, errlen);
+            m->psteps = calloc(nparams, sizeof(int64_t));
+        }
         if (rc != PSHARD_OK)
             goto fail;
-        m->psteps = calloc(nparams, sizeof(int64_t));
     } else {
         alloc_shared(m, bytes, in_backward, nstate, no_share);
         if (!m->shm.base) {

@@ -13,6 +13,7 @@
 #include "pshard/dtype.h"
 #include "pshard/layout.h"
 #include "pshard/status.h"
+#include "shard_cuda.h"
 #include "shard_shm.h"
 
 #define SHARD_MAX_PARAMS 100000
@@ -68,6 +69,11 @@ typedef struct {
     shard_shm_t shm;
     size_t shm_master_off, shm_grad_off, shm_state0_off, shm_state1_off, shm_steps_off;
     char shared_reason[PSHARD_ERRLEN];
+    /* GPU-resident shards shared with the trainer: master, grad and the state in one device
+     * allocation the trainer opens by its handle, at the shm_*_off offsets (relative to it);
+     * shm then holds only the per-parameter step counts (at shm_steps_off). Empty (bytes 0)
+     * when the device shards are private. */
+    shard_dev_shared_t dev_shared;
     /* GPU-resident shards (--backend nccl --offload none): the operations on that memory
      * (shard_cuda.h) and the CUDA device; NULL: host memory. */
     const struct shard_dev_ops *dev;

@@ -120,6 +120,14 @@ typedef struct {
     char shm_name[64];
     uint64_t shm_bytes, master_off, grad_off, state0_off, state1_off, steps_off;
     char shared_reason[PSHARD_ERRLEN];
+    /* GPU-resident shards shared with the trainer: the device memory's handle (handle_len 0:
+     * host shards), its kind ("cuda" or "emulated"), size and CUDA device; master_off ..
+     * state1_off are then offsets into it and shm_name holds only the step counts. */
+    unsigned char dev_handle[SHARD_DEV_HANDLE_MAX];
+    size_t dev_handle_len;
+    const char *dev_kind;
+    uint64_t dev_bytes;
+    int32_t device;
     /* The model's trainer_state_names and the server's --trainer-replace-ms. */
     char state_names[2][64];
     int64_t trainer_replace_ms;

@@ -219,6 +219,13 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
     out.shard_state1_offset = a.state1_off;
     out.shard_steps_offset = a.steps_off;
     out.shard_shared_reason = a.shared_reason;
+    if (a.dev_handle_len) {
+        out.shard_device_handle.data = a.dev_handle;
+        out.shard_device_handle.len = a.dev_handle_len;
+        out.shard_device_kind = (char *)a.dev_kind;
+        out.shard_device_bytes = a.dev_bytes;
+        out.shard_device = a.device;
+    }
     out.trainer_replace_ms = a.trainer_replace_ms;
     char *names[2] = {a.state_names[0], a.state_names[1]};
     if (names[0][0] && names[1][0]) {

@@ -4,10 +4,11 @@
  * views against the initial values' rows (an uneven shape whose last rank owns no rows, both
  * layouts, an HSDP mesh), writes new masters through them and checks every rank gathers them,
  * checks a reduce-scatter's average in the view's accumulator, that a trainer step only counts
- * the step, that it fails on every active rank naming a rank that joined, and that GPU-resident
- * shards (emulated) and remote trainers are refused with the reason. The driver checks each
- * server's object in /dev/shm: one per server while the model lives (a redefinition removed the
- * first), none after the servers stop, and that a starting server removes a dead server's
+ * the step, that it fails on every active rank naming a rank that joined, that GPU-resident
+ * shards (emulated) pass the same checks through their device handle, and that remote trainers
+ * are refused with the reason. The driver checks each server's objects in /dev/shm: one per
+ * server while the model lives (two for GPU-resident shards; a redefinition removed the
+ * first model's), none after the servers stop, and that a starting server removes a dead server's
  * leftover but no link and no other name. argv: pshard-coordinator pshard-server. */
 #include <dirent.h>
 #include <fcntl.h>
@@ -145,7 +146,7 @@ static int trainer_main(int argc, char **argv)
 
     if (strcmp(mode, "refused") == 0) {
         pshard_status_t st = pshard_shard_view(c, 0, &v);
-        const char *want = cfg.remote ? "remote" : "GPU memory";
+        const char *want = "remote";
         CHECK(st == PSHARD_ERR_FAILED_PRECONDITION && strstr(pshard_last_error(c), want) &&
                   strstr(pshard_last_error(c), "pshard_step"),
               "a view that cannot be: %s (%s)", pshard_status_name(st), pshard_last_error(c));
@@ -173,10 +174,16 @@ static int trainer_main(int argc, char **argv)
         pshard_close(c);
         return 0;
     }
-    /* The views hold the initial values' pieces, and zero gradients. */
+    /* The views hold the initial values' pieces, and zero gradients; GPU-resident shards
+     * (emulated: PSHARD_TEST_EMULATE_DEVICE=1) are opened through the device's handle. */
+    const char *emu = getenv("PSHARD_TEST_EMULATE_DEVICE");
+    bool on_dev = emu && strcmp(emu, "1") == 0;
     for (int p = 0; p < NP; p++) {
         CHECK(pshard_shard_view(c, (size_t)p, &v) == PSHARD_OK, "view %d: %s", p,
               pshard_last_error(c));
+        CHECK(on_dev ? v.memory == PSHARD_MEMORY_EMULATED && v.device == 0
+                     : v.memory == PSHARD_MEMORY_HOST && v.device == -1,
+              "'%s' is in memory %d of device %d", names[p], v.memory, v.device);
         size_t off, n;
         expected_piece(fsdp1, p, srank, S, &off, &n);
         CHECK(v.numel == n && (n == 0 || v.offset == off),
@@ -373,15 +380,16 @@ static bool run_case(int world, int S, const char *layout, const char *mode)
         }
     }
     /* The model is still defined: one object per host-shard server (the first model's went
-     * with it), none for GPU-resident shards or remote trainers. */
-    bool shared = strcmp(mode, "refused") != 0;
+     * with it), two for (emulated) GPU-resident ones (the step counts, the device memory), none
+     * for remote trainers. */
+    const char *emu = getenv("PSHARD_TEST_EMULATE_DEVICE");
+    int want = strcmp(mode, "refused") == 0 ? 0 : emu && strcmp(emu, "1") == 0 ? 2 : 1;
     for (int r = 0; ok && r < world; r++) {
         char prefix[64];
         snprintf(prefix, sizeof(prefix), "pshard-srv-%d-", (int)servers[r]);
         int n = count_shm(prefix);
-        if (n != (shared ? 1 : 0)) {
-            fprintf(stderr, "server %d has %d objects in /dev/shm, expected %d\n", r, n,
-                    shared ? 1 : 0);
+        if (n != want) {
+            fprintf(stderr, "server %d has %d objects in /dev/shm, expected %d\n", r, n, want);
             ok = false;
         }
     }
@@ -435,11 +443,17 @@ static void test_join_refuses_trainer_step(void)
 {
     CU_ASSERT(run_case(3, 3, "fsdp2", "join"));
 }
-static void test_not_shared(void)
+/* GPU-resident shards (the emulated device): opened through the device memory's handle, the
+ * same checks as host shards, for FSDP2 and HSDP. */
+static void test_device_shards(void)
 {
     setenv("PSHARD_TEST_EMULATE_DEVICE", "1", 1);
-    CU_ASSERT(run_case(2, 2, "fsdp2", "refused"));
+    CU_ASSERT(run_case(3, 3, "fsdp2", "basic"));
+    CU_ASSERT(run_case(4, 2, "fsdp2", "basic"));
     unsetenv("PSHARD_TEST_EMULATE_DEVICE");
+}
+static void test_not_shared(void)
+{
     setenv("PSHARD_REMOTE", "1", 1);
     CU_ASSERT(run_case(2, 2, "fsdp2", "refused"));
     unsetenv("PSHARD_REMOTE");
@@ -535,7 +549,8 @@ int main(int argc, char **argv)
         {"HSDP 2 x 2", test_hsdp},
         {"optimizer in backward: masters only, no trainer step", test_in_backward},
         {"a trainer step with a joined rank fails on every rank", test_join_refuses_trainer_step},
-        {"GPU-resident shards and remote trainers are not shared", test_not_shared},
+        {"GPU-resident shards (emulated) through their device handle", test_device_shards},
+        {"remote trainers are not shared", test_not_shared},
         {"a starting server removes dead servers' objects only", test_sweep},
         {NULL, NULL},
     };

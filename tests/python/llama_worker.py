@@ -146,7 +146,8 @@ def train():
         logits = model(input_ids=probe).logits
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, f"rank-{rank}.json"), "w") as f:
-        json.dump({"losses": losses, "norms": norms, "server_steps": server_steps}, f)
+        json.dump({"losses": losses, "norms": norms, "server_steps": server_steps,
+                   "memory": model._pshard_model().client.shard_memory()[0]}, f)
     if rank == 0:
         torch.save(full, os.path.join(OUT, "final.pt"))
         torch.save(logits, os.path.join(OUT, "logits.pt"))

@@ -77,6 +77,7 @@ def test_llama_torch_optim_dcp_2_then_3_ranks(tmp_path):
     # Join's check depend on it), also after DCP's state init stepped before the first forward.
     assert [r["server_steps"] for r in first] == [6, 6], first
     assert [r["server_steps"] for r in second] == [4, 4, 4], second
+    assert {r["memory"] for r in first + second} == {"host"}
     check_final(tmp_path / "b", ref_sd)
 
 
@@ -100,6 +101,19 @@ def test_llama_server_side_adamw_dcp(tmp_path):
     third = run(2, tmp_path / "c", 6, 10, ckpt)
     check_steps(third, want, 6)
     check_final(tmp_path / "c", ref_sd)
+
+
+def test_llama_torch_optim_on_device_shards(tmp_path):
+    """GPU-resident shards (the shard servers' emulated device, PSHARD_TEST_EMULATE_DEVICE=1,
+    which the tests have instead of a GPU): each trainer opens its server's device memory by
+    the handle the server gave (as CUDA IPC does), its DTensor shards are that memory, and
+    torch.optim.AdamW on them trains as on host shards."""
+    want, ref_sd = reference(tmp_path)
+    got = run(2, tmp_path / "a", 0, 10, env={"PSHARD_TEST_EMULATE_DEVICE": "1"})
+    assert [r["memory"] for r in got] == ["emulated", "emulated"], got
+    check_steps(got, want, 0)
+    assert [r["server_steps"] for r in got] == [10, 10], got
+    check_final(tmp_path / "a", ref_sd)
 
 
 @pytest.mark.parametrize("opt", ["torch", "pshard"])

@@ -325,7 +325,18 @@ typedef struct {
     int64_t *step; /* the servers' optimizer steps that updated this parameter (torch.optim's
                       per-parameter "step"; a step without a gradient for it skips it): read,
                       or restored with the state, under the same rules as master */
+    int memory;    /* where master, grad, state0 and state1 are: PSHARD_MEMORY_HOST (host
+                      memory; step always is), PSHARD_MEMORY_CUDA (the shard server's GPU
+                      memory on CUDA device `device`, opened through CUDA IPC: device
+                      pointers), PSHARD_MEMORY_EMULATED (the test suite's host stand-in for
+                      GPU memory: host pointers) */
+    int device;    /* the CUDA device ordinal of GPU-resident shards (-1 for host memory) */
 } pshard_shard_view_t;
+
+/* pshard_shard_view_t.memory */
+#define PSHARD_MEMORY_HOST 0
+#define PSHARD_MEMORY_CUDA 1
+#define PSHARD_MEMORY_EMULATED 2
 
 /* Fills *out with parameter i's shard on this rank, over the shard ranks of this trainer's
  * replica with HSDP. The pointers stay valid until the model is redefined or the client
@@ -338,10 +349,15 @@ typedef struct {
  * writing it. With a trainer-side optimizer (pshard_step_trainer) the gradients accumulate
  * until the trainer zeroes grad itself, before the first reduce-scatter that should not add
  * to them.
+ * GPU-resident shards (--backend nccl without --offload cpu): the server keeps master, grad and
+ * the state in one allocation of its GPU that this client opens through CUDA IPC (memory
+ * PSHARD_MEMORY_CUDA), and completes each of its operations on the device before it answers;
+ * a trainer that writes them with its own kernels synchronizes its stream before the next call
+ * that reads them (pshard_step_trainer, a gather).
  * Errors: INVALID_ARGUMENT for a bad i; FAILED_PRECONDITION, with the reason in
- * pshard_last_error, when there is no model yet, the shards are GPU-resident (--backend nccl
- * without --offload cpu), the trainer is remote (PSHARD_REMOTE=1) or the server could not share
- * it; use pshard_step (the servers' optimizer) then. Thread-safe. */
+ * pshard_last_error, when there is no model yet, the trainer is remote (PSHARD_REMOTE=1), the
+ * server could not share the shard, or GPU-resident shards cannot be opened (no CUDA runtime
+ * here); use pshard_step (the servers' optimizer) then. Thread-safe. */
 PSHARD_API pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i,
                                              pshard_shard_view_t *out);
 

@@ -1007,6 +1007,10 @@ static PyMethodDef Client_methods[] = {
     {"shard_view", (PyCFunction)Client_shard_view, METH_O,
      "shard_view(i) -> (master, grad or None, offset, numel): this rank's fp32 shard of "
      "parameter i in the shard server's memory (1-D Buffers of numel elements)"},
+    {"shard_memory", (PyCFunction)Client_shard_memory, METH_NOARGS,
+     "shard_memory() -> (kind, device): where this rank's shard is: 'host' (shared memory), "
+     "'cuda' (the shard server's GPU, opened through CUDA IPC) or 'emulated' (the tests' host "
+     "stand-in for a GPU), and the CUDA device (None for host memory)"},
     {"shard_state", (PyCFunction)Client_shard_state, METH_O,
      "shard_state(i) -> (state0 or None, state1 or None, step): the shard servers' optimizer "
      "state of the elements of shard_view(i) (Adam: exp_avg, exp_avg_sq; SGD: momentum_buffer, "

@@ -146,6 +146,9 @@ PyObject *pshard_py_buffer_new(ClientObject *owner, void *data, pshard_dtype_t d
 /* Client.shard_view, shard_state, step_trainer, trainer_state_info and set_step
  * (pshard_shard.c), for the Client's method table. */
 PyObject *Client_shard_view(ClientObject *self, PyObject *arg);
+/* Client.shard_memory() -> (kind, device): where the shard is ("host", "cuda", "emulated") and
+ * the CUDA device of GPU-resident shards (else None). */
+PyObject *Client_shard_memory(ClientObject *self, PyObject *unused);
 PyObject *Client_step_trainer(ClientObject *self, PyObject *args, PyObject *kwargs);
 PyObject *Client_trainer_state_info(ClientObject *self, PyObject *unused);
 PyObject *Client_resync(ClientObject *self, PyObject *unused);

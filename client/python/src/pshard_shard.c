@@ -6,6 +6,41 @@
  * replacement, and Client.set_step(n), which restores the servers' step count. */
 #include "pshard_py.h"
 
+/* A view's arrays are host memory this process can read (host shards, or the emulated
+ * device's); GPU-resident shards opened through CUDA IPC are device pointers, which a CPU
+ * trainer must not touch: an error saying what to do instead. */
+static bool host_view(const pshard_shard_view_t *v)
+{
+    if (v->memory != PSHARD_MEMORY_CUDA)
+        return true;
+    char msg[512];
+    snprintf(msg, sizeof(msg),
+             "the shard server keeps this rank's shard in GPU memory (cuda:%d): pshard.torch "
+             "trainers compute on the CPU for now and cannot use it as their parameters' local "
+             "shards; start the shard servers with --offload cpu (shards in pinned host memory, "
+             "collectives on NCCL)",
+             v->device);
+    pshard_py_raise_status(PSHARD_ERR_FAILED_PRECONDITION, msg);
+    return false;
+}
+
+PyObject *Client_shard_memory(ClientObject *self, PyObject *unused)
+{
+    if (!pshard_py_client_ok(self))
+        return NULL;
+    pshard_shard_view_t v;
+    pshard_status_t st;
+    CLIENT_CALL(self, st = pshard_shard_view(self->c, 0, &v));
+    if (st != PSHARD_OK)
+        return pshard_py_client_fail(self, st);
+    const char *kind = v.memory == PSHARD_MEMORY_CUDA       ? "cuda"
+                       : v.memory == PSHARD_MEMORY_EMULATED ? "emulated"
+                                                            : "host";
+    if (v.device < 0)
+        return Py_BuildValue("(sO)", kind, Py_None);
+    return Py_BuildValue("(si)", kind, v.device);
+}
+
 PyObject *Client_shard_view(ClientObject *self, PyObject *arg)
 {
     Py_ssize_t i = PyLong_AsSsize_t(arg);
@@ -20,6 +55,8 @@ PyObject *Client_shard_view(ClientObject *self, PyObject *arg)
     CLIENT_CALL(self, st = pshard_shard_view(self->c, (size_t)i, &v));
     if (st != PSHARD_OK)
         return pshard_py_client_fail(self, st);
+    if (!host_view(&v))
+        return NULL;
     PyObject *shape = Py_BuildValue("(n)", (Py_ssize_t)v.numel);
     if (!shape)
         return NULL;
@@ -125,6 +162,8 @@ PyObject *Client_shard_state(ClientObject *self, PyObject *arg)
     CLIENT_CALL(self, st = pshard_shard_view(self->c, (size_t)i, &v));
     if (st != PSHARD_OK)
         return pshard_py_client_fail(self, st);
+    if (!host_view(&v))
+        return NULL;
     PyObject *shape = Py_BuildValue("(n)", (Py_ssize_t)v.numel);
     if (!shape)
         return NULL;
