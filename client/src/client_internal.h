@@ -33,6 +33,9 @@ typedef struct {
 
 #define CHUNK (1u << 20)
 
+/* A CUDA IPC handle's size (cudaIpcMemHandle_t). */
+#define CLIENT_IPC_HANDLE_BYTES 64
+
 /* The shard server's fp32 shard of the model, mapped from the shared-memory object it created
  * (pshard_shard_view): master weights at master_off, gradient accumulator at grad_off and
  * the servers' optimizer state at state0_off and state1_off (0: none) and the parameters' step
@@ -50,6 +53,8 @@ typedef struct {
     void *dev_base;
     size_t dev_bytes;
     int memory, device;
+    unsigned char dev_handle[CLIENT_IPC_HANDLE_BYTES]; /* to open it again (client_shard_resume) */
+    size_t dev_handle_len;
     ps_layout_t *layout;
     int rank; /* this trainer's rank among the shard ranks (HSDP: within its replica) */
     char reason[PSHARD_ERRLEN];
@@ -60,8 +65,6 @@ typedef struct {
     int64_t replace_ms;
 } shard_map_t;
 
-/* A CUDA IPC handle's size (cudaIpcMemHandle_t). */
-#define CLIENT_IPC_HANDLE_BYTES 64
 /* Opens a shard server's cudaIpcMemHandle_t of CUDA device `device` (client_cuda_ipc.c);
  * FAILED_PRECONDITION naming what is missing when the CUDA runtime cannot be had. Close with
  * client_cuda_ipc_close. */
@@ -329,6 +332,13 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
                        const pshard_param_t *params, size_t nparams, const size_t *numel,
                        const pshard_model_config_t *mc, shard_map_t *out);
 void client_shard_close(shard_map_t *s);
+/* A redefinition frees the server's current shard once the new model is in place, and CUDA
+ * forbids freeing memory another process still has open (cudaIpcCloseMemHandle first): the
+ * GPU-resident mapping is closed before DefineModel (suspend) and, when the definition is
+ * refused and the old model stays, opened again (resume; when that fails the view is gone, and
+ * its reason says so). No-ops for host shards. */
+void client_shard_suspend(shard_map_t *s);
+void client_shard_resume(shard_map_t *s);
 
 /* client_group.c: a serial number for a new client (never 0, unique within the process). */
 uint64_t client_next_serial(void);

@@ -271,9 +271,18 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     req.shard = mc->shard;
     ProtobufCMessage *dresp = NULL;
     rc = client_region_link(&model, err, sizeof(err)); /* named only while the server opens it */
-    if (rc == PSHARD_OK)
+    if (rc == PSHARD_OK) {
+        pthread_mutex_lock(&c->mu);
+        client_shard_suspend(&c->shard);
+        pthread_mutex_unlock(&c->mu);
         rc = client_call(c, "DefineModel", &req.base, &pshard__define_model_response__descriptor,
                          &dresp, err, sizeof(err));
+        if (rc != PSHARD_OK) {
+            pthread_mutex_lock(&c->mu);
+            client_shard_resume(&c->shard);
+            pthread_mutex_unlock(&c->mu);
+        }
+    }
     client_region_unlink(&model);
     pb_groups_free(&pg);
     if (rc != PSHARD_OK) {

@@ -63,33 +63,77 @@ static pshard_status_t map_object(const char *name, size_t bytes, void **base, c
     return PSHARD_OK;
 }
 
-/* Opens the server's GPU-resident shard: a CUDA IPC handle, or the emulated device's
- * shared-memory object (a name like the server's own objects). */
+/* Opens the GPU-resident shard from out's handle (out->memory, device, dev_bytes and
+ * dev_handle set): a CUDA IPC handle, or the emulated device's shared-memory object (a name
+ * like the server's own objects, not the step counts' object steps_name). */
+static pshard_status_t map_device(shard_map_t *out, const char *steps_name, char *err,
+                                  size_t errlen)
+{
+    if (out->memory == PSHARD_MEMORY_CUDA)
+        return client_cuda_ipc_open(out->dev_handle, out->dev_handle_len, out->device,
+                                    &out->dev_base, err, errlen);
+    char name[64];
+    if (out->dev_handle_len >= sizeof(name))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "an emulated device handle of %zu bytes", out->dev_handle_len);
+    memcpy(name, out->dev_handle, out->dev_handle_len);
+    name[out->dev_handle_len] = '\0';
+    if (!name_ok(name) || strcmp(name, steps_name) == 0)
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "the emulated device memory's name is not one of the server's objects");
+    return map_object(name, out->dev_bytes, &out->dev_base, err, errlen);
+}
+
+/* The server's GPU-resident shard from its DefineModel answer: kept (to open it again after a
+ * suspension) and opened. */
 static pshard_status_t open_device(const Pshard__DefineModelResponse *r, shard_map_t *out,
                                    char *err, size_t errlen)
 {
-    const void *h = r->shard_device_handle.data;
     size_t len = r->shard_device_handle.len;
     if (r->shard_device < 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "CUDA device %d is not one",
                        (int)r->shard_device);
+    if (len > sizeof(out->dev_handle))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "a device memory handle of %zu bytes", len);
+    memcpy(out->dev_handle, r->shard_device_handle.data, len);
+    out->dev_handle_len = len;
     out->dev_bytes = (size_t)r->shard_device_bytes;
     out->device = r->shard_device;
-    if (strcmp(r->shard_device_kind, "cuda") == 0) {
-        out->memory = PSHARD_MEMORY_CUDA;
-        return client_cuda_ipc_open(h, len, r->shard_device, &out->dev_base, err, errlen);
+    out->memory =
+        strcmp(r->shard_device_kind, "cuda") == 0 ? PSHARD_MEMORY_CUDA : PSHARD_MEMORY_EMULATED;
+    return map_device(out, r->shard_shm_name, err, errlen);
+}
+
+/* Closes the GPU-resident mapping only. */
+static void unmap_device(shard_map_t *s)
+{
+    if (s->memory == PSHARD_MEMORY_CUDA)
+        client_cuda_ipc_close(s->dev_base);
+    else if (s->dev_base)
+        munmap(s->dev_base, s->dev_bytes);
+    s->dev_base = NULL;
+}
+
+void client_shard_suspend(shard_map_t *s)
+{
+    if (s->base && s->dev_base)
+        unmap_device(s);
+}
+
+void client_shard_resume(shard_map_t *s)
+{
+    if (!s->base || s->dev_base || s->memory == PSHARD_MEMORY_HOST)
+        return;
+    char why[PSHARD_ERRLEN] = "";
+    if (map_device(s, "", why, sizeof(why)) != PSHARD_OK) {
+        munmap(s->base, s->bytes);
+        s->base = NULL;
+        ps_snprintf(s->reason, sizeof(s->reason),
+                    "cannot open the shard server's GPU-resident shard again after a refused "
+                    "definition (%s); define the model again",
+                    why);
     }
-    char name[64];
-    if (len >= sizeof(name))
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "an emulated device handle of %zu bytes", len);
-    memcpy(name, h, len);
-    name[len] = '\0';
-    if (!name_ok(name) || strcmp(name, r->shard_shm_name) == 0)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "the emulated device memory's name is not one of the server's objects");
-    out->memory = PSHARD_MEMORY_EMULATED;
-    return map_object(name, out->dev_bytes, &out->dev_base, err, errlen);
 }
 
 void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
@@ -222,10 +266,7 @@ void client_shard_close(shard_map_t *s)
 {
     if (s->base)
         munmap(s->base, s->bytes);
-    if (s->memory == PSHARD_MEMORY_CUDA)
-        client_cuda_ipc_close(s->dev_base);
-    else if (s->dev_base)
-        munmap(s->dev_base, s->dev_bytes);
+    unmap_device(s);
     ps_layout_destroy(s->layout);
     memset(s, 0, sizeof(*s));
 }
@@ -244,6 +285,9 @@ pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i, pshard_shard_vie
                          c->nparams);
     } else if (!s->base) {
         rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "%s", s->reason);
+    } else if (s->memory != PSHARD_MEMORY_HOST && !s->dev_base) {
+        rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
+                         "the model is being defined again: its shard is closed until then");
     } else {
         size_t at = ps_layout_shard_offset(s->layout, i, s->rank);
         uint8_t *base = s->dev_base ? s->dev_base : s->base;

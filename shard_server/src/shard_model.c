@@ -152,6 +152,35 @@ void shard_model_free(shard_model_t *m)
     free(m);
 }
 
+/* Lays master, (without in_backward) grad and the nstate optimizer state arrays out in base,
+ * each span bytes from the last (master at 0), with their offsets; returns where they end. */
+static size_t place_arrays(shard_model_t *m, void *base, size_t span, bool in_backward, int nstate)
+{
+    float **arrays[3] = {&m->grad, &m->state0, &m->state1};
+    size_t *offs[3] = {&m->shm_grad_off, &m->shm_state0_off, &m->shm_state1_off};
+    bool made[3] = {!in_backward, nstate >= 1, nstate >= 2};
+    m->master = base;
+    m->shm_master_off = 0;
+    size_t at = span;
+    for (int i = 0; i < 3; i++) {
+        if (!made[i])
+            continue;
+        *offs[i] = at;
+        *arrays[i] = (float *)((uint8_t *)base + at);
+        at += span;
+    }
+    return at;
+}
+
+/* Names for the object a trainer's own optimizer keeps its state in (none when they cannot be
+ * made). */
+static void name_trainer_state(shard_model_t *m)
+{
+    if (ps_shm_name(PS_SHM_SERVER, m->trainer_state_names[0], 64) != 0 ||
+        ps_shm_name(PS_SHM_SERVER, m->trainer_state_names[1], 64) != 0)
+        m->trainer_state_names[0][0] = m->trainer_state_names[1][0] = '\0';
+}
+
 /* Host storage the trainer can map: master, (without in_backward) grad and the nstate
  * optimizer state arrays in one new shared-memory object, each array at the start of its own
  * touched_len span, so pinning and huge pages work on them as on alloc_touched's. When
@@ -175,30 +204,10 @@ static void alloc_shared(shard_model_t *m, size_t bytes, bool in_backward, int n
                     why);
         return;
     }
-    if (ps_shm_name(PS_SHM_SERVER, m->trainer_state_names[0], 64) != 0 ||
-        ps_shm_name(PS_SHM_SERVER, m->trainer_state_names[1], 64) != 0)
-        m->trainer_state_names[0][0] = m->trainer_state_names[1][0] = '\0';
-    uint8_t *base = m->shm.base;
-    size_t at = span;
-    m->master = m->shm.base;
-    m->shm_master_off = 0;
-    if (!in_backward) {
-        m->shm_grad_off = at;
-        m->grad = (float *)(base + at);
-        at += span;
-    }
-    if (nstate >= 1) {
-        m->shm_state0_off = at;
-        m->state0 = (float *)(base + at);
-        at += span;
-    }
-    if (nstate >= 2) {
-        m->shm_state1_off = at;
-        m->state1 = (float *)(base + at);
-        at += span;
-    }
+    name_trainer_state(m);
+    size_t at = place_arrays(m, m->shm.base, span, in_backward, nstate);
     m->shm_steps_off = at;
-    m->psteps = (int64_t *)(base + at);
+    m->psteps = (int64_t *)((uint8_t *)m->shm.base + at);
 }
 
 /* GPU-resident storage shared with the trainer: master, grad and the state arrays in one
@@ -216,29 +225,10 @@ static bool alloc_device_shared(shard_model_t *m, size_t bytes, bool in_backward
                PSHARD_OK) {
         if (shard_shm_create(touched_len(m->nparams * sizeof(int64_t)), HUGE_FROM, &m->shm, why,
                              sizeof(why)) == PSHARD_OK) {
-            uint8_t *base = m->dev_shared.ptr;
-            size_t at = span;
-            m->master = (float *)base;
-            m->shm_master_off = 0;
-            if (!in_backward) {
-                m->shm_grad_off = at;
-                m->grad = (float *)(base + at);
-                at += span;
-            }
-            if (nstate >= 1) {
-                m->shm_state0_off = at;
-                m->state0 = (float *)(base + at);
-                at += span;
-            }
-            if (nstate >= 2) {
-                m->shm_state1_off = at;
-                m->state1 = (float *)(base + at);
-            }
+            place_arrays(m, m->dev_shared.ptr, span, in_backward, nstate);
             m->shm_steps_off = 0;
             m->psteps = m->shm.base;
-            if (ps_shm_name(PS_SHM_SERVER, m->trainer_state_names[0], 64) != 0 ||
-                ps_shm_name(PS_SHM_SERVER, m->trainer_state_names[1], 64) != 0)
-                m->trainer_state_names[0][0] = m->trainer_state_names[1][0] = '\0';
+            name_trainer_state(m);
             return true;
         }
         m->dev->free_shared(m->device, &m->dev_shared);

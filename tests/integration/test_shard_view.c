@@ -272,6 +272,24 @@ static int trainer_main(int argc, char **argv)
         CHECK(pshard_shard_view(c, 0, &v) == PSHARD_OK && !v.state0 && !v.state1,
               "SGD without momentum shows optimizer state");
     }
+    if (strcmp(mode, "join") != 0 && world > 1) {
+        /* A definition the servers refuse (rank 0 names its first parameter otherwise) leaves
+         * the model and its shard as they were (a GPU-resident one closed for the attempt and
+         * opened again). */
+        const char *other[NP];
+        for (int p = 0; p < NP; p++)
+            other[p] = p == 0 && rank == 0 ? "renamed" : names[p];
+        pshard_param_t again[NP];
+        float *zeros[NP];
+        for (int p = 0; p < NP; p++) {
+            again[p] = (pshard_param_t){.name = other[p], .shape = shapes[p], .ndim = ndims[p]};
+            zeros[p] = calloc(numel_of(p), sizeof(float));
+        }
+        pshard_status_t st = pshard_define_model(c, again, NP, &mc, (const float *const *)zeros);
+        for (int p = 0; p < NP; p++)
+            free(zeros[p]);
+        CHECK(st != PSHARD_OK, "a definition that differs on rank 0 was accepted");
+    }
     for (int p = 0; p < NP; p++) {
         CHECK(pshard_shard_view(c, (size_t)p, &v) == PSHARD_OK, "view: %s", pshard_last_error(c));
         CHECK(memcmp(snap[p][0], v.master, v.numel * sizeof(float)) == 0,
