@@ -5,7 +5,9 @@
 # which needs a Debian mirror) only when cmake or libgrpc-dev is missing, and says so.
 # Warnings are not errors here: a compiler's new warning must not cost a GPU run.
 # Environment: PSHARD_GPU_BUILD_DIR (default: a new directory under $TMPDIR or /tmp),
-# NCCL_DEBUG (default WARN, so NCCL says why it failed).
+# NCCL_DEBUG (default WARN, so NCCL says why it failed), PSHARD_GPU_PYTHON (the python of the
+# pshard.torch proof; default build/torch-venv's), PSHARD_GPU_TEST_S (the tests' time, 360 s).
+# Prints one "PROOF name (what): PASSED|FAILED|SKIPPED|NOT RUN" line per proof.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 say() { echo "gpu-check: $*"; }
@@ -53,8 +55,11 @@ if [ -n "$(ls -A "$build_dir" 2> /dev/null)" ]; then
 fi
 mkdir -p "$build_dir"
 say "building in $build_dir"
+# The pshard.torch proof needs a python with torch (CUDA), transformers and pshard: the
+# repository's venv (scripts/pshard-venv.sh) when there is one, or PSHARD_GPU_PYTHON.
+gpu_python=${PSHARD_GPU_PYTHON:-$root/build/torch-venv/bin/python}
 if ! cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DPSHARD_WITH_CUDA=ON \
-  > "$build_dir/configure.log" 2>&1; then
+  -DPSHARD_GPU_PYTHON="$gpu_python" > "$build_dir/configure.log" 2>&1; then
   cat "$build_dir/configure.log"
   say "RESULT: configure FAILED"
   exit 3
@@ -69,11 +74,35 @@ say "build done"
 
 # --- tests ------------------------------------------------------------------------------------
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-(cd "$build_dir" && ctest -L gpu --output-on-failure --no-tests=error) 2>&1 | tee "$build_dir/ctest.log"
+# The whole check must fit a short lease: the tests get PSHARD_GPU_TEST_S seconds (default 360)
+# in all, then whatever still runs is stopped and counted as failed.
+(cd "$build_dir" && timeout --kill-after=20 "${PSHARD_GPU_TEST_S:-360}" \
+  ctest -L gpu --output-on-failure --no-tests=error) 2>&1 | tee "$build_dir/ctest.log"
 status=${PIPESTATUS[0]}
+[ "$status" -eq 124 ] && say "the gpu tests ran past ${PSHARD_GPU_TEST_S:-360} s and were stopped"
 
 echo "=== GPU after the tests ==="
 gpu_summary
+
+# One line per proof: each gpu test's outcome as CTest reported it.
+proof() {
+  local name=$1 what=$2 line
+  line=$(grep -E "Test +#[0-9]+: $name " "$build_dir/ctest.log" | tail -n 1)
+  if [ -z "$line" ]; then
+    say "PROOF $name ($what): NOT RUN"
+  elif [[ $line == *"Passed"* ]]; then
+    say "PROOF $name ($what): PASSED"
+  elif [[ $line == *"Skipped"* || $line == *"Not Run"* ]]; then
+    say "PROOF $name ($what): SKIPPED"
+  else
+    say "PROOF $name ($what): FAILED"
+  fi
+}
+proof gpu_nccl "NCCL collectives on the GPUs here, every op and dtype"
+proof gpu_kernels "the shard server's CUDA kernels bit for bit against the CPU code"
+proof gpu_shard_nccl "sharded MLP training on NCCL servers against the single-process reference"
+proof gpu_shard_ipc "a GPU-resident shard opened by its trainer through CUDA IPC"
+proof gpu_llama_cuda "a tiny Llama trained on cuda with pshard.torch against the CPU"
 
 # CTest counts a skipped test (exit 77: no usable device) as passed; say so plainly.
 if grep -q "(Skipped)" "$build_dir/ctest.log"; then
