@@ -11,7 +11,9 @@ usage: llama_worker.py MODE OUT [CKPT]
   reference  the same steps in one process, plain torch, on the union of the ranks' batches
 Environment: LLAMA_FIRST, LLAMA_LAST (steps), LLAMA_OPT (torch: torch.optim.AdamW in the trainer;
 pshard: pshard.torch.optim.AdamW on the shard servers), LLAMA_MESH ("R,S": HSDP), LLAMA_ASYNC
-(set: dcp.async_save instead of dcp.save).
+(set: dcp.async_save instead of dcp.save), LLAMA_DEVICE (cuda: the model on cuda:LOCAL_RANK,
+with FSDP2's CPUOffloadPolicy, as pshard keeps a GPU model's shards; default cpu),
+LLAMA_OFFLOAD (set: CPUOffloadPolicy on the CPU too).
 Writes OUT/rank-R.json (losses and grad norms per step) and, from rank 0, OUT/final.pt (the
 full state dict) and OUT/logits.pt (the sharded model's logits on a fixed input).
 """
@@ -29,6 +31,8 @@ MODE, OUT = sys.argv[1], sys.argv[2]
 CKPT = sys.argv[3] if len(sys.argv) > 3 else None
 FIRST, LAST = int(os.environ.get("LLAMA_FIRST", 0)), int(os.environ.get("LLAMA_LAST", 10))
 OPT = os.environ.get("LLAMA_OPT", "torch")
+DEVICE = (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+          if os.environ.get("LLAMA_DEVICE") == "cuda" else "cpu")
 GLOBAL_BATCH, SEQ, SAMPLES = 12, 16, 120
 
 
@@ -93,10 +97,14 @@ def train():
     if os.environ.get("LLAMA_MESH"):
         r, s = (int(x) for x in os.environ["LLAMA_MESH"].split(","))
         mesh = init_device_mesh("cpu", (r, s), mesh_dim_names=("replicate", "shard"))
-    model = build_model()
+    model = build_model().to(DEVICE)
+    kw = {}
+    if DEVICE != "cpu" or os.environ.get("LLAMA_OFFLOAD"):
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        kw["offload_policy"] = CPUOffloadPolicy()
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     if OPT == "pshard":
         import pshard.torch.optim as popt
         opt = popt.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95))
@@ -118,6 +126,7 @@ def train():
         (batch,) = next(loader)
         if step < FIRST:
             continue
+        batch = batch.to(DEVICE)
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -126,7 +135,7 @@ def train():
         opt.step()
         sched.step()
         opt.zero_grad()
-        mean = loss.detach().clone()
+        mean = loss.detach().cpu().clone()
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)
         losses.append(mean.item())
         norms.append(float(norm))
@@ -143,7 +152,7 @@ def train():
                                                                 cpu_offload=True))
     probe = torch.arange(2 * SEQ).reshape(2, SEQ) % 96
     with torch.no_grad():
-        logits = model(input_ids=probe).logits
+        logits = model(input_ids=probe.to(DEVICE)).logits.cpu()
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, f"rank-{rank}.json"), "w") as f:
         json.dump({"losses": losses, "norms": norms, "server_steps": server_steps,

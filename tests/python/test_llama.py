@@ -106,10 +106,12 @@ def test_llama_server_side_adamw_dcp(tmp_path):
 def test_llama_torch_optim_on_device_shards(tmp_path):
     """GPU-resident shards (the shard servers' emulated device, PSHARD_TEST_EMULATE_DEVICE=1,
     which the tests have instead of a GPU): each trainer opens its server's device memory by
-    the handle the server gave (as CUDA IPC does), its DTensor shards are that memory, and
-    torch.optim.AdamW on them trains as on host shards."""
+    the handle the server gave (as CUDA IPC does), its DTensor shards are that memory, its
+    unsharded parameters are staged as a GPU model's (FSDP2's CPUOffloadPolicy given, as a GPU
+    model needs), and torch.optim.AdamW on them trains as on host shards."""
     want, ref_sd = reference(tmp_path)
-    got = run(2, tmp_path / "a", 0, 10, env={"PSHARD_TEST_EMULATE_DEVICE": "1"})
+    got = run(2, tmp_path / "a", 0, 10, env={"PSHARD_TEST_EMULATE_DEVICE": "1",
+                                              "LLAMA_OFFLOAD": "1"})
     assert [r["memory"] for r in got] == ["emulated", "emulated"], got
     check_steps(got, want, 0)
     assert [r["server_steps"] for r in got] == [10, 10], got

@@ -114,3 +114,23 @@ def test_gpt2_bf16_params(train):
     results, final, _ = train(cfg, 2)
     # bf16 gathers (8 bits of mantissa) against an fp64 reference: within 2e-2 relative.
     check(results, final, cfg, 2, rtol=2e-2, atol=2e-2, watol=2e-2)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(MLP, accum=2),
+    dict(MLP, optimizer="sgd", momentum=0.9, reshard_after_forward=False, clip=None),
+    dict(GPT2, param_dtype="bfloat16", reference_fp64=True, clip=0, steps=8),
+], ids=["mlp-adamw-accum", "mlp-sgd-keep-root", "gpt2-bf16"])
+def test_emulated_gpu_trainer(train, cfg):
+    """The GPU trainer's path on the tests' stand-in for a GPU (PSHARD_TEST_EMULATE_DEVICE=1):
+    the shard servers keep the shards in (emulated) device memory that the trainers open by
+    its handle, and the trainers stage their unsharded parameters in tensors of their own
+    (storage filled from the gathered buffer at unshard, freed at reshard) and add their
+    gradients into the host buffers, as for a model on a GPU; the same numbers as plain torch."""
+    results, final, _ = train(cfg, 2, env={"PSHARD_TEST_EMULATE_DEVICE": "1"})
+    assert [(r["memory"], r["staged"], r["staged_bytes"]) for r in results] == \
+        [("emulated", True, 0)] * 2, results
+    if cfg.get("param_dtype") == "bfloat16":
+        check(results, final, cfg, 2, rtol=2e-2, atol=2e-2, watol=2e-2)
+    else:
+        check(results, final, cfg, 2)

@@ -185,6 +185,12 @@ def train(cfg, rank, world, result, out):
             result["join"] = ctx.result
     if join == "throw":
         return  # the other ranks stopped with JoinedError: no collective state dict
+    inner = model._pshard_model()
+    result["memory"] = inner.client.shard_memory()[0]
+    result["staged"] = inner.staged_on is not None
+    # What staged unsharded parameters hold after the last backward resharded every unit.
+    result["staged_bytes"] = sum(fp.unsharded.untyped_storage().nbytes()
+                                 for fp in inner.fsdp_params if fp.staged)
     result["param_steps"] = {k: int(v["step"]) for k, v in opt.state_dict()["state"].items()
                              if "step" in v}
     # optimizer.state, as tools read it (torch.optim's layout): the same counts

@@ -26,6 +26,7 @@ def check_policies(mp_policy, offload_policy):
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError("offload_policy must be a torch.distributed.fsdp.OffloadPolicy, not "
                         f"{type(offload_policy).__name__}")
-    # CPUOffloadPolicy is what pshard.torch always does: the sharded parameters, gradients
-    # and optimizer state are in host memory (the shard servers'), the trainers compute on the
-    # CPU and the optimizer steps there (pin_memory has nothing to pin).
+    # CPUOffloadPolicy is where pshard.torch keeps the sharded parameters, gradients and
+    # optimizer state anyway: host memory (the shard servers'). A model on the CPU needs no
+    # policy; a model on a GPU must pass it (the definition refuses it without, _fsdp_init),
+    # so that its sharded parameters being on the CPU is what the script asked for.

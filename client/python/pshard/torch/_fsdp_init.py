@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 import pshard
 from . import optim as _optim
-from ._fsdp_api import DTYPE_NAMES
+from ._fsdp_api import DTYPE_NAMES, CPUOffloadPolicy
 from ._fsdp_model import Model
 from ._optim_keep import open_kept
-from ._fsdp_param import FSDPParam
+from ._fsdp_param import FSDPParam, device_of
 from ._fsdp_param_group import unit_of
 
 __all__ = ["lazy_init"]
@@ -31,6 +31,34 @@ def _layout():
                          "sharded on dim 0 (FSDP2's layout, fsdp2); the flat fsdp1 layout is "
                          "for C trainers (pshard_model_config_t.layout)")
     return layout
+
+
+def _compute_device(named, units):
+    """Where the modules compute: the device the parameters were on before fully_shard (one for
+    the model). Returns (that device, the device unsharded parameters are staged on or None).
+    A model on a GPU stages them (the gathered host buffers are copied in) and needs FSDP2's
+    CPU offload, which is where its sharded parameters, gradients and optimizer are: the shard
+    servers' host memory. PSHARD_TEST_EMULATE_DEVICE=1 stages a CPU model alike (the tests'
+    stand-in for a GPU)."""
+    devs = {device_of(p) for _, p in named}
+    if len(devs) > 1:
+        raise ValueError(f"the model's parameters are on several devices "
+                         f"({', '.join(sorted(str(d) for d in devs))}): move the whole model to "
+                         "one device before fully_shard")
+    dev = devs.pop()
+    if dev.type == "cpu":
+        emulate = os.environ.get("PSHARD_TEST_EMULATE_DEVICE") == "1"
+        return dev, (dev if emulate else None)
+    if dev.type != "cuda":
+        raise ValueError(f"the model is on {dev}: pshard trainers compute on the CPU or on a "
+                         "CUDA device")
+    if not all(isinstance(u.offload, CPUOffloadPolicy) for u in units):
+        raise ValueError(f"the model is on {dev}: pshard keeps its sharded parameters, "
+                         "gradients and optimizer state in the shard servers' host memory, "
+                         "which is FSDP2's CPU offload; pass offload_policy=CPUOffloadPolicy() "
+                         "to every fully_shard and start the shard servers with --offload cpu "
+                         "(GPU-resident shards for a GPU model are not built yet)")
+    return dev, dev
 
 
 def _units_and_owners(root_unit):
@@ -178,6 +206,7 @@ def lazy_init(root_unit):
                             "the shard servers' fp32 master weights; keep the model in float32 "
                             "and gather in bfloat16 with MixedPrecisionPolicy(param_dtype="
                             "torch.bfloat16)")
+    device, staged_on = _compute_device(named, units)
     index = {id(p): i for i, (_, p) in enumerate(named)}
     where, slots = _assign(root, root_unit, owner, named, ignored)
     for i, u in enumerate(where):
@@ -231,7 +260,12 @@ def lazy_init(root_unit):
     # Buffers (BatchNorm statistics, ...) start equal everywhere: rank 0's.
     if client.world_size > 1 and not taken_over:
         for _, b in root.named_buffers():
-            dist.broadcast(b.data, 0)
+            if b.device.type == "cpu":
+                dist.broadcast(b.data, 0)
+            else:  # backend pshard moves host tensors
+                t = b.data.cpu()
+                dist.broadcast(t, 0)
+                b.data.copy_(t)
 
     model = Model(root_unit, client)
     model.step = step
@@ -244,6 +278,14 @@ def lazy_init(root_unit):
     model.optimizers = list(opts)
     model.group_src = group_src
     model.mesh = mesh
+    model.staged_on = staged_on
+    if device.type == "cuda":
+        memory, _ = client.shard_memory()
+        if memory != "host":
+            raise NotImplementedError(
+                f"the shard servers keep the shards in {memory} memory, which a model on "
+                f"{device} cannot use as its CPU-offloaded shards yet: start them with "
+                "--offload cpu")
     shard_dim = 1 if hsdp else 0
     shard_rank, shard_size = mesh.get_local_rank(shard_dim), mesh.shape[shard_dim]
     for i, (name, p) in enumerate(named):
@@ -252,7 +294,7 @@ def lazy_init(root_unit):
         full = torch.from_dlpack(client.param_buffer(i))
         own = p.to_local().detach()
         fp.bind(full, torch.from_dlpack(master),
-                torch.from_dlpack(grad) if grad is not None else None)
+                torch.from_dlpack(grad) if grad is not None else None, staged_on=staged_on)
         if step == 0 and not taken_over:  # a fresh model: this rank's rows (after --resume or
             # a take-over: the servers')
             with torch.no_grad():

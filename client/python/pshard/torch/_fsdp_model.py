@@ -41,6 +41,8 @@ class Model:
         self.reduced = False       # a reduce-scatter was issued since the last step
         self.group_src = []
         self.mesh = None           # the torch DeviceMesh of every unit
+        self.staged_on = None      # the device of staged unsharded parameters (a GPU model;
+        #                            the CPU under PSHARD_TEST_EMULATE_DEVICE=1), or None
         # A torch.optim optimizer's state kept for a replacement trainer (KeptState), while
         # the shard servers allow one; keep_checked: whether they were asked.
         self.keeper = None

@@ -12,12 +12,19 @@ gathers into (param_dtype), at a fixed address for the model's life (a reshard g
 back, the next gather writes them again), so tensors autograd saved stay valid.
 After a reduce-scatter the reduced gradient shard lives in the server's fp32 accumulator; the
 sharded parameter's ``.grad`` is a DTensor over it.
+
+A model on a GPU (**staged** parameters) cannot compute on the host buffer: its unsharded
+parameter is a tensor of its own on the model's device, whose storage is allocated and filled
+from the gathered buffer when its unit is unsharded and freed (``resize_(0)``, FSDP2's way of
+keeping the tensor, and what autograd saved of it, valid) when the unit reshards; its gradient
+is added into the host gradient buffer before the reduce-scatter. The tests run the same path on
+the CPU (``PSHARD_TEST_EMULATE_DEVICE=1``).
 """
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["FSDPParam", "shard_rows", "make_sharded"]
+__all__ = ["FSDPParam", "shard_rows", "make_sharded", "device_of"]
 
 
 def shard_rows(d0, rank, size):
@@ -37,10 +44,19 @@ def make_sharded(p, mesh, placements, shard_rank, shard_size):
                          "model with ignored_params)")
     lo, rows = shard_rows(p.shape[0], shard_rank, shard_size)
     with torch.no_grad():
-        local = p.detach()[lo:lo + rows].clone().contiguous()
+        # On the host, as the shard servers' memory it becomes (FSDP2's CPU offload for a
+        # model on a GPU); the module computes on p's device (device_of).
+        local = p.detach()[lo:lo + rows].to("cpu", copy=True).contiguous()
         d = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
                                stride=p.stride())
-    return nn.Parameter(d, requires_grad=p.requires_grad)
+    sp = nn.Parameter(d, requires_grad=p.requires_grad)
+    sp._pshard_device = p.device
+    return sp
+
+
+def device_of(sharded):
+    """The device the module computes this parameter on (where it was before fully_shard)."""
+    return getattr(sharded, "_pshard_device", torch.device("cpu"))
 
 
 class FSDPParam:
@@ -60,16 +76,24 @@ class FSDPParam:
         self.unsharded = None
         self.grad_local = None        # this rank's fp32 gradient slice in the server's memory
         self.had_grad = False         # autograd produced a gradient in this backward
+        self.full = None              # staged: the gathered host buffer, shaped
+        self.filled = False           # staged: the unsharded storage holds the gathered values
 
     @property
     def frozen(self):
         return not self.sharded.requires_grad
 
-    def bind(self, full_view, master, grad):
+    @property
+    def staged(self):
+        return self.full is not None
+
+    def bind(self, full_view, master, grad, staged_on=None):
         """After the model's definition: the unsharded parameter over full_view (the stable full
-        buffer), and the sharded parameter's local tensor moved onto master (this rank's fp32
-        master rows in the server's memory, 1-D), grad (the accumulator's, or None) kept for
-        the sharded gradient. ValueError when the server's placement is not torch.chunk's."""
+        buffer), or with staged_on a device, a tensor of its own there (allocated and filled
+        by fill(), freed by free()); and the sharded parameter's local tensor moved onto master
+        (this rank's fp32 master rows in the server's memory, 1-D), grad (the accumulator's, or
+        None) kept for the sharded gradient. ValueError when the server's placement is not
+        torch.chunk's."""
         shape = tuple(self.sharded.shape)
         lo, rows = shard_rows(shape[0], self.shard_rank, self.shard_size)
         local_shape = (rows,) + shape[1:]
@@ -79,12 +103,40 @@ class FSDPParam:
         if master.numel() != numel:
             raise ValueError(f"parameter '{self.name}': the shard server holds {master.numel()} "
                              f"elements of it on this rank, DTensor's Shard(0) expects {numel}")
-        self.unsharded = nn.Parameter(full_view.view(shape),
-                                      requires_grad=self.sharded.requires_grad)
+        if staged_on is None:
+            self.unsharded = nn.Parameter(full_view.view(shape),
+                                          requires_grad=self.sharded.requires_grad)
+        else:
+            self.full = full_view.view(shape)
+            self.unsharded = nn.Parameter(
+                torch.empty(shape, dtype=full_view.dtype, device=staged_on),
+                requires_grad=self.sharded.requires_grad)
+            self.free()
         self.unsharded._pshard_fsdp_param = self
         with torch.no_grad():
             self.sharded._local_tensor = master.view(local_shape)
         self.grad_local = grad.view(local_shape) if grad is not None else None
+
+    def fill(self):
+        """Staged: the unsharded parameter's storage back at its size, holding the gathered
+        values (the gather has completed); a no-op when it holds them or is not staged. The
+        copy is synchronous, so the host buffer may be gathered into again afterwards."""
+        if self.full is None or self.filled:
+            return
+        t = self.unsharded
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+        # Refilling what autograd saved in forward is no modification of it (the same values
+        # as then): the version counter stays, as FSDP2 keeps it across its all-gathers.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
+            t.copy_(self.full)
+        self.filled = True
+
+    def free(self):
+        """Staged: gives the unsharded parameter's storage back (the tensor stays)."""
+        if self.full is None:
+            return
+        self.unsharded.untyped_storage().resize_(0)
+        self.filled = False
 
     def to_sharded(self):
         for module, name in self.slots:

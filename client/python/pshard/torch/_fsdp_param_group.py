@@ -15,6 +15,7 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward  # None: True except for the root
         self.reshard_after_backward = True
         self.mp = mp_policy
+        self.offload = None        # torch's OffloadPolicy given to fully_shard
         self.mesh = mesh           # torch DeviceMesh
         self.model = None          # the _Model once the root initialised
         self.parent = None         # the nearest enclosing unit
@@ -58,6 +59,8 @@ class Unit:
         parameters on the modules."""
         self.wait_gather()
         self.model.client.gather(self.ids)
+        for fp in self.params:
+            fp.fill()
         if not self.unsharded:
             for fp in self.params:
                 fp.to_unsharded()
@@ -74,6 +77,8 @@ class Unit:
             for fp in self.params:
                 fp.to_sharded()
             self.unsharded = False
+        for fp in self.params:
+            fp.free()
         self.model.client.reshard(self.ids)
 
     def to_sharded(self):
@@ -83,6 +88,8 @@ class Unit:
             for fp in self.params:
                 fp.to_sharded()
             self.unsharded = False
+        for fp in self.params:
+            fp.free()
 
 
 # Units by module, without keeping either alive.

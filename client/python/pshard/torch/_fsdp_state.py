@@ -135,7 +135,7 @@ def _pre_backward(u):
         nxt = [order[k - 1]] if k > 0 else []
     for v in nxt:
         v.unshard_async()
-    if model.param_dtype == model.reduce_dtype:
+    if model.param_dtype == model.reduce_dtype and model.staged_on is None:
         # Autograd accumulates straight into the shared-memory full gradient buffers.
         for i in u.grad_ids:
             p = model.fsdp_params[i].unsharded
@@ -175,12 +175,14 @@ def _post_backward(u):
         return
     u.in_backward = False
     model = u.model
-    if model.param_dtype != model.reduce_dtype:
+    if model.param_dtype != model.reduce_dtype or model.staged_on is not None:
+        # Gradients in another dtype or on the model's GPU: added into the host buffers
+        # (synchronously: the reduce-scatter below reads them).
         for i in u.grad_ids:
             p = model.fsdp_params[i].unsharded
             view, _ = _grad_view(model, i)
             if p.grad is not None:
-                view.add_(p.grad)
+                view.add_(p.grad.to(view.device))
                 p.grad = None
     for fp in u.params:
         if fp.frozen:

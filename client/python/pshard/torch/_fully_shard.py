@@ -282,10 +282,12 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             raise pshard.FailedPreconditionError(
                 "fully_shard was applied again after the model ran forward")
         u.reshard_after_forward, u.mp, u.mesh = reshard_after_forward, mp_policy, mesh
+        u.offload = offload_policy
         u.ignored |= ignored
         _shard_parameters(modules, mesh, placements, shard_rank, shard_size, u.ignored)
         return module
     unit = Unit(modules, reshard_after_forward, mp_policy, mesh)
+    unit.offload = offload_policy
     unit.ignored = ignored
     _shard_parameters(modules, mesh, placements, shard_rank, shard_size, ignored)
     install_optimizer_hooks()
