@@ -352,6 +352,10 @@ def _():
 
 os.makedirs(out_dir, exist_ok=True)
 torch.save(results, os.path.join(out_dir, f"rank-{rank}.pt"))
+if backend.startswith("pshard"):  # how many tensors went through host copies (CUDA ones)
+    import pshard._backend
+    with open(os.path.join(out_dir, f"staged-{rank}.txt"), "w") as f:
+        f.write(str(pshard._backend.staged_tensors))
 dist.barrier()
 if backend == "pshard":
     pshard.destroy_process_group()

@@ -10,12 +10,16 @@ Join shadowing for ranks that ran out of input, its flight recorder and metrics.
 
 Every operation of torch's backend table is here; each returns a pshard Work (``_work.py``). A
 blocking call (``opts.asyncOp`` false) runs in this thread; an asynchronous one is queued on the
-client's thread behind everything this trainer issued before. Tensors are CPU tensors;
-reductions take float32, bfloat16, float16, float64, int64, int32, uint8 and bool (and complex
+client's thread behind everything this trainer issued before. Tensors are CPU tensors, or
+CUDA tensors, which move through host copies (the servers' collectives take host memory from
+the trainer: correct, not fast; ``backend="cpu:pshard,cuda:nccl"`` sends CUDA tensors to NCCL
+instead); reductions take float32, bfloat16, float16, float64, int64, int32, uint8 and bool (and complex
 for sums), data movement takes any dtype (its bytes move). What pshard cannot do (a CUDA tensor,
 an unsupported reduction or dtype, recv from any source) raises at once, saying what to use.
 """
 import datetime
+import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -47,12 +51,65 @@ _REDUCE = {_R.SUM: 0, _R.AVG: 1, _R.PRODUCT: 2, _R.MIN: 3, _R.MAX: 4, _R.BAND: 5
 _CHUNK_BYTES = 4 << 20
 
 
+# Tensors staged through host copies so far (CUDA ones; under PSHARD_TEST_EMULATE_DEVICE=1,
+# the tests' stand-in for a GPU, every tensor): what the tests check the path ran by.
+staged_tensors = 0
+_warned = []
+
+
+def _staged_here(t):
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.device.type == "cuda":
+        if not _warned:
+            _warned.append(True)
+            warnings.warn("backend pshard moves CUDA tensors through host memory (correct, not "
+                          "fast); for collectives on NCCL initialise with backend="
+                          "'cpu:pshard,cuda:nccl'", stacklevel=4)
+        return True
+    return t.device.type == "cpu" and os.environ.get("PSHARD_TEST_EMULATE_DEVICE") == "1"
+
+
+class _Stage:
+    """Host copies of one operation's device tensors: host(t) gives the tensor the operation
+    runs on (t itself when it is a host tensor), and finish(calls) copies the outputs back to
+    their devices after everything else the operation does to them."""
+    __slots__ = ("back",)
+
+    def __init__(self):
+        self.back = []
+
+    def host(self, t, out=False, read=True):
+        """t, or a host copy of it (read: with its values; out: copied back at the end)."""
+        global staged_tensors
+        if not _staged_here(t):
+            return t
+        staged_tensors += 1
+        h = (t.detach().to("cpu", copy=True) if read
+             else torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+        if out:
+            self.back.append((t, h))
+        return h
+
+    def hosts(self, ts, out=False, read=True):
+        return [self.host(t, out, read) for t in ts]
+
+    def finish(self, calls):
+        if self.back:
+            pairs = self.back
+
+            def copy_back():
+                for t, h in pairs:
+                    t.detach().copy_(h)
+            calls.then(copy_back)
+
+
 def _cpu(t, what):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, not {type(t).__name__}")
     if t.device.type != "cpu":
-        raise ValueError(f"{what} is on {t.device}: backend pshard takes CPU tensors (use "
-                         "backend 'cpu:pshard,cuda:nccl' to send CUDA tensors to NCCL)")
+        raise ValueError(f"{what} is on {t.device}: backend pshard takes CPU and CUDA tensors "
+                         "(use a backend of that device for it)")
     if t.is_sparse:
         raise ValueError(f"{what} is sparse: backend pshard takes dense tensors")
     return t
@@ -196,14 +253,16 @@ class ProcessGroupPshard(_CBackend):
             calls.then(back)
 
     def allreduce(self, tensors, opts):
-        calls = _Calls(self, opts)
-        self._all_reduce(calls, tensors, opts.reduceOp, "allreduce")
+        calls, st = _Calls(self, opts), _Stage()
+        self._all_reduce(calls, st.hosts(tensors, out=True), opts.reduceOp, "allreduce")
+        st.finish(calls)
         return calls.done(tensors)
 
     def allreduce_coalesced(self, tensors, opts):
         if not tensors:
             return Work()
-        calls = _Calls(self, opts)
+        calls, st = _Calls(self, opts), _Stage()
+        originals, tensors = tensors, st.hosts(tensors, out=True)
         red, factor, _ = _reduction(opts.reduceOp, tensors, "allreduce_coalesced")
         flat = torch.cat([_cpu(t, "allreduce_coalesced").detach().reshape(-1)
                           for t in tensors])
@@ -217,12 +276,14 @@ class ProcessGroupPshard(_CBackend):
                 t.detach().copy_(flat[at:at + t.numel()].view_as(t))
                 at += t.numel()
         calls.then(copy_out)
-        return calls.done(tensors)
+        st.finish(calls)
+        return calls.done(originals)
 
     def reduce(self, tensors, opts):
-        calls = _Calls(self, opts)
+        calls, st = _Calls(self, opts), _Stage()
         red, factor, _ = _reduction(opts.reduceOp, tensors, "reduce")
         root = opts.rootRank
+        originals, tensors = tensors, st.hosts(tensors, out=self.rank() == root)
         for t in tensors:
             _cpu(t, "reduce")
             flat, back = _flat(t)
@@ -233,7 +294,8 @@ class ProcessGroupPshard(_CBackend):
             _in_place(calls, "reduce", _as_reduced(flat), reduce=red, root=root)
             if self.rank() == root:
                 calls.then(back)
-        return calls.done(tensors)
+        st.finish(calls)
+        return calls.done(originals)
 
     def _reduce_scatter_into(self, calls, output, input, op, what):
         red, factor, _ = _reduction(op, [output, input], what)
@@ -258,24 +320,29 @@ class ProcessGroupPshard(_CBackend):
         calls.then(back)
 
     def reduce_scatter_single(self, output, input, opts):
-        calls = _Calls(self, opts)
-        self._reduce_scatter_into(calls, output, input, opts.reduceOp, "reduce_scatter_tensor")
+        calls, st = _Calls(self, opts), _Stage()
+        self._reduce_scatter_into(calls, st.host(output, out=True, read=False), st.host(input),
+                                  opts.reduceOp, "reduce_scatter_tensor")
+        st.finish(calls)
         return calls.done([output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        calls = _Calls(self, opts)
+        calls, st = _Calls(self, opts), _Stage()
         for o, i in zip(outputs, inputs, strict=True):
-            self._reduce_scatter_into(calls, o, i, opts.reduceOp, "reduce_scatter_coalesced")
+            self._reduce_scatter_into(calls, st.host(o, out=True, read=False), st.host(i),
+                                      opts.reduceOp, "reduce_scatter_coalesced")
+        st.finish(calls)
         return calls.done(outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts):
-        calls = _Calls(self, opts)
+        calls, st = _Calls(self, opts), _Stage()
         n = self.size()
-        for out, ins in zip(outputs, input_lists, strict=True):
+        for out, ins in zip(st.hosts(outputs, out=True, read=False),
+                            [st.hosts(x) for x in input_lists], strict=True):
             if len(ins) != n:
                 raise ValueError(f"reduce_scatter: input_list must hold {n} tensors (the group "
                                  f"size), not {len(ins)}")
@@ -285,17 +352,19 @@ class ProcessGroupPshard(_CBackend):
                                      f"{out.dtype} and {out.numel()} elements")
             stacked = torch.cat([_cpu(x, "reduce_scatter").detach().reshape(-1) for x in ins])
             self._reduce_scatter_into(calls, out, stacked, opts.reduceOp, "reduce_scatter")
+        st.finish(calls)
         return calls.done(outputs)
 
     # ---- data movement ----------------------------------------------------------------
     def broadcast(self, tensors, opts):
-        calls = _Calls(self, opts)
+        calls, st = _Calls(self, opts), _Stage()
         root = opts.rootRank
-        for t in tensors:
+        for t in st.hosts(tensors, out=self.rank() != root):
             _cpu(t, "broadcast")
             flat, back = _flat(t)
             _in_place(calls, "broadcast", _bytes(flat), root=root)
             calls.then(back)
+        st.finish(calls)
         return calls.done(tensors)
 
     def _all_gather_into(self, calls, output, input, what):
@@ -325,24 +394,29 @@ class ProcessGroupPshard(_CBackend):
         calls.then(back)
 
     def all_gather_single(self, output, input, opts):
-        calls = _Calls(self, opts)
-        self._all_gather_into(calls, output, input, "all_gather_into_tensor")
+        calls, st = _Calls(self, opts), _Stage()
+        self._all_gather_into(calls, st.host(output, out=True, read=False), st.host(input),
+                              "all_gather_into_tensor")
+        st.finish(calls)
         return calls.done([output])
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
-        calls = _Calls(self, opts)
+        calls, st = _Calls(self, opts), _Stage()
         for o, i in zip(outputs, inputs, strict=True):
-            self._all_gather_into(calls, o, i, "all_gather_into_tensor_coalesced")
+            self._all_gather_into(calls, st.host(o, out=True, read=False), st.host(i),
+                                  "all_gather_into_tensor_coalesced")
+        st.finish(calls)
         return calls.done(outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, output_lists, inputs, opts):
-        calls = _Calls(self, opts)
+        calls, st = _Calls(self, opts), _Stage()
         n = self.size()
-        for outs, inp in zip(output_lists, inputs, strict=True):
+        for outs, inp in zip([st.hosts(x, out=True, read=False) for x in output_lists],
+                             st.hosts(inputs), strict=True):
             _cpu(inp, "all_gather")
             if len(outs) != n:
                 raise ValueError(f"all_gather: tensor_list must hold {n} tensors (the group "
@@ -359,10 +433,14 @@ class ProcessGroupPshard(_CBackend):
                 for k, o in enumerate(outs):
                     o.detach().copy_(flat[k * m:(k + 1) * m].view_as(o))
             calls.then(copy_out)
+        st.finish(calls)
         return calls.done(output_lists)
 
     def allgather_coalesced(self, output_lists, input_list, opts):
-        calls = _Calls(self, opts)
+        calls, st = _Calls(self, opts), _Stage()
+        originals = output_lists
+        output_lists = [st.hosts(x, out=True, read=False) for x in output_lists]
+        input_list = st.hosts(input_list)
         n = self.size()
         if len(output_lists) != n:
             raise ValueError(f"all_gather_coalesced: output_tensor_lists must hold {n} lists "
@@ -382,7 +460,8 @@ class ProcessGroupPshard(_CBackend):
                     o.detach().copy_(rows[r, at:at + nb].view(t.dtype).view_as(o))
                     at += nb
         calls.then(copy_out)
-        return calls.done(output_lists)
+        st.finish(calls)
+        return calls.done(originals)
 
     def _gather_into(self, calls, output, input, root, what):
         _cpu(input, what)
@@ -408,9 +487,12 @@ class ProcessGroupPshard(_CBackend):
             calls.then(back)
 
     def gather(self, output_lists, inputs, opts):
-        calls = _Calls(self, opts)
+        calls, st = _Calls(self, opts), _Stage()
         n, root = self.size(), opts.rootRank
-        for k, inp in enumerate(inputs):
+        originals = output_lists
+        if self.rank() == root:
+            output_lists = [st.hosts(x, out=True, read=False) for x in output_lists]
+        for k, inp in enumerate(st.hosts(inputs)):
             outs = output_lists[k] if self.rank() == root else None
             if outs is not None and len(outs) != n:
                 raise ValueError(f"gather: gather_list must hold {n} tensors (the group size) on "
@@ -422,19 +504,27 @@ class ProcessGroupPshard(_CBackend):
                     for r, o in enumerate(outs):
                         o.detach().copy_(flat[r * m:(r + 1) * m].view_as(o))
                 calls.then(copy_out)
-        return calls.done(output_lists)
+        st.finish(calls)
+        return calls.done(originals)
 
     def gather_single(self, output, input, opts):
-        calls = _Calls(self, opts)
-        self._gather_into(calls, output, input, opts.rootRank, "gather_into_tensor")
+        calls, st = _Calls(self, opts), _Stage()
+        root = opts.rootRank
+        self._gather_into(calls, st.host(output, out=True, read=False) if self.rank() == root
+                          else output, st.host(input), root, "gather_into_tensor")
+        st.finish(calls)
         return calls.done([output])
 
     gather_into_tensor = gather_single
 
     def scatter(self, outputs, input_lists, opts):
-        calls = _Calls(self, opts)
+        calls, st = _Calls(self, opts), _Stage()
         n, root = self.size(), opts.rootRank
         me_root = self.rank() == root
+        originals = outputs
+        outputs = st.hosts(outputs, out=True, read=False)
+        if me_root:
+            input_lists = [st.hosts(x) for x in input_lists]
         for k, out in enumerate(outputs):
             _cpu(out, "scatter")
             ins = input_lists[k] if me_root else None
@@ -456,7 +546,8 @@ class ProcessGroupPshard(_CBackend):
                 send = (torch.cat([x[i:i + piece.numel()] for x in srcs]) if me_root else None)
                 calls.run("scatter", send, piece, piece.numel(), "uint8", root=root)
             calls.then(back)
-        return calls.done(outputs)
+        st.finish(calls)
+        return calls.done(originals)
 
     # ---- all-to-all -------------------------------------------------------------------
     def _splits(self, splits, rows, what):
@@ -541,8 +632,10 @@ class ProcessGroupPshard(_CBackend):
         calls.then(copy_out)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
-        calls = _Calls(self, opts)
-        self._all_to_all(calls, output, input, output_split_sizes, input_split_sizes)
+        calls, st = _Calls(self, opts), _Stage()
+        self._all_to_all(calls, st.host(output, out=True, read=False), st.host(input),
+                         output_split_sizes, input_split_sizes)
+        st.finish(calls)
         return calls.done([output])
 
     alltoall_base = all_to_all_single
@@ -551,6 +644,9 @@ class ProcessGroupPshard(_CBackend):
         n = self.size()
         if len(outputs) != n or len(inputs) != n:
             raise ValueError(f"all_to_all: both lists must hold {n} tensors (the group size)")
+        st = _Stage()
+        originals, outputs, inputs = outputs, st.hosts(outputs, out=True, read=False), \
+            st.hosts(inputs)
         dtype = inputs[0].dtype
         for what, lst in (("input_tensor_list", inputs), ("output_tensor_list", outputs)):
             for k, x in enumerate(lst):
@@ -573,7 +669,8 @@ class ProcessGroupPshard(_CBackend):
                 x.detach().copy_(flat_out[at:at + k].view(dtype).view_as(x))
                 at += k
         calls.then(copy_out)
-        return calls.done(outputs)
+        st.finish(calls)
+        return calls.done(originals)
 
     # ---- point-to-point and barriers --------------------------------------------------
     def _p2p(self, name, tensors, peer, tag):
@@ -582,6 +679,9 @@ class ProcessGroupPshard(_CBackend):
         if not 0 <= tag < 1 << 32:
             raise ValueError(f"{name}: tag must be in [0, 2**32), not {tag}")
         calls = _Calls(self, None)  # torch's send/recv are asynchronous: Works to wait on
+        st = _Stage()
+        originals = tensors
+        tensors = st.hosts(tensors, out=name == "recv", read=name == "send")
         for t in tensors:
             _cpu(t, name)
             flat, back = _flat(t)
@@ -593,7 +693,8 @@ class ProcessGroupPshard(_CBackend):
                           tag=tag)
             if name == "recv":
                 calls.then(back)
-        return calls.done(tensors)
+        st.finish(calls)
+        return calls.done(originals)
 
     def send(self, tensors, dst, tag):
         return self._p2p("send", tensors, dst, tag)
@@ -676,6 +777,8 @@ def _create(opts, backend_options):
 
 
 def register():
-    """Registers backend "pshard" with torch.distributed (once; devices: cpu)."""
+    """Registers backend "pshard" with torch.distributed (once; devices: cpu and cuda, whose
+    tensors move through host copies)."""
     if "PSHARD" not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])

@@ -23,7 +23,8 @@ class Work(_CWork):
     (empty when the calls ran already); outputs: what the Future's value is (torch's: the
     operation's output tensors); after: functions that complete the outputs once the calls
     finished; error: an exception the operation already met (raised by wait()). Thread-safe:
-    wait(), is_completed() and the completion thread may race; the calls are waited once."""
+    wait(), is_completed() and the completion thread may race; the calls are waited once, and
+    whoever returns from wait() finds the Future (if one was asked for) done."""
 
     def __init__(self, works=(), outputs=(), after=(), error=None):
         super().__init__()
@@ -34,7 +35,7 @@ class Work(_CWork):
         self._done = False
         self._future = None
         self._future_set = False  # whose _finish completes the Future (exactly one)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def _finish(self):
         """Waits for the calls (once), runs the copies, completes the Future."""
@@ -56,16 +57,16 @@ class Work(_CWork):
                 self._after = []
                 self._error = err
                 self._done = True
-            # One caller completes the Future: wait() and the completion thread may both get
-            # here, and a second set_result raises. Outside the lock: its callbacks may wait.
-            fut = self._future if not self._future_set else None
-            if fut is not None:
+            # One caller completes the Future (a second set_result raises), and under the lock,
+            # so that a wait() racing the completion thread returns only once the Future is
+            # done too. The lock is reentrant: the Future's callbacks run in this thread and
+            # may ask this Work again.
+            if self._future is not None and not self._future_set:
                 self._future_set = True
-        if fut is not None:
-            if self._error is not None:
-                fut.set_exception(self._error)
-            else:
-                fut.set_result(self._outputs)
+                if self._error is not None:
+                    self._future.set_exception(self._error)
+                else:
+                    self._future.set_result(self._outputs)
 
     def wait(self, timeout=None):
         """Blocks until the operation finished; raises its error. The operation's own timeout
