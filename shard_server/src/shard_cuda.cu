@@ -297,9 +297,9 @@ static pshard_status_t dev_max_abs(int device, const float *x, size_t n, float *
 }
 
 static const shard_dev_ops_t cuda_ops = {
-    "cuda",      false,          dev_alloc,       dev_free,  dev_copy,       dev_zero,
-    dev_convert, dev_accumulate, dev_sum_squares, dev_scale, dev_optim_step, dev_max_abs,
-    dev_alloc_shared, dev_free_shared,
+    "cuda",         false,       dev_alloc,        dev_free,        dev_copy,
+    dev_zero,       dev_convert, dev_accumulate,   dev_sum_squares, dev_scale,
+    dev_optim_step, dev_max_abs, dev_alloc_shared, dev_free_shared,
 };
 
 // The module's entry: the table, or NULL when the loader is of another pshard version (the
