@@ -360,6 +360,8 @@ typedef struct {
     int ndim;
     int64_t shape[8];
     Py_ssize_t pyshape[8], pystrides[8];
+    int cuda_device; /* -1: host memory; else the CUDA device whose memory data is (DLPack
+                        only: no buffer protocol) */
 } BufferObject;
 
 static void export_release(ClientObject *owner)
@@ -387,7 +389,17 @@ PyObject *pshard_py_buffer_new(ClientObject *owner, void *data, pshard_dtype_t d
         n *= (size_t)b->shape[d];
     }
     b->nbytes = n * pshard_dtype_size(dtype);
+    b->cuda_device = -1;
     return (PyObject *)b;
+}
+
+PyObject *pshard_py_cuda_buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype,
+                                    PyObject *shape, int device)
+{
+    PyObject *b = pshard_py_buffer_new(owner, data, dtype, shape);
+    if (b)
+        ((BufferObject *)b)->cuda_device = device;
+    return b;
 }
 
 static void Buffer_dealloc(BufferObject *b)
@@ -437,7 +449,8 @@ static PyObject *Buffer_dlpack(BufferObject *b, PyObject *args, PyObject *kw)
         return PyErr_NoMemory();
     DLTensor *t = &o->mt.dl_tensor;
     t->data = b->data;
-    t->device.device_type = DL_CPU;
+    t->device.device_type = b->cuda_device >= 0 ? DL_CUDA : DL_CPU;
+    t->device.device_id = b->cuda_device >= 0 ? b->cuda_device : 0;
     t->ndim = b->ndim;
     switch (b->dtype) {
     case PSHARD_FP32:
@@ -479,6 +492,8 @@ static PyObject *Buffer_dlpack(BufferObject *b, PyObject *args, PyObject *kw)
 
 static PyObject *Buffer_dlpack_device(BufferObject *b, PyObject *unused)
 {
+    if (b->cuda_device >= 0)
+        return Py_BuildValue("(ii)", DL_CUDA, b->cuda_device);
     return Py_BuildValue("(ii)", DL_CPU, 0);
 }
 
@@ -496,6 +511,12 @@ static int Buffer_getbuffer(BufferObject *b, Py_buffer *view, int flags)
 {
     static char fmt_f[] = "f", fmt_e[] = "e", fmt_q[] = "q", fmt_h[] = "H";
     size_t item = pshard_dtype_size(b->dtype);
+    if (b->cuda_device >= 0) {
+        PyErr_SetString(PyExc_BufferError,
+                        "this pshard buffer is CUDA device memory: use torch.from_dlpack");
+        view->obj = NULL;
+        return -1;
+    }
     view->obj = (PyObject *)b;
     Py_INCREF(b);
     view->buf = b->data;
@@ -1006,7 +1027,8 @@ static PyMethodDef Client_methods[] = {
      "(the server's step timing and throughput counters; pshard.report_step)"},
     {"shard_view", (PyCFunction)Client_shard_view, METH_O,
      "shard_view(i) -> (master, grad or None, offset, numel): this rank's fp32 shard of "
-     "parameter i in the shard server's memory (1-D Buffers of numel elements)"},
+     "parameter i in the shard server's memory (1-D Buffers of numel elements; CUDA ones, for "
+     "torch.from_dlpack only, where shard_memory() says 'cuda')"},
     {"shard_memory", (PyCFunction)Client_shard_memory, METH_NOARGS,
      "shard_memory() -> (kind, device): where this rank's shard is: 'host' (shared memory), "
      "'cuda' (the shard server's GPU, opened through CUDA IPC) or 'emulated' (the tests' host "

@@ -47,6 +47,7 @@ typedef struct DLManagedTensor {
 } DLManagedTensor;
 
 #define DL_CPU 1
+#define DL_CUDA 2
 #define DL_INT 0
 #define DL_UINT 1
 #define DL_FLOAT 2
@@ -142,6 +143,10 @@ PyObject *pshard_py_work_started(ClientObject *self, WorkObject *w, pshard_statu
  * counted among its exports. NULL with an exception set when out of memory. */
 PyObject *pshard_py_buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype,
                                PyObject *shape);
+/* The same over CUDA device memory of device `device` (a GPU-resident shard opened through
+ * CUDA IPC): DLPack says kDLCUDA; the buffer protocol refuses it. */
+PyObject *pshard_py_cuda_buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype,
+                                    PyObject *shape, int device);
 
 /* Client.shard_view, shard_state, step_trainer, trainer_state_info and set_step
  * (pshard_shard.c), for the Client's method table. */

@@ -6,22 +6,15 @@
  * replacement, and Client.set_step(n), which restores the servers' step count. */
 #include "pshard_py.h"
 
-/* A view's arrays are host memory this process can read (host shards, or the emulated
- * device's); GPU-resident shards opened through CUDA IPC are device pointers, which a CPU
- * trainer must not touch: an error saying what to do instead. */
-static bool host_view(const pshard_shard_view_t *v)
+/* A Buffer over n fp32 values at p of a view's arrays: host memory (host shards, the emulated
+ * device's), or CUDA memory of the view's device (GPU-resident shards opened through CUDA
+ * IPC), which only DLPack consumers (torch.from_dlpack) take. */
+static PyObject *array_buffer(ClientObject *self, const pshard_shard_view_t *v, float *p,
+                              PyObject *shape)
 {
-    if (v->memory != PSHARD_MEMORY_CUDA)
-        return true;
-    char msg[512];
-    snprintf(msg, sizeof(msg),
-             "the shard server keeps this rank's shard in GPU memory (cuda:%d): pshard.torch "
-             "trainers compute on the CPU for now and cannot use it as their parameters' local "
-             "shards; start the shard servers with --offload cpu (shards in pinned host memory, "
-             "collectives on NCCL)",
-             v->device);
-    pshard_py_raise_status(PSHARD_ERR_FAILED_PRECONDITION, msg);
-    return false;
+    if (v->memory == PSHARD_MEMORY_CUDA)
+        return pshard_py_cuda_buffer_new(self, p, PSHARD_FP32, shape, v->device);
+    return pshard_py_buffer_new(self, p, PSHARD_FP32, shape);
 }
 
 PyObject *Client_shard_memory(ClientObject *self, PyObject *unused)
@@ -55,13 +48,11 @@ PyObject *Client_shard_view(ClientObject *self, PyObject *arg)
     CLIENT_CALL(self, st = pshard_shard_view(self->c, (size_t)i, &v));
     if (st != PSHARD_OK)
         return pshard_py_client_fail(self, st);
-    if (!host_view(&v))
-        return NULL;
     PyObject *shape = Py_BuildValue("(n)", (Py_ssize_t)v.numel);
     if (!shape)
         return NULL;
-    PyObject *master = pshard_py_buffer_new(self, v.master, PSHARD_FP32, shape);
-    PyObject *grad = v.grad ? pshard_py_buffer_new(self, v.grad, PSHARD_FP32, shape) : Py_None;
+    PyObject *master = array_buffer(self, &v, v.master, shape);
+    PyObject *grad = v.grad ? array_buffer(self, &v, v.grad, shape) : Py_None;
     Py_DECREF(shape);
     if (!master || !grad) {
         Py_XDECREF(master);
@@ -140,12 +131,13 @@ PyObject *Client_report_step(ClientObject *self, PyObject *args, PyObject *kwarg
     Py_RETURN_NONE;
 }
 
-/* A Buffer over n fp32 values at p, or None when p is NULL. */
-static PyObject *view_or_none(ClientObject *self, float *p, PyObject *shape)
+/* A Buffer over n fp32 values at p of view v's arrays, or None when p is NULL. */
+static PyObject *view_or_none(ClientObject *self, const pshard_shard_view_t *v, float *p,
+                              PyObject *shape)
 {
     if (!p)
         Py_RETURN_NONE;
-    return pshard_py_buffer_new(self, p, PSHARD_FP32, shape);
+    return array_buffer(self, v, p, shape);
 }
 
 PyObject *Client_shard_state(ClientObject *self, PyObject *arg)
@@ -162,14 +154,12 @@ PyObject *Client_shard_state(ClientObject *self, PyObject *arg)
     CLIENT_CALL(self, st = pshard_shard_view(self->c, (size_t)i, &v));
     if (st != PSHARD_OK)
         return pshard_py_client_fail(self, st);
-    if (!host_view(&v))
-        return NULL;
     PyObject *shape = Py_BuildValue("(n)", (Py_ssize_t)v.numel);
     if (!shape)
         return NULL;
     PyObject *one = Py_BuildValue("(n)", (Py_ssize_t)1);
-    PyObject *s0 = view_or_none(self, v.state0, shape);
-    PyObject *s1 = s0 ? view_or_none(self, v.state1, shape) : NULL;
+    PyObject *s0 = view_or_none(self, &v, v.state0, shape);
+    PyObject *s1 = s0 ? view_or_none(self, &v, v.state1, shape) : NULL;
     PyObject *count = s1 && one ? pshard_py_buffer_new(self, v.step, PSHARD_INT64, one) : NULL;
     Py_DECREF(shape);
     Py_XDECREF(one);

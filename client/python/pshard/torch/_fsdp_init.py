@@ -35,11 +35,9 @@ def _layout():
 
 def _compute_device(named, units):
     """Where the modules compute: the device the parameters were on before fully_shard (one for
-    the model). Returns (that device, the device unsharded parameters are staged on or None).
-    A model on a GPU stages them (the gathered host buffers are copied in) and needs FSDP2's
-    CPU offload, which is where its sharded parameters, gradients and optimizer are: the shard
-    servers' host memory. PSHARD_TEST_EMULATE_DEVICE=1 stages a CPU model alike (the tests'
-    stand-in for a GPU)."""
+    the model), and for a model on a GPU whether FSDP2's CPUOffloadPolicy was given (every unit
+    alike). PSHARD_TEST_EMULATE_DEVICE=1 makes a CPU model stage its unsharded parameters as a
+    GPU model does (the tests' stand-in for a GPU). Returns (device, offload, staged_on)."""
     devs = {device_of(p) for _, p in named}
     if len(devs) > 1:
         raise ValueError(f"the model's parameters are on several devices "
@@ -48,17 +46,50 @@ def _compute_device(named, units):
     dev = devs.pop()
     if dev.type == "cpu":
         emulate = os.environ.get("PSHARD_TEST_EMULATE_DEVICE") == "1"
-        return dev, (dev if emulate else None)
+        return dev, False, (dev if emulate else None)
     if dev.type != "cuda":
         raise ValueError(f"the model is on {dev}: pshard trainers compute on the CPU or on a "
                          "CUDA device")
-    if not all(isinstance(u.offload, CPUOffloadPolicy) for u in units):
-        raise ValueError(f"the model is on {dev}: pshard keeps its sharded parameters, "
-                         "gradients and optimizer state in the shard servers' host memory, "
-                         "which is FSDP2's CPU offload; pass offload_policy=CPUOffloadPolicy() "
-                         "to every fully_shard and start the shard servers with --offload cpu "
-                         "(GPU-resident shards for a GPU model are not built yet)")
-    return dev, dev
+    offload = {isinstance(u.offload, CPUOffloadPolicy) for u in units}
+    if len(offload) > 1:
+        raise ValueError("some fully_shard calls of this model gave CPUOffloadPolicy and some "
+                         "did not: pass the same offload_policy to every one")
+    return dev, offload.pop(), dev
+
+
+def _check_memory(client, device, offload):
+    """Whether the shard servers keep the shards where this model needs them: a CPU model, in
+    host memory (or the emulated device's); a GPU model with CPUOffloadPolicy, in host memory;
+    one without, in its own GPU's memory (GPU-resident shards, opened through CUDA IPC).
+    Returns the CUDA device of GPU-resident shards, or None; an error naming the fix else."""
+    memory, where = client.shard_memory()
+    if device.type == "cpu":
+        if memory == "cuda":
+            raise pshard.FailedPreconditionError(
+                f"the shard servers keep the shards in GPU memory (cuda:{where}) and the model "
+                "is on the CPU: move the model to cuda:LOCAL_RANK, or start the shard servers "
+                "with --offload cpu")
+        return None
+    if offload:
+        if memory != "host":
+            raise pshard.FailedPreconditionError(
+                f"CPUOffloadPolicy keeps the sharded parameters in host memory, but the shard "
+                f"servers keep them in {memory} memory: start them with --offload cpu, or drop "
+                "the policy (the shards then stay on the GPU)")
+        return None
+    if memory != "cuda":
+        raise pshard.FailedPreconditionError(
+            f"the model is on {device} and the shard servers keep the shards in {memory} "
+            "memory: pass offload_policy=CPUOffloadPolicy() to fully_shard (FSDP2's CPU "
+            "offload, which is what that is), or start the shard servers with --backend nccl "
+            "and without --offload cpu (GPU-resident shards)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if where != index:
+        raise pshard.FailedPreconditionError(
+            f"the model is on cuda:{index} and its shard server keeps the shards on cuda:{where}: "
+            "give each trainer its server's GPU (pshardrun: --device is the local rank; "
+            "torch.cuda.set_device(LOCAL_RANK))")
+    return torch.device("cuda", where)
 
 
 def _units_and_owners(root_unit):
@@ -206,7 +237,7 @@ def lazy_init(root_unit):
                             "the shard servers' fp32 master weights; keep the model in float32 "
                             "and gather in bfloat16 with MixedPrecisionPolicy(param_dtype="
                             "torch.bfloat16)")
-    device, staged_on = _compute_device(named, units)
+    device, offload, staged_on = _compute_device(named, units)
     index = {id(p): i for i, (_, p) in enumerate(named)}
     where, slots = _assign(root, root_unit, owner, named, ignored)
     for i, u in enumerate(where):
@@ -279,13 +310,7 @@ def lazy_init(root_unit):
     model.group_src = group_src
     model.mesh = mesh
     model.staged_on = staged_on
-    if device.type == "cuda":
-        memory, _ = client.shard_memory()
-        if memory != "host":
-            raise NotImplementedError(
-                f"the shard servers keep the shards in {memory} memory, which a model on "
-                f"{device} cannot use as its CPU-offloaded shards yet: start them with "
-                "--offload cpu")
+    model.shards_on = _check_memory(client, device, offload)
     shard_dim = 1 if hsdp else 0
     shard_rank, shard_size = mesh.get_local_rank(shard_dim), mesh.shape[shard_dim]
     for i, (name, p) in enumerate(named):

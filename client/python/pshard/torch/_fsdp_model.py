@@ -43,10 +43,18 @@ class Model:
         self.mesh = None           # the torch DeviceMesh of every unit
         self.staged_on = None      # the device of staged unsharded parameters (a GPU model;
         #                            the CPU under PSHARD_TEST_EMULATE_DEVICE=1), or None
+        self.shards_on = None      # the CUDA device of GPU-resident sharded parameters, or None
         # A torch.optim optimizer's state kept for a replacement trainer (KeptState), while
         # the shard servers allow one; keep_checked: whether they were asked.
         self.keeper = None
         self.keep_checked = False
+
+    def sync_device(self):
+        """GPU-resident shards: the shard servers read what this trainer's kernels wrote into
+        them (torch.optim's updates, zeroed gradients, loaded state) only once those kernels
+        finished; called before every operation of the servers on the shards."""
+        if self.shards_on is not None:
+            torch.cuda.synchronize(self.shards_on)
 
     @property
     def params(self):
@@ -113,6 +121,7 @@ class Model:
         for i, fp in enumerate(self.fsdp_params):
             if fp.sharded.grad is None:
                 skip[i // 8] |= 1 << (i % 8)
+        self.sync_device()
         self.step, self.last_grad_norm = self.client.step(groups=groups, skip=bytes(skip))
         self.after_step()
 
@@ -152,6 +161,7 @@ class Model:
             self._kept_or_not(kept.after_update(kept.opt))
             kept = self.keeper
         try:
+            self.sync_device()
             self.step = self.client.step_trainer(kept=kept is not None)
         except pshard.StepAbortedError:
             if kept is not None:  # it may have counted elsewhere: resync says

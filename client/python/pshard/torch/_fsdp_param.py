@@ -35,18 +35,19 @@ def shard_rows(d0, rank, size):
     return lo, min(d0, lo + chunk) - lo
 
 
-def make_sharded(p, mesh, placements, shard_rank, shard_size):
+def make_sharded(p, mesh, placements, shard_rank, shard_size, host=False):
     """The sharded parameter of p (a plain parameter): an nn.Parameter of a DTensor over mesh
-    with placements whose local tensor is a copy of this rank's rows of p."""
+    with placements whose local tensor is a copy of this rank's rows of p, on p's device, or
+    with host (FSDP2's CPU offload) in host memory."""
     if p.dim() == 0:
         raise ValueError("fully_shard shards parameters on dim 0: a 0-dimensional parameter "
                          "cannot be sharded (give it a dimension of 1, or keep it out of the "
                          "model with ignored_params)")
     lo, rows = shard_rows(p.shape[0], shard_rank, shard_size)
     with torch.no_grad():
-        # On the host, as the shard servers' memory it becomes (FSDP2's CPU offload for a
-        # model on a GPU); the module computes on p's device (device_of).
-        local = p.detach()[lo:lo + rows].to("cpu", copy=True).contiguous()
+        # Where the shard servers' memory it becomes will be (a DTensor keeps its device): the
+        # host with CPU offload, else p's device; the module computes on p's (device_of).
+        local = p.detach()[lo:lo + rows].to("cpu" if host else p.device, copy=True).contiguous()
         d = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
                                stride=p.stride())
     sp = nn.Parameter(d, requires_grad=p.requires_grad)

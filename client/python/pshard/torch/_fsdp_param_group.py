@@ -58,6 +58,7 @@ class Unit:
         """Gathers the unit (a no-op for what is gathered already) and registers the unsharded
         parameters on the modules."""
         self.wait_gather()
+        self.model.sync_device()
         self.model.client.gather(self.ids)
         for fp in self.params:
             fp.fill()
@@ -68,6 +69,7 @@ class Unit:
 
     def unshard_async(self):
         if self.gather_work is None and self.ids:
+            self.model.sync_device()
             self.gather_work = self.model.client.gather_start(self.ids)
 
     def reshard(self):

@@ -201,6 +201,7 @@ def _post_backward(u):
             model.grad_views.pop(i, None)
             model.fsdp_params[i].unsharded.grad = None
         model.prepare_reduce_scatter(u.grad_ids)
+        model.sync_device()
         model.pending.append(model.client.reduce_scatter_start(u.grad_ids))
         model.reduced = True
     if u.reshard_after_backward:

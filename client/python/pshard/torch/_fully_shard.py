@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import pshard
-from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy, check_policies
+from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
 from ._fsdp_param import make_sharded
 from ._fsdp_param_group import Unit, register_unit, require_unit, unit_of
 from ._fsdp_state import ensure_init, install_optimizer_hooks, post_forward, pre_forward
@@ -197,9 +197,9 @@ def _check_mesh(mesh):
     if mesh.mesh.reshape(-1).tolist() != list(range(world)):
         raise ValueError(f"mesh {mesh.mesh.tolist()} must hold every rank in order "
                          "(init_device_mesh's)")
-    if mesh.device_type != "cpu":
+    if mesh.device_type not in ("cpu", "cuda"):
         raise ValueError(f"mesh device_type {mesh.device_type!r}: pshard trainers compute on "
-                         "the CPU for now (use init_device_mesh('cpu', ...))")
+                         "the CPU or CUDA devices (init_device_mesh('cpu' or 'cuda', ...))")
     for d in range(mesh.ndim):
         backend = dist.get_backend(mesh.get_group(d))
         if backend != "pshard":
@@ -213,7 +213,7 @@ def _check_mesh(mesh):
     return mesh, (Replicate(), Shard(0)), mesh.get_local_rank(1), mesh.shape[1]
 
 
-def _shard_parameters(modules, mesh, placements, shard_rank, shard_size, ignored):
+def _shard_parameters(modules, mesh, placements, shard_rank, shard_size, ignored, host):
     """Replaces every parameter of modules' subtrees that no fully_shard took yet (and that is
     not ignored) with its sharded parameter; a parameter held by several modules (tied) gets
     one sharded parameter everywhere."""
@@ -224,7 +224,7 @@ def _shard_parameters(modules, mesh, placements, shard_rank, shard_size, ignored
                     continue
                 sp = getattr(p, "_pshard_sharded_param", None)
                 if sp is None:
-                    sp = make_sharded(p, mesh, placements, shard_rank, shard_size)
+                    sp = make_sharded(p, mesh, placements, shard_rank, shard_size, host)
                     sp._pshard_sharded = True
                     p._pshard_sharded_param = sp
                     p._pshard_replaced = True
@@ -284,12 +284,14 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         u.reshard_after_forward, u.mp, u.mesh = reshard_after_forward, mp_policy, mesh
         u.offload = offload_policy
         u.ignored |= ignored
-        _shard_parameters(modules, mesh, placements, shard_rank, shard_size, u.ignored)
+        _shard_parameters(modules, mesh, placements, shard_rank, shard_size, u.ignored,
+                          isinstance(offload_policy, CPUOffloadPolicy))
         return module
     unit = Unit(modules, reshard_after_forward, mp_policy, mesh)
     unit.offload = offload_policy
     unit.ignored = ignored
-    _shard_parameters(modules, mesh, placements, shard_rank, shard_size, ignored)
+    _shard_parameters(modules, mesh, placements, shard_rank, shard_size, ignored,
+                      isinstance(offload_policy, CPUOffloadPolicy))
     install_optimizer_hooks()
     for m in modules:
         register_unit(m, unit)

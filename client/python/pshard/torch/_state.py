@@ -145,6 +145,7 @@ def save_checkpoint(model):
     if m is None:
         raise pshard.FailedPreconditionError("the model has not run forward yet")
     m.wait_reductions()
+    m.sync_device()
     step, path = m.client.checkpoint_save()
     return path
 

@@ -247,6 +247,7 @@ class _Optimizer(torch.optim.Optimizer):
         model = self._pshard_model
         model.wait_reductions()
         if step is not None and step != model.step:
+            model.sync_device()
             model.client.set_step(step)  # (every parameter's count too)
             model.step = step
         with torch.no_grad():
