@@ -13,7 +13,8 @@ Environment: LLAMA_FIRST, LLAMA_LAST (steps), LLAMA_OPT (torch: torch.optim.Adam
 pshard: pshard.torch.optim.AdamW on the shard servers), LLAMA_MESH ("R,S": HSDP), LLAMA_ASYNC
 (set: dcp.async_save instead of dcp.save), LLAMA_DEVICE (cuda: the model on cuda:LOCAL_RANK,
 with FSDP2's CPUOffloadPolicy, as pshard keeps a GPU model's shards; default cpu),
-LLAMA_OFFLOAD (set: CPUOffloadPolicy on the CPU too).
+LLAMA_OFFLOAD (set: CPUOffloadPolicy on the CPU too), LLAMA_GPU_SHARDS (set, with cuda: no
+offload policy, the sharded parameters on the shard servers' GPUs).
 Writes OUT/rank-R.json (losses and grad norms per step) and, from rank 0, OUT/final.pt (the
 full state dict) and OUT/logits.pt (the sharded model's logits on a fixed input).
 """
@@ -99,7 +100,8 @@ def train():
         mesh = init_device_mesh("cpu", (r, s), mesh_dim_names=("replicate", "shard"))
     model = build_model().to(DEVICE)
     kw = {}
-    if DEVICE != "cpu" or os.environ.get("LLAMA_OFFLOAD"):
+    gpu_shards = os.environ.get("LLAMA_GPU_SHARDS")  # a GPU model's shards on its GPU
+    if (DEVICE != "cpu" and not gpu_shards) or os.environ.get("LLAMA_OFFLOAD"):
         from torch.distributed.fsdp import CPUOffloadPolicy
         kw["offload_policy"] = CPUOffloadPolicy()
     for layer in model.model.layers:
