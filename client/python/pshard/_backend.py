@@ -55,6 +55,8 @@ _CHUNK_BYTES = 4 << 20
 # the tests' stand-in for a GPU, every tensor): what the tests check the path ran by.
 staged_tensors = 0
 _warned = []
+# Read once: every collective asks for each of its tensors.
+_EMULATE = os.environ.get("PSHARD_TEST_EMULATE_DEVICE") == "1"
 
 
 def _staged_here(t):
@@ -67,7 +69,7 @@ def _staged_here(t):
                           "fast); for collectives on NCCL initialise with backend="
                           "'cpu:pshard,cuda:nccl'", stacklevel=4)
         return True
-    return t.device.type == "cpu" and os.environ.get("PSHARD_TEST_EMULATE_DEVICE") == "1"
+    return _EMULATE and t.device.type == "cpu"
 
 
 class _Stage:
