@@ -24,6 +24,7 @@ typedef struct {
     char *node;
     char *backend;
     char *offload;
+    char *shard_memory;
     char *transport;
     char *data_host;
     char *socket_ifname;
@@ -76,6 +77,11 @@ static const ps_option_t options[] = {
         "where shards live: none (host memory with tcp; GPU memory with nccl) or "
         "cpu (host memory, pinned with nccl)",
         offload, 0, 0),
+    OPT("shard-memory", "PSHARD_SHARD_MEMORY", PS_OPT_STRING, "auto",
+        "where the shards live: auto (GPU memory with nccl unless --offload cpu, else host "
+        "memory), host, or gpu (on --device; with tcp the collectives copy this rank's slices "
+        "through host memory, so several servers can share one GPU)",
+        shard_memory, 0, 0),
     OPT("transport", "PSHARD_TRANSPORT", PS_OPT_STRING, "auto",
         "how the tcp backend moves data between shard servers: auto (read each other's memory "
         "when every server is on this host and may, else the sockets), tcp or shm",
@@ -99,7 +105,8 @@ static const ps_option_t options[] = {
         "timeout of each collective", coll_timeout_ms, 1, 86400000),
     OPT("form-timeout-ms", "PSHARD_FORM_TIMEOUT_MS", PS_OPT_INT, "0",
         "give up if the cluster has not formed by then (0: wait)", form_timeout_ms, 0, 86400000),
-    OPT("device", "LOCAL_RANK", PS_OPT_INT, "0", "CUDA device for --backend nccl", device, 0, 1024),
+    OPT("device", "LOCAL_RANK", PS_OPT_INT, "0",
+        "CUDA device for --backend nccl and --shard-memory gpu", device, 0, 1024),
     OPT("log", "PSHARD_LOG", PS_OPT_STRING, "warn", "log level: error|warn|info|debug|trace", log,
         0, 0),
     OPT("checkpoint-dir", "PSHARD_CHECKPOINT_DIR", PS_OPT_STRING, NULL,
@@ -183,6 +190,7 @@ int main(int argc, char **argv)
         .node = o.node,
         .backend = o.backend,
         .offload = o.offload,
+        .shard_memory = o.shard_memory,
         .transport = o.transport,
         .data_host = o.data_host,
         .socket_ifname = o.socket_ifname,

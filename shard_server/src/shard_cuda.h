@@ -45,8 +45,11 @@ typedef struct shard_dev_shared {
  * and, when scaled, multiplied by scale. */
 typedef struct shard_dev_ops {
     const char *name; /* "cuda" or "emulated" */
-    bool host_memory; /* its "device" memory is host memory (emulated): the collectives take
-                         it as host buffers */
+    /* Its "device" memory is host memory (emulated). That only names it (status) and keeps the
+     * checkpoint's bounce buffer small; everything else, the collectives included, treats it
+     * as device memory, so the emulation runs the paths a GPU runs (on tcp: staged through
+     * host copies, shard_exec.c). */
+    bool host_memory;
     /* bytes of zeroed device memory; free with free_mem (NULL is a no-op). */
     pshard_status_t (*alloc)(int device, size_t bytes, void **out, char *err, size_t errlen);
     void (*free_mem)(int device, void *p);

@@ -41,6 +41,51 @@ static pshard_reduce_t reduce_of(const shard_model_t *m, int active)
     return active == m->world && m->replicas == 1 ? PSHARD_REDUCE_AVG : PSHARD_REDUCE_SUM;
 }
 
+/* Whether comm takes device memory (nccl) rather than host memory only (tcp, through the
+ * sockets or the same-host transport). */
+static bool takes_device(const pshard_comm_t *comm)
+{
+    return strcmp(pshard_comm_transport(comm), "nccl") == 0;
+}
+
+/* Runs the collective a on comm. GPU-resident shards on a host-memory backend (--shard-memory
+ * gpu with tcp: several servers sharing one GPU, where NCCL allows one rank per device) go
+ * through host memory: this rank's device buffer (a gather's slice in, a reduce-scatter's slice
+ * out, an in-place all-reduce's both) is copied into m->unit_stage before the collective and
+ * back after it, and the model counts those bytes (staged_to_host, staged_to_device). On nccl
+ * the device buffers go to NCCL as they are. */
+static pshard_status_t coll_run_dev(shard_model_t *m, pshard_comm_t *comm, pshard_coll_args_t *a,
+                                    char *err, size_t errlen)
+{
+    if ((!a->send_device && !a->recv_device) || takes_device(comm))
+        return pshard_coll_run(comm, a, err, errlen);
+    if (a->send_device && a->recv_device && a->send != a->recv)
+        return ps_errf(err, errlen, PSHARD_ERR_INTERNAL,
+                       "%s: two device buffers to stage through host memory",
+                       pshard_coll_op_name(a->op));
+    size_t n = a->counts ? a->counts[pshard_comm_rank(comm)] : a->count;
+    size_t bytes = n * pshard_dtype_size(a->dtype);
+    void *host = shard_model_unit_stage(m, bytes ? bytes : 1);
+    if (!host)
+        return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
+                       "out of memory for %zu bytes of host staging", bytes);
+    void *dev_recv = a->recv_device ? a->recv : NULL;
+    if (a->send_device) {
+        PS_CHECK(m->dev->copy(m->device, host, a->send, bytes, err, errlen));
+        atomic_fetch_add_explicit(&m->staged_to_host, bytes, memory_order_relaxed);
+        a->send = host;
+    }
+    if (dev_recv)
+        a->recv = host;
+    a->send_device = a->recv_device = false;
+    PS_CHECK(pshard_coll_run(comm, a, err, errlen));
+    if (dev_recv) {
+        PS_CHECK(m->dev->copy(m->device, dev_recv, host, bytes, err, errlen));
+        atomic_fetch_add_explicit(&m->staged_to_device, bytes, memory_order_relaxed);
+    }
+    return PSHARD_OK;
+}
+
 /* HSDP: adds the replicas' reduce-scattered slices of parameter p (count elements of dt at
  * slice, device memory when the shards are on a GPU) in place, across the replicate ranks. */
 static pshard_status_t replicas_sum(shard_model_t *m, uint32_t p, pshard_dtype_t dt, void *slice,
@@ -49,7 +94,7 @@ static pshard_status_t replicas_sum(shard_model_t *m, uint32_t p, pshard_dtype_t
     if (!m->replicate_comm)
         return PSHARD_OK;
     char label[64];
-    bool dev = m->dev && !m->dev->host_memory;
+    bool dev = m->dev != NULL;
     pshard_coll_args_t a = {
         .op = PSHARD_COLL_ALL_REDUCE,
         .dtype = dt,
@@ -62,7 +107,7 @@ static pshard_status_t replicas_sum(shard_model_t *m, uint32_t p, pshard_dtype_t
         .tag = ((uint64_t)m->step << 32) | (1u << 30) | p,
         .label = shard_op_label(m, m->params[p].name, label, sizeof(label)),
     };
-    return pshard_coll_run(m->replicate_comm, &a, err, errlen);
+    return coll_run_dev(m, m->replicate_comm, &a, err, errlen);
 }
 
 /* The all-gather of parameter p in dt: this rank's slice send into the full buffer recv. */
@@ -73,7 +118,7 @@ static pshard_coll_args_t gather_args(const shard_model_t *m, uint32_t p, pshard
         .op = PSHARD_COLL_ALL_GATHER,
         .dtype = dt,
         .send = send,
-        .send_device = m->dev && !m->dev->host_memory,
+        .send_device = m->dev != NULL,
         .recv = recv,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | p,
@@ -94,7 +139,7 @@ static pshard_coll_args_t reduce_scatter_args(const shard_model_t *m, uint32_t p
         .reduce = reduce_of(m, active),
         .send = send,
         .recv = recv,
-        .recv_device = m->dev && !m->dev->host_memory,
+        .recv_device = m->dev != NULL,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | (1u << 31) | p,
         .label = shard_op_label(m, m->params[p].name, label, labellen),
@@ -121,7 +166,7 @@ pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t
     PS_CHECK(shard_model_slice_in(m, p, dt, m->stage, &send, err, errlen));
     char label[64];
     pshard_coll_args_t a = gather_args(m, p, dt, send, recv, label, sizeof(label));
-    return pshard_coll_run(data_comm(m, comm), &a, err, errlen);
+    return coll_run_dev(m, data_comm(m, comm), &a, err, errlen);
 }
 
 pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
@@ -132,7 +177,7 @@ pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, 
     char label[64];
     pshard_coll_args_t a =
         reduce_scatter_args(m, p, dt, send, m->stage, active, label, sizeof(label));
-    PS_CHECK(pshard_coll_run(data_comm(m, comm), &a, err, errlen));
+    PS_CHECK(coll_run_dev(m, data_comm(m, comm), &a, err, errlen));
     PS_CHECK(
         replicas_sum(m, p, dt, m->stage, ps_layout_counts(m->layout, p)[m->rank], err, errlen));
     return shard_model_slice_out(m, p, dt, active, m->stage, err, errlen);

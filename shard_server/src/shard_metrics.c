@@ -189,6 +189,8 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     size_t nparams = m ? m->nparams : 0;
     uint64_t shard_elements = m ? m->shard_numel : 0;
     uint64_t state_bytes = m ? shard_model_state_bytes(m) : 0;
+    uint64_t to_host = m ? atomic_load(&m->staged_to_host) : 0;
+    uint64_t to_device = m ? atomic_load(&m->staged_to_device) : 0;
     pthread_mutex_unlock(&s->mu);
 
     const char *info[] = {"name",    s->cfg.name,    "backend", s->cfg.backend,
@@ -245,6 +247,13 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
     gauge(w, "pshard_shard_state_bytes",
           "Bytes of shard state (master weights, gradients, optimizer state).",
           (double)state_bytes);
+    ps_metrics_family(w, "pshard_shard_device_staged_bytes_total", PS_METRIC_COUNTER,
+                      "Bytes of GPU-resident shard slices copied through host memory for the "
+                      "collectives of the defined model (--shard-memory gpu on tcp); 0 on nccl, "
+                      "which takes GPU memory itself.");
+    const char *lh[] = {"direction", "to_host", NULL}, *ld[] = {"direction", "to_device", NULL};
+    ps_metrics_sample_u64(w, lh, to_host);
+    ps_metrics_sample_u64(w, ld, to_device);
     gauge(w, "pshard_shard_joined",
           "1 while this rank's trainer has joined (Join, uneven "
           "inputs) and the server shadows the other ranks.",

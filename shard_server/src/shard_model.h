@@ -5,6 +5,7 @@
 #ifndef PSHARD_SHARD_MODEL_H
 #define PSHARD_SHARD_MODEL_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -82,8 +83,13 @@ typedef struct {
     size_t max_numel; /* largest full parameter */
     void *stage;      /* max_piece fp32-sized elements: conversions, reduce output (on
                          the device too when dev is set) */
-    /* Host shards: where a gather or reduce-scatter of several tensors as one operation
-     * stages this rank's slices (shard_exec.c), grown to the largest such operation. */
+    /* GPU-resident shards on a host-memory backend (tcp): the bytes of this rank's slices
+     * copied from the device into host memory for a collective, and back (shard_exec.c);
+     * 0 on nccl, which takes the device memory itself. Read by /metrics without op_mu. */
+    atomic_uint_least64_t staged_to_host, staged_to_device;
+    /* Where a gather or reduce-scatter of several tensors as one operation stages this rank's
+     * slices with host shards, or a collective stages the device slice with GPU-resident
+     * shards on tcp (shard_exec.c): host memory, grown to the largest such operation. */
     void *unit_stage;
     size_t unit_stage_bytes;
     ps_optim_config_t optim; /* the kind, and group 0's hyperparameters at definition */

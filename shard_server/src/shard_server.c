@@ -96,34 +96,64 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
             return NULL;
         }
     }
+    const char *shard_memory = cfg->shard_memory ? cfg->shard_memory : "auto";
+    bool nccl = strcmp(backend, "nccl") == 0, cpu_offload = strcmp(offload, "cpu") == 0;
+    if (strcmp(shard_memory, "auto") != 0 && strcmp(shard_memory, "host") != 0 &&
+        strcmp(shard_memory, "gpu") != 0) {
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                "--shard-memory (PSHARD_SHARD_MEMORY) must be auto, host or gpu, not '%.64s'",
+                shard_memory);
+        return NULL;
+    }
+    bool want_gpu = strcmp(shard_memory, "gpu") == 0;
+    if (want_gpu && cpu_offload) {
+        ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                "--shard-memory gpu keeps the shards in GPU memory and --offload cpu in host "
+                "memory: give one of them");
+        return NULL;
+    }
+    if (nccl && strcmp(shard_memory, "host") == 0)
+        offload = "cpu"; /* the same placement, under the name the rest of the server knows */
+    if (strcmp(shard_memory, "auto") == 0)
+        want_gpu = nccl && !cpu_offload;
     /* Shard objects of servers that died without freeing their models (SIGKILL, a crash). */
     shard_shm_sweep();
-    bool emulate = getenv("PSHARD_TEST_EMULATE_DEVICE") &&
-                   strcmp(getenv("PSHARD_TEST_EMULATE_DEVICE"), "1") == 0;
+    /* The tests' host emulation of GPU memory (shard_cuda.h) stands in for it on tcp: where
+     * the shards would be on a GPU, and with --shard-memory auto where they would otherwise be
+     * in host memory (so the CPU suite runs the GPU-resident paths unchanged). */
+    bool emulate = !nccl && getenv("PSHARD_TEST_EMULATE_DEVICE") &&
+                   strcmp(getenv("PSHARD_TEST_EMULATE_DEVICE"), "1") == 0 &&
+                   (want_gpu || (strcmp(shard_memory, "auto") == 0 && !cpu_offload));
     /* NCCL and the CUDA runtime are loaded now (dlopen), not linked, so a missing one is
      * named here with its package rather than by the dynamic linker at every start. */
-    if (strcmp(backend, "nccl") == 0 && pshard_nccl_load(err, errlen) != PSHARD_OK)
+    if (nccl && pshard_nccl_load(err, errlen) != PSHARD_OK)
         return NULL;
     const shard_dev_ops_t *cuda_ops = NULL;
-    if (strcmp(backend, "nccl") == 0 && strcmp(offload, "cpu") != 0) {
+    if (want_gpu && !emulate) {
         char why[PSHARD_ERRLEN] = "";
         cuda_ops = shard_dev_cuda(why, sizeof(why));
         if (!cuda_ops) {
-            ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
-                    "--backend nccl with --offload none keeps shards and optimizer state in GPU "
-                    "memory, which needs the CUDA kernels, but %s; or run --backend nccl "
-                    "--offload cpu (slices and optimizer state in pinned host memory, "
-                    "collectives on the GPU through NCCL, like FSDP's CPUOffload)",
-                    why);
+            if (nccl)
+                ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
+                        "--backend nccl with --offload none keeps shards and optimizer state in "
+                        "GPU memory, which needs the CUDA kernels, but %s; or run --backend nccl "
+                        "--offload cpu (slices and optimizer state in pinned host memory, "
+                        "collectives on the GPU through NCCL, like FSDP's CPUOffload)",
+                        why);
+            else
+                ps_errf(err, errlen, PSHARD_ERR_UNIMPLEMENTED,
+                        "--shard-memory gpu keeps shards and optimizer state in GPU memory, "
+                        "which needs the CUDA kernels, but %s; or leave the shards in host "
+                        "memory (--shard-memory auto)",
+                        why);
             return NULL;
         }
     }
-    if (strcmp(backend, "nccl") == 0 &&
-        pshard_cuda_check_device(cfg->device, err, errlen) != PSHARD_OK) {
+    if ((nccl || cuda_ops) && pshard_cuda_check_device(cfg->device, err, errlen) != PSHARD_OK) {
         size_t used = strlen(err);
         if (used + 1 < errlen)
-            snprintf(err + used, errlen - used, " (--backend nccl needs a GPU; --device %d)",
-                     cfg->device);
+            snprintf(err + used, errlen - used, " (%s needs a GPU; --device %d)",
+                     nccl ? "--backend nccl" : "--shard-memory gpu", cfg->device);
         return NULL;
     }
     pshard_shard_server_t *s = calloc(1, sizeof(*s));
@@ -137,10 +167,9 @@ pshard_shard_server_t *pshard_shard_server_start(const pshard_shard_server_confi
     s->cfg.node = own(s, 4, cfg->node);
     s->cfg.backend = own(s, 5, backend);
     s->cfg.offload = own(s, 6, offload);
-    /* Shards in GPU memory: nccl without --offload cpu; the tests' host emulation of it: tcp
-     * without --offload cpu and PSHARD_TEST_EMULATE_DEVICE=1 (see shard_cuda.h). */
-    if (strcmp(offload, "cpu") != 0)
-        s->dev = strcmp(backend, "nccl") == 0 ? cuda_ops : emulate ? &shard_dev_emulated : NULL;
+    s->cfg.shard_memory = own(s, 15, shard_memory);
+    /* Shards in GPU memory (or the tests' host emulation of it); NULL: host memory. */
+    s->dev = emulate ? &shard_dev_emulated : cuda_ops;
     if (s->dev && s->dev->host_memory)
         PS_WARN(PS_SUB_SHARD, "PSHARD_TEST_EMULATE_DEVICE=1: shards in host memory standing in "
                               "for GPU memory (a test mode)");

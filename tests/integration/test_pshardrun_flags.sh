@@ -335,6 +335,24 @@ has_err "torch.cuda.set_device" || fail "(7) --virtual-local-rank not refused wi
 PET_VIRTUAL_LOCAL_RANK=1 want_rc 2 -- true
 want_rc 2 --print-completion bash -- true
 has_err "no shell completion" || fail "(7) --print-completion not refused clearly"
+# pshard's own placement flag, in pshardrun and in the server it passes it to.
+want_rc 2 --shard-memory disk -- true
+has_err "not auto, host or gpu" || fail "(7) --shard-memory disk not refused clearly"
+want_rc 2 --shard-memory gpu --offload cpu -- true
+has_err "give one" || fail "(7) --shard-memory gpu with --offload cpu not refused"
+src=0
+"$server_bin" --coordinator 127.0.0.1:1 --listen 127.0.0.1:0 --name x --shard-memory disk \
+    >"$work/last.out" 2>"$work/last.err" || src=$?
+[ "$src" -ne 0 ] && has_err "must be auto, host or gpu, not 'disk'" ||
+    fail "(7) pshard-server --shard-memory disk not refused clearly"
+if [ ! -e /dev/nvidiactl ]; then
+    # No GPU here: GPU shards on tcp are refused at start, naming the flag.
+    src=0
+    timeout 30 "$server_bin" --coordinator 127.0.0.1:1 --listen 127.0.0.1:0 --name x \
+        --shard-memory gpu >"$work/last.out" 2>"$work/last.err" || src=$?
+    [ "$src" -ne 0 ] && has_err "shard-memory gpu (needs a GPU|keeps shards)" ||
+        fail "(7) pshard-server --shard-memory gpu without a GPU not refused naming the flag"
+fi
 echo "PASS (7) --role, --master-addr/--master-port, --local-addr, --start-method, --shutdown-timeout, the refused rest"
 
 # ---- (8) an unknown flag names the nearest known one; --help is grouped as torchrun's.

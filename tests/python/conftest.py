@@ -2,6 +2,7 @@
 pip installed pshard into), on ephemeral loopback ports, and reads back what each rank wrote."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -97,13 +98,29 @@ def stop_procs(procs):
             p.wait()
 
 
+def metric(text, name, **labels):
+    """The value of metric name with (at least) these labels in a /metrics text, or None."""
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+)(\{[^}]*\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            return float(m.group(3))
+    return None
+
+
 class Cluster:
     """A coordinator and N shard servers started by hand (not by pshardrun, which stops every
     trainer when one dies), on ephemeral loopback ports; trainers are started with
     trainer_env(rank). stop() kills what it started, by PID."""
 
-    def __init__(self, tmp, n, lease_ms=2000, heartbeat_ms=500, rdzv_file=None, metrics=False):
+    def __init__(self, tmp, n, lease_ms=2000, heartbeat_ms=500, rdzv_file=None, metrics=False,
+                 server_args=(), env=None):
+        """server_args: more flags for every shard server; env: more variables for the
+        servers and the trainers."""
         self.n, self.tmp, self.procs = n, tmp, []
+        self.env = dict(os.environ, **(env or {}))
         self.lease_ms = lease_ms
         extra = ["--rdzv-file", str(rdzv_file)] if rdzv_file else []
 
@@ -118,7 +135,8 @@ class Cluster:
         for r in range(n):
             self._start([program("pshard-server"), "--coordinator", self.coord,
                          "--listen", "127.0.0.1:0", "--port-file", str(tmp / f"s{r}.port"),
-                         "--name", f"pshard-server-{r}", *mx(f"s{r}")], tmp / f"s{r}.log")
+                         "--name", f"pshard-server-{r}", *mx(f"s{r}"), *server_args],
+                        tmp / f"s{r}.log")
         self.servers = ["127.0.0.1:" + self._port(tmp / f"s{r}.port") for r in range(n)]
         if metrics:
             self.metrics = {k: "127.0.0.1:" + self._port(tmp / f"{k}.mport")
@@ -138,7 +156,7 @@ class Cluster:
     def _start(self, cmd, log):
         with open(log, "ab") as f:
             self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL))
+                                               stdin=subprocess.DEVNULL, env=self.env))
 
     def _port(self, path, timeout=20.0):
         import time
@@ -153,7 +171,7 @@ class Cluster:
         raise TimeoutError(f"no port in {path} after {timeout} s")
 
     def trainer_env(self, rank):
-        return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.n), LOCAL_RANK=str(rank),
+        return dict(self.env, RANK=str(rank), WORLD_SIZE=str(self.n), LOCAL_RANK=str(rank),
                     PSHARD_SERVER=self.servers[rank], PSHARD_COORDINATOR=self.coord,
                     OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import run_trainers, stop_procs
+from conftest import metric, run_trainers, stop_procs
 
 
 def server_logs(c):
@@ -39,18 +39,6 @@ def test_trainers_leave_and_the_next_job_runs(cluster, tmp_path):
             assert "evicted" not in server_logs(c), server_logs(c)[-3000:]
             time.sleep(0.1)
     assert "evicted" not in server_logs(c), server_logs(c)[-3000:]
-
-
-def metric(text, name, **labels):
-    """The value of metric name with (at least) these labels in a /metrics text, or None."""
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_]+)(\{[^}]*\})? (\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            return float(m.group(3))
-    return None
 
 
 def test_dead_trainer_is_not_reported_healthy(cluster, tmp_path):

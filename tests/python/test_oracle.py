@@ -1,9 +1,12 @@
 """The core oracle: models trained with pshard.torch on N ranks match plain torch in one
 process, with torch.optim, on the union of the ranks' batches (losses and final weights)."""
+import json
+
 import pytest
 import torch
 
 import cases
+from conftest import metric, run_trainers
 
 
 def mean_losses(results):
@@ -134,3 +137,51 @@ def test_emulated_gpu_trainer(train, cfg):
         check(results, final, cfg, 2, rtol=2e-2, atol=2e-2, watol=2e-2)
     else:
         check(results, final, cfg, 2)
+
+
+def test_gpu_shards_on_tcp_staged_through_host(cluster, tmp_path):
+    """--shard-memory gpu on the tcp backend (several servers sharing one GPU, where NCCL takes
+    one rank per GPU), on the tests' stand-in for a GPU: each server keeps its shards in device
+    memory and copies its slice through host memory for every collective (device to host for
+    a gather's slice, host to device for a reduce-scatter's), which its /metrics counts; the
+    numbers are plain torch's. Every parameter is reduce-scattered once a step in fp32, so the
+    bytes copied back are exactly steps x this rank's elements x 4."""
+    c = cluster(2, metrics=True, server_args=["--shard-memory", "gpu"],
+                env={"PSHARD_TEST_EMULATE_DEVICE": "1"})
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = MLP
+    (out / "cfg.json").write_text(json.dumps(cfg))
+    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
+    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert [(r["memory"], r["staged"]) for r in results] == [("emulated", True)] * 2, results
+    check(results, torch.load(out / "final.pt"), cfg, 2)
+    for r in range(2):
+        text = c.scrape(f"s{r}")
+        elements = metric(text, "pshard_shard_elements")
+        to_host = metric(text, "pshard_shard_device_staged_bytes_total", direction="to_host")
+        to_device = metric(text, "pshard_shard_device_staged_bytes_total",
+                           direction="to_device")
+        assert elements and elements > 0, text
+        assert to_device == cfg["steps"] * elements * 4, (r, to_device, elements)
+        # a gather per unit in forward and again in backward (resharded after forward)
+        assert to_host >= cfg["steps"] * elements * 4, (r, to_host, elements)
+
+
+def test_shard_memory_host_keeps_host_shards(cluster, tmp_path):
+    """--shard-memory host: host shards even where the tests' stand-in for a GPU would be
+    used; nothing is staged."""
+    c = cluster(2, metrics=True, server_args=["--shard-memory", "host"],
+                env={"PSHARD_TEST_EMULATE_DEVICE": "1"})
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = MLP
+    (out / "cfg.json").write_text(json.dumps(cfg))
+    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
+    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert [r["memory"] for r in results] == ["host"] * 2, results
+    check(results, torch.load(out / "final.pt"), cfg, 2)
+    for r in range(2):
+        text = c.scrape(f"s{r}")
+        for d in ("to_host", "to_device"):
+            assert metric(text, "pshard_shard_device_staged_bytes_total", direction=d) == 0

@@ -84,7 +84,7 @@ void run_start_server(run_t *run, int r, const char *bin)
     ps_snprintf(device, sizeof(device), "%d", r);
     ps_snprintf(every, sizeof(every), "%lld", (long long)run->opts->checkpoint_every);
     ps_snprintf(keep, sizeof(keep), "%lld", (long long)run->opts->checkpoint_keep);
-    char *argv[40];
+    char *argv[48];
     int a = 0;
     argv[a++] = (char *)bin;
     argv[a++] = "--coordinator";
@@ -107,11 +107,17 @@ void run_start_server(run_t *run, int r, const char *bin)
     argv[a++] = run->opts->backend;
     argv[a++] = "--offload";
     argv[a++] = run->opts->offload;
+    argv[a++] = "--shard-memory";
+    argv[a++] = run->opts->shard_memory;
     argv[a++] = "--log";
     argv[a++] = run->opts->log;
     if (strcmp(run->opts->backend, "nccl") == 0) {
         argv[a++] = "--device"; /* one GPU per server, like LOCAL_RANK for trainers */
         argv[a++] = device;
+    } else if (strcmp(run->opts->shard_memory, "gpu") == 0) {
+        /* GPU shards on tcp are for servers sharing one GPU (NCCL allows one rank per GPU) */
+        argv[a++] = "--device";
+        argv[a++] = "0";
     }
     if (run->opts->token_file) {
         argv[a++] = "--token-file";

@@ -171,6 +171,11 @@ const ps_option_t run_options[] = {
         backend, 0, 0),
     OPT("offload", "PSHARD_OFFLOAD", PS_OPT_STRING, "none", "where shards live: none or cpu",
         offload, 0, 0),
+    OPT("shard-memory", "PSHARD_SHARD_MEMORY", PS_OPT_STRING, "auto",
+        "where the shards live: auto (GPU memory with nccl unless --offload cpu, else host "
+        "memory), host, or gpu (with tcp: every server on GPU 0, its collectives through host "
+        "memory; for several ranks sharing one GPU, where NCCL allows one rank per GPU)",
+        shard_memory, 0, 0),
     OPT("token-file", "PSHARD_TOKEN_FILE", PS_OPT_STRING, NULL,
         "cluster token file, passed to the coordinator, servers and trainers", token_file, 0, 0),
     OPT("lease-ms", "PSHARD_LEASE_MS", PS_OPT_INT, "0",
@@ -1020,6 +1025,12 @@ int run_check_opts(run_t *run, run_opts_t *o, const ps_config_result_t *res)
         return run_usage_error("--backend '%s' is not tcp or nccl", o->backend);
     if (strcmp(o->offload, "none") != 0 && strcmp(o->offload, "cpu") != 0)
         return run_usage_error("--offload '%s' is not none or cpu", o->offload);
+    if (strcmp(o->shard_memory, "auto") != 0 && strcmp(o->shard_memory, "host") != 0 &&
+        strcmp(o->shard_memory, "gpu") != 0)
+        return run_usage_error("--shard-memory '%s' is not auto, host or gpu", o->shard_memory);
+    if (strcmp(o->shard_memory, "gpu") == 0 && strcmp(o->offload, "cpu") == 0)
+        return run_usage_error("--shard-memory gpu and --offload cpu: the shards are in GPU "
+                               "memory or in host memory, give one");
     if (o->token_file && access(o->token_file, R_OK) != 0)
         return run_usage_error("--token-file %s: %s", o->token_file, strerror(errno));
     if (run_check_torch_only(o) != 0 || run_resolve_nproc(o) != 0 ||

@@ -89,6 +89,7 @@ typedef struct {
     char *coordinator;
     char *backend;
     char *offload;
+    char *shard_memory;
     char *token_file;
     int64_t lease_ms;
     char *log;

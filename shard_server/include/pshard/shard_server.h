@@ -23,6 +23,11 @@ typedef struct {
     const char *node;          /* node name for status */
     const char *backend;       /* "tcp" or "nccl" */
     const char *offload;       /* "none" or "cpu" */
+    const char *shard_memory;  /* where the shards live: "auto" (NULL: GPU memory with nccl
+                                  unless offload is "cpu", else host memory), "host" (with
+                                  nccl: as offload "cpu") or "gpu" (on `device`; with tcp the
+                                  collectives stage this rank's slices through host memory,
+                                  for several servers sharing one GPU) */
     const char *transport;     /* tcp backend: "auto", "tcp" or "shm" (collectives.h); NULL: auto */
     const char *data_host;     /* interface the collectives listen on (default 127.0.0.1) */
     const char *socket_ifname; /* or: listen on this network interface's IPv4 address ("eth0";
@@ -33,7 +38,7 @@ typedef struct {
     int64_t coll_timeout_ms;       /* per-collective timeout; 0 = 10 minutes */
     int64_t form_timeout_ms;       /* how long to wait for the cluster to form; 0 = forever */
     int64_t max_message_bytes;
-    int device;                 /* CUDA device for nccl */
+    int device;                 /* CUDA device for nccl and shard_memory "gpu" */
     const char *checkpoint_dir; /* where checkpoints are saved (shared by all ranks), or NULL */
     int64_t checkpoint_every;   /* save after every Kth optimizer step; 0 = only on request */
     int64_t checkpoint_keep;    /* committed checkpoints kept (newest); 0 = 3 */
