@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The one prepared check for a machine with a GPU: builds pshard with the NCCL backend (Release,
 # PSHARD_WITH_CUDA=ON) in a fresh directory, runs the tests labelled gpu, prints an nvidia-smi
-# summary, and exits with ctest's status. It installs build dependencies (scripts/install-deps.sh,
+# summary, times pshard.torch against torch's FSDP2 on NCCL on this GPU
+# (tests/bench/run-gpu-bench.sh), and exits non-zero when a test or the bench failed. It installs build dependencies (scripts/install-deps.sh,
 # which needs a Debian mirror) only when cmake or libgrpc-dev is missing, and says so.
 # Warnings are not errors here: a compiler's new warning must not cost a GPU run.
 # Environment: PSHARD_GPU_BUILD_DIR (default: a new directory under $TMPDIR or /tmp),
 # NCCL_DEBUG (default WARN, so NCCL says why it failed), PSHARD_GPU_PYTHON (the python of the
-# pshard.torch proof; default build/torch-venv's), PSHARD_GPU_TEST_S (the tests' time, 360 s).
+# pshard.torch proof and the bench; default build/torch-venv's), PSHARD_GPU_TEST_S (the tests'
+# time, 360 s), PSHARD_GPU_BENCH_REPEAT (runs of each bench mode, 1; 0: no bench).
 # Prints one "PROOF name (what): PASSED|FAILED|SKIPPED|NOT RUN" line per proof.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -102,16 +104,35 @@ proof gpu_nccl "NCCL collectives on the GPUs here, every op and dtype"
 proof gpu_kernels "the shard server's CUDA kernels bit for bit against the CPU code"
 proof gpu_shard_nccl "sharded MLP training on NCCL servers against the single-process reference"
 proof gpu_shard_ipc "a GPU-resident shard opened by its trainer through CUDA IPC"
-proof gpu_llama_cuda "a tiny Llama trained on cuda with pshard.torch against the CPU"
+proof gpu_llama_cuda "a tiny Llama on cuda with pshard.torch against the CPU: host shards, GPU shards, two ranks sharing the GPU"
+
+# The throughput figure: pshard.torch on this GPU against torch's FSDP2 on NCCL, side by side
+# (tests/bench/run-gpu-bench.sh; PSHARD_GPU_BENCH_REPEAT runs of each, default 1; 0 skips it).
+bench_status=0
+if [ "${PSHARD_GPU_BENCH_REPEAT:-1}" -gt 0 ]; then
+  echo "=== pshard.torch against FSDP2 on NCCL, one GPU ==="
+  PYTHON="$gpu_python" PSHARDRUN="$build_dir/tools/pshardrun" REPEAT="${PSHARD_GPU_BENCH_REPEAT:-1}" \
+    STEPS=20 WARMUP=5 OUT="$build_dir/gpu-bench" timeout --kill-after=10 240 \
+    bash "$root/tests/bench/run-gpu-bench.sh" 2>&1 | tee "$build_dir/gpu-bench.log"
+  bench_status=${PIPESTATUS[0]}
+  case $bench_status in
+    0) say "PROOF gpu_bench (LM step time against FSDP2 on NCCL, same GPU): PASSED" ;;
+    77) say "PROOF gpu_bench (LM step time against FSDP2 on NCCL, same GPU): SKIPPED" ;;
+    *) say "PROOF gpu_bench (LM step time against FSDP2 on NCCL, same GPU): FAILED" \
+      "(status $bench_status)" ;;
+  esac
+  [ "$bench_status" -eq 77 ] && bench_status=0
+fi
 
 # CTest counts a skipped test (exit 77: no usable device) as passed; say so plainly.
 if grep -q "(Skipped)" "$build_dir/ctest.log"; then
   (cd "$build_dir" && ctest -L gpu -V 2>&1 | grep -E "no CUDA device|skipping")
   say "RESULT: SKIPPED - a gpu test found no usable CUDA device, so it verified nothing" \
     "(ctest status $status)"
-elif [ "$status" -eq 0 ]; then
+elif [ "$status" -eq 0 ] && [ "$bench_status" -eq 0 ]; then
   say "RESULT: PASSED (ctest status 0)"
 else
-  say "RESULT: FAILED (ctest status $status)"
+  say "RESULT: FAILED (ctest status $status, bench status $bench_status)"
+  [ "$status" -eq 0 ] && status=$bench_status
 fi
 exit "$status"

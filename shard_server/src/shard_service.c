@@ -947,6 +947,8 @@ static void handle_status(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         out.step = m->step;
         out.layout = ps_layout_kind(m->layout) == PSHARD_LAYOUT_FSDP2 ? "fsdp2" : "fsdp1";
         out.state_bytes = shard_model_state_bytes(m);
+        out.device_staged_to_host = atomic_load(&m->staged_to_host);
+        out.device_staged_to_device = atomic_load(&m->staged_to_device);
     }
     ps_rpc_call_reply(call, &out.base);
     pthread_mutex_unlock(&s->mu);

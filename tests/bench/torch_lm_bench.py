@@ -14,6 +14,10 @@ in one of these modes:
   fsdp2_pshard torch's own fully_shard as in fsdp2, on backend "pshard": torch's
                init_process_group("pshard") under pshardrun
 
+With --device cuda the model and batches are on cuda:LOCAL_RANK (modulo the GPUs there are),
+fsdp2 and ddp run on nccl with a cuda DeviceMesh, and pshard's shard servers should be started
+with --backend nccl (GPU-resident shards) or --shard-memory gpu (tests/bench/run-gpu-bench.sh).
+
 Each rank prints one line that run-torch-bench.sh reads:
   bench MODE rank R world N step_ms X loss Y vmhwm_kb H shmem_kb T [server_vmhwm_kb S
   server_shmem_kb M ...]
@@ -82,9 +86,20 @@ def fsdp2_fully_shard():
     return fully_shard
 
 
+def device_of(args):
+    if args.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
 def setup(args):
-    """(rank, world, model, optimizer, all_reduce_max(float) -> float, finish())."""
-    model = train_lm.build_model(args)
+    """(rank, world, model, optimizer, barrier(), finish())."""
+    dev = device_of(args)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    model = train_lm.build_model(args).to(dev)
     if args.mode in ("pshard", "pshard_topt"):
         import pshard
         import pshard.torch as pt
@@ -109,6 +124,8 @@ def setup(args):
     if args.mode == "fsdp2_pshard":
         import pshard  # noqa: F401  (registers the backend)
         dist.init_process_group("pshard")
+    elif dev.type == "cuda":
+        dist.init_process_group("nccl", device_id=dev)
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo")
@@ -118,7 +135,7 @@ def setup(args):
     else:
         from torch.distributed.device_mesh import init_device_mesh
         fully_shard = fsdp2_fully_shard()
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(dev.type, (world,))
         for block in model.transformer.h:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -143,6 +160,8 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text-bytes", type=int, default=2 << 20)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the model trains (cuda: cuda:LOCAL_RANK)")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.batch < 1:
         ap.error("--steps and --batch must be positive, --warmup not negative")
@@ -165,17 +184,21 @@ def main():
     text = train_lm.load_text(args.text_bytes)
     data_world = max(world, 2)
     t0, loss = None, float("nan")
+    dev = device_of(args)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for s in range(args.warmup + args.steps):
         if s == args.warmup:
+            sync()
             barrier()
             t0 = time.perf_counter()
-        x = train_lm.batch_at(text, rank, data_world, s, args)
+        x = train_lm.batch_at(text, rank, data_world, s, args).to(dev)
         out = model(input_ids=x, labels=x)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = out.loss.detach()
     loss = float(loss)  # the step's work is done once its loss is read
+    sync()
     elapsed = time.perf_counter() - t0
     fields = [f"bench {args.mode} rank {rank} world {world}",
               f"step_ms {elapsed * 1000.0 / args.steps:.3f} loss {loss:.5f}",

@@ -3,7 +3,9 @@
 # with LLAMA_DEVICE=cuda, world 1), once with FSDP2's CPUOffloadPolicy (the shard server
 # --backend nccl --offload cpu) and once with the shards on the server's GPU (--backend nccl,
 # DTensors over its memory through CUDA IPC), against the same steps in plain torch on the CPU
-# (the worker's reference): losses and gradient norms within 1e-4 relative. Exits 77 (skipped) unless PYTHON
+# (the worker's reference), and then two ranks sharing the GPU (--backend tcp --shard-memory gpu,
+# the servers' GPU slices staged through host memory for the collectives, as their counters say):
+# losses and gradient norms within 1e-4 relative. Exits 77 (skipped) unless PYTHON
 # has torch with a usable CUDA device, transformers and pshard (scripts/pshard-venv.sh).
 # usage: llama_cuda_proof.sh PYTHON PSHARDRUN
 set -uo pipefail
@@ -34,23 +36,46 @@ if ! LLAMA_DEVICE=cuda LLAMA_GPU_SHARDS=1 "$run" --nproc 1 --backend nccl -- \
   echo "FAILED: pshard.torch on cuda (GPU-resident shards) did not train"
   exit 1
 fi
+# Two ranks sharing the one GPU (NCCL takes one rank per GPU): their shard servers keep the shards
+# on GPU 0 and run the collectives over the host transports (--backend tcp --shard-memory gpu).
+# (one GPU visible: every rank's model and every server on it, whatever the machine has)
+first_gpu=${CUDA_VISIBLE_DEVICES:-0}
+if ! CUDA_VISIBLE_DEVICES=${first_gpu%%,*} LLAMA_DEVICE=cuda LLAMA_GPU_SHARDS=1 \
+  "$run" --nproc 2 --backend tcp --shard-memory gpu -- "$py" "$worker" train "$work/shared-gpu"; then
+  echo "FAILED: pshard.torch on cuda (two ranks sharing one GPU over tcp) did not train"
+  exit 1
+fi
 "$py" - "$work" << 'PY'
 import json, sys
 work = sys.argv[1]
 ref = json.load(open(f"{work}/ref/rank-0.json"))
 bad = 0
-for run, want in (("offload", "host"), ("gpu-shards", "cuda")):
-  got = json.load(open(f"{work}/{run}/rank-0.json"))
-  print(f"{run}: shards in {got['memory']} memory (expected {want})")
+# (run, ranks, shard memory, whether the server stages its GPU slices through host memory)
+for run, world, want, staged in (("offload", 1, "host", False), ("gpu-shards", 1, "cuda", False),
+                                 ("shared-gpu", 2, "cuda", True)):
+  ranks = [json.load(open(f"{work}/{run}/rank-{r}.json")) for r in range(world)]
+  got = ranks[0]
+  print(f"{run}: {world} rank(s), shards in {got['memory']} memory (expected {want})")
   bad += got["memory"] != want
   bad += len(got["losses"]) != len(ref["losses"])
+  for r, res in enumerate(ranks):
+    st = res.get("staged")
+    print(f"{run} rank {r}: GPU slice bytes its server copied through host memory: {st}")
+    if st is None:
+      bad += 1
+    elif staged:
+      bad += not (st["to_host"] > 0 and st["to_device"] > 0)
+    else:  # nccl reads and writes the GPU shards where they are: no copy through the host
+      bad += st["to_host"] != 0 or st["to_device"] != 0
   for what in ("losses", "norms"):
     for s, (a, b) in enumerate(zip(got[what], ref[what])):
         rel = abs(a - b) / max(abs(b), 1e-12)
         print(f"{run} {what[:-1]} step {s}: cuda {a:.8f} cpu {b:.8f} rel {rel:.2e}")
         bad += rel > 1e-4
 if bad:
-    print(f"FAILED: {bad} checks (memory, step count, values within 1e-4 relative)")
+    print(f"FAILED: {bad} checks (memory, staging counters, step count, values within 1e-4 "
+          "relative)")
     sys.exit(1)
-print("a tiny Llama on cuda with pshard.torch matches the CPU within 1e-4")
+print("a tiny Llama on cuda with pshard.torch matches the CPU within 1e-4 (one rank on nccl "
+      "with host or GPU shards, two ranks sharing one GPU over tcp)")
 PY

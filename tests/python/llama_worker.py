@@ -11,7 +11,7 @@ usage: llama_worker.py MODE OUT [CKPT]
   reference  the same steps in one process, plain torch, on the union of the ranks' batches
 Environment: LLAMA_FIRST, LLAMA_LAST (steps), LLAMA_OPT (torch: torch.optim.AdamW in the trainer;
 pshard: pshard.torch.optim.AdamW on the shard servers), LLAMA_MESH ("R,S": HSDP), LLAMA_ASYNC
-(set: dcp.async_save instead of dcp.save), LLAMA_DEVICE (cuda: the model on cuda:LOCAL_RANK,
+(set: dcp.async_save instead of dcp.save), LLAMA_DEVICE (cuda: the model on cuda:LOCAL_RANK (modulo the GPUs),
 with FSDP2's CPUOffloadPolicy, as pshard keeps a GPU model's shards; default cpu),
 LLAMA_OFFLOAD (set: CPUOffloadPolicy on the CPU too), LLAMA_GPU_SHARDS (set, with cuda: no
 offload policy, the sharded parameters on the shard servers' GPUs).
@@ -32,7 +32,9 @@ MODE, OUT = sys.argv[1], sys.argv[2]
 CKPT = sys.argv[3] if len(sys.argv) > 3 else None
 FIRST, LAST = int(os.environ.get("LLAMA_FIRST", 0)), int(os.environ.get("LLAMA_LAST", 10))
 OPT = os.environ.get("LLAMA_OPT", "torch")
-DEVICE = (f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+# cuda: this rank's GPU, cuda:LOCAL_RANK, or with fewer GPUs than ranks (shard servers sharing
+# one GPU, --shard-memory gpu) LOCAL_RANK modulo their count.
+DEVICE = (f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % max(1, torch.cuda.device_count())}"
           if os.environ.get("LLAMA_DEVICE") == "cuda" else "cpu")
 GLOBAL_BATCH, SEQ, SAMPLES = 12, 16, 120
 
@@ -81,6 +83,21 @@ def reference():
     with open(os.path.join(OUT, "rank-0.json"), "w") as f:
         json.dump({"losses": losses, "norms": norms}, f)
     torch.save(model.state_dict(), os.path.join(OUT, "final.pt"))
+
+
+def staged_bytes(rank):
+    """What this rank's shard server copied of its GPU slices through host memory, as
+    `pshardctl status --json` reports it ({"to_host": N, "to_device": M}), or None."""
+    import subprocess
+    ctl = os.path.join(os.path.dirname(sys.executable), "pshardctl")
+    p = subprocess.run([ctl, "--json", "status"], capture_output=True, text=True, timeout=60)
+    try:
+        servers = json.loads(p.stdout)["servers"]
+    except (ValueError, KeyError):
+        print(f"pshardctl status failed: {p.stdout[-500:]} {p.stderr[-500:]}", flush=True)
+        return None
+    mine = [x.get("device_staged_bytes") for x in servers if x.get("server_rank") == rank]
+    return mine[0] if len(mine) == 1 else None
 
 
 def train():
@@ -155,10 +172,12 @@ def train():
     probe = torch.arange(2 * SEQ).reshape(2, SEQ) % 96
     with torch.no_grad():
         logits = model(input_ids=probe.to(DEVICE)).logits.cpu()
+    staged = staged_bytes(rank)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, f"rank-{rank}.json"), "w") as f:
         json.dump({"losses": losses, "norms": norms, "server_steps": server_steps,
-                   "memory": model._pshard_model().client.shard_memory()[0]}, f)
+                   "memory": model._pshard_model().client.shard_memory()[0],
+                   "staged": staged}, f)
     if rank == 0:
         torch.save(full, os.path.join(OUT, "final.pt"))
         torch.save(logits, os.path.join(OUT, "logits.pt"))

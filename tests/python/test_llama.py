@@ -113,6 +113,9 @@ def test_llama_torch_optim_on_device_shards(tmp_path):
     got = run(2, tmp_path / "a", 0, 10, env={"PSHARD_TEST_EMULATE_DEVICE": "1",
                                               "LLAMA_OFFLOAD": "1"})
     assert [r["memory"] for r in got] == ["emulated", "emulated"], got
+    # on tcp each server copies its device slices through host memory for the collectives
+    # (pshardctl status), as it would a GPU's
+    assert all(r["staged"]["to_host"] > 0 and r["staged"]["to_device"] > 0 for r in got), got
     check_steps(got, want, 0)
     assert [r["server_steps"] for r in got] == [10, 10], got
     check_final(tmp_path / "a", ref_sd)
@@ -122,6 +125,8 @@ def test_llama_torch_optim_on_device_shards(tmp_path):
 def test_llama_hsdp_4_ranks(tmp_path, opt):
     """HSDP on a (2, 2) mesh: sharded over 2 ranks, replicated twice."""
     want, ref_sd = reference(tmp_path)
-    check_steps(run(4, tmp_path / "a", 0, 10, env={"LLAMA_MESH": "2,2", "LLAMA_OPT": opt}),
-                want, 0)
+    got = run(4, tmp_path / "a", 0, 10, env={"LLAMA_MESH": "2,2", "LLAMA_OPT": opt})
+    check_steps(got, want, 0)
+    # host shards: nothing is staged
+    assert [r["staged"] for r in got] == [{"to_host": 0, "to_device": 0}] * 4, got
     check_final(tmp_path / "a", ref_sd)

@@ -166,6 +166,12 @@ def test_gpu_shards_on_tcp_staged_through_host(cluster, tmp_path):
         assert to_device == cfg["steps"] * elements * 4, (r, to_device, elements)
         # a gather per unit in forward and again in backward (resharded after forward)
         assert to_host >= cfg["steps"] * elements * 4, (r, to_host, elements)
+        # pshardctl status says the same (the server's Status RPC)
+        st = c.ctl("status", "--json")
+        assert st.returncode == 0, st.stdout + st.stderr
+        mine = [x for x in json.loads(st.stdout)["servers"] if x.get("server_rank") == r]
+        assert [x["device_staged_bytes"] for x in mine] == \
+            [{"to_host": to_host, "to_device": to_device}], mine
 
 
 def test_shard_memory_host_keeps_host_shards(cluster, tmp_path):

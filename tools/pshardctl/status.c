@@ -135,6 +135,9 @@ static void print_servers_table(FILE *out, const ctl_server_probe_t *probes, siz
             fprintf(out, ", shards in %s", r->placement);
         if (*r->transport)
             fprintf(out, ", data over %s", r->transport);
+        if (r->device_staged_to_host || r->device_staged_to_device)
+            fprintf(out, ", %.1f MiB of GPU slices staged through host memory",
+                    (double)(r->device_staged_to_host + r->device_staged_to_device) / 1048576.0);
         if (r->rank != p->member->rank)
             fprintf(out, " (the server says it is rank %d)", r->rank);
         fputc('\n', out);
@@ -212,6 +215,13 @@ static json_t *json_servers(const ctl_server_probe_t *probes, size_t n)
             if (!more || json_object_update(o, more) != 0)
                 json_decref(o), o = NULL;
             json_decref(more);
+            json_t *staged = o ? json_pack("{s:{s:I,s:I}}", "device_staged_bytes", "to_host",
+                                           (json_int_t)r->device_staged_to_host, "to_device",
+                                           (json_int_t)r->device_staged_to_device)
+                               : NULL;
+            if (o && (!staged || json_object_update(o, staged) != 0))
+                json_decref(o), o = NULL;
+            json_decref(staged);
         }
         if (!o || !append(a, o)) {
             json_decref(a);
