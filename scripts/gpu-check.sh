@@ -7,11 +7,15 @@
 # Warnings are not errors here: a compiler's new warning must not cost a GPU run.
 # Environment: PSHARD_GPU_BUILD_DIR (default: a new directory under $TMPDIR or /tmp),
 # NCCL_DEBUG (default WARN, so NCCL says why it failed), PSHARD_GPU_PYTHON (the python of the
-# pshard.torch proof and the bench; default build/torch-venv's), PSHARD_GPU_TEST_S (the tests'
-# time, 360 s), PSHARD_GPU_BENCH_REPEAT (runs of each bench mode, 1; 0: no bench).
+# pshard.torch proof and the bench; default build/torch-venv's), PSHARD_GPU_CHECK_S (the whole
+# check's time, 480 s), PSHARD_GPU_TEST_S (the tests' time; default what the build leaves of it
+# less 150 s for the bench), PSHARD_GPU_BENCH_REPEAT (runs of each bench mode, 1; 0: no bench).
 # Prints one "PROOF name (what): PASSED|FAILED|SKIPPED|NOT RUN" line per proof.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+# The whole check fits PSHARD_GPU_CHECK_S seconds (default 480: a short device lease).
+start=$SECONDS
+budget=${PSHARD_GPU_CHECK_S:-480}
 say() { echo "gpu-check: $*"; }
 
 # --- dependencies, only when missing -----------------------------------------------------------
@@ -76,12 +80,17 @@ say "build done"
 
 # --- tests ------------------------------------------------------------------------------------
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-# The whole check must fit a short lease: the tests get PSHARD_GPU_TEST_S seconds (default 360)
-# in all, then whatever still runs is stopped and counted as failed.
-(cd "$build_dir" && timeout --kill-after=20 "${PSHARD_GPU_TEST_S:-360}" \
+# The whole check must fit a short lease: the tests get PSHARD_GPU_TEST_S seconds (default: what
+# the budget leaves after the build, less 150 s for the bench, at least 120), then whatever still
+# runs is stopped and counted as failed.
+bench_reserve=$(( ${PSHARD_GPU_BENCH_REPEAT:-1} > 0 ? 150 : 0 ))
+test_s=${PSHARD_GPU_TEST_S:-$((budget - (SECONDS - start) - bench_reserve))}
+[ "$test_s" -lt 120 ] && test_s=120
+say "the gpu tests get $test_s s"
+(cd "$build_dir" && timeout --kill-after=20 "$test_s" \
   ctest -L gpu --output-on-failure --no-tests=error) 2>&1 | tee "$build_dir/ctest.log"
 status=${PIPESTATUS[0]}
-[ "$status" -eq 124 ] && say "the gpu tests ran past ${PSHARD_GPU_TEST_S:-360} s and were stopped"
+[ "$status" -eq 124 ] && say "the gpu tests ran past $test_s s and were stopped"
 
 echo "=== GPU after the tests ==="
 gpu_summary
@@ -109,10 +118,15 @@ proof gpu_llama_cuda "a tiny Llama on cuda with pshard.torch against the CPU: ho
 # The throughput figure: pshard.torch on this GPU against torch's FSDP2 on NCCL, side by side
 # (tests/bench/run-gpu-bench.sh; PSHARD_GPU_BENCH_REPEAT runs of each, default 1; 0 skips it).
 bench_status=0
-if [ "${PSHARD_GPU_BENCH_REPEAT:-1}" -gt 0 ]; then
-  echo "=== pshard.torch against FSDP2 on NCCL, one GPU ==="
+bench_s=$((budget - (SECONDS - start) - 15))
+if [ "${PSHARD_GPU_BENCH_REPEAT:-1}" -gt 0 ] && [ "$bench_s" -lt 60 ]; then
+  say "PROOF gpu_bench (LM step time against FSDP2 on NCCL, same GPU): NOT RUN" \
+    "(${bench_s} s left of the ${budget} s budget; raise PSHARD_GPU_CHECK_S)"
+  bench_status=1
+elif [ "${PSHARD_GPU_BENCH_REPEAT:-1}" -gt 0 ]; then
+  echo "=== pshard.torch against FSDP2 on NCCL, one GPU ($bench_s s at most) ==="
   PYTHON="$gpu_python" PSHARDRUN="$build_dir/tools/pshardrun" REPEAT="${PSHARD_GPU_BENCH_REPEAT:-1}" \
-    STEPS=20 WARMUP=5 OUT="$build_dir/gpu-bench" timeout --kill-after=10 240 \
+    STEPS=20 WARMUP=5 OUT="$build_dir/gpu-bench" timeout --kill-after=10 "$bench_s" \
     bash "$root/tests/bench/run-gpu-bench.sh" 2>&1 | tee "$build_dir/gpu-bench.log"
   bench_status=${PIPESTATUS[0]}
   case $bench_status in

@@ -14,7 +14,8 @@ pshard: pshard.torch.optim.AdamW on the shard servers), LLAMA_MESH ("R,S": HSDP)
 (set: dcp.async_save instead of dcp.save), LLAMA_DEVICE (cuda: the model on cuda:LOCAL_RANK (modulo the GPUs),
 with FSDP2's CPUOffloadPolicy, as pshard keeps a GPU model's shards; default cpu),
 LLAMA_OFFLOAD (set: CPUOffloadPolicy on the CPU too), LLAMA_GPU_SHARDS (set, with cuda: no
-offload policy, the sharded parameters on the shard servers' GPUs).
+offload policy, the sharded parameters on the shard servers' GPUs), LLAMA_BF16 (set:
+MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)).
 Writes OUT/rank-R.json (losses and grad norms per step) and, from rank 0, OUT/final.pt (the
 full state dict) and OUT/logits.pt (the sharded model's logits on a fixed input).
 """
@@ -121,6 +122,10 @@ def train():
     if (DEVICE != "cpu" and not gpu_shards) or os.environ.get("LLAMA_OFFLOAD"):
         from torch.distributed.fsdp import CPUOffloadPolicy
         kw["offload_policy"] = CPUOffloadPolicy()
+    if os.environ.get("LLAMA_BF16"):  # FSDP2's usual mixed precision
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
