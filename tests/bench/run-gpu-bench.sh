@@ -9,7 +9,9 @@
 #                (pshardrun --backend nccl)
 #   pshard_topt  the same with torch.optim.AdamW stepping the DTensor shards, which are the
 #                server's GPU memory opened through CUDA IPC
-# Prints per mode the median step time over REPEAT runs and pshard's ratios to fsdp2 and local.
+# Prints per mode the median step time over REPEAT runs and pshard's ratios to fsdp2 and local;
+# then the gather bandwidth of a GATHER_MIB (256) MiB parameter from the server's GPU memory
+# against the GPU's own copy bandwidth (tests/bench/gather_bw_bench.py).
 # Exits 77 when PYTHON has no torch that sees a CUDA device.
 # Environment: PYTHON (default build/torch-venv's), PSHARDRUN (beside PYTHON), TORCHRUN (beside
 # PYTHON), REPEAT (3), STEPS (30), WARMUP (5), MODES (all four), OUT (raw outputs; default a
@@ -67,6 +69,15 @@ for mode in pshard pshard_topt; do
   echo "gpu-bench: $mode / fsdp2 (NCCL) = $(ratio "${ms[$mode]}" "${ms[fsdp2]:-}")," \
     "$mode / local = $(ratio "${ms[$mode]}" "${ms[local]:-}")"
 done
+# The gather bandwidth from the server's GPU memory into the trainer's parameter, against the
+# GPU's own copy bandwidth (tests/bench/gather_bw_bench.py, a GATHER_MIB MiB parameter).
+gf="$OUT/gather_bw.txt"
+timeout 300 "$PSHARDRUN" --nproc 1 --backend nccl -- "$PY" "$ROOT/tests/bench/gather_bw_bench.py" \
+  --device cuda --mib "${GATHER_MIB:-256}" --iters 10 > "$gf" 2>&1 ||
+  echo "gpu-bench: the gather bandwidth run failed: see $gf" >&2
+gline=$(sed 's/^\[trainer [0-9]*\] //' "$gf" | grep '^gather_bw ' | tail -n 1)
+echo "gpu-bench: ${gline:-gather_bw: no figure}"
 # A mode without a figure failed: say so in the status.
 for mode in $MODES; do [ -n "${ms[$mode]:-}" ] || exit 1; done
+[ -n "$gline" ] || exit 1
 exit 0
