@@ -17,24 +17,88 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 start=$SECONDS
 budget=${PSHARD_GPU_CHECK_S:-480}
 say() { echo "gpu-check: $*"; }
-
-# --- dependencies, only when missing -----------------------------------------------------------
-missing=()
-command -v cmake > /dev/null 2>&1 || missing+=(cmake)
-if command -v dpkg-query > /dev/null 2>&1; then
-  dpkg-query -W -f='${Status}' libgrpc-dev 2> /dev/null | grep -q "install ok installed" ||
-    missing+=(libgrpc-dev)
-elif ! pkg-config --exists grpc 2> /dev/null; then
-  missing+=(libgrpc-dev)
+# The pshard.torch proof and the bench need a python with torch (CUDA) and transformers:
+# PSHARD_GPU_PYTHON, else the repository's venv (scripts/pshard-venv.sh) when there is one, else
+# python3. pshard itself is installed for it below when it lacks it.
+gpu_python=${PSHARD_GPU_PYTHON:-$root/build/torch-venv/bin/python}
+if [ -z "${PSHARD_GPU_PYTHON:-}" ] && [ ! -x "$gpu_python" ]; then
+  gpu_python=$(command -v python3 || echo python3)
 fi
-if [ ${#missing[@]} -gt 0 ]; then
-  say "missing ${missing[*]}: running scripts/install-deps.sh (needs a Debian mirror)"
-  if ! "$root/scripts/install-deps.sh"; then
-    say "installing dependencies failed; cannot build"
+
+# --- dependencies -----------------------------------------------------------------------------
+# PSHARD_GPU_DEBS=DIR (scripts/gpu-debs.sh's .deb files, carried to a machine without a network):
+# unpacked into a folder of their own and used from there (headers, pkg-config files, protoc,
+# libraries), installing nothing. Else the machine's packages, installed when missing
+# (scripts/install-deps.sh, which needs a Debian mirror).
+cmake_extra=()
+use_debs() {
+  local debs=$1 prefix f l name sys
+  prefix=${TMPDIR:-/tmp}/pshard-gpu-deps
+  rm -rf "$prefix" && mkdir -p "$prefix" || return 1
+  for f in "$debs"/*.deb; do
+    [ -f "$f" ] || { say "no .deb files in $debs"; return 1; }
+    dpkg-deb -x "$f" "$prefix" || { say "cannot unpack $f"; return 1; }
+  done
+  local lib=$prefix/usr/lib/x86_64-linux-gnu
+  # Their pkg-config files name /usr: point them at the folder.
+  find "$prefix" -name '*.pc' -exec sed -i -E \
+    "s#^(prefix|exec_prefix|libdir|includedir)=/usr#\\1=$prefix/usr#" {} +
+  # Development links to libraries left out (OpenSSL's, zlib's): the machine's own.
+  for l in "$lib"/lib*.so; do
+    [ -e "$l" ] && continue
+    name=$(basename "$l")
+    sys=$(ldconfig -p 2> /dev/null |
+      awk -v n="$name." 'index($1, n) == 1 && /x86-64/ { print $NF; exit }')
+    if [ -n "$sys" ]; then
+      ln -sf "$sys" "$l"
+    else
+      say "$name: not on this machine, and not among the packages"
+    fi
+  done
+  export PATH="$prefix/usr/bin:$PATH"
+  export PKG_CONFIG_LIBDIR="$lib/pkgconfig:$lib/openblas-pthread/pkgconfig:$prefix/usr/share/pkgconfig"
+  export LD_LIBRARY_PATH="$lib:$lib/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  cmake_extra+=(-DPKG_CONFIG_EXECUTABLE="$prefix/usr/bin/pkgconf")
+  say "using the packages of $debs, unpacked in $prefix"
+}
+if [ -n "${PSHARD_GPU_DEBS:-}" ]; then
+  use_debs "$PSHARD_GPU_DEBS" || {
+    say "cannot use the packages in $PSHARD_GPU_DEBS; cannot build"
     exit 2
-  fi
+  }
+  command -v cmake > /dev/null 2>&1 || { say "no cmake on this machine; cannot build"; exit 2; }
 else
-  say "cmake and libgrpc-dev present: installing nothing"
+  missing=()
+  command -v cmake > /dev/null 2>&1 || missing+=(cmake)
+  if command -v dpkg-query > /dev/null 2>&1; then
+    dpkg-query -W -f='${Status}' libgrpc-dev 2> /dev/null | grep -q "install ok installed" ||
+      missing+=(libgrpc-dev)
+  elif ! pkg-config --exists grpc 2> /dev/null; then
+    missing+=(libgrpc-dev)
+  fi
+  if [ ${#missing[@]} -gt 0 ]; then
+    say "missing ${missing[*]}: running scripts/install-deps.sh (needs a Debian mirror; on a" \
+      "machine without one, carry scripts/gpu-debs.sh's packages and set PSHARD_GPU_DEBS)"
+    if ! "$root/scripts/install-deps.sh"; then
+      say "installing dependencies failed; cannot build"
+      exit 2
+    fi
+  else
+    say "cmake and libgrpc-dev present: installing nothing"
+  fi
+fi
+# make, or ninja where there is no make
+command -v make > /dev/null 2>&1 || ! command -v ninja > /dev/null 2>&1 || cmake_extra+=(-G Ninja)
+# NCCL: /usr/local/cuda's, else the one pip installed beside torch (nvidia-nccl-cu*).
+if [ ! -f /usr/local/cuda/include/nccl.h ]; then
+  nccl_dir=$("$gpu_python" -c \
+    'import nvidia.nccl as n, os; print(list(n.__path__)[0])' 2> /dev/null || true)
+  if [ -n "$nccl_dir" ] && [ -f "$nccl_dir/include/nccl.h" ]; then
+    nccl_lib=$(ls "$nccl_dir"/lib/libnccl.so* 2> /dev/null | head -n 1)
+    say "NCCL from $nccl_dir"
+    cmake_extra+=(-DPSHARD_NCCL_INCLUDE="$nccl_dir/include" -DPSHARD_NCCL_LIB="$nccl_lib")
+    export LD_LIBRARY_PATH="$nccl_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
 fi
 
 # --- the machine ------------------------------------------------------------------------------
@@ -61,11 +125,8 @@ if [ -n "$(ls -A "$build_dir" 2> /dev/null)" ]; then
 fi
 mkdir -p "$build_dir"
 say "building in $build_dir"
-# The pshard.torch proof needs a python with torch (CUDA), transformers and pshard: the
-# repository's venv (scripts/pshard-venv.sh) when there is one, or PSHARD_GPU_PYTHON.
-gpu_python=${PSHARD_GPU_PYTHON:-$root/build/torch-venv/bin/python}
 if ! cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DPSHARD_WITH_CUDA=ON \
-  -DPSHARD_GPU_PYTHON="$gpu_python" > "$build_dir/configure.log" 2>&1; then
+  -DPSHARD_GPU_PYTHON="$gpu_python" "${cmake_extra[@]}" > "$build_dir/configure.log" 2>&1; then
   cat "$build_dir/configure.log"
   say "RESULT: configure FAILED"
   exit 3
@@ -77,6 +138,19 @@ if ! cmake --build "$build_dir" -j "$(nproc)" > "$build_dir/build.log" 2>&1; the
   exit 4
 fi
 say "build done"
+# pshard for the python of the torch proofs, where it has torch but not pshard: built from this
+# tree (pip, no index, no build isolation: scikit-build-core must be there) into the build folder.
+if "$gpu_python" -c "import torch" > /dev/null 2>&1 &&
+  ! "$gpu_python" -c "import pshard" > /dev/null 2>&1; then
+  say "installing pshard for $gpu_python into $build_dir/site"
+  if "$gpu_python" -m pip install -q --no-deps --no-build-isolation --no-index \
+    --target "$build_dir/site" "$root/client/python" > "$build_dir/pip.log" 2>&1; then
+    export PYTHONPATH="$build_dir/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    tail -n 30 "$build_dir/pip.log"
+    say "pshard does not build for $gpu_python: the pshard.torch proofs will skip"
+  fi
+fi
 
 # --- tests ------------------------------------------------------------------------------------
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}

@@ -21,6 +21,8 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1
+# the workers read their servers' counters with the pshardctl built beside this pshardrun
+export PSHARDCTL="$(dirname "$run")/pshardctl"
 if ! "$py" "$worker" reference "$work/ref"; then
   echo "FAILED: the CPU reference did not run"
   exit 1

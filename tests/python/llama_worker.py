@@ -90,7 +90,8 @@ def staged_bytes(rank):
     """What this rank's shard server copied of its GPU slices through host memory, as
     `pshardctl status --json` reports it ({"to_host": N, "to_device": M}), or None."""
     import subprocess
-    ctl = os.path.join(os.path.dirname(sys.executable), "pshardctl")
+    ctl = os.environ.get("PSHARDCTL") or os.path.join(os.path.dirname(sys.executable),
+                                                      "pshardctl")
     p = subprocess.run([ctl, "--json", "status"], capture_output=True, text=True, timeout=60)
     try:
         servers = json.loads(p.stdout)["servers"]
