@@ -1,9 +1,10 @@
 /* What the files of pshard._C share: the Client and Work objects, the DLPack consumer and the
- * helpers their methods call. pshard_module.c has the module, the Client's core methods,
- * Buffers and Works; pshard_define.c define_model; pshard_colls.c the Client's plain
- * collectives on tensors (torch.distributed's calls); pshard_groups.c the process groups;
- * pshard_shard.c the views of the shard server's own memory and the trainer-side step,
- * pshard_store.c the coordinator's store (pshard._C.Store).
+ * helpers their methods call. pshard_module.c has the module and the Client's core methods;
+ * pshard_dlpack.c the DLPack consumer and Buffers; pshard_work.c Works; pshard_define.c
+ * define_model; pshard_colls.c the Client's plain collectives on tensors (torch.distributed's
+ * calls); pshard_groups.c the process groups; pshard_shard.c the views of the shard server's
+ * own memory and the trainer-side step, pshard_store.c the coordinator's store
+ * (pshard._C.Store).
  * Internal to the extension. */
 #ifndef PSHARD_PY_H
 #define PSHARD_PY_H
@@ -120,6 +121,10 @@ int pshard_py_client_ok(ClientObject *self);
 /* Raises the exception of st with the client's last error; returns NULL. */
 PyObject *pshard_py_client_fail(ClientObject *self, pshard_status_t st);
 
+/* Closes self's connection now (GIL released) if it is open: close(), or the last Buffer or
+ * Work that close() waited for. */
+void pshard_py_client_really_close(ClientObject *self);
+
 /* A PyArg "O&" converter: a dtype name ("fp32", "bf16", ...) into *(pshard_dtype_t *)out.
  * Returns 1, or 0 with a TypeError or ValueError set. */
 int pshard_py_parse_dtype(PyObject *o, pshard_dtype_t *out);
@@ -130,6 +135,9 @@ int pshard_py_parse_dtype(PyObject *o, pshard_dtype_t *out);
 int pshard_py_dl_acquire(PyObject *obj, pshard_dtype_t want, const char *what, dl_in_t *in);
 void pshard_py_dl_release(dl_in_t *in);
 
+/* The Work type, pshard._C.Work (pshard_work.c). */
+extern PyTypeObject pshard_py_WorkType;
+
 /* A new Work of owner with nothing started, or NULL with an exception set. */
 WorkObject *pshard_py_work_new(ClientObject *owner);
 
@@ -138,7 +146,10 @@ WorkObject *pshard_py_work_new(ClientObject *owner);
 PyObject *pshard_py_work_started(ClientObject *self, WorkObject *w, pshard_status_t st,
                                  pshard_work_t *work);
 
-/* A new Buffer (pshard_module.c): a view of data, in owner's memory, of dtype and shape (a
+/* The Buffer type, pshard._C.Buffer (pshard_dlpack.c). */
+extern PyTypeObject pshard_py_BufferType;
+
+/* A new Buffer (pshard_dlpack.c): a view of data, in owner's memory, of dtype and shape (a
  * tuple of ints), exported through DLPack and the buffer protocol; it keeps owner alive and
  * counted among its exports. NULL with an exception set when out of memory. */
 PyObject *pshard_py_buffer_new(ClientObject *owner, void *data, pshard_dtype_t dtype,
