@@ -224,6 +224,22 @@ def _steps(per_elem_bytes):
     return max(1, _CHUNK_BYTES // max(1, per_elem_bytes))
 
 
+def torch_unsupported():
+    """Why this torch cannot run backend "pshard", or None. The backend is a Python subclass of
+    torch's C++ Backend, whose binding takes a constructor (rank, size) in the torch versions
+    pshard is tested with (2.15); older ones (2.11) have none, and a Python ProcessGroup
+    instead gets no group name there (DeviceMesh fails)."""
+    class _Probe(_CBackend):
+        pass
+    try:
+        _Probe(0, 1)
+    except TypeError:
+        return (f"backend pshard needs a torch whose torch.distributed Backend Python code can "
+                f"subclass (torch 2.15 is tested); this is torch {torch.__version__}, whose "
+                f"Backend has no Python constructor: install a newer torch")
+    return None
+
+
 class ProcessGroupPshard(_CBackend):
     """torch.distributed's backend on pshard's shard servers, for one process group: the world
     (handle None) or a group of some ranks (a pshard._C.Group its members made). Made by
@@ -745,6 +761,9 @@ def _create(opts, backend_options):
     """torch's creator (extended API): the backend of the default group (global_ranks_in_group
     empty) connects this trainer to its shard server if pshard.init_process_group has not; a
     group of some ranks is made by its members' shard servers under torch's group name."""
+    why = torch_unsupported()
+    if why:
+        raise RuntimeError(why)
     if backend_options is not None:
         raise ValueError("backend pshard takes no pg_options (its transport is the shard "
                          "servers' own: pshard-server --backend / --transport)")
