@@ -165,6 +165,11 @@ void shard_model_free(shard_model_t *m);
  * nothing stays pinned and err says why. */
 pshard_status_t shard_model_pin(shard_model_t *m, int device, char *err, size_t errlen);
 
+/* Zeroed host memory of n bytes with its pages backed now; NULL: out of memory. */
+void *shard_model_alloc_touched(size_t n);
+/* Unmaps what shard_model_alloc_touched(n) returned, given the same n; NULL does nothing. */
+void shard_model_free_touched(void *p, size_t n);
+
 /* Compares this model's definition text with another rank's and, when they differ, writes a
  * message naming the first differing parameter (and both world ranks, my_rank this one's) into
  * err and returns FAILED_PRECONDITION. */
