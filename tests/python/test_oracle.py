@@ -139,6 +139,21 @@ def test_emulated_gpu_trainer(train, cfg):
         check(results, final, cfg, 2)
 
 
+def train_emulated_cluster(cluster, tmp_path, shard_memory, cfg):
+    """MLP training on 2 shard servers started with --shard-memory shard_memory, the tests'
+    stand-in for a GPU enabled (PSHARD_TEST_EMULATE_DEVICE=1): (cluster, results per rank),
+    after checking them against plain torch."""
+    c = cluster(2, metrics=True, server_args=["--shard-memory", shard_memory],
+                env={"PSHARD_TEST_EMULATE_DEVICE": "1"})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "cfg.json").write_text(json.dumps(cfg))
+    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
+    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    check(results, torch.load(out / "final.pt"), cfg, 2)
+    return c, results
+
+
 def test_gpu_shards_on_tcp_staged_through_host(cluster, tmp_path):
     """--shard-memory gpu on the tcp backend (several servers sharing one GPU, where NCCL takes
     one rank per GPU), on the tests' stand-in for a GPU: each server keeps its shards in device
@@ -146,16 +161,9 @@ def test_gpu_shards_on_tcp_staged_through_host(cluster, tmp_path):
     a gather's slice, host to device for a reduce-scatter's), which its /metrics counts; the
     numbers are plain torch's. Every parameter is reduce-scattered once a step in fp32, so the
     bytes copied back are exactly steps x this rank's elements x 4."""
-    c = cluster(2, metrics=True, server_args=["--shard-memory", "gpu"],
-                env={"PSHARD_TEST_EMULATE_DEVICE": "1"})
-    out = tmp_path / "out"
-    out.mkdir()
     cfg = MLP
-    (out / "cfg.json").write_text(json.dumps(cfg))
-    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
-    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    c, results = train_emulated_cluster(cluster, tmp_path, "gpu", cfg)
     assert [(r["memory"], r["staged"]) for r in results] == [("emulated", True)] * 2, results
-    check(results, torch.load(out / "final.pt"), cfg, 2)
     for r in range(2):
         text = c.scrape(f"s{r}")
         elements = metric(text, "pshard_shard_elements")
@@ -177,16 +185,8 @@ def test_gpu_shards_on_tcp_staged_through_host(cluster, tmp_path):
 def test_shard_memory_host_keeps_host_shards(cluster, tmp_path):
     """--shard-memory host: host shards even where the tests' stand-in for a GPU would be
     used; nothing is staged."""
-    c = cluster(2, metrics=True, server_args=["--shard-memory", "host"],
-                env={"PSHARD_TEST_EMULATE_DEVICE": "1"})
-    out = tmp_path / "out"
-    out.mkdir()
-    cfg = MLP
-    (out / "cfg.json").write_text(json.dumps(cfg))
-    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
-    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    c, results = train_emulated_cluster(cluster, tmp_path, "host", MLP)
     assert [r["memory"] for r in results] == ["host"] * 2, results
-    check(results, torch.load(out / "final.pt"), cfg, 2)
     for r in range(2):
         text = c.scrape(f"s{r}")
         for d in ("to_host", "to_device"):
