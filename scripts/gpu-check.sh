@@ -2,14 +2,17 @@
 # The one prepared check for a machine with a GPU: builds pshard with the NCCL backend (Release,
 # PSHARD_WITH_CUDA=ON) in a fresh directory, runs the tests labelled gpu, prints an nvidia-smi
 # summary, times pshard.torch against torch's FSDP2 on NCCL on this GPU
-# (tests/bench/run-gpu-bench.sh), and exits non-zero when a test or the bench failed. It installs build dependencies (scripts/install-deps.sh,
-# which needs a Debian mirror) only when cmake or libgrpc-dev is missing, and says so.
-# Warnings are not errors here: a compiler's new warning must not cost a GPU run.
+# (tests/bench/run-gpu-bench.sh), and exits non-zero when a test or the bench failed. The build
+# dependencies come from PSHARD_GPU_DEBS (scripts/gpu-debs.sh's packages, unpacked into a folder
+# of their own: for a machine without a network), else from the machine, installed by
+# scripts/install-deps.sh (which needs a Debian mirror) only when cmake or libgrpc-dev is
+# missing. Warnings are not errors here: a compiler's new warning must not cost a GPU run.
 # Environment: PSHARD_GPU_BUILD_DIR (default: a new directory under $TMPDIR or /tmp),
 # NCCL_DEBUG (default WARN, so NCCL says why it failed), PSHARD_GPU_PYTHON (the python of the
-# pshard.torch proof and the bench; default build/torch-venv's), PSHARD_GPU_CHECK_S (the whole
-# check's time, 480 s), PSHARD_GPU_TEST_S (the tests' time; default what the build leaves of it
-# less 150 s for the bench), PSHARD_GPU_BENCH_REPEAT (runs of each bench mode, 1; 0: no bench).
+# pshard.torch proof and the bench; default build/torch-venv's, else python3), PSHARD_GPU_DEBS,
+# PSHARD_GPU_CHECK_S (the whole check's time, 480 s), PSHARD_GPU_TEST_S (the tests' time;
+# default what the build leaves of it less 150 s for the bench), PSHARD_GPU_BENCH_REPEAT (runs
+# of each bench mode, 1; 0: no bench).
 # Prints one "PROOF name (what): PASSED|FAILED|SKIPPED|NOT RUN" line per proof.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -47,7 +50,7 @@ use_debs() {
   for l in "$lib"/lib*.so; do
     [ -e "$l" ] && continue
     name=$(basename "$l")
-    sys=$(ldconfig -p 2> /dev/null |
+    sys=$({ ldconfig -p || /sbin/ldconfig -p; } 2> /dev/null |
       awk -v n="$name." 'index($1, n) == 1 && /x86-64/ { print $NF; exit }')
     if [ -n "$sys" ]; then
       ln -sf "$sys" "$l"
