@@ -14,6 +14,11 @@ venv_dir="${1:-$root/build/torch-venv}"
 "$root/scripts/torch-venv.sh" "$venv_dir" >&2
 exec 9>"${venv_dir}.lock"
 flock 9
+# pip builds in the package's one build folder (client/python/build/<wheel tag>), whichever the
+# venv: two of these scripts at once, for two venvs, take turns there.
+mkdir -p "$root/client/python/build"
+exec 8>"$root/client/python/build/.pshard-venv.lock"
+flock 8
 log="${venv_dir}.pshard.log"
 if ! "$venv_dir/bin/python" -m pip install --disable-pip-version-check --no-input -q \
         --no-build-isolation --config-settings=cmake.define.PSHARD_WERROR=ON \
