@@ -34,11 +34,6 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   echo "gpu-bench: no torch seeing a CUDA device at $PY: skipping"
   exit 77
 fi
-why=$("$PY" -c "import pshard._backend as b; print(b.torch_unsupported() or '')" 2>&1)
-if [ -n "$why" ]; then
-  echo "gpu-bench: $why: skipping"
-  exit 77
-fi
 flags=(--device cuda --layers 4 --d-model 256 --heads 4 --seq 128 --batch 8 --steps "$STEPS"
   --warmup "$WARMUP")
 echo "# $(date -u +%FT%TZ) $("$PY" -c 'import torch; print("torch", torch.__version__,

@@ -18,11 +18,6 @@ if ! "$py" -c "import sys, torch, transformers, pshard; sys.exit(0 if torch.cuda
   echo "no python with torch (seeing a CUDA device), transformers and pshard at $py: skipping"
   exit 77
 fi
-why=$("$py" -c "import pshard._backend as b; print(b.torch_unsupported() or '')" 2>&1)
-if [ -n "$why" ]; then
-  echo "$why: skipping"
-  exit 77
-fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1

@@ -142,7 +142,11 @@ def _reduction(op, tensors, what):
                             f"{t.dtype})")
     factor = None
     if kind == _R.PREMUL_SUM:
-        factor = op.factor
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise ValueError(f"{what}: this torch ({torch.__version__}) does not show "
+                             "PREMUL_SUM's factor to Python backends: scale the tensor and use "
+                             "ReduceOp.SUM (torch 2.15 shows it)")
         if isinstance(factor, torch.Tensor):
             factor = factor.item()
         kind = _R.SUM
@@ -224,23 +228,25 @@ def _steps(per_elem_bytes):
     return max(1, _CHUNK_BYTES // max(1, per_elem_bytes))
 
 
-def torch_unsupported():
-    """Why this torch cannot run backend "pshard", or None. The backend is a Python subclass of
-    torch's C++ Backend, whose binding takes a constructor (rank, size) in the torch versions
-    pshard is tested with (2.15); older ones (2.11) have none, and a Python ProcessGroup
-    instead gets no group name there (DeviceMesh fails)."""
+def _python_backend_base():
+    """The class this backend subclasses: torch's C++ Backend, whose binding takes a Python
+    constructor (rank, size) in the torch pshard is tested with (2.15); torch 2.11 has none
+    there, and a Python backend subclasses its ProcessGroup instead (the same constructor),
+    which then names its group and devices itself, as torch 2.11's own Python process groups
+    do (ProcessGroupPshard below)."""
     class _Probe(_CBackend):
         pass
     try:
         _Probe(0, 1)
+        return _CBackend
     except TypeError:
-        return (f"backend pshard needs a torch whose torch.distributed Backend Python code can "
-                f"subclass (torch 2.15 is tested); this is torch {torch.__version__}, whose "
-                f"Backend has no Python constructor: install a newer torch")
-    return None
+        return dist.ProcessGroup
 
 
-class ProcessGroupPshard(_CBackend):
+_BASE = _python_backend_base()
+
+
+class ProcessGroupPshard(_BASE):
     """torch.distributed's backend on pshard's shard servers, for one process group: the world
     (handle None) or a group of some ranks (a pshard._C.Group its members made). Made by
     torch's init_process_group / new_group through the registered creator, not directly."""
@@ -255,6 +261,17 @@ class ProcessGroupPshard(_CBackend):
     # ---- identity ---------------------------------------------------------------------
     def getBackendName(self):
         return BACKEND_NAME
+
+    if _BASE is not _CBackend:
+        # torch 2.11: a ProcessGroup with no C++ backend of its own has neither a group name
+        # (DeviceMesh asks) nor device types (DCP's async_save asks for the CPU) until told.
+        @property
+        def group_name(self):
+            return dist.distributed_c10d._world.pg_names[self]
+
+        @property
+        def _device_types(self):
+            return [torch.device("cpu"), torch.device("cuda")]
 
     def __repr__(self):
         return f"ProcessGroupPshard(rank={self.rank()}, size={self.size()}, ranks={self._ranks})"
@@ -761,9 +778,6 @@ def _create(opts, backend_options):
     """torch's creator (extended API): the backend of the default group (global_ranks_in_group
     empty) connects this trainer to its shard server if pshard.init_process_group has not; a
     group of some ranks is made by its members' shard servers under torch's group name."""
-    why = torch_unsupported()
-    if why:
-        raise RuntimeError(why)
     if backend_options is not None:
         raise ValueError("backend pshard takes no pg_options (its transport is the shard "
                          "servers' own: pshard-server --backend / --transport)")
