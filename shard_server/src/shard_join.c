@@ -43,20 +43,6 @@ static uint64_t words_hash(const int64_t *w, size_t n)
     return h;
 }
 
-static int64_t double_bits(double v)
-{
-    int64_t w;
-    memcpy(&w, &v, sizeof(w));
-    return w;
-}
-
-static double bits_double(int64_t w)
-{
-    double v;
-    memcpy(&v, &w, sizeof(v));
-    return v;
-}
-
 void shard_rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_flag, int64_t step,
                       int64_t ckpt)
 {
@@ -72,14 +58,14 @@ void shard_rec_encode(int64_t *r, int kind, const shard_sop_t *op, bool throw_fl
     r[W_NIDS] = (int64_t)op->nids;
     r[W_HASH] = (int64_t)ids_hash(op->ids, op->nids);
     if (op->kind == SHARD_SOP_STEP) {
-        r[W_ARG] = op->set_step ? op->step_to : double_bits(op->lr);
+        r[W_ARG] = op->set_step ? op->step_to : shard_double_word(op->lr);
         r[W_COUNT] = (int64_t)op->nwords;
         r[W_ROOT] = (int64_t)op->set_lr | (int64_t)op->trainer_stepped << 1 |
                     (int64_t)op->set_step << 2 | (int64_t)op->skip << 3;
         r[W_HASH] = (int64_t)words_hash(op->words, op->nwords);
     } else if (op->kind == SHARD_SOP_CLIP) {
-        r[W_ARG] = double_bits(op->max_norm);
-        r[W_COUNT] = double_bits(op->norm_type);
+        r[W_ARG] = shard_double_word(op->max_norm);
+        r[W_COUNT] = shard_double_word(op->norm_type);
     } else {
         r[W_ARG] = op->coll_op;
         r[W_COUNT] = (int64_t)op->count;
@@ -152,8 +138,8 @@ static void rec_format(const int64_t *r, char *buf, size_t len)
                  ", %" PRId64 ", %" PRId64 "",
                  r[W_COUNT], r[W_NIDS], r[W_IDS], r[W_IDS + 1], r[W_IDS + 2]);
     else if (r[W_SOP] == SHARD_SOP_CLIP)
-        snprintf(buf, len, "clip_grad_norm (max_norm %g, norm_type %g)", bits_double(r[W_ARG]),
-                 bits_double(r[W_COUNT]));
+        snprintf(buf, len, "clip_grad_norm (max_norm %g, norm_type %g)",
+                 shard_word_double(r[W_ARG]), shard_word_double(r[W_COUNT]));
     else
         snprintf(buf, len, "%s", shard_sop_name(r[W_SOP]));
 }
@@ -229,13 +215,13 @@ pshard_status_t shard_agree_verdict(const int64_t *recs, int world, agreement_t 
         op->trainer_stepped = (f[W_ROOT] & 2) != 0;
         op->set_step = (f[W_ROOT] & 4) != 0;
         op->skip = (f[W_ROOT] & 8) != 0;
-        op->lr = op->set_step ? 0.0 : bits_double(f[W_ARG]);
+        op->lr = op->set_step ? 0.0 : shard_word_double(f[W_ARG]);
         op->step_to = op->set_step ? f[W_ARG] : 0;
         return PSHARD_OK;
     }
     if (op->kind == SHARD_SOP_CLIP) {
-        op->max_norm = bits_double(f[W_ARG]);
-        op->norm_type = bits_double(f[W_COUNT]);
+        op->max_norm = shard_word_double(f[W_ARG]);
+        op->norm_type = shard_word_double(f[W_COUNT]);
         return PSHARD_OK;
     }
     op->coll_op = (uint32_t)f[W_ARG];

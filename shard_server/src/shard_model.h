@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "pshard/optim.h"
 #include "pshard/dtype.h"
@@ -205,6 +206,21 @@ pshard_status_t shard_model_check_groups(const shard_model_t *m, const shard_gro
 /* Replaces every group's hyperparameters with those of groups (m->ngroups entries, checked by
  * shard_model_check_groups). */
 void shard_model_set_groups(shard_model_t *m, const shard_group_t *groups);
+
+/* A double's bits as an int64 word of an agreement's payload, and back. */
+static inline int64_t shard_double_word(double v)
+{
+    int64_t w;
+    memcpy(&w, &v, sizeof(w));
+    return w;
+}
+
+static inline double shard_word_double(int64_t w)
+{
+    double v;
+    memcpy(&v, &w, sizeof(v));
+    return v;
+}
 
 /* The groups as SHARD_GROUP_WORDS int64 words each (an agreement's payload), and back (kind
  * from the model). */

@@ -40,32 +40,18 @@ bool shard_model_next_run(const shard_model_t *m, bool by_group, size_t *p, shar
     return true;
 }
 
-static int64_t double_word(double v)
-{
-    int64_t w;
-    memcpy(&w, &v, sizeof(w));
-    return w;
-}
-
-static double word_double(int64_t w)
-{
-    double v;
-    memcpy(&v, &w, sizeof(v));
-    return v;
-}
-
 void shard_groups_encode(const shard_group_t *groups, size_t n, int64_t *words)
 {
     for (size_t g = 0; g < n; g++) {
         const ps_optim_config_t *c = &groups[g].cfg;
         int64_t *w = words + g * SHARD_GROUP_WORDS;
-        w[0] = double_word(c->lr);
-        w[1] = double_word(c->momentum);
-        w[2] = double_word(c->dampening);
-        w[3] = double_word(c->weight_decay);
-        w[4] = double_word(c->beta1);
-        w[5] = double_word(c->beta2);
-        w[6] = double_word(c->eps);
+        w[0] = shard_double_word(c->lr);
+        w[1] = shard_double_word(c->momentum);
+        w[2] = shard_double_word(c->dampening);
+        w[3] = shard_double_word(c->weight_decay);
+        w[4] = shard_double_word(c->beta1);
+        w[5] = shard_double_word(c->beta2);
+        w[6] = shard_double_word(c->eps);
         w[7] = c->nesterov;
         w[8] = groups[g].frozen;
     }
@@ -78,13 +64,13 @@ void shard_groups_decode(const int64_t *words, size_t n, ps_optim_kind_t kind,
         const int64_t *w = words + g * SHARD_GROUP_WORDS;
         ps_optim_config_t *c = &groups[g].cfg;
         c->kind = kind;
-        c->lr = word_double(w[0]);
-        c->momentum = word_double(w[1]);
-        c->dampening = word_double(w[2]);
-        c->weight_decay = word_double(w[3]);
-        c->beta1 = word_double(w[4]);
-        c->beta2 = word_double(w[5]);
-        c->eps = word_double(w[6]);
+        c->lr = shard_word_double(w[0]);
+        c->momentum = shard_word_double(w[1]);
+        c->dampening = shard_word_double(w[2]);
+        c->weight_decay = shard_word_double(w[3]);
+        c->beta1 = shard_word_double(w[4]);
+        c->beta2 = shard_word_double(w[5]);
+        c->eps = shard_word_double(w[6]);
         c->nesterov = w[7] != 0;
         groups[g].frozen = w[8] != 0;
     }
