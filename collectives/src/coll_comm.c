@@ -112,6 +112,12 @@ int pshard_comm_rank(const pshard_comm_t *comm)
     return comm->rank;
 }
 
+void pshard_comm_host_staged(pshard_comm_t *comm, uint64_t *to_device, uint64_t *to_host)
+{
+    *to_device = atomic_load_explicit(&comm->staged_to_device, memory_order_relaxed);
+    *to_host = atomic_load_explicit(&comm->staged_to_host, memory_order_relaxed);
+}
+
 const char *pshard_comm_transport(const pshard_comm_t *comm)
 {
     return comm->backend->transport ? comm->backend->transport(comm) : comm->backend->name;

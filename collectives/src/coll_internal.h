@@ -111,6 +111,9 @@ struct pshard_comm {
     bool here_busy;         /* an operation runs in a caller's thread (backend->run_here) */
     pthread_cond_t idle_cv; /* in_flight reached 0, or here_busy was cleared */
     uint64_t divert_check;  /* nonzero: the next operation started is divertible */
+    /* nccl with host buffers: the bytes its engine copied from the callers' host memory to the
+     * device and back (pshard_comm_host_staged). */
+    atomic_uint_least64_t staged_to_device, staged_to_host;
 };
 
 /* op's deadline. An operation run in the caller's thread reads the clock only once it has

@@ -553,6 +553,8 @@ static pshard_status_t run_request(nccl_engine_t *e, pshard_coll_req_t *req, cha
     if (staged) {
         staged_sizes(e, op, &send_bytes, &recv_bytes);
         st = stage_in(e, op, send_bytes, recv_bytes, msg, len);
+        if (st == PSHARD_OK && !op->check_only)
+            atomic_fetch_add_explicit(&c->staged_to_device, send_bytes, memory_order_relaxed);
     }
     bool log = true; /* the control path logs a failed descriptor check itself */
     if (st == PSHARD_OK) {
@@ -565,6 +567,8 @@ static pshard_status_t run_request(nccl_engine_t *e, pshard_coll_req_t *req, cha
             st = wait_nccl(e, req, true, name, msg, len);
         if (st == PSHARD_OK && staged)
             st = stage_out(e, req, host_recv, recv_bytes, name, msg, len);
+        if (st == PSHARD_OK && staged)
+            atomic_fetch_add_explicit(&c->staged_to_host, recv_bytes, memory_order_relaxed);
     }
     if (staged) {
         op->args.send = host_send;

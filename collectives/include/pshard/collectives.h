@@ -190,6 +190,11 @@ int pshard_comm_world_size(const pshard_comm_t *comm);
  * the others' memory; PSHARD_TRANSPORT=tcp|shm|auto chooses), or "nccl". Thread-safe. */
 const char *pshard_comm_transport(const pshard_comm_t *comm);
 
+/* nccl with host buffers (pshard_comm_config_t.host_buffers): the bytes comm's operations
+ * copied from the callers' host memory to the device (*to_device) and back (*to_host) so far;
+ * 0 for a side a caller marked as device memory, and always 0 on tcp. Thread-safe. */
+void pshard_comm_host_staged(pshard_comm_t *comm, uint64_t *to_device, uint64_t *to_host);
+
 /* Starts an operation; operations run in issue order, several may be queued. On success *req
  * is a handle to wait on and free with pshard_coll_req_free. Errors: INVALID_ARGUMENT (bad
  * arguments, checked locally before anything moves; message in err) with *req NULL. A
