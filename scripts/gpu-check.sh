@@ -189,8 +189,8 @@ proof() {
 proof gpu_nccl "NCCL collectives on the GPUs here, every op and dtype"
 proof gpu_kernels "the shard server's CUDA kernels bit for bit against the CPU code"
 proof gpu_shard_nccl "sharded MLP training on NCCL servers against the single-process reference"
-proof gpu_shard_ipc "a GPU-resident shard opened by its trainer through CUDA IPC"
-proof gpu_llama_cuda "a tiny Llama on cuda with pshard.torch against the CPU: host shards, GPU shards, two ranks sharing the GPU"
+proof gpu_shard_ipc "a GPU-resident shard and the model region opened by the trainer through CUDA IPC"
+proof gpu_llama_cuda "a tiny Llama on cuda with pshard.torch against the CPU: host shards, GPU shards and region with no host copy, two ranks sharing the GPU"
 
 # The throughput figure: pshard.torch on this GPU against torch's FSDP2 on NCCL, side by side
 # (tests/bench/run-gpu-bench.sh; PSHARD_GPU_BENCH_REPEAT runs of each, default 1; 0 skips it).

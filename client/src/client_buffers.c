@@ -85,9 +85,11 @@ void client_param_release(pshard_client_t *c, size_t i)
         b->state = BUF_NONE;
     } else if (b->state != BUF_NONE && c->stable_off) {
         client_pool_unhold(c->pool, b->bytes);
-        /* A block of a page or more owns whole pages, its last one included. */
-        client_region_discard(&c->model, b->off,
-                              b->bytes >= c->page ? page_up(c, b->bytes) : b->bytes);
+        /* A block of a page or more owns whole pages, its last one included. (GPU memory
+         * stays allocated: the next gather writes it again.) */
+        if (!c->region_dev.base)
+            client_region_discard(&c->model, b->off,
+                                  b->bytes >= c->page ? page_up(c, b->bytes) : b->bytes);
         b->state = BUF_NONE;
     }
     client_buf_release(c, b);

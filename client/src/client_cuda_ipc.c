@@ -21,6 +21,8 @@ typedef int (*set_device_fn)(int);
 typedef int (*ipc_open_fn)(void **, ipc_handle_t, unsigned int);
 typedef int (*ipc_close_fn)(void *);
 typedef const char *(*error_string_fn)(int);
+typedef int (*memset_fn)(void *, int, size_t);
+typedef int (*stream_sync_fn)(void *);
 
 static struct {
     bool tried;
@@ -30,6 +32,8 @@ static struct {
     ipc_open_fn open;
     ipc_close_fn close;
     error_string_fn error_string;
+    memset_fn memset;
+    stream_sync_fn stream_sync;
 } rt;
 static pthread_mutex_t rt_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -52,8 +56,11 @@ static bool load_locked(void)
     rt.set_device = (set_device_fn)dlsym(h, "cudaSetDevice");
     rt.close = (ipc_close_fn)dlsym(h, "cudaIpcCloseMemHandle");
     rt.error_string = (error_string_fn)dlsym(h, "cudaGetErrorString");
+    rt.memset = (memset_fn)dlsym(h, "cudaMemset");
+    rt.stream_sync = (stream_sync_fn)dlsym(h, "cudaStreamSynchronize");
     ipc_open_fn open = (ipc_open_fn)dlsym(h, "cudaIpcOpenMemHandle");
-    if (!rt.get_device || !rt.set_device || !rt.close || !rt.error_string || !open) {
+    if (!rt.get_device || !rt.set_device || !rt.close || !rt.error_string || !rt.memset ||
+        !rt.stream_sync || !open) {
         ps_snprintf(rt.err, sizeof(rt.err), "%s lacks the CUDA IPC functions",
                     PSHARD_CUDART_SONAME);
         return false;
@@ -99,6 +106,29 @@ void client_cuda_ipc_close(void *p)
     if (p && rt.close)
         rt.close(p);
 }
+
+pshard_status_t client_cuda_zero(int device, void *p, size_t bytes, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&rt_mu);
+    bool ok = load_locked();
+    pthread_mutex_unlock(&rt_mu);
+    if (!ok)
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION, "%s", rt.err);
+    int saved = -1;
+    int rc = rt.get_device(&saved);
+    if (rc == 0)
+        rc = rt.set_device(device);
+    if (rc == 0)
+        rc = rt.memset(p, 0, bytes);
+    if (rc == 0)
+        rc = rt.stream_sync(NULL); /* the legacy default stream, which the memset ran on */
+    if (saved >= 0)
+        rt.set_device(saved);
+    if (rc != 0)
+        return ps_errf(err, errlen, PSHARD_ERR_CUDA, "zeroing %zu bytes on CUDA device %d: %s",
+                       bytes, device, rt.error_string(rc));
+    return PSHARD_OK;
+}
 #else
 pshard_status_t client_cuda_ipc_open(const void *handle, size_t len, int device, void **out,
                                      char *err, size_t errlen)
@@ -116,5 +146,14 @@ pshard_status_t client_cuda_ipc_open(const void *handle, size_t len, int device,
 void client_cuda_ipc_close(void *p)
 {
     (void)p;
+}
+
+pshard_status_t client_cuda_zero(int device, void *p, size_t bytes, char *err, size_t errlen)
+{
+    (void)p;
+    (void)bytes;
+    return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                   "this libpshard was built without CUDA: it cannot write CUDA device %d's memory",
+                   device);
 }
 #endif

@@ -36,6 +36,38 @@ typedef struct {
 /* A CUDA IPC handle's size (cudaIpcMemHandle_t). */
 #define CLIENT_IPC_HANDLE_BYTES 64
 
+/* Device memory of the shard server that this client opened (client_dev.c): a CUDA IPC
+ * handle of one allocation (memory PSHARD_MEMORY_CUDA, base a device pointer of CUDA device
+ * `device`), or the emulated device's shared-memory object standing in for it
+ * (PSHARD_MEMORY_EMULATED, base a host pointer). The handle is kept to open it again after a
+ * suspension (a definition). base NULL: closed; memory PSHARD_MEMORY_HOST: none. */
+typedef struct {
+    void *base;
+    size_t bytes;
+    int memory, device;
+    unsigned char handle[CLIENT_IPC_HANDLE_BYTES];
+    size_t handle_len;
+} dev_map_t;
+
+/* The name looks like the server's own objects: "/pshard-srv-" then letters, digits, '-'. */
+bool client_srv_name_ok(const char *name);
+/* Maps the object name of at least bytes bytes (a regular object of this user), read-write and
+ * shared, into *base; PSHARD_OK or the error with its reason in err. */
+pshard_status_t client_map_object(const char *name, size_t bytes, void **base, char *err,
+                                  size_t errlen);
+/* Keeps a server's device memory from its answer (the handle's len bytes, its kind "cuda" or
+ * "emulated", CUDA device, size), checked, without opening it; INVALID_ARGUMENT else. */
+pshard_status_t client_dev_set(dev_map_t *d, const void *handle, size_t len, const char *kind,
+                               int device, uint64_t bytes, char *err, size_t errlen);
+/* Opens d (a no-op when open); an emulated object's name may not be other (the server's
+ * object of something else; NULL: none). */
+pshard_status_t client_dev_open(dev_map_t *d, const char *other, char *err, size_t errlen);
+/* Closes d's opening (the handle stays to open it again). */
+void client_dev_close(dev_map_t *d);
+/* Sets bytes of d's memory at p to zero (a CUDA memset, complete before it returns). */
+pshard_status_t client_dev_zero(const dev_map_t *d, void *p, size_t bytes, char *err,
+                                size_t errlen);
+
 /* The shard server's fp32 shard of the model, mapped from the shared-memory object it created
  * (pshard_shard_view): master weights at master_off, gradient accumulator at grad_off and
  * the servers' optimizer state at state0_off and state1_off (0: none) and the parameters' step
@@ -47,14 +79,10 @@ typedef struct {
     size_t bytes;
     size_t master_off, grad_off, state0_off, state1_off, steps_off;
     /* GPU-resident shards (DefineModelResponse.shard_device_handle): master, grad and the state
-     * are at their offsets in dev_base (dev_bytes, opened from the server's handle; the offsets
-     * are then relative to it), and base holds only the step counts. memory is
-     * PSHARD_MEMORY_HOST when the arrays are in base too. */
-    void *dev_base;
-    size_t dev_bytes;
-    int memory, device;
-    unsigned char dev_handle[CLIENT_IPC_HANDLE_BYTES]; /* to open it again (client_shard_resume) */
-    size_t dev_handle_len;
+     * are at their offsets in dev (opened from the server's handle; the offsets are then
+     * relative to it), and base holds only the step counts. dev.memory is PSHARD_MEMORY_HOST
+     * when the arrays are in base too. */
+    dev_map_t dev;
     ps_layout_t *layout;
     int rank; /* this trainer's rank among the shard ranks (HSDP: within its replica) */
     char reason[PSHARD_ERRLEN];
@@ -71,6 +99,8 @@ typedef struct {
 pshard_status_t client_cuda_ipc_open(const void *handle, size_t len, int device, void **out,
                                      char *err, size_t errlen);
 void client_cuda_ipc_close(void *p);
+/* Sets bytes of CUDA device memory at p (of device `device`) to zero and waits for it. */
+pshard_status_t client_cuda_zero(int device, void *p, size_t bytes, char *err, size_t errlen);
 
 typedef enum { WORK_GATHER, WORK_REDUCE_SCATTER, WORK_COLLECTIVE } work_kind_t;
 
@@ -165,6 +195,10 @@ struct pshard_client {
     int64_t model_step;    /* from DefineModel: > 0 after a resume */
     int64_t aborted_steps; /* from DefineModel or Resync: steps aborted (a trainer replaced) */
     shard_map_t shard;     /* the server's shard, mapped (client_shard.c) */
+    /* The model region in the server's GPU memory (pshard_model_config_t.device_region): the
+     * full buffers are at their pool offsets in region_dev.base, and model holds only what the
+     * definition carried (the initial values). memory PSHARD_MEMORY_HOST: they are in model. */
+    dev_map_t region_dev;
     bool reshard_after_forward;
     int max_gathers_in_flight;
     int gathers_in_flight;
@@ -211,6 +245,13 @@ struct pshard_group {
 };
 
 /* Holding c->mu: nothing is queued or running. */
+/* Where the model region's full buffers are: the server's GPU memory (device_region), else
+ * the shared memory. Under mu. */
+static inline uint8_t *client_region_base(const pshard_client_t *c)
+{
+    return c->region_dev.base ? (uint8_t *)c->region_dev.base : (uint8_t *)c->model.base;
+}
+
 static inline bool client_idle(const pshard_client_t *c)
 {
     return ps_queue_empty(&c->queue) && !c->busy;

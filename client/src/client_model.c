@@ -81,6 +81,8 @@ static bool pb_groups_make(pb_groups_t *pg, const pshard_optim_group_t *g, size_
 void client_model_free(pshard_client_t *c)
 {
     client_shard_close(&c->shard);
+    client_dev_close(&c->region_dev);
+    c->region_dev.memory = PSHARD_MEMORY_HOST;
     free(c->numel);
     free(c->stable_off);
     c->stable_off = NULL;
@@ -137,6 +139,7 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     uint64_t *init_offsets = calloc(nparams, sizeof(uint64_t));
     client_pool_t *new_pool = NULL;
     size_t *stable_off = mc->stable_param_buffers ? calloc(nparams, sizeof(size_t)) : NULL;
+    /* (a region in GPU memory is known only from DefineModel's answer: not remapped then) */
     bool remap = mc->stable_param_buffers && !c->cfg.remote;
     pshard_status_t rc = PSHARD_OK;
     if (!numel || !pbuf || !gbuf || !specs || !sptrs || !init_offsets ||
@@ -269,17 +272,29 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     req.param_groups = (uint32_t *)mc->param_groups;
     req.replicate = mc->replicate;
     req.shard = mc->shard;
+    req.device_region_bytes = mc->device_region && !c->cfg.remote ? stable_bytes + pool : 0;
     ProtobufCMessage *dresp = NULL;
     rc = client_region_link(&model, err, sizeof(err)); /* named only while the server opens it */
     if (rc == PSHARD_OK) {
+        /* The server frees the old model's device memory when it takes the new one: close
+         * it first (and open it again if the definition is refused). */
         pthread_mutex_lock(&c->mu);
         client_shard_suspend(&c->shard);
+        client_dev_close(&c->region_dev);
         pthread_mutex_unlock(&c->mu);
         rc = client_call(c, "DefineModel", &req.base, &pshard__define_model_response__descriptor,
                          &dresp, err, sizeof(err));
         if (rc != PSHARD_OK) {
             pthread_mutex_lock(&c->mu);
             client_shard_resume(&c->shard);
+            if (c->region_dev.memory != PSHARD_MEMORY_HOST) {
+                char why[PSHARD_ERRLEN] = "";
+                if (client_dev_open(&c->region_dev, NULL, why, sizeof(why)) != PSHARD_OK)
+                    PS_WARN(PS_SUB_CLIENT,
+                            "cannot open the model region in the shard server's GPU memory "
+                            "again after a refused definition (%s): define the model again",
+                            why);
+            }
             pthread_mutex_unlock(&c->mu);
         }
     }
@@ -289,6 +304,21 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
         client_region_destroy(&model);
         client_fail(c, rc, "DefineModel: %s", err);
         goto out;
+    }
+    const Pshard__DefineModelResponse *dr = (const Pshard__DefineModelResponse *)dresp;
+    dev_map_t region_dev = {.memory = PSHARD_MEMORY_HOST, .device = -1};
+    if (req.device_region_bytes && dr->region_device_handle.len) {
+        rc = client_dev_set(&region_dev, dr->region_device_handle.data,
+                            dr->region_device_handle.len, dr->region_device_kind, dr->region_device,
+                            stable_bytes + pool, err, sizeof(err));
+        if (rc == PSHARD_OK)
+            rc = client_dev_open(&region_dev, dr->shard_shm_name, err, sizeof(err));
+        if (rc != PSHARD_OK) {
+            protobuf_c_message_free_unpacked(dresp, NULL);
+            client_region_destroy(&model);
+            client_fail(c, rc, "the model region in the shard server's GPU memory: %s", err);
+            goto out;
+        }
     }
     int64_t model_step = ((Pshard__DefineModelResponse *)dresp)->step;
     int64_t aborted_steps = ((Pshard__DefineModelResponse *)dresp)->aborted_steps;
@@ -305,14 +335,16 @@ pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *pa
     }
     pthread_mutex_lock(&c->mu);
     client_region_destroy(&c->model);
+    client_dev_close(&c->region_dev);
     client_model_free(c);
     c->model = model;
+    c->region_dev = region_dev;
     c->numel = numel;
     c->pbuf = pbuf;
     c->gbuf = gbuf;
     c->pool = new_pool;
     c->stable_off = stable_off;
-    c->remap = remap;
+    c->remap = remap && !region_dev.base;
     c->page = page;
     stable_off = NULL;
     numel = NULL;
@@ -342,12 +374,23 @@ out:
     return rc;
 }
 
+int pshard_region_memory(pshard_client_t *c, int *device)
+{
+    pthread_mutex_lock(&c->mu);
+    int memory = c->region_dev.base ? c->region_dev.memory : PSHARD_MEMORY_HOST;
+    int dev = c->region_dev.base ? c->region_dev.device : -1;
+    pthread_mutex_unlock(&c->mu);
+    if (device)
+        *device = dev;
+    return memory;
+}
+
 void *pshard_param(pshard_client_t *c, size_t i)
 {
     void *p = NULL;
     pthread_mutex_lock(&c->mu);
     if (i < c->nparams && c->pbuf[i].state == BUF_READY)
-        p = (uint8_t *)c->model.base + (c->stable_off ? c->stable_off[i] : c->pbuf[i].off);
+        p = client_region_base(c) + (c->stable_off ? c->stable_off[i] : c->pbuf[i].off);
     pthread_mutex_unlock(&c->mu);
     return p;
 }
@@ -364,14 +407,24 @@ void *pshard_grad(pshard_client_t *c, size_t i)
         client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
                     "the gradient of parameter #%zu is being reduce-scattered", i);
     } else if (c->gbuf[i].state == BUF_READY) {
-        p = (uint8_t *)c->model.base + c->gbuf[i].off;
+        p = client_region_base(c) + c->gbuf[i].off;
     } else {
         bytes = c->numel[i] * pshard_dtype_size(c->reduce_dtype);
         size_t off;
         if (client_pool_alloc(c->pool, bytes, CLIENT_POOL_ALIGN, &off)) {
-            c->gbuf[i] = (tensor_buf_t){BUF_READY, off, bytes};
-            p = (uint8_t *)c->model.base + off;
-            fresh = true;
+            p = client_region_base(c) + off;
+            char why[PSHARD_ERRLEN] = "";
+            if (c->region_dev.memory == PSHARD_MEMORY_HOST) {
+                c->gbuf[i] = (tensor_buf_t){BUF_READY, off, bytes};
+                fresh = true;
+            } else if (client_dev_zero(&c->region_dev, p, bytes, why, sizeof(why)) == PSHARD_OK) {
+                c->gbuf[i] = (tensor_buf_t){BUF_READY, off, bytes};
+            } else {
+                client_pool_free(c->pool, off, bytes);
+                client_fail(c, PSHARD_ERR_CUDA, "zeroing the gradient of parameter #%zu: %s", i,
+                            why);
+                p = NULL;
+            }
         } else {
             client_fail(c, PSHARD_ERR_NO_MEMORY,
                         "the %zu-byte pool cannot fit the %zu-byte gradient of parameter #%zu (%zu "
@@ -390,7 +443,7 @@ void *pshard_param_buffer(pshard_client_t *c, size_t i)
     void *p = NULL;
     pthread_mutex_lock(&c->mu);
     if (c->stable_off && i < c->nparams)
-        p = (uint8_t *)c->model.base + c->stable_off[i];
+        p = client_region_base(c) + c->stable_off[i];
     pthread_mutex_unlock(&c->mu);
     return p;
 }

@@ -16,117 +16,24 @@
 
 #include "client_internal.h"
 
-#define SRV_PREFIX "/pshard-srv-"
-
 /* An fp32 array of span bytes at off lies inside an object of bytes bytes, aligned. */
 static bool array_fits(uint64_t off, size_t span, uint64_t bytes)
 {
     return off % sizeof(float) == 0 && off <= bytes && span <= bytes - off;
 }
 
-/* The name looks like the server's own objects: "/pshard-srv-" then letters, digits, '-'. */
-static bool name_ok(const char *name)
-{
-    size_t n = strlen(name), plen = strlen(SRV_PREFIX);
-    if (n <= plen || n >= 64 || strncmp(name, SRV_PREFIX, plen) != 0)
-        return false;
-    for (size_t i = plen; i < n; i++) {
-        char ch = name[i];
-        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-              ch == '-'))
-            return false;
-    }
-    return true;
-}
-
-/* Maps the object name of at least bytes bytes, read-write and shared; PSHARD_OK or the error
- * with its reason in err. */
-static pshard_status_t map_object(const char *name, size_t bytes, void **base, char *err,
-                                  size_t errlen)
-{
-    int fd = shm_open(name, O_RDWR | O_NOFOLLOW, 0);
-    if (fd < 0)
-        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "cannot open %s: %s", name, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
-        (uint64_t)st.st_size < bytes) {
-        close(fd);
-        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM,
-                       "%s is not a %zu-byte shared-memory object of this user", name, bytes);
-    }
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int e = errno;
-    close(fd);
-    if (p == MAP_FAILED)
-        return ps_errf(err, errlen, PSHARD_ERR_SYSTEM, "mmap %s: %s", name, strerror(e));
-    *base = p;
-    return PSHARD_OK;
-}
-
-/* Opens the GPU-resident shard from out's handle (out->memory, device, dev_bytes and
- * dev_handle set): a CUDA IPC handle, or the emulated device's shared-memory object (a name
- * like the server's own objects, not the step counts' object steps_name). */
-static pshard_status_t map_device(shard_map_t *out, const char *steps_name, char *err,
-                                  size_t errlen)
-{
-    if (out->memory == PSHARD_MEMORY_CUDA)
-        return client_cuda_ipc_open(out->dev_handle, out->dev_handle_len, out->device,
-                                    &out->dev_base, err, errlen);
-    char name[64];
-    if (out->dev_handle_len >= sizeof(name))
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "an emulated device handle of %zu bytes", out->dev_handle_len);
-    memcpy(name, out->dev_handle, out->dev_handle_len);
-    name[out->dev_handle_len] = '\0';
-    if (!name_ok(name) || strcmp(name, steps_name) == 0)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "the emulated device memory's name is not one of the server's objects");
-    return map_object(name, out->dev_bytes, &out->dev_base, err, errlen);
-}
-
-/* The server's GPU-resident shard from its DefineModel answer: kept (to open it again after a
- * suspension) and opened. */
-static pshard_status_t open_device(const Pshard__DefineModelResponse *r, shard_map_t *out,
-                                   char *err, size_t errlen)
-{
-    size_t len = r->shard_device_handle.len;
-    if (r->shard_device < 0)
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "CUDA device %d is not one",
-                       (int)r->shard_device);
-    if (len > sizeof(out->dev_handle))
-        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
-                       "a device memory handle of %zu bytes", len);
-    memcpy(out->dev_handle, r->shard_device_handle.data, len);
-    out->dev_handle_len = len;
-    out->dev_bytes = (size_t)r->shard_device_bytes;
-    out->device = r->shard_device;
-    out->memory =
-        strcmp(r->shard_device_kind, "cuda") == 0 ? PSHARD_MEMORY_CUDA : PSHARD_MEMORY_EMULATED;
-    return map_device(out, r->shard_shm_name, err, errlen);
-}
-
-/* Closes the GPU-resident mapping only. */
-static void unmap_device(shard_map_t *s)
-{
-    if (s->memory == PSHARD_MEMORY_CUDA)
-        client_cuda_ipc_close(s->dev_base);
-    else if (s->dev_base)
-        munmap(s->dev_base, s->dev_bytes);
-    s->dev_base = NULL;
-}
-
 void client_shard_suspend(shard_map_t *s)
 {
-    if (s->base && s->dev_base)
-        unmap_device(s);
+    if (s->base && s->dev.base)
+        client_dev_close(&s->dev);
 }
 
 void client_shard_resume(shard_map_t *s)
 {
-    if (!s->base || s->dev_base || s->memory == PSHARD_MEMORY_HOST)
+    if (!s->base || s->dev.base || s->dev.memory == PSHARD_MEMORY_HOST)
         return;
     char why[PSHARD_ERRLEN] = "";
-    if (map_device(s, "", why, sizeof(why)) != PSHARD_OK) {
+    if (client_dev_open(&s->dev, NULL, why, sizeof(why)) != PSHARD_OK) {
         munmap(s->base, s->bytes);
         s->base = NULL;
         ps_snprintf(s->reason, sizeof(s->reason),
@@ -192,7 +99,7 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
                 r->shard_steps_offset % sizeof(int64_t) == 0 &&
                 array_fits(r->shard_steps_offset, nparams * sizeof(int64_t), r->shard_shm_bytes) &&
                 (!on_dev || strcmp(kind, "cuda") == 0 || strcmp(kind, "emulated") == 0);
-    if (r->shard_elements != elems || !fits || !name_ok(name)) {
+    if (r->shard_elements != elems || !fits || !client_srv_name_ok(name)) {
         ps_snprintf(out->reason, sizeof(out->reason),
                     "the shard server announced a shard this client cannot place (%llu elements "
                     "where the layout gives rank %d of %d %zu, object %.64s of %llu bytes%s%.16s); "
@@ -204,9 +111,12 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
         out->layout = NULL;
         return;
     }
-    rc = map_object(name, (size_t)r->shard_shm_bytes, &out->base, why, sizeof(why));
+    rc = client_map_object(name, (size_t)r->shard_shm_bytes, &out->base, why, sizeof(why));
     if (rc == PSHARD_OK && on_dev) {
-        rc = open_device(r, out, why, sizeof(why));
+        rc = client_dev_set(&out->dev, r->shard_device_handle.data, r->shard_device_handle.len,
+                            kind, r->shard_device, r->shard_device_bytes, why, sizeof(why));
+        if (rc == PSHARD_OK)
+            rc = client_dev_open(&out->dev, name, why, sizeof(why));
         if (rc != PSHARD_OK) {
             munmap(out->base, (size_t)r->shard_shm_bytes);
             out->base = NULL;
@@ -228,8 +138,8 @@ void client_shard_open(pshard_client_t *c, const Pshard__DefineModelResponse *r,
     out->state1_off = (size_t)r->shard_state1_offset;
     out->steps_off = (size_t)r->shard_steps_offset;
     out->replace_ms = r->trainer_replace_ms > 0 ? r->trainer_replace_ms : 0;
-    if (r->n_trainer_state_names == 2 && name_ok(r->trainer_state_names[0]) &&
-        name_ok(r->trainer_state_names[1]) &&
+    if (r->n_trainer_state_names == 2 && client_srv_name_ok(r->trainer_state_names[0]) &&
+        client_srv_name_ok(r->trainer_state_names[1]) &&
         strcmp(r->trainer_state_names[0], r->trainer_state_names[1]) != 0 &&
         strcmp(r->trainer_state_names[0], name) != 0 &&
         strcmp(r->trainer_state_names[1], name) != 0) {
@@ -266,7 +176,7 @@ void client_shard_close(shard_map_t *s)
 {
     if (s->base)
         munmap(s->base, s->bytes);
-    unmap_device(s);
+    client_dev_close(&s->dev);
     ps_layout_destroy(s->layout);
     memset(s, 0, sizeof(*s));
 }
@@ -285,19 +195,19 @@ pshard_status_t pshard_shard_view(pshard_client_t *c, size_t i, pshard_shard_vie
                          c->nparams);
     } else if (!s->base) {
         rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION, "%s", s->reason);
-    } else if (s->memory != PSHARD_MEMORY_HOST && !s->dev_base) {
+    } else if (s->dev.memory != PSHARD_MEMORY_HOST && !s->dev.base) {
         rc = client_fail(c, PSHARD_ERR_FAILED_PRECONDITION,
                          "the model is being defined again: its shard is closed until then");
     } else {
         size_t at = ps_layout_shard_offset(s->layout, i, s->rank);
-        uint8_t *base = s->dev_base ? s->dev_base : s->base;
+        uint8_t *base = s->dev.base ? s->dev.base : s->base;
         out->master = (float *)(base + s->master_off) + at;
         out->grad = s->grad_off ? (float *)(base + s->grad_off) + at : NULL;
         out->state0 = s->state0_off ? (float *)(base + s->state0_off) + at : NULL;
         out->state1 = s->state1_off ? (float *)(base + s->state1_off) + at : NULL;
         out->step = (int64_t *)(void *)((uint8_t *)s->base + s->steps_off) + i;
-        out->memory = s->memory;
-        out->device = s->dev_base ? s->device : -1;
+        out->memory = s->dev.memory;
+        out->device = s->dev.base ? s->dev.device : -1;
         out->numel = ps_layout_counts(s->layout, i)[s->rank];
         out->offset = ps_layout_piece_offset(s->layout, i, s->rank);
     }

@@ -227,6 +227,37 @@ static pshard_status_t init_params(pshard_comm_t *comm, shard_model_t *m,
     return rc;
 }
 
+/* The trainer's model region in m's device memory (req->device_region_bytes > 0) when m's
+ * shards are GPU-resident (with host shards the region stays the trainer's shared memory, and
+ * the answer carries no handle), or for the replacement of a lost trainer (kept: the model it
+ * takes over) the kept model's, which must be the same size. */
+static pshard_status_t region_on_device(shard_model_t *m, const Pshard__DefineModelRequest *req,
+                                        const shard_model_t *kept, char *err, size_t errlen)
+{
+    uint64_t bytes = req->device_region_bytes;
+    if (kept) {
+        if (kept->region_dev.bytes == bytes || (!kept->dev && kept->region_dev.bytes == 0))
+            return PSHARD_OK;
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "the replacement trainer asks for a model region of %" PRIu64
+                       " bytes in GPU memory, the lost trainer's was %zu bytes: start the same "
+                       "training script on the same kind of device",
+                       bytes, kept->region_dev.bytes);
+    }
+    if (bytes == 0)
+        return PSHARD_OK;
+    if (!m->dev)
+        return PSHARD_OK; /* host shards: the region stays the trainer's shared memory */
+    if (!req->shm_name || !req->shm_name[0])
+        return ps_errf(err, errlen, PSHARD_ERR_FAILED_PRECONDITION,
+                       "a trainer on another host (PSHARD_REMOTE=1) cannot open this server's GPU "
+                       "memory: keep its model region in host memory");
+    if (bytes > (1ull << 46))
+        return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
+                       "a model region of %" PRIu64 " bytes of GPU memory is out of range", bytes);
+    return m->dev->alloc_shared(m->device, (size_t)bytes, &m->region_dev, err, errlen);
+}
+
 /* The replacement of a lost trainer defined candidate: when it is the model this server kept
  * (the same definition, so the same fingerprint), the new trainer takes it over as it is,
  * with its region in place of the lost trainer's, and no other rank takes part; another model
@@ -376,6 +407,9 @@ pshard_status_t shard_define_run(pshard_shard_server_t *s, pshard_comm_t *comm, 
     pthread_mutex_lock(&s->mu);
     bool replacing = s->replace_deadline_ns != 0 && s->model;
     pthread_mutex_unlock(&s->mu);
+    rc = region_on_device(m, req, replacing ? s->model : NULL, err, errlen);
+    if (rc != PSHARD_OK)
+        goto out;
     if (replacing) {
         rc = take_over(s, m, &region, err, errlen);
         goto out;
@@ -451,6 +485,12 @@ out:
             a->dev_handle_len = mm->dev_shared.handle_len;
             a->dev_kind = mm->dev->name;
             a->dev_bytes = mm->dev_shared.bytes;
+            a->device = mm->device;
+        }
+        if (mm->region_dev.bytes) {
+            memcpy(a->region_handle, mm->region_dev.handle, mm->region_dev.handle_len);
+            a->region_handle_len = mm->region_dev.handle_len;
+            a->dev_kind = mm->dev->name;
             a->device = mm->device;
         }
         for (int i = 0; i < 2; i++)

@@ -48,40 +48,88 @@ static bool takes_device(const pshard_comm_t *comm)
     return strcmp(pshard_comm_transport(comm), "nccl") == 0;
 }
 
-/* Runs the collective a on comm. GPU-resident shards on a host-memory backend (--shard-memory
- * gpu with tcp: several servers sharing one GPU, where NCCL allows one rank per device) go
- * through host memory: this rank's device buffer (a gather's slice in, a reduce-scatter's slice
- * out, an in-place all-reduce's both) is copied into m->unit_stage before the collective and
- * back after it, and the model counts those bytes (staged_to_host, staged_to_device). On nccl
- * the device buffers go to NCCL as they are. */
+/* This rank's send and receive sizes in bytes of the collective a on comm (a gather or a
+ * reduce-scatter, by counts or count, or an in-place all-reduce). False for another. */
+static bool coll_sizes(const pshard_comm_t *comm, const pshard_coll_args_t *a, size_t *send,
+                       size_t *recv)
+{
+    int world = pshard_comm_world_size(comm);
+    size_t es = pshard_dtype_size(a->dtype);
+    size_t mine = a->counts ? a->counts[pshard_comm_rank(comm)] : a->count;
+    size_t all = a->count * (size_t)world;
+    if (a->counts) {
+        all = 0;
+        for (int q = 0; q < world; q++)
+            all += a->counts[q];
+    }
+    switch (a->op) {
+    case PSHARD_COLL_ALL_GATHER:
+        *send = mine * es;
+        *recv = all * es;
+        return true;
+    case PSHARD_COLL_REDUCE_SCATTER:
+        *send = all * es;
+        *recv = mine * es;
+        return true;
+    case PSHARD_COLL_ALL_REDUCE:
+        *send = *recv = a->count * es;
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* Runs the collective a on comm, counting in the model the bytes copied between host and
+ * device memory for it (staged_to_host, staged_to_device). GPU-resident shards on a host-memory
+ * backend (--shard-memory gpu with tcp: several servers sharing one GPU, where NCCL allows one
+ * rank per device) go through host memory: each device buffer (this rank's slice, and with the
+ * model region in device memory the full buffer; an in-place all-reduce's one) is copied into
+ * m->unit_stage before the collective (what it sends) and back after it (what it receives). On
+ * nccl the device buffers go to NCCL as they are, and its engine copies the host ones (CPU
+ * offload's shards, a model region in host memory) to the device and back. */
 static pshard_status_t coll_run_dev(shard_model_t *m, pshard_comm_t *comm, pshard_coll_args_t *a,
                                     char *err, size_t errlen)
 {
-    if ((!a->send_device && !a->recv_device) || takes_device(comm))
+    if (takes_device(comm)) {
+        uint64_t d0, h0, d1, h1;
+        pshard_comm_host_staged(comm, &d0, &h0);
+        pshard_status_t rc = pshard_coll_run(comm, a, err, errlen);
+        pshard_comm_host_staged(comm, &d1, &h1);
+        atomic_fetch_add_explicit(&m->staged_to_device, d1 - d0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&m->staged_to_host, h1 - h0, memory_order_relaxed);
+        return rc;
+    }
+    if (!a->send_device && !a->recv_device)
         return pshard_coll_run(comm, a, err, errlen);
-    if (a->send_device && a->recv_device && a->send != a->recv)
-        return ps_errf(err, errlen, PSHARD_ERR_INTERNAL,
-                       "%s: two device buffers to stage through host memory",
+    size_t sbytes = 0, rbytes = 0;
+    if (!coll_sizes(comm, a, &sbytes, &rbytes))
+        return ps_errf(err, errlen, PSHARD_ERR_INTERNAL, "%s: no staging through host memory",
                        pshard_coll_op_name(a->op));
-    size_t n = a->counts ? a->counts[pshard_comm_rank(comm)] : a->count;
-    size_t bytes = n * pshard_dtype_size(a->dtype);
-    void *host = shard_model_unit_stage(m, bytes ? bytes : 1);
+    bool in_place = a->send == a->recv;
+    /* What is staged: the device send at 0, the device recv after it (64-byte aligned), or
+     * both at 0 in place. */
+    size_t roff = a->send_device && !in_place ? (sbytes + 63) / 64 * 64 : 0;
+    size_t need = a->recv_device ? roff + rbytes : sbytes;
+    uint8_t *host = shard_model_unit_stage(m, need ? need : 1);
     if (!host)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY,
-                       "out of memory for %zu bytes of host staging", bytes);
+                       "out of memory for %zu bytes of host staging", need);
     void *dev_recv = a->recv_device ? a->recv : NULL;
     if (a->send_device) {
-        PS_CHECK(m->dev->copy(m->device, host, a->send, bytes, err, errlen));
-        atomic_fetch_add_explicit(&m->staged_to_host, bytes, memory_order_relaxed);
+        PS_CHECK(m->dev->copy(m->device, host, a->send, sbytes, err, errlen));
+        atomic_fetch_add_explicit(&m->staged_to_host, sbytes, memory_order_relaxed);
         a->send = host;
+    } else if (in_place && a->recv_device) {
+        return ps_errf(err, errlen, PSHARD_ERR_INTERNAL, "%s: one buffer in two memories",
+                       pshard_coll_op_name(a->op));
     }
     if (dev_recv)
-        a->recv = host;
+        a->recv = host + roff;
     a->send_device = a->recv_device = false;
     PS_CHECK(pshard_coll_run(comm, a, err, errlen));
     if (dev_recv) {
-        PS_CHECK(m->dev->copy(m->device, dev_recv, host, bytes, err, errlen));
-        atomic_fetch_add_explicit(&m->staged_to_device, bytes, memory_order_relaxed);
+        PS_CHECK(m->dev->copy(m->device, dev_recv, host + roff, rbytes, err, errlen));
+        atomic_fetch_add_explicit(&m->staged_to_device, rbytes, memory_order_relaxed);
     }
     return PSHARD_OK;
 }
@@ -112,7 +160,8 @@ static pshard_status_t replicas_sum(shard_model_t *m, uint32_t p, pshard_dtype_t
 
 /* The all-gather of parameter p in dt: this rank's slice send into the full buffer recv. */
 static pshard_coll_args_t gather_args(const shard_model_t *m, uint32_t p, pshard_dtype_t dt,
-                                      const void *send, void *recv, char *label, size_t labellen)
+                                      const void *send, void *recv, bool recv_dev, char *label,
+                                      size_t labellen)
 {
     return (pshard_coll_args_t){
         .op = PSHARD_COLL_ALL_GATHER,
@@ -120,6 +169,7 @@ static pshard_coll_args_t gather_args(const shard_model_t *m, uint32_t p, pshard
         .send = send,
         .send_device = m->dev != NULL,
         .recv = recv,
+        .recv_device = recv_dev,
         .counts = ps_layout_counts(m->layout, p),
         .tag = ((uint64_t)m->step << 32) | p,
         .label = shard_op_label(m, m->params[p].name, label, labellen),
@@ -130,14 +180,15 @@ static pshard_coll_args_t gather_args(const shard_model_t *m, uint32_t p, pshard
  * every rank contributing the collective averages (as before Join existed); with fewer, it
  * sums and shard_model_slice_out divides by the contributors. */
 static pshard_coll_args_t reduce_scatter_args(const shard_model_t *m, uint32_t p, pshard_dtype_t dt,
-                                              const void *send, void *recv, int active, char *label,
-                                              size_t labellen)
+                                              const void *send, bool send_dev, void *recv,
+                                              int active, char *label, size_t labellen)
 {
     return (pshard_coll_args_t){
         .op = PSHARD_COLL_REDUCE_SCATTER,
         .dtype = dt,
         .reduce = reduce_of(m, active),
         .send = send,
+        .send_device = send_dev,
         .recv = recv,
         .recv_device = m->dev != NULL,
         .counts = ps_layout_counts(m->layout, p),
@@ -160,23 +211,24 @@ static pshard_status_t check_reduce_again(const shard_model_t *m, uint32_t p, ch
 }
 
 pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                 pshard_dtype_t dt, void *recv, char *err, size_t errlen)
+                                 pshard_dtype_t dt, void *recv, bool on_dev, char *err,
+                                 size_t errlen)
 {
     const void *send = NULL;
     PS_CHECK(shard_model_slice_in(m, p, dt, m->stage, &send, err, errlen));
     char label[64];
-    pshard_coll_args_t a = gather_args(m, p, dt, send, recv, label, sizeof(label));
+    pshard_coll_args_t a = gather_args(m, p, dt, send, recv, on_dev, label, sizeof(label));
     return coll_run_dev(m, data_comm(m, comm), &a, err, errlen);
 }
 
 pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                         pshard_dtype_t dt, const void *send, int active, char *err,
-                                         size_t errlen)
+                                         pshard_dtype_t dt, const void *send, bool on_dev,
+                                         int active, char *err, size_t errlen)
 {
     PS_CHECK(check_reduce_again(m, p, err, errlen));
     char label[64];
     pshard_coll_args_t a =
-        reduce_scatter_args(m, p, dt, send, m->stage, active, label, sizeof(label));
+        reduce_scatter_args(m, p, dt, send, on_dev, m->stage, active, label, sizeof(label));
     PS_CHECK(coll_run_dev(m, data_comm(m, comm), &a, err, errlen));
     PS_CHECK(
         replicas_sum(m, p, dt, m->stage, ps_layout_counts(m->layout, p)[m->rank], err, errlen));
@@ -279,7 +331,7 @@ out:
 }
 
 pshard_status_t shard_tensors_run(pshard_comm_t *comm, shard_model_t *m, bool gather,
-                                  const uint32_t *ids, void *const *bufs, size_t n,
+                                  const uint32_t *ids, void *const *bufs, bool on_dev, size_t n,
                                   pshard_dtype_t dt, int active, char *err, size_t errlen)
 {
     if (n == 0)
@@ -288,13 +340,13 @@ pshard_status_t shard_tensors_run(pshard_comm_t *comm, shard_model_t *m, bool ga
         for (size_t i = 0; i < n; i++)
             PS_CHECK(check_reduce_again(m, ids[i], err, errlen));
     }
-    if (!m->dev && takes_pieces(data_comm(m, comm)))
+    if (!m->dev && !on_dev && takes_pieces(data_comm(m, comm)))
         return tensors_fused(comm, m, gather, ids, bufs, n, dt, active, err, errlen);
     /* GPU-resident shards (one device staging buffer) and nccl: a collective per tensor. */
     for (size_t i = 0; i < n; i++)
-        PS_CHECK(gather
-                     ? shard_gather_one(comm, m, ids[i], dt, bufs[i], err, errlen)
-                     : shard_reduce_scatter_one(comm, m, ids[i], dt, bufs[i], active, err, errlen));
+        PS_CHECK(gather ? shard_gather_one(comm, m, ids[i], dt, bufs[i], on_dev, err, errlen)
+                        : shard_reduce_scatter_one(comm, m, ids[i], dt, bufs[i], on_dev, active,
+                                                   err, errlen));
     return PSHARD_OK;
 }
 

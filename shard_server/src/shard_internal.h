@@ -244,7 +244,9 @@ const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, 
 
 /* The operations' cores (shard_exec.c), shared by the trainer operations and a joined rank
  * shadowing them (op_mu held). shard_gather_one all-gathers parameter p in dt into recv (full
- * size); shard_reduce_scatter_one reduce-scatters the full gradient send (dt) and adds this rank's
+ * size; device memory of the model's device when on_dev: the model's device region);
+ * shard_reduce_scatter_one reduce-scatters the full gradient send (dt; device memory when
+ * on_dev) and adds this rank's
  * slice, averaged over active contributors, to the accumulator; shard_run_step (shard_exec.c)
  * takes the step op's groups, clips and runs the optimizer on every trained slice, each with
  * its group's hyperparameters (a trainer_stepped step only counts the step: the trainer's
@@ -253,17 +255,19 @@ const char *shard_op_label(const shard_model_t *m, const char *what, char *buf, 
  * inf) into *total_norm, and with max_norm > 0 their scaling; shard_run_collective runs a plain
  * collective (an average is over the active ranks). */
 pshard_status_t shard_gather_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                 pshard_dtype_t dt, void *recv, char *err, size_t errlen);
+                                 pshard_dtype_t dt, void *recv, bool on_dev, char *err,
+                                 size_t errlen);
 pshard_status_t shard_reduce_scatter_one(pshard_comm_t *comm, shard_model_t *m, uint32_t p,
-                                         pshard_dtype_t dt, const void *send, int active, char *err,
-                                         size_t errlen);
+                                         pshard_dtype_t dt, const void *send, bool on_dev,
+                                         int active, char *err, size_t errlen);
 /* Gathers (gather) or reduce-scatters the n parameters ids, each into or from its full buffer
- * bufs[i] (the same buffer for several ids is allowed: a joined rank's scratch): one
+ * bufs[i] (device memory when on_dev: the model's device region; the same buffer for several
+ * ids is allowed: a joined rank's scratch): one
  * collective for all of them on host shards over tcp (their pieces end to end), else one per
  * parameter as shard_gather_one / shard_reduce_scatter_one. Every rank must pass the same ids
  * in the same order. Errors: the collective's, the model's. */
 pshard_status_t shard_tensors_run(pshard_comm_t *comm, shard_model_t *m, bool gather,
-                                  const uint32_t *ids, void *const *bufs, size_t n,
+                                  const uint32_t *ids, void *const *bufs, bool on_dev, size_t n,
                                   pshard_dtype_t dt, int active, char *err, size_t errlen);
 pshard_status_t shard_run_step(pshard_shard_server_t *s, pshard_comm_t *comm, shard_model_t *m,
                                const shard_sop_t *op, int64_t ckpt_request, double *norm, char *err,

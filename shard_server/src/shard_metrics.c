@@ -248,9 +248,11 @@ void shard_metrics_collect(void *arg, ps_metrics_t *w)
           "Bytes of shard state (master weights, gradients, optimizer state).",
           (double)state_bytes);
     ps_metrics_family(w, "pshard_shard_device_staged_bytes_total", PS_METRIC_COUNTER,
-                      "Bytes of GPU-resident shard slices copied through host memory for the "
-                      "collectives of the defined model (--shard-memory gpu on tcp); 0 on nccl, "
-                      "which takes GPU memory itself.");
+                      "Bytes the defined model's gathers and reduce-scatters copied between "
+                      "host and GPU memory: GPU buffers through host memory on tcp "
+                      "(--shard-memory gpu), host buffers (CPU offload, a model region in host "
+                      "memory) to the GPU and back on nccl; 0 with GPU-resident shards and the "
+                      "model region in GPU memory on nccl.");
     const char *lh[] = {"direction", "to_host", NULL}, *ld[] = {"direction", "to_device", NULL};
     ps_metrics_sample_u64(w, lh, to_host);
     ps_metrics_sample_u64(w, ld, to_device);

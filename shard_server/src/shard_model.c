@@ -118,6 +118,8 @@ void shard_model_free(shard_model_t *m)
                         strerror(errno));
     }
     if (m->dev) {
+        if (m->region_dev.bytes)
+            m->dev->free_shared(m->device, &m->region_dev);
         if (m->dev_shared.bytes) {
             m->dev->free_shared(m->device, &m->dev_shared); /* master, grad and the state */
             m->dev->free_mem(m->device, m->stage);

@@ -76,6 +76,10 @@ typedef struct {
      * shm then holds only the per-parameter step counts (at shm_steps_off). Empty (bytes 0)
      * when the device shards are private. */
     shard_dev_shared_t dev_shared;
+    /* The trainer's model region in device memory (DefineModelRequest.device_region_bytes):
+     * the full buffers its gathers write and its reduce-scatters read, shared with the trainer
+     * by its handle. Empty (bytes 0): the region is the trainer's shared memory. */
+    shard_dev_shared_t region_dev;
     /* GPU-resident shards (--backend nccl --offload none): the operations on that memory
      * (shard_cuda.h) and the CUDA device; NULL: host memory. */
     const struct shard_dev_ops *dev;
@@ -84,9 +88,10 @@ typedef struct {
     size_t max_numel; /* largest full parameter */
     void *stage;      /* max_piece fp32-sized elements: conversions, reduce output (on
                          the device too when dev is set) */
-    /* GPU-resident shards on a host-memory backend (tcp): the bytes of this rank's slices
-     * copied from the device into host memory for a collective, and back (shard_exec.c);
-     * 0 on nccl, which takes the device memory itself. Read by /metrics without op_mu. */
+    /* The bytes the model's gathers and reduce-scatters copied from device into host memory
+     * and back (shard_exec.c): on tcp with GPU-resident shards the device buffers staged
+     * through host memory; on nccl the host buffers its engine staged (host shards, a model
+     * region in host memory). Read by /metrics without op_mu. */
     atomic_uint_least64_t staged_to_host, staged_to_device;
     /* Where a gather or reduce-scatter of several tensors as one operation stages this rank's
      * slices with host shards, or a collective stages the device slice with GPU-resident

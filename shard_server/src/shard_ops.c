@@ -481,8 +481,8 @@ static pshard_status_t follow(pshard_shard_server_t *s, pshard_comm_t *comm, sha
     bool gather = op->kind == SHARD_SOP_GATHER;
     if (!gather)
         memset(buf, 0, largest); /* this rank contributes no gradient */
-    pshard_status_t rc = shard_tensors_run(comm, m, gather, op->ids, each, op->nids, op->dtype,
-                                           ag->active, err, errlen);
+    pshard_status_t rc = shard_tensors_run(comm, m, gather, op->ids, each, false, op->nids,
+                                           op->dtype, ag->active, err, errlen);
     free(each);
     return rc;
 }

@@ -128,6 +128,10 @@ typedef struct {
     const char *dev_kind;
     uint64_t dev_bytes;
     int32_t device;
+    /* The model region in device memory (device_region_bytes): its handle (region_handle_len
+     * 0: the region is the trainer's shared memory), of the kind dev_kind on device. */
+    unsigned char region_handle[SHARD_DEV_HANDLE_MAX];
+    size_t region_handle_len;
     /* The model's trainer_state_names and the server's --trainer-replace-ms. */
     char state_names[2][64];
     int64_t trainer_replace_ms;

@@ -226,6 +226,12 @@ static void handle_define(ps_rpc_call_t *call, const ProtobufCMessage *request, 
         out.shard_device_bytes = a.dev_bytes;
         out.shard_device = a.device;
     }
+    if (a.region_handle_len) {
+        out.region_device_handle.data = a.region_handle;
+        out.region_device_handle.len = a.region_handle_len;
+        out.region_device_kind = (char *)a.dev_kind;
+        out.region_device = a.device;
+    }
     out.trainer_replace_ms = a.trainer_replace_ms;
     char *names[2] = {a.state_names[0], a.state_names[1]};
     if (names[0][0] && names[1][0]) {
@@ -259,6 +265,9 @@ static pshard_status_t tensors_check(pshard_shard_server_t *s, pshard_comm_t *co
     if (a->n == 0)
         return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT, "no tensors named");
     size_t es = pshard_dtype_size(dt);
+    /* The full buffers: the model's device region, else the trainer's shared memory. */
+    shm_map_t dev_region = {.base = m->region_dev.ptr, .bytes = m->region_dev.bytes};
+    const shm_map_t *region = m->region_dev.bytes ? &dev_region : &s->model_shm;
     for (size_t i = 0; i < a->n; i++) {
         if (t[i]->param >= m->nparams)
             return ps_errf(err, errlen, PSHARD_ERR_NOT_FOUND,
@@ -271,12 +280,12 @@ static pshard_status_t tensors_check(pshard_shard_server_t *s, pshard_comm_t *co
                            "it is gathered but never reduce-scattered or stepped; leave it out "
                            "of the reduce-scatter",
                            p->name, group);
-        if (!shard_in_region(&s->model_shm, t[i]->offset, (uint64_t)p->numel * es, es))
+        if (!shard_in_region(region, t[i]->offset, (uint64_t)p->numel * es, es))
             return ps_errf(err, errlen, PSHARD_ERR_INVALID_ARGUMENT,
                            "buffer of '%s' (%zu x %s at offset %" PRIu64
-                           ") lies outside the model region of %zu bytes or is misaligned",
-                           p->name, p->numel, pshard_dtype_name(dt), t[i]->offset,
-                           s->model_shm.bytes);
+                           ") lies outside the model region of %zu bytes%s or is misaligned",
+                           p->name, p->numel, pshard_dtype_name(dt), t[i]->offset, region->bytes,
+                           region == &dev_region ? " (device memory)" : "");
     }
     a->ids = malloc(a->n * sizeof(uint32_t));
     if (!a->ids)
@@ -298,10 +307,14 @@ static pshard_status_t tensors_run(pshard_shard_server_t *s, pshard_comm_t *comm
     void **bufs = malloc(a->n * sizeof(void *));
     if (!bufs)
         return ps_errf(err, errlen, PSHARD_ERR_NO_MEMORY, "out of memory");
+    const shard_model_t *m = s->model;
+    bool on_dev = m->region_dev.bytes > 0;
+    uint8_t *base = on_dev ? m->region_dev.ptr : s->model_shm.base;
     for (size_t i = 0; i < a->n; i++)
-        bufs[i] = (uint8_t *)s->model_shm.base + a->tensors[i]->offset;
-    pshard_status_t rc = shard_tensors_run(comm, s->model, op->sop.kind == SHARD_SOP_GATHER, a->ids,
-                                           bufs, a->n, op->sop.dtype, op->active, err, errlen);
+        bufs[i] = base + a->tensors[i]->offset;
+    pshard_status_t rc =
+        shard_tensors_run(comm, s->model, op->sop.kind == SHARD_SOP_GATHER, a->ids, bufs, on_dev,
+                          a->n, op->sop.dtype, op->active, err, errlen);
     free(bufs);
     return rc;
 }

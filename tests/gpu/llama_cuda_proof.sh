@@ -2,9 +2,10 @@
 # A tiny Hugging Face Llama trained with pshard.torch on cuda:0 (tests/python/llama_worker.py
 # with LLAMA_DEVICE=cuda, world 1), once with FSDP2's CPUOffloadPolicy (the shard server
 # --backend nccl --offload cpu) and once with the shards on the server's GPU (--backend nccl,
-# DTensors over its memory through CUDA IPC), against the same steps in plain torch on the CPU
-# (the worker's reference), and then two ranks sharing the GPU (--backend tcp --shard-memory gpu,
-# the servers' GPU slices staged through host memory for the collectives, as their counters say):
+# DTensors over its memory and the full buffers in it, both through CUDA IPC, with no byte
+# through the host, as the server's counters say), against the same steps in plain torch on the
+# CPU (the worker's reference), and then two ranks sharing the GPU (--backend tcp --shard-memory
+# gpu, what the tcp collectives move staged through host memory, as their counters say):
 # losses and gradient norms within 1e-4 relative; and with bf16 mixed precision on the GPU
 # against the same on the CPU with pshard: losses within 1e-2, norms 5e-2. Exits 77 unless PYTHON
 # has torch with a usable CUDA device, transformers and pshard (scripts/pshard-venv.sh).
@@ -64,22 +65,27 @@ import json, sys
 work = sys.argv[1]
 ref = json.load(open(f"{work}/ref/rank-0.json"))
 bad = 0
-# (run, ranks, shard memory, whether the server stages its GPU slices through host memory)
-for run, world, want, staged in (("offload", 1, "host", False), ("gpu-shards", 1, "cuda", False),
+# (run, ranks, shard and region memory, whether the server copies between host and GPU memory:
+# nccl stages CPU offload's host buffers, tcp the GPU buffers; nccl with both in GPU memory none)
+for run, world, want, staged in (("offload", 1, "host", True), ("gpu-shards", 1, "cuda", False),
                                  ("shared-gpu", 2, "cuda", True)):
   ranks = [json.load(open(f"{work}/{run}/rank-{r}.json")) for r in range(world)]
   got = ranks[0]
-  print(f"{run}: {world} rank(s), shards in {got['memory']} memory (expected {want})")
+  print(f"{run}: {world} rank(s), shards in {got['memory']} memory (expected {want}), model "
+        f"region in {got.get('region')} memory (expected {want})")
   bad += got["memory"] != want
+  # GPU-resident shards: the full buffers are the server's GPU memory too (CUDA IPC)
+  bad += got.get("region") != want
   bad += len(got["losses"]) != len(ref["losses"])
   for r, res in enumerate(ranks):
     st = res.get("staged")
-    print(f"{run} rank {r}: GPU slice bytes its server copied through host memory: {st}")
+    print(f"{run} rank {r}: GPU bytes its server copied through host memory: {st}")
     if st is None:
       bad += 1
     elif staged:
       bad += not (st["to_host"] > 0 and st["to_device"] > 0)
-    else:  # nccl reads and writes the GPU shards where they are: no copy through the host
+    else:  # nccl reads and writes the GPU shards and the model region where they are: no copy
+      # through the host (CUDA IPC only)
       bad += st["to_host"] != 0 or st["to_device"] != 0
   for what in ("losses", "norms"):
     for s, (a, b) in enumerate(zip(got[what], ref[what])):

@@ -1,12 +1,14 @@
-/* The shard server's GPU-resident shard opened by its trainer through CUDA IPC
- * (pshard_shard_view with --backend nccl and no --offload): a real coordinator and one shard
- * server on GPU 0 (world 1: NCCL puts one rank on a device), and this process as the trainer.
- * The view must say PSHARD_MEMORY_CUDA on device 0 and hold device pointers whose contents,
- * copied out with cudaMemcpy, are the initial values; values written into them with cudaMemcpy
- * are what the next gather returns; a reduce-scatter's gradient lands in the view's
- * accumulator; a trainer step counts. Then the model is defined again (the server frees the
- * first allocation after this client closed its handle) and the client closes; the server must
- * exit cleanly. Exits 77 (skipped) without a CUDA device.
+/* The shard server's GPU-resident shard and the model region in its GPU memory, opened by its
+ * trainer through CUDA IPC (pshard_shard_view and device_region with --backend nccl and no
+ * --offload): a real coordinator and one shard server on GPU 0 (world 1: NCCL puts one rank on
+ * a device), and this process as the trainer. The view and the region must say
+ * PSHARD_MEMORY_CUDA on device 0 and hold device pointers; the view's contents, copied out with
+ * cudaMemcpy, are the initial values; values written into them with cudaMemcpy are what the
+ * next gather writes into the region's device buffers; a new gradient buffer reads zero, and
+ * the gradient written there lands in the view's accumulator; a trainer step counts. Then the
+ * model is defined again (the server frees
+ * the first allocations after this client closed its handles) and the client closes; the
+ * server must exit cleanly. Exits 77 (skipped) without a CUDA device.
  * argv: pshard-coordinator pshard-server. */
 #include <signal.h>
 #include <stdbool.h>
@@ -68,8 +70,13 @@ static int train(const char *server)
     }
     pshard_model_config_t mc;
     pshard_model_config_default(&mc, PSHARD_ADAM);
+    mc.device_region = true;
+    mc.stable_param_buffers = true;
     CHECK(pshard_define_model(c, params, NP, &mc, (const float *const *)init) == PSHARD_OK,
           "define: %s", pshard_last_error(c));
+    int rdev = -1;
+    CHECK(pshard_region_memory(c, &rdev) == PSHARD_MEMORY_CUDA && rdev == 0,
+          "the model region is not the server's GPU memory (device %d)", rdev);
     pshard_shard_view_t v;
     float host[32];
     for (int p = 0; p < NP; p++) {
@@ -94,16 +101,27 @@ static int train(const char *server)
     for (int p = 0; p < NP; p++) {
         const float *full = pshard_param(c, (size_t)p);
         CHECK(full != NULL, "'%s' not gathered", names[p]);
+        struct cudaPointerAttributes at;
+        CHECK(cudaPointerGetAttributes(&at, full) == cudaSuccess && at.type == cudaMemoryTypeDevice,
+              "'%s': the gathered buffer is not device memory", names[p]);
+        CHECK(cudaMemcpy(host, full, numels[p] * 4, cudaMemcpyDeviceToHost) == cudaSuccess,
+              "copying gathered '%s' out", names[p]);
         for (size_t j = 0; j < numels[p]; j++)
-            CHECK(full[j] == new_value(p, j), "gathered '%s'[%zu] is %g, written %g", names[p], j,
-                  full[j], new_value(p, j));
+            CHECK(host[j] == new_value(p, j), "gathered '%s'[%zu] is %g, written %g", names[p], j,
+                  host[j], new_value(p, j));
     }
     CHECK(pshard_reshard(c, NULL, 0) == PSHARD_OK, "reshard: %s", pshard_last_error(c));
     for (int p = 0; p < NP; p++) {
         float *g = pshard_grad(c, (size_t)p);
         CHECK(g != NULL, "grad buffer: %s", pshard_last_error(c));
-        for (size_t j = 0; j < numels[p]; j++)
-            g[j] = (float)(j + 1) * 0.5f;
+        CHECK(cudaMemcpy(host, g, numels[p] * 4, cudaMemcpyDeviceToHost) == cudaSuccess,
+              "copying '%s' grad buffer out", names[p]);
+        for (size_t j = 0; j < numels[p]; j++) {
+            CHECK(host[j] == 0.0f, "a new gradient buffer of '%s' holds %g", names[p], host[j]);
+            host[j] = (float)(j + 1) * 0.5f;
+        }
+        CHECK(cudaMemcpy(g, host, numels[p] * 4, cudaMemcpyHostToDevice) == cudaSuccess,
+              "writing '%s' grad", names[p]);
     }
     CHECK(pshard_reduce_scatter(c, NULL, 0) == PSHARD_OK, "reduce_scatter: %s",
           pshard_last_error(c));

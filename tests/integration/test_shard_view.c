@@ -135,6 +135,11 @@ static int trainer_main(int argc, char **argv)
     }
     bool in_backward = strcmp(mode, "in_backward") == 0;
     mc.optimizer_in_backward = in_backward;
+    /* The model region in the server's (emulated) GPU memory when it keeps the shards there. */
+    const char *dr = getenv("PSHARD_TEST_DEVICE_REGION");
+    mc.device_region = dr && strcmp(dr, "1") == 0;
+    const char *emu = getenv("PSHARD_TEST_EMULATE_DEVICE");
+    bool on_dev = emu && strcmp(emu, "1") == 0;
     /* A first model, replaced at once: its server object must go with it. */
     CHECK(pshard_define_model(c, params, 1, &mc, (const float *const *)init) == PSHARD_OK,
           "define (first): %s", pshard_last_error(c));
@@ -143,6 +148,12 @@ static int trainer_main(int argc, char **argv)
     for (int p = 0; p < NP; p++)
         free(init[p]);
     int srank = rank % S;
+    int rdev = -2, rmem = pshard_region_memory(c, &rdev);
+    bool region_dev = mc.device_region && on_dev && !cfg.remote;
+    CHECK(region_dev ? rmem == PSHARD_MEMORY_EMULATED && rdev == 0
+                     : rmem == PSHARD_MEMORY_HOST && rdev == -1,
+          "the model region is in memory %d of device %d (device_region %d)", rmem, rdev,
+          (int)mc.device_region);
 
     if (strcmp(mode, "refused") == 0) {
         pshard_status_t st = pshard_shard_view(c, 0, &v);
@@ -176,8 +187,6 @@ static int trainer_main(int argc, char **argv)
     }
     /* The views hold the initial values' pieces, and zero gradients; GPU-resident shards
      * (emulated: PSHARD_TEST_EMULATE_DEVICE=1) are opened through the device's handle. */
-    const char *emu = getenv("PSHARD_TEST_EMULATE_DEVICE");
-    bool on_dev = emu && strcmp(emu, "1") == 0;
     for (int p = 0; p < NP; p++) {
         CHECK(pshard_shard_view(c, (size_t)p, &v) == PSHARD_OK, "view %d: %s", p,
               pshard_last_error(c));
@@ -220,8 +229,10 @@ static int trainer_main(int argc, char **argv)
     for (int p = 0; p < NP; p++) {
         float *g = pshard_grad(c, (size_t)p);
         CHECK(g, "grad buffer: %s", pshard_last_error(c));
-        for (size_t j = 0; j < numel_of(p); j++)
+        for (size_t j = 0; j < numel_of(p); j++) {
+            CHECK(g[j] == 0.0f, "a new gradient buffer of '%s' holds %g at %zu", names[p], g[j], j);
             g[j] = (float)(rank + 1) * (float)(j + 1);
+        }
     }
     CHECK(pshard_reduce_scatter(c, NULL, 0) == PSHARD_OK, "reduce_scatter: %s",
           pshard_last_error(c));
@@ -398,10 +409,12 @@ static bool run_case(int world, int S, const char *layout, const char *mode)
         }
     }
     /* The model is still defined: one object per host-shard server (the first model's went
-     * with it), two for (emulated) GPU-resident ones (the step counts, the device memory), none
-     * for remote trainers. */
+     * with it), two for (emulated) GPU-resident ones (the step counts, the device memory) and
+     * three with the model region there too, none for remote trainers. */
     const char *emu = getenv("PSHARD_TEST_EMULATE_DEVICE");
-    int want = strcmp(mode, "refused") == 0 ? 0 : emu && strcmp(emu, "1") == 0 ? 2 : 1;
+    const char *dr = getenv("PSHARD_TEST_DEVICE_REGION");
+    bool on_dev = emu && strcmp(emu, "1") == 0;
+    int want = strcmp(mode, "refused") == 0 ? 0 : on_dev ? (dr && strcmp(dr, "1") == 0 ? 3 : 2) : 1;
     for (int r = 0; ok && r < world; r++) {
         char prefix[64];
         snprintf(prefix, sizeof(prefix), "pshard-srv-%d-", (int)servers[r]);
@@ -469,6 +482,21 @@ static void test_device_shards(void)
     CU_ASSERT(run_case(3, 3, "fsdp2", "basic"));
     CU_ASSERT(run_case(4, 2, "fsdp2", "basic"));
     unsetenv("PSHARD_TEST_EMULATE_DEVICE");
+}
+/* The model region in the servers' (emulated) GPU memory (device_region): the gathers, the
+ * gradients (zeroed on the device) and every check above through it, a rank that joined
+ * shadowing with host buffers while the others' are device memory, a refused definition that
+ * closes and opens it again; with host shards the region stays shared memory. */
+static void test_device_region(void)
+{
+    setenv("PSHARD_TEST_DEVICE_REGION", "1", 1);
+    CU_ASSERT(run_case(2, 2, "fsdp2", "basic"));
+    setenv("PSHARD_TEST_EMULATE_DEVICE", "1", 1);
+    CU_ASSERT(run_case(3, 3, "fsdp2", "basic"));
+    CU_ASSERT(run_case(4, 2, "fsdp2", "basic"));
+    CU_ASSERT(run_case(3, 3, "fsdp2", "join"));
+    unsetenv("PSHARD_TEST_EMULATE_DEVICE");
+    unsetenv("PSHARD_TEST_DEVICE_REGION");
 }
 static void test_not_shared(void)
 {
@@ -567,6 +595,7 @@ int main(int argc, char **argv)
         {"HSDP 2 x 2", test_hsdp},
         {"optimizer in backward: masters only, no trainer step", test_in_backward},
         {"a trainer step with a joined rank fails on every rank", test_join_refuses_trainer_step},
+        {"the model region in the servers' GPU memory", test_device_region},
         {"GPU-resident shards (emulated) through their device handle", test_device_shards},
         {"remote trainers are not shared", test_not_shared},
         {"a starting server removes dead servers' objects only", test_sweep},

@@ -136,7 +136,7 @@ static void print_servers_table(FILE *out, const ctl_server_probe_t *probes, siz
         if (*r->transport)
             fprintf(out, ", data over %s", r->transport);
         if (r->device_staged_to_host || r->device_staged_to_device)
-            fprintf(out, ", %.1f MiB of GPU slices staged through host memory",
+            fprintf(out, ", %.1f MiB copied between host and GPU memory",
                     (double)(r->device_staged_to_host + r->device_staged_to_device) / 1048576.0);
         if (r->rank != p->member->rank)
             fprintf(out, " (the server says it is rank %d)", r->rank);

@@ -176,6 +176,19 @@ typedef struct {
      * parameter, as DDP). Both 0 (the default): no mesh, sharded over the whole world. Part of
      * the definition every rank must pass alike. */
     int replicate, shard;
+    /* The model region (every full parameter and gradient buffer) in the shard server's GPU
+     * memory instead of this trainer's shared memory, for a trainer that computes on that GPU,
+     * when the server keeps GPU-resident shards (--backend nccl without --offload cpu, or
+     * --shard-memory gpu; with host shards, and for a remote trainer, the region stays shared
+     * memory: pshard_region_memory says where it is). The server allocates it and this client
+     * opens it through CUDA IPC (the emulated device's shared-memory object in the test suite),
+     * so gathers land where the trainer's kernels read them and reduce-scatters read what its
+     * backward wrote, with no host copy on nccl. pshard_param, pshard_grad (zeroed on the
+     * device) and pshard_param_buffer then return device pointers; stable_param_buffers keeps
+     * the addresses, and a reshard keeps the memory. Ordering: the server completes a gather on
+     * the device before it answers; a trainer that wrote a gradient with its own kernels
+     * synchronizes them before the reduce-scatter. Default false. */
+    bool device_region;
 } pshard_model_config_t;
 
 /* FSDP2 layout, fp32 params and reductions, torch.optim's defaults for `optimizer` (SGD
@@ -192,6 +205,12 @@ PSHARD_API void pshard_model_config_default(pshard_model_config_t *mc,
 PSHARD_API pshard_status_t pshard_define_model(pshard_client_t *c, const pshard_param_t *params,
                                                size_t nparams, const pshard_model_config_t *mc,
                                                const float *const *init);
+
+/* Where the model region is (pshard_model_config_t.device_region): PSHARD_MEMORY_HOST (this
+ * trainer's shared memory), PSHARD_MEMORY_CUDA (the shard server's GPU memory on CUDA device
+ * *device; pointers are device pointers) or PSHARD_MEMORY_EMULATED (the test suite's stand-in:
+ * host pointers). *device is -1 for host memory; device may be NULL. Thread-safe. */
+PSHARD_API int pshard_region_memory(pshard_client_t *c, int *device);
 
 /* Optimizer steps the model has taken: 0 for a new model, the checkpoint's step when the shard
  * servers resumed one (pshard-server --resume), so the trainer continues its data from there.

@@ -501,14 +501,15 @@ static void test_model_ops_on_one_rank(void)
         m->master[k] = (float)k;
     char err[512] = "";
     float full[12] = {0};
-    CU_ASSERT_EQUAL_FATAL(shard_gather_one(o.comm, m, 0, PSHARD_FP32, full, err, sizeof(err)),
-                          PSHARD_OK);
+    CU_ASSERT_EQUAL_FATAL(
+        shard_gather_one(o.comm, m, 0, PSHARD_FP32, full, false, err, sizeof(err)), PSHARD_OK);
     CU_ASSERT(full[0] == 0.0f && full[11] == 11.0f);
     float grad[12];
     for (int k = 0; k < 12; k++)
         grad[k] = 2.0f;
     CU_ASSERT_EQUAL_FATAL(
-        shard_reduce_scatter_one(o.comm, m, 0, PSHARD_FP32, grad, 1, err, sizeof(err)), PSHARD_OK);
+        shard_reduce_scatter_one(o.comm, m, 0, PSHARD_FP32, grad, false, 1, err, sizeof(err)),
+        PSHARD_OK);
     CU_ASSERT(m->grad[0] == 2.0f && m->grad[11] == 2.0f);
     shard_sop_t step = {.kind = SHARD_SOP_STEP};
     double norm = 0;
