@@ -183,6 +183,7 @@ def train():
     with open(os.path.join(OUT, f"rank-{rank}.json"), "w") as f:
         json.dump({"losses": losses, "norms": norms, "server_steps": server_steps,
                    "memory": model._pshard_model().client.shard_memory()[0],
+                   "region": model._pshard_model().client.region_memory()[0],
                    "staged": staged}, f)
     if rank == 0:
         torch.save(full, os.path.join(OUT, "final.pt"))

@@ -78,6 +78,7 @@ def test_llama_torch_optim_dcp_2_then_3_ranks(tmp_path):
     assert [r["server_steps"] for r in first] == [6, 6], first
     assert [r["server_steps"] for r in second] == [4, 4, 4], second
     assert {r["memory"] for r in first + second} == {"host"}
+    assert {r["region"] for r in first + second} == {"host"}
     check_final(tmp_path / "b", ref_sd)
 
 
@@ -113,8 +114,10 @@ def test_llama_torch_optim_on_device_shards(tmp_path):
     got = run(2, tmp_path / "a", 0, 10, env={"PSHARD_TEST_EMULATE_DEVICE": "1",
                                               "LLAMA_OFFLOAD": "1"})
     assert [r["memory"] for r in got] == ["emulated", "emulated"], got
-    # on tcp each server copies its device slices through host memory for the collectives
-    # (pshardctl status), as it would a GPU's
+    # the full buffers are the model region in the servers' device memory
+    assert [r["region"] for r in got] == ["emulated", "emulated"], got
+    # on tcp each server copies what the collectives move through host memory (pshardctl
+    # status), as it would a GPU's
     assert all(r["staged"]["to_host"] > 0 and r["staged"]["to_device"] > 0 for r in got), got
     check_steps(got, want, 0)
     assert [r["server_steps"] for r in got] == [10, 10], got

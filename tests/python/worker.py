@@ -187,6 +187,8 @@ def train(cfg, rank, world, result, out):
         return  # the other ranks stopped with JoinedError: no collective state dict
     inner = model._pshard_model()
     result["memory"] = inner.client.shard_memory()[0]
+    result["region"] = inner.client.region_memory()[0]
+    result["full_elements"] = sum(fp.sharded.numel() for fp in inner.fsdp_params)
     result["staged"] = inner.staged_on is not None
     # What staged unsharded parameters hold after the last backward resharded every unit.
     result["staged_bytes"] = sum(fp.unsharded.untyped_storage().nbytes()

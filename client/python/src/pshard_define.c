@@ -68,16 +68,21 @@ PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObject *kw)
                              "init_from_rank0",
                              "replicate",
                              "shard",
+                             "device_region",
+                             "stable_param_buffers",
+                             "pool_bytes",
                              NULL};
     PyObject *names, *shapes, *init = Py_None, *groups = Py_None, *pgroups = Py_None;
     const char *optimizer = "sgd", *layout = "fsdp2";
     PyObject *pdt = NULL, *rdt = NULL;
-    int reshard = 1, max_inflight = 2, from_rank0 = 1, replicate = 0, shard = 0;
+    int reshard = 1, max_inflight = 2, from_rank0 = 1, replicate = 0, shard = 0, on_dev = 0;
+    int stable = 1;
+    Py_ssize_t pool_bytes = 0;
     double max_grad_norm = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OsOOsOOpidpii", kwlist, &names, &shapes, &init,
-                                     &optimizer, &groups, &pgroups, &layout, &pdt, &rdt, &reshard,
-                                     &max_inflight, &max_grad_norm, &from_rank0, &replicate,
-                                     &shard))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OsOOsOOpidpiippn", kwlist, &names, &shapes,
+                                     &init, &optimizer, &groups, &pgroups, &layout, &pdt, &rdt,
+                                     &reshard, &max_inflight, &max_grad_norm, &from_rank0,
+                                     &replicate, &shard, &on_dev, &stable, &pool_bytes))
         return NULL;
     if (!pshard_py_client_ok(self))
         return NULL;
@@ -115,7 +120,12 @@ PyObject *Client_define_model(ClientObject *self, PyObject *args, PyObject *kw)
     mc.max_gathers_in_flight = max_inflight;
     mc.max_grad_norm = max_grad_norm;
     mc.init_from_rank0 = from_rank0 != 0;
-    mc.stable_param_buffers = true;
+    if (pool_bytes < 0)
+        return PyErr_Format(PyExc_ValueError, "pool_bytes must be >= 0 (0: the default), not %zd",
+                            pool_bytes);
+    mc.stable_param_buffers = stable != 0;
+    mc.pool_bytes = (size_t)pool_bytes;
+    mc.device_region = on_dev != 0;
 
     PyObject *nseq = PySequence_Fast(names, "names must be a sequence of str");
     PyObject *sseq = nseq ? PySequence_Fast(shapes, "shapes must be a sequence") : NULL;

@@ -251,6 +251,33 @@ static int check_param(ClientObject *self, Py_ssize_t i)
     return 1;
 }
 
+/* A Buffer over a full buffer of the model region at p: CUDA memory when the region is in the
+ * shard server's GPU memory (device_region), which only DLPack consumers take; else host. */
+static PyObject *region_buffer(ClientObject *self, void *p, pshard_dtype_t dt, PyObject *shape)
+{
+    int device = -1;
+    if (pshard_region_memory(self->c, &device) == PSHARD_MEMORY_CUDA)
+        return pshard_py_cuda_buffer_new(self, p, dt, shape, device);
+    return pshard_py_buffer_new(self, p, dt, shape);
+}
+
+/* region_memory() -> (kind, device): where the model region is ("host", "cuda" or
+ * "emulated") and the CUDA device of a region in GPU memory (else None). */
+static PyObject *Client_region_memory(ClientObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!pshard_py_client_ok(self))
+        return NULL;
+    int device = -1;
+    int memory = pshard_region_memory(self->c, &device);
+    const char *kind = memory == PSHARD_MEMORY_CUDA       ? "cuda"
+                       : memory == PSHARD_MEMORY_EMULATED ? "emulated"
+                                                          : "host";
+    if (device < 0)
+        return Py_BuildValue("(sO)", kind, Py_None);
+    return Py_BuildValue("(si)", kind, device);
+}
+
 /* param_buffer(i): the fixed full buffer of parameter i (param_dtype, its shape). */
 static PyObject *Client_param_buffer(ClientObject *self, PyObject *arg)
 {
@@ -263,7 +290,7 @@ static PyObject *Client_param_buffer(ClientObject *self, PyObject *arg)
     if (!p)
         return pshard_py_raise_status(PSHARD_ERR_INTERNAL,
                                       "the model has no stable parameter buffers");
-    return pshard_py_buffer_new(self, p, self->param_dtype, PyTuple_GET_ITEM(self->shapes, i));
+    return region_buffer(self, p, self->param_dtype, PyTuple_GET_ITEM(self->shapes, i));
 }
 
 /* grad(i): the full gradient buffer of parameter i (reduce_dtype, zero-filled when first
@@ -279,7 +306,23 @@ static PyObject *Client_grad(ClientObject *self, PyObject *arg)
     CLIENT_CALL(self, p = pshard_grad(self->c, (size_t)i));
     if (!p)
         return pshard_py_raise_status(PSHARD_ERR_NO_MEMORY, pshard_last_error(self->c));
-    return pshard_py_buffer_new(self, p, self->reduce_dtype, PyTuple_GET_ITEM(self->shapes, i));
+    return region_buffer(self, p, self->reduce_dtype, PyTuple_GET_ITEM(self->shapes, i));
+}
+
+/* param(i): the full buffer of gathered parameter i (param_dtype, its shape), valid until it is
+ * resharded; FailedPreconditionError when it is not gathered. */
+static PyObject *Client_param(ClientObject *self, PyObject *arg)
+{
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    if (!check_param(self, i))
+        return NULL;
+    void *p = pshard_param(self->c, (size_t)i);
+    if (!p)
+        return pshard_py_raise_status(PSHARD_ERR_FAILED_PRECONDITION,
+                                      "the parameter is not gathered: gather it first");
+    return region_buffer(self, p, self->param_dtype, PyTuple_GET_ITEM(self->shapes, i));
 }
 
 static PyObject *Client_is_gathered(ClientObject *self, PyObject *arg)
@@ -528,7 +571,11 @@ static PyMethodDef Client_methods[] = {
     {"param_buffer", (PyCFunction)Client_param_buffer, METH_O,
      "The fixed full buffer of parameter i (valid contents only while gathered)."},
     {"grad", (PyCFunction)Client_grad, METH_O, "The full gradient buffer of parameter i."},
+    {"region_memory", (PyCFunction)Client_region_memory, METH_NOARGS,
+     "(kind, device): where the model region is: host, cuda or emulated (device_region)."},
     {"is_gathered", (PyCFunction)Client_is_gathered, METH_O, "Whether parameter i is gathered."},
+    {"param", (PyCFunction)Client_param, METH_O,
+     "The full buffer of gathered parameter i, valid until it is resharded."},
     {"gather", (PyCFunction)Client_gather, METH_O, "Gathers ids (None: all)."},
     {"gather_start", (PyCFunction)Client_gather_start, METH_O, "Asynchronous gather -> Work."},
     {"reduce_scatter", (PyCFunction)Client_reduce_scatter, METH_O,

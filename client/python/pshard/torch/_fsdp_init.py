@@ -92,6 +92,44 @@ def _check_memory(client, device, offload):
     return torch.device("cuda", where)
 
 
+def _device_pool_bytes(units, named, param_dtype, reduce_dtype, frozen, root_unit):
+    """The size of the model region in the shard server's GPU memory: room for every gradient
+    at once (FSDP2 keeps full unsharded gradients across set_requires_gradient_sync(False)
+    too), the root unit's parameters (gathered through the whole iteration) and three of the
+    largest unit's (the one computing, the one prefetched and one more for the first fit's
+    holes), with 512 bytes of alignment a tensor. A gather waits for reduce-scatters in flight
+    to give their blocks back; PSHARD_DEVICE_POOL_BYTES overrides the size."""
+    env = os.environ.get("PSHARD_DEVICE_POOL_BYTES")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = -1
+        if n <= 0:
+            raise ValueError(f"PSHARD_DEVICE_POOL_BYTES={env!r}: give a positive number of bytes")
+        return n
+    pes = torch.empty((), dtype=param_dtype).element_size()
+    res = torch.empty((), dtype=reduce_dtype).element_size()
+    numel = [p.numel() for _, p in named]
+    grads = sum(n * res + 512 for i, n in enumerate(numel) if not frozen[i])
+    unit_bytes = [sum(numel[i] * pes + 512 for i in u.ids) for u in units]
+    root = sum(numel[i] * pes + 512 for i in root_unit.ids)
+    return grads + root + 3 * max(unit_bytes, default=0)
+
+
+def _check_region(client, device, shards_on):
+    """A GPU model whose shards are in its GPU's memory has its full buffers there too (the
+    model region in the shard server's GPU memory, opened through CUDA IPC), so that gathers
+    and reduce-scatters move no bytes through the host."""
+    kind, where = client.region_memory()
+    if device.type == "cuda" and shards_on is not None and (kind != "cuda" or
+                                                             where != shards_on.index):
+        raise pshard.FailedPreconditionError(
+            f"the shard servers keep the shards on {shards_on} but gave the model region in "
+            f"{kind} memory (an older pshard-server?): run pshard-server and the client of one "
+            "pshard release")
+
+
 def _units_and_owners(root_unit):
     """Every unit of the root's subtree (once, in module order) and each module's nearest
     unit; sets each unit's parent."""
@@ -275,12 +313,19 @@ def lazy_init(root_unit):
         most = max(p.numel() for _, p in named)
         zeros = torch.zeros(most, dtype=torch.float32)
         init = [zeros[:p.numel()] for _, p in named]
+    on_device = staged_on is not None and not offload
     step = client.define_model(
         [n for n, _ in named], [tuple(p.shape) for _, p in named], init=init, optimizer=kind,
         groups=groups, param_groups=param_groups, param_dtype=DTYPE_NAMES[param_dtype],
         reduce_dtype=DTYPE_NAMES[reduce_dtype], layout=_layout(), reshard_after_forward=True,
         max_gathers_in_flight=2, replicate=mesh.shape[0] if hsdp else 0,
-        shard=mesh.shape[1] if hsdp else 0)
+        shard=mesh.shape[1] if hsdp else 0,
+        # A staged model without CPU offload computes on the GPU whose memory holds the shards:
+        # its full buffers go there too (the servers keep them in shared memory otherwise),
+        # as blocks of a pool that a reshard gives back, not a fixed buffer per parameter.
+        device_region=on_device, stable_param_buffers=not on_device,
+        pool_bytes=_device_pool_bytes(units, named, param_dtype, reduce_dtype, frozen,
+                                      root_unit) if on_device else 0)
     del init
     # A lost trainer's replacement (steps aborted so far): the servers hold the job's state, and
     # the other ranks are mid-training, running no collective of an initialisation.
@@ -311,15 +356,17 @@ def lazy_init(root_unit):
     model.mesh = mesh
     model.staged_on = staged_on
     model.shards_on = _check_memory(client, device, offload)
+    _check_region(client, device, model.shards_on)
     shard_dim = 1 if hsdp else 0
     shard_rank, shard_size = mesh.get_local_rank(shard_dim), mesh.shape[shard_dim]
     for i, (name, p) in enumerate(named):
         fp = FSDPParam(i, name, p, slots[i], mesh, p.placements, shard_rank, shard_size)
         master, grad, _offset, _numel = client.shard_view(i)
-        full = torch.from_dlpack(client.param_buffer(i))
+        full = None if staged_on is not None else torch.from_dlpack(client.param_buffer(i))
         own = p.to_local().detach()
         fp.bind(full, torch.from_dlpack(master),
-                torch.from_dlpack(grad) if grad is not None else None, staged_on=staged_on)
+                torch.from_dlpack(grad) if grad is not None else None, staged_on=staged_on,
+                gathered=(lambda i=i: torch.from_dlpack(client.param(i))), dtype=param_dtype)
         if step == 0 and not taken_over:  # a fresh model: this rank's rows (after --resume or
             # a take-over: the servers')
             with torch.no_grad():

@@ -51,7 +51,9 @@ class Model:
 
     def sync_device(self):
         """GPU-resident shards: the shard servers read what this trainer's kernels wrote into
-        them (torch.optim's updates, zeroed gradients, loaded state) only once those kernels
+        them (torch.optim's updates, zeroed gradients, loaded state) or into the model region
+        in their GPU memory (the gradients added for a reduce-scatter), and overwrite what its
+        kernels read there (a fill's copy out of a gathered buffer), only once those kernels
         finished; called before every operation of the servers on the shards."""
         if self.shards_on is not None:
             torch.cuda.synchronize(self.shards_on)

@@ -13,12 +13,14 @@ back, the next gather writes them again), so tensors autograd saved stay valid.
 After a reduce-scatter the reduced gradient shard lives in the server's fp32 accumulator; the
 sharded parameter's ``.grad`` is a DTensor over it.
 
-A model on a GPU (**staged** parameters) cannot compute on the host buffer: its unsharded
-parameter is a tensor of its own on the model's device, whose storage is allocated and filled
-from the gathered buffer when its unit is unsharded and freed (``resize_(0)``, FSDP2's way of
-keeping the tensor, and what autograd saved of it, valid) when the unit reshards; its gradient
-is added into the host gradient buffer before the reduce-scatter. The tests run the same path on
-the CPU (``PSHARD_TEST_EMULATE_DEVICE=1``).
+A model on a GPU (**staged** parameters) has its unsharded parameter as a tensor of its own on
+the model's device, whose storage is allocated and filled from the gathered buffer when its unit
+is unsharded and freed (``resize_(0)``, FSDP2's way of keeping the tensor, and what autograd
+saved of it, valid) when the unit reshards; its gradient is added into the full gradient buffer
+before the reduce-scatter (FSDP2 copies out of its all-gather output and into its
+reduce-scatter input alike). With GPU-resident shards those full buffers are the model region in
+the shard server's GPU memory (device-to-device copies); with CPU offload, host memory. The tests
+run the same path on the CPU (``PSHARD_TEST_EMULATE_DEVICE=1``).
 """
 import torch
 from torch import nn
@@ -77,7 +79,7 @@ class FSDPParam:
         self.unsharded = None
         self.grad_local = None        # this rank's fp32 gradient slice in the server's memory
         self.had_grad = False         # autograd produced a gradient in this backward
-        self.full = None              # staged: the gathered host buffer, shaped
+        self.gathered = None          # staged: () -> the gathered full buffer, while gathered
         self.filled = False           # staged: the unsharded storage holds the gathered values
 
     @property
@@ -86,12 +88,13 @@ class FSDPParam:
 
     @property
     def staged(self):
-        return self.full is not None
+        return self.gathered is not None
 
-    def bind(self, full_view, master, grad, staged_on=None):
+    def bind(self, full_view, master, grad, staged_on=None, gathered=None, dtype=None):
         """After the model's definition: the unsharded parameter over full_view (the stable full
         buffer), or with staged_on a device, a tensor of its own there (allocated and filled
-        by fill(), freed by free()); and the sharded parameter's local tensor moved onto master
+        by fill() from what gathered() returns, the full buffer of dtype while the parameter
+        is gathered; freed by free()); and the sharded parameter's local tensor moved onto master
         (this rank's fp32 master rows in the server's memory, 1-D), grad (the accumulator's, or
         None) kept for the sharded gradient. ValueError when the server's placement is not
         torch.chunk's."""
@@ -108,9 +111,9 @@ class FSDPParam:
             self.unsharded = nn.Parameter(full_view.view(shape),
                                           requires_grad=self.sharded.requires_grad)
         else:
-            self.full = full_view.view(shape)
+            self.gathered = gathered
             self.unsharded = nn.Parameter(
-                torch.empty(shape, dtype=full_view.dtype, device=staged_on),
+                torch.empty(shape, dtype=dtype, device=staged_on),
                 requires_grad=self.sharded.requires_grad)
             self.free()
         self.unsharded._pshard_fsdp_param = self
@@ -120,21 +123,23 @@ class FSDPParam:
 
     def fill(self):
         """Staged: the unsharded parameter's storage back at its size, holding the gathered
-        values (the gather has completed); a no-op when it holds them or is not staged. The
-        copy is synchronous, so the host buffer may be gathered into again afterwards."""
-        if self.full is None or self.filled:
+        values (the gather has completed); a no-op when it holds them or is not staged. From
+        host memory the copy is synchronous; from the server's GPU memory it is queued on the
+        current stream, and the model synchronizes the device before the servers write that
+        buffer again (Model.sync_device before every gather)."""
+        if self.gathered is None or self.filled:
             return
         t = self.unsharded
         t.untyped_storage().resize_(t.numel() * t.element_size())
         # Refilling what autograd saved in forward is no modification of it (the same values
         # as then): the version counter stays, as FSDP2 keeps it across its all-gathers.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
-            t.copy_(self.full)
+            t.copy_(self.gathered().view(t.shape))
         self.filled = True
 
     def free(self):
         """Staged: gives the unsharded parameter's storage back (the tensor stays)."""
-        if self.full is None:
+        if self.gathered is None:
             return
         self.unsharded.untyped_storage().resize_(0)
         self.filled = False
