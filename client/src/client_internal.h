@@ -252,6 +252,14 @@ static inline uint8_t *client_region_base(const pshard_client_t *c)
     return c->region_dev.base ? (uint8_t *)c->region_dev.base : (uint8_t *)c->model.base;
 }
 
+/* What a "the pool cannot fit" error adds: how pshard.torch sizes a pool in GPU memory. */
+static inline const char *client_pool_hint(const pshard_client_t *c)
+{
+    return c->region_dev.base ? " (the model region is the shard server's GPU memory: "
+                                "pshard.torch sizes it by PSHARD_DEVICE_POOL_BYTES)"
+                              : "";
+}
+
 static inline bool client_idle(const pshard_client_t *c)
 {
     return ps_queue_empty(&c->queue) && !c->busy;

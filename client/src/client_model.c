@@ -411,7 +411,13 @@ void *pshard_grad(pshard_client_t *c, size_t i)
     } else {
         bytes = c->numel[i] * pshard_dtype_size(c->reduce_dtype);
         size_t off;
-        if (client_pool_alloc(c->pool, bytes, CLIENT_POOL_ALIGN, &off)) {
+        bool got;
+        /* No room: the reduce-scatters and gathers in flight give blocks back as they finish
+         * (a gather waits for them alike). */
+        while (!(got = client_pool_alloc(c->pool, bytes, CLIENT_POOL_ALIGN, &off)) &&
+               !client_idle(c))
+            pthread_cond_wait(&c->cv, &c->mu);
+        if (got) {
             p = client_region_base(c) + off;
             char why[PSHARD_ERRLEN] = "";
             if (c->region_dev.memory == PSHARD_MEMORY_HOST) {
@@ -428,8 +434,8 @@ void *pshard_grad(pshard_client_t *c, size_t i)
         } else {
             client_fail(c, PSHARD_ERR_NO_MEMORY,
                         "the %zu-byte pool cannot fit the %zu-byte gradient of parameter #%zu (%zu "
-                        "bytes in use): reshard or reduce-scatter first, or raise pool_bytes",
-                        c->mem.pool_bytes, bytes, i, c->pool->in_use_bytes);
+                        "bytes in use): reshard or reduce-scatter first, or raise pool_bytes%s",
+                        c->mem.pool_bytes, bytes, i, c->pool->in_use_bytes, client_pool_hint(c));
         }
     }
     pthread_mutex_unlock(&c->mu);

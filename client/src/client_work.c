@@ -124,8 +124,8 @@ static pshard_status_t claim_buffers(pshard_client_t *c, pshard_work_t *w, const
                         c, PSHARD_ERR_NO_MEMORY,
                         "the %zu-byte pool cannot fit the %zu-byte parameter #%zu "
                         "(%zu bytes in use): reshard or reduce-scatter first, or raise "
-                        "pool_bytes",
-                        c->mem.pool_bytes, bytes, i, in_use);
+                        "pool_bytes%s",
+                        c->mem.pool_bytes, bytes, i, in_use, client_pool_hint(c));
                 }
                 pthread_cond_wait(&c->cv, &c->mu);
             }

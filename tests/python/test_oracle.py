@@ -187,6 +187,33 @@ def test_gpu_shards_on_tcp_staged_through_host(cluster, tmp_path):
             [{"to_host": to_host, "to_device": to_device}], mine
 
 
+def test_device_region_pool_too_small_fails_clearly(cluster, tmp_path):
+    """The model region in the servers' (emulated) GPU memory is a pool sized at the
+    definition; one too small for a parameter (PSHARD_DEVICE_POOL_BYTES) fails the gather on
+    every rank with an error naming the sizes and that variable, instead of hanging or writing
+    outside it. The servers keep serving: a trainer of the default size trains after it."""
+    c = cluster(2, server_args=["--shard-memory", "gpu"],
+                env={"PSHARD_TEST_EMULATE_DEVICE": "1", "PSHARD_DEVICE_POOL_BYTES": "1024"})
+    out = tmp_path / "small"
+    out.mkdir()
+    cfg = dict(MLP, steps=2)
+    (out / "cfg.json").write_text(json.dumps(cfg))
+    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
+    for r in range(2):
+        e = json.loads((out / f"rank-{r}.json").read_text())["error"]
+        assert e["type"] == "OutOfMemoryError", e
+        assert "1024-byte pool cannot fit" in e["message"], e
+        assert "PSHARD_DEVICE_POOL_BYTES" in e["message"], e
+    c.env.pop("PSHARD_DEVICE_POOL_BYTES")
+    out = tmp_path / "again"
+    out.mkdir()
+    (out / "cfg.json").write_text(json.dumps(MLP))
+    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
+    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    check(results, torch.load(out / "final.pt"), MLP, 2)
+    assert [r["region"] for r in results] == ["emulated"] * 2, results
+
+
 def test_shard_memory_host_keeps_host_shards(cluster, tmp_path):
     """--shard-memory host: host shards even where the tests' stand-in for a GPU would be
     used; nothing is staged."""
