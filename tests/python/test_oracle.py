@@ -139,18 +139,23 @@ def test_emulated_gpu_trainer(train, cfg):
         check(results, final, cfg, 2)
 
 
+def train_on(c, out, cfg):
+    """Runs worker.py with cfg on every rank of cluster c, into the new folder out: the results
+    per rank (each has "error", None when it trained)."""
+    out.mkdir()
+    (out / "cfg.json").write_text(json.dumps(cfg))
+    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(c.n)]
+
+
 def train_emulated_cluster(cluster, tmp_path, shard_memory, cfg):
     """MLP training on 2 shard servers started with --shard-memory shard_memory, the tests'
     stand-in for a GPU enabled (PSHARD_TEST_EMULATE_DEVICE=1): (cluster, results per rank),
     after checking them against plain torch."""
     c = cluster(2, metrics=True, server_args=["--shard-memory", shard_memory],
                 env={"PSHARD_TEST_EMULATE_DEVICE": "1"})
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "cfg.json").write_text(json.dumps(cfg))
-    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
-    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
-    check(results, torch.load(out / "final.pt"), cfg, 2)
+    results = train_on(c, tmp_path / "out", cfg)
+    check(results, torch.load(tmp_path / "out" / "final.pt"), cfg, 2)
     return c, results
 
 
@@ -194,23 +199,14 @@ def test_device_region_pool_too_small_fails_clearly(cluster, tmp_path):
     outside it. The servers keep serving: a trainer of the default size trains after it."""
     c = cluster(2, server_args=["--shard-memory", "gpu"],
                 env={"PSHARD_TEST_EMULATE_DEVICE": "1", "PSHARD_DEVICE_POOL_BYTES": "1024"})
-    out = tmp_path / "small"
-    out.mkdir()
-    cfg = dict(MLP, steps=2)
-    (out / "cfg.json").write_text(json.dumps(cfg))
-    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
-    for r in range(2):
-        e = json.loads((out / f"rank-{r}.json").read_text())["error"]
-        assert e["type"] == "OutOfMemoryError", e
+    for res in train_on(c, tmp_path / "small", dict(MLP, steps=2)):
+        e = res["error"]
+        assert e is not None and e["type"] == "OutOfMemoryError", e
         assert "1024-byte pool cannot fit" in e["message"], e
         assert "PSHARD_DEVICE_POOL_BYTES" in e["message"], e
     c.env.pop("PSHARD_DEVICE_POOL_BYTES")
-    out = tmp_path / "again"
-    out.mkdir()
-    (out / "cfg.json").write_text(json.dumps(MLP))
-    run_trainers(c, "worker.py", [str(out / "cfg.json"), str(out)], out)
-    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
-    check(results, torch.load(out / "final.pt"), MLP, 2)
+    results = train_on(c, tmp_path / "again", MLP)
+    check(results, torch.load(tmp_path / "again" / "final.pt"), MLP, 2)
     assert [r["region"] for r in results] == ["emulated"] * 2, results
 
 
