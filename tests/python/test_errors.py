@@ -73,6 +73,9 @@ def test_unsupported_options_are_refused():
         pt.fully_shard(m, reshard_after_forward=2)
     with pytest.raises(NotImplementedError, match="shard_placement_fn"):
         pt.fully_shard(m, shard_placement_fn=lambda p: None)
+    # a meta module has no values to shard: refused before anything is made of it
+    with pytest.raises(ValueError, match="on meta.*to_empty"):
+        pt.fully_shard(torch.nn.Linear(2, 2, device="meta"))
     # torch's own policy classes are the ones fully_shard takes
     from torch.distributed.fsdp import MixedPrecisionPolicy
     assert pt.MixedPrecisionPolicy is MixedPrecisionPolicy

@@ -25,8 +25,19 @@ run the same path on the CPU (``PSHARD_TEST_EMULATE_DEVICE=1``).
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-__all__ = ["FSDPParam", "shard_rows", "make_sharded", "device_of"]
+__all__ = ["FSDPParam", "shard_rows", "make_sharded", "device_of", "local_dtensor"]
+
+
+def local_dtensor(local, mesh, placements, shape, stride):
+    """A DTensor over local as it is, wherever it is (FSDP2's _from_local_no_grad):
+    DTensor.from_local would move a local tensor onto the mesh's device type (a CPU-offloaded
+    shard onto the GPU of a cuda mesh), and the DTensor would then hold a copy instead of the
+    shard server's memory."""
+    spec = DTensorSpec(mesh, tuple(placements),
+                       tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def shard_rows(d0, rank, size):
@@ -50,8 +61,7 @@ def make_sharded(p, mesh, placements, shard_rank, shard_size, host=False):
         # Where the shard servers' memory it becomes will be (a DTensor keeps its device): the
         # host with CPU offload, else p's device; the module computes on p's (device_of).
         local = p.detach()[lo:lo + rows].to("cpu" if host else p.device, copy=True).contiguous()
-        d = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
-                               stride=p.stride())
+        d = local_dtensor(local, mesh, placements, p.shape, p.stride())
     sp = nn.Parameter(d, requires_grad=p.requires_grad)
     sp._pshard_device = p.device
     return sp
@@ -155,5 +165,5 @@ class FSDPParam:
     def sharded_grad(self):
         """A DTensor over this rank's gradient slice in the server's memory."""
         shape = tuple(self.sharded.shape)
-        return DTensor.from_local(self.grad_local, self.mesh, self.placements, run_check=False,
-                                  shape=shape, stride=self.sharded.stride())
+        return local_dtensor(self.grad_local, self.mesh, self.placements, shape,
+                             self.sharded.stride())

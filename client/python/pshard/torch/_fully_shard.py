@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import pshard
 from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, check_policies
-from ._fsdp_param import make_sharded
+from ._fsdp_param import device_of, make_sharded
 from ._fsdp_param_group import Unit, register_unit, require_unit, unit_of
 from ._fsdp_state import ensure_init, install_optimizer_hooks, post_forward, pre_forward
 from ._join import ModelJoinHook
@@ -169,18 +169,40 @@ def _before_load_state_dict(module, state_dict, prefix, *args):
     _before_state_dict(module, prefix, False)
 
 
-def _default_mesh():
-    """FSDP2's default: a 1-D mesh of every rank (torch's default group, backend pshard)."""
+def _default_mesh(device_type):
+    """FSDP2's default: a 1-D mesh of every rank (torch's default group, backend pshard) of the
+    device type the model computes on."""
     world = pshard.get_world_size()
-    if not _DEFAULT_MESH or _DEFAULT_MESH[0][0] is not dist.group.WORLD:
-        _DEFAULT_MESH[:] = [(dist.group.WORLD, init_device_mesh("cpu", (world,)))]
-    return _DEFAULT_MESH[0][1]
+    _DEFAULT_MESH[:] = [e for e in _DEFAULT_MESH if e[0] is dist.group.WORLD]
+    for _, dt, m in _DEFAULT_MESH:
+        if dt == device_type:
+            return m
+    m = init_device_mesh(device_type, (world,))
+    _DEFAULT_MESH.append((dist.group.WORLD, device_type, m))
+    return m
 
 
-def _check_mesh(mesh):
-    """mesh (None: the default) as the DeviceMesh the model shards over, with its placements
-    and this rank's (shard index, shard count); TypeError/ValueError for a mesh pshard cannot
-    shard over."""
+def _device_type(modules):
+    """The device type the modules compute on: their parameters' (a sharded one's from before
+    fully_shard); the CPU for modules without any. ValueError for several."""
+    types = {(device_of(p) if hasattr(p, "_pshard_sharded") else p.device).type
+             for m in modules for p in m.parameters()}
+    if len(types) > 1:
+        raise ValueError(f"the module's parameters are on several device types "
+                         f"({', '.join(sorted(types))}): move it to one device before "
+                         "fully_shard")
+    kind = types.pop() if types else "cpu"
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"the module's parameters are on {kind}: pshard shards parameters "
+                         "with their values on the CPU or a CUDA device (materialize a meta "
+                         "module first: to_empty(device=...) and its initialization)")
+    return kind
+
+
+def _check_mesh(mesh, device_type):
+    """mesh (None: the default for device_type, where the modules compute) as the DeviceMesh
+    the model shards over, with its placements and this rank's (shard index, shard count);
+    TypeError/ValueError for a mesh pshard cannot shard over."""
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError("mesh must be a torch.distributed.device_mesh.DeviceMesh "
                         f"(init_device_mesh), not {type(mesh).__name__}")
@@ -192,7 +214,7 @@ def _check_mesh(mesh):
                          "pshard.torch.fully_shard needs backend 'pshard' (initialize it with "
                          "pshard.init_process_group())")
     if mesh is None:
-        mesh = _default_mesh()
+        mesh = _default_mesh(device_type)
     world = pshard.get_world_size()
     if mesh.mesh.reshape(-1).tolist() != list(range(world)):
         raise ValueError(f"mesh {mesh.mesh.tolist()} must hold every rank in order "
@@ -200,6 +222,11 @@ def _check_mesh(mesh):
     if mesh.device_type not in ("cpu", "cuda"):
         raise ValueError(f"mesh device_type {mesh.device_type!r}: pshard trainers compute on "
                          "the CPU or CUDA devices (init_device_mesh('cpu' or 'cuda', ...))")
+    if mesh.device_type != device_type:
+        raise ValueError(f"a {mesh.device_type} mesh for a module on {device_type}: FSDP2 "
+                         "computes on the mesh's device type, so move the module there first, "
+                         f"or pass init_device_mesh({device_type!r}, ...) (CPU offload keeps "
+                         "the GPU's mesh)")
     for d in range(mesh.ndim):
         backend = dist.get_backend(mesh.get_group(d))
         if backend != "pshard":
@@ -238,8 +265,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     gathered together) one unit and shards its parameters (see the module doc). Returns the
     module, whose class gains FSDPModule's methods.
 
-    mesh: None (every rank), a 1-D DeviceMesh of every rank, or a 2-D one from
-    init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard")) for HSDP (sharded
+    mesh: None (every rank, of the device type the module's parameters are on), a 1-D
+    DeviceMesh of every rank, or a 2-D one from init_device_mesh("cpu" or "cuda", (R, S),
+    mesh_dim_names=("replicate", "shard")) for HSDP (sharded
     over the S ranks of each replica, replicated across the R replicas); every unit of a model
     takes the same mesh. reshard_after_forward: True, False or None (True except for the root,
     FSDP2's default). mp_policy and offload_policy are torch's classes; CPU offload is the
@@ -266,7 +294,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError("reshard_after_forward must be None, True or False")
     check_policies(mp_policy, offload_policy)
-    mesh, placements, shard_rank, shard_size = _check_mesh(mesh)
+    mesh, placements, shard_rank, shard_size = _check_mesh(mesh, _device_type(modules))
     ignored = set()
     for p in ignored_params or ():
         if not isinstance(p, torch.Tensor):

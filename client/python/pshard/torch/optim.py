@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import pshard
+from ._fsdp_param import local_dtensor
 from ._join import NoopJoinHook
 
 __all__ = ["SGD", "Adam", "AdamW"]
@@ -83,8 +84,7 @@ class _Optimizer(torch.optim.Optimizer):
     def _pshard_as_dtensor(self, p, local):
         if not isinstance(p, DTensor):
             return local
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
+        return local_dtensor(local, p.device_mesh, p.placements, p.shape, p.stride())
 
     def _pshard_views(self, p):
         """The server's state arrays of p's shard (local tensors shaped like p's) and its own
