@@ -50,7 +50,7 @@ pids+=($!)
 wait_for "test -s '$work/port'" 10
 coord="127.0.0.1:$(cat "$work/port")"
 ctl=("$bin/tools/pshardctl" --coordinator "$coord")
-wait_for "${ctl[*]} health" 10
+wait_for "${ctl[*]} health pshard.Coordinator" 10
 echo "coordinator: $(cat "$work/coordinator.out")"
 
 # One thread per rank, like torchrun would launch it.
