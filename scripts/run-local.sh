@@ -5,6 +5,8 @@
 # LM, built in code, byte-level on the Python standard library's sources) sharded over two
 # shard servers with pshardrun (the loss must fall), print `pshardctl status`, then stop
 # everything that was started. `--mlp` trains the C example MLP over four servers instead.
+# The test suite runs it (CTest run_local_mlp) on its own build with PSHARD_RUN_LOCAL_BUILT=1
+# and PSHARD_BUILD_DIR set: nothing installed or built, the binaries of that build used.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 example=lm
@@ -14,10 +16,12 @@ for a in "$@"; do
     *) echo "usage: $0 [--mlp]" >&2; exit 2 ;;
   esac
 done
-"$root/scripts/install-deps.sh"
-PSHARD_BUILD_DIR="$root/build" "$root/scripts/build.sh" > /dev/null
+bin="${PSHARD_BUILD_DIR:-$root/build}"
+if [ "${PSHARD_RUN_LOCAL_BUILT:-}" != 1 ]; then
+  "$root/scripts/install-deps.sh"
+  PSHARD_BUILD_DIR="$bin" "$root/scripts/build.sh" > /dev/null
+fi
 
-bin="$root/build"
 work=$(mktemp -d)
 pids=()
 cleanup() {
